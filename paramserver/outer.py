@@ -1,0 +1,251 @@
+"""The outer optimizer of one fragment: optax transformations, a jitted step, state <-> arrays.
+
+This module owns the outer update rule and its state. Sign convention: the
+merged delta is the pseudo-gradient (global params an island started from
+minus its local params), fed to optax as the gradient, so plain SGD with lr=1
+and one island moves the global params exactly onto that island's params.
+"""
+
+from __future__ import annotations
+
+import logging
+import numbers
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+logger = logging.getLogger(__name__)
+
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")
+
+
+class OuterError(ValueError):
+    """Bad outer-optimizer settings, or arrays that do not fit the optimizer state."""
+
+
+class DelayedNesterovState(NamedTuple):
+    """State of `delayed_nesterov`: contributions since the last momentum update, buffers."""
+
+    count: jax.Array  # int32 scalar, in [0, delay)
+    momentum: Any  # tree like params
+    accumulator: Any  # tree like params: sum of pseudo-gradients since the last momentum update
+
+
+def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTransformation:
+    """Delayed Nesterov momentum for fully asynchronous merging (arXiv 2401.09135).
+
+    With pseudo-gradient g, momentum buffer m, accumulator a and counter c, each call does::
+
+        a <- a + g;  c <- c + 1
+        if c == delay:   m <- momentum * m + a / delay
+                         update = -lr * (momentum * m + g)
+                         a <- 0;  c <- 0
+        else:            update = -lr * g
+
+    so momentum moves once every `delay` contributions, from their average,
+    while each contribution still takes an immediate plain step. With delay=1
+    this equals `optax.sgd(lr, momentum, nesterov=True)`.
+
+    Args:
+        lr: outer learning rate.
+        momentum: momentum decay in [0, 1).
+        delay: contributions between momentum updates, >= 1.
+
+    Returns:
+        The optax transformation (state: DelayedNesterovState).
+    """
+
+    def init_fn(params: Any) -> DelayedNesterovState:
+        return DelayedNesterovState(
+            count=jnp.zeros([], jnp.int32),
+            momentum=optax.tree.zeros_like(params),
+            accumulator=optax.tree.zeros_like(params),
+        )
+
+    def update_fn(
+        updates: Any, state: DelayedNesterovState, params: Any = None
+    ) -> tuple[Any, DelayedNesterovState]:
+        del params
+        count = state.count + 1
+        due = count >= delay
+        acc = jax.tree.map(lambda a, g: a + g, state.accumulator, updates)
+        mom = jax.tree.map(
+            lambda m, a: jnp.where(due, momentum * m + a / delay, m), state.momentum, acc
+        )
+        out = jax.tree.map(
+            lambda g, m: jnp.where(due, -lr * (momentum * m + g), -lr * g), updates, mom
+        )
+        acc = jax.tree.map(lambda a: jnp.where(due, jnp.zeros_like(a), a), acc)
+        count = jnp.where(due, jnp.zeros_like(count), count)
+        return out, DelayedNesterovState(count=count, momentum=mom, accumulator=acc)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def make_outer_optimizer(
+    name: str = "nesterov", lr: float = 0.7, momentum: float = 0.9, delay: int = 1
+) -> optax.GradientTransformation:
+    """Build the outer optax transformation.
+
+    Args:
+        name: "nesterov" (delayed Nesterov when delay > 1), "sgd" (plain, no
+            momentum; delay must be 1) or "delayed-nesterov".
+        lr: outer learning rate, > 0.
+        momentum: in [0, 1); ignored by "sgd".
+        delay: contributions between momentum updates, >= 1.
+
+    Returns:
+        An optax.GradientTransformation applied to the pseudo-gradient.
+    """
+    if name not in OUTER_OPTIMIZERS:
+        raise OuterError(f"unknown outer optimizer {name!r}; choose one of {OUTER_OPTIMIZERS}")
+    if not (isinstance(lr, numbers.Real) and np.isfinite(lr) and lr > 0):
+        raise OuterError(f"outer lr={lr!r} must be a finite number > 0")
+    if not (isinstance(momentum, numbers.Real) and 0 <= momentum < 1):
+        raise OuterError(f"outer momentum={momentum!r} must be in [0, 1)")
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
+        raise OuterError(f"outer delay={delay!r} must be an int >= 1")
+    if name == "sgd":
+        if delay != 1:
+            raise OuterError(f"delay={delay} needs momentum: use 'delayed-nesterov', not 'sgd'")
+        return optax.sgd(lr)
+    if name == "nesterov" and delay == 1:
+        return optax.sgd(lr, momentum=momentum, nesterov=True)
+    return delayed_nesterov(lr, momentum, delay)
+
+
+def _check_vector(name: str, arr: np.ndarray, size: int | None = None) -> None:
+    if not isinstance(arr, np.ndarray) or arr.dtype != np.float32 or arr.ndim != 1:
+        raise OuterError(
+            f"{name} must be a 1-D float32 numpy array, got "
+            f"{type(arr).__name__} {getattr(arr, 'dtype', None)} {getattr(arr, 'shape', None)}"
+        )
+    if size is not None and arr.shape != (size,):
+        raise OuterError(f"{name} has shape {arr.shape}, expected ({size},)")
+
+
+class FragmentOptimizer:
+    """Applies one outer transformation to fragments (1-D float32 vectors).
+
+    Holds only the transformation and its jitted step; the state is passed in
+    and out, so one instance serves every fragment (jit caches per shape).
+    """
+
+    def __init__(self, tx: optax.GradientTransformation) -> None:
+        """Wrap a transformation.
+
+        Args:
+            tx: e.g. from make_outer_optimizer.
+        """
+        self.tx = tx
+
+        def _step(params, state, delta):
+            updates, state = tx.update(delta, state, params)
+            return optax.apply_updates(params, updates), state
+
+        self._step = jax.jit(_step)
+
+    def init(self, params: np.ndarray) -> Any:
+        """Fresh optimizer state for one fragment.
+
+        Args:
+            params: the fragment's 1-D float32 values.
+
+        Returns:
+            The optax state (a pytree of jax arrays).
+        """
+        _check_vector("params", params)
+        return self.tx.init(jnp.asarray(params))
+
+    def step(
+        self, params: np.ndarray, state: Any, merged_delta: np.ndarray
+    ) -> tuple[np.ndarray, Any]:
+        """One outer step of a fragment.
+
+        Args:
+            params: current 1-D float32 values.
+            state: state from init / a previous step.
+            merged_delta: weighted pseudo-gradient, 1-D float32 of the same size.
+
+        Returns:
+            (new params as a writable 1-D float32 numpy array, new state).
+        """
+        _check_vector("params", params)
+        _check_vector("merged_delta", merged_delta, params.shape[0])
+        new_params, new_state = self._step(params, state, merged_delta)
+        # np.asarray of a jax array is a read-only view; callers write into params.
+        return np.array(new_params, dtype=np.float32), new_state
+
+    def state_to_arrays(self, state: Any) -> list[np.ndarray]:
+        """Flatten a state to numpy arrays, e.g. for a checkpoint.
+
+        Args:
+            state: optimizer state.
+
+        Returns:
+            The state's leaves as numpy arrays, in pytree order.
+        """
+        return [np.array(leaf) for leaf in jax.tree.leaves(state)]
+
+    def state_from_arrays(self, arrays: Sequence[np.ndarray], params: np.ndarray) -> Any:
+        """Rebuild a state from `state_to_arrays` output.
+
+        Args:
+            arrays: the saved leaves.
+            params: the fragment's values (gives the state's structure and shapes).
+
+        Returns:
+            The optimizer state.
+        """
+        template = self.init(params)
+        leaves, treedef = jax.tree.flatten(template)
+        if len(arrays) != len(leaves):
+            raise OuterError(
+                f"{len(arrays)} state arrays given, this optimizer's state has {len(leaves)}; "
+                "was the checkpoint written with another outer optimizer?"
+            )
+        restored = []
+        for i, (arr, leaf) in enumerate(zip(arrays, leaves, strict=True)):
+            arr = np.asarray(arr)
+            if arr.shape != leaf.shape:
+                raise OuterError(f"state array {i} has shape {arr.shape}, expected {leaf.shape}")
+            restored.append(jnp.asarray(arr, dtype=leaf.dtype))
+        return jax.tree.unflatten(treedef, restored)
+
+
+def merge_deltas(
+    deltas: Sequence[np.ndarray], weights: Sequence[float], out: np.ndarray | None = None
+) -> np.ndarray:
+    """Weighted sum of deltas.
+
+    Args:
+        deltas: equal-shaped float arrays (decoded pseudo-gradients).
+        weights: one already-normalized weight per delta.
+        out: optional float32 buffer of the deltas' shape (must not alias a delta).
+
+    Returns:
+        sum_i weights[i] * deltas[i] as float32 (`out` when given).
+    """
+    if len(deltas) == 0:
+        raise OuterError("merge_deltas needs at least one delta")
+    if len(deltas) != len(weights):
+        raise OuterError(f"{len(deltas)} deltas but {len(weights)} weights")
+    shape = np.shape(deltas[0])
+    for i, d in enumerate(deltas):
+        if np.shape(d) != shape:
+            raise OuterError(f"delta {i} has shape {np.shape(d)}, delta 0 has {shape}")
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)
+    elif out.dtype != np.float32 or out.shape != shape:
+        raise OuterError(f"out must be float32 of shape {shape}, got {out.dtype} {out.shape}")
+    np.multiply(deltas[0], np.float32(weights[0]), out=out, casting="unsafe")
+    if len(deltas) > 1:
+        scratch = np.empty(shape, dtype=np.float32)
+        for d, w in zip(deltas[1:], weights[1:], strict=True):
+            np.multiply(d, np.float32(w), out=scratch, casting="unsafe")
+            out += scratch
+    return out
