@@ -1,0 +1,405 @@
+"""The wire protocol between islands and shards: the one place the message format is described.
+
+This module owns the message kinds, the header schema of each kind, the
+protocol version and the rejection reasons, plus `pack` / `unpack`. It does no
+I/O; shards and clients call it on the frames they send and receive.
+
+Framing
+=======
+
+Every message is one multipart ZeroMQ message. Frame 0 is a msgpack map (the
+*header*, at most `MAX_HEADER_BYTES`); payload frames follow as raw bytes,
+sent and received zero-copy. Where a kind carries tensors the payload is the
+frames of a `codec` encoding (codec header frame + data frames), passed to
+`codec.decode` as they are. Every header has:
+
+- `v`: protocol version (int), currently `PROTOCOL_VERSION` = 1. Another
+  version is rejected with reason `bad_version`.
+- `kind`: message kind (str), one of the tables below.
+
+Unknown header fields are ignored, so fields may be added without a version
+bump. Integers are msgpack ints (bools are not ints here); `uint` means >= 0,
+`pos` means >= 1. Maps of fragment -> version have the fragment index as a
+decimal *string* key (so they read the same in JSON), e.g. `{"0": 3, "2": 5}`.
+
+Sockets
+=======
+
+Each shard `i` binds a ROUTER (requests) and a PUB (updates). An island keeps
+one DEALER and one SUB per shard. A DEALER sends the header and payload frames
+directly (no empty delimiter frame); the shard's ROUTER sees the peer identity
+first and answers every request with exactly one reply on the same DEALER.
+SUB sockets subscribe to everything (empty prefix).
+
+Requests (DEALER -> ROUTER). Every request may carry `id` (int, chosen by
+the client, echoed in the reply) and, except `status`, carries `island`
+(str, 1-128 chars, the stable island id).
+
+=========  ===========================================  ===============================
+kind       header fields                                payload / reply
+=========  ===========================================  ===============================
+hello      island                                       - / `welcome`
+init       island, plan (map: `Plan.to_wire()`)         codec raw float32 tree
+                                                        {"<fragment>": values} with one
+                                                        1-D vector per fragment this
+                                                        shard owns / `init_ok` or
+                                                        `rejected`
+snapshot   island, fragment (uint)                      - / `snapshot_reply`
+push       island, round (uint), fragment (uint),       codec frames {"delta": vec},
+           base_version (uint), tokens (pos),           any scheme, 1-D float of the
+           steps (pos), plan_hash (str)                 fragment's size / `ack`
+heartbeat  island                                       - / `heartbeat`
+status     -                                            - / `status_reply`
+bye        island                                       - / `bye_ok`
+=========  ===========================================  ===============================
+
+Replies (ROUTER -> DEALER), each echoing the request's `id` when it had one:
+
+==============  ===================================================================
+kind            header fields (payload)
+==============  ===================================================================
+welcome         shard (uint), num_shards (pos), num_fragments (pos), endpoints
+                (list of [router, pub] per shard), initialized (bool), plan_hash
+                (str, or nil before init), plan (map, only when initialized),
+                heartbeat_interval_s (number), liveness (pos), seq (uint: last PUB seq)
+init_ok         versions (map fragment -> version)
+snapshot_reply  fragment, version, seq (uint: the PUB seq the snapshot includes)
+                (codec raw float32 {"values": vec}: exact fp32 values)
+ack             round, fragment, outcome ("accepted" | "duplicate" | "rejected"),
+                reason (str or nil), version (uint: the fragment's current version)
+heartbeat       shard, seq
+status_reply    status (map, see `ShardState.status`)
+bye_ok          -
+rejected        reason (str, one of `REASONS`), detail (str, human-readable)
+==============  ===================================================================
+
+A push that parses is always answered by `ack` (outcome `rejected` with a
+reason when refused); any other request that cannot be parsed or is refused
+is answered by `rejected`. An `accepted` ack is sent only after the delta is
+durable (write-ahead log fsynced). A `duplicate` ack means the idempotency key
+was accepted before: the delta is not applied again.
+
+Published messages (PUB -> SUB). `seq` increases by one per `update` per
+shard, starting at 1; a subscriber that sees a gap re-snapshots (Clone
+pattern: subscribe first, then snapshot, drop updates with seq <= the
+snapshot's seq).
+
+=========  ==============================================  ========================
+kind       header fields                                   payload
+=========  ==============================================  ========================
+update     shard, seq, fragment, version, mode ("full":     codec frames
+           payload is the new values; "delta": payload is   {"values": vec}
+           the change to add to the previous version)
+heartbeat  shard, seq (the last update's seq; no increment)  -
+=========  ==============================================  ========================
+
+Deduplication
+=============
+
+The idempotency key of a delta is (island, round, fragment). The shard keeps,
+per (island, fragment), the newest accepted round and the accepted rounds
+within a window W below it. The same key again is acked `duplicate` (not
+applied twice); a round older than newest - W that is not in the table is
+rejected `replayed_round`; unseen rounds inside the window are accepted
+(resends may arrive out of order).
+
+Sizes
+=====
+
+A shard rejects a message whose frames total more than its
+`max_message_bytes` with reason `oversize` (the message was received, then
+dropped). Past a hard cap of twice that, ZeroMQ itself drops the peer's
+connection (ZMQ_MAXMSGSIZE) without a reply; the client reconnects and must
+not resend that message. Keep messages at a few MiB: split large models into
+more fragments.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+
+# Largest header frame accepted; headers are small (a wire plan is the biggest).
+MAX_HEADER_BYTES = 4 * 1024 * 1024
+
+REQUEST = "request"
+REPLY = "reply"
+PUB = "pub"
+
+OUTCOMES = ("accepted", "duplicate", "rejected")
+
+REASONS = (
+    "malformed",
+    "bad_version",
+    "unknown_kind",
+    "not_initialized",
+    "plan_mismatch",
+    "unknown_fragment",
+    "unknown_island",
+    "bad_shape",
+    "bad_dtype",
+    "non_finite",
+    "codec_error",
+    "oversize",
+    "replayed_round",
+    "future_base_version",
+    "too_many_islands",
+    "too_many_pending",
+    "already_initialized",
+)
+
+
+class ProtocolError(ValueError):
+    """A message that cannot be used: `reason` is one of REASONS, `detail` says why.
+
+    `header` is the decoded header when decoding got that far (so a reply can
+    echo its `id`), else None.
+    """
+
+    def __init__(self, reason: str, detail: str, header: Mapping[str, Any] | None = None):
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+        self.header = header
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _uint(x: object) -> bool:
+    return _is_int(x) and x >= 0
+
+
+def _pos(x: object) -> bool:
+    return _is_int(x) and x >= 1
+
+
+def _island(x: object) -> bool:
+    return isinstance(x, str) and 1 <= len(x) <= 128
+
+
+def _number(x: object) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _str_or_nil(x: object) -> bool:
+    return x is None or isinstance(x, str)
+
+
+_CHECKS: dict[str, tuple[Callable[[object], bool], str]] = {
+    "str": (lambda x: isinstance(x, str), "a string"),
+    "island": (_island, "a string of 1-128 characters"),
+    "uint": (_uint, "an int >= 0"),
+    "pos": (_pos, "an int >= 1"),
+    "int": (_is_int, "an int"),
+    "number": (_number, "a number"),
+    "bool": (lambda x: isinstance(x, bool), "a bool"),
+    "map": (lambda x: isinstance(x, Mapping), "a map"),
+    "list": (lambda x: isinstance(x, list | tuple), "a list"),
+    "str?": (_str_or_nil, "a string or nil"),
+}
+
+# kind -> {required field: type name}, per role.
+SCHEMAS: dict[str, dict[str, dict[str, str]]] = {
+    REQUEST: {
+        "hello": {"island": "island"},
+        "init": {"island": "island", "plan": "map"},
+        "snapshot": {"island": "island", "fragment": "uint"},
+        "push": {
+            "island": "island",
+            "round": "uint",
+            "fragment": "uint",
+            "base_version": "uint",
+            "tokens": "pos",
+            "steps": "pos",
+            "plan_hash": "str",
+        },
+        "heartbeat": {"island": "island"},
+        "status": {},
+        "bye": {"island": "island"},
+    },
+    REPLY: {
+        "welcome": {
+            "shard": "uint",
+            "num_shards": "pos",
+            "num_fragments": "pos",
+            "endpoints": "list",
+            "initialized": "bool",
+            "plan_hash": "str?",
+            "heartbeat_interval_s": "number",
+            "liveness": "pos",
+            "seq": "uint",
+        },
+        "init_ok": {"versions": "map"},
+        "snapshot_reply": {"fragment": "uint", "version": "uint", "seq": "uint"},
+        "ack": {
+            "round": "uint",
+            "fragment": "uint",
+            "outcome": "str",
+            "reason": "str?",
+            "version": "uint",
+        },
+        "heartbeat": {"shard": "uint", "seq": "uint"},
+        "status_reply": {"status": "map"},
+        "bye_ok": {},
+        "rejected": {"reason": "str", "detail": "str"},
+    },
+    PUB: {
+        "update": {
+            "shard": "uint",
+            "seq": "uint",
+            "fragment": "uint",
+            "version": "uint",
+            "mode": "str",
+        },
+        "heartbeat": {"shard": "uint", "seq": "uint"},
+    },
+}
+
+# Optional fields checked when present, per role.
+_OPTIONAL: dict[str, dict[str, str]] = {REQUEST: {"id": "int"}, REPLY: {"id": "int"}, PUB: {}}
+
+
+def pack(header: Mapping[str, Any], payload: Sequence[Any] = ()) -> list[Any]:
+    """Build the frames of one message.
+
+    Args:
+        header: header fields including `kind`; `v` is set to PROTOCOL_VERSION
+            unless the caller set it (tests send other versions on purpose).
+        payload: payload frames (bytes, memoryview, zmq.Frame), passed through
+            unchanged so they are sent zero-copy.
+
+    Returns:
+        [msgpack header bytes, *payload].
+    """
+    if not isinstance(header.get("kind"), str):
+        raise ProtocolError("malformed", f"header needs a str 'kind', got {header.get('kind')!r}")
+    full = {"v": PROTOCOL_VERSION, **header}
+    return [msgpack.packb(full, use_bin_type=True), *payload]
+
+
+def unpack(frames: Sequence[Any], role: str = REQUEST) -> tuple[dict[str, Any], list[Any]]:
+    """Decode and validate one message.
+
+    Args:
+        frames: the message frames (bytes, memoryview or zmq.Frame), without
+            the ROUTER identity frame.
+        role: which table the kind must come from: REQUEST (what a shard
+            receives), REPLY (what a DEALER receives) or PUB (what a SUB receives).
+
+    Returns:
+        (header dict, payload frames as given).
+
+    Raises:
+        ProtocolError: reason "malformed" (no frames, header not a msgpack map,
+            too big, missing or mistyped field), "bad_version" or "unknown_kind".
+    """
+    if role not in SCHEMAS:
+        raise ValueError(f"role={role!r}: use one of {tuple(SCHEMAS)}")
+    if not frames:
+        raise ProtocolError("malformed", "empty message: frame 0 must be a msgpack header")
+    raw = memoryview(frames[0])
+    if raw.nbytes > MAX_HEADER_BYTES:
+        raise ProtocolError(
+            "malformed", f"header frame is {raw.nbytes} bytes; limit {MAX_HEADER_BYTES}"
+        )
+    try:
+        header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except Exception as exc:  # msgpack raises many types on garbage input
+        raise ProtocolError("malformed", f"header is not msgpack: {exc!r}") from exc
+    if not isinstance(header, dict):
+        raise ProtocolError("malformed", f"header must be a map, got {type(header).__name__}")
+    version = header.get("v")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(
+            "bad_version",
+            f"protocol version {version!r}; this build speaks {PROTOCOL_VERSION}",
+            header,
+        )
+    kind = header.get("kind")
+    schema = SCHEMAS[role].get(kind) if isinstance(kind, str) else None
+    if schema is None:
+        raise ProtocolError(
+            "unknown_kind", f"kind {kind!r} is not a {role} kind: {sorted(SCHEMAS[role])}", header
+        )
+    for field, type_name in schema.items():
+        if field not in header:
+            raise ProtocolError("malformed", f"{kind}: missing field {field!r}", header)
+        _check_field(kind, field, header[field], type_name, header)
+    for field, type_name in _OPTIONAL[role].items():
+        if field in header:
+            _check_field(kind, field, header[field], type_name, header)
+    return header, list(frames[1:])
+
+
+def _check_field(kind: str, field: str, value: object, type_name: str, header: dict) -> None:
+    check, what = _CHECKS[type_name]
+    if not check(value):
+        raise ProtocolError(
+            "malformed", f"{kind}: field {field!r} must be {what}, got {value!r}", header
+        )
+
+
+def message_bytes(frames: Sequence[Any]) -> int:
+    """Total size of a message's frames in bytes.
+
+    Args:
+        frames: bytes, memoryview or zmq.Frame objects.
+
+    Returns:
+        The sum of the frames' byte lengths.
+    """
+    return sum(memoryview(f).nbytes for f in frames)
+
+
+def reply_header(request: Mapping[str, Any] | None, kind: str, **fields: Any) -> dict[str, Any]:
+    """A reply header echoing the request's `id` when it had an int one.
+
+    Args:
+        request: the request header (or None when it could not be decoded).
+        kind: the reply kind.
+        **fields: the reply's fields.
+
+    Returns:
+        The header dict to `pack`.
+    """
+    header: dict[str, Any] = {"kind": kind, **fields}
+    if request is not None and _is_int(request.get("id")):
+        header["id"] = request["id"]
+    return header
+
+
+def versions_to_wire(versions: Mapping[int, int]) -> dict[str, int]:
+    """Fragment -> version map with str keys, as sent on the wire.
+
+    Args:
+        versions: fragment index -> version.
+
+    Returns:
+        {"<fragment>": version}.
+    """
+    return {str(k): int(v) for k, v in sorted(versions.items())}
+
+
+def versions_from_wire(obj: Mapping[Any, Any]) -> dict[int, int]:
+    """Inverse of `versions_to_wire`.
+
+    Args:
+        obj: {"<fragment>": version}.
+
+    Returns:
+        fragment index -> version.
+
+    Raises:
+        ProtocolError: reason "malformed" if a key or value is not an int.
+    """
+    try:
+        return {int(k): int(v) for k, v in obj.items()}
+    except (TypeError, ValueError, AttributeError) as exc:
+        raise ProtocolError("malformed", f"versions map {obj!r}: {exc!r}") from exc

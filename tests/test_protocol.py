@@ -1,0 +1,102 @@
+"""paramserver.protocol: framing, version and schema checks, reasons."""
+
+import msgpack
+import pytest
+
+from paramserver import protocol
+from paramserver.protocol import PUB, REPLY, REQUEST, ProtocolError, pack, unpack
+
+PUSH = {
+    "kind": "push",
+    "id": 7,
+    "island": "a",
+    "round": 3,
+    "fragment": 1,
+    "base_version": 0,
+    "tokens": 4096,
+    "steps": 10,
+    "plan_hash": "abc",
+}
+
+
+def test_round_trip_keeps_header_and_payload_frames():
+    payload = [b"codec-header", memoryview(b"\x00\x01\x02")]
+    frames = pack(PUSH, payload)
+    header, got = unpack(frames)
+    assert header["v"] == protocol.PROTOCOL_VERSION
+    assert {k: header[k] for k in PUSH} == PUSH
+    assert got == payload
+    assert got[1] is payload[1]  # passed through, not copied
+
+
+def test_unknown_fields_are_ignored():
+    header, _ = unpack(pack({**PUSH, "future_field": [1, 2]}))
+    assert header["future_field"] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([], "malformed"),
+        ([b"\xc1\xff garbage"], "malformed"),
+        ([msgpack.packb([1, 2])], "malformed"),
+        ([msgpack.packb({"v": 2, "kind": "push"})], "bad_version"),
+        ([msgpack.packb({"kind": "push"})], "bad_version"),
+        ([msgpack.packb({"v": 1, "kind": "explode"})], "unknown_kind"),
+        ([msgpack.packb({"v": 1, "kind": 5})], "unknown_kind"),
+        ([msgpack.packb({"v": 1, "kind": "hello"})], "malformed"),
+        ([msgpack.packb({"v": 1, "kind": "hello", "island": ""})], "malformed"),
+        ([msgpack.packb({**PUSH, "v": 1, "round": -1})], "malformed"),
+        ([msgpack.packb({**PUSH, "v": 1, "round": True})], "malformed"),
+        ([msgpack.packb({**PUSH, "v": 1, "steps": 0})], "malformed"),
+        ([msgpack.packb({**PUSH, "v": 1, "id": "x"})], "malformed"),
+        ([b"\x00" * (protocol.MAX_HEADER_BYTES + 1)], "malformed"),
+    ],
+)
+def test_bad_messages_raise_with_a_reason(frames, reason):
+    with pytest.raises(ProtocolError) as info:
+        unpack(frames)
+    assert info.value.reason == reason
+    assert info.value.reason in protocol.REASONS
+    assert info.value.detail
+
+
+def test_error_carries_the_header_when_decoded_so_replies_can_echo_the_id():
+    with pytest.raises(ProtocolError) as info:
+        unpack([msgpack.packb({**PUSH, "v": 1, "tokens": "many"})])
+    assert info.value.header["id"] == 7
+    reply = protocol.reply_header(info.value.header, "rejected", reason="malformed", detail="x")
+    assert reply["id"] == 7
+
+
+def test_roles_pick_the_table():
+    hb_pub = pack({"kind": "heartbeat", "shard": 0, "seq": 4})
+    assert unpack(hb_pub, role=PUB)[0]["seq"] == 4
+    assert unpack(hb_pub, role=REPLY)[0]["shard"] == 0
+    with pytest.raises(ProtocolError) as info:
+        unpack(hb_pub, role=REQUEST)  # a request heartbeat needs `island`
+    assert info.value.reason == "malformed"
+    with pytest.raises(ProtocolError) as info:
+        unpack(pack({"kind": "update", "shard": 0, "seq": 1}), role=REQUEST)
+    assert info.value.reason == "unknown_kind"
+    with pytest.raises(ValueError, match="role"):
+        unpack(hb_pub, role="sideways")
+
+
+def test_every_schema_type_name_is_known():
+    for table in protocol.SCHEMAS.values():
+        for fields in table.values():
+            assert set(fields.values()) <= set(protocol._CHECKS)
+
+
+def test_pack_needs_a_kind():
+    with pytest.raises(ProtocolError):
+        pack({"island": "a"})
+
+
+def test_versions_wire_round_trip_and_message_bytes():
+    assert protocol.versions_to_wire({2: 5, 0: 3}) == {"0": 3, "2": 5}
+    assert protocol.versions_from_wire({"0": 3, "2": 5}) == {0: 3, 2: 5}
+    with pytest.raises(ProtocolError):
+        protocol.versions_from_wire({"a": 1})
+    assert protocol.message_bytes([b"abc", memoryview(b"de")]) == 5
