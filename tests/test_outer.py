@@ -217,7 +217,7 @@ def test_golden_trajectories():
     if os.environ.get("REGENERATE_GOLDEN") == "1":
         regenerate_golden()
     golden = json.loads(GOLDEN.read_text())
-    assert [(c["name"], c["lr"], c["momentum"], c["delay"]) for c in golden["cases"]] == [
+    assert [[c["name"], c["lr"], c["momentum"], c["delay"]] for c in golden["cases"]] == [
         list(c) for c in GOLDEN_CONFIGS
     ], "GOLDEN_CONFIGS changed: regenerate with REGENERATE_GOLDEN=1 and review the diff"
     for case in golden["cases"]:
