@@ -1,0 +1,180 @@
+"""Daemon plumbing with real subprocesses: pid files, detach + ready, SIGTERM drain, stop."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+
+import pytest
+
+from paramserver import daemon
+from paramserver.daemon import DaemonError
+
+# A minimal daemon built from the library: claims the pid file, reports ready,
+# waits for a signal, drains, releases the pid file and exits 0.
+TOY = textwrap.dedent(
+    """
+    import logging, sys, threading
+    from paramserver import daemon
+    data_dir = sys.argv[1]
+    mode = sys.argv[2] if len(sys.argv) > 2 else "ok"
+    daemon.setup_logging("INFO")
+    log = logging.getLogger("toy")
+    if mode == "fail":
+        log.error("cannot bind port 1234: address in use")
+        sys.exit(3)
+    stop = threading.Event()
+    daemon.install_signal_handlers(stop)
+    path = daemon.pid_path(data_dir)
+    daemon.acquire_pid_file(path)
+    log.info("serving")
+    if mode != "never-ready":
+        daemon.notify_ready({"port": 1234})
+    stop.wait()
+    log.info("drained, exiting")
+    daemon.release_pid_file(path)
+    """
+)
+
+
+def toy_argv(data_dir, mode="ok"):
+    return [sys.executable, "-c", TOY, str(data_dir), mode]
+
+
+def test_pid_file_claim_release_and_stale(tmp_path):
+    path = tmp_path / "d" / "daemon.pid"
+    daemon.acquire_pid_file(path)
+    assert daemon.read_pid(path) == os.getpid()
+    assert daemon.running_pid(path) == os.getpid()
+    daemon.release_pid_file(path)
+    assert not path.exists()
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    path.write_text(f"{dead.pid} 0.0\n")
+    assert daemon.running_pid(path) is None
+    daemon.acquire_pid_file(path)  # stale: replaced
+    assert daemon.read_pid(path) == os.getpid()
+
+
+def test_pid_reuse_counts_as_stale(tmp_path):
+    path = tmp_path / "daemon.pid"
+    path.write_text(f"{os.getpid()} 12345.0\n")  # our pid, another start time
+    assert daemon.running_pid(path) is None
+
+
+def test_garbage_pid_file(tmp_path):
+    path = tmp_path / "daemon.pid"
+    path.write_text("not a pid")
+    assert daemon.read_pid(path) is None
+    with pytest.raises(DaemonError, match="no pid file"):
+        daemon.stop(tmp_path, timeout_s=1)
+
+
+def test_detach_ready_stop_drains(tmp_path):
+    pid, info = daemon.detach(
+        toy_argv(tmp_path), daemon.log_path(tmp_path), tmp_path / "ready", timeout_s=30
+    )
+    assert info == {"port": 1234}
+    assert daemon.running_pid(daemon.pid_path(tmp_path)) == pid
+    assert os.getsid(pid) == pid  # its own session
+
+    with pytest.raises(DaemonError, match="in use by a running daemon"):
+        daemon.acquire_pid_file(daemon.pid_path(tmp_path))
+
+    assert daemon.stop(tmp_path, timeout_s=30) == pid
+    assert not daemon.pid_alive(pid)
+    assert not daemon.pid_path(tmp_path).exists()
+    assert "drained, exiting" in daemon.log_path(tmp_path).read_text()
+
+    with pytest.raises(DaemonError, match="no daemon running"):
+        daemon.stop(tmp_path, timeout_s=1)
+
+
+def test_detach_reports_early_failure_with_log_line(tmp_path):
+    with pytest.raises(DaemonError, match="exited with code 3.*address in use"):
+        daemon.detach(
+            toy_argv(tmp_path, "fail"), daemon.log_path(tmp_path), tmp_path / "ready", timeout_s=30
+        )
+
+
+def test_detach_timeout_stops_the_child(tmp_path):
+    with pytest.raises(DaemonError, match="not ready within"):
+        daemon.detach(
+            toy_argv(tmp_path, "never-ready"),
+            daemon.log_path(tmp_path),
+            tmp_path / "ready",
+            timeout_s=3,
+        )
+    pid = daemon.read_pid(daemon.pid_path(tmp_path))
+    if pid is not None:
+        assert daemon.wait_exit(pid, 30)
+
+
+def test_stop_removes_stale_pid_file(tmp_path):
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    daemon.pid_path(tmp_path).write_text(f"{dead.pid} 0.0\n")
+    with pytest.raises(DaemonError, match="is gone; removed the stale file"):
+        daemon.stop(tmp_path, timeout_s=1)
+    assert not daemon.pid_path(tmp_path).exists()
+
+
+def test_signal_handler_sets_event_then_second_signal_exits(tmp_path):
+    code = textwrap.dedent(
+        """
+        import os, signal, sys, threading
+        from paramserver import daemon
+        stop = threading.Event()
+        daemon.install_signal_handlers(stop)
+        print("up", flush=True)
+        stop.wait()
+        print("first", flush=True)
+        sys.stdin.readline()
+        print("unreachable", flush=True)
+        """
+    )
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code], stdout=subprocess.PIPE, stdin=subprocess.PIPE, text=True
+    )
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.stdout.readline().strip() == "first"
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 128 + signal.SIGINT
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_restore_handlers():
+    stop = threading.Event()
+    before = signal.getsignal(signal.SIGTERM)
+    restore = daemon.install_signal_handlers(stop, signals=(signal.SIGTERM,))
+    assert signal.getsignal(signal.SIGTERM) is not before
+    restore()
+    assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_setup_logging_to_file(tmp_path):
+    import logging
+
+    log_file = tmp_path / "x" / "daemon.log"
+    root = logging.getLogger()
+    saved = (list(root.handlers), root.level)
+    try:
+        daemon.setup_logging("debug", log_file)
+        logging.getLogger("t").debug("hello %d", 7)
+        for h in root.handlers:
+            h.flush()
+        assert "DEBUG t: hello 7" in log_file.read_text()
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+            h.close()
+        for h in saved[0]:
+            root.addHandler(h)
+        root.setLevel(saved[1])
