@@ -1,0 +1,255 @@
+"""The shard daemon's configuration: one frozen dataclass, validated on construction.
+
+This module owns `ShardConfig` (every setting of a shard process, with its
+default and meaning) and the port layout of a local cluster. Loading from
+TOML / environment / flags is `paramserver.settings`' job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from paramserver.outer import OUTER_OPTIMIZERS
+from paramserver.policy import MODES, PolicyConfig
+
+MIB = 1024 * 1024
+
+WEIGHTINGS = ("default", "uniform", "tokens", "no-staleness")
+DOWNLINKS = ("float32", "int8")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+# Outer lr / momentum used when outer_lr / outer_momentum are left at None.
+# Synchronous and quorum modes: the DiLoCo values (lr 0.7, Nesterov 0.9).
+SYNC_OUTER_LR = 0.7
+SYNC_OUTER_MOMENTUM = 0.9
+# Fully async mode steps once per delta, so each step carries one island's
+# pseudo-gradient instead of an average: a smaller step. PROVISIONAL, not yet
+# justified by a measurement on this code base (to be replaced by the value a
+# bench run selects).
+ASYNC_OUTER_LR = 0.35
+ASYNC_OUTER_MOMENTUM = 0.9
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the field, the value and what to do."""
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Settings of one shard process (every shard of a cluster gets the same config)."""
+
+    host: str = "127.0.0.1"  # bind address of the ROUTER and PUB sockets
+    port: int = 5555  # base port: shard i binds ROUTER port+2i and PUB port+2i+1
+    shards: int = 1  # number of shard processes in the cluster
+    fragments: int = 0  # fragments in the plan; 0 = 2 per shard
+    data_dir: str = "runs/server"  # write-ahead logs and checkpoints (shard-<i>/ below it)
+    mode: Literal["sync", "quorum", "async"] = "quorum"  # merge policy (paramserver.policy)
+    quorum: int = 2  # quorum mode: distinct live islands needed before the grace window
+    grace_fraction: float = 0.5  # grace window as a fraction of the EMA inter-arrival time
+    grace_min_s: float = 0.05  # lower clamp of the grace window, seconds
+    grace_max_s: float = 30.0  # upper clamp of the grace window, seconds
+    weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
+    staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
+    outer_optimizer: str = "nesterov"  # nesterov, sgd or delayed-nesterov
+    outer_lr: float | None = None  # None: 0.7 (sync/quorum) or ASYNC_OUTER_LR (async)
+    outer_momentum: float | None = None  # None: 0.9 (sync/quorum) or ASYNC_OUTER_MOMENTUM
+    nesterov_delay: int = 1  # contributions between momentum updates (delayed Nesterov)
+    heartbeat_interval_s: float = 1.0  # PUB heartbeat period when idle; liveness unit
+    liveness: int = 5  # an island silent this many heartbeat intervals is dead
+    max_message_bytes: int = 64 * MIB  # larger requests are rejected "oversize"
+    max_islands: int = 256  # distinct islands a shard tracks at once
+    max_pending_per_island: int = 8  # unmerged deltas one island may have per fragment
+    dedup_window: int = 64  # rounds below an island's newest that are still deduplicated
+    checkpoint_every_steps: int = 50  # checkpoint after this many outer steps (0 = never)
+    checkpoint_every_s: float = 60.0  # ... or this many seconds since the last (0 = never)
+    fsync: bool = True  # fsync the log before acking; False only for throwaway runs
+    downlink: Literal["float32", "int8"] = "float32"  # published update encoding
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
+    metrics_port: int = 0  # Prometheus metrics port; 0 = off
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.host, str) and self.host.strip() != "",
+            "host",
+            self.host,
+            "give a bind address such as 127.0.0.1 or 0.0.0.0",
+        )
+        _int_at_least("shards", self.shards, 1)
+        _int_at_least("port", self.port, 1)
+        _require(
+            self.port + 2 * self.shards - 1 <= 65535,
+            "port",
+            self.port,
+            f"{self.shards} shards need ports port..port+{2 * self.shards - 1} <= 65535; "
+            "lower port",
+        )
+        _int_at_least("fragments", self.fragments, 0)
+        _require(
+            self.fragments == 0 or self.fragments >= self.shards,
+            "fragments",
+            self.fragments,
+            f"need at least one per shard (shards={self.shards}), or 0 for 2 per shard",
+        )
+        _require(
+            isinstance(self.data_dir, str) and self.data_dir != "",
+            "data_dir",
+            self.data_dir,
+            "give a directory path",
+        )
+        _choice("mode", self.mode, MODES)
+        _int_at_least("quorum", self.quorum, 1)
+        for name in ("grace_fraction", "grace_min_s", "grace_max_s"):
+            _number_at_least(name, getattr(self, name), 0.0)
+        _require(
+            self.grace_max_s >= self.grace_min_s,
+            "grace_max_s",
+            self.grace_max_s,
+            f"must be >= grace_min_s={self.grace_min_s}",
+        )
+        _choice("weighting", self.weighting, WEIGHTINGS)
+        _number_at_least("staleness_exponent", self.staleness_exponent, 0.0)
+        _choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        if self.outer_lr is not None:
+            _number_at_least("outer_lr", self.outer_lr, 0.0)
+            _require(self.outer_lr > 0, "outer_lr", self.outer_lr, "must be > 0")
+        if self.outer_momentum is not None:
+            _number_at_least("outer_momentum", self.outer_momentum, 0.0)
+            _require(self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "must be < 1")
+        _int_at_least("nesterov_delay", self.nesterov_delay, 1)
+        _require(
+            not (self.outer_optimizer == "sgd" and self.nesterov_delay != 1),
+            "nesterov_delay",
+            self.nesterov_delay,
+            "sgd has no momentum to delay: set 1 or use outer_optimizer=delayed-nesterov",
+        )
+        _number_at_least("heartbeat_interval_s", self.heartbeat_interval_s, 0.0)
+        _require(
+            self.heartbeat_interval_s > 0,
+            "heartbeat_interval_s",
+            self.heartbeat_interval_s,
+            "must be > 0",
+        )
+        _int_at_least("liveness", self.liveness, 1)
+        _int_at_least("max_message_bytes", self.max_message_bytes, 4096)
+        _require(
+            self.max_message_bytes <= 1024 * MIB,
+            "max_message_bytes",
+            self.max_message_bytes,
+            "keep it <= 1 GiB; split the model into more fragments instead",
+        )
+        _int_at_least("max_islands", self.max_islands, 1)
+        _int_at_least("max_pending_per_island", self.max_pending_per_island, 1)
+        _int_at_least("dedup_window", self.dedup_window, 1)
+        _int_at_least("checkpoint_every_steps", self.checkpoint_every_steps, 0)
+        _number_at_least("checkpoint_every_s", self.checkpoint_every_s, 0.0)
+        _require(isinstance(self.fsync, bool), "fsync", self.fsync, "must be true or false")
+        _choice("downlink", self.downlink, DOWNLINKS)
+        _choice("log_level", self.log_level, LOG_LEVELS)
+        _int_at_least("metrics_port", self.metrics_port, 0)
+        _require(self.metrics_port <= 65535, "metrics_port", self.metrics_port, "must be <= 65535")
+
+    @property
+    def num_fragments(self) -> int:
+        """Fragments in the plan (2 per shard when `fragments` is 0)."""
+        return self.fragments or 2 * self.shards
+
+    @property
+    def effective_outer_lr(self) -> float:
+        """The outer learning rate after resolving the mode-dependent default."""
+        if self.outer_lr is not None:
+            return float(self.outer_lr)
+        return ASYNC_OUTER_LR if self.mode == "async" else SYNC_OUTER_LR
+
+    @property
+    def effective_outer_momentum(self) -> float:
+        """The outer momentum after resolving the mode-dependent default."""
+        if self.outer_momentum is not None:
+            return float(self.outer_momentum)
+        return ASYNC_OUTER_MOMENTUM if self.mode == "async" else SYNC_OUTER_MOMENTUM
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """Hard cap given to ZMQ_MAXMSGSIZE: twice max_message_bytes (see protocol)."""
+        return 2 * self.max_message_bytes
+
+    def policy(self) -> PolicyConfig:
+        """The merge-policy settings.
+
+        Returns:
+            A PolicyConfig with this config's mode, quorum and grace window.
+        """
+        return PolicyConfig(
+            mode=self.mode,
+            quorum=self.quorum,
+            grace_fraction=self.grace_fraction,
+            grace_min_s=self.grace_min_s,
+            grace_max_s=self.grace_max_s,
+        )
+
+
+def local_endpoints(cfg: ShardConfig) -> list[tuple[str, str]]:
+    """Connect addresses of every shard of a cluster on one host.
+
+    Args:
+        cfg: the cluster's config; a wildcard host (0.0.0.0, *, ::) maps to 127.0.0.1.
+
+    Returns:
+        [(router, pub), ...] per shard: tcp://host:port+2i and tcp://host:port+2i+1.
+    """
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "*", "::") else cfg.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return [
+        (f"tcp://{host}:{cfg.port + 2 * i}", f"tcp://{host}:{cfg.port + 2 * i + 1}")
+        for i in range(cfg.shards)
+    ]
+
+
+def bind_endpoints(cfg: ShardConfig, index: int) -> tuple[str, str]:
+    """Bind addresses of shard `index`.
+
+    Args:
+        cfg: the cluster's config.
+        index: shard index in [0, cfg.shards).
+
+    Returns:
+        (router, pub) as tcp://host:port+2i and tcp://host:port+2i+1.
+    """
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < cfg.shards:
+        raise ConfigError(f"shard index {index!r} out of range: the config has {cfg.shards} shards")
+    host = cfg.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{cfg.port + 2 * index}", f"tcp://{host}:{cfg.port + 2 * index + 1}"
+
+
+def _require(ok: bool, field: str, value: object, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"ShardConfig.{field}={value!r}: {what}")
+
+
+def _int_at_least(field: str, value: object, low: int) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= low,
+        field,
+        value,
+        f"must be an int >= {low}",
+    )
+
+
+def _number_at_least(field: str, value: object, low: float) -> None:
+    _require(
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= low,
+        field,
+        value,
+        f"must be a finite number >= {low}",
+    )
+
+
+def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    _require(value in choices, field, value, f"choose one of {', '.join(choices)}")
