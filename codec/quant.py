@@ -1,0 +1,140 @@
+"""Block-absmax quantization kernels (int8 and int4), encode and decode.
+
+Owns the arithmetic of the quantized schemes: per block of `block` elements,
+``m = max(|x|)``, ``q = round(x * L / m)`` with L = 127 (int8) or 7 (int4),
+decoded ``q * (m * float32(1/L))``. Encode and decode use the very same float32
+operations, so an encoder's error-feedback residual is exact with respect to
+what any decoder reconstructs. Blocks with ``m`` below TINY are flushed to 0
+(their step would be subnormal). Kernels run over 64K-element chunks with
+`out=` on every operation and never allocate in the loop.
+"""
+
+import numpy as np
+
+from .workspace import Workspace
+
+F32 = np.float32
+TINY = F32(2.0**-118)
+
+
+def step_factor(levels: int) -> np.float32:
+    """The float32 factor turning a block absmax into a quantization step.
+
+    Args:
+        levels: 127 (int8) or 7 (int4).
+
+    Returns:
+        float32(1 / levels).
+    """
+    return F32(1.0 / levels)
+
+
+def encode_blocks(x, res, new_res, codes, scales, levels, ws: Workspace, rng=None) -> None:
+    """Quantize `x` (+ `res`) block by block.
+
+    Args:
+        x: 1-D float32/float16/bfloat16 input, n elements.
+        res: 1-D float32 error-feedback residual (n) or None.
+        new_res: 1-D float32 output for the new residual (n) or None.
+        codes: int8 [n] (levels 127) or uint8 [ceil(n/2)] (levels 7) output.
+        scales: float32 [ceil(n/block)] output block absmax values.
+        levels: 127 or 7.
+        ws: workspace of the block size.
+        rng: numpy Generator for stochastic rounding, or None for nearest.
+    """
+    n, block, chunk = x.shape[0], ws.block, ws.chunk
+    packed = levels == 7
+    inv_max = F32(levels / float(TINY))
+    step = step_factor(levels)
+    direct_ok = res is None and x.dtype == np.float32
+    for a in range(0, n, chunk):
+        m = min(chunk, n - a)
+        nbk = -(-m // block)
+        mb = nbk * block
+        if direct_ok and m == mb:
+            src = x[a : a + m]
+        else:
+            src = ws.tmp[:mb]
+            np.copyto(src[:m], x[a : a + m], casting="unsafe")
+            if res is not None:
+                np.add(src[:m], res[a : a + m], out=src[:m])
+            if mb > m:
+                src[m:] = 0
+        v = src.reshape(nbk, block)
+        sc = scales[a // block : a // block + nbk]
+        mx, mn, inv = ws.blk_a[:nbk], ws.blk_b[:nbk], ws.blk_c[:nbk]
+        np.max(v, axis=1, out=mx)
+        np.min(v, axis=1, out=mn)
+        np.negative(mn, out=mn)
+        np.maximum(mx, mn, out=sc)
+        if sc.min() < TINY:
+            sc[sc < TINY] = 0
+        np.divide(F32(levels), sc, out=inv)
+        np.minimum(inv, inv_max, out=inv)
+        w = ws.work[:mb].reshape(nbk, block)
+        np.multiply(v, inv[:, None], out=w)
+        if rng is None:
+            np.rint(w, out=w)
+        else:
+            noise = ws.noise[:mb]
+            rng.random(out=noise, dtype=np.float32)
+            np.add(w, noise.reshape(nbk, block), out=w)
+            np.floor(w, out=w)
+            np.minimum(w, F32(levels), out=w)
+            np.maximum(w, F32(-levels), out=w)
+        if packed:
+            q = ws.q[:mb]
+            np.copyto(q, ws.work[:mb], casting="unsafe")
+            qu = q.view(np.uint8)
+            np.add(qu, np.uint8(8), out=qu)
+            hi = qu[1::2]
+            np.left_shift(hi, np.uint8(4), out=hi)
+            half = (m + 1) // 2
+            np.bitwise_or(qu[0::2][:half], hi[:half], out=codes[a // 2 : a // 2 + half])
+        else:
+            np.copyto(codes[a : a + m], ws.work[:m], casting="unsafe")
+        if new_res is not None:
+            np.multiply(sc, step, out=inv)
+            np.multiply(w, inv[:, None], out=w)
+            np.subtract(src[:m], ws.work[:m], out=new_res[a : a + m])
+
+
+def decode_blocks(codes, scales, out, levels, ws: Workspace) -> None:
+    """Reconstruct values from codes and block absmax values.
+
+    Args:
+        codes: int8 [n] (levels 127) or uint8 [ceil(n/2)] (levels 7).
+        scales: float32 [ceil(n/block)].
+        out: 1-D output of n elements (float32 written directly, other dtypes
+            via a cast).
+        levels: 127 or 7.
+        ws: workspace of the block size.
+    """
+    n, block, chunk = out.shape[0], ws.block, ws.chunk
+    packed = levels == 7
+    direct = out.dtype == np.float32
+    step = step_factor(levels)
+    for a in range(0, n, chunk):
+        m = min(chunk, n - a)
+        k = m // block
+        nbk = -(-m // block)
+        w = ws.work[:m]
+        if packed:
+            half = (m + 1) // 2
+            b = codes[a // 2 : a // 2 + half]
+            qu = ws.q[: 2 * half].view(np.uint8)
+            np.bitwise_and(b, np.uint8(15), out=qu[0::2])
+            np.right_shift(b, np.uint8(4), out=qu[1::2])
+            np.subtract(qu[:m], F32(8), out=w)
+        else:
+            np.copyto(w, codes[a : a + m], casting="unsafe")
+        st = ws.blk_a[:nbk]
+        np.multiply(scales[a // block : a // block + nbk], step, out=st)
+        dst = out[a : a + m] if direct else ws.tmp[:m]
+        kb = k * block
+        if k:
+            np.multiply(w[:kb].reshape(k, block), st[:k, None], out=dst[:kb].reshape(k, block))
+        if kb < m:
+            np.multiply(w[kb:], st[k], out=dst[kb:])
+        if not direct:
+            np.copyto(out[a : a + m], dst, casting="unsafe")
