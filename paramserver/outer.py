@@ -8,7 +8,6 @@ and one island moves the global params exactly onto that island's params.
 
 from __future__ import annotations
 
-import logging
 import numbers
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -17,8 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-
-logger = logging.getLogger(__name__)
 
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")
 
