@@ -5,9 +5,12 @@ float32 store, the bfloat16 rounding error otherwise) and the finiteness check
 done on the way.
 """
 
+import ml_dtypes
 import numpy as np
 
 from .workspace import Workspace
+
+BF16_MAX = np.float32(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
 
 
 def encode_raw(x, res, new_res, out, ws: Workspace) -> bool:
@@ -35,8 +38,14 @@ def encode_raw(x, res, new_res, out, ws: Workspace) -> bool:
             np.copyto(src, x[a : a + m], casting="unsafe")
             if res is not None:
                 np.add(src, res[a : a + m], out=src)
-        finite = finite and bool(np.isfinite(src.max()) and np.isfinite(src.min()))
-        np.copyto(out[a : a + m], src, casting="unsafe")
+        hi, lo = src.max(), src.min()
+        finite = finite and bool(np.isfinite(hi) and np.isfinite(lo))
+        stored = src
+        if not exact and (hi > BF16_MAX or lo < -BF16_MAX):
+            # would round to +-inf in bfloat16: saturate; the residual keeps the rest
+            stored = ws.noise[:m]
+            np.clip(src, -BF16_MAX, BF16_MAX, out=stored)
+        np.copyto(out[a : a + m], stored, casting="unsafe")
         if new_res is not None:
             if exact:
                 new_res[a : a + m] = 0

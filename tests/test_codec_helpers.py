@@ -1,0 +1,55 @@
+"""Shared helpers of the codec tests: the scheme table and error bounds."""
+
+import ml_dtypes
+import numpy as np
+
+import codec
+
+# One row per scheme variant; every contract test runs over all of them.
+SCHEMES = {
+    "raw-fp32": lambda: codec.raw("float32"),
+    "raw-bf16": lambda: codec.raw("bfloat16"),
+    "raw-fp32-zstd": lambda: codec.raw("float32", zstd_level=1),
+    "int8": lambda: codec.int8(),
+    "int8-b64-nozstd": lambda: codec.int8(block_size=64, zstd_level=None),
+    "int8-stochastic": lambda: codec.int8(stochastic=True, seed=0),
+    "int8-threads": lambda: codec.int8(zstd_threads=2),
+    "int4": lambda: codec.int4(),
+    "int4-stochastic": lambda: codec.int4(stochastic=True, seed=0),
+}
+
+BF16 = np.dtype(ml_dtypes.bfloat16)
+# Rounding of the final cast back to the input dtype: (relative, absolute).
+CAST_TOL = {
+    np.dtype(np.float32): (0.0, 0.0),
+    np.dtype(np.float16): (2.0**-11, 2.0**-25),
+    BF16: (2.0**-8, 2.0**-133),
+}
+TINY = 2.0**-118  # blocks whose absmax is below this decode to zero
+
+
+def max_abs_error_bound(c, x_in: np.ndarray) -> np.ndarray:
+    """Per-element bound on |decoded - x| for codec `c` and input `x_in`.
+
+    Args:
+        c: the codec.
+        x_in: input array (any supported dtype).
+
+    Returns:
+        float64 array of the flattened shape.
+    """
+    x = x_in.astype(np.float64).ravel()
+    rel, absolute = CAST_TOL[x_in.dtype]
+    cast = np.abs(x) * rel * 1.01 + absolute
+    if c.scheme == "raw":
+        rel_store, abs_store = (0.0, 0.0) if c.store == "float32" else (2.0**-8, 2.0**-133)
+        return np.abs(x) * rel_store * 1.01 + abs_store + cast
+    levels = 127 if c.scheme == "int8" else 7
+    b = c.block_size
+    pad = np.zeros(-(-x.size // b) * b)
+    pad[: x.size] = np.abs(x)
+    absmax = np.repeat(pad.reshape(-1, b).max(axis=1), b)[: x.size]
+    factor = 1.0 if c.stochastic else 0.5
+    quant = factor * absmax / levels * (1 + 1e-5) + absmax * 1e-6
+    quant = np.where(absmax < TINY, absmax, quant)
+    return quant + cast
