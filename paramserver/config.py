@@ -13,10 +13,10 @@ from typing import Literal
 
 from paramserver.outer import OUTER_OPTIMIZERS
 from paramserver.policy import MODES, PolicyConfig
+from paramserver.weighting import WEIGHTINGS
 
 MIB = 1024 * 1024
 
-WEIGHTINGS = ("default", "uniform", "tokens", "no-staleness")
 DOWNLINKS = ("float32", "int8")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 

@@ -73,6 +73,12 @@ bye_ok          -
 rejected        reason (str, one of `REASONS`), detail (str, human-readable)
 ==============  ===================================================================
 
+Islands are known to a shard from their `hello` until they say `bye`, or
+until they are dead and the shard needs room for a new island; a shard that
+restarted knows nobody. A `push` or `heartbeat` from an island the shard does
+not know is refused with `unknown_island`: say `hello` again, then resend.
+`snapshot` and `status` need no `hello`.
+
 A push that parses is always answered by `ack` (outcome `rejected` with a
 reason when refused); any other request that cannot be parsed or is refused
 is answered by `rejected`. An `accepted` ack is sent only after the delta is
@@ -80,9 +86,10 @@ durable (write-ahead log fsynced). A `duplicate` ack means the idempotency key
 was accepted before: the delta is not applied again.
 
 Published messages (PUB -> SUB). `seq` increases by one per `update` per
-shard, starting at 1; a subscriber that sees a gap re-snapshots (Clone
-pattern: subscribe first, then snapshot, drop updates with seq <= the
-snapshot's seq).
+shard, starting at 1 when the shard process starts; a subscriber that sees a
+seq other than last + 1 (a gap, or a lower seq after a shard restart)
+re-snapshots (Clone pattern: subscribe first, then snapshot, drop updates
+with seq <= the snapshot's seq).
 
 =========  ==============================================  ========================
 kind       header fields                                   payload
@@ -151,6 +158,7 @@ REASONS = (
     "too_many_islands",
     "too_many_pending",
     "already_initialized",
+    "internal_error",
 )
 
 

@@ -1,25 +1,48 @@
-"""The shard daemon's I/O loop: sockets, polling, replies and publishing (skeleton).
+"""The shard daemon's I/O loop: sockets, polling, replies and publishing.
 
 This module owns the ZeroMQ side of one shard: a ROUTER for requests and a PUB
-for sequenced updates and heartbeats. Decisions and state live in
-`paramserver.state`; the wire format in `paramserver.protocol`.
+for sequenced updates and heartbeats (wire format: `paramserver.protocol`).
+What the shard knows and every rule that changes it live in
+`paramserver.state`; durability (log, checkpoints) in `paramserver.durable`.
+The loop stays thin:
+
+    1. poll the ROUTER until the next policy wake-up, heartbeat or stop check;
+    2. handle every queued request (up to a batch), collecting replies; each
+       accepted change is appended to the write-ahead log;
+    3. step the fragments the merge policy says are due (also logged);
+    4. fsync the log once for the whole batch (group commit), then send the
+       replies (an `accepted` ack is never sent before its delta is durable)
+       and publish the new versions;
+    5. checkpoint when due; heartbeat on the PUB when it has been idle.
+
+On stop: answer what is queued, checkpoint, close the sockets.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
+from typing import Any
 
 import zmq
 
+import codec
 from paramserver import protocol
 from paramserver.config import ShardConfig, bind_endpoints, local_endpoints
+from paramserver.durable import Durability
+from paramserver.state import ACCEPTED, REJECTED, Outcome, ShardState, Update
 
 logger = logging.getLogger(__name__)
 
+# Requests handled per loop turn before stepping and syncing (bounds ack latency).
+BATCH = 64
+# Longest poll; bounds how late a set stop event is noticed.
+STOP_CHECK_S = 0.1
+
 
 class ShardServer:
-    """One shard: bind, serve until a stop event, drain, close."""
+    """One shard: bind, serve until a stop event, drain, checkpoint, close."""
 
     def __init__(
         self,
@@ -29,14 +52,15 @@ class ShardServer:
         router_bind: str | None = None,
         pub_bind: str | None = None,
     ) -> None:
-        """Create the shard (binds nothing yet).
+        """Create the shard (binds nothing, reads no files yet).
 
         Args:
             cfg: cluster settings.
             index: this shard's index in [0, cfg.shards).
             endpoints: connect addresses [(router, pub), ...] of every shard,
                 sent to islands in `welcome`; default local_endpoints(cfg).
-            router_bind: ROUTER bind address; default from cfg (port + 2 * index).
+            router_bind: ROUTER bind address; default from cfg (port + 2 * index);
+                tcp://127.0.0.1:* binds a random port (see bound_endpoints).
             pub_bind: PUB bind address; default from cfg (port + 2 * index + 1).
         """
         default_router, default_pub = bind_endpoints(cfg, index)
@@ -47,16 +71,34 @@ class ShardServer:
         self.pub_bind = pub_bind or default_pub
         self.ready = threading.Event()
         self.bound_endpoints: tuple[str, str] | None = None
+        self.state: ShardState | None = None
+        self.seq = 0
+        self._replies: list[list[Any]] = []
+        self._updates: list[Update] = []
+        self._durable: Durability | None = None
+        self._router: zmq.Socket | None = None
+        self._pub: zmq.Socket | None = None
+        self._last_pub = 0.0
+        self._raw32 = codec.raw("float32")  # one per server: encoders keep work buffers
+
+    # ----- lifecycle ---------------------------------------------------------------
 
     def serve(self, stop: threading.Event) -> None:
-        """Run the loop until `stop` is set, then drain and close.
+        """Recover state from the data dir, bind, serve until `stop` is set, then drain.
 
         Args:
             stop: set it (from any thread or a signal handler) to stop.
+
+        Raises:
+            zmq.ZMQError: a bind failed (e.g. port in use).
+            OSError: the write-ahead log or a checkpoint cannot be written; the
+                shard stops rather than ack what it cannot keep.
         """
-        ctx = zmq.Context.instance()
-        router = ctx.socket(zmq.ROUTER)
-        pub = ctx.socket(zmq.PUB)
+        self._durable = Durability(self.cfg, self.index)
+        self.state = self._durable.recover()
+        ctx = zmq.Context()
+        self._router = router = ctx.socket(zmq.ROUTER)
+        self._pub = pub = ctx.socket(zmq.PUB)
         try:
             for sock in (router, pub):
                 sock.setsockopt(zmq.LINGER, 0)
@@ -67,24 +109,238 @@ class ShardServer:
                 router.getsockopt_string(zmq.LAST_ENDPOINT),
                 pub.getsockopt_string(zmq.LAST_ENDPOINT),
             )
+            self._last_pub = time.monotonic()
+            logger.info(
+                "shard %d serving on %s (pub %s)",
+                self.index,
+                *self.bound_endpoints,
+                extra={"shard": self.index, "versions": self.state.versions()},
+            )
             self.ready.set()
             while not stop.is_set():
-                if router.poll(100):
-                    frames = router.recv_multipart(copy=False)
-                    ident, body = frames[0], frames[1:]
-                    try:
-                        header, _ = protocol.unpack(body)
-                        reply = protocol.reply_header(
-                            header, "rejected", reason="not_initialized", detail="skeleton"
-                        )
-                    except protocol.ProtocolError as exc:
-                        reply = protocol.reply_header(
-                            exc.header, "rejected", reason=exc.reason, detail=exc.detail
-                        )
-                    router.send_multipart([ident, *protocol.pack(reply)])
+                self._turn(self._poll_timeout_ms())
+            self._drain()
+            self._durable.checkpoint(self.state, time.time())
         finally:
             router.close(0)
             pub.close(0)
+            ctx.term()
+            self._durable.close()
+            logger.info("shard %d stopped", self.index, extra={"shard": self.index})
+
+    def _poll_timeout_ms(self) -> int:
+        assert self.state is not None
+        now = time.time()
+        _, wake = self.state.due_fragments(now)
+        timeout = STOP_CHECK_S
+        timeout = min(timeout, self._last_pub + self.cfg.heartbeat_interval_s - time.monotonic())
+        if wake is not None:
+            timeout = min(timeout, wake - now)
+        return max(0, int(timeout * 1000) + 1)
+
+    def _turn(self, timeout_ms: int) -> None:
+        """One loop turn: receive a batch, step, sync, reply, publish, checkpoint."""
+        assert self.state and self._router and self._durable
+        handled = 0
+        while handled < BATCH and self._router.poll(timeout_ms if handled == 0 else 0):
+            self._handle(self._router.recv_multipart(copy=False))
+            handled += 1
+        now = time.time()
+        due, _ = self.state.due_fragments(now)
+        for fragment in due:
+            event, update = self.state.step(fragment, now)
+            self._durable.append(event)
+            self._updates.append(update)
+        self._durable.sync()
+        self._flush()
+        self._durable.maybe_checkpoint(self.state, now)
+        if time.monotonic() - self._last_pub >= self.cfg.heartbeat_interval_s:
+            self._publish({"kind": "heartbeat", "shard": self.index, "seq": self.seq})
+
+    def _drain(self) -> None:
+        """Answer every request already queued, without waiting for more."""
+        assert self._router and self._durable
+        while self._router.poll(0):
+            self._handle(self._router.recv_multipart(copy=False))
+        self._durable.sync()
+        self._flush()
+
+    def _flush(self) -> None:
+        assert self._router and self.state
+        for frames in self._replies:
+            self._router.send_multipart(frames, copy=False)
+        self._replies.clear()
+        for update in self._updates:
+            self.seq += 1
+            frames, _ = self._raw32.encode({"values": update.values})
+            self._publish(
+                {
+                    "kind": "update",
+                    "shard": self.index,
+                    "seq": self.seq,
+                    "fragment": update.fragment,
+                    "version": update.version,
+                    "mode": "full",
+                },
+                frames,
+            )
+        self._updates.clear()
+
+    def _publish(self, header: dict[str, Any], payload: list[Any] = ()) -> None:
+        assert self._pub and self.state
+        frames = protocol.pack(header, payload)
+        self._pub.send_multipart(frames, copy=False)
+        self.state.counters.bytes_out += protocol.message_bytes(frames)
+        self._last_pub = time.monotonic()
+
+    # ----- requests ----------------------------------------------------------------
+
+    def _handle(self, frames: list[Any]) -> None:
+        assert self.state
+        ident, body = frames[0], frames[1:]
+        size = protocol.message_bytes(body)
+        self.state.counters.bytes_in += size
+        try:
+            header, payload = protocol.unpack(body)
+        except protocol.ProtocolError as exc:
+            self.state.reject(exc.reason, exc.detail)
+            self._reply(ident, exc.header, "rejected", reason=exc.reason, detail=exc.detail)
+            return
+        now = time.time()
+        island = header.get("island")
+        if isinstance(island, str) and header["kind"] != "hello":
+            known = self.state.touch(island, now)
+        else:
+            known = True
+        if size > self.cfg.max_message_bytes:
+            outcome = self.state.reject(
+                "oversize", f"{size} bytes; max_message_bytes={self.cfg.max_message_bytes}"
+            )
+            self._answer(ident, header, outcome)
+            return
+        try:
+            handler = getattr(self, f"_on_{header['kind']}")
+            handler(ident, header, payload, now, known)
+        except (OSError, zmq.ZMQError):
+            raise
+        except Exception as exc:  # a bug must not take the shard down; it is counted
+            logger.exception("shard %d: error handling %s", self.index, header["kind"])
+            outcome = self.state.reject("internal_error", f"{type(exc).__name__}: {exc}")
+            self._answer(ident, header, outcome)
+
+    def _reply(
+        self, ident: Any, request: dict | None, kind: str, payload: list[Any] = (), **fields: Any
+    ) -> None:
+        assert self.state
+        frames = protocol.pack(protocol.reply_header(request, kind, **fields), payload)
+        self.state.counters.bytes_out += protocol.message_bytes(frames)
+        self._replies.append([ident, *frames])
+
+    def _answer(self, ident: Any, header: dict, outcome: Outcome) -> None:
+        """Reply to a request with its outcome: `ack` for a push, else `rejected`."""
+        assert self.state
+        if header.get("kind") == "push":
+            version = self.state.versions().get(header["fragment"], 0)
+            self._reply(
+                ident,
+                header,
+                "ack",
+                round=header["round"],
+                fragment=header["fragment"],
+                outcome=outcome.status,
+                reason=outcome.reason,
+                version=outcome.version or version,
+            )
+        else:
+            self._reply(ident, header, "rejected", reason=outcome.reason, detail=outcome.detail)
+
+    def _on_hello(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
+        assert self.state
+        outcome = self.state.hello(header["island"], now)
+        if outcome.status == REJECTED:
+            self._answer(ident, header, outcome)
+            return
+        plan = self.state.plan
+        fields: dict[str, Any] = {
+            "shard": self.index,
+            "num_shards": self.cfg.shards,
+            "num_fragments": self.cfg.num_fragments,
+            "endpoints": [list(e) for e in self.endpoints],
+            "initialized": plan is not None,
+            "plan_hash": plan.hash if plan else None,
+            "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
+            "liveness": self.cfg.liveness,
+            "seq": self.seq,
+        }
+        if plan is not None:
+            fields["plan"] = plan.to_wire()
+        self._reply(ident, header, "welcome", **fields)
+
+    def _on_init(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
+        assert self.state and self._durable
+        outcome = self.state.initialize(header["plan"], payload)
+        if outcome.status != ACCEPTED:
+            self._answer(ident, header, outcome)
+            return
+        self._durable.append(outcome.event)
+        versions = protocol.versions_to_wire(self.state.versions())
+        self._reply(ident, header, "init_ok", versions=versions)
+
+    def _on_snapshot(
+        self, ident: Any, header: dict, payload: list, now: float, known: bool
+    ) -> None:
+        assert self.state
+        if not self.state.initialized:
+            outcome = self.state.reject("not_initialized", "no parameters yet: init first")
+            self._answer(ident, header, outcome)
+            return
+        if header["fragment"] not in self.state.fragments:
+            outcome = self.state.reject(
+                "unknown_fragment", f"fragment {header['fragment']} is not on shard {self.index}"
+            )
+            self._answer(ident, header, outcome)
+            return
+        version, values = self.state.snapshot(header["fragment"])
+        frames, _ = self._raw32.encode({"values": values})
+        self._reply(
+            ident,
+            header,
+            "snapshot_reply",
+            frames,
+            fragment=header["fragment"],
+            version=version,
+            seq=self.seq,
+        )
+
+    def _on_push(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
+        assert self.state and self._durable
+        outcome = self.state.submit_delta(header, payload, now)
+        if outcome.event is not None:
+            self._durable.append(outcome.event)
+        self._answer(ident, header, outcome)
+
+    def _on_heartbeat(
+        self, ident: Any, header: dict, payload: list, now: float, known: bool
+    ) -> None:
+        assert self.state
+        if not known:
+            outcome = self.state.reject(
+                "unknown_island", f"island {header['island']!r}: say hello again"
+            )
+            self._answer(ident, header, outcome)
+            return
+        self._reply(ident, header, "heartbeat", shard=self.index, seq=self.seq)
+
+    def _on_status(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
+        assert self.state
+        status = self.state.status(now)
+        status["seq"] = self.seq
+        self._reply(ident, header, "status_reply", status=status)
+
+    def _on_bye(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
+        assert self.state
+        self.state.bye(header["island"])
+        self._reply(ident, header, "bye_ok")
 
 
 def run_shard(
@@ -102,8 +358,12 @@ def run_shard(
         stop_event: set by the caller's signal handler.
 
     Returns:
-        Process exit code: 0 after a clean drain.
+        Process exit code: 0 after a clean drain, 1 if the shard failed.
     """
     server = ShardServer(cfg, index, endpoints)
-    server.serve(stop_event)
+    try:
+        server.serve(stop_event)
+    except Exception:
+        logger.exception("shard %d failed", index, extra={"shard": index})
+        return 1
     return 0

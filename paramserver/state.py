@@ -1,0 +1,641 @@
+"""The deterministic state of one shard: parameters, optimizer, pending deltas; no sockets, no files.
+
+This module owns what a shard knows and every rule that changes it: the plan,
+per owned fragment the fp32 parameters (1-D), outer optimizer state, version,
+pending contributions and arrival statistics; the dedup table; the island
+registry (last heard from); the counters reported by `status`.
+
+Event-sourced: every change that must survive a crash is one of three events,
+
+- `InitEvent`: the plan and initial values (first `init`);
+- `AcceptEvent`: one validated delta joins a fragment's pending set;
+- `StepEvent`: one outer step of a fragment merging exactly the listed keys.
+
+`initialize`, `submit_delta` and `step` validate, build the event and `apply`
+it; they return the event so the caller can log it. Replaying the same events
+through `apply` on a fresh state gives the same parameters bit for bit (the
+write-ahead log's recovery). Rejected requests never reach `apply`, so they
+never touch parameters. Island registry, rejection counts and byte counters
+are bookkeeping, not events (a restart keeps what the last checkpoint had).
+
+Parameter arrays are never written in place: a step replaces a fragment's
+array, so an array handed out by `snapshot` (e.g. sent zero-copy) stays valid.
+
+Clock: `now` is wall-clock seconds (time.time()), because arrival times are
+persisted with pending deltas and must mean the same after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+import codec
+from paramserver import liveness
+from paramserver.config import ShardConfig
+from paramserver.outer import FragmentOptimizer, make_outer_optimizer, merge_deltas
+from paramserver.plan import Plan, PlanError
+from paramserver.policy import ArrivalStats, PendingDelta, decide, observe
+from paramserver.weighting import make_weighting, normalized_weights
+
+logger = logging.getLogger(__name__)
+
+ACCEPTED, DUPLICATE, REJECTED = "accepted", "duplicate", "rejected"
+
+
+class StateError(RuntimeError):
+    """An event that cannot be applied (a corrupted or foreign log), or misuse of the state."""
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One accepted delta waiting to be merged into its fragment."""
+
+    island: str
+    round: int
+    fragment: int
+    base_version: int
+    tokens: int
+    steps: int
+    arrived: float  # wall-clock seconds
+    delta: np.ndarray  # 1-D float32, the fragment's size
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """The idempotency key (island, round, fragment)."""
+        return (self.island, self.round, self.fragment)
+
+
+@dataclass(frozen=True)
+class InitEvent:
+    """The shard got its plan and initial values (fragment -> 1-D float32)."""
+
+    plan_wire: dict
+    values: dict[int, np.ndarray]
+
+
+@dataclass(frozen=True)
+class AcceptEvent:
+    """A delta was accepted into its fragment's pending set."""
+
+    contribution: Contribution
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round))."""
+
+    fragment: int
+    keys: tuple[tuple[str, int], ...]
+    at: float
+
+
+Event = InitEvent | AcceptEvent | StepEvent
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The answer to a request: status accepted / duplicate / rejected, reason and detail.
+
+    `event` is the applied event when the request changed durable state.
+    `version` is the fragment's version after the request (pushes), else 0.
+    """
+
+    status: str
+    reason: str | None = None
+    detail: str = ""
+    event: Event | None = None
+    version: int = 0
+
+
+@dataclass(frozen=True)
+class Update:
+    """A new fragment version to publish: the values after the step (1-D float32)."""
+
+    fragment: int
+    version: int
+    values: np.ndarray
+
+
+@dataclass
+class FragmentState:
+    """Mutable state of one owned fragment."""
+
+    params: np.ndarray
+    opt_state: Any
+    version: int = 0
+    pending: list[Contribution] = field(default_factory=list)
+    stats: ArrivalStats = field(default_factory=ArrivalStats)
+
+
+@dataclass
+class DedupEntry:
+    """Per (island, fragment): newest accepted round, accepted rounds within the window."""
+
+    newest: int
+    rounds: set[int]
+
+
+@dataclass
+class Counters:
+    """What `status` reports; `accepted`, `staleness` and `steps` are rebuilt by replay."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)
+    steps: int = 0
+
+
+class ShardState:
+    """Everything one shard knows; see the module docstring for the event rules."""
+
+    def __init__(self, cfg: ShardConfig, index: int) -> None:
+        """Create an empty (uninitialized) shard state.
+
+        Args:
+            cfg: cluster settings (policy, weighting, outer optimizer, limits).
+            index: this shard's index in [0, cfg.shards).
+        """
+        if not 0 <= index < cfg.shards:
+            raise StateError(f"shard index {index} out of range: the config has {cfg.shards}")
+        self.cfg = cfg
+        self.index = index
+        self.policy = cfg.policy()
+        self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent)
+        self.optimizer = FragmentOptimizer(
+            make_outer_optimizer(
+                cfg.outer_optimizer,
+                cfg.effective_outer_lr,
+                cfg.effective_outer_momentum,
+                cfg.nesterov_delay,
+            )
+        )
+        self.plan: Plan | None = None
+        self.fragments: dict[int, FragmentState] = {}
+        self.dedup: dict[tuple[str, int], DedupEntry] = {}
+        self.last_seen: dict[str, float] = {}
+        self.counters = Counters()
+        self._merge_buffers: dict[int, np.ndarray] = {}
+
+    # ----- queries -------------------------------------------------------------
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the shard has its plan and parameters."""
+        return self.plan is not None
+
+    def versions(self) -> dict[int, int]:
+        """Fragment -> current version of the owned fragments.
+
+        Returns:
+            The versions (empty before init).
+        """
+        return {i: f.version for i, f in sorted(self.fragments.items())}
+
+    def live(self, now: float) -> frozenset[str]:
+        """Islands heard from within the liveness budget.
+
+        Args:
+            now: wall-clock seconds.
+
+        Returns:
+            The live island ids.
+        """
+        return liveness.live_islands(
+            now, self.last_seen, self.cfg.heartbeat_interval_s, self.cfg.liveness
+        )
+
+    def snapshot(self, fragment: int) -> tuple[int, np.ndarray]:
+        """The current version and values of an owned fragment.
+
+        Args:
+            fragment: fragment index.
+
+        Returns:
+            (version, values); values is the live array, never modified in place.
+
+        Raises:
+            StateError: not initialized or fragment not owned.
+        """
+        if fragment not in self.fragments:
+            raise StateError(f"fragment {fragment} is not owned by shard {self.index}")
+        frag = self.fragments[fragment]
+        return frag.version, frag.params
+
+    def status(self, now: float) -> dict[str, Any]:
+        """Counters and versions, JSON-ready (str keys).
+
+        Args:
+            now: wall-clock seconds (for liveness).
+
+        Returns:
+            A dict with shard, initialized, plan_hash, versions, islands_live,
+            islands_known, accepted, duplicates, rejected, bytes_in, bytes_out,
+            staleness_histogram, steps and pending (fragment -> count).
+        """
+        c = self.counters
+        return {
+            "shard": self.index,
+            "initialized": self.initialized,
+            "plan_hash": self.plan.hash if self.plan else None,
+            "versions": {str(k): v for k, v in self.versions().items()},
+            "islands_live": sorted(self.live(now)),
+            "islands_known": len(self.last_seen),
+            "accepted": c.accepted,
+            "duplicates": c.duplicates,
+            "rejected": dict(sorted(c.rejected.items())),
+            "bytes_in": c.bytes_in,
+            "bytes_out": c.bytes_out,
+            "staleness_histogram": {str(k): v for k, v in sorted(c.staleness.items())},
+            "steps": c.steps,
+            "pending": {str(i): len(f.pending) for i, f in sorted(self.fragments.items())},
+        }
+
+    # ----- islands -------------------------------------------------------------
+
+    def hello(self, island: str, now: float) -> Outcome:
+        """Register an island (or refresh it); at capacity, silent islands are forgotten first.
+
+        Args:
+            island: island id.
+            now: wall-clock seconds.
+
+        Returns:
+            accepted, or rejected "too_many_islands" (counted).
+        """
+        if island not in self.last_seen and len(self.last_seen) >= self.cfg.max_islands:
+            live = self.live(now)
+            for gone in [i for i in self.last_seen if i not in live]:
+                del self.last_seen[gone]
+            if len(self.last_seen) >= self.cfg.max_islands:
+                return self.reject(
+                    "too_many_islands",
+                    f"{len(self.last_seen)} live islands; max_islands={self.cfg.max_islands}",
+                )
+        self.last_seen[island] = now
+        return Outcome(ACCEPTED)
+
+    def touch(self, island: str, now: float) -> bool:
+        """Refresh a known island's last-heard time (any message counts as a heartbeat).
+
+        Args:
+            island: island id.
+            now: wall-clock seconds.
+
+        Returns:
+            Whether the island is known (said hello).
+        """
+        if island in self.last_seen:
+            self.last_seen[island] = max(now, self.last_seen[island])
+            return True
+        return False
+
+    def bye(self, island: str) -> None:
+        """Forget an island that left (it no longer counts for quorum).
+
+        Args:
+            island: island id.
+        """
+        self.last_seen.pop(island, None)
+
+    # ----- requests that change state -----------------------------------------
+
+    def reject(self, reason: str, detail: str) -> Outcome:
+        """Count a rejection and build its outcome.
+
+        Args:
+            reason: one of paramserver.protocol.REASONS.
+            detail: human-readable explanation.
+
+        Returns:
+            Outcome(rejected, reason, detail).
+        """
+        self.counters.rejected[reason] = self.counters.rejected.get(reason, 0) + 1
+        return Outcome(REJECTED, reason, detail)
+
+    def initialize(self, plan_wire: Any, payload: Sequence[Any]) -> Outcome:
+        """Take the plan and initial values from the first island to `init`.
+
+        Args:
+            plan_wire: the wire plan (Plan.to_wire()).
+            payload: codec frames of the tree {"<fragment>": 1-D float32 vector}
+                with exactly this shard's fragments.
+
+        Returns:
+            accepted with an InitEvent, or rejected (already_initialized,
+            malformed, plan_mismatch, codec_error, unknown_fragment, bad_shape,
+            bad_dtype, non_finite), counted.
+        """
+        if self.initialized:
+            return self.reject(
+                "already_initialized", "this shard has parameters; request a snapshot"
+            )
+        try:
+            plan = Plan.from_wire(plan_wire)
+        except PlanError as exc:
+            return self.reject("malformed", f"bad wire plan: {exc}")
+        if plan.num_shards != self.cfg.shards or plan.num_fragments != self.cfg.num_fragments:
+            return self.reject(
+                "plan_mismatch",
+                f"plan has {plan.num_shards} shards / {plan.num_fragments} fragments; "
+                f"the cluster runs {self.cfg.shards} / {self.cfg.num_fragments}",
+            )
+        owned = {f.index: f.size for f in plan.fragments_of(self.index)}
+        try:
+            tree = codec.decode(payload, max_elements=sum(owned.values()))
+        except codec.CodecError as exc:
+            return self.reject("codec_error", str(exc))
+        keys = sorted(str(k) for k in tree)
+        if keys != sorted(str(i) for i in owned):
+            return self.reject(
+                "unknown_fragment",
+                f"init payload has fragments {keys}; shard {self.index} owns {sorted(owned)}",
+            )
+        values: dict[int, np.ndarray] = {}
+        for index, size in owned.items():
+            problem = _vector_problem(tree[str(index)], size)
+            if problem:
+                return self.reject(problem[0], f"fragment {index}: {problem[1]}")
+            values[index] = tree[str(index)]
+        event = InitEvent(plan.to_wire(), values)
+        self.apply(event)
+        return Outcome(ACCEPTED, event=event)
+
+    def check_push(self, header: Mapping[str, Any]) -> Outcome | None:
+        """Header-only checks of a push, in order; counts nothing.
+
+        Args:
+            header: a push header that passed protocol.unpack.
+
+        Returns:
+            None when the push may proceed to payload checks; else the
+            duplicate or rejected outcome (not yet counted: see submit_delta).
+        """
+        if self.plan is None:
+            return Outcome(REJECTED, "not_initialized", "no parameters yet: init first")
+        fragment = header["fragment"]
+        if header["plan_hash"] != self.plan.hash:
+            return Outcome(
+                REJECTED,
+                "plan_mismatch",
+                f"plan hash {header['plan_hash']!r} != {self.plan.hash!r}",
+            )
+        if fragment not in self.fragments:
+            return Outcome(
+                REJECTED,
+                "unknown_fragment",
+                f"fragment {fragment} is not owned by shard {self.index}",
+            )
+        frag = self.fragments[fragment]
+        island = header["island"]
+        if island not in self.last_seen:
+            return Outcome(
+                REJECTED, "unknown_island", f"island {island!r}: say hello, then resend", None
+            )
+        rnd = header["round"]
+        entry = self.dedup.get((island, fragment))
+        if entry is not None:
+            if rnd in entry.rounds:
+                return Outcome(DUPLICATE, None, "already accepted", version=frag.version)
+            if rnd < entry.newest - self.cfg.dedup_window:
+                return Outcome(
+                    REJECTED,
+                    "replayed_round",
+                    f"round {rnd} is older than the dedup window "
+                    f"(newest {entry.newest}, window {self.cfg.dedup_window})",
+                )
+        if header["base_version"] > frag.version:
+            return Outcome(
+                REJECTED,
+                "future_base_version",
+                f"base_version {header['base_version']} > current version {frag.version}",
+            )
+        mine = sum(1 for c in frag.pending if c.island == island)
+        if mine >= self.cfg.max_pending_per_island:
+            return Outcome(
+                REJECTED,
+                "too_many_pending",
+                f"{mine} deltas of {island!r} already pending on fragment {fragment}",
+            )
+        return None
+
+    def submit_delta(
+        self, header: Mapping[str, Any], payload: Sequence[Any], now: float
+    ) -> Outcome:
+        """Validate a push and, if good, accept its delta into the pending set.
+
+        Args:
+            header: a push header that passed protocol.unpack.
+            payload: codec frames of the tree {"delta": 1-D vector of the fragment's size}.
+            now: wall-clock arrival time.
+
+        Returns:
+            accepted (with its AcceptEvent), duplicate, or rejected with a
+            reason; counted. Parameters are never touched here.
+        """
+        early = self.check_push(header)
+        if early is not None:
+            return self._count(early)
+        frag = self.fragments[header["fragment"]]
+        size = frag.params.shape[0]
+        try:
+            tree = codec.decode(payload, max_elements=size)
+        except codec.CodecError as exc:
+            return self.reject("codec_error", str(exc))
+        if not isinstance(tree, Mapping) or set(tree) != {"delta"}:
+            keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
+            return self.reject(
+                "bad_shape", f"payload must be the tree {{'delta': vec}}, got {keys}"
+            )
+        delta = tree["delta"]
+        problem = _vector_problem(delta, size)
+        if problem:
+            return self.reject(*problem)
+        contribution = Contribution(
+            island=header["island"],
+            round=header["round"],
+            fragment=header["fragment"],
+            base_version=header["base_version"],
+            tokens=header["tokens"],
+            steps=header["steps"],
+            arrived=float(now),
+            delta=delta,
+        )
+        event = AcceptEvent(contribution)
+        self.apply(event)
+        return Outcome(ACCEPTED, event=event, version=frag.version)
+
+    def _count(self, outcome: Outcome) -> Outcome:
+        if outcome.status == DUPLICATE:
+            self.counters.duplicates += 1
+        elif outcome.status == REJECTED:
+            self.counters.rejected[outcome.reason] = (
+                self.counters.rejected.get(outcome.reason, 0) + 1
+            )
+        return outcome
+
+    # ----- steps ----------------------------------------------------------------
+
+    def due_fragments(self, now: float) -> tuple[list[int], float | None]:
+        """Which fragments the merge policy says to step now, and when to look again.
+
+        Args:
+            now: wall-clock seconds.
+
+        Returns:
+            (fragments to step now, earliest wake_at of the others or None).
+        """
+        live = self.live(now)
+        due: list[int] = []
+        wake: float | None = None
+        for index, frag in sorted(self.fragments.items()):
+            if not frag.pending:
+                continue
+            pending = [PendingDelta(c.island, c.arrived) for c in frag.pending]
+            decision = decide(now, pending, live, frag.stats, self.policy)
+            if decision.step:
+                due.append(index)
+            elif decision.wake_at is not None:
+                wake = decision.wake_at if wake is None else min(wake, decision.wake_at)
+        return due, wake
+
+    def step(self, fragment: int, now: float) -> tuple[StepEvent, Update]:
+        """One outer step of a fragment merging all its pending deltas.
+
+        Args:
+            fragment: an owned fragment with pending deltas.
+            now: wall-clock seconds.
+
+        Returns:
+            (the applied StepEvent, the Update to publish).
+        """
+        frag = self.fragments.get(fragment)
+        if frag is None or not frag.pending:
+            raise StateError(f"fragment {fragment} has nothing to step")
+        event = StepEvent(fragment, tuple((c.island, c.round) for c in frag.pending), float(now))
+        update = self.apply(event)
+        assert update is not None
+        return event, update
+
+    # ----- the one mutation path --------------------------------------------------
+
+    def apply(self, event: Event) -> Update | None:
+        """Apply an event (live or replayed from the log).
+
+        Args:
+            event: InitEvent, AcceptEvent or StepEvent.
+
+        Returns:
+            The Update of a StepEvent, else None.
+
+        Raises:
+            StateError: the event does not fit this state (corrupted or foreign log).
+        """
+        if isinstance(event, InitEvent):
+            self._apply_init(event)
+            return None
+        if isinstance(event, AcceptEvent):
+            self._apply_accept(event.contribution)
+            return None
+        if isinstance(event, StepEvent):
+            return self._apply_step(event)
+        raise StateError(f"unknown event {type(event).__name__}")
+
+    def _apply_init(self, event: InitEvent) -> None:
+        if self.initialized:
+            raise StateError("init event on an initialized shard")
+        plan = Plan.from_wire(event.plan_wire)
+        owned = {f.index: f.size for f in plan.fragments_of(self.index)}
+        if set(owned) != set(event.values):
+            raise StateError(
+                f"init event fragments {sorted(event.values)} != owned {sorted(owned)}"
+            )
+        self.plan = plan
+        for index in sorted(owned):
+            params = np.array(event.values[index], dtype=np.float32)
+            self.fragments[index] = FragmentState(params, self.optimizer.init(params))
+        logger.info(
+            "shard %d initialized: plan %s, fragments %s",
+            self.index,
+            plan.hash[:12],
+            sorted(owned),
+            extra={"shard": self.index, "plan_hash": plan.hash, "fragments": sorted(owned)},
+        )
+
+    def _apply_accept(self, c: Contribution) -> None:
+        frag = self.fragments.get(c.fragment)
+        if frag is None:
+            raise StateError(f"accept event for fragment {c.fragment} not owned by {self.index}")
+        frag.pending.append(c)
+        frag.stats = observe(frag.stats, c.arrived, self.policy.ema_alpha)
+        entry = self.dedup.get((c.island, c.fragment))
+        if entry is None:
+            entry = self.dedup[(c.island, c.fragment)] = DedupEntry(c.round, set())
+        entry.rounds.add(c.round)
+        if c.round > entry.newest:
+            entry.newest = c.round
+            low = entry.newest - self.cfg.dedup_window
+            entry.rounds = {r for r in entry.rounds if r >= low}
+        self.counters.accepted += 1
+
+    def _apply_step(self, event: StepEvent) -> Update:
+        frag = self.fragments.get(event.fragment)
+        if frag is None:
+            raise StateError(f"step event for fragment {event.fragment} not owned by {self.index}")
+        by_key = {(c.island, c.round): c for c in frag.pending}
+        try:
+            merged_in = [by_key[tuple(k)] for k in event.keys]
+        except KeyError as exc:
+            raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
+        if not merged_in:
+            raise StateError(f"step event for fragment {event.fragment} merges nothing")
+        weights = normalized_weights(self.weighting, merged_in, frag.version)
+        buf = self._merge_buffers.get(event.fragment)
+        if buf is None:
+            buf = self._merge_buffers[event.fragment] = np.empty_like(frag.params)
+        merged = merge_deltas([c.delta for c in merged_in], weights, out=buf)
+        frag.params, frag.opt_state = self.optimizer.step(frag.params, frag.opt_state, merged)
+        for c in merged_in:
+            staleness = frag.version - c.base_version
+            self.counters.staleness[staleness] = self.counters.staleness.get(staleness, 0) + 1
+        done = {id(c) for c in merged_in}
+        frag.pending = [c for c in frag.pending if id(c) not in done]
+        frag.version += 1
+        self.counters.steps += 1
+        logger.info(
+            "outer step shard=%d fragment=%d version=%d merged=%d",
+            self.index,
+            event.fragment,
+            frag.version,
+            len(merged_in),
+            extra={
+                "shard": self.index,
+                "fragment": event.fragment,
+                "version": frag.version,
+                "merged": len(merged_in),
+                "islands": sorted({c.island for c in merged_in}),
+                "weights": [round(float(w), 4) for w in weights],
+            },
+        )
+        return Update(event.fragment, frag.version, frag.params)
+
+
+def _vector_problem(arr: Any, size: int) -> tuple[str, str] | None:
+    """Why an array cannot be a fragment vector of `size` elements, or None if it can."""
+    if not isinstance(arr, np.ndarray):
+        return "bad_shape", f"expected an array, got {type(arr).__name__}"
+    if arr.dtype != np.float32:
+        return "bad_dtype", f"dtype {arr.dtype}; fragment vectors are float32"
+    if arr.shape != (size,):
+        return "bad_shape", f"shape {arr.shape}; the fragment needs ({size},)"
+    # max/min propagate NaN and expose +-inf without a temporary boolean array.
+    if size and not (np.isfinite(arr.max()) and np.isfinite(arr.min())):
+        return "non_finite", "values contain NaN or Inf"
+    return None

@@ -1,0 +1,175 @@
+"""Shared fixtures: ZeroMQ contexts that fail on leaked sockets, free ports, raw test peers, shards.
+
+Everything binds to 127.0.0.1 (random ports) and sets linger 0.
+
+- `zmq_ctx`: a fresh context; the test fails if it leaves a socket open.
+- `free_port()`: a TCP port on 127.0.0.1 that was free a moment ago.
+- `peer(endpoint)`: a raw DEALER speaking `paramserver.protocol` (no client
+  library), for sending good and bad messages to a shard.
+- `start_shard(**overrides)`: a ShardServer in a thread with random ports and a
+  temporary data dir; stopped (and checked to have stopped) at teardown.
+"""
+
+from __future__ import annotations
+
+import itertools
+import socket
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import zmq
+
+from paramserver import protocol
+from paramserver.config import ShardConfig
+from paramserver.shard import ShardServer
+
+REPLY_TIMEOUT_S = 10.0
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that the OS reported free (may race; prefer binding to *)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def zmq_ctx() -> Iterator[zmq.Context]:
+    """A ZeroMQ context; fails the test if a socket is still open at teardown."""
+    ctx = zmq.Context()
+    yield ctx
+    leaked = [s for s in list(ctx._sockets) if not s.closed]
+    for s in leaked:
+        s.close(linger=0)
+    ctx.term()
+    assert not leaked, f"{len(leaked)} socket(s) left open: close them (linger 0)"
+
+
+class Peer:
+    """A raw DEALER test peer: sends protocol messages (or arbitrary frames), reads replies."""
+
+    _ids = itertools.count(1)
+
+    def __init__(self, ctx: zmq.Context, endpoint: str, island: str = "peer") -> None:
+        self.island = island
+        self.sock = ctx.socket(zmq.DEALER)
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.connect(endpoint)
+
+    def send(self, header: dict[str, Any], payload: Sequence[Any] = ()) -> int:
+        """Send one request; adds a fresh `id` unless given. Returns the id."""
+        header = {"id": next(self._ids), **header}
+        self.sock.send_multipart(protocol.pack(header, list(payload)))
+        return header["id"]
+
+    def send_raw(self, frames: Sequence[Any]) -> None:
+        """Send frames exactly as given (for malformed messages)."""
+        self.sock.send_multipart(list(frames))
+
+    def recv(self, timeout_s: float = REPLY_TIMEOUT_S) -> tuple[dict[str, Any], list[Any]]:
+        """The next reply, decoded as a REPLY; fails the test on timeout."""
+        assert self.sock.poll(int(timeout_s * 1000)), f"no reply within {timeout_s} s"
+        frames = self.sock.recv_multipart()
+        return protocol.unpack(frames, role=protocol.REPLY)
+
+    def request(
+        self, header: dict[str, Any], payload: Sequence[Any] = ()
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """Send one request and return its reply (checked to echo the id)."""
+        rid = self.send(header, payload)
+        reply, body = self.recv()
+        assert reply.get("id") == rid, f"reply {reply} does not answer request {rid}"
+        return reply, body
+
+    def hello(self) -> dict[str, Any]:
+        """Say hello as this peer's island; returns the welcome header."""
+        reply, _ = self.request({"kind": "hello", "island": self.island})
+        assert reply["kind"] == "welcome", reply
+        return reply
+
+    def status(self) -> dict[str, Any]:
+        """The shard's status dict."""
+        reply, _ = self.request({"kind": "status"})
+        assert reply["kind"] == "status_reply", reply
+        return reply["status"]
+
+    def close(self) -> None:
+        self.sock.close(linger=0)
+
+
+@pytest.fixture
+def peer(zmq_ctx: zmq.Context) -> Iterator[Callable[..., Peer]]:
+    """Factory: peer(endpoint, island="peer") -> a connected Peer, closed at teardown."""
+    made: list[Peer] = []
+
+    def make(endpoint: str, island: str = "peer") -> Peer:
+        p = Peer(zmq_ctx, endpoint, island)
+        made.append(p)
+        return p
+
+    yield make
+    for p in made:
+        p.close()
+
+
+class RunningShard:
+    """A ShardServer serving in a background thread."""
+
+    def __init__(self, server: ShardServer) -> None:
+        self.server = server
+        self.stop_event = threading.Event()
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, name=f"shard-{server.index}", daemon=True)
+        self.thread.start()
+        deadline_ok = server.ready.wait(REPLY_TIMEOUT_S * 3)
+        if self.error is not None:
+            raise self.error
+        assert deadline_ok, "shard did not become ready"
+        assert server.bound_endpoints is not None
+        self.router, self.pub = server.bound_endpoints
+
+    def _run(self) -> None:
+        try:
+            self.server.serve(self.stop_event)
+        except BaseException as exc:  # surfaced to the test by stop() / __init__
+            self.error = exc
+            self.server.ready.set()
+
+    def stop(self) -> None:
+        """Stop the shard and wait for it; re-raises an error from its thread."""
+        self.stop_event.set()
+        self.thread.join(REPLY_TIMEOUT_S * 3)
+        assert not self.thread.is_alive(), "shard thread did not stop"
+        if self.error is not None:
+            raise self.error
+
+
+@pytest.fixture
+def start_shard(tmp_path) -> Iterator[Callable[..., RunningShard]]:
+    """Factory: start_shard(cfg=None, index=0, **overrides) -> RunningShard on random ports.
+
+    The config defaults to ShardConfig with data_dir under tmp_path, fsync off and
+    the given field overrides; every started shard is stopped at teardown.
+    """
+    running: list[RunningShard] = []
+
+    def start(cfg: ShardConfig | None = None, index: int = 0, **overrides: Any) -> RunningShard:
+        if cfg is None:
+            base = ShardConfig(data_dir=str(tmp_path / "server"), fsync=False)
+            cfg = replace(base, **overrides)
+        elif overrides:
+            cfg = replace(cfg, **overrides)
+        server = ShardServer(
+            cfg, index, router_bind="tcp://127.0.0.1:*", pub_bind="tcp://127.0.0.1:*"
+        )
+        shard = RunningShard(server)
+        running.append(shard)
+        return shard
+
+    yield start
+    for shard in running:
+        if shard.thread.is_alive():
+            shard.stop()

@@ -1,0 +1,224 @@
+"""A live shard over real sockets: join, init, snapshot, push/ack, publish, and bad input."""
+
+import logging
+import threading
+from dataclasses import replace
+
+import msgpack
+import numpy as np
+import pytest
+import zmq
+from conftest import free_port
+from shard_helpers import delta_frames, init_payload, nan_frames, plan_for, push_header, small_flat
+
+import codec
+from paramserver import protocol
+from paramserver.config import ShardConfig
+from paramserver.shard import run_shard
+
+pytestmark = pytest.mark.timeout(60)
+
+# Liveness long enough that no island dies during a test on a loaded machine.
+SLOW_HB = {"heartbeat_interval_s": 5.0, "liveness": 20}
+
+
+def init_shard(peer_factory, shard, flat=None, island="a"):
+    flat = flat or small_flat()
+    cfg = shard.server.cfg
+    plan = plan_for(flat, cfg.shards, cfg.num_fragments)
+    p = peer_factory(shard.router, island)
+    welcome = p.hello()
+    assert welcome["initialized"] is False and welcome["plan_hash"] is None
+    reply, _ = p.request(
+        {"kind": "init", "island": island, "plan": plan.to_wire()}, init_payload(plan, flat)
+    )
+    assert reply["kind"] == "init_ok", reply
+    assert protocol.versions_from_wire(reply["versions"]) == {0: 0, 1: 0}
+    return p, plan, flat
+
+
+def snapshot(p, fragment):
+    reply, body = p.request({"kind": "snapshot", "island": p.island, "fragment": fragment})
+    assert reply["kind"] == "snapshot_reply", reply
+    return reply, codec.decode(body)["values"]
+
+
+def test_join_init_and_snapshot(start_shard, peer):
+    shard = start_shard(mode="sync", **SLOW_HB)
+    a, plan, flat = init_shard(peer, shard)
+    b = peer(shard.router, "b")
+    welcome = b.hello()
+    assert welcome["initialized"] is True and welcome["plan_hash"] == plan.hash
+    assert welcome["num_shards"] == 1 and welcome["num_fragments"] == 2
+    assert welcome["plan"] == plan.to_wire()
+    again, _ = b.request(
+        {"kind": "init", "island": "b", "plan": plan.to_wire()}, init_payload(plan, flat)
+    )
+    assert (again["kind"], again["reason"]) == ("rejected", "already_initialized")
+    for f in (0, 1):
+        reply, values = snapshot(b, f)
+        assert (reply["fragment"], reply["version"], reply["seq"]) == (f, 0, 0)
+        assert values.tobytes() == plan.gather(flat, f).tobytes()
+    status = b.status()
+    assert status["islands_live"] == ["a", "b"]
+    assert status["rejected"] == {"already_initialized": 1}
+
+
+def test_push_ack_step_and_publish(start_shard, peer, zmq_ctx):
+    shard = start_shard(mode="sync", heartbeat_interval_s=0.05, liveness=400)
+    sub = zmq_ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(shard.pub)
+    try:
+        assert sub.poll(10_000), "no heartbeat on the PUB"
+        hb, _ = protocol.unpack(sub.recv_multipart(), role=protocol.PUB)
+        assert hb["kind"] == "heartbeat" and hb["seq"] == 0
+        a, plan, flat = init_shard(peer, shard)
+        b = peer(shard.router, "b")
+        b.hello()
+        size = plan.fragments[1].size
+        for p, seed in ((a, 1), (b, 2)):
+            d = np.random.default_rng(seed).standard_normal(size).astype(np.float32)
+            ack, _ = p.request(push_header(plan, p.island, 1, 1), delta_frames(d, "int8"))
+            assert ack["kind"] == "ack" and ack["outcome"] == "accepted", ack
+            assert (ack["round"], ack["fragment"]) == (1, 1)
+        while True:
+            assert sub.poll(10_000), "no update published"
+            msg, body = protocol.unpack(sub.recv_multipart(), role=protocol.PUB)
+            if msg["kind"] == "update":
+                break
+        assert (msg["fragment"], msg["version"], msg["seq"], msg["mode"]) == (1, 1, 1, "full")
+        published = codec.decode(body)["values"]
+        reply, values = snapshot(a, 1)
+        assert (reply["version"], reply["seq"]) == (1, 1)
+        assert values.tobytes() == published.tobytes()
+        assert values.tobytes() != plan.gather(flat, 1).tobytes()
+        dup, _ = a.request(push_header(plan, "a", 1, 1), delta_frames(np.zeros(size, np.float32)))
+        assert dup["outcome"] == "duplicate" and dup["version"] == 1
+        status = a.status()
+        assert status["versions"] == {"0": 0, "1": 1} and status["steps"] == 1
+        assert status["accepted"] == 2 and status["duplicates"] == 1
+        assert status["bytes_in"] > 0 and status["bytes_out"] > 0
+        assert status["staleness_histogram"] == {"0": 2}
+    finally:
+        sub.close(linger=0)
+
+
+def _bad_cases(plan, size):
+    """(name, frames or (header, payload), expected reply kind, expected reason)."""
+    good = push_header(plan, "a", 50, 0)
+    zeros = delta_frames(np.zeros(size, np.float32))
+    return [
+        ("malformed msgpack", [b"\xc1\xc1\xc1"], "rejected", "malformed"),
+        ("header not a map", [msgpack.packb([1, 2, 3])], "rejected", "malformed"),
+        ("unknown kind", ({"kind": "explode", "island": "a"}, []), "rejected", "unknown_kind"),
+        (
+            "wrong protocol version",
+            [msgpack.packb({**good, "v": 99}), *zeros],
+            "rejected",
+            "bad_version",
+        ),
+        ("wrong plan hash", ({**good, "plan_hash": "f" * 64}, zeros), "ack", "plan_mismatch"),
+        (
+            "wrong shape",
+            (good, delta_frames(np.zeros(size - 1, np.float32))),
+            "ack",
+            "bad_shape",
+        ),
+        ("wrong dtype", (good, delta_frames(np.zeros(size, np.float16))), "ack", "bad_dtype"),
+        ("NaN payload", (good, nan_frames(size)), "ack", "non_finite"),
+        ("Inf payload", (good, nan_frames(size, float("-inf"))), "ack", "non_finite"),
+        ("garbage codec frames", (good, [b"junk", b"\x00" * 64]), "ack", "codec_error"),
+        ("no codec frames", (good, []), "ack", "codec_error"),
+        ("oversize", (good, [b"\x00" * 70_000]), "ack", "oversize"),
+        ("unknown island", ({**good, "island": "nobody"}, zeros), "ack", "unknown_island"),
+        ("replayed round", ({**good, "round": 1}, zeros), "ack", "replayed_round"),
+        ("future base", ({**good, "base_version": 9}, zeros), "ack", "future_base_version"),
+        ("missing field", ({"kind": "push", "island": "a"}, zeros), "rejected", "malformed"),
+    ]
+
+
+def test_bad_input_is_rejected_counted_and_never_touches_parameters(start_shard, peer):
+    shard = start_shard(mode="sync", max_message_bytes=65_536, dedup_window=4, **SLOW_HB)
+    honest, plan, _ = init_shard(peer, shard, island="a")
+    peer(shard.router, "b").hello()  # a second live island: a's pushes alone never step
+    size = plan.fragments[0].size
+    ack, _ = honest.request(push_header(plan, "a", 40, 0), delta_frames(np.ones(size, np.float32)))
+    assert ack["outcome"] == "accepted"
+    before = {f: snapshot(honest, f)[1].tobytes() for f in (0, 1)}
+    attacker = peer(shard.router, "a")  # claims island a's id over another connection
+    expected: dict[str, int] = {}
+    for name, message, kind, reason in _bad_cases(plan, size):
+        if isinstance(message, tuple):
+            rid = attacker.send(*message)
+        else:
+            rid = None
+            attacker.send_raw(message)
+        reply, _ = attacker.recv()
+        assert reply["kind"] == kind, (name, reply)
+        assert reply.get("reason") == reason, (name, reply)
+        if kind == "ack":
+            assert reply["outcome"] == "rejected" and reply["id"] == rid, (name, reply)
+        expected[reason] = expected.get(reason, 0) + 1
+        # the honest peer is still served after every bad message
+        hb, _ = honest.request({"kind": "heartbeat", "island": "a"})
+        assert hb["kind"] == "heartbeat", (name, hb)
+    after = {f: snapshot(honest, f)[1].tobytes() for f in (0, 1)}
+    assert after == before
+    status = honest.status()
+    assert status["rejected"] == expected
+    assert status["accepted"] == 1 and status["steps"] == 0
+    assert status["pending"] == {"0": 1, "1": 0}
+    ack, _ = honest.request(push_header(plan, "a", 41, 0), delta_frames(np.ones(size, np.float32)))
+    assert ack["outcome"] == "accepted"
+
+
+def test_past_the_hard_size_cap_the_connection_is_dropped_and_others_are_served(start_shard, peer):
+    shard = start_shard(max_message_bytes=65_536, **SLOW_HB)
+    honest, plan, _ = init_shard(peer, shard)
+    big = peer(shard.router, "big")
+    big.send(push_header(plan, "a", 1, 0), [b"\x00" * (3 * 65_536)])
+    assert not big.sock.poll(300), "no reply past ZMQ_MAXMSGSIZE"
+    assert honest.status()["accepted"] == 0
+
+
+def test_requests_before_init_and_from_strangers(start_shard, peer):
+    shard = start_shard(**SLOW_HB)
+    p = peer(shard.router, "x")
+    reply, _ = p.request({"kind": "snapshot", "island": "x", "fragment": 0})
+    assert (reply["kind"], reply["reason"]) == ("rejected", "not_initialized")
+    reply, _ = p.request({"kind": "heartbeat", "island": "x"})
+    assert (reply["kind"], reply["reason"]) == ("rejected", "unknown_island")
+    p.hello()
+    reply, _ = p.request({"kind": "heartbeat", "island": "x"})
+    assert (reply["kind"], reply["shard"], reply["seq"]) == ("heartbeat", 0, 0)
+    reply, _ = p.request({"kind": "bye", "island": "x"})
+    assert reply["kind"] == "bye_ok"
+    assert p.status()["islands_live"] == []
+
+
+def test_too_many_islands(start_shard, peer):
+    shard = start_shard(max_islands=1, **SLOW_HB)
+    peer(shard.router, "one").hello()
+    two = peer(shard.router, "two")
+    reply, _ = two.request({"kind": "hello", "island": "two"})
+    assert (reply["kind"], reply["reason"]) == ("rejected", "too_many_islands")
+
+
+def test_run_shard_logs_serving_and_returns_zero(tmp_path, caplog, peer):
+    port = free_port()
+    cfg = replace(ShardConfig(), port=port, data_dir=str(tmp_path / "d"), fsync=False)
+    stop = threading.Event()
+    result: list[int] = []
+    caplog.set_level(logging.INFO, logger="paramserver.shard")
+    thread = threading.Thread(target=lambda: result.append(run_shard(cfg, 0, None, stop)))
+    thread.start()
+    try:
+        p = peer(f"tcp://127.0.0.1:{port}", "x")
+        assert p.status()["shard"] == 0
+    finally:
+        stop.set()
+        thread.join(30)
+    assert result == [0]
+    assert any(f"shard 0 serving on tcp://127.0.0.1:{port}" in r.message for r in caplog.records)
