@@ -23,6 +23,7 @@ import inspect
 import io
 import logging
 import os
+import re
 import textwrap
 import tokenize
 import tomllib
@@ -357,7 +358,7 @@ def _build(cls: type, prefix: tuple[str, ...], values: dict[str, tuple[Any, str]
         raise
     except (ValueError, TypeError) as exc:
         message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        named = [name for name in sources if name in message]
+        named = [name for name in sources if re.search(rf"(?<!\w){name}(?!\w)", message)]
         if len(named) == 1:
             raise SettingsError(f"{sources[named[0]][1]}: {message}") from None
         raise SettingsError(f"invalid {cls.__name__}: {message}") from None

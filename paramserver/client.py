@@ -1,0 +1,326 @@
+"""The client library an island uses to join the cluster, push deltas and receive updates.
+
+This module owns the public API (`ClientConfig`, `Client`, `JoinResult`,
+`Update`, `ClientError`). All network I/O runs in one background thread
+(`paramserver.client_io`) that owns every socket; the API hands it commands
+through a thread-safe queue plus an inproc wake-up, so `push` and
+`poll_updates` never wait on the network. `push` blocks only for
+back-pressure, when `max_unacked` deltas are outstanding.
+
+    client = Client(ClientConfig(connect="tcp://127.0.0.1:5555", island="a"))
+    res = client.join(flat_params)        # plan, params, versions
+    client.push(fragment, round, base_version, tokens, steps, frames)
+    for update in client.poll_updates(): ...
+    client.close()
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from paramserver.plan import Plan
+
+_INSTANCES = itertools.count()
+
+
+class ClientError(RuntimeError):
+    """The client cannot do what was asked; the message says why and what to do."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Settings of one island's connection to the parameter server."""
+
+    connect: str  # ROUTER endpoint of any shard (normally shard 0), e.g. tcp://host:5555
+    island: str  # stable island id, 1-128 characters
+    heartbeat_interval_s: float = 1.0  # heartbeat period to every shard; liveness unit
+    liveness: int = 5  # a shard silent this many intervals is down (reconnect, re-snapshot)
+    ack_timeout_s: float = 5.0  # re-send an unacked delta after this, doubling per attempt
+    ack_timeout_cap_s: float = 60.0  # upper bound of the re-send back-off
+    reconnect_cap_s: float = 10.0  # upper bound of the reconnect back-off
+    max_unacked: int = 16  # deltas outstanding before push blocks (back-pressure)
+    push_timeout_s: float = 300.0  # push waiting for a free slot longer than this fails
+    join_timeout_s: float = 30.0  # join (hello, init, snapshots) must finish within this
+    snapshot_timeout_s: float = 30.0  # a re-snapshot of a shard not done by then is restarted
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.connect, str) or not self.connect.startswith(
+            ("tcp://", "ipc://", "inproc://")
+        ):
+            raise ClientError(
+                f"ClientConfig.connect={self.connect!r}: give a ZeroMQ endpoint such as "
+                "tcp://127.0.0.1:5555"
+            )
+        if not isinstance(self.island, str) or not 1 <= len(self.island) <= 128:
+            raise ClientError(
+                f"ClientConfig.island={self.island!r}: give a string of 1-128 characters"
+            )
+        for name in (
+            "heartbeat_interval_s",
+            "ack_timeout_s",
+            "ack_timeout_cap_s",
+            "reconnect_cap_s",
+            "push_timeout_s",
+            "join_timeout_s",
+            "snapshot_timeout_s",
+        ):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ClientError(f"ClientConfig.{name}={value!r}: must be a number > 0")
+        for name in ("liveness", "max_unacked"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ClientError(f"ClientConfig.{name}={value!r}: must be an int >= 1")
+        if self.ack_timeout_cap_s < self.ack_timeout_s:
+            raise ClientError(
+                f"ClientConfig.ack_timeout_cap_s={self.ack_timeout_cap_s!r}: must be >= "
+                f"ack_timeout_s={self.ack_timeout_s}"
+            )
+        if self.reconnect_cap_s < self.heartbeat_interval_s:
+            raise ClientError(
+                f"ClientConfig.reconnect_cap_s={self.reconnect_cap_s!r}: must be >= "
+                f"heartbeat_interval_s={self.heartbeat_interval_s}"
+            )
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """What `Client.join` returns: the plan and the global parameters as of `versions`."""
+
+    plan: Plan
+    params: dict[str, np.ndarray]
+    versions: dict[int, int]
+
+
+@dataclass(frozen=True)
+class Update:
+    """A new global version of one fragment: `values` is the full 1-D float32 vector."""
+
+    fragment: int
+    version: int
+    values: np.ndarray
+
+
+@dataclass
+class PushRequest:
+    """One delta handed from the API to the I/O thread."""
+
+    fragment: int
+    round: int
+    base_version: int
+    tokens: int
+    steps: int
+    frames: list[Any]
+
+
+def _uint(name: str, value: object, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ClientError(f"push: {name}={value!r} must be an int >= {low}")
+    return int(value)
+
+
+def _check_params(flat_params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if not isinstance(flat_params, Mapping) or not flat_params:
+        raise ClientError("join: pass a non-empty mapping of parameter name -> float array")
+    flat = {}
+    for name, value in flat_params.items():
+        arr = np.asarray(value)
+        if not (arr.dtype.kind == "f" or "float" in arr.dtype.name):
+            raise ClientError(
+                f"join: cannot use these parameters: {name!r} has dtype {arr.dtype}; "
+                "only float parameters are synchronised"
+            )
+        flat[name] = arr
+    return flat
+
+
+class Client:
+    """An island's connection to every shard (see the module docstring)."""
+
+    def __init__(self, cfg: ClientConfig) -> None:
+        """Create the client and its I/O thread (nothing is sent before `join`).
+
+        Args:
+            cfg: connection settings.
+        """
+        from paramserver.client_io import IOThread  # the I/O side imports this module
+
+        if not isinstance(cfg, ClientConfig):
+            raise ClientError(f"Client needs a ClientConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self._slots = threading.Condition()
+        self._outstanding = 0
+        self._plan: Plan | None = None
+        self._joined = False
+        self._closed = False
+        self._io = IOThread(cfg, f"inproc://client-wake-{next(_INSTANCES)}", self._release)
+        self._io.start()
+
+    # -- back-pressure ---------------------------------------------------------------
+
+    def _release(self, count: int = 1) -> None:
+        """Called by the I/O thread when deltas are resolved (acked, rejected or dropped)."""
+        with self._slots:
+            self._outstanding = max(0, self._outstanding - count)
+            self._slots.notify_all()
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise ClientError("client is closed; create a new Client")
+        if self._io.failure is not None:
+            raise ClientError(f"client I/O thread failed: {self._io.failure}")
+
+    # -- public API --------------------------------------------------------------------
+
+    def join(self, flat_params: Mapping[str, np.ndarray]) -> JoinResult:
+        """Join the cluster: learn its map, initialise it if empty, fetch every fragment.
+
+        Args:
+            flat_params: path -> array (float dtypes); the first joiner of an empty
+                cluster provides the initial values; later joiners' values are
+                only used for their shapes.
+
+        Returns:
+            JoinResult(plan, params as float32 arrays, versions per fragment).
+
+        Raises:
+            ClientError: no answer in time, plan mismatch with the cluster, or a
+                shard refused the join.
+        """
+        self._check_alive()
+        if self._joined:
+            raise ClientError("join() was already called on this client")
+        flat = _check_params(flat_params)
+        future: Future = Future()
+        self._io.submit(("join", flat, future))
+        try:
+            result = future.result(timeout=self.cfg.join_timeout_s + 10.0)
+        except FutureTimeout:
+            raise ClientError(
+                f"join: no result within {self.cfg.join_timeout_s:g}s; is the server at "
+                f"{self.cfg.connect} running?"
+            ) from None
+        self._plan = result.plan
+        self._joined = True
+        return result
+
+    def push(
+        self,
+        fragment: int,
+        round: int,
+        base_version: int,
+        tokens: int,
+        steps: int,
+        frames: Sequence[Any],
+    ) -> None:
+        """Queue one delta for its shard; it is kept and re-sent until acked.
+
+        Blocks only while `max_unacked` deltas are outstanding.
+
+        Args:
+            fragment: fragment index.
+            round: the island's round (monotone; with island and fragment the
+                idempotency key).
+            base_version: the fragment version the delta was computed from.
+            tokens: tokens trained since that version (>= 1).
+            steps: inner steps since that version (>= 1).
+            frames: codec frames of {"delta": 1-D vector of the fragment's size};
+                not modified afterwards by the caller.
+
+        Raises:
+            ClientError: not joined, a bad argument, or no free slot within
+                `push_timeout_s`.
+        """
+        self._check_alive()
+        if not self._joined or self._plan is None:
+            raise ClientError("push: call join() first")
+        fragment = _uint("fragment", fragment)
+        if fragment >= self._plan.num_fragments:
+            raise ClientError(
+                f"push: fragment={fragment} out of range: the plan has "
+                f"{self._plan.num_fragments} fragments"
+            )
+        request = PushRequest(
+            fragment,
+            _uint("round", round),
+            _uint("base_version", base_version),
+            _uint("tokens", tokens, 1),
+            _uint("steps", steps, 1),
+            list(frames),
+        )
+        if not request.frames:
+            raise ClientError("push: frames is empty; pass the frames a codec's encode returned")
+        with self._slots:
+            ok = self._slots.wait_for(
+                lambda: self._outstanding < self.cfg.max_unacked or self._io.failure is not None,
+                timeout=self.cfg.push_timeout_s,
+            )
+            if not ok:
+                raise ClientError(
+                    f"push: {self._outstanding} deltas still unacked after "
+                    f"{self.cfg.push_timeout_s:g}s; is the server reachable?"
+                )
+            self._check_alive()
+            self._outstanding += 1
+        self._io.submit(("push", request, None))
+
+    def poll_updates(self) -> list[Update]:
+        """The newest update of each fragment that changed since the last call.
+
+        Returns:
+            Updates in fragment order (values: full 1-D float32, bit-exact replica).
+        """
+        self._check_alive()
+        return self._io.take_updates()
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this client.
+
+        Returns:
+            dict with bytes_sent, bytes_received (sums of frame lengths at the
+            sockets), pushes, acked (duplicates included), duplicates, rejected
+            (reason -> count), resent, pending, snapshots, updates_applied,
+            version_lag, reconnects, resyncs, shards_down.
+        """
+        out = self._io.stats()
+        with self._slots:
+            out["pending"] = self._outstanding
+        return out
+
+    def close(self, flush_timeout_s: float = 5.0) -> int:
+        """Wait up to `flush_timeout_s` for unacked deltas, say bye, close every socket.
+
+        Args:
+            flush_timeout_s: how long to wait for outstanding acks.
+
+        Returns:
+            Deltas dropped unacked.
+        """
+        if self._closed:
+            return 0
+        self._closed = True
+        dropped = self._io.shutdown(flush_timeout_s)
+        with self._slots:
+            self._outstanding = 0
+            self._slots.notify_all()
+        return dropped
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
