@@ -1,0 +1,292 @@
+"""The island's inner training: the AdamW optimizer and a jit-compiled train/eval step.
+
+This module owns the inner optimizer configuration and the `InnerTrainer`, which holds
+the island's current parameters and optimizer state on its devices and advances them one
+batch at a time. It knows nothing of the network: the worker reads `numpy_params()` to
+compute deltas and calls `set_params()` when a new global version is merged in.
+
+Learning-rate schedule: linear warm-up, then either constant (the default, because
+rounds go on indefinitely and the outer optimizer sets the pace) or a cosine decay to
+`final_lr_fraction * lr` over `decay_steps`, constant at that floor afterwards. The step
+count lives in the optimizer state, so it carries across `set_params()`.
+
+Devices: the island may drive several local devices. Parameters and optimizer state are
+replicated over a 1-D mesh ("data") and each batch is split along its first axis; XLA
+inserts the gradient all-reduce. The default is every device of JAX's default backend,
+so the same code runs on CPU, GPU or TPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from collections.abc import Sequence
+
+import jax
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from worker import model
+
+logger = logging.getLogger(__name__)
+
+_DECAYS = ("constant", "cosine")
+
+
+class InnerConfigError(ValueError):
+    """An inner-training setting or input is invalid."""
+
+
+@dataclasses.dataclass(frozen=True)
+class InnerConfig:
+    """Inner (per-island) AdamW training settings."""
+
+    lr: float = 3e-3  # peak learning rate after warm-up
+    warmup_steps: int = 20  # linear warm-up from 0 to lr over this many steps (0: none)
+    decay: str = "constant"  # after warm-up: "constant" or "cosine" (to the floor, then flat)
+    decay_steps: int = 10_000  # cosine: steps from the end of warm-up to the floor
+    final_lr_fraction: float = 0.1  # cosine: floor as a fraction of lr
+    weight_decay: float = 0.1  # decoupled weight decay on matrices (not LayerNorm)
+    b1: float = 0.9  # AdamW first-moment decay
+    b2: float = 0.95  # AdamW second-moment decay
+    eps: float = 1e-8  # AdamW denominator epsilon
+    grad_clip: float = 1.0  # clip the global gradient norm to this (0: no clipping)
+    batch_size: int = 16  # global batch B (split over the island's devices)
+    seq_len: int = 128  # context length T (windows hold T+1 bytes)
+
+    def __post_init__(self) -> None:
+        def bad(field: str, rule: str) -> InnerConfigError:
+            return InnerConfigError(f"InnerConfig.{field} {rule}, got {getattr(self, field)!r}")
+
+        for field in ("lr", "weight_decay", "final_lr_fraction", "grad_clip", "eps"):
+            value = getattr(self, field)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
+                raise bad(field, "must be a finite number >= 0")
+        if self.lr <= 0:
+            raise bad("lr", "must be > 0")
+        if self.final_lr_fraction > 1:
+            raise bad("final_lr_fraction", "must be in [0, 1]")
+        for field in ("b1", "b2"):
+            value = getattr(self, field)
+            if not isinstance(value, int | float) or not 0 <= value < 1:
+                raise bad(field, "must be in [0, 1)")
+        for field, minimum in (("warmup_steps", 0), ("decay_steps", 1), ("batch_size", 1)):
+            value = getattr(self, field)
+            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+                raise bad(field, f"must be an int >= {minimum}")
+        if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
+            raise bad("seq_len", "must be an int >= 1")
+        if self.decay not in _DECAYS:
+            raise bad("decay", f"must be one of {_DECAYS}")
+
+
+def make_schedule(cfg: InnerConfig) -> optax.Schedule:
+    """The learning-rate schedule described in the module docstring.
+
+    Args:
+        cfg: inner settings.
+
+    Returns:
+        An optax schedule: step -> learning rate.
+    """
+    if cfg.decay == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, cfg.decay_steps, alpha=cfg.final_lr_fraction)
+    else:
+        after = optax.constant_schedule(cfg.lr)
+    if cfg.warmup_steps == 0:
+        return after
+    warmup = optax.linear_schedule(0.0, cfg.lr, cfg.warmup_steps)
+    return optax.join_schedules([warmup, after], boundaries=[cfg.warmup_steps])
+
+
+def make_inner_optimizer(cfg: InnerConfig) -> optax.GradientTransformation:
+    """AdamW with warm-up/decay schedule and global-norm clipping.
+
+    Args:
+        cfg: inner settings.
+
+    Returns:
+        An optax transformation; weight decay skips LayerNorm scales and biases.
+    """
+    adamw = optax.adamw(
+        learning_rate=make_schedule(cfg),
+        b1=cfg.b1,
+        b2=cfg.b2,
+        eps=cfg.eps,
+        weight_decay=cfg.weight_decay,
+        mask=model.weight_decay_mask,
+    )
+    if cfg.grad_clip == 0:
+        return adamw
+    return optax.chain(optax.clip_by_global_norm(cfg.grad_clip), adamw)
+
+
+def _resolve_devices(devices: Sequence[jax.Device] | int | None) -> list[jax.Device]:
+    available = jax.devices()
+    if devices is None:
+        return list(available)
+    if isinstance(devices, int) and not isinstance(devices, bool):
+        if not 1 <= devices <= len(available):
+            raise InnerConfigError(
+                f"devices={devices} but the default backend has {len(available)} device(s)"
+            )
+        return list(available[:devices])
+    chosen = list(devices)
+    if not chosen:
+        raise InnerConfigError("devices must not be empty")
+    return chosen
+
+
+class InnerTrainer:
+    """Holds an island's parameters and AdamW state and runs jitted train/eval steps.
+
+    Buffers are donated to each step, so a `params` tree read before `step()` is invalid
+    afterwards; use `numpy_params()` for a snapshot that survives.
+    """
+
+    def __init__(
+        self,
+        model_cfg: model.ModelConfig,
+        inner_cfg: InnerConfig,
+        params: dict,
+        devices: Sequence[jax.Device] | int | None = None,
+    ) -> None:
+        """Place parameters on the devices and initialise the optimizer.
+
+        Args:
+            model_cfg: model shape.
+            inner_cfg: inner optimizer settings.
+            params: initial parameter tree (numpy or jax); copied, not consumed.
+            devices: None for every default-backend device, an int for the first n of
+                them, or an explicit list of devices.
+        """
+        self.model_cfg = model_cfg
+        self.inner_cfg = inner_cfg
+        self.devices = _resolve_devices(devices)
+        mesh = Mesh(np.asarray(self.devices), ("data",))
+        self._replicated = NamedSharding(mesh, PartitionSpec())
+        self._batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+        self._tx = make_inner_optimizer(inner_cfg)
+        self._treedef = jax.tree_util.tree_structure(params)
+        self._shapes = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(params)]
+        self._params = self._place(params)
+        self._opt_state = jax.device_put(self._tx.init(self._params), self._replicated)
+        self._steps_done = 0
+        self._tokens_done = 0
+
+        def train_step(params: dict, opt_state: optax.OptState, tokens_BxT1: jax.Array):
+            loss, grads = jax.value_and_grad(model.loss_fn)(params, tokens_BxT1, model_cfg)
+            updates, opt_state = self._tx.update(grads, opt_state, params)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+        rep, shard = self._replicated, self._batch_sharding
+        self._train_step = jax.jit(
+            train_step,
+            in_shardings=(rep, rep, shard),
+            out_shardings=(rep, rep, rep),
+            donate_argnums=(0, 1),
+        )
+        self._eval_step = jax.jit(
+            lambda params, tokens_BxT1: model.loss_fn(params, tokens_BxT1, model_cfg),
+            in_shardings=(rep, shard),
+            out_shardings=rep,
+        )
+        logger.info(
+            "inner trainer: %d params on %d device(s) (%s)",
+            model.count_params(params),
+            len(self.devices),
+            self.devices[0].platform,
+        )
+
+    def _place(self, tree: dict) -> dict:
+        treedef = jax.tree_util.tree_structure(tree)
+        if treedef != self._treedef:
+            raise InnerConfigError(
+                f"parameter tree structure {treedef} != expected {self._treedef}"
+            )
+        leaves = jax.tree_util.tree_leaves(tree)
+        for leaf, shape in zip(leaves, self._shapes, strict=True):
+            if np.shape(leaf) != shape:
+                raise InnerConfigError(f"parameter of shape {np.shape(leaf)} != expected {shape}")
+        # A fresh float32 host copy, so donation never frees a buffer the caller still holds.
+        host = [np.array(leaf, dtype=np.float32, copy=True) for leaf in leaves]
+        placed = jax.device_put(host, self._replicated)
+        return jax.tree_util.tree_unflatten(self._treedef, placed)
+
+    def _put_batch(self, tokens_BxT1: np.ndarray) -> jax.Array:
+        shape = np.shape(tokens_BxT1)
+        if len(shape) != 2 or shape[1] < 2:
+            raise InnerConfigError(f"batch must have shape [B, T+1] with T >= 1, got {shape}")
+        if shape[0] % len(self.devices):
+            raise InnerConfigError(
+                f"batch size {shape[0]} is not divisible by the {len(self.devices)} device(s)"
+            )
+        return jax.device_put(np.asarray(tokens_BxT1, dtype=np.int32), self._batch_sharding)
+
+    def step(self, tokens_BxT1: np.ndarray) -> float:
+        """One AdamW step on one batch.
+
+        Args:
+            tokens_BxT1: int array [B, T+1]; B must be divisible by the device count.
+
+        Returns:
+            The batch's mean loss (nats/byte) before the update.
+        """
+        batch = self._put_batch(tokens_BxT1)
+        self._params, self._opt_state, loss = self._train_step(self._params, self._opt_state, batch)
+        self._steps_done += 1
+        self._tokens_done += batch.shape[0] * (batch.shape[1] - 1)
+        return float(loss)
+
+    def evaluate(self, batches: Sequence[np.ndarray]) -> float:
+        """Mean loss over evaluation batches, weighted by batch size; no update.
+
+        Args:
+            batches: int arrays [B, T+1] (e.g. from `worker.data.eval_batches`).
+
+        Returns:
+            Mean loss in nats/byte.
+        """
+        if not batches:
+            raise InnerConfigError("evaluate needs at least one batch")
+        total, count = 0.0, 0
+        for tokens_BxT1 in batches:
+            batch = self._put_batch(tokens_BxT1)
+            total += float(self._eval_step(self._params, batch)) * batch.shape[0]
+            count += batch.shape[0]
+        return total / count
+
+    @property
+    def params(self) -> dict:
+        """The current parameters (jax arrays, replicated); invalidated by the next step."""
+        return self._params
+
+    def set_params(self, tree: dict) -> None:
+        """Replace the parameters, keeping the optimizer state (moments and step count).
+
+        Args:
+            tree: numpy or jax tree with the same structure and shapes; copied.
+        """
+        self._params = self._place(tree)
+
+    def numpy_params(self) -> dict:
+        """A host snapshot of the parameters.
+
+        Returns:
+            Nested dict of float32 numpy arrays, owned by the caller.
+        """
+        return jax.tree_util.tree_map(
+            lambda x: np.array(x, dtype=np.float32, copy=True), self._params
+        )
+
+    @property
+    def steps_done(self) -> int:
+        """Number of `step()` calls so far."""
+        return self._steps_done
+
+    @property
+    def tokens_done(self) -> int:
+        """Number of predicted tokens (B*T summed over steps) so far."""
+        return self._tokens_done
