@@ -11,6 +11,7 @@ import threading
 import zlib
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import zstandard
 
 from .errors import CodecError
@@ -107,7 +108,7 @@ def make_pool(threads: int) -> ThreadPoolExecutor | None:
     return ThreadPoolExecutor(threads, thread_name_prefix="codec-zstd") if threads > 0 else None
 
 
-def gather(frames, entries, zstd: bool, total: int) -> bytearray:
+def gather(frames, entries, zstd: bool, total: int, pool=None) -> np.ndarray:
     """Reassemble the payload from its frames, verifying every frame.
 
     Args:
@@ -115,24 +116,38 @@ def gather(frames, entries, zstd: bool, total: int) -> bytearray:
         entries: (raw_len, wire_len, check) per frame from the header.
         zstd: whether frames are zstd frames.
         total: payload bytes (sum of raw_len, already checked).
+        pool: ThreadPoolExecutor to decompress frames in parallel, or None.
 
     Returns:
-        bytearray holding the payload (writable, so raw tensors can view it).
+        uint8 array holding the payload (writable, so raw tensors can view it).
     """
-    payload = bytearray(total)
-    pos = 0
-    for i, (frame, (raw_len, wire_len, check)) in enumerate(zip(frames, entries, strict=True)):
+    for i, (frame, (_, wire_len, _)) in enumerate(zip(frames, entries, strict=True)):
         if len(frame) != wire_len:
             raise CodecError(f"frame {i + 1} has {len(frame)} bytes, header says {wire_len}")
-        if zstd:
-            data = _unzstd(frame, raw_len, check, i + 1)
-        else:
-            if zlib.crc32(frame) != check:
-                raise CodecError(f"frame {i + 1} fails its crc32 (corrupted or reordered)")
-            data = frame
-        payload[pos : pos + raw_len] = data
-        pos += raw_len
+    payload = np.empty(total, np.uint8)
+    starts = np.cumsum([0] + [e[0] for e in entries]).tolist()
+    jobs = [
+        (f, e, payload[a : a + e[0]], i + 1)
+        for i, (f, e, a) in enumerate(zip(frames, entries, starts[:-1], strict=True))
+    ]
+    unpack = _unzstd_into if zstd else _check_into
+    if pool is None or len(jobs) < 2:
+        for job in jobs:
+            unpack(*job)
+    else:
+        for future in [pool.submit(unpack, *job) for job in jobs]:
+            future.result()
     return payload
+
+
+def _check_into(frame, entry, out, index: int) -> None:
+    if zlib.crc32(frame) != entry[2]:
+        raise CodecError(f"frame {index} fails its crc32 (corrupted or reordered)")
+    out[:] = np.frombuffer(frame, np.uint8)
+
+
+def _unzstd_into(frame, entry, out, index: int) -> None:
+    out[:] = np.frombuffer(_unzstd(frame, entry[0], entry[2], index), np.uint8)
 
 
 def _unzstd(frame, raw_len: int, check: int, index: int):

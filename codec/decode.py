@@ -6,6 +6,9 @@ tensor in its original dtype and shape. Whatever the input, it returns a tree
 or raises CodecError.
 """
 
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numpy as np
 
 from . import format as fmt
@@ -31,13 +34,14 @@ def _views(frames) -> list:
     return views
 
 
-def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS) -> dict:
+def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS, threads: int = 0) -> dict:
     """Decode frames written by any codec scheme.
 
     Args:
         frames: list of bytes-like (bytes, memoryview, zmq.Frame), header first.
         max_elements: refuse headers declaring more elements than this
             (checked before anything is allocated or decompressed).
+        threads: decompress payload frames on this many threads (0: caller's).
 
     Returns:
         nested dict of arrays in their encoded dtype and shape (writable,
@@ -46,7 +50,8 @@ def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS) -> dict:
     try:
         views = _views(frames)
         header = fmt.parse_header(views[0], len(views) - 1, max_elements)
-        payload = gather(views[1:], header.frames, header.zstd, header.total)
+        pool = _pool(threads) if threads else None
+        payload = gather(views[1:], header.frames, header.zstd, header.total, pool)
         with np.errstate(all="ignore"):
             leaves = [(t.path, _tensor(header, t, payload)) for t in header.tensors]
         return build_tree(leaves)
@@ -56,20 +61,38 @@ def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS) -> dict:
         raise CodecError(f"malformed frames ({type(e).__name__}: {e})") from None
 
 
-def _tensor(header, t, payload: bytearray) -> np.ndarray:
+_pools: dict = {}
+_pools_lock = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """A shared decompression pool per thread count."""
+    if not isinstance(threads, int) or not 0 < threads <= 64:
+        raise CodecError(f"threads must be an int in [0, 64], got {threads!r}")
+    with _pools_lock:
+        if threads not in _pools:
+            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="codec-unzstd")
+        return _pools[threads]
+
+
+def _section(payload: np.ndarray, offset: int, count: int, dtype) -> np.ndarray:
+    return payload[offset : offset + count * np.dtype(dtype).itemsize].view(dtype)
+
+
+def _tensor(header, t, payload: np.ndarray) -> np.ndarray:
     dtype = fmt.DTYPES[t.dtype]
     if header.scheme == "raw":
         store = fmt.DTYPES[header.store]
-        flat = np.frombuffer(payload, store, t.size, t.offset)
+        flat = _section(payload, t.offset, t.size, store)
         if store == dtype:
             return flat.reshape(t.shape)  # zero-copy: a writable view of the payload
         return flat.astype(dtype).reshape(t.shape)
     levels = fmt.LEVELS[header.scheme]
-    scales = np.frombuffer(payload, np.float32, t.blocks, t.scales_offset)
+    scales = _section(payload, t.scales_offset, t.blocks, np.float32)
     if t.blocks and not (np.isfinite(scales.max()) and scales.min() >= 0):
         raise CodecError(f"tensor {'/'.join(t.path)!r} has a non-finite or negative block scale")
     code_type = np.uint8 if levels == 7 else np.int8
-    codes = np.frombuffer(payload, code_type, t.codes_bytes, t.offset)
+    codes = _section(payload, t.offset, t.codes_bytes, code_type)
     out = np.empty(t.size, dtype)
     decode_blocks(codes, scales, out, levels, workspace(header.block))
     return out.reshape(t.shape)
