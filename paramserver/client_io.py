@@ -332,11 +332,11 @@ class IOThread(threading.Thread):
             self._counters.bytes_sent += protocol.message_bytes(frames)
         return True
 
-    def _request(self, shard: _Shard, kind: str, fragment: int = -1, **fields: Any) -> int:
-        """Send a tracked request; the reply is dispatched by its id."""
+    def _request(self, shard: _Shard, kind: str, about: int = -1, **fields: Any) -> int:
+        """Send a tracked request (`about`: its fragment, if any); the reply is matched by id."""
         self._next_id += 1
         rid = self._next_id
-        self._requests[rid] = (kind, shard.index, fragment)
+        self._requests[rid] = (kind, shard.index, about)
         self._send(shard, {"kind": kind, "id": rid, **fields})
         return rid
 
@@ -375,6 +375,7 @@ class IOThread(threading.Thread):
             self._close_shards()
             future.set_exception(exc)
         except Exception as exc:
+            logger.exception("join failed")
             self._close_shards()
             future.set_exception(ClientError(f"join failed: {exc}"))
 
@@ -528,6 +529,12 @@ class IOThread(threading.Thread):
             return
         if rid in self._awaited:
             self._awaited[rid] = (header, payload)
+            return
+        if kind == "rejected" and header["reason"] == "unknown_island" and self._joined:
+            # The shard forgot us (restart, or we were silent too long): hello again;
+            # its welcome re-sends our pending deltas and re-snapshots.
+            self._requests.pop(rid, None)
+            self._request(shard, "hello")
             return
         request = self._requests.pop(rid, None)
         if request is None:
