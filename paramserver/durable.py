@@ -1,32 +1,350 @@
-"""Durability of one shard (placeholder until the write-ahead log lands): no-op log, no checkpoints."""
+"""Durability of one shard: events to the write-ahead log, periodic checkpoints, recovery.
+
+This module owns the shard's data directory and the mapping between
+`paramserver.state` events and log records; the record and checkpoint file
+formats are `paramserver.wal` and `paramserver.checkpoint`.
+
+Layout of ``<data_dir>/shard-<i>/``:
+
+    checkpoint-<n>.ckpt   the shard's state at checkpoint n (n = 1, 2, ...)
+    wal-<n>.log           the events after checkpoint n (wal-0: after the empty state)
+
+A checkpoint n+1 is written (atomically) only after the log is synced; then
+wal-<n+1>.log is started. The newest two checkpoints are kept, and the log
+segments from the older of them on, so the previous checkpoint and the log
+after it stay as a fallback. Recovery loads the newest checkpoint that reads back intact (a
+corrupted one is reported, renamed to ``*.corrupt`` and the previous one
+used), replays every log segment from its generation on, truncates a torn
+tail of the last segment, and appends there. If a corrupted checkpoint was
+skipped, a fresh checkpoint is written at once.
+
+Log records (msgpack header + raw payload):
+
+    init    {"t": "init", "plan": wire plan, "fragments": [[index, size], ...]}
+            payload: the fragments' float32 values back to back
+    accept  {"t": "accept", island, round, fragment, base_version, tokens,
+            steps, arrived}; payload: the decoded float32 delta
+    step    {"t": "step", fragment, keys: [[island, round], ...], at}
+"""
 
 from __future__ import annotations
 
+import logging
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from paramserver.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from paramserver.config import ShardConfig
-from paramserver.state import Event, ShardState
+from paramserver.state import (
+    AcceptEvent,
+    Contribution,
+    Event,
+    InitEvent,
+    ShardState,
+    StepEvent,
+)
+from paramserver.wal import LogReader, Record, WalError, WriteAheadLog, fsync_dir
+
+logger = logging.getLogger(__name__)
+
+_CKPT = re.compile(r"^checkpoint-(\d+)\.ckpt$")
+_WAL = re.compile(r"^wal-(\d+)\.log$")
+
+
+class DurabilityError(RuntimeError):
+    """The data directory cannot be recovered without losing acknowledged data."""
+
+
+def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The log record of an event.
+
+    Args:
+        event: InitEvent, AcceptEvent or StepEvent.
+
+    Returns:
+        (record header, payload arrays).
+    """
+    if isinstance(event, AcceptEvent):
+        c = event.contribution
+        header = {
+            "t": "accept",
+            "island": c.island,
+            "round": c.round,
+            "fragment": c.fragment,
+            "base_version": c.base_version,
+            "tokens": c.tokens,
+            "steps": c.steps,
+            "arrived": c.arrived,
+        }
+        return header, [np.ascontiguousarray(c.delta, dtype=np.float32)]
+    if isinstance(event, StepEvent):
+        header = {
+            "t": "step",
+            "fragment": event.fragment,
+            "keys": [list(k) for k in event.keys],
+            "at": event.at,
+        }
+        return header, []
+    if isinstance(event, InitEvent):
+        order = sorted(event.values)
+        header = {
+            "t": "init",
+            "plan": event.plan_wire,
+            "fragments": [[i, int(event.values[i].shape[0])] for i in order],
+        }
+        return header, [np.ascontiguousarray(event.values[i], dtype=np.float32) for i in order]
+    raise TypeError(f"not an event: {type(event).__name__}")
+
+
+def record_to_event(record: Record) -> Event:
+    """Inverse of `event_to_record`.
+
+    Args:
+        record: a record read back from the log.
+
+    Returns:
+        The event.
+
+    Raises:
+        WalError: an unknown or inconsistent record.
+    """
+    h = record.header
+    try:
+        kind = h["t"]
+        if kind == "accept":
+            delta = np.frombuffer(record.payload, dtype=np.float32)
+            c = Contribution(
+                h["island"],
+                h["round"],
+                h["fragment"],
+                h["base_version"],
+                h["tokens"],
+                h["steps"],
+                h["arrived"],
+                delta,
+            )
+            return AcceptEvent(c)
+        if kind == "step":
+            keys = tuple((str(island), int(rnd)) for island, rnd in h["keys"])
+            return StepEvent(int(h["fragment"]), keys, float(h["at"]))
+        if kind == "init":
+            flat = np.frombuffer(record.payload, dtype=np.float32)
+            values, offset = {}, 0
+            for index, size in h["fragments"]:
+                values[int(index)] = flat[offset : offset + size]
+                offset += size
+            if offset != flat.shape[0]:
+                raise ValueError(f"payload has {flat.shape[0]} values, fragments need {offset}")
+            return InitEvent(h["plan"], values)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise WalError(f"log record at byte {record.offset} is inconsistent: {exc!r}") from exc
+    raise WalError(f"log record at byte {record.offset} has unknown type {h.get('t')!r}")
 
 
 class Durability:
-    """Keeps nothing yet: recover() returns an empty state."""
+    """The shard's data directory: log appends, group fsync, checkpoints, recovery."""
 
     def __init__(self, cfg: ShardConfig, index: int) -> None:
+        """Prepare (touches no files until `recover`).
+
+        Args:
+            cfg: settings (data_dir, fsync, checkpoint cadence).
+            index: shard index; files live in <data_dir>/shard-<index>/.
+        """
         self.cfg = cfg
         self.index = index
+        self.dir = Path(cfg.data_dir) / f"shard-{index}"
+        self.generation = 0
+        self._wal: WriteAheadLog | None = None
+        self._events_since = 0
+        self._steps_since = 0
+        self._last_checkpoint = time.time()
+        self.last_checkpoint_s: float | None = None
+        self.last_checkpoint_bytes: int | None = None
+        self.replayed = 0
+
+    # ----- recovery --------------------------------------------------------------
 
     def recover(self) -> ShardState:
-        return ShardState(self.cfg, self.index)
+        """Load the newest good checkpoint, replay the log after it, open the log for appends.
+
+        Returns:
+            The recovered state (empty for a new data dir).
+
+        Raises:
+            DurabilityError, WalError: recovery would lose acknowledged data.
+            StateError: the data dir belongs to another cluster shape.
+        """
+        self.dir.mkdir(parents=True, exist_ok=True)
+        checkpoints = self._numbered(_CKPT)
+        skipped = False
+        state, gen = None, 0
+        for n in sorted(checkpoints, reverse=True):
+            path = checkpoints[n]
+            try:
+                meta, arrays = read_checkpoint(path)
+            except CheckpointError as exc:
+                logger.error(
+                    "shard %d: checkpoint %s is unusable (%s); trying the previous one",
+                    self.index,
+                    path.name,
+                    exc,
+                    extra={"shard": self.index, "path": str(path)},
+                )
+                path.rename(path.with_name(path.name + ".corrupt"))
+                skipped = True
+                continue
+            state, gen = ShardState.restore(self.cfg, self.index, meta, arrays), n
+            break
+        segments = {n: p for n, p in self._numbered(_WAL).items() if n >= gen}
+        if state is None:
+            state = ShardState(self.cfg, self.index)
+            if checkpoints and 0 not in segments:
+                raise DurabilityError(
+                    f"{self.dir}: no checkpoint reads back intact and the log from the empty "
+                    "state is gone; restore the data dir from a backup"
+                )
+        order = sorted(segments)
+        reader = None
+        for n in order:
+            reader = LogReader(segments[n])
+            for record in reader:
+                state.apply(record_to_event(record))
+                self.replayed += 1
+            if reader.torn_at is not None and n != order[-1]:
+                raise WalError(
+                    f"{segments[n]}: torn at byte {reader.torn_at} but later segments exist; "
+                    "the log is corrupted in the middle"
+                )
+        if order:
+            self.generation = order[-1]
+            assert reader is not None
+            self._wal = WriteAheadLog(
+                segments[order[-1]],
+                fsync=self.cfg.fsync,
+                truncate_to=reader.end_offset if reader.torn_at is not None else 0,
+            )
+        else:
+            self.generation = gen
+            self._wal = WriteAheadLog(self._wal_path(gen), fsync=self.cfg.fsync)
+        logger.info(
+            "shard %d recovered: checkpoint %s, %d log records replayed, versions %s",
+            self.index,
+            gen or "none",
+            self.replayed,
+            state.versions(),
+            extra={"shard": self.index, "checkpoint": gen, "replayed": self.replayed},
+        )
+        self._events_since = self.replayed
+        self._last_checkpoint = time.time()
+        if skipped and state.initialized:
+            self.checkpoint(state, time.time())
+        return state
+
+    def _numbered(self, pattern: re.Pattern) -> dict[int, Path]:
+        found = {}
+        for path in self.dir.iterdir():
+            m = pattern.match(path.name)
+            if m:
+                found[int(m.group(1))] = path
+        return found
+
+    def _wal_path(self, n: int) -> Path:
+        return self.dir / f"wal-{n}.log"
+
+    # ----- the running shard -------------------------------------------------------
 
     def append(self, event: Event) -> None:
-        pass
+        """Append an event to the log (fsynced by the next `sync`).
+
+        Args:
+            event: the event just applied to the state.
+        """
+        assert self._wal is not None, "call recover() first"
+        header, payload = event_to_record(event)
+        self._wal.append(header, payload)
+        self._events_since += 1
+        if isinstance(event, StepEvent):
+            self._steps_since += 1
 
     def sync(self) -> None:
-        pass
+        """fsync what was appended (call before sending acks)."""
+        if self._wal is not None:
+            self._wal.sync()
 
-    def maybe_checkpoint(self, state: ShardState, now: float) -> None:
-        pass
+    def maybe_checkpoint(self, state: ShardState, now: float) -> bool:
+        """Checkpoint when checkpoint_every_steps steps or checkpoint_every_s seconds have passed.
 
-    def checkpoint(self, state: ShardState, now: float) -> None:
-        pass
+        Args:
+            state: the shard's state (synced with the log).
+            now: wall-clock seconds.
+
+        Returns:
+            Whether a checkpoint was written.
+        """
+        every_steps, every_s = self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_s
+        due = (every_steps and self._steps_since >= every_steps) or (
+            every_s and self._events_since and now - self._last_checkpoint >= every_s
+        )
+        return bool(due) and self.checkpoint(state, now)
+
+    def checkpoint(self, state: ShardState, now: float) -> bool:
+        """Write a checkpoint, start a new log segment, delete what is no longer needed.
+
+        Args:
+            state: the shard's state (synced with the log).
+            now: wall-clock seconds.
+
+        Returns:
+            False when nothing changed since the last checkpoint (nothing written).
+        """
+        assert self._wal is not None, "call recover() first"
+        if self._events_since == 0 or not state.initialized:
+            return False
+        self._wal.sync()
+        gen = max([self.generation, *self._numbered(_CKPT), *self._numbered(_WAL)]) + 1
+        start = time.perf_counter()
+        meta, arrays = state.export()
+        size = write_checkpoint(
+            self.dir / f"checkpoint-{gen}.ckpt", meta, arrays, fsync=self.cfg.fsync
+        )
+        self._wal.close()
+        self._wal = WriteAheadLog(self._wal_path(gen), fsync=self.cfg.fsync)
+        self.generation = gen
+        self._prune()
+        self.last_checkpoint_s = time.perf_counter() - start
+        self.last_checkpoint_bytes = size
+        self._events_since = self._steps_since = 0
+        self._last_checkpoint = now
+        logger.info(
+            "shard %d checkpoint %d: %d bytes in %.3f s",
+            self.index,
+            gen,
+            size,
+            self.last_checkpoint_s,
+            extra={"shard": self.index, "checkpoint": gen, "bytes": size},
+        )
+        return True
+
+    def _prune(self) -> None:
+        """Keep the newest two checkpoints and the log segments from the older one on."""
+        checkpoints = self._numbered(_CKPT)
+        keep = sorted(checkpoints)[-2:]
+        oldest = keep[0] if len(keep) == 2 else 0
+        for n, path in checkpoints.items():
+            if n not in keep:
+                path.unlink(missing_ok=True)
+        for n, path in self._numbered(_WAL).items():
+            if n < oldest:
+                path.unlink(missing_ok=True)
+        fsync_dir(self.dir, self.cfg.fsync)
 
     def close(self) -> None:
-        pass
+        """Sync and close the log."""
+        if self._wal is not None:
+            self._wal.close()
+            self._wal = None

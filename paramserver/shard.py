@@ -20,15 +20,18 @@ On stop: answer what is queued, checkpoint, close the sockets.
 
 from __future__ import annotations
 
+import argparse
 import logging
+import sys
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import zmq
 
 import codec
-from paramserver import protocol
+from paramserver import daemon, protocol, settings
 from paramserver.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.durable import Durability
 from paramserver.state import ACCEPTED, REJECTED, Outcome, ShardState, Update
@@ -367,3 +370,46 @@ def run_shard(
         logger.exception("shard %d failed", index, extra={"shard": index})
         return 1
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Foreground entry for one shard process: ``python -m paramserver.shard --index I``.
+
+    Settings come from defaults <- ``--config`` TOML (section ``server`` if
+    present) <- ``DILOCO_SERVER_*`` environment <- ``--<field>`` flags.
+    SIGTERM / SIGINT drain, checkpoint and exit 0.
+
+    Args:
+        argv: command-line arguments (default sys.argv[1:]).
+
+    Returns:
+        Exit code: 0 clean, 1 shard failure, 2 bad settings.
+    """
+    parser = argparse.ArgumentParser(prog="python -m paramserver.shard", description=__doc__)
+    parser.add_argument("--index", type=int, default=0, help="this shard's index (default 0)")
+    parser.add_argument("--config", default=None, help="TOML settings file")
+    settings.add_flags(parser, ShardConfig)
+    args = parser.parse_args(argv)
+    try:
+        section = None
+        if args.config is not None and "server" in settings.read_toml(args.config):
+            section = "server"
+        cfg = settings.load_settings(
+            ShardConfig,
+            file=args.config,
+            section=section,
+            env_prefix="DILOCO_SERVER_",
+            flags=args,
+        )
+        bind_endpoints(cfg, args.index)
+    except (settings.SettingsError, ValueError) as exc:
+        sys.stderr.write(f"error: {exc}\n")
+        return 2
+    daemon.setup_logging(cfg.log_level)
+    stop = threading.Event()
+    daemon.install_signal_handlers(stop)
+    return run_shard(cfg, args.index, None, stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

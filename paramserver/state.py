@@ -626,6 +626,121 @@ class ShardState:
         )
         return Update(event.fragment, frag.version, frag.params)
 
+    # ----- checkpoint form ---------------------------------------------------------
+
+    def export(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        """Everything durable, as a msgpack-ready map plus named arrays (for a checkpoint).
+
+        Returns:
+            (meta, arrays); `ShardState.restore` inverts it. The island registry
+            is not included (islands say hello again after a restart).
+        """
+        arrays: dict[str, np.ndarray] = {}
+        frags = []
+        for index, frag in sorted(self.fragments.items()):
+            arrays[f"params/{index}"] = frag.params
+            opt = self.optimizer.state_to_arrays(frag.opt_state)
+            for k, arr in enumerate(opt):
+                arrays[f"opt/{index}/{k}"] = arr
+            pending = []
+            for j, c in enumerate(frag.pending):
+                arrays[f"pending/{index}/{j}"] = c.delta
+                pending.append([c.island, c.round, c.base_version, c.tokens, c.steps, c.arrived])
+            st = frag.stats
+            frags.append(
+                {
+                    "index": index,
+                    "version": frag.version,
+                    "opt_arrays": len(opt),
+                    "stats": [st.ema_interarrival_s, st.last_arrival, st.count],
+                    "pending": pending,
+                }
+            )
+        c = self.counters
+        meta = {
+            "shard": self.index,
+            "shards": self.cfg.shards,
+            "num_fragments": self.cfg.num_fragments,
+            "outer_optimizer": self.cfg.outer_optimizer,
+            "plan": self.plan.to_wire() if self.plan else None,
+            "fragments": frags,
+            "dedup": [
+                [island, fragment, e.newest, sorted(e.rounds)]
+                for (island, fragment), e in sorted(self.dedup.items())
+            ],
+            "counters": {
+                "accepted": c.accepted,
+                "duplicates": c.duplicates,
+                "rejected": dict(c.rejected),
+                "bytes_in": c.bytes_in,
+                "bytes_out": c.bytes_out,
+                "staleness": [[k, v] for k, v in sorted(c.staleness.items())],
+                "steps": c.steps,
+            },
+        }
+        return meta, arrays
+
+    @classmethod
+    def restore(
+        cls, cfg: ShardConfig, index: int, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
+    ) -> ShardState:
+        """Rebuild a state from `export` output.
+
+        Args:
+            cfg: the settings to run with (must match the checkpoint's cluster shape).
+            index: this shard's index.
+            meta: the exported map.
+            arrays: the exported arrays.
+
+        Returns:
+            The restored state.
+
+        Raises:
+            StateError: the checkpoint belongs to another shard or cluster shape,
+                or is inconsistent.
+        """
+        state = cls(cfg, index)
+        got = (meta.get("shard"), meta.get("shards"), meta.get("num_fragments"))
+        want = (index, cfg.shards, cfg.num_fragments)
+        if got != want:
+            raise StateError(
+                f"checkpoint is for shard/shards/fragments {got}, this process runs {want}: "
+                "point data_dir at this cluster's directory or start with an empty one"
+            )
+        try:
+            if meta["plan"] is not None:
+                state.plan = Plan.from_wire(meta["plan"])
+            for f in meta["fragments"]:
+                i = f["index"]
+                params = np.asarray(arrays[f"params/{i}"], dtype=np.float32)
+                opt_arrays = [arrays[f"opt/{i}/{k}"] for k in range(f["opt_arrays"])]
+                frag = FragmentState(params, state.optimizer.state_from_arrays(opt_arrays, params))
+                frag.version = int(f["version"])
+                ema, last, count = f["stats"]
+                frag.stats = ArrivalStats(ema, last, int(count))
+                for j, (island, rnd, base, tokens, steps, arrived) in enumerate(f["pending"]):
+                    frag.pending.append(
+                        Contribution(
+                            island, rnd, i, base, tokens, steps, arrived, arrays[f"pending/{i}/{j}"]
+                        )
+                    )
+                state.fragments[i] = frag
+            for island, fragment, newest, rounds in meta["dedup"]:
+                state.dedup[(island, fragment)] = DedupEntry(newest, set(rounds))
+            c = meta["counters"]
+            state.counters = Counters(
+                accepted=c["accepted"],
+                duplicates=c["duplicates"],
+                rejected=dict(c["rejected"]),
+                bytes_in=c["bytes_in"],
+                bytes_out=c["bytes_out"],
+                staleness={int(k): v for k, v in c["staleness"]},
+                steps=c["steps"],
+            )
+        except (KeyError, TypeError, ValueError) as exc:
+            raise StateError(f"inconsistent checkpoint: {exc!r}") from exc
+        return state
+
 
 def _vector_problem(arr: Any, size: int) -> tuple[str, str] | None:
     """Why an array cannot be a fragment vector of `size` elements, or None if it can."""
