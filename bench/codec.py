@@ -1,0 +1,279 @@
+"""Codec benchmark: ratio, error, error feedback and throughput of every scheme.
+
+    diloco-bench codec [--quick] [--no-real] [--elements N] [--threads T]
+    python -m bench.codec --quick
+
+Data sets: (a) real deltas, the parameter change of a small JAX transformer
+over consecutive rounds of AdamW steps on the embedded corpus (after a
+warm-up), and (b) synthetic heavy-tailed deltas (Student-t, 3 degrees of
+freedom). For each scheme it reports the compression ratio against fp32
+bytes, the relative L2 error of one round, the relative error of the sum
+over all rounds with and without error feedback, and encode/decode GB/s of
+fp32 input next to numpy memcpy measured in the same run at the same size.
+JSON on stdout, progress on stderr.
+"""
+
+import argparse
+import platform
+import sys
+
+import numpy as np
+
+import codec
+from bench.common import emit_json, gbps, memcpy_gbps, progress, timed
+
+SCHEMES = {
+    "raw-fp32": lambda t: codec.raw("float32", zstd_threads=t),
+    "raw-bf16": lambda t: codec.raw("bfloat16", zstd_threads=t),
+    "int8": lambda t: codec.int8(zstd_threads=t),
+    "int8+stochastic": lambda t: codec.int8(stochastic=True, seed=0, zstd_threads=t),
+    "int4": lambda t: codec.int4(zstd_threads=t),
+}
+# Targets on real deltas (scheme -> metric -> (comparison, bound)).
+TARGETS = {
+    "int8": {
+        "ratio": (">=", 4.4),
+        "rel_l2_per_round": ("<=", 0.015),
+        "accumulated_rel_error_ef": ("<=", 0.002),
+        "encode_over_memcpy": (">=", 0.15),
+        "decode_over_memcpy": (">=", 0.25),
+    },
+    "int4": {"ratio": (">=", 7.5), "accumulated_rel_error_ef": ("<=", 0.02)},
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `diloco-bench codec`.
+
+    Args:
+        parser: the subcommand's parser.
+    """
+    parser.add_argument("--quick", action="store_true", help="small, fast run")
+    parser.add_argument("--elements", type=int, default=None, help="synthetic tensor size")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds for accumulated error")
+    parser.add_argument("--no-real", action="store_true", help="skip the real-delta part")
+    parser.add_argument("--model", default="tiny", help="worker.model config for real deltas")
+    parser.add_argument("--steps", type=int, default=None, help="AdamW steps per real round")
+    parser.add_argument("--threads", type=int, default=0, help="zstd threads (0: one thread)")
+    parser.add_argument("--repeats", type=int, default=None, help="timed repeats")
+
+
+def synthetic_rounds(elements: int, rounds: int, seed: int = 0) -> list[dict]:
+    """Heavy-tailed synthetic deltas.
+
+    Args:
+        elements: elements per round.
+        rounds: number of rounds.
+        seed: generator seed.
+
+    Returns:
+        list of trees {"delta": float32 array}.
+    """
+    rng = np.random.default_rng(seed)
+    return [
+        {"delta": (rng.standard_t(3, elements) * 1e-3).astype(np.float32)} for _ in range(rounds)
+    ]
+
+
+def real_rounds(model_name: str, rounds: int, steps: int, warmup: int, tick) -> list[dict]:
+    """Parameter deltas of a small transformer trained with AdamW on the corpus.
+
+    Args:
+        model_name: key of worker.model.MODEL_CONFIGS.
+        rounds: consecutive rounds to record.
+        steps: AdamW steps per round.
+        warmup: steps before the first round.
+        tick: callable advanced once per step (progress).
+
+    Returns:
+        list of trees shaped like the parameters: float32 delta (start - end of the round).
+    """
+    from worker import data, model, train
+
+    cfg = model.MODEL_CONFIGS[model_name]
+    inner = train.InnerConfig()
+    train_bytes, _ = data.split_corpus(data.default_corpus(), 1, 0, 0.05)
+    sampler = data.BatchSampler(train_bytes, inner.batch_size, inner.seq_len, seed=0)
+    trainer = train.InnerTrainer(cfg, inner, model.init_params(cfg, seed=0), devices=1)
+    for _ in range(warmup):
+        trainer.step(sampler.next())
+        tick()
+    out = []
+    for _ in range(rounds):
+        start = codec.flatten(trainer.numpy_params())
+        for _ in range(steps):
+            trainer.step(sampler.next())
+            tick()
+        end = codec.flatten(trainer.numpy_params())
+        out.append(codec.unflatten({k: (start[k] - end[k]).astype(np.float32) for k in start}))
+    return out
+
+
+def _vector(tree: dict) -> np.ndarray:
+    return np.concatenate([np.ravel(v).astype(np.float64) for v in codec.flatten(tree).values()])
+
+
+def _accumulated(c, rounds: list[dict], feedback: bool) -> float:
+    state = c.init(rounds[0]) if feedback else None
+    total = np.zeros(sum(np.size(v) for v in codec.flatten(rounds[0]).values()))
+    truth = np.zeros_like(total)
+    for tree in rounds:
+        frames, state = c.encode(tree, state)
+        total += _vector(codec.decode(frames))
+        truth += _vector(tree)
+    return float(np.linalg.norm(total - truth) / np.linalg.norm(truth))
+
+
+def measure_scheme(
+    make, rounds: list[dict], acc_rounds: list[dict], repeats: int, memcpy: dict
+) -> dict:
+    """All figures of one scheme on one data set.
+
+    Args:
+        make: () -> Codec.
+        rounds: trees for ratio, per-round error (first 5) and speed (first).
+        acc_rounds: same-shaped trees, one per round, for the accumulated error.
+        repeats: timed repeats for throughput.
+        memcpy: memcpy gbps() at the data size.
+
+    Returns:
+        dict of figures.
+    """
+    c = make()
+    fp32_bytes = 4 * sum(np.size(v) for v in codec.flatten(rounds[0]).values())
+    ratios, errors = [], []
+    for tree in rounds[: min(len(rounds), 5)]:
+        frames, _ = c.encode(tree)
+        ratios.append(fp32_bytes / sum(len(f) for f in frames))
+        x = _vector(tree)
+        errors.append(float(np.linalg.norm(_vector(codec.decode(frames)) - x) / np.linalg.norm(x)))
+    tree = rounds[0]
+    box = {"state": c.init(tree)}
+
+    def encode():
+        box["frames"], box["state"] = c.encode(tree, box["state"])
+
+    enc = gbps(fp32_bytes, timed(encode, repeats))
+    dec = gbps(fp32_bytes, timed(lambda: codec.decode(box["frames"]), repeats))
+    return {
+        "ratio": float(np.mean(ratios)),
+        "rel_l2_per_round": float(np.mean(errors)),
+        "rel_l2_per_round_max": float(np.max(errors)),
+        "accumulated_rel_error_ef": _accumulated(make(), acc_rounds, feedback=True),
+        "accumulated_rel_error_no_ef": _accumulated(make(), acc_rounds, feedback=False),
+        "encode_gbps": enc,
+        "decode_gbps": dec,
+        "encode_over_memcpy": enc["median"] / memcpy["median"],
+        "decode_over_memcpy": dec["median"] / memcpy["median"],
+    }
+
+
+def measure_dataset(label: str, rounds: list[dict], acc_rounds: list[dict], args, p) -> dict:
+    """Every scheme on one data set.
+
+    Args:
+        label: data set name (progress only).
+        rounds: trees for ratio, per-round error and speed.
+        acc_rounds: same-shaped trees for the accumulated error.
+        args: parsed flags.
+        p: rich Progress.
+
+    Returns:
+        {"elements", "rounds", "memcpy_gbps", "schemes": {name: figures}}.
+    """
+    elements = sum(np.size(v) for v in codec.flatten(rounds[0]).values())
+    memcpy = memcpy_gbps(4 * elements)
+    task = p.add_task(f"{label}: schemes", total=len(SCHEMES))
+    schemes = {}
+    for name, make in SCHEMES.items():
+        p.update(task, description=f"{label}: {name}")
+        schemes[name] = measure_scheme(
+            lambda m=make: m(args.threads), rounds, acc_rounds, args.repeats, memcpy
+        )
+        p.advance(task)
+    return {
+        "elements": elements,
+        "accumulation_rounds": len(acc_rounds),
+        "accumulation_elements": sum(np.size(v) for v in codec.flatten(acc_rounds[0]).values()),
+        "memcpy_gbps": memcpy,
+        "schemes": schemes,
+    }
+
+
+def check_targets(result: dict) -> dict:
+    """Compare real-delta figures with the targets.
+
+    Args:
+        result: a measure_dataset() result.
+
+    Returns:
+        scheme -> metric -> {"value", "target", "met"}.
+    """
+    out = {}
+    for scheme, metrics in TARGETS.items():
+        figures = result["schemes"][scheme]
+        out[scheme] = {}
+        for metric, (op, bound) in metrics.items():
+            value = figures[metric]
+            met = value >= bound if op == ">=" else value <= bound
+            out[scheme][metric] = {"value": value, "target": f"{op} {bound}", "met": met}
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the benchmark and print JSON.
+
+    Args:
+        args: parsed flags.
+
+    Returns:
+        exit status 0.
+    """
+    quick = args.quick
+    args.elements = args.elements or (1 << 20 if quick else 1 << 24)
+    args.rounds = args.rounds or (10 if quick else 50)
+    args.repeats = args.repeats or (3 if quick else 7)
+    args.steps = args.steps or (4 if quick else 8)
+    warmup = 10 if quick else 100
+    result = {
+        "command": " ".join(sys.argv),
+        "machine": {"python": platform.python_version(), "numpy": np.__version__},
+        "threads": args.threads,
+        "datasets": {},
+    }
+    with progress() as p:
+        if not args.no_real:
+            total = warmup + args.rounds * args.steps
+            task = p.add_task(f"training {args.model} for real deltas", total=total)
+            rounds = real_rounds(
+                args.model, args.rounds, args.steps, warmup, lambda: p.advance(task)
+            )
+            real = measure_dataset("real", rounds, rounds, args, p)
+            real.update(model=args.model, steps_per_round=args.steps, warmup_steps=warmup)
+            result["datasets"]["real"] = real
+            result["targets_real"] = check_targets(real)
+        task = p.add_task("synthetic data", total=1)
+        big = synthetic_rounds(args.elements, 1, seed=1)
+        small = synthetic_rounds(min(args.elements, 1 << 20), args.rounds, seed=2)
+        p.advance(task)
+        result["datasets"]["synthetic"] = measure_dataset("synthetic", big, small, args, p)
+    emit_json(result)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m bench.codec`.
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+
+    Returns:
+        exit status.
+    """
+    parser = argparse.ArgumentParser(prog="bench.codec", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
