@@ -47,9 +47,7 @@ def test_reopening_appends_after_the_existing_records(tmp_path):
     assert [r.header.get("i", r.header["t"]) for r in records] == [0, 1, "late"]
 
 
-def test_a_torn_tail_at_every_cut_is_dropped_with_a_warning_and_can_be_truncated(
-    tmp_path, caplog
-):
+def test_a_torn_tail_at_every_cut_is_dropped_with_a_warning_and_can_be_truncated(tmp_path, caplog):
     path = tmp_path / "wal.log"
     offsets = write_records(path)
     full = path.read_bytes()

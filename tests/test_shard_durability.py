@@ -1,0 +1,301 @@
+"""Durable shards: recovery from checkpoint + log, corrupted checkpoints, torn logs, kill -9."""
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import zmq
+from conftest import Peer, free_port
+from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
+
+import codec
+from paramserver.config import ShardConfig
+from paramserver.durable import Durability
+from paramserver.outer import FragmentOptimizer, make_outer_optimizer
+from paramserver.state import ShardState, StateError
+
+ROOT = Path(__file__).resolve().parent.parent
+T0 = 1_000_000.0
+
+
+def cfg_for(tmp_path, **kw):
+    base = ShardConfig(data_dir=str(tmp_path / "data"), mode="async", fsync=False)
+    return replace(base, **kw)
+
+
+def drive(durable, state, plan, pushes, start=1):
+    """Accept pushes (island, fragment) in order, stepping after each; log every event."""
+    flat = small_flat()
+    now = T0
+    for k, (island, fragment) in enumerate(pushes, start=start):
+        now += 0.01
+        state.hello(island, now)
+        v = np.random.default_rng(k).standard_normal(plan.fragments[fragment].size)
+        h = push_header(plan, island, k, fragment, state.versions()[fragment])
+        out = state.submit_delta(h, delta_frames(v.astype(np.float32) * 0.01), now)
+        assert out.status == "accepted", out
+        durable.append(out.event)
+        if k % 3:  # leave some deltas pending across the checkpoint / restart
+            for f in state.due_fragments(now)[0]:
+                durable.append(state.step(f, now)[0])
+        durable.sync()
+        durable.maybe_checkpoint(state, now)
+    del flat
+
+
+def new_initialized(cfg):
+    durable = Durability(cfg, 0)
+    state = durable.recover()
+    flat = small_flat()
+    plan = plan_for(flat, cfg.shards, cfg.num_fragments)
+    out = state.initialize(plan.to_wire(), init_payload(plan, flat))
+    durable.append(out.event)
+    return durable, state, plan
+
+
+def assert_same(a: ShardState, b: ShardState):
+    assert a.versions() == b.versions()
+    for f in a.fragments:
+        assert a.snapshot(f)[1].tobytes() == b.snapshot(f)[1].tobytes()
+        pa, pb = a.fragments[f].pending, b.fragments[f].pending
+        assert [c.key for c in pa] == [c.key for c in pb]
+        assert all(x.delta.tobytes() == y.delta.tobytes() for x, y in zip(pa, pb, strict=True))
+        sa = a.optimizer.state_to_arrays(a.fragments[f].opt_state)
+        sb = b.optimizer.state_to_arrays(b.fragments[f].opt_state)
+        assert all(x.tobytes() == y.tobytes() for x, y in zip(sa, sb, strict=True))
+    assert {k: (e.newest, e.rounds) for k, e in a.dedup.items()} == {
+        k: (e.newest, e.rounds) for k, e in b.dedup.items()
+    }
+    assert a.counters.accepted == b.counters.accepted
+    assert a.counters.steps == b.counters.steps
+
+
+PUSHES = [("a", 0), ("b", 1), ("a", 1), ("b", 0), ("c", 0), ("a", 0), ("b", 1), ("c", 1)]
+
+
+def test_recovery_from_the_log_alone(tmp_path):
+    cfg = cfg_for(tmp_path, checkpoint_every_steps=0, checkpoint_every_s=0)
+    durable, state, plan = new_initialized(cfg)
+    drive(durable, state, plan, PUSHES)
+    durable.close()
+    again = Durability(cfg, 0)
+    assert_same(state, again.recover())
+    assert again.replayed > len(PUSHES)
+    again.close()
+
+
+def test_recovery_from_checkpoint_plus_log_and_pruning(tmp_path):
+    cfg = cfg_for(tmp_path, checkpoint_every_steps=2)
+    durable, state, plan = new_initialized(cfg)
+    drive(durable, state, plan, PUSHES * 2)
+    durable.close()
+    files = sorted(p.name for p in durable.dir.iterdir())
+    assert len([f for f in files if f.endswith(".ckpt")]) == 2, files
+    again = Durability(cfg, 0)
+    recovered = again.recover()
+    assert_same(state, recovered)
+    assert again.replayed < 2 * len(PUSHES)  # most of it came from the checkpoint
+    # a resend of an acked delta is a duplicate after the restart
+    recovered.hello("a", T0)
+    key = next(iter(recovered.dedup))
+    h = push_header(plan, key[0], max(recovered.dedup[key].rounds), key[1])
+    out = recovered.submit_delta(
+        h, delta_frames(np.zeros(plan.fragments[key[1]].size, np.float32)), T0
+    )
+    assert out.status == "duplicate"
+    again.close()
+
+
+def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, caplog):
+    cfg = cfg_for(tmp_path, checkpoint_every_steps=2)
+    durable, state, plan = new_initialized(cfg)
+    drive(durable, state, plan, PUSHES * 2)
+    durable.close()
+    newest = max(durable.dir.glob("checkpoint-*.ckpt"), key=lambda p: int(p.stem.split("-")[1]))
+    data = bytearray(newest.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    newest.write_bytes(bytes(data))
+    again = Durability(cfg, 0)
+    with caplog.at_level(logging.ERROR, logger="paramserver.durable"):
+        recovered = again.recover()
+    assert f"checkpoint {newest.name} is unusable" in caplog.text
+    assert_same(state, recovered)
+    assert (newest.parent / (newest.name + ".corrupt")).exists()
+    again.close()
+    # the fresh checkpoint written after the fallback is good on its own
+    third = Durability(cfg, 0)
+    assert_same(state, third.recover())
+    assert third.replayed == 0
+    third.close()
+
+
+def test_a_torn_log_tail_is_reported_and_dropped(tmp_path, caplog):
+    cfg = cfg_for(tmp_path, checkpoint_every_steps=0, checkpoint_every_s=0)
+    durable, state, plan = new_initialized(cfg)
+    drive(durable, state, plan, PUSHES[:3])
+    durable.close()
+    log = durable.dir / "wal-0.log"
+    complete = log.stat().st_size
+    with open(log, "ab") as f:
+        f.write(b"\x40\x00\x00\x00partial")  # a record whose body never made it
+    again = Durability(cfg, 0)
+    with caplog.at_level(logging.WARNING, logger="paramserver.wal"):
+        recovered = again.recover()
+    assert f"torn tail at byte {complete}" in caplog.text
+    assert_same(state, recovered)
+    again.close()
+    assert log.stat().st_size == complete  # truncated before appending again
+
+
+def test_a_data_dir_of_another_cluster_shape_is_refused(tmp_path):
+    cfg = cfg_for(tmp_path, checkpoint_every_steps=1)
+    durable, state, plan = new_initialized(cfg)
+    drive(durable, state, plan, PUSHES[:2])
+    durable.close()
+    with pytest.raises(StateError, match="checkpoint is for shard/shards/fragments"):
+        Durability(replace(cfg, fragments=4), 0).recover()
+
+
+def test_a_stopped_shard_checkpoints_and_restarts_with_the_same_state(start_shard, peer):
+    shard = start_shard(mode="async", heartbeat_interval_s=5.0, liveness=20)
+    p = peer(shard.router, "a")
+    p.hello()
+    flat = small_flat()
+    plan = plan_for(flat)
+    p.request({"kind": "init", "island": "a", "plan": plan.to_wire()}, init_payload(plan, flat))
+    size = plan.fragments[0].size
+    ack, _ = p.request(push_header(plan, "a", 1, 0), delta_frames(np.ones(size, np.float32)))
+    assert ack["outcome"] == "accepted"
+    before = p.status()["versions"]
+    reply, body = p.request({"kind": "snapshot", "island": "a", "fragment": 0})
+    shard.stop()
+    assert list((Path(shard.server.cfg.data_dir) / "shard-0").glob("checkpoint-*.ckpt"))
+    again = start_shard(shard.server.cfg)
+    q = peer(again.router, "a")
+    assert q.status()["versions"] == before
+    reply2, body2 = q.request({"kind": "snapshot", "island": "a", "fragment": 0})
+    assert reply2["version"] == reply["version"]
+    assert codec.decode(body2)["values"].tobytes() == codec.decode(body)["values"].tobytes()
+    nack, _ = q.request(push_header(plan, "a", 1, 0), delta_frames(np.ones(size, np.float32)))
+    assert nack["reason"] == "unknown_island"  # a restarted shard knows nobody
+    q.hello()
+    dup, _ = q.request(push_header(plan, "a", 1, 0), delta_frames(np.ones(size, np.float32)))
+    assert dup["outcome"] == "duplicate"
+
+
+# ----- kill -9 with real processes ------------------------------------------------------
+
+
+def spawn_shard(port, data_dir):
+    cmd = [
+        sys.executable,
+        "-m",
+        "paramserver.shard",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--mode",
+        "sync",
+        "--outer-optimizer",
+        "nesterov",
+        "--checkpoint-every-steps",
+        "4",
+        "--heartbeat-interval-s",
+        "5",
+        "--liveness",
+        "100",
+        "--log-level",
+        "WARNING",
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
+    return subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
+
+
+def connect(ctx, port):
+    p = Peer(ctx, f"tcp://127.0.0.1:{port}", "a")
+    p.hello()  # waits (up to the reply timeout) for the process to serve
+    return p
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_kill_9_mid_run_loses_no_acked_delta_and_applies_none_twice(tmp_path, zmq_ctx):
+    port = free_port()
+    data_dir = tmp_path / "data"
+    flat = small_flat()
+    plan = plan_for(flat)
+    size = plan.fragments[0].size
+    deltas = {
+        r: np.random.default_rng(r).standard_normal(size).astype(np.float32) * 0.05
+        for r in range(1, 31)
+    }
+    kills_after = {5, 9, 14, 20, 26}  # kill -9 right after sending these rounds, before their ack
+    proc = spawn_shard(port, data_dir)
+    peer_ = connect(zmq_ctx, port)
+    reply, _ = peer_.request(
+        {"kind": "init", "island": "a", "plan": plan.to_wire()}, init_payload(plan, flat)
+    )
+    assert reply["kind"] == "init_ok"
+    acked: list[int] = []
+    kills = 0
+    try:
+        rnd = 1
+        while rnd <= 30:
+            header = push_header(plan, "a", rnd, 0, base_version=0)
+            rid = peer_.send(header, delta_frames(deltas[rnd]))
+            if rnd in kills_after:
+                kills_after.discard(rnd)
+                proc.send_signal(signal.SIGKILL)
+                proc.wait(30)
+                kills += 1
+                peer_.close()
+                proc = spawn_shard(port, data_dir)
+                peer_ = connect(zmq_ctx, port)
+                continue  # resend the same round to the restarted shard
+            ack, _ = peer_.recv()
+            assert ack["id"] == rid and ack["kind"] == "ack", ack
+            assert ack["outcome"] in ("accepted", "duplicate"), ack
+            acked.append(rnd)
+            rnd += 1
+        assert kills == 5
+        status = peer_.status()
+        reply, body = peer_.request({"kind": "snapshot", "island": "a", "fragment": 0})
+    finally:
+        peer_.close()
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert acked == list(range(1, 31))
+    # none lost, none twice: each acked delta was merged exactly once, alone, in order
+    assert status["accepted"] == 30 and status["steps"] == 30, status
+    assert status["versions"]["0"] == 30 and status["pending"]["0"] == 0
+    opt = FragmentOptimizer(make_outer_optimizer("nesterov", 0.7, 0.9))
+    params = plan.gather(flat, 0)
+    opt_state = opt.init(params)
+    for r in range(1, 31):
+        params, opt_state = opt.step(params, opt_state, deltas[r] * np.float32(1.0))
+    assert reply["version"] == 30
+    assert codec.decode(body)["values"].tobytes() == params.tobytes()
+
+
+def test_the_kill_test_peer_sees_a_dead_shard_as_silence(zmq_ctx):
+    """The kill test relies on a DEALER queueing until the restarted shard binds again."""
+    port = free_port()
+    p = Peer(zmq_ctx, f"tcp://127.0.0.1:{port}", "a")
+    p.send({"kind": "status"})
+    assert not p.sock.poll(50)
+    router = zmq_ctx.socket(zmq.ROUTER)
+    router.setsockopt(zmq.LINGER, 0)
+    try:
+        router.bind(f"tcp://127.0.0.1:{port}")
+        assert router.poll(10_000), "the queued request reaches a router bound later"
+    finally:
+        router.close(0)
+        p.close()
