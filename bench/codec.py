@@ -9,7 +9,11 @@ warm-up), and (b) synthetic heavy-tailed deltas (Student-t, 3 degrees of
 freedom). For each scheme it reports the compression ratio against fp32
 bytes, the relative L2 error of one round, the relative error of the sum
 over all rounds with and without error feedback, and encode/decode GB/s of
-fp32 input next to numpy memcpy measured in the same run at the same size.
+fp32 input next to numpy memcpy measured in the same run at the same size
+(real deltas: timed on the parameter tree with each tensor's deltas of all
+rounds stacked along a new leading axis, so that the data outgrows the caches
+as a larger model's would; synthetic: on the large tensor, while the
+accumulated error uses 1M-element synthetic rounds).
 JSON on stdout, progress on stderr.
 """
 
@@ -109,6 +113,10 @@ def real_rounds(model_name: str, rounds: int, steps: int, warmup: int, tick) -> 
     return out
 
 
+def _elements(tree: dict) -> int:
+    return sum(np.size(v) for v in codec.flatten(tree).values())
+
+
 def _vector(tree: dict) -> np.ndarray:
     return np.concatenate([np.ravel(v).astype(np.float64) for v in codec.flatten(tree).values()])
 
@@ -125,36 +133,37 @@ def _accumulated(c, rounds: list[dict], feedback: bool) -> float:
 
 
 def measure_scheme(
-    make, rounds: list[dict], acc_rounds: list[dict], repeats: int, memcpy: dict
+    make, rounds: list[dict], acc_rounds: list[dict], speed_tree: dict, repeats: int, memcpy: dict
 ) -> dict:
     """All figures of one scheme on one data set.
 
     Args:
         make: () -> Codec.
-        rounds: trees for ratio, per-round error (first 5) and speed (first).
+        rounds: trees for ratio and per-round error (first 5).
         acc_rounds: same-shaped trees, one per round, for the accumulated error.
+        speed_tree: tree timed for encode/decode throughput.
         repeats: timed repeats for throughput.
-        memcpy: memcpy gbps() at the data size.
+        memcpy: memcpy gbps() at the size of speed_tree.
 
     Returns:
         dict of figures.
     """
     c = make()
-    fp32_bytes = 4 * sum(np.size(v) for v in codec.flatten(rounds[0]).values())
+    fp32_bytes = 4 * _elements(rounds[0])
     ratios, errors = [], []
     for tree in rounds[: min(len(rounds), 5)]:
         frames, _ = c.encode(tree)
         ratios.append(fp32_bytes / sum(len(f) for f in frames))
         x = _vector(tree)
         errors.append(float(np.linalg.norm(_vector(codec.decode(frames)) - x) / np.linalg.norm(x)))
-    tree = rounds[0]
-    box = {"state": c.init(tree)}
+    box = {"state": c.init(speed_tree)}
 
     def encode():
-        box["frames"], box["state"] = c.encode(tree, box["state"])
+        box["frames"], box["state"] = c.encode(speed_tree, box["state"])
 
-    enc = gbps(fp32_bytes, timed(encode, repeats))
-    dec = gbps(fp32_bytes, timed(lambda: codec.decode(box["frames"]), repeats))
+    speed_bytes = 4 * _elements(speed_tree)
+    enc = gbps(speed_bytes, timed(encode, repeats))
+    dec = gbps(speed_bytes, timed(lambda: codec.decode(box["frames"]), repeats))
     return {
         "ratio": float(np.mean(ratios)),
         "rel_l2_per_round": float(np.mean(errors)),
@@ -168,33 +177,37 @@ def measure_scheme(
     }
 
 
-def measure_dataset(label: str, rounds: list[dict], acc_rounds: list[dict], args, p) -> dict:
+def measure_dataset(
+    label: str, rounds: list[dict], acc_rounds: list[dict], speed_tree: dict, args, p
+) -> dict:
     """Every scheme on one data set.
 
     Args:
         label: data set name (progress only).
-        rounds: trees for ratio, per-round error and speed.
+        rounds: trees for ratio and per-round error.
         acc_rounds: same-shaped trees for the accumulated error.
+        speed_tree: tree timed for throughput.
         args: parsed flags.
         p: rich Progress.
 
     Returns:
         {"elements", "rounds", "memcpy_gbps", "schemes": {name: figures}}.
     """
-    elements = sum(np.size(v) for v in codec.flatten(rounds[0]).values())
-    memcpy = memcpy_gbps(4 * elements)
+    memcpy = memcpy_gbps(4 * _elements(speed_tree))
     task = p.add_task(f"{label}: schemes", total=len(SCHEMES))
     schemes = {}
     for name, make in SCHEMES.items():
         p.update(task, description=f"{label}: {name}")
         schemes[name] = measure_scheme(
-            lambda m=make: m(args.threads), rounds, acc_rounds, args.repeats, memcpy
+            lambda m=make: m(args.threads), rounds, acc_rounds, speed_tree, args.repeats, memcpy
         )
         p.advance(task)
     return {
-        "elements": elements,
+        "elements": _elements(rounds[0]),
         "accumulation_rounds": len(acc_rounds),
-        "accumulation_elements": sum(np.size(v) for v in codec.flatten(acc_rounds[0]).values()),
+        "accumulation_elements": _elements(acc_rounds[0]),
+        "speed_elements": _elements(speed_tree),
+        "speed_tensors": len(codec.flatten(speed_tree)),
         "memcpy_gbps": memcpy,
         "schemes": schemes,
     }
@@ -248,7 +261,9 @@ def run(args: argparse.Namespace) -> int:
             rounds = real_rounds(
                 args.model, args.rounds, args.steps, warmup, lambda: p.advance(task)
             )
-            real = measure_dataset("real", rounds, rounds, args, p)
+            flats = [codec.flatten(tree) for tree in rounds]
+            stacked = codec.unflatten({k: np.stack([f[k] for f in flats]) for k in flats[0]})
+            real = measure_dataset("real", rounds, rounds, stacked, args, p)
             real.update(model=args.model, steps_per_round=args.steps, warmup_steps=warmup)
             result["datasets"]["real"] = real
             result["targets_real"] = check_targets(real)
@@ -256,7 +271,7 @@ def run(args: argparse.Namespace) -> int:
         big = synthetic_rounds(args.elements, 1, seed=1)
         small = synthetic_rounds(min(args.elements, 1 << 20), args.rounds, seed=2)
         p.advance(task)
-        result["datasets"]["synthetic"] = measure_dataset("synthetic", big, small, args, p)
+        result["datasets"]["synthetic"] = measure_dataset("synthetic", big, small, big[0], args, p)
     emit_json(result)
     return 0
 

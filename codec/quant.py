@@ -63,8 +63,8 @@ def encode_blocks(x, res, new_res, codes, scales, levels, ws: Workspace, rng=Non
         v = src.reshape(nbk, block)
         sc = scales[a // block : a // block + nbk]
         mx, mn, inv = ws.blk_a[:nbk], ws.blk_b[:nbk], ws.blk_c[:nbk]
-        np.max(v, axis=1, out=mx)
-        np.min(v, axis=1, out=mn)
+        np.maximum.reduce(v, axis=1, out=mx)
+        np.minimum.reduce(v, axis=1, out=mn)
         np.negative(mn, out=mn)
         np.maximum(mx, mn, out=sc)
         if sc.min() < TINY:
