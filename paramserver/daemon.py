@@ -253,12 +253,125 @@ def notify_ready(info: Mapping[str, Any] | None = None) -> None:
     os.replace(tmp, target)
 
 
+def clear_ready() -> None:
+    """Remove this daemon's ready file at exit (no-op when not started by `spawn`)."""
+    target = os.environ.get(READY_ENV)
+    if target:
+        with contextlib.suppress(FileNotFoundError):
+            Path(target).unlink()
+
+
 def _log_tail(log_file: Path, lines: int = 1) -> str:
     try:
         text = log_file.read_text(errors="replace").strip().splitlines()
     except OSError:
         return ""
     return " | ".join(text[-lines:])
+
+
+def spawn(
+    argv: Sequence[str],
+    log_file: str | Path,
+    ready_file: str | Path,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start `argv` in a new session, stdout/stderr appended to `log_file`, stdin /dev/null.
+
+    The child learns `ready_file` from ``DILOCO_READY_FILE`` and must call
+    `notify_ready` once it serves; a stale ready file is removed first. A new
+    session keeps terminal signals (Ctrl-C) away from the child: its parent
+    decides when it stops.
+
+    Args:
+        argv: the command (e.g. ``[sys.executable, "-m", "paramserver.cli", ...]``).
+        log_file: where the child's output goes (directory created).
+        ready_file: the file the child writes when ready.
+        env: the child's environment (default: this process's).
+
+    Returns:
+        The child process.
+    """
+    log_file, ready_file = Path(log_file), Path(ready_file)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    ready_file.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        ready_file.unlink()
+    child_env = dict(os.environ if env is None else env)
+    child_env[READY_ENV] = str(ready_file)
+    with open(log_file, "ab") as log:
+        return subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=True,
+            close_fds=True,
+        )
+
+
+def check_ready(
+    proc: subprocess.Popen, ready_file: str | Path, log_file: str | Path
+) -> dict[str, Any] | None:
+    """Whether a `spawn`ed child has called `notify_ready` yet (does not wait).
+
+    Args:
+        proc: the child.
+        ready_file: its ready file.
+        log_file: its log (quoted in errors).
+
+    Returns:
+        The info the child passed to `notify_ready`, or None while it is starting.
+
+    Raises:
+        DaemonError: the child exited before it was ready (the message ends
+            with its last log line).
+    """
+    ready_file = Path(ready_file)
+    if ready_file.exists():
+        try:
+            return dict(json.loads(ready_file.read_text() or "{}"))
+        except (OSError, ValueError, TypeError):
+            return {}
+    code = proc.poll()
+    if code is not None:
+        tail = _log_tail(Path(log_file))
+        raise DaemonError(
+            f"exited with code {code} before it was ready"
+            + (f": {tail}" if tail else f"; see {log_file}")
+        )
+    return None
+
+
+def wait_ready(
+    proc: subprocess.Popen, ready_file: str | Path, log_file: str | Path, timeout_s: float
+) -> dict[str, Any]:
+    """Wait until a `spawn`ed child has called `notify_ready`.
+
+    Args:
+        proc: the child.
+        ready_file: its ready file.
+        log_file: its log (quoted in errors).
+        timeout_s: how long to wait.
+
+    Returns:
+        The info the child passed to `notify_ready`.
+
+    Raises:
+        DaemonError: the child exited first (the message ends with its last log
+            line), or was not ready in time (it is then terminated).
+    """
+    deadline = time.monotonic() + timeout_s
+    while (info := check_ready(proc, ready_file, log_file)) is None:
+        if time.monotonic() > deadline:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5.0)
+            raise DaemonError(
+                f"was not ready within {timeout_s:g}s and was stopped; see {log_file}"
+            )
+        time.sleep(_POLL_S)
+    return info
 
 
 def detach(
@@ -268,15 +381,12 @@ def detach(
     timeout_s: float = 60.0,
     env: Mapping[str, str] | None = None,
 ) -> tuple[int, dict[str, Any]]:
-    """Start `argv` in a new session and wait until it is ready.
-
-    The child's stdout and stderr are appended to `log_file`; stdin is /dev/null.
-    It must call `notify_ready` once it serves.
+    """Start `argv` as a daemon (`spawn`) and wait until it is ready (`wait_ready`).
 
     Args:
-        argv: the command (e.g. ``[sys.executable, "-m", "paramserver.cli", ...]``).
+        argv: the command.
         log_file: where the child's output goes.
-        ready_file: the file the child writes when ready (removed first).
+        ready_file: the file the child writes when ready.
         timeout_s: how long to wait for readiness.
         env: the child's environment (default: this process's).
 
@@ -284,48 +394,15 @@ def detach(
         (child pid, the info the child passed to `notify_ready`).
 
     Raises:
-        DaemonError: the child exited before it was ready (with the last log line),
-            or did not become ready in time (it is then terminated).
+        DaemonError: the child exited before it was ready (with its last log
+            line), or did not become ready in time (it is then terminated).
     """
-    log_file, ready_file = Path(log_file), Path(ready_file)
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        ready_file.unlink()
-    child_env = dict(os.environ if env is None else env)
-    child_env[READY_ENV] = str(ready_file)
-    with open(log_file, "ab") as log:
-        proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=child_env,
-            start_new_session=True,
-            close_fds=True,
-        )
-    deadline = time.monotonic() + timeout_s
-    while True:
-        if ready_file.exists():
-            try:
-                info = json.loads(ready_file.read_text() or "{}")
-            except (OSError, ValueError):
-                info = {}
-            return proc.pid, info
-        code = proc.poll()
-        if code is not None:
-            tail = _log_tail(log_file)
-            raise DaemonError(
-                f"daemon exited with code {code} before it was ready"
-                + (f": {tail}" if tail else f"; see {log_file}")
-            )
-        if time.monotonic() > deadline:
-            proc.terminate()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                proc.wait(timeout=5.0)
-            raise DaemonError(
-                f"daemon was not ready within {timeout_s:g}s and was stopped; see {log_file}"
-            )
-        time.sleep(_POLL_S)
+    proc = spawn(argv, log_file, ready_file, env)
+    try:
+        info = wait_ready(proc, ready_file, log_file, timeout_s)
+    except DaemonError as exc:
+        raise DaemonError(f"daemon {exc}") from None
+    return proc.pid, info
 
 
 def wait_exit(pid: int, timeout_s: float) -> bool:

@@ -1,0 +1,270 @@
+"""`diloco-server` as a user runs it: real subprocesses, random ports, real shards."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+from shard_helpers import delta_frames, small_flat
+
+from paramserver import daemon
+from paramserver.client import Client, ClientConfig
+
+CMD_TIMEOUT_S = 90
+
+
+def free_base_port(count: int) -> int:
+    """A base port with `count` consecutive ports free a moment ago."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        ok = True
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise AssertionError("no free port range")
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = CMD_TIMEOUT_S):
+    """Run `diloco-server ARGS` to completion; returns the CompletedProcess."""
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, "-m", "paramserver.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=full_env,
+    )
+
+
+def assert_one_line_error(proc, code: int, *needles: str) -> None:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+@pytest.fixture
+def stop_after(tmp_path):
+    """Data dirs to stop at teardown even when a test fails half-way."""
+    dirs: list = []
+    yield dirs.append
+    for data_dir in dirs:
+        run_cli("stop", "--data-dir", str(data_dir))
+
+
+# -- configuration errors: one line, exit 2, no traceback -----------------------------------
+
+
+@pytest.mark.parametrize(
+    "args, needles",
+    [
+        (["start", "--shards", "0"], ["--shards", "shards=0", "int >= 1"]),
+        (["start", "--port", "http"], ["--port", "'http'", "expected int"]),
+        pytest.param(["start", "--port", "70000"], ["--port", "70000"], marks=pytest.mark.slow),
+        (["start", "--mode", "fast"], ["--mode", "'fast'", "sync"]),
+        pytest.param(["start", "--no-such-flag"], ["--no-such-flag"], marks=pytest.mark.slow),
+        pytest.param(["restart"], ["restart"], marks=pytest.mark.slow),
+        pytest.param(
+            ["status", "--connect", "127.0.0.1:5555"],
+            ["--connect", "127.0.0.1:5555"],
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(["start", "--shard", "0"], ["--cluster"], marks=pytest.mark.slow),
+    ],
+)
+def test_bad_flags_exit_2_with_one_line(args, needles):
+    assert_one_line_error(run_cli(*args), 2, *needles)
+
+
+def test_unknown_key_in_toml_names_file_and_key(tmp_path):
+    config = tmp_path / "server.toml"
+    config.write_text('mode = "async"\nshard_count = 2\n')
+    proc = run_cli("start", "--config", str(config))
+    assert_one_line_error(proc, 2, f"{config}:shard_count", "unknown setting", "shards")
+
+
+def test_bad_environment_value_names_the_variable():
+    proc = run_cli("start", env={"DILOCO_SERVER_LIVENESS": "often"})
+    assert_one_line_error(proc, 2, "env DILOCO_SERVER_LIVENESS", "'often'", "int")
+
+
+def test_status_with_nobody_listening_fails_clearly():
+    port = free_base_port(1)
+    proc = run_cli("status", "--connect", f"tcp://127.0.0.1:{port}", "--timeout", "0.5")
+    assert_one_line_error(proc, 1, f"tcp://127.0.0.1:{port}", "within 0.5s", "running")
+
+
+def test_stop_with_nothing_running(tmp_path):
+    proc = run_cli("stop", "--data-dir", str(tmp_path))
+    assert_one_line_error(proc, 1, "no diloco-server is running", str(tmp_path))
+
+
+def test_port_taken_is_refused(tmp_path):
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        port = holder.getsockname()[1]
+        proc = run_cli("start", "--port", str(port), "--data-dir", str(tmp_path / "d"))
+    assert_one_line_error(proc, 1, f"port {port}", "already in use")
+
+
+@pytest.mark.slow
+def test_bad_cluster_file(tmp_path):
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text('[[shard]]\nrouter = "tcp://127.0.0.1:1"\npub = "10.0.0.1:2"\n')
+    proc = run_cli("start", "--cluster", str(cluster), "--shard", "0")
+    assert_one_line_error(proc, 2, "shard[0].pub", "'10.0.0.1:2'")
+    cluster.write_text('[[shard]]\nrouter = "tcp://127.0.0.1:1"\npub = "tcp://127.0.0.1:2"\n')
+    proc = run_cli("start", "--cluster", str(cluster), "--shard", "3")
+    assert_one_line_error(proc, 2, "--shard", "3", "lists 1 shard")
+
+
+# -- life cycle -------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
+    data_dir = tmp_path / "server"
+    port = free_base_port(4)
+    stop_after(data_dir)
+    proc = run_cli(
+        "start",
+        "--detach",
+        "--shards",
+        "2",
+        "--port",
+        str(port),
+        "--data-dir",
+        str(data_dir),
+        "--mode",
+        "async",
+        "--fsync",
+        "false",
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert f"tcp://127.0.0.1:{port}" in proc.stdout
+    supervisor_pid = daemon.read_pid(daemon.pid_path(data_dir))
+    assert supervisor_pid and daemon.pid_alive(supervisor_pid)
+    shard_pids = [daemon.read_pid(daemon.pid_path(data_dir / f"shard-{i}")) for i in range(2)]
+    assert all(pid and daemon.pid_alive(pid) for pid in shard_pids)
+
+    again = run_cli("start", "--detach", "--port", str(port + 10), "--data-dir", str(data_dir))
+    assert_one_line_error(again, 1, "in use by a running diloco-server")
+
+    connect = f"tcp://127.0.0.1:{port}"
+    with Client(ClientConfig(connect=connect, island="cli-test", join_timeout_s=30)) as client:
+        res = client.join(small_flat(0))
+        size = res.plan.fragments[0].size
+        client.push(0, 0, 0, 100, 10, delta_frames(np.full(size, 0.01, np.float32)))
+        deadline = time.monotonic() + 30
+        while client.stats()["acked"] < 1:
+            assert time.monotonic() < deadline, "no ack"
+            time.sleep(0.02)
+
+        status = run_cli("status", "--connect", connect, "--json")
+        assert status.returncode == 0, status.stderr
+        shards = json.loads(status.stdout)["shards"]
+        assert [s["shard"] for s in shards] == [0, 1]
+        for s in shards:
+            assert {"versions", "islands_live", "accepted", "rejected"} <= set(s)
+            assert "cli-test" in s["islands_live"]
+        owner = res.plan.fragments[0].shard
+        assert shards[owner]["accepted"] == 1
+        assert shards[owner]["versions"]["0"] == 1
+
+        table = run_cli("status", "--connect", connect)
+        assert table.returncode == 0 and "cli-test" in table.stdout
+
+    stopped = run_cli("stop", "--data-dir", str(data_dir))
+    assert stopped.returncode == 0, stopped.stderr
+    assert not daemon.pid_path(data_dir).exists()
+    for i in range(2):
+        assert not daemon.pid_path(data_dir / f"shard-{i}").exists()
+        assert "drained and stopped" in daemon.log_path(data_dir / f"shard-{i}").read_text()
+    assert "drained and stopped" in daemon.log_path(data_dir).read_text()
+    assert not any(daemon.pid_alive(pid) for pid in [supervisor_pid, *shard_pids])
+
+
+@pytest.mark.slow
+def test_foreground_sigterm_drains_and_exits_0(tmp_path):
+    data_dir = tmp_path / "server"
+    port = free_base_port(2)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    env["DILOCO_SERVER_FSYNC"] = "false"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "paramserver.cli", "start", "--port", str(port)]
+        + ["--data-dir", str(data_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.monotonic() + CMD_TIMEOUT_S
+        for line in proc.stdout:  # the supervisor logs to stderr (merged here)
+            if "cluster ready" in line:
+                break
+            assert time.monotonic() < deadline
+        else:
+            raise AssertionError(f"no ready line; exit code {proc.wait()}")
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stdout.read()
+        assert proc.wait(timeout=CMD_TIMEOUT_S) == 0, rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert "all 1 shard(s) drained and stopped" in rest
+    assert not daemon.pid_path(data_dir).exists()
+    assert "drained and stopped" in daemon.log_path(data_dir).read_text()
+
+
+@pytest.mark.slow
+def test_cluster_file_shards_start_and_stop(tmp_path, stop_after):
+    data_dir = tmp_path / "server"
+    port = free_base_port(4)
+    cluster = tmp_path / "cluster.toml"
+    cluster.write_text(
+        f'[server]\ndata_dir = "{data_dir}"\nfsync = false\nmode = "async"\n'
+        + "".join(
+            f'[[shard]]\nrouter = "tcp://127.0.0.1:{port + 2 * i}"\n'
+            f'pub = "tcp://127.0.0.1:{port + 2 * i + 1}"\n'
+            for i in range(2)
+        )
+    )
+    stop_after(data_dir)
+    for i in range(2):
+        proc = run_cli("start", "--cluster", str(cluster), "--shard", str(i), "--detach")
+        assert proc.returncode == 0, proc.stderr
+        assert f"shard {i} of 2 serving" in proc.stdout
+    status = run_cli("status", "--connect", f"tcp://127.0.0.1:{port}", "--json")
+    assert status.returncode == 0, status.stderr
+    shards = json.loads(status.stdout)["shards"]
+    assert [s["endpoint"] for s in shards] == [
+        f"tcp://127.0.0.1:{port}",
+        f"tcp://127.0.0.1:{port + 2}",
+    ]
+    stopped = run_cli("stop", "--data-dir", str(data_dir))
+    assert stopped.returncode == 0, stopped.stderr
+    for i in range(2):
+        assert not daemon.pid_path(data_dir / f"shard-{i}").exists()
