@@ -23,7 +23,9 @@ Log records (msgpack header + raw payload):
     init    {"t": "init", "plan": wire plan, "fragments": [[index, size], ...]}
             payload: the fragments' float32 values back to back
     accept  {"t": "accept", island, round, fragment, base_version, tokens,
-            steps, arrived}; payload: the decoded float32 delta
+            steps, arrived, codec: [frame lengths] or nil}; payload: the codec
+            frames as received, back to back (decoded again on replay:
+            decoding is deterministic), or the float32 delta when codec is nil
     step    {"t": "step", fragment, keys: [[island, round], ...], at}
 """
 
@@ -37,6 +39,7 @@ from typing import Any
 
 import numpy as np
 
+import codec
 from paramserver.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from paramserver.config import ShardConfig
 from paramserver.state import (
@@ -80,6 +83,10 @@ def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
             "steps": c.steps,
             "arrived": c.arrived,
         }
+        if event.frames is not None:
+            header["codec"] = [memoryview(f).nbytes for f in event.frames]
+            return header, list(event.frames)
+        header["codec"] = None
         return header, [np.ascontiguousarray(c.delta, dtype=np.float32)]
     if isinstance(event, StepEvent):
         header = {
@@ -116,7 +123,18 @@ def record_to_event(record: Record) -> Event:
     try:
         kind = h["t"]
         if kind == "accept":
-            delta = np.frombuffer(record.payload, dtype=np.float32)
+            lengths = h.get("codec")
+            if lengths is None:
+                delta = np.frombuffer(record.payload, dtype=np.float32)
+            else:
+                frames, offset = [], 0
+                view = memoryview(record.payload)
+                for n in lengths:
+                    frames.append(view[offset : offset + n])
+                    offset += n
+                if offset != len(view):
+                    raise ValueError(f"payload has {len(view)} bytes, frames need {offset}")
+                delta = codec.decode(frames)["delta"]
             c = Contribution(
                 h["island"],
                 h["round"],
@@ -140,7 +158,7 @@ def record_to_event(record: Record) -> Event:
             if offset != flat.shape[0]:
                 raise ValueError(f"payload has {flat.shape[0]} values, fragments need {offset}")
             return InitEvent(h["plan"], values)
-    except (KeyError, TypeError, ValueError) as exc:
+    except (KeyError, TypeError, ValueError) as exc:  # codec.CodecError is a ValueError
         raise WalError(f"log record at byte {record.offset} is inconsistent: {exc!r}") from exc
     raise WalError(f"log record at byte {record.offset} has unknown type {h.get('t')!r}")
 

@@ -1,0 +1,274 @@
+"""Shard throughput: merge + outer step vs decode, push->ack round trips, checkpoint and restart.
+
+JSON on stdout, progress on stderr. Four measurements, all in one run:
+
+- `merge_step`: one shard's ShardState (no sockets) merging `--islands`
+  decoded int8 deltas per fragment and stepping the outer optimizer over a
+  `--params` parameter fragment set; throughput in GB/s of float32 delta
+  consumed, next to `codec.decode` throughput of the same deltas (GB/s of
+  float32 produced). Target: merge_step / decode >= 0.5.
+- `round_trip`: a live ShardServer on loopback (thread, real sockets, fsync
+  on), one DEALER pushing `--rt-params`-element int8 deltas one at a time;
+  push -> ack round trips per second (mode async, so every push also steps),
+  with fsync on (the durable default) and off (what the network and the
+  rest of the loop cost).
+- `checkpoint`: write time and size of the merge_step shard's checkpoint.
+- `restart`: seconds from starting a ShardServer on that data dir (load the
+  checkpoint, replay the log) until it serves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import replace
+
+import numpy as np
+import zmq
+
+import codec
+from bench.common import emit_json, gbps, progress, timed
+from paramserver import protocol
+from paramserver.config import ShardConfig
+from paramserver.durable import Durability
+from paramserver.plan import leaf_specs, make_plan
+from paramserver.shard import ShardServer
+from paramserver.state import AcceptEvent, Contribution, ShardState
+
+T0 = 1_000_000.0
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `diloco-bench server`.
+
+    Args:
+        parser: the subcommand's parser.
+    """
+    parser.add_argument("--params", type=int, default=1 << 24, help="shard parameters (16M)")
+    parser.add_argument("--fragments", type=int, default=2, help="fragments of the shard")
+    parser.add_argument("--islands", type=int, default=2, help="deltas merged per step")
+    parser.add_argument("--rt-params", type=int, default=1 << 20, help="round-trip delta size")
+    parser.add_argument("--pushes", type=int, default=100, help="round trips measured")
+    parser.add_argument("--repeats", type=int, default=5, help="repeats per timing")
+    parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+
+
+def _flat(elements: int, seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal(elements, dtype=np.float32) * 0.02}
+
+
+def _initialized_state(cfg: ShardConfig, flat: dict[str, np.ndarray]):
+    plan = make_plan(leaf_specs(flat), cfg.shards, cfg.num_fragments)
+    state = ShardState(cfg, 0)
+    tree = {str(f.index): plan.gather(flat, f.index) for f in plan.fragments_of(0)}
+    frames, _ = codec.raw("float32").encode(tree)
+    out = state.initialize(plan.to_wire(), frames)
+    assert out.status == "accepted", out
+    return state, plan, out.event
+
+
+def measure_merge_step(args, data_dir: str, p) -> tuple[dict, ShardState, Durability]:
+    """Decode vs merge+step throughput on a --params shard; returns the state for later steps."""
+    cfg = ShardConfig(
+        fragments=args.fragments, mode="async", data_dir=data_dir, checkpoint_every_steps=0
+    )
+    task = p.add_task("merge + outer step", total=args.repeats + 3)
+    state, plan, init_event = _initialized_state(cfg, _flat(args.params, 0))
+    durable = Durability(cfg, 0)
+    durable.recover()
+    durable.append(init_event)
+    rng = np.random.default_rng(1)
+    int8 = codec.int8()
+    deltas = {}  # fragment -> list of (frames, decoded)
+    for f in plan.fragments_of(0):
+        deltas[f.index] = []
+        for _ in range(args.islands):
+            vec = rng.standard_normal(f.size, dtype=np.float32) * 0.01
+            frames, _ = int8.encode({"delta": vec})
+            frames = [bytes(fr) for fr in frames]
+            deltas[f.index].append((frames, codec.decode(frames)["delta"]))
+    p.advance(task)
+    all_frames = [fr for lst in deltas.values() for fr, _ in lst]
+    consumed = sum(d.nbytes for lst in deltas.values() for _, d in lst)
+    decode_s = timed(lambda: [codec.decode(fr) for fr in all_frames], args.repeats)
+    p.advance(task)
+    rounds = iter(range(1, 1 << 30))
+
+    def merge_and_step() -> None:
+        rnd = next(rounds)
+        for fragment, lst in deltas.items():
+            for k, (_, delta) in enumerate(lst):
+                c = Contribution(f"i{k}", rnd, fragment, 0, 4096, 16, T0, delta)
+                state.apply(AcceptEvent(c))
+            state.step(fragment, T0)
+
+    step_s = timed(merge_and_step, args.repeats)
+    p.advance(task, args.repeats)
+    dec, step = gbps(consumed, decode_s), gbps(consumed, step_s)
+    result = {
+        "params": args.params,
+        "fragments": args.fragments,
+        "deltas_per_step": args.islands,
+        "decode_gbps": dec,
+        "merge_step_gbps": step,
+        "ratio_median": step["median"] / dec["median"],
+        "target_ratio": 0.5,
+        "meets_target": step["median"] / dec["median"] >= 0.5,
+        "step_seconds_median": statistics.median(step_s),
+    }
+    return result, state, durable
+
+
+def measure_round_trip(args, data_dir: str, p, fsync: bool = True) -> dict:
+    """Sequential push -> ack round trips against a live shard on loopback."""
+    cfg = ShardConfig(
+        fsync=fsync,
+        fragments=2,
+        mode="async",
+        data_dir=data_dir,
+        heartbeat_interval_s=5.0,
+        liveness=100,
+        dedup_window=1 << 20,
+    )
+    server = ShardServer(cfg, 0, router_bind="tcp://127.0.0.1:*", pub_bind="tcp://127.0.0.1:*")
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    if not server.ready.wait(60):
+        raise RuntimeError("shard did not start")
+    flat = _flat(2 * args.rt_params, 2)
+    plan = make_plan(leaf_specs(flat), 1, 2)
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.bound_endpoints[0])
+    task = p.add_task(f"push -> ack round trips (fsync {fsync})", total=args.pushes + 10)
+
+    def request(header, payload=()):
+        sock.send_multipart(protocol.pack(header, list(payload)), copy=False)
+        if not sock.poll(60_000):
+            raise RuntimeError(f"no reply to {header['kind']}")
+        reply, _ = protocol.unpack(sock.recv_multipart(), role=protocol.REPLY)
+        return reply
+
+    try:
+        request({"kind": "hello", "island": "bench"})
+        tree = {str(f.index): plan.gather(flat, f.index) for f in plan.fragments_of(0)}
+        init_frames, _ = codec.raw("float32").encode(tree)
+        reply = request({"kind": "init", "island": "bench", "plan": plan.to_wire()}, init_frames)
+        assert reply["kind"] == "init_ok", reply
+        vec = np.random.default_rng(3).standard_normal(plan.fragments[0].size, dtype=np.float32)
+        frames, _ = codec.int8().encode({"delta": vec * 0.01})
+        wire_bytes = protocol.message_bytes(frames)
+        header = {
+            "kind": "push",
+            "island": "bench",
+            "fragment": 0,
+            "base_version": 0,
+            "tokens": 4096,
+            "steps": 16,
+            "plan_hash": plan.hash,
+        }
+        times = []
+        for rnd in range(1, args.pushes + 11):
+            t = time.perf_counter()
+            ack = request({**header, "round": rnd}, frames)
+            if rnd > 10:  # the first ten warm up (jit of the outer step)
+                times.append(time.perf_counter() - t)
+            assert ack["outcome"] == "accepted", ack
+            p.advance(task)
+    finally:
+        sock.close(0)
+        ctx.term()
+        stop.set()
+        thread.join(60)
+    return {
+        "delta_params": plan.fragments[0].size,
+        "delta_wire_bytes": wire_bytes,
+        "pushes": len(times),
+        "fsync": cfg.fsync,
+        "mode": cfg.mode,
+        "round_trips_per_s_median": 1.0 / statistics.median(times),
+        "round_trip_ms": {
+            "median": 1e3 * statistics.median(times),
+            "p90": 1e3 * float(np.percentile(times, 90)),
+        },
+    }
+
+
+def measure_checkpoint_and_restart(args, state, durable, data_dir, p) -> dict:
+    """Checkpoint write of the merge_step shard, then restart-to-serving on its data dir."""
+    task = p.add_task("checkpoint + restart", total=args.repeats + 1)
+    write_s, size = [], 0
+    for _ in range(args.repeats):
+        durable._events_since = max(durable._events_since, 1)  # force a write each time
+        durable.checkpoint(state, time.time())
+        write_s.append(durable.last_checkpoint_s)
+        size = durable.last_checkpoint_bytes
+        p.advance(task)
+    durable.close()
+    cfg = replace(state.cfg, data_dir=data_dir)
+    server = ShardServer(cfg, 0, router_bind="tcp://127.0.0.1:*", pub_bind="tcp://127.0.0.1:*")
+    stop = threading.Event()
+    start = time.perf_counter()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    if not server.ready.wait(120):
+        raise RuntimeError("restarted shard did not start")
+    restart_s = time.perf_counter() - start
+    stop.set()
+    thread.join(120)
+    p.advance(task)
+    return {
+        "checkpoint_bytes": size,
+        "checkpoint_write_s": {"median": statistics.median(write_s), "best": min(write_s)},
+        "checkpoint_write_gbps_median": size / statistics.median(write_s) / 1e9,
+        "fsync": cfg.fsync,
+        "restart_to_serving_s": restart_s,
+    }
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the measurements and print JSON.
+
+    Args:
+        args: parsed flags.
+
+    Returns:
+        exit status 0.
+    """
+    if args.quick:
+        args.params, args.rt_params, args.pushes, args.repeats = 1 << 20, 1 << 16, 20, 3
+    result: dict = {"command": " ".join(sys.argv)}
+    with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp, progress() as p:
+        merge, state, durable = measure_merge_step(args, f"{tmp}/a", p)
+        result["merge_step"] = merge
+        result["checkpoint"] = measure_checkpoint_and_restart(args, state, durable, f"{tmp}/a", p)
+        del state
+        result["round_trip"] = measure_round_trip(args, f"{tmp}/b", p)
+        result["round_trip_no_fsync"] = measure_round_trip(args, f"{tmp}/c", p, fsync=False)
+    emit_json(result)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `python -m bench.server`.
+
+    Args:
+        argv: arguments (default: sys.argv[1:]).
+
+    Returns:
+        exit status.
+    """
+    parser = argparse.ArgumentParser(prog="bench.server", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    return run(parser.parse_args(argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
