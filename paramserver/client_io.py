@@ -132,6 +132,10 @@ class IOThread(threading.Thread):
         self._close: tuple[float, Future] | None = None
         self._stopped = False
         self._tick_s = min(0.1, cfg.heartbeat_interval_s / 4)
+        # The PUB stream heartbeats at the server's interval: judge its silence by
+        # the slower of the server's and our own settings (set from the welcome).
+        self._pub_interval_s = cfg.heartbeat_interval_s
+        self._pub_liveness = cfg.liveness
 
     # -- API side (any thread) -----------------------------------------------------------
 
@@ -431,6 +435,8 @@ class IOThread(threading.Thread):
 
     def _adopt_cluster(self, welcome: dict, first: _Shard, local_leaves: list) -> Plan:
         endpoints = welcome["endpoints"]
+        self._pub_interval_s = max(self.cfg.heartbeat_interval_s, welcome["heartbeat_interval_s"])
+        self._pub_liveness = max(self.cfg.liveness, welcome["liveness"])
         num_shards, num_fragments = welcome["num_shards"], welcome["num_fragments"]
         if len(endpoints) != num_shards or not 0 <= welcome["shard"] < num_shards:
             raise ClientError(
@@ -733,7 +739,9 @@ class IOThread(threading.Thread):
                 if now - feed.sync_started > cfg.snapshot_timeout_s:
                     logger.info("shard %d: snapshot timed out; asking again", shard.index)
                     self._resync(shard, now)
-            elif is_silent(now, shard.sub_heard, cfg.heartbeat_interval_s, cfg.liveness):
+            elif shard.up and is_silent(
+                now, shard.sub_heard, self._pub_interval_s, self._pub_liveness
+            ):
                 logger.info("shard %d: update stream silent; re-snapshot", shard.index)
                 shard.sub_heard = now
                 self._resync(shard, now)

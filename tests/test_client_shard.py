@@ -34,26 +34,34 @@ class Cluster:
             (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
             for _ in range(shards)
         ]
-        self.servers, self.threads = [], []
-        self.stop_event = threading.Event()
-        for i, (router, pub) in enumerate(self.endpoints):
-            server = ShardServer(self.cfg, i, self.endpoints, router_bind=router, pub_bind=pub)
-            thread = threading.Thread(target=server.serve, args=(self.stop_event,), daemon=True)
-            thread.start()
-            self.servers.append(server)
-            self.threads.append(thread)
-        for server in self.servers:
-            assert server.ready.wait(WAIT_S), "shard did not start"
+        self.servers: list = [None] * shards
+        self.threads: list = [None] * shards
+        self.stops: list = [None] * shards
+        for i in range(shards):
+            self.start(i)
+
+    def start(self, i: int) -> None:
+        """Start (or restart, on the same ports and data dir) shard i."""
+        router, pub = self.endpoints[i]
+        server = ShardServer(self.cfg, i, self.endpoints, router_bind=router, pub_bind=pub)
+        stop = threading.Event()
+        thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+        thread.start()
+        self.servers[i], self.threads[i], self.stops[i] = server, thread, stop
+        assert server.ready.wait(WAIT_S), "shard did not start"
+
+    def stop_shard(self, i: int) -> None:
+        self.stops[i].set()
+        self.threads[i].join(WAIT_S)
+        assert not self.threads[i].is_alive()
 
     @property
     def connect(self) -> str:
         return self.endpoints[0][0]
 
     def stop(self) -> None:
-        self.stop_event.set()
-        for thread in self.threads:
-            thread.join(WAIT_S)
-            assert not thread.is_alive()
+        for i in range(len(self.threads)):
+            self.stop_shard(i)
 
 
 @pytest.fixture
@@ -75,13 +83,8 @@ def client():
     made = []
 
     def make(connect: str, island: str, **overrides) -> Client:
-        cfg = ClientConfig(
-            connect=connect,
-            island=island,
-            heartbeat_interval_s=0.2,
-            join_timeout_s=WAIT_S,
-            **overrides,
-        )
+        settings = {"heartbeat_interval_s": 0.2, "join_timeout_s": WAIT_S, **overrides}
+        cfg = ClientConfig(connect=connect, island=island, **settings)
         c = Client(cfg)
         made.append(c)
         return c
@@ -216,3 +219,43 @@ def test_close_flushes_then_reports_nothing_dropped(cluster, client):
     assert a.close(flush_timeout_s=WAIT_S) == 0
     with pytest.raises(ClientError, match="closed"):
         a.push(0, 1, 0, 10, 1, [b"x"])
+
+
+def test_shard_restart_reconnects_and_resends_the_unacked_delta(cluster, client, peer):
+    c = cluster(1)
+    a = client(c.connect, "a", heartbeat_interval_s=0.1, liveness=3, ack_timeout_s=0.2)
+    res = a.join(small_flat(0))
+    c.stop_shard(0)
+    size = res.plan.fragments[0].size
+    a.push(0, 0, res.versions[0], 100, 5, delta_frames(np.full(size, 0.25, np.float32)))
+    wait_for(lambda: a.stats()["shards_down"] == 1, "the client to notice the shard is down")
+    assert a.stats()["pending"] == 1
+
+    c.start(0)  # same ports, same data dir: recovers its state
+    wait_for(lambda: a.stats()["acked"] == 1, "the ack after the restart")
+    stats = a.stats()
+    assert stats["reconnects"] >= 1 and stats["shards_down"] == 0 and stats["pending"] == 0
+    got = {}
+    wait_for(lambda: got.update({u.fragment: u for u in a.poll_updates()}) or 0 in got, "update")
+    version, values = snapshot(peer(c.connect), 0)
+    wait_for(
+        lambda: got.update({u.fragment: u for u in a.poll_updates()}) or got[0].version == version,
+        "newest",
+    )
+    assert version == res.versions[0] + 1
+    np.testing.assert_array_equal(got[0].values, values)
+
+
+def test_push_blocks_when_the_unacked_buffer_is_full(cluster, client):
+    c = cluster(1)
+    a = client(c.connect, "a", max_unacked=1, push_timeout_s=0.3)
+    res = a.join(small_flat(0))
+    c.stop_shard(0)
+    frames = delta_frames(np.zeros(res.plan.fragments[0].size, np.float32))
+    a.push(0, 0, 0, 10, 1, frames)
+    with pytest.raises(ClientError, match=r"push: 1 deltas still unacked after 0.3s"):
+        a.push(0, 1, 0, 10, 1, frames)
+    c.start(0)
+    wait_for(lambda: a.stats()["acked"] == 1, "the ack after the restart")
+    a.push(0, 1, 0, 10, 1, frames)  # a slot is free again
+    wait_for(lambda: a.stats()["acked"] == 2, "the second ack")
