@@ -259,3 +259,27 @@ def test_push_blocks_when_the_unacked_buffer_is_full(cluster, client):
     wait_for(lambda: a.stats()["acked"] == 1, "the ack after the restart")
     a.push(0, 1, 0, 10, 1, frames)  # a slot is free again
     wait_for(lambda: a.stats()["acked"] == 2, "the second ack")
+
+
+@pytest.mark.parametrize("downlink", ["float32", "int8"])
+def test_replica_stays_bit_exact_over_many_steps(cluster, client, peer, downlink):
+    c = cluster(1, downlink=downlink)
+    a, b = client(c.connect, "a"), client(c.connect, "b")
+    res = a.join(small_flat(0))
+    b.join(small_flat(0))
+    size = res.plan.fragments[1].size
+    rng = np.random.default_rng(3)
+    for round in range(5):
+        delta = rng.standard_normal(size).astype(np.float32) * 0.01
+        a.push(1, round, round, 10, 1, delta_frames(delta, "int8"))
+        wait_for(lambda r=round: a.stats()["acked"] == r + 1, "the ack")
+    version, values = snapshot(peer(c.connect), 1)
+    latest = {}
+
+    def caught_up():
+        latest.update({u.fragment: u for u in b.poll_updates()})
+        return 1 in latest and latest[1].version == version
+
+    wait_for(caught_up, "the other island's replica")
+    assert version == 5
+    np.testing.assert_array_equal(latest[1].values, values)
