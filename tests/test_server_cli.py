@@ -146,10 +146,13 @@ def test_bad_cluster_file(tmp_path):
 def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
     data_dir = tmp_path / "server"
     port = free_base_port(4)
+    metrics_port = free_base_port(1)
     stop_after(data_dir)
     proc = run_cli(
         "start",
         "--detach",
+        "--metrics-port",
+        str(metrics_port),
         "--shards",
         "2",
         "--port",
@@ -194,6 +197,14 @@ def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
 
         table = run_cli("status", "--connect", connect)
         assert table.returncode == 0 and "cli-test" in table.stdout
+
+        import urllib.request
+
+        url = f"http://127.0.0.1:{metrics_port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            metrics = response.read().decode()
+        assert 'diloco_shard_up{shard="1"} 1.0' in metrics
+        assert f'diloco_shard_accepted_total{{shard="{owner}"}} 1.0' in metrics
 
     stopped = run_cli("stop", "--data-dir", str(data_dir))
     assert stopped.returncode == 0, stopped.stderr
@@ -268,3 +279,36 @@ def test_cluster_file_shards_start_and_stop(tmp_path, stop_after):
     assert stopped.returncode == 0, stopped.stderr
     for i in range(2):
         assert not daemon.pid_path(data_dir / f"shard-{i}").exists()
+
+
+# -- the pieces behind status and metrics, in-process against a real shard ----------------
+
+
+def test_probe_cluster_status_of_a_live_shard(start_shard):
+    from paramserver import probe
+
+    shard = start_shard()
+    result = probe.cluster_status(shard.router, timeout_s=10)
+    (only,) = result["shards"]
+    assert only["shard"] == 0 and only["endpoint"] == shard.router
+    assert only["initialized"] is False and only["islands_live"] == []  # the probe said bye
+
+
+def test_metrics_endpoint_serves_shard_counters(start_shard):
+    import urllib.request
+
+    from paramserver.metrics import serve_metrics
+
+    shard = start_shard()
+    dead = f"tcp://127.0.0.1:{free_base_port(1)}"
+    server = serve_metrics(free_base_port(1), [shard.router, dead], host="127.0.0.1")
+    try:
+        url = f"http://127.0.0.1:{server.server_port}/metrics"
+        with urllib.request.urlopen(url, timeout=30) as response:
+            text = response.read().decode()
+    finally:
+        server.shutdown()
+        server.server_close()
+    assert 'diloco_shard_up{shard="0"} 1.0' in text
+    assert 'diloco_shard_up{shard="1"} 0.0' in text
+    assert 'diloco_shard_accepted_total{shard="0"} 0.0' in text
