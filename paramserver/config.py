@@ -11,13 +11,13 @@ import math
 from dataclasses import dataclass
 from typing import Literal
 
+from paramserver.downlink import DOWNLINKS
 from paramserver.outer import OUTER_OPTIMIZERS
 from paramserver.policy import MODES, PolicyConfig
 from paramserver.weighting import WEIGHTINGS
 
 MIB = 1024 * 1024
 
-DOWNLINKS = ("float32", "int8")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 # Outer lr / momentum used when outer_lr / outer_momentum are left at None.
@@ -65,7 +65,7 @@ class ShardConfig:
     checkpoint_every_steps: int = 50  # checkpoint after this many outer steps (0 = never)
     checkpoint_every_s: float = 60.0  # ... or this many seconds since the last (0 = never)
     fsync: bool = True  # fsync the log before acking; False only for throwaway runs
-    downlink: Literal["float32", "int8"] = "float32"  # published update encoding
+    downlink: Literal["float32", "int8"] = "float32"  # published updates: full fp32 or int8 deltas
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     metrics_port: int = 0  # Prometheus metrics port; 0 = off
 

@@ -175,7 +175,10 @@ class ShardServer:
         self._replies.clear()
         for update in self._updates:
             self.seq += 1
-            frames, _ = self._raw32.encode({"values": update.values})
+            if update.frames is None:
+                mode, (frames, _) = "full", self._raw32.encode({"values": update.values})
+            else:
+                mode, frames = "delta", list(update.frames)
             self._publish(
                 {
                     "kind": "update",
@@ -183,7 +186,7 @@ class ShardServer:
                     "seq": self.seq,
                     "fragment": update.fragment,
                     "version": update.version,
-                    "mode": "full",
+                    "mode": mode,
                 },
                 frames,
             )

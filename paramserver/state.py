@@ -41,6 +41,7 @@ import optax
 import codec
 from paramserver import liveness
 from paramserver.config import ShardConfig
+from paramserver.downlink import Downlink
 from paramserver.outer import FragmentOptimizer, make_outer_optimizer, merge_deltas
 from paramserver.plan import Plan, PlanError
 from paramserver.policy import ArrivalStats, PendingDelta, decide, observe
@@ -124,11 +125,16 @@ class Outcome:
 
 @dataclass(frozen=True)
 class Update:
-    """A new fragment version to publish: the values after the step (1-D float32)."""
+    """A new fragment version to publish: the values after the step (1-D float32).
+
+    `frames` is None for the float32 downlink (publish `values`, mode "full"),
+    else the codec frames of the quantized update (publish them, mode "delta").
+    """
 
     fragment: int
     version: int
     values: np.ndarray
+    frames: tuple[Any, ...] | None = None
 
 
 @dataclass
@@ -140,6 +146,7 @@ class FragmentState:
     version: int = 0
     pending: list[Contribution] = field(default_factory=list)
     stats: ArrivalStats = field(default_factory=ArrivalStats)
+    residual: np.ndarray | None = None  # int8 downlink: quantization error carried forward
 
 
 @dataclass
@@ -194,6 +201,7 @@ class ShardState:
         self.counters = Counters()
         self._merge_buffers: dict[int, np.ndarray] = {}
         self._step = DonatingStep(self.optimizer.tx)
+        self.downlink = Downlink(cfg.downlink)
 
     # ----- queries -------------------------------------------------------------
 
@@ -614,7 +622,18 @@ class ShardState:
             size = frag.params.shape[0]
             buf = self._merge_buffers[event.fragment] = _aligned_float32(size)
         merged = merge_deltas([c.delta for c in merged_in], weights, out=buf)
-        frag.params, frag.opt_state = self._step(frag.params, frag.opt_state, merged)
+        frames = None
+        if self.downlink.compressed:
+            updates, frag.opt_state = self._step.updates(frag.params, frag.opt_state, merged)
+            if frag.residual is None:
+                frag.residual = np.zeros(frag.params.shape[0], np.float32)
+            new_params, frames, frag.residual = self.downlink.publish(
+                np.asarray(frag.params), np.asarray(updates), frag.residual
+            )
+            frag.params = jnp.asarray(new_params)
+            frames = tuple(frames)
+        else:
+            frag.params, frag.opt_state = self._step(frag.params, frag.opt_state, merged)
         for c in merged_in:
             staleness = frag.version - c.base_version
             self.counters.staleness[staleness] = self.counters.staleness.get(staleness, 0) + 1
@@ -637,7 +656,7 @@ class ShardState:
                 "weights": [round(float(w), 4) for w in weights],
             },
         )
-        return Update(event.fragment, frag.version, np.asarray(frag.params))
+        return Update(event.fragment, frag.version, np.asarray(frag.params), frames)
 
     # ----- checkpoint form ---------------------------------------------------------
 
@@ -652,6 +671,8 @@ class ShardState:
         frags = []
         for index, frag in sorted(self.fragments.items()):
             arrays[f"params/{index}"] = np.asarray(frag.params)
+            if frag.residual is not None:
+                arrays[f"residual/{index}"] = frag.residual
             opt = self.optimizer.state_to_arrays(frag.opt_state)
             for k, arr in enumerate(opt):
                 arrays[f"opt/{index}/{k}"] = arr
@@ -729,6 +750,8 @@ class ShardState:
                 opt_arrays = [arrays[f"opt/{i}/{k}"] for k in range(f["opt_arrays"])]
                 opt_state = state.optimizer.state_from_arrays(opt_arrays, params)
                 frag = FragmentState(jnp.asarray(params), opt_state)
+                if f"residual/{i}" in arrays:
+                    frag.residual = np.array(arrays[f"residual/{i}"], dtype=np.float32)
                 frag.version = int(f["version"])
                 ema, last, count = f["stats"]
                 frag.stats = ArrivalStats(ema, last, int(count))
@@ -780,7 +803,13 @@ class DonatingStep:
             updates, opt_state = tx.update(delta, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
+        def updates_only(
+            params: jax.Array, opt_state: Any, delta: jax.Array
+        ) -> tuple[jax.Array, Any]:
+            return tx.update(delta, opt_state, params)
+
         self._step = jax.jit(step, donate_argnums=(0, 1))
+        self._updates = jax.jit(updates_only, donate_argnums=(1,))
 
     def __call__(
         self, params: jax.Array, opt_state: Any, merged: np.ndarray
@@ -799,6 +828,24 @@ class DonatingStep:
         new_params, new_state = self._step(params, opt_state, delta)
         jax.block_until_ready((new_params, new_state))
         return new_params, new_state
+
+    def updates(
+        self, params: jax.Array, opt_state: Any, merged: np.ndarray
+    ) -> tuple[jax.Array, Any]:
+        """The optimizer's update without applying it (for the compressed downlink).
+
+        Args:
+            params: the fragment's params (not donated).
+            opt_state: its optimizer state (donated).
+            merged: the merged pseudo-gradient, 1-D float32.
+
+        Returns:
+            (update to add to params, new optimizer state).
+        """
+        delta = jax.dlpack.from_dlpack(merged)
+        updates, new_state = self._updates(params, opt_state, delta)
+        jax.block_until_ready((updates, new_state))
+        return updates, new_state
 
 
 def _aligned_float32(size: int, align: int = 64) -> np.ndarray:
