@@ -66,6 +66,15 @@ def test_evaluate_is_deterministic_and_does_not_train(trained):
     )
 
 
+def test_evaluate_other_params_leaves_the_trainer_alone(trained):
+    trainer = trained["trainer"]
+    own = trainer.evaluate(trained["evals"])
+    assert trainer.evaluate(trained["evals"], params=trained["init"]) == pytest.approx(
+        trained["eval_before"], abs=1e-6
+    )
+    assert trainer.evaluate(trained["evals"]) == own
+
+
 def test_numpy_params_is_a_float32_snapshot_that_survives_steps(trained):
     trainer = trained["trainer"]
     snapshot = trainer.numpy_params()

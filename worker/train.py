@@ -240,21 +240,24 @@ class InnerTrainer:
         self._tokens_done += batch.shape[0] * (batch.shape[1] - 1)
         return float(loss)
 
-    def evaluate(self, batches: Sequence[np.ndarray]) -> float:
+    def evaluate(self, batches: Sequence[np.ndarray], params: dict | None = None) -> float:
         """Mean loss over evaluation batches, weighted by batch size; no update.
 
         Args:
             batches: int arrays [B, T+1] (e.g. from `worker.data.eval_batches`).
+            params: evaluate this tree (same structure, e.g. the global parameters)
+                instead of the trainer's own parameters.
 
         Returns:
             Mean loss in nats/byte.
         """
         if not batches:
             raise InnerConfigError("evaluate needs at least one batch")
+        placed = self._params if params is None else self._place(params)
         total, count = 0.0, 0
         for tokens_BxT1 in batches:
             batch = self._put_batch(tokens_BxT1)
-            total += float(self._eval_step(self._params, batch)) * batch.shape[0]
+            total += float(self._eval_step(placed, batch)) * batch.shape[0]
             count += batch.shape[0]
         return total / count
 
