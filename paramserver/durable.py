@@ -198,6 +198,9 @@ class Durability:
             StateError: the data dir belongs to another cluster shape.
         """
         self.dir.mkdir(parents=True, exist_ok=True)
+        for stale in self.dir.glob(".checkpoint-*.tmp-*"):  # a checkpoint write cut short
+            logger.warning("shard %d: removing unfinished checkpoint %s", self.index, stale.name)
+            stale.unlink(missing_ok=True)
         checkpoints = self._numbered(_CKPT)
         skipped = False
         state, gen = None, 0

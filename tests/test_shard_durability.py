@@ -84,9 +84,12 @@ def test_recovery_from_the_log_alone(tmp_path):
     durable, state, plan = new_initialized(cfg)
     drive(durable, state, plan, PUSHES)
     durable.close()
+    stale = durable.dir / ".checkpoint-1.ckpt.tmp-99999"  # a checkpoint write cut short
+    stale.write_bytes(b"half")
     again = Durability(cfg, 0)
     assert_same(state, again.recover())
     assert again.replayed > len(PUSHES)
+    assert not stale.exists()
     again.close()
 
 
