@@ -31,6 +31,7 @@ SCHEMES = {
     "raw-bf16": lambda t: codec.raw("bfloat16", zstd_threads=t),
     "int8": lambda t: codec.int8(zstd_threads=t),
     "int8+stochastic": lambda t: codec.int8(stochastic=True, seed=0, zstd_threads=t),
+    "int8-block1024": lambda t: codec.int8(block_size=1024, zstd_threads=t),
     "int4": lambda t: codec.int4(zstd_threads=t),
 }
 # Targets on real deltas (scheme -> metric -> (comparison, bound)).

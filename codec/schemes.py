@@ -15,7 +15,7 @@ from .compress import FrameSink, make_pool
 from .errors import CodecError
 from .quant import encode_blocks
 from .rawcast import encode_raw
-from .state import advance, check_state, init_state
+from .state import ErrorFeedbackState, advance, check_state, init_state
 from .tree import leaf_items
 from .workspace import workspace
 
@@ -78,7 +78,7 @@ class Codec:
             f"stochastic={self.stochastic}, zstd_threads={self.zstd_threads})"
         )
 
-    def init(self, tree) -> "object":
+    def init(self, tree) -> ErrorFeedbackState:
         """Zero error-feedback residuals for a tree.
 
         Args:
@@ -90,7 +90,7 @@ class Codec:
         items = [(p, _as_array(p, leaf)) for p, leaf in leaf_items(tree)]
         return init_state([p for p, _ in items], [a.shape for _, a in items])
 
-    def encode(self, tree, state=None) -> tuple[list, object]:
+    def encode(self, tree, state=None) -> tuple[list, ErrorFeedbackState | None]:
         """Encode a tree into frames.
 
         Args:

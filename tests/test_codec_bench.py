@@ -29,7 +29,7 @@ def test_codec_bench_quick_synthetic_prints_json(capsys):
     synth = result["datasets"]["synthetic"]
     assert synth["elements"] == 65536 and synth["accumulation_rounds"] == 4
     schemes = synth["schemes"]
-    assert set(schemes) == {"raw-fp32", "raw-bf16", "int8", "int8+stochastic", "int4"}
+    assert {"raw-fp32", "raw-bf16", "int8", "int8+stochastic", "int4"} <= set(schemes)
     assert schemes["raw-fp32"]["rel_l2_per_round"] == 0.0
     assert (
         3.5 < schemes["int8"]["ratio"] < 8 and schemes["int4"]["ratio"] > schemes["int8"]["ratio"]
