@@ -126,7 +126,14 @@ def _child_argv(argv: Sequence[str]) -> list[str]:
 
 
 def cmd_start(args: argparse.Namespace) -> int:
-    """`start`: a local cluster, or one shard of a multi-host cluster."""
+    """`start`: a local cluster, or one shard of a multi-host cluster.
+
+    Args:
+        args: the parsed command line.
+
+    Returns:
+        Exit code.
+    """
     if args.cluster is not None or args.shard is not None:
         return _start_cluster_shard(args)
     from paramserver import supervisor
@@ -214,7 +221,14 @@ def _start_cluster_shard(args: argparse.Namespace) -> int:
 
 
 def cmd_shard(args: argparse.Namespace) -> int:
-    """Internal `shard`: one shard of a local cluster, started by the supervisor."""
+    """Internal `shard`: one shard of a local cluster, started by the supervisor.
+
+    Args:
+        args: the parsed command line.
+
+    Returns:
+        Exit code.
+    """
     from paramserver import serve
 
     try:
@@ -225,7 +239,14 @@ def cmd_shard(args: argparse.Namespace) -> int:
 
 
 def cmd_status(args: argparse.Namespace) -> int:
-    """`status`: query every shard and print a table or JSON."""
+    """`status`: query every shard and print a table or JSON.
+
+    Args:
+        args: the parsed command line.
+
+    Returns:
+        Exit code.
+    """
     from paramserver import probe
 
     if not args.connect.startswith(("tcp://", "ipc://")):
@@ -248,7 +269,14 @@ def cmd_status(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    """`stop`: SIGTERM the server of a data dir and wait until it has drained."""
+    """`stop`: SIGTERM the server of a data dir and wait until it has drained.
+
+    Args:
+        args: the parsed command line.
+
+    Returns:
+        Exit code.
+    """
     from paramserver import supervisor
 
     data_dir = args.data_dir

@@ -36,6 +36,10 @@ class ClientError(RuntimeError):
     """The client cannot do what was asked; the message says why and what to do."""
 
 
+class ClientConfigError(ClientError, ValueError):
+    """A `ClientConfig` value is invalid (a ValueError too, so settings loaders report it)."""
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """Settings of one island's connection to the parameter server."""
@@ -56,12 +60,12 @@ class ClientConfig:
         if not isinstance(self.connect, str) or not self.connect.startswith(
             ("tcp://", "ipc://", "inproc://")
         ):
-            raise ClientError(
+            raise ClientConfigError(
                 f"ClientConfig.connect={self.connect!r}: give a ZeroMQ endpoint such as "
                 "tcp://127.0.0.1:5555"
             )
         if not isinstance(self.island, str) or not 1 <= len(self.island) <= 128:
-            raise ClientError(
+            raise ClientConfigError(
                 f"ClientConfig.island={self.island!r}: give a string of 1-128 characters"
             )
         for name in (
@@ -80,18 +84,18 @@ class ClientConfig:
                 or not math.isfinite(value)
                 or value <= 0
             ):
-                raise ClientError(f"ClientConfig.{name}={value!r}: must be a number > 0")
+                raise ClientConfigError(f"ClientConfig.{name}={value!r}: must be a number > 0")
         for name in ("liveness", "max_unacked"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ClientError(f"ClientConfig.{name}={value!r}: must be an int >= 1")
+                raise ClientConfigError(f"ClientConfig.{name}={value!r}: must be an int >= 1")
         if self.ack_timeout_cap_s < self.ack_timeout_s:
-            raise ClientError(
+            raise ClientConfigError(
                 f"ClientConfig.ack_timeout_cap_s={self.ack_timeout_cap_s!r}: must be >= "
                 f"ack_timeout_s={self.ack_timeout_s}"
             )
         if self.reconnect_cap_s < self.heartbeat_interval_s:
-            raise ClientError(
+            raise ClientConfigError(
                 f"ClientConfig.reconnect_cap_s={self.reconnect_cap_s!r}: must be >= "
                 f"heartbeat_interval_s={self.heartbeat_interval_s}"
             )

@@ -352,6 +352,11 @@ def _build(cls: type, prefix: tuple[str, ...], values: dict[str, tuple[Any, str]
         elif key in values:
             kwargs[f.name] = values[key][0]
             sources[f.name] = values[key]
+        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            raise SettingsError(
+                f"missing required setting {key!r}: set it in the config file, the "
+                f"environment or with --{key.replace('_', '-')}"
+            )
     try:
         return cls(**kwargs)
     except SettingsError:

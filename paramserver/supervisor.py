@@ -311,6 +311,8 @@ def stop_server(data_dir: str | Path, timeout_s: float = DRAIN_TIMEOUT_S) -> lis
         if daemon.running_pid(daemon.pid_path(d)) is not None
     ]
     if stopped:
+        with contextlib.suppress(FileNotFoundError):  # a supervisor killed with -9 left it
+            daemon.pid_path(data_dir).unlink()
         return stopped
     stale = [
         p for p in (daemon.pid_path(d) for d in [data_dir, *shard_dirs(data_dir)]) if p.exists()

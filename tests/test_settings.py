@@ -129,3 +129,17 @@ def test_add_flags_only_given_values_and_help():
     assert "distinct islands per step" in text
     assert "--verbose" not in text
     assert setting_keys(Demo)[-2:] == ["inner_mode", "inner_quorum"]
+
+
+@dataclass(frozen=True)
+class Needs:
+    connect: str
+    retries: int = 1
+
+
+def test_missing_required_setting_is_named():
+    with pytest.raises(SettingsError, match="missing required setting 'connect'.*--connect"):
+        load_settings(Needs)
+    assert (
+        load_settings(Needs, env={"N_CONNECT": "tcp://h:1"}, env_prefix="N_").connect == "tcp://h:1"
+    )
