@@ -96,7 +96,9 @@ class Codec:
         Args:
             tree: mapping name -> float32/float16/bfloat16 array, nested allowed.
             state: error-feedback state from `init` or the previous encode;
-                None disables error feedback.
+                None disables error feedback. A state serves one successful
+                encode (its buffers are then recycled); a failed encode leaves
+                it valid.
 
         Returns:
             (frames, new_state): frames[0] is the header, the rest payload

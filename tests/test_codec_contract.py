@@ -216,3 +216,13 @@ def test_split_rejects_bad_blobs():
     for bad in [b"", b"XXXX\x00\x00\x00\x00", blob[:-1], blob + b"x", b"DDCJ\xff\xff\xff\xff", 17]:
         with pytest.raises(codec.CodecError):
             codec.split(bad)
+
+
+def test_decode_accepts_any_bytes_like_frames():
+    x = np.linspace(-1, 1, 777, dtype=np.float32)
+    frames, _ = codec.int8().encode({"x": x})
+    for convert in (bytes, bytearray, memoryview, lambda f: np.frombuffer(f, np.uint8)):
+        y = codec.decode([convert(f) for f in frames])["x"]
+        assert np.abs(y - x).max() <= 1 / 254 + 1e-7
+    with pytest.raises(codec.CodecError, match="bytes-like"):
+        codec.decode([frames[0], 12345])
