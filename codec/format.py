@@ -9,7 +9,7 @@ ignored by readers)::
     version   1                         (FORMAT_VERSION; readers reject others)
     scheme    "int8" | "int4" | "raw"
     block     elements per quantization block (int8, int4); 0 for raw
-    store     "float32" | "bfloat16"  (raw only: the stored element type)
+    store     "float32" | "bfloat16": the stored element type (raw); nil otherwise
     zstd      true when each payload frame is one zstd frame
     payload   total length in bytes of the (uncompressed) payload
     tensors   list of [path, shape, dtype, offset]:
@@ -23,17 +23,19 @@ ignored by readers)::
                 check     zstd: the frame's 4-byte content checksum (its last 4
                           bytes, little endian); no zstd: crc32 of the frame
 
-``frames[1:]``: the payload, cut in order into pieces of at most FRAME_BYTES
-(1 MiB) each, every piece zstd-compressed on its own (content size and content
-checksum written) or sent as is. Concatenated (after decompression) they give
-the payload.
+``frames[1:]``: the payload, cut in order into pieces of FRAME_BYTES (1 MiB;
+the last one shorter) regardless of tensor boundaries, every piece
+zstd-compressed on its own (content size and content checksum written) or
+sent as is. Concatenated (after decompression) they give the payload. An empty
+tree has no payload frames.
 
 Payload: one section per tensor, in tree order (keys sorted at each level),
 each section starting at a multiple of 8 bytes (zero padding between). With
 ``n`` elements and ``b = ceil(n / block)`` blocks:
 
 - int8: ``n`` int8 codes ``q`` in [-127, 127], then (from the next multiple of
-  4 bytes) ``b`` float32 block absmax values ``m`` (little endian). Value = ``q * (m * float32(1/127))`` in float32.
+  4 bytes) ``b`` float32 block absmax values ``m`` (little endian).
+  Value = ``q * (m * float32(1/127))`` in float32.
 - int4: ``ceil(n / 2)`` bytes, element ``2i`` in the low nibble and ``2i+1`` in
   the high nibble, each nibble ``q + 8`` with ``q`` in [-7, 7] (an odd count
   pads the last high nibble with 8); then, 4-aligned, ``b`` float32 absmax
@@ -42,7 +44,11 @@ each section starting at a multiple of 8 bytes (zero padding between). With
 - raw: ``n`` elements of ``store`` (little endian).
 
 Decoded values are cast to the tensor's dtype. The last block of a tensor may
-be short. Blocks never span tensors.
+be short. Blocks never span tensors. Writers round ``x * (L / m)`` to the
+nearest integer (or stochastically), write ``m = 0`` for blocks whose absmax is
+below 2**-118, and saturate raw bfloat16 values at the largest finite
+bfloat16; readers reject negative or non-finite ``m``. Error feedback is the
+writer's business and leaves no trace in the format.
 
 A single-buffer form for files and logs (`codec.join` / `codec.split`):
 ``b"DDCJ"``, uint32 frame count, then one uint64 length per frame (all little
