@@ -308,6 +308,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc), EXIT_USAGE)
     except DaemonError as exc:
         return _fail(str(exc), EXIT_FAILURE)
+    except OSError as exc:  # e.g. a data dir that cannot be created
+        where = f": {exc.filename}" if exc.filename else ""
+        return _fail(f"{exc.strerror or exc}{where}", EXIT_FAILURE)
     except KeyboardInterrupt:
         return _fail("interrupted", 130)
 

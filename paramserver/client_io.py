@@ -489,6 +489,8 @@ class IOThread(threading.Thread):
                     raise ClientError(
                         _mismatch(welcome["plan_hash"], plan, plan.num_shards, plan.num_fragments)
                     )
+                if shard.index == 0:
+                    break  # lost the race: the winner initializes the other shards
                 continue
             if reason == "plan_mismatch":
                 raise ClientError(f"join: plan mismatch: {reply.get('detail')}")
@@ -514,6 +516,13 @@ class IOThread(threading.Thread):
                     f"{self.cfg.join_timeout_s:g}s"
                 )
             self._iteration(commands=False)
+            now = time.monotonic()
+            for shard in self._shards:  # e.g. a shard the winner of an init race has not reached
+                if (
+                    shard.feed.syncing
+                    and now - shard.feed.sync_started > self.cfg.snapshot_timeout_s
+                ):
+                    self._resync(shard, now, count=False)
         params = {leaf.path: np.zeros(leaf.shape, dtype=np.float32) for leaf in plan.leaves}
         for index, state in self._replica.items():
             plan.scatter(index, state.values, params)

@@ -283,3 +283,26 @@ def test_replica_stays_bit_exact_over_many_steps(cluster, client, peer, downlink
     wait_for(caught_up, "the other island's replica")
     assert version == 5
     np.testing.assert_array_equal(latest[1].values, values)
+
+
+def test_concurrent_first_joins_agree_on_one_initializer(cluster, client):
+    c = cluster(2)
+    flats = [small_flat(0), small_flat(1)]
+    clients = [client(c.connect, "a", ack_timeout_s=0.2), client(c.connect, "b", ack_timeout_s=0.2)]
+    results: list = [None, None]
+    barrier = threading.Barrier(2)
+
+    def join(i):
+        barrier.wait()
+        results[i] = clients[i].join(flats[i])
+
+    threads = [threading.Thread(target=join, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(WAIT_S * 2)
+    assert all(r is not None for r in results)
+    winner = next(f for f in flats if np.array_equal(f["b"], results[0].params["b"]))
+    for res in results:  # both replicas hold one island's values, not a mix
+        for name, value in winner.items():
+            np.testing.assert_array_equal(res.params[name], value)
