@@ -312,3 +312,30 @@ def test_metrics_endpoint_serves_shard_counters(start_shard):
     assert 'diloco_shard_up{shard="0"} 1.0' in text
     assert 'diloco_shard_up{shard="1"} 0.0' in text
     assert 'diloco_shard_accepted_total{shard="0"} 0.0' in text
+
+
+def test_cluster_file_parsing(tmp_path):
+    from paramserver.clusterfile import load_cluster_file
+    from paramserver.settings import SettingsError
+
+    path = tmp_path / "cluster.toml"
+    path.write_text(
+        '[server]\nmode = "sync"\n'
+        '[[shard]]\nrouter = "tcp://10.0.0.1:5555"\npub = "tcp://10.0.0.1:5556"\n'
+        'router_bind = "tcp://*:5555"\n'
+        '[[shard]]\nrouter = "tcp://10.0.0.2:5555"\npub = "tcp://10.0.0.2:5556"\n'
+    )
+    cluster = load_cluster_file(path)
+    assert cluster.server == {"mode": "sync"}
+    assert [s.router for s in cluster.shards] == ["tcp://10.0.0.1:5555", "tcp://10.0.0.2:5555"]
+    assert cluster.shards[0].router_bind == "tcp://*:5555"
+    assert cluster.shards[0].pub_bind == "tcp://10.0.0.1:5556"  # default: the connect address
+    for text, match in [
+        ("[servers]\n", r"servers: unknown table"),
+        ("[server]\n", r"list every shard"),
+        ('[[shard]]\nrouter = "tcp://a:1"\n', r"shard\[0\]: missing pub"),
+        ('[[shard]]\nrouter = "tcp://a:1"\npub = "tcp://a:2"\nport = 3\n', r"shard\[0\]\.port"),
+    ]:
+        path.write_text(text)
+        with pytest.raises(SettingsError, match=match):
+            load_cluster_file(path)
