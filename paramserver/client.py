@@ -268,6 +268,14 @@ class Client:
         )
         if not request.frames:
             raise ClientError("push: frames is empty; pass the frames a codec's encode returned")
+        limit = self._io.max_message_bytes
+        if limit is not None:
+            size = sum(memoryview(f).nbytes for f in request.frames)
+            if size > limit:
+                raise ClientError(
+                    f"push: delta of {size} bytes exceeds the server's max_message_bytes={limit}; "
+                    "use more fragments or a stronger codec"
+                )
         with self._slots:
             ok = self._slots.wait_for(
                 lambda: self._outstanding < self.cfg.max_unacked or self._io.failure is not None,

@@ -104,6 +104,9 @@ class IOThread(threading.Thread):
         super().__init__(name=f"diloco-client-{cfg.island}", daemon=True)
         self.cfg = cfg
         self.failure: str | None = None
+        # The shard's size limit when its welcome says (a bigger push would be
+        # dropped with the connection, not answered): checked by `Client.push`.
+        self.max_message_bytes: int | None = None
         self._release = release
         self._ctx = zmq.Context()
         self._wake_rx = self._ctx.socket(zmq.PAIR)
@@ -437,6 +440,9 @@ class IOThread(threading.Thread):
         endpoints = welcome["endpoints"]
         self._pub_interval_s = max(self.cfg.heartbeat_interval_s, welcome["heartbeat_interval_s"])
         self._pub_liveness = max(self.cfg.liveness, welcome["liveness"])
+        limit = welcome.get("max_message_bytes")  # optional field: known to newer shards
+        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+            self.max_message_bytes = limit
         num_shards, num_fragments = welcome["num_shards"], welcome["num_fragments"]
         if len(endpoints) != num_shards or not 0 <= welcome["shard"] < num_shards:
             raise ClientError(

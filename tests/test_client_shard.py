@@ -235,6 +235,7 @@ def test_shard_restart_reconnects_and_resends_the_unacked_delta(cluster, client,
     wait_for(lambda: a.stats()["acked"] == 1, "the ack after the restart")
     stats = a.stats()
     assert stats["reconnects"] >= 1 and stats["shards_down"] == 0 and stats["pending"] == 0
+    assert stats["resyncs"] >= 1  # the welcome after the restart re-snapshots
     got = {}
     wait_for(lambda: got.update({u.fragment: u for u in a.poll_updates()}) or 0 in got, "update")
     version, values = snapshot(peer(c.connect), 0)
