@@ -48,6 +48,7 @@ from paramserver.state import (
     Event,
     InitEvent,
     ShardState,
+    StateError,
     StepEvent,
 )
 from paramserver.wal import LogReader, Record, WalError, WriteAheadLog, fsync_dir
@@ -194,9 +195,18 @@ class Durability:
             The recovered state (empty for a new data dir).
 
         Raises:
-            DurabilityError, WalError: recovery would lose acknowledged data.
-            StateError: the data dir belongs to another cluster shape.
+            DurabilityError: recovery would lose acknowledged data (a log corrupted
+                in the middle, no usable checkpoint and no log from the start), or
+                the data dir belongs to another cluster shape; the message says
+                which and what to do.
+            OSError: the directory cannot be created or read.
         """
+        try:
+            return self._recover()
+        except (WalError, StateError) as exc:
+            raise DurabilityError(f"shard {self.index} cannot recover {self.dir}: {exc}") from exc
+
+    def _recover(self) -> ShardState:
         self.dir.mkdir(parents=True, exist_ok=True)
         for stale in self.dir.glob(".checkpoint-*.tmp-*"):  # a checkpoint write cut short
             logger.warning("shard %d: removing unfinished checkpoint %s", self.index, stale.name)

@@ -93,6 +93,8 @@ class ShardServer:
             stop: set it (from any thread or a signal handler) to stop.
 
         Raises:
+            DurabilityError: the data dir cannot be recovered without losing
+                acknowledged data (paramserver.durable; the message says what to do).
             zmq.ZMQError: a bind failed (e.g. port in use).
             OSError: the write-ahead log or a checkpoint cannot be written; the
                 shard stops rather than ack what it cannot keep.

@@ -16,9 +16,9 @@ from shard_helpers import delta_frames, init_payload, plan_for, push_header, sma
 
 import codec
 from paramserver.config import ShardConfig
-from paramserver.durable import Durability
+from paramserver.durable import Durability, DurabilityError
 from paramserver.outer import FragmentOptimizer, make_outer_optimizer
-from paramserver.state import ShardState, StateError
+from paramserver.state import ShardState
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_000_000.0
@@ -161,7 +161,7 @@ def test_a_data_dir_of_another_cluster_shape_is_refused(tmp_path):
     durable, state, plan = new_initialized(cfg)
     drive(durable, state, plan, PUSHES[:2])
     durable.close()
-    with pytest.raises(StateError, match="checkpoint is for shard/shards/fragments"):
+    with pytest.raises(DurabilityError, match="checkpoint is for shard/shards/fragments"):
         Durability(replace(cfg, fragments=4), 0).recover()
 
 
