@@ -339,3 +339,41 @@ def test_cluster_file_parsing(tmp_path):
         path.write_text(text)
         with pytest.raises(SettingsError, match=match):
             load_cluster_file(path)
+
+
+@pytest.mark.slow
+def test_client_resends_to_a_frozen_shard_and_the_shard_dedups(tmp_path, stop_after):
+    """SIGSTOP the shard process: the client re-sends on ack timeout; after SIGCONT the
+    shard sees every copy, applies one and acks the rest as duplicates."""
+    data_dir = tmp_path / "server"
+    port = free_base_port(2)
+    stop_after(data_dir)
+    started = run_cli(
+        "start", "--detach", "--port", str(port), "--data-dir", str(data_dir),
+        "--mode", "async", "--fsync", "false",
+    )  # fmt: skip
+    assert started.returncode == 0, started.stderr
+    shard_pid = daemon.read_pid(daemon.pid_path(data_dir / "shard-0"))
+    connect = f"tcp://127.0.0.1:{port}"
+    cfg = ClientConfig(connect=connect, island="r", ack_timeout_s=0.1, ack_timeout_cap_s=0.4)
+    with Client(cfg) as client:
+        res = client.join(small_flat(0))
+        os.kill(shard_pid, signal.SIGSTOP)
+        try:
+            frames = delta_frames(np.full(res.plan.fragments[0].size, 0.1, np.float32))
+            client.push(0, 0, 0, 100, 10, frames)
+            deadline = time.monotonic() + 30
+            while client.stats()["resent"] < 2:
+                assert time.monotonic() < deadline, client.stats()
+                time.sleep(0.02)
+            assert client.stats()["acked"] == 0
+        finally:
+            os.kill(shard_pid, signal.SIGCONT)
+        deadline = time.monotonic() + 30
+        while client.stats()["acked"] < 1:
+            assert time.monotonic() < deadline, client.stats()
+            time.sleep(0.02)
+        status = run_cli("status", "--connect", connect, "--json")
+        (shard,) = json.loads(status.stdout)["shards"]
+        assert shard["accepted"] == 1 and shard["duplicates"] >= 1
+        assert shard["versions"]["0"] == 1  # applied once
