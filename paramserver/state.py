@@ -18,8 +18,9 @@ write-ahead log's recovery). Rejected requests never reach `apply`, so they
 never touch parameters. Island registry, rejection counts and byte counters
 are bookkeeping, not events (a restart keeps what the last checkpoint had).
 
-Parameter arrays are never written in place: a step replaces a fragment's
-array, so an array handed out by `snapshot` (e.g. sent zero-copy) stays valid.
+Parameters and optimizer state live in JAX and a step updates them in place
+(donated buffers), except when a numpy view handed out by `snapshot` still
+exists: JAX then keeps the old buffer, so such a view never changes.
 
 Clock: `now` is wall-clock seconds (time.time()), because arrival times are
 persisted with pending deltas and must mean the same after a restart.
@@ -238,7 +239,8 @@ class ShardState:
             fragment: fragment index.
 
         Returns:
-            (version, values); values is the live array, never modified in place.
+            (version, values); values is a read-only numpy view of the fragment's
+            params that stays valid after later steps (see DonatingStep).
 
         Raises:
             StateError: not initialized or fragment not owned.

@@ -223,3 +223,15 @@ def test_status_is_json_ready():
     assert status["pending"] == {"0": 1, "1": 0}
     assert status["islands_live"] == ["a", "b"]
     assert status["rejected"] == {"unknown_island": 1}
+
+
+def test_a_snapshot_view_survives_later_steps():
+    cfg = ShardConfig(mode="async", fsync=False)
+    state, plan, _ = fresh(cfg)
+    _, view = state.snapshot(0)
+    kept = view.copy()
+    for rnd in range(1, 4):
+        push(state, plan, "a", rnd, base=state.versions()[0])
+        state.step(0, T0)
+    assert view.tobytes() == kept.tobytes()
+    assert state.snapshot(0)[1].tobytes() != kept.tobytes()
