@@ -268,6 +268,13 @@ def test_cluster_file_shards_start_and_stop(tmp_path, stop_after):
         proc = run_cli("start", "--cluster", str(cluster), "--shard", str(i), "--detach")
         assert proc.returncode == 0, proc.stderr
         assert f"shard {i} of 2 serving" in proc.stdout
+        if i == 0:  # shard 1 is not up yet: status shows it as unreachable, exit 1
+            half = run_cli(
+                "status", "--connect", f"tcp://127.0.0.1:{port}", "--json", "--timeout", "0.5"
+            )
+            assert half.returncode == 1
+            down = json.loads(half.stdout)["shards"][1]
+            assert "within 0.5s" in down["error"]
     status = run_cli("status", "--connect", f"tcp://127.0.0.1:{port}", "--json")
     assert status.returncode == 0, status.stderr
     shards = json.loads(status.stdout)["shards"]
