@@ -226,3 +226,13 @@ def test_decode_accepts_any_bytes_like_frames():
         assert np.abs(y - x).max() <= 1 / 254 + 1e-7
     with pytest.raises(codec.CodecError, match="bytes-like"):
         codec.decode([frames[0], 12345])
+
+
+def test_threaded_decode_matches_and_validates_threads(monkeypatch):
+    monkeypatch.setattr(codec.format, "FRAME_BYTES", 4096)
+    x = np.random.default_rng(5).standard_normal(50_000).astype(np.float32)
+    frames, _ = codec.int8().encode({"x": x})
+    assert len(frames) > 5
+    assert np.array_equal(codec.decode(frames, threads=2)["x"], codec.decode(frames)["x"])
+    with pytest.raises(codec.CodecError, match="threads"):
+        codec.decode(frames, threads=-1)
