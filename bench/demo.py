@@ -1,0 +1,294 @@
+"""The main job: a local cluster (2 shards, 3 islands, one at half speed) training on the embedded corpus.
+
+    diloco-bench demo [--duration 150] [--model tiny] [--out runs/demo]
+
+Starts real daemons (`diloco-server start --detach`, `diloco-worker start
+--detach`), shows a live table of every island (loss, global eval loss, version
+lag, bytes), then stops the islands, prints a summary (eval loss before/after,
+bytes on the wire against synchronous data parallel for the same tokens, goodput
+per island), writes `summary.json` and `loss.png` to the output directory and
+stops the server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.launcher import IslandSpec, LaunchError, LocalCluster
+
+UNIGRAM_NATS = 3.30  # unigram entropy of the corpus, nats/byte (MEASURED.md)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `diloco-bench demo`."""
+    parser.add_argument(
+        "--duration", type=float, default=150.0, help="seconds of training (default 150)"
+    )
+    parser.add_argument("--model", default="tiny", help="tiny | small | base (default tiny)")
+    parser.add_argument("--islands", type=int, default=3, help="number of islands (default 3)")
+    parser.add_argument("--shards", type=int, default=2, help="number of shards (default 2)")
+    parser.add_argument(
+        "--slow-speed", type=float, default=0.5, help="speed of the last island (default 0.5)"
+    )
+    parser.add_argument(
+        "--inner-steps", type=int, default=30, help="inner steps per round (default 30)"
+    )
+    parser.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    parser.add_argument("--no-live", action="store_true", help="no live display (plain log lines)")
+
+
+def ddp_bytes(params: int, steps: int, islands: int) -> int:
+    """Bytes one island moves for `steps` steps of synchronous data parallel.
+
+    A ring all-reduce of fp32 gradients sends and receives 2 (n-1)/n of the
+    gradient per step and island.
+
+    Args:
+        params: parameter count.
+        steps: inner steps the island ran.
+        islands: number of data-parallel replicas.
+
+    Returns:
+        Bytes sent plus received by one island.
+    """
+    if islands < 2:
+        return 0
+    return int(2 * 2 * (islands - 1) / islands * 4 * params * steps)
+
+
+def _table(cluster: LocalCluster, names: list[str], elapsed: float, duration: float):
+    from rich.table import Table
+
+    table = Table(title=f"decoupled-diloco demo: {elapsed:5.0f}s / {duration:.0f}s")
+    for col in (
+        "island",
+        "speed",
+        "state",
+        "round",
+        "loss",
+        "eval (global)",
+        "lag",
+        "sent",
+        "received",
+        "goodput",
+    ):
+        table.add_column(col, justify="right")
+    for name in names:
+        s = cluster.island_status(name)
+        table.add_row(
+            name,
+            f"{s.get('speed', '')}",
+            s.get("state", "starting"),
+            str(s.get("round", 0)),
+            f"{s['loss']:.3f}" if "loss" in s else "-",
+            f"{s['eval_global']:.3f}" if "eval_global" in s else "-",
+            str(s.get("version_lag", "-")),
+            _human(s.get("bytes_sent", 0)),
+            _human(s.get("bytes_received", 0)),
+            f"{100 * s['goodput']:.0f}%" if "goodput" in s else "-",
+        )
+    return table
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def summarize(cluster: LocalCluster, names: list[str], speeds: dict[str, float]) -> dict[str, Any]:
+    """Summary of a finished run from the islands' metrics files.
+
+    Args:
+        cluster: the (stopped) cluster.
+        names: island names.
+        speeds: island -> emulated speed.
+
+    Returns:
+        JSON-ready summary.
+    """
+    from worker.model import MODEL_CONFIGS  # noqa: F401  (only to fail early if worker is absent)
+
+    rows = {name: cluster.island_metrics(name) for name in names}
+    evals = sorted(
+        (r["wall"], r["eval_global"]) for rs in rows.values() for r in rs if "eval_global" in r
+    )
+    islands = {}
+    total_wire = total_ddp = 0
+    params = max((r.get("params", 0) for rs in rows.values() for r in rs), default=0)
+    for name, rs in rows.items():
+        last = rs[-1] if rs else {}
+        wire = last.get("bytes_sent", 0) + last.get("bytes_received", 0)
+        ddp = ddp_bytes(params, last.get("steps", 0), len(names))
+        total_wire += wire
+        total_ddp += ddp
+        islands[name] = {
+            "speed": speeds[name],
+            "rounds": last.get("round", 0),
+            "steps": last.get("steps", 0),
+            "tokens": last.get("tokens", 0),
+            "final_train_loss": next((r["loss"] for r in reversed(rs) if "loss" in r), None),
+            "bytes_sent": last.get("bytes_sent", 0),
+            "bytes_received": last.get("bytes_received", 0),
+            "ddp_bytes_same_tokens": ddp,
+            "goodput": last.get("goodput"),
+        }
+    return {
+        "params": params,
+        "eval_loss_before": evals[0][1] if evals else None,
+        "eval_loss_after": evals[-1][1] if evals else None,
+        "unigram_entropy": UNIGRAM_NATS,
+        "bytes_on_wire": total_wire,
+        "ddp_bytes_same_tokens": total_ddp,
+        "ddp_over_wire": (total_ddp / total_wire) if total_wire else None,
+        "islands": islands,
+    }
+
+
+def plot(cluster: LocalCluster, names: list[str], path: Path) -> None:
+    """Write a PNG: train loss per island and global eval loss against wall-clock time."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    t0 = min((r["wall"] for n in names for r in cluster.island_metrics(n)), default=0.0)
+    evals = []
+    for name in names:
+        rs = [r for r in cluster.island_metrics(name) if "loss" in r]
+        ax.plot(
+            [r["wall"] - t0 for r in rs],
+            [r["loss"] for r in rs],
+            label=f"{name} (train)",
+            alpha=0.7,
+        )
+        evals += [
+            (r["wall"] - t0, r["eval_global"])
+            for r in cluster.island_metrics(name)
+            if "eval_global" in r
+        ]
+    if evals:
+        evals.sort()
+        ax.plot(*zip(*evals, strict=True), "k.-", label="global params (held-out eval)")
+    ax.axhline(UNIGRAM_NATS, color="grey", ls="--", lw=1, label="unigram entropy")
+    ax.set_xlabel("wall-clock time (s)")
+    ax.set_ylabel("loss (nats/byte)")
+    ax.set_title("decoupled-diloco demo: islands training through the sharded parameter server")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the demo; returns the exit code."""
+    out = Path(args.out)
+    if out.exists():
+        shutil.rmtree(out)
+    out.mkdir(parents=True)
+    names = [f"island-{i}" for i in range(args.islands)]
+    speeds = {n: 1.0 for n in names}
+    if args.islands > 1:
+        speeds[names[-1]] = args.slow_speed
+    common = ("--model", args.model, "--inner-steps", str(args.inner_steps))
+    specs = [IslandSpec(n, speeds[n], common) for n in names]
+    quorum = max(1, args.islands - 1)
+    log = sys.stderr
+    with LocalCluster(out, shards=args.shards, server_args=("--quorum", str(quorum))) as cluster:
+        print(f"starting {args.shards} shards on {cluster.connect} ...", file=log)
+        cluster.start_server()
+        print(f"starting {args.islands} islands (JAX import + compile takes a while) ...", file=log)
+        cluster.start_islands(specs)
+        start = time.monotonic()
+        _watch(cluster, names, start, args.duration, live=not args.no_live)
+        print("stopping islands ...", file=log)
+        for name in names:
+            cluster.stop_island(name)
+        server = cluster.server_status()
+    summary = summarize(cluster, names, speeds)
+    summary["server"] = server
+    summary["duration_s"] = args.duration
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    plot(cluster, names, out / "loss.png")
+    _print_summary(summary, out)
+    return 0
+
+
+def _watch(
+    cluster: LocalCluster, names: list[str], start: float, duration: float, live: bool
+) -> None:
+    if not live:
+        while (elapsed := time.monotonic() - start) < duration:
+            time.sleep(min(10.0, duration - elapsed))
+            states = {n: cluster.island_status(n) for n in names}
+            line = " | ".join(
+                f"{n}: round {s.get('round', 0)} loss "
+                + (f"{s['loss']:.3f}" if "loss" in s else "-")
+                + (f" eval {s['eval_global']:.3f}" if "eval_global" in s else "")
+                for n, s in states.items()
+            )
+            print(f"[{elapsed:5.0f}s] {line}", file=sys.stderr)
+        return
+    from rich.console import Console
+    from rich.live import Live
+
+    with Live(console=Console(stderr=True), refresh_per_second=2) as display:
+        while (elapsed := time.monotonic() - start) < duration:
+            display.update(_table(cluster, names, elapsed, duration))
+            time.sleep(0.5)
+
+
+def _print_summary(summary: dict[str, Any], out: Path) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    console = Console(stderr=True)
+    before, after = summary["eval_loss_before"], summary["eval_loss_after"]
+    console.print(
+        f"\nglobal eval loss: {before if before is None else f'{before:.3f}'} -> "
+        f"{after if after is None else f'{after:.3f}'} nats/byte "
+        f"(unigram entropy {UNIGRAM_NATS})"
+    )
+    ratio = summary["ddp_over_wire"]
+    console.print(
+        f"bytes on the wire: {_human(summary['bytes_on_wire'])}; synchronous data parallel for the "
+        f"same tokens: {_human(summary['ddp_bytes_same_tokens'])}"
+        + (f" ({ratio:.0f}x more)" if ratio else "")
+    )
+    table = Table(title="islands")
+    for col in ("island", "speed", "rounds", "tokens", "sent", "received", "goodput"):
+        table.add_column(col, justify="right")
+    for name, s in summary["islands"].items():
+        table.add_row(
+            name, f"{s['speed']}", str(s["rounds"]), str(s["tokens"]), _human(s["bytes_sent"]),
+            _human(s["bytes_received"]),
+            f"{100 * s['goodput']:.0f}%" if s["goodput"] is not None else "-",
+        )  # fmt: skip
+    console.print(table)
+    console.print(f"wrote {out / 'summary.json'} and {out / 'loss.png'}")
+    print(json.dumps({k: v for k, v in summary.items() if k != "server"}))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.demo`."""
+    parser = argparse.ArgumentParser(prog="diloco-bench demo", description=__doc__.splitlines()[0])
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    try:
+        return run(args)
+    except LaunchError as exc:
+        print(f"diloco-bench demo: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Start and stop a local cluster of real daemons: `diloco-server` shards and `diloco-worker` islands.
+
+Used by the demo and the benchmark harness. Every daemon is a separate process
+started through its own CLI with `--detach`, so what runs here is exactly what a
+user runs; this module only picks ports, lays out data directories and makes
+sure everything it started is stopped again.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import socket
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from paramserver import daemon, probe
+
+
+class LaunchError(RuntimeError):
+    """A daemon of the local cluster could not be started; the message says which and why."""
+
+
+def free_base_port(
+    count: int, host: str = "127.0.0.1", start: int = 20000, end: int = 60000
+) -> int:
+    """A base port P such that P .. P+count-1 are all free on `host` right now.
+
+    Args:
+        count: number of consecutive ports needed.
+        host: address to probe.
+        start: lowest base port to try.
+        end: highest base port to try.
+
+    Returns:
+        The base port.
+    """
+    import random
+
+    rng = random.Random()
+    for _ in range(200):
+        base = rng.randrange(start, end - count)
+        socks = []
+        try:
+            for port in range(base, base + count):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind((host, port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise LaunchError(f"no {count} consecutive free ports found on {host}")
+
+
+@dataclasses.dataclass(frozen=True)
+class IslandSpec:
+    """One island of a local cluster."""
+
+    name: str
+    speed: float = 1.0
+    extra: tuple[str, ...] = ()  # further diloco-worker flags, e.g. ("--codec", "int4")
+
+
+def _run(argv: Sequence[str], what: str, timeout_s: float) -> str:
+    proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise LaunchError(f"{what} failed (exit {proc.returncode}): {tail[-1] if tail else ''}")
+    return proc.stdout
+
+
+class LocalCluster:
+    """A parameter server (N shards) and islands on this machine, as real daemons.
+
+    Use as a context manager: leaving it stops every island and the server.
+    """
+
+    def __init__(
+        self,
+        out_dir: str | Path,
+        shards: int = 2,
+        server_args: Sequence[str] = (),
+        host: str = "127.0.0.1",
+    ) -> None:
+        """Lay out the cluster; nothing starts before `start_server`.
+
+        Args:
+            out_dir: parent of every daemon's data dir (server/, islands/NAME/).
+            shards: number of shard processes.
+            server_args: further diloco-server start flags (e.g. ("--mode", "async")).
+            host: loopback address the shards bind.
+        """
+        self.out_dir = Path(out_dir)
+        self.shards = shards
+        self.server_args = tuple(server_args)
+        self.host = host
+        self.port = free_base_port(2 * shards, host)
+        self.server_dir = self.out_dir / "server"
+        self.islands: dict[str, Path] = {}
+
+    @property
+    def connect(self) -> str:
+        """Endpoint of shard 0's ROUTER."""
+        return f"tcp://{self.host}:{self.port}"
+
+    def island_dir(self, name: str) -> Path:
+        """The data dir of island `name`."""
+        return self.out_dir / "islands" / name
+
+    def start_server(self, timeout_s: float = 120.0) -> None:
+        """Start every shard (detached) and return once they serve."""
+        _run(
+            [
+                sys.executable, "-m", "paramserver.cli", "start",
+                "--shards", str(self.shards), "--host", self.host, "--port", str(self.port),
+                "--data-dir", str(self.server_dir), "--detach", *self.server_args,
+            ],
+            "diloco-server start",
+            timeout_s,
+        )  # fmt: skip
+
+    def start_islands(self, specs: Sequence[IslandSpec], timeout_s: float = 300.0) -> None:
+        """Start islands (detached) in parallel and return once each has joined.
+
+        Args:
+            specs: the islands.
+            timeout_s: bound on the whole start.
+        """
+        procs = []
+        for i, spec in enumerate(specs):
+            data_dir = self.island_dir(spec.name)
+            self.islands[spec.name] = data_dir
+            argv = [
+                sys.executable, "-m", "worker.cli", "start", "--detach",
+                "--connect", self.connect, "--island", spec.name,
+                "--speed", str(spec.speed), "--data-dir", str(data_dir),
+                "--cpu", str(i), *spec.extra,
+            ]  # fmt: skip
+            procs.append(
+                (
+                    spec.name,
+                    subprocess.Popen(
+                        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+                    ),
+                )
+            )
+            if i == 0:
+                # the first island initialises the cluster; let it do so before the others join
+                self._wait_started(procs[0], timeout_s)
+        for item in procs[1:]:
+            self._wait_started(item, timeout_s)
+
+    @staticmethod
+    def _wait_started(item: tuple[str, subprocess.Popen], timeout_s: float) -> None:
+        name, proc = item
+        try:
+            _out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired as exc:
+            proc.kill()
+            raise LaunchError(f"island {name} did not start within {timeout_s:g}s") from exc
+        if proc.returncode != 0:
+            raise LaunchError(f"island {name} failed to start: {err.strip().splitlines()[-1:]}")
+
+    def stop_island(self, name: str, timeout_s: float = 60.0) -> None:
+        """SIGTERM one island and wait for it to flush and exit."""
+        with contextlib.suppress(daemon.DaemonError):
+            daemon.stop(self.islands[name], timeout_s=timeout_s)
+
+    def island_status(self, name: str) -> dict[str, Any]:
+        """The island's latest status.json (empty before it wrote one)."""
+        try:
+            return json.loads((self.islands[name] / "status.json").read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def island_metrics(self, name: str) -> list[dict[str, Any]]:
+        """Every per-round metrics row the island wrote."""
+        path = self.islands[name] / "metrics.jsonl"
+        if not path.exists():
+            return []
+        rows = []
+        for line in path.read_text().splitlines():
+            with contextlib.suppress(ValueError):
+                rows.append(json.loads(line))
+        return rows
+
+    def server_status(self, timeout_s: float = 5.0) -> dict[str, Any]:
+        """Status of every shard, as `diloco-server status --json` shows it ({} if none answers)."""
+        try:
+            return probe.cluster_status(self.connect, timeout_s=timeout_s)
+        except probe.ProbeError:
+            return {}
+
+    def stop(self) -> None:
+        """Stop every island, then the server; never raises for what already stopped."""
+        for name in list(self.islands):
+            self.stop_island(name)
+        with contextlib.suppress(LaunchError, subprocess.TimeoutExpired):
+            _run(
+                [
+                    sys.executable,
+                    "-m",
+                    "paramserver.cli",
+                    "stop",
+                    "--data-dir",
+                    str(self.server_dir),
+                ],
+                "diloco-server stop",
+                120.0,
+            )
+
+    def __enter__(self) -> LocalCluster:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

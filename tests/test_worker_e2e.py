@@ -1,0 +1,168 @@
+"""Islands as real `diloco-worker` daemons training through real `diloco-server` shards.
+
+Everything here is a subprocess talking ZeroMQ over 127.0.0.1 on random ports.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from bench.launcher import IslandSpec, LocalCluster, free_base_port
+from paramserver import daemon
+
+UNIGRAM_NATS = 3.30
+TINY_FAST = ("--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--eval-every", "1")
+
+
+def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
+    """Poll `predicate` until it returns a truthy value; fail the test after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll_s)
+    pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+def versions_total(cluster: LocalCluster) -> int:
+    status = cluster.server_status()
+    return sum(sum(s.get("versions", {}).values()) for s in status.get("shards", []))
+
+
+def worker(*args: str, timeout_s: float = 120.0) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+    )
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    with LocalCluster(tmp_path / "run", shards=2, server_args=("--quorum", "2")) as c:
+        c.start_server()
+        yield c
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_two_islands_one_slow_train_below_unigram_entropy(cluster):
+    rounds = ("--inner-steps", "10", "--max-rounds", "10", *TINY_FAST)
+    cluster.start_islands([IslandSpec("fast", 1.0, rounds), IslandSpec("slow", 0.5, rounds)])
+    for name in ("fast", "slow"):
+        wait_for(
+            lambda n=name: cluster.island_status(n).get("state") == "stopped",
+            420,
+            f"island {name} to finish its rounds",
+        )
+    evals = [
+        r["eval_global"]
+        for name in ("fast", "slow")
+        for r in cluster.island_metrics(name)
+        if "eval_global" in r
+    ]
+    assert evals[0] > 5.0  # untrained byte model: about ln(256)
+    final = min(cluster.island_metrics("fast")[-2]["eval_global"], evals[-1])
+    assert final < UNIGRAM_NATS - 0.4, f"global eval loss {final:.3f} not well below unigram"
+    status = cluster.server_status()
+    assert sum(s["accepted"] for s in status["shards"]) >= 2 * 10 * 2  # both islands contributed
+    for name in ("fast", "slow"):
+        last = cluster.island_metrics(name)[-1]
+        assert last["final"] and last["acked"] == last["pushes"] > 0
+        assert last["bytes_sent"] > 0 and last["bytes_received"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_killed_island_rejoins_and_the_other_keeps_advancing(cluster):
+    flags = ("--inner-steps", "5", "--heartbeat-interval-s", "0.5", *TINY_FAST)
+    cluster.start_islands([IslandSpec("a", 1.0, flags), IslandSpec("b", 1.0, flags)])
+    wait_for(lambda: cluster.island_status("b").get("round", 0) >= 2, 300, "island b's rounds")
+    pid = daemon.running_pid(daemon.pid_path(cluster.island_dir("b")))
+    assert pid
+    os.kill(pid, signal.SIGKILL)
+    assert daemon.wait_exit(pid, 30)
+    killed_at = versions_total(cluster)
+    wait_for(
+        lambda: versions_total(cluster) >= killed_at + 4,
+        300,
+        "versions to advance with island b dead",
+    )
+    rounds_before = len(cluster.island_metrics("b"))
+    # same id, same data dir: the stale pid file is detected and replaced
+    cluster.start_islands([IslandSpec("b", 1.0, flags)])
+    wait_for(
+        lambda: (
+            cluster.island_status("b").get("acked", 0) > 0
+            and len(cluster.island_metrics("b")) > rounds_before + 1
+        ),
+        300,
+        "restarted island b to contribute again",
+    )
+    log = (cluster.island_dir("b") / "daemon.log").read_text()
+    assert log.count("joined") >= 2
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--model", "huge"), "model must be one of tiny, small, base"),
+        (("--speed", "0"), "speed must be a finite number > 0"),
+        (("--speed", "fast"), "--speed"),
+        (("--merge-rule", "average"), "merge_rule must be one of"),
+    ],
+)
+def test_bad_config_is_one_clear_line(tmp_path, flags, message):
+    proc = worker("start", "--data-dir", str(tmp_path), *flags)
+    assert proc.returncode == 2
+    assert message in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_unreachable_server_is_a_clear_error(tmp_path):
+    port = free_base_port(1)
+    proc = worker(
+        "start",
+        "--connect",
+        f"tcp://127.0.0.1:{port}",
+        "--join-timeout-s",
+        "3",
+        "--data-dir",
+        str(tmp_path),
+    )
+    assert proc.returncode == 1, proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert f"127.0.0.1:{port}" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_plan_mismatch_is_a_clear_error(cluster, tmp_path):
+    cluster.start_islands([IslandSpec("tiny", 1.0, ("--model", "tiny", "--max-rounds", "1"))])
+    proc = worker(
+        "start",
+        "--connect",
+        cluster.connect,
+        "--island",
+        "other",
+        "--model",
+        "small",
+        "--data-dir",
+        str(Path(tmp_path) / "other"),
+        timeout_s=240,
+    )
+    assert proc.returncode == 1
+    assert "plan mismatch" in proc.stderr
+    assert "Traceback" not in proc.stderr

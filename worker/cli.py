@@ -1,0 +1,152 @@
+"""`diloco-worker`: start, stop and inspect one island daemon.
+
+    diloco-worker start --connect tcp://HOST:PORT --island NAME [--speed F]
+                        [--model tiny|small|base] [--config FILE] [--detach --data-dir D]
+    diloco-worker stop --data-dir D
+    diloco-worker status --data-dir D [--json]
+
+Settings: defaults <- TOML file (--config; keys at top level or under [worker])
+<- environment (DILOCO_WORKER_<FIELD>) <- flags. Every IslandConfig field is a flag.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import threading
+from pathlib import Path
+
+from paramserver import daemon, settings
+from paramserver.client import ClientError
+from worker.config import IslandConfig
+
+ENV_PREFIX = "DILOCO_WORKER_"
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="diloco-worker",
+        description="Run one island: local AdamW rounds, deltas to the parameter server.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    start = sub.add_parser("start", help="start an island (foreground, or --detach)")
+    start.add_argument("--config", help="TOML file with island settings ([worker] or top level)")
+    start.add_argument(
+        "--detach", action="store_true", help="run in the background; return once it has joined"
+    )
+    settings.add_flags(start, IslandConfig)
+    stop = sub.add_parser("stop", help="SIGTERM the island of a data dir and wait for it")
+    stop.add_argument("--data-dir", required=True, help="the island's data directory")
+    stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
+    status = sub.add_parser("status", help="show an island's progress")
+    status.add_argument("--data-dir", required=True, help="the island's data directory")
+    status.add_argument("--json", action="store_true", help="print JSON")
+    return parser
+
+
+def _load_config(args: argparse.Namespace) -> IslandConfig:
+    section = None
+    if args.config:
+        data = settings.read_toml(args.config)
+        section = "worker" if "worker" in data else None
+    return settings.load_settings(
+        IslandConfig, file=args.config, section=section, env_prefix=ENV_PREFIX, flags=args
+    )
+
+
+def _start(args: argparse.Namespace, argv: list[str]) -> int:
+    cfg = _load_config(args)
+    data_dir = Path(cfg.data_dir)
+    if args.detach:
+        running = daemon.running_pid(daemon.pid_path(data_dir))
+        if running:
+            raise daemon.DaemonError(f"an island already runs in {data_dir} (pid {running})")
+        child = [a for a in argv if a != "--detach"]
+        pid, _info = daemon.detach(
+            [sys.executable, "-m", "worker.cli", *child],
+            daemon.log_path(data_dir),
+            data_dir / "ready.json",
+            timeout_s=180.0,
+        )
+        print(f"island {cfg.island} running (pid {pid}), data dir {data_dir}")
+        return 0
+    return _run_foreground(cfg)
+
+
+def _run_foreground(cfg: IslandConfig) -> int:
+    from worker.island import Island  # imports JAX: only when an island really starts
+
+    data_dir = Path(cfg.data_dir)
+    data_dir.mkdir(parents=True, exist_ok=True)
+    daemon.acquire_pid_file(daemon.pid_path(data_dir))
+    try:
+        log_file = daemon.log_path(data_dir) if os.environ.get(daemon.READY_ENV) is None else None
+        daemon.setup_logging(cfg.log_level, log_file)
+        if cfg.cpu >= 0 and hasattr(os, "sched_setaffinity"):
+            os.sched_setaffinity(0, {cfg.cpu % os.cpu_count()})
+        stop = threading.Event()
+        daemon.install_signal_handlers(stop)
+        island = Island(cfg)
+        return island.run(stop, on_ready=lambda: daemon.notify_ready({"island": cfg.island}))
+    finally:
+        daemon.release_pid_file(daemon.pid_path(data_dir))
+
+
+def _status(args: argparse.Namespace) -> int:
+    data_dir = Path(args.data_dir)
+    path = data_dir / "status.json"
+    pid = daemon.running_pid(daemon.pid_path(data_dir))
+    if not path.exists():
+        raise daemon.DaemonError(
+            f"no island status in {data_dir}: start one with diloco-worker start"
+        )
+    status = json.loads(path.read_text())
+    status["running"] = pid is not None
+    if args.json:
+        print(json.dumps(status, indent=2))
+        return 0
+    fields = (
+        "island",
+        "running",
+        "state",
+        "round",
+        "steps",
+        "tokens",
+        "loss",
+        "eval_global",
+        "version_lag",
+        "bytes_sent",
+        "bytes_received",
+        "goodput",
+    )
+    for key in fields:
+        if key in status:
+            value = status[key]
+            print(f"{key:>15}: {value:.4f}" if isinstance(value, float) else f"{key:>15}: {value}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point of `diloco-worker`; returns the exit code (2 for bad settings)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "start":
+            return _start(args, argv)
+        if args.command == "stop":
+            pid = daemon.stop(args.data_dir, timeout_s=args.timeout)
+            print(f"island stopped (pid {pid})")
+            return 0
+        return _status(args)
+    except (settings.SettingsError, ValueError) as exc:
+        print(f"diloco-worker: {exc}", file=sys.stderr)
+        return 2
+    except (daemon.DaemonError, ClientError) as exc:
+        print(f"diloco-worker: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

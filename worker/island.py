@@ -1,0 +1,358 @@
+"""One island: join the cluster, train H inner steps per round, push deltas, fold in new versions.
+
+The training loop never waits on the network: pushes go to the client's
+background I/O thread (which blocks `push` only when its bounded buffer of
+unacked deltas is full), and published versions are picked up between steps
+with a non-blocking poll and folded in with the rule of `worker.exchange`.
+
+Progress goes to ``<data_dir>/metrics.jsonl`` (one JSON object per round) and
+``<data_dir>/status.json`` (rewritten atomically), which `diloco-worker status`
+and the demo's live display read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+import codec
+from paramserver.client import Client, ClientConfig
+from worker import data as data_lib
+from worker import model as model_lib
+from worker.config import IslandConfig
+from worker.exchange import FragmentSync, take_delta
+from worker.pace import Pacer
+from worker.train import InnerConfig, InnerTrainer
+
+logger = logging.getLogger(__name__)
+
+STATUS_FILE = "status.json"
+METRICS_FILE = "metrics.jsonl"
+
+
+def make_codec(cfg: IslandConfig) -> codec.Codec:
+    """The delta codec an island config asks for.
+
+    Args:
+        cfg: island settings (`codec`, `block_size`).
+
+    Returns:
+        A codec object with init/encode.
+    """
+    kwargs = {"block_size": cfg.block_size} if cfg.block_size else {}
+    if cfg.codec == "int8":
+        return codec.int8(**kwargs)
+    if cfg.codec == "int4":
+        return codec.int4(**kwargs)
+    return codec.raw(cfg.codec)
+
+
+def data_shard_of(cfg: IslandConfig) -> int:
+    """The island's data shard: explicit, or a stable hash of its id.
+
+    Args:
+        cfg: island settings.
+
+    Returns:
+        Index in [0, cfg.data_shards).
+    """
+    if cfg.data_shard >= 0:
+        return cfg.data_shard
+    return zlib.crc32(cfg.island.encode()) % cfg.data_shards
+
+
+def inner_steps_for(cfg: IslandConfig) -> int:
+    """Inner steps per round; with dynamic local updates a slow island runs fewer.
+
+    Args:
+        cfg: island settings.
+
+    Returns:
+        H, or max(1, round(H * speed)) when `dynamic_steps` is on and speed < 1.
+    """
+    if cfg.dynamic_steps and cfg.speed < 1:
+        return max(1, round(cfg.inner_steps * cfg.speed))
+    return cfg.inner_steps
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    """Replace `path` with `obj` as JSON so that readers never see a torn file."""
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj))
+    os.replace(tmp, path)
+
+
+class Island:
+    """The training loop of one island (state lives here, decisions in worker.exchange)."""
+
+    def __init__(self, cfg: IslandConfig, client_factory: Callable[..., Client] = Client) -> None:
+        """Load data and model; nothing touches the network until `run`.
+
+        Args:
+            cfg: island settings.
+            client_factory: builds the client from a ClientConfig.
+        """
+        self.cfg = cfg
+        self.data_dir = Path(cfg.data_dir)
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.model_cfg = model_lib.MODEL_CONFIGS[cfg.model]
+        corpus = data_lib.load_corpus(cfg.data or None)
+        train, heldout = data_lib.split_corpus(
+            corpus, cfg.data_shards, data_shard_of(cfg), cfg.heldout_fraction
+        )
+        seed = zlib.crc32(cfg.island.encode()) ^ cfg.seed
+        self.sampler = data_lib.BatchSampler(train, cfg.batch_size, cfg.seq_len, seed)
+        self.eval_set = data_lib.eval_batches(
+            heldout, cfg.batch_size, cfg.seq_len, cfg.eval_batches
+        )
+        self.inner_cfg = InnerConfig(
+            lr=cfg.lr,
+            warmup_steps=cfg.warmup_steps,
+            batch_size=cfg.batch_size,
+            seq_len=cfg.seq_len,
+        )
+        self.pacer = Pacer(cfg.speed, cfg.jitter, seed)
+        self.codec = make_codec(cfg)
+        self.client_factory = client_factory
+        self.metrics_path = self.data_dir / METRICS_FILE
+        self.status_path = self.data_dir / STATUS_FILE
+        self.state = "starting"
+        self.round = 0
+        # Round ids are the idempotency key (island, round, fragment) on the shards: start
+        # each process's rounds from its start time so a restarted island never reuses one.
+        self.round_base = int(time.time()) * 1_000_000
+        self.started = time.monotonic()
+        self.train_time_s = 0.0
+        self.last: dict[str, Any] = {}
+
+    # -- set-up ---------------------------------------------------------------
+
+    def _join(self, client: Client) -> None:
+        params0 = model_lib.init_params(self.model_cfg, self.cfg.seed)
+        flat0 = codec.flatten(jax.tree_util.tree_map(np.asarray, params0))
+        self.state = "joining"
+        self._write_status()
+        joined = client.join(flat0)
+        self.plan = joined.plan
+        self.param_count = sum(frag.size for frag in self.plan.fragments)
+        self.flat = {k: np.array(v, dtype=np.float32) for k, v in joined.params.items()}
+        devices = self.cfg.devices or None
+        self.trainer = InnerTrainer(
+            self.model_cfg, self.inner_cfg, codec.unflatten(self.flat), devices=devices
+        )
+        self.sync = {
+            frag.index: FragmentSync.start(self.plan.gather(self.flat, frag.index), version)
+            for frag in self.plan.fragments
+            for version in [joined.versions[frag.index]]
+        }
+        self.ef_state = {
+            frag.index: self.codec.init({"delta": np.zeros(frag.size, np.float32)})
+            for frag in self.plan.fragments
+        }
+        logger.info(
+            "island %s joined: %d fragments, versions %s",
+            self.cfg.island,
+            len(self.plan.fragments),
+            joined.versions,
+        )
+
+    # -- the loop -------------------------------------------------------------
+
+    def _local_flat(self) -> dict[str, np.ndarray]:
+        return codec.flatten(self.trainer.numpy_params())
+
+    def _fold_updates(self, client: Client) -> int:
+        """Adopt every newer global version the client received; returns how many."""
+        updates = [
+            u for u in client.poll_updates() if u.version > self.sync[u.fragment].base_version
+        ]
+        if not updates:
+            return 0
+        local = self._local_flat()
+        for update in updates:
+            sync = self.sync[update.fragment]
+            current = self.plan.gather(local, update.fragment)
+            new_local = sync.adopt(current, update.values, update.version, self.cfg.merge_rule)
+            self.plan.scatter(update.fragment, new_local, local)
+        self.trainer.set_params(codec.unflatten(local))
+        return len(updates)
+
+    def _push_round(self, client: Client, steps: int) -> None:
+        local = self._local_flat()
+        tokens = steps * self.cfg.batch_size * self.cfg.seq_len
+        for frag in self.plan.fragments:
+            sync = self.sync[frag.index]
+            values = self.plan.gather(local, frag.index)
+            delta = take_delta(sync.base, values)
+            frames, self.ef_state[frag.index] = self.codec.encode(
+                {"delta": delta}, self.ef_state[frag.index]
+            )
+            client.push(
+                frag.index, self.round_base + self.round, sync.base_version, tokens, steps, frames
+            )
+            sync.sent(values)
+
+    def _global_eval(self) -> float:
+        flat = {k: v.copy() for k, v in self.flat.items()}
+        for index, sync in self.sync.items():
+            self.plan.scatter(index, sync.base, flat)
+        return self.trainer.evaluate(self.eval_set, params=codec.unflatten(flat))
+
+    def run(self, stop: threading.Event, on_ready: Callable[[], None] | None = None) -> int:
+        """Train until `stop` is set or `max_rounds` rounds are done.
+
+        Args:
+            stop: set by the signal handler (SIGTERM) or the caller.
+            on_ready: called once the island has joined and starts training.
+
+        Returns:
+            0 after a clean stop (unacked deltas flushed within the bound).
+        """
+        cfg = self.cfg
+        client = self.client_factory(
+            ClientConfig(
+                connect=cfg.connect,
+                island=cfg.island,
+                heartbeat_interval_s=cfg.heartbeat_interval_s,
+                join_timeout_s=cfg.join_timeout_s,
+            )
+        )
+        try:
+            self._join(client)
+            self.started = time.monotonic()
+            self.state = "training"
+            if cfg.eval_every:
+                self._append_metrics(
+                    {"round": 0, "steps": 0, "tokens": 0, "eval_global": self._global_eval()}
+                )
+            self._write_status()
+            if on_ready is not None:
+                on_ready()
+            steps_per_round = inner_steps_for(cfg)
+            while not stop.is_set() and (cfg.max_rounds == 0 or self.round < cfg.max_rounds):
+                losses, adopted, steps = [], 0, 0
+                round_start = time.monotonic()
+                for _ in range(steps_per_round):
+                    if stop.is_set():
+                        break
+                    t0 = time.monotonic()
+                    losses.append(self.trainer.step(self.sampler.next()))
+                    self.pacer.pad(time.monotonic() - t0)
+                    self.train_time_s += time.monotonic() - t0
+                    steps += 1
+                    adopted += self._fold_updates(client)
+                if steps == 0:
+                    break
+                self._push_round(client, steps)
+                self.round += 1
+                self._record_round(client, losses, adopted, steps, round_start)
+            self.state = "stopping"
+            self._write_status()
+        finally:
+            unacked = client.close(flush_timeout_s=cfg.flush_timeout_s)
+            if unacked:
+                logger.warning("island %s stopped with %d unacked deltas", cfg.island, unacked)
+            self.state = "stopped"
+            if self.round:
+                # final counters, after the flush: the last round's acks are in
+                stats = client.stats()
+                self._append_metrics(
+                    {**self._stats_fields(stats), "round": self.round, "final": True}
+                )
+                self._write_status(client_stats=stats)
+            else:
+                self._write_status()
+        return 0
+
+    # -- reporting ------------------------------------------------------------
+
+    def _record_round(
+        self, client: Client, losses: list[float], adopted: int, steps: int, round_start: float
+    ) -> None:
+        cfg = self.cfg
+        stats = client.stats()
+        row: dict[str, Any] = {
+            "round": self.round,
+            "loss": float(np.mean(losses)),
+            "round_s": round(time.monotonic() - round_start, 3),
+            "versions_adopted": adopted,
+            **self._stats_fields(stats),
+        }
+        if cfg.eval_every and self.round % cfg.eval_every == 0:
+            row["eval_global"] = self._global_eval()
+        row = self._append_metrics(row)
+        logger.info(
+            "round %d loss %.3f eval %s tokens/s %.0f lag %d sent %d B received %d B",
+            self.round,
+            row["loss"],
+            f"{row['eval_global']:.3f}" if "eval_global" in row else "-",
+            steps * cfg.batch_size * cfg.seq_len / max(row["round_s"], 1e-9),
+            row["version_lag"],
+            row["bytes_sent"],
+            row["bytes_received"],
+        )
+        self._write_status(client_stats=stats)
+
+    def _append_metrics(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Add the common fields to a metrics row, append it to metrics.jsonl; returns it."""
+        row = {
+            "island": self.cfg.island,
+            "speed": self.cfg.speed,
+            "params": self.param_count,
+            "time_s": round(time.monotonic() - self.started, 3),
+            "wall": time.time(),
+            **row,
+        }
+        with self.metrics_path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        self.last = row
+        return row
+
+    def _stats_fields(self, stats: dict[str, Any]) -> dict[str, Any]:
+        """The client counters a metrics row carries, and the goodput they imply.
+
+        Goodput is the share of wall time since joining spent in training steps
+        whose deltas reached the model, approximated as training time / wall time
+        times the share of pushed deltas that were acked (accepted or duplicate).
+        """
+        wall = time.monotonic() - self.started
+        pushes = stats.get("pushes", 0)
+        acked = stats.get("acked", 0)
+        goodput = (
+            min(1.0, self.train_time_s / wall * acked / pushes) if wall > 0 and pushes else 0.0
+        )
+        return {
+            "steps": self.trainer.steps_done,
+            "tokens": self.trainer.tokens_done,
+            "version_lag": max(0, stats.get("version_lag", 0)),
+            "bytes_sent": stats.get("bytes_sent", 0),
+            "bytes_received": stats.get("bytes_received", 0),
+            "pushes": pushes,
+            "acked": acked,
+            "rejected": sum(stats.get("rejected", {}).values()),
+            "pending": stats.get("pending", 0),
+            "goodput": goodput,
+        }
+
+    def _write_status(self, client_stats: dict[str, Any] | None = None) -> None:
+        status = {
+            "island": self.cfg.island,
+            "pid": os.getpid(),
+            "state": self.state,
+            "round": self.round,
+            "updated": time.time(),
+            **{k: v for k, v in self.last.items() if k not in ("island", "round")},
+        }
+        if client_stats is not None:
+            status["client"] = client_stats
+        write_json_atomic(self.status_path, status)
