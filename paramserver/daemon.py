@@ -261,12 +261,16 @@ def clear_ready() -> None:
             Path(target).unlink()
 
 
-def _log_tail(log_file: Path, lines: int = 1) -> str:
+def _failure_line(log_file: Path, offset: int = 0) -> str:
+    """The line that best explains a failed start: the first ERROR since `offset`, else the last."""
     try:
-        text = log_file.read_text(errors="replace").strip().splitlines()
+        with open(log_file, "rb") as fh:
+            fh.seek(offset)
+            lines = fh.read().decode(errors="replace").strip().splitlines()
     except OSError:
         return ""
-    return " | ".join(text[-lines:])
+    errors = [line for line in lines if " ERROR " in line or line.startswith("Traceback")]
+    return (errors[0] if errors else lines[-1] if lines else "").strip()
 
 
 def spawn(
@@ -299,7 +303,8 @@ def spawn(
     child_env = dict(os.environ if env is None else env)
     child_env[READY_ENV] = str(ready_file)
     with open(log_file, "ab") as log:
-        return subprocess.Popen(
+        offset = log.tell()
+        proc = subprocess.Popen(
             list(argv),
             stdin=subprocess.DEVNULL,
             stdout=log,
@@ -308,6 +313,8 @@ def spawn(
             start_new_session=True,
             close_fds=True,
         )
+    proc.log_offset = offset  # where this run's output starts, for error messages
+    return proc
 
 
 def check_ready(
@@ -335,7 +342,7 @@ def check_ready(
             return {}
     code = proc.poll()
     if code is not None:
-        tail = _log_tail(Path(log_file))
+        tail = _failure_line(Path(log_file), getattr(proc, "log_offset", 0))
         raise DaemonError(
             f"exited with code {code} before it was ready"
             + (f": {tail}" if tail else f"; see {log_file}")
