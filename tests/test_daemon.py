@@ -178,3 +178,11 @@ def test_setup_logging_to_file(tmp_path):
         for h in saved[0]:
             root.addHandler(h)
         root.setLevel(saved[1])
+
+
+def test_failure_message_ignores_errors_of_earlier_runs(tmp_path):
+    log = daemon.log_path(tmp_path)
+    log.write_text("2026-01-01 00:00:00,000 ERROR old: stale failure from yesterday\n")
+    with pytest.raises(DaemonError) as info:
+        daemon.detach(toy_argv(tmp_path, "fail"), log, tmp_path / "ready", timeout_s=30)
+    assert "address in use" in str(info.value) and "yesterday" not in str(info.value)
