@@ -108,7 +108,7 @@ def make_pool(threads: int) -> ThreadPoolExecutor | None:
     return ThreadPoolExecutor(threads, thread_name_prefix="codec-zstd") if threads > 0 else None
 
 
-def gather(frames, entries, zstd: bool, total: int, pool=None) -> np.ndarray:
+def gather(frames, entries, zstd: bool, total: int, pool=None, reuse: bool = False) -> np.ndarray:
     """Reassemble the payload from its frames, verifying every frame.
 
     Args:
@@ -117,6 +117,8 @@ def gather(frames, entries, zstd: bool, total: int, pool=None) -> np.ndarray:
         zstd: whether frames are zstd frames.
         total: payload bytes (sum of raw_len, already checked).
         pool: ThreadPoolExecutor to decompress frames in parallel, or None.
+        reuse: assemble into this thread's scratch buffer (valid until the
+            thread's next gather) instead of fresh memory.
 
     Returns:
         uint8 array holding the payload (writable, so raw tensors can view it).
@@ -124,7 +126,7 @@ def gather(frames, entries, zstd: bool, total: int, pool=None) -> np.ndarray:
     for i, (frame, (_, wire_len, _)) in enumerate(zip(frames, entries, strict=True)):
         if len(frame) != wire_len:
             raise CodecError(f"frame {i + 1} has {len(frame)} bytes, header says {wire_len}")
-    payload = np.empty(total, np.uint8)
+    payload = _scratch(total) if reuse else np.empty(total, np.uint8)
     starts = np.cumsum([0] + [e[0] for e in entries]).tolist()
     jobs = [
         (f, e, payload[a : a + e[0]], i + 1)
@@ -138,6 +140,13 @@ def gather(frames, entries, zstd: bool, total: int, pool=None) -> np.ndarray:
         for future in [pool.submit(unpack, *job) for job in jobs]:
             future.result()
     return payload
+
+
+def _scratch(total: int) -> np.ndarray:
+    buf = getattr(_local, "payload", None)
+    if buf is None or buf.shape[0] < total:
+        buf = _local.payload = np.empty(total, np.uint8)
+    return buf[:total]
 
 
 def _check_into(frame, entry, out, index: int) -> None:

@@ -51,7 +51,9 @@ def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS, threads: int = 
         views = _views(frames)
         header = fmt.parse_header(views[0], len(views) - 1, max_elements)
         pool = _pool(threads) if threads else None
-        payload = gather(views[1:], header.frames, header.zstd, header.total, pool)
+        # raw tensors are returned as views of the payload; quantized ones only read it
+        reuse = header.scheme != "raw"
+        payload = gather(views[1:], header.frames, header.zstd, header.total, pool, reuse)
         with np.errstate(all="ignore"):
             leaves = [(t.path, _tensor(header, t, payload)) for t in header.tensors]
         return build_tree(leaves)

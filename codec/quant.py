@@ -118,8 +118,8 @@ def decode_blocks(codes, scales, out, levels, ws: Workspace) -> None:
         m = min(chunk, n - a)
         k = m // block
         nbk = -(-m // block)
-        w = ws.work[:m]
         if packed:
+            w = ws.work[:m]
             half = (m + 1) // 2
             b = codes[a // 2 : a // 2 + half]
             qu = ws.q[: 2 * half].view(np.uint8)
@@ -127,7 +127,7 @@ def decode_blocks(codes, scales, out, levels, ws: Workspace) -> None:
             np.right_shift(b, np.uint8(4), out=qu[1::2])
             np.subtract(qu[:m], F32(8), out=w)
         else:
-            np.copyto(w, codes[a : a + m], casting="unsafe")
+            w = codes[a : a + m]  # int8; the multiply below converts exactly
         st = ws.blk_a[:nbk]
         np.multiply(scales[a // block : a // block + nbk], step, out=st)
         dst = out[a : a + m] if direct else ws.tmp[:m]
