@@ -151,3 +151,9 @@ def test_eval_batches_reject_bad_arguments():
         data.eval_batches(b"y" * 50, 2, 8, 0)
     with pytest.raises(data.DataError, match="heldout has 5 bytes"):
         data.eval_batches(b"y" * 5, 2, 8, 1)
+
+
+def test_unigram_entropy_of_known_distributions_and_the_corpus():
+    assert data.unigram_entropy(b"aaaa") == 0.0
+    assert abs(data.unigram_entropy(bytes(range(256))) - np.log(256)) < 1e-12
+    assert 3.0 < data.unigram_entropy(data.default_corpus()) < 3.6

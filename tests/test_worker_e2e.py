@@ -16,8 +16,9 @@ import pytest
 
 from bench.launcher import IslandSpec, LocalCluster, free_base_port
 from paramserver import daemon
+from worker.data import default_corpus, unigram_entropy
 
-UNIGRAM_NATS = 3.30
+UNIGRAM_NATS = unigram_entropy(default_corpus())
 TINY_FAST = ("--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--eval-every", "1")
 
 

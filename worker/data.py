@@ -204,3 +204,17 @@ def eval_batches(
     starts = np.linspace(0, len(heldout_N) - (seq_len + 1), batch * count).astype(np.int64)
     windows_NxT1 = heldout_N[starts[:, None] + np.arange(seq_len + 1)[None, :]].astype(np.int32)
     return [windows_NxT1[i * batch : (i + 1) * batch] for i in range(count)]
+
+
+def unigram_entropy(data: bytes | np.ndarray) -> float:
+    """Entropy of the byte distribution, in nats/byte: the loss of the best context-free model.
+
+    Args:
+        data: text as bytes or a uint8 array.
+
+    Returns:
+        -sum p log p over the byte frequencies.
+    """
+    counts = np.bincount(_as_bytes_array(data, "data"), minlength=256).astype(np.float64)
+    p = counts[counts > 0] / counts.sum()
+    return float(-(p * np.log(p)).sum())
