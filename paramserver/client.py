@@ -313,6 +313,15 @@ class Client:
             out["pending"] = self._outstanding
         return out
 
+    def ack_latencies(self) -> list[float]:
+        """Ack latencies of the deltas acked since the last call (for load measurements).
+
+        Returns:
+            Seconds from `push` to its ack, one per acked delta (the newest
+            100,000 at most are kept between calls).
+        """
+        return self._io.take_ack_latencies()
+
     def close(self, flush_timeout_s: float = 5.0) -> int:
         """Wait up to `flush_timeout_s` for unacked deltas, say bye, close every socket.
 

@@ -17,7 +17,7 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -37,6 +37,7 @@ logger = logging.getLogger(__name__)
 
 _RAW = codec.raw("float32")
 _MAX_BATCH = 256  # messages read from one socket per poll round, so no socket starves the rest
+_MAX_LATENCIES = 100_000  # ack latencies kept until `take_ack_latencies` (bounded memory)
 
 
 @dataclass
@@ -68,6 +69,7 @@ class _Pending:
     sent_at: float = 0.0
     attempt: int = 0
     sends: int = 0
+    queued_at: float = 0.0  # when `push` handed it over (ack latency is measured from here)
 
 
 @dataclass
@@ -120,6 +122,7 @@ class IOThread(threading.Thread):
         self._lock = threading.Lock()
         self._counters = _Counters()
         self._updates: dict[int, Update] = {}
+        self._ack_latencies: deque[float] = deque(maxlen=_MAX_LATENCIES)
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._sockets: dict[zmq.Socket, tuple[str, _Shard]] = {}
@@ -164,6 +167,17 @@ class IOThread(threading.Thread):
         with self._lock:
             updates, self._updates = self._updates, {}
         return [updates[k] for k in sorted(updates)]
+
+    def take_ack_latencies(self) -> list[float]:
+        """Pop the ack latencies recorded since the last call (bounded to the newest 100,000).
+
+        Returns:
+            Seconds from `push` to the ack (accepted or duplicate), one per delta.
+        """
+        with self._lock:
+            out = list(self._ack_latencies)
+            self._ack_latencies.clear()
+        return out
 
     def stats(self) -> dict[str, Any]:
         """A copy of the counters plus derived values.
@@ -637,6 +651,7 @@ class IOThread(threading.Thread):
         with self._lock:
             if outcome in ("accepted", "duplicate"):
                 self._counters.acked += 1
+                self._ack_latencies.append(time.monotonic() - pending.queued_at)
                 self._counters.duplicates += outcome == "duplicate"
             else:
                 self._counters.rejected[reason or "unknown"] += 1
@@ -720,7 +735,7 @@ class IOThread(threading.Thread):
         self._pending[key] = pending
         shard = self._shards[shard_index]
         now = time.monotonic()
-        pending.sent_at = now
+        pending.sent_at = pending.queued_at = now
         if shard.up:
             self._send_push(shard, pending, now, resend=False)
 

@@ -1,0 +1,250 @@
+"""Load test: many lightweight simulated islands (client only, random int8 deltas) against N shards.
+
+    diloco-bench load [--islands 32] [--shards 4] [--rounds 10] [--params 262144]
+                      [--max-rss-mb 2048] [--timeout 300] [--out runs/load]
+
+Starts the shards as real daemons (`diloco-server start --detach`, async mode),
+joins `--islands` `paramserver.client.Client`s from this process (no JAX, no
+model: a single flat float32 leaf of `--params` elements), and has each push
+every fragment for `--rounds` rounds from its own thread. Checks, and reports
+as JSON on stdout: every push acked (nothing lost), the shards' accepted
+counts equal the pushes, the whole run finished within `--timeout` (no
+deadlock), and the shards' peak RSS stayed under `--max-rss-mb`; plus pushes
+per second and p50/p99 ack latency (push call to ack). Exit 1 when a check
+fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import psutil
+
+import codec
+from bench.common import emit_json
+from bench.launcher import LaunchError, LocalCluster
+from paramserver.client import Client, ClientConfig, ClientError
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `diloco-bench load`."""
+    parser.add_argument("--islands", type=int, default=32, help="simulated islands (default 32)")
+    parser.add_argument("--shards", type=int, default=4, help="shard processes (default 4)")
+    parser.add_argument("--rounds", type=int, default=10, help="rounds per island (default 10)")
+    parser.add_argument(
+        "--params", type=int, default=262_144, help="float32 parameters (default 262144)"
+    )
+    parser.add_argument(
+        "--max-rss-mb", type=float, default=2048.0, help="bound on any shard's RSS (default 2048)"
+    )
+    parser.add_argument(
+        "--timeout", type=float, default=300.0, help="bound on the whole run, seconds"
+    )
+    parser.add_argument("--out", default="runs/load", help="data dirs and load.json go here")
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """The q-th percentile (0-100) of `values`, or None when empty.
+
+    Args:
+        values: samples.
+        q: percentile in [0, 100].
+
+    Returns:
+        The percentile (linear interpolation), or None.
+    """
+    return float(np.percentile(values, q)) if values else None
+
+
+class RssSampler(threading.Thread):
+    """Samples the RSS of a set of processes until stopped; keeps the peak per process."""
+
+    def __init__(self, pids: list[int], interval_s: float = 0.2) -> None:
+        """Args:
+        pids: processes to watch (a vanished one is skipped).
+        interval_s: sampling period.
+        """
+        super().__init__(name="rss-sampler", daemon=True)
+        self.procs = {pid: psutil.Process(pid) for pid in pids}
+        self.peak: dict[int, int] = dict.fromkeys(pids, 0)
+        self.interval_s = interval_s
+        self.stop_event = threading.Event()
+
+    def run(self) -> None:
+        """Sample until `stop_event` is set."""
+        while not self.stop_event.is_set():
+            for pid, proc in self.procs.items():
+                try:
+                    self.peak[pid] = max(self.peak[pid], proc.memory_info().rss)
+                except psutil.Error:
+                    continue
+            self.stop_event.wait(self.interval_s)
+
+
+def shard_pids(cluster: LocalCluster) -> list[int]:
+    """Pids of the cluster's shard processes (from the supervisor's ready file)."""
+    info = json.loads((cluster.server_dir / "ready.json").read_text())
+    return [int(p) for p in info["shard_pids"]]
+
+
+def _island(
+    client: Client,
+    fragments: int,
+    rounds: int,
+    frames_by_fragment: dict[int, list[list[Any]]],
+    errors: list[str],
+) -> None:
+    try:
+        for r in range(rounds):
+            for f in range(fragments):
+                choices = frames_by_fragment[f]
+                client.push(f, r, 0, 1000, 10, choices[r % len(choices)])
+    except ClientError as exc:
+        errors.append(f"{client.cfg.island}: {exc}")
+
+
+def _random_frames(
+    plan_sizes: dict[int, int], variants: int, seed: int
+) -> dict[int, list[list[Any]]]:
+    """A few int8-encoded random deltas per fragment (reused: encoding is not what is measured)."""
+    rng = np.random.default_rng(seed)
+    c = codec.int8()
+    out: dict[int, list[list[Any]]] = {}
+    for f, size in plan_sizes.items():
+        out[f] = []
+        for _ in range(variants):
+            delta = (rng.standard_normal(size) * 1e-3).astype(np.float32)
+            frames, _ = c.encode({"delta": delta})
+            out[f].append([bytes(x) for x in frames])
+    return out
+
+
+def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
+    """Run the load test; returns the JSON report (with `ok` and the failed checks).
+
+    Args:
+        args: the parsed flags.
+        log: where progress lines go.
+
+    Returns:
+        The report dict.
+    """
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    flat = {"w": np.zeros(args.params, np.float32)}
+    server_args = ("--mode", "async", "--heartbeat-interval-s", "2.0", "--liveness", "30")
+    errors: list[str] = []
+    with LocalCluster(out / "cluster", shards=args.shards, server_args=server_args) as cluster:
+        print(f"load: starting {args.shards} shards on {cluster.connect}", file=log)
+        cluster.start_server()
+        sampler = RssSampler(shard_pids(cluster))
+        sampler.start()
+        clients: list[Client] = []
+        try:
+            for i in range(args.islands):
+                client = Client(
+                    ClientConfig(
+                        connect=cluster.connect,
+                        island=f"load-{i}",
+                        heartbeat_interval_s=2.0,
+                        liveness=30,
+                        push_timeout_s=args.timeout,
+                    )
+                )
+                clients.append(client)
+                plan = client.join(flat).plan
+            print(f"load: {args.islands} islands joined; pushing", file=log)
+            sizes = {f.index: f.size for f in plan.fragments}
+            frames = _random_frames(sizes, variants=4, seed=0)
+            expected = args.islands * args.rounds * len(sizes)
+            t0 = time.monotonic()
+            threads = [
+                threading.Thread(
+                    target=_island, args=(c, len(sizes), args.rounds, frames, errors), daemon=True
+                )
+                for c in clients
+            ]
+            for t in threads:
+                t.start()
+            deadline = t0 + args.timeout
+            for t in threads:
+                t.join(max(0.0, deadline - time.monotonic()))
+            acked = 0
+            while time.monotonic() < deadline:
+                acked = sum(c.stats()["acked"] for c in clients)
+                if acked >= expected or errors:
+                    break
+                time.sleep(0.05)
+            elapsed = time.monotonic() - t0
+            latencies = [x for c in clients for x in c.ack_latencies()]
+            stats = [c.stats() for c in clients]
+        finally:
+            dropped = sum(c.close(flush_timeout_s=2.0) for c in clients)
+            sampler.stop_event.set()
+            sampler.join(5.0)
+        server = cluster.server_status()
+    accepted = sum(s.get("accepted", 0) for s in server.get("shards", []))
+    peak_mb = max(sampler.peak.values(), default=0) / 2**20
+    timed_out = acked < expected and not errors
+    checks = {
+        "every_push_acked": acked == expected and not errors,
+        "shard_accepted_equals_pushes": accepted == expected,
+        "no_rejections": all(not s["rejected"] for s in stats),
+        "finished_within_timeout": not timed_out,
+        "rss_within_bound": peak_mb <= args.max_rss_mb,
+    }
+    report = {
+        "islands": args.islands,
+        "shards": args.shards,
+        "rounds": args.rounds,
+        "params": args.params,
+        "fragments": len(sizes),
+        "pushes": expected,
+        "acked": acked,
+        "shard_accepted": accepted,
+        "shard_duplicates": sum(s.get("duplicates", 0) for s in server.get("shards", [])),
+        "resent": sum(s["resent"] for s in stats),
+        "dropped_at_close": dropped,
+        "elapsed_s": round(elapsed, 3),
+        "pushes_per_s": round(expected / elapsed, 1) if elapsed > 0 else None,
+        "ack_latency_p50_ms": _ms(percentile(latencies, 50)),
+        "ack_latency_p99_ms": _ms(percentile(latencies, 99)),
+        "ack_latency_max_ms": _ms(max(latencies, default=None)),
+        "bytes_sent": sum(s["bytes_sent"] for s in stats),
+        "shard_rss_peak_mb": round(peak_mb, 1),
+        "max_rss_mb": args.max_rss_mb,
+        "checks": checks,
+        "errors": errors,
+        "ok": all(checks.values()),
+    }
+    (out / "load.json").write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run `diloco-bench load`; prints the JSON report; returns 0 when every check passed."""
+    for name in ("islands", "shards", "rounds", "params"):
+        if getattr(args, name) < 1:
+            print(f"diloco-bench load: --{name} must be >= 1", file=sys.stderr)
+            return 2
+    try:
+        report = run_load(args)
+    except (LaunchError, ClientError) as exc:
+        print(f"diloco-bench load: {exc}", file=sys.stderr)
+        return 1
+    emit_json(report)
+    if not report["ok"]:
+        failed = [k for k, v in report["checks"].items() if not v]
+        print(f"diloco-bench load: checks failed: {', '.join(failed)}", file=sys.stderr)
+    return 0 if report["ok"] else 1

@@ -1,0 +1,39 @@
+"""`diloco-bench load`: a small version against real shard daemons, and its pure helpers."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from bench.load import percentile
+
+
+def test_percentile():
+    assert percentile([], 50) is None
+    assert percentile([1.0, 2.0, 3.0], 50) == 2.0
+    assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_small_load_run_acks_every_push_within_memory_bound(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "bench.cli", "load", "--islands", "8", "--shards", "2",
+            "--rounds", "3", "--params", "65536", "--max-rss-mb", "1024", "--timeout", "120",
+            "--out", str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=220,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    report = json.loads(proc.stdout)
+    assert report["pushes"] == 8 * 3 * 4
+    assert report["acked"] == report["shard_accepted"] == report["pushes"]
+    assert all(report["checks"].values()), report["checks"]
+    assert report["ack_latency_p50_ms"] is not None and report["pushes_per_s"] > 0
+    assert json.loads((tmp_path / "load.json").read_text()) == report
