@@ -100,6 +100,13 @@ update     shard, seq, fragment, version, mode ("full":     codec frames
 heartbeat  shard, seq (the last update's seq; no increment)  -
 =========  ==============================================  ========================
 
+Mode "full" (downlink float32) carries exact float32 values. Mode "delta"
+(downlink int8) carries the int8-encoded change from version - 1; a replica
+computes `np.add(values_at_version_minus_1, decoded, dtype=float32)` and then
+equals the shard bit for bit (the shard applies exactly the decoded change to
+its own parameters). A delta that does not follow the replica's version is a
+gap: re-snapshot.
+
 Deduplication
 =============
 
@@ -107,8 +114,9 @@ The idempotency key of a delta is (island, round, fragment). The shard keeps,
 per (island, fragment), the newest accepted round and the accepted rounds
 within a window W below it. The same key again is acked `duplicate` (not
 applied twice); a round older than newest - W that is not in the table is
-rejected `replayed_round`; unseen rounds inside the window are accepted
-(resends may arrive out of order).
+rejected `replayed_round` (the client drops it: it was acked long ago or is
+too old to merge); unseen rounds inside the window are accepted (resends may
+arrive out of order). The dedup table survives restarts (checkpoint + log).
 
 Sizes
 =====
