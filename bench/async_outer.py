@@ -31,7 +31,18 @@ from worker import data, model
 from worker.train import InnerConfig, make_inner_optimizer
 
 T0 = 1_000_000.0
-GRID = [(0.7, 0.9), (0.5, 0.9), (0.35, 0.9), (0.35, 0.8), (0.2, 0.9), (0.7, 0.0)]
+# (outer lr, momentum, nesterov delay)
+GRID = [
+    (0.7, 0.9, 1),
+    (0.35, 0.9, 1),
+    (0.2, 0.9, 1),
+    (0.35, 0.8, 1),
+    (1.0, 0.0, 1),
+    (0.7, 0.0, 1),
+    (0.5, 0.0, 1),
+    (0.7, 0.5, 1),
+    (0.7, 0.9, 3),
+]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -48,8 +59,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=2, help="repeats with other data orders")
     parser.add_argument(
         "--grid",
-        default=";".join(f"{lr},{m}" for lr, m in GRID),
-        help="lr,momentum pairs separated by ';'",
+        default=";".join(f"{lr},{m},{d}" for lr, m, d in GRID),
+        help="lr,momentum[,nesterov delay] triples separated by ';'",
     )
 
 
@@ -68,12 +79,19 @@ class InnerSteps:
         self.loss = jax.jit(lambda params, tokens: model.loss_fn(params, tokens, mcfg))
 
 
-def simulate(args, lr: float, momentum: float, seed: int, corpus: bytes, inner) -> dict:
+def simulate(
+    args, lr: float, momentum: float, delay: int, seed: int, corpus: bytes, inner: InnerSteps
+) -> dict:
     """One async run; returns the final held-out loss and what the shard saw."""
     mcfg = model.MODEL_CONFIGS[args.model]
     icfg = InnerConfig()
     cfg = ShardConfig(
-        mode="async", outer_lr=lr, outer_momentum=momentum, fsync=False, dedup_window=1 << 20
+        mode="async",
+        outer_lr=lr,
+        outer_momentum=momentum,
+        nesterov_delay=delay,
+        fsync=False,
+        dedup_window=1 << 20,
     )
     init = {k: np.asarray(v) for k, v in codec.flatten(model.init_params(mcfg, 0)).items()}
     plan = make_plan(leaf_specs(init), cfg.shards, cfg.num_fragments)
@@ -147,23 +165,27 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         exit status 0.
     """
-    grid = [tuple(float(x) for x in pair.split(",")) for pair in args.grid.split(";")]
+    grid = []
+    for item in args.grid.split(";"):
+        lr, momentum, *delay = item.split(",")
+        grid.append((float(lr), float(momentum), int(delay[0]) if delay else 1))
     corpus = data.default_corpus()
     inner = InnerSteps(model.MODEL_CONFIGS[args.model], InnerConfig())
     result: dict = {"command": " ".join(sys.argv), "settings": vars(replace_args(args)), "runs": []}
     with progress() as p:
         task = p.add_task("async outer sweep", total=len(grid) * args.seeds)
-        for lr, momentum in grid:
+        for lr, momentum, delay in grid:
             losses = []
             start = time.perf_counter()
             for seed in range(args.seeds):
-                run_result = simulate(args, lr, momentum, seed, corpus, inner)
+                run_result = simulate(args, lr, momentum, delay, seed, corpus, inner)
                 losses.append(run_result["heldout_loss"])
                 p.advance(task)
             result["runs"].append(
                 {
                     "outer_lr": lr,
                     "outer_momentum": momentum,
+                    "nesterov_delay": delay,
                     "heldout_loss_per_seed": losses,
                     "heldout_loss_mean": float(np.mean(losses)),
                     "rounds_per_island": run_result["rounds_per_island"],
@@ -172,7 +194,8 @@ def run(args: argparse.Namespace) -> int:
                 }
             )
     best = min(result["runs"], key=lambda r: r["heldout_loss_mean"])
-    result["best"] = {k: best[k] for k in ("outer_lr", "outer_momentum", "heldout_loss_mean")}
+    keys = ("outer_lr", "outer_momentum", "nesterov_delay", "heldout_loss_mean")
+    result["best"] = {k: best[k] for k in keys}
     emit_json(result)
     return 0
 

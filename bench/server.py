@@ -12,6 +12,8 @@ JSON on stdout, progress on stderr. Four measurements, all in one run:
   push -> ack round trips per second (mode async, so every push also steps),
   with fsync on (the durable default) and off (what the network and the
   rest of the loop cost).
+  `merge_step.int8_downlink` repeats it with the int8 downlink (each update
+  quantized, decoded and applied) and reports the published bytes per step.
 - `checkpoint`: write time and size of the merge_step shard's checkpoint.
 - `restart`: seconds from starting a ShardServer on that data dir (load the
   checkpoint, replay the log) until it serves.
@@ -77,7 +79,7 @@ def measure_merge_step(args, data_dir: str, p) -> tuple[dict, ShardState, Durabi
     cfg = ShardConfig(
         fragments=args.fragments, mode="async", data_dir=data_dir, checkpoint_every_steps=0
     )
-    task = p.add_task("merge + outer step", total=args.repeats + 3)
+    task = p.add_task("merge + outer step", total=2 * args.repeats + 3)
     state, plan, init_event = _initialized_state(cfg, _flat(args.params, 0))
     durable = Durability(cfg, 0)
     durable.recover()
@@ -97,19 +99,15 @@ def measure_merge_step(args, data_dir: str, p) -> tuple[dict, ShardState, Durabi
     consumed = sum(d.nbytes for lst in deltas.values() for _, d in lst)
     decode_s = timed(lambda: [codec.decode(fr) for fr in all_frames], args.repeats)
     p.advance(task)
-    rounds = iter(range(1, 1 << 30))
-
-    def merge_and_step() -> None:
-        rnd = next(rounds)
-        for fragment, lst in deltas.items():
-            for k, (_, delta) in enumerate(lst):
-                c = Contribution(f"i{k}", rnd, fragment, 0, 4096, 16, T0, delta)
-                state.apply(AcceptEvent(c))
-            state.step(fragment, T0)
-
-    step_s = timed(merge_and_step, args.repeats)
+    step_s = timed(_merge_and_step(state, deltas), args.repeats)
     p.advance(task, args.repeats)
     dec, step = gbps(consumed, decode_s), gbps(consumed, step_s)
+    # the same with the int8 downlink: quantize each update, apply the decoded one
+    int8_state, _, _ = _initialized_state(replace(cfg, downlink="int8"), _flat(args.params, 0))
+    published: list[int] = []
+    int8_s = timed(_merge_and_step(int8_state, deltas, published), args.repeats)
+    p.advance(task, args.repeats)
+    del int8_state
     result = {
         "params": args.params,
         "fragments": args.fragments,
@@ -120,8 +118,33 @@ def measure_merge_step(args, data_dir: str, p) -> tuple[dict, ShardState, Durabi
         "target_ratio": 0.5,
         "meets_target": step["median"] / dec["median"] >= 0.5,
         "step_seconds_median": statistics.median(step_s),
+        "int8_downlink": {
+            "merge_step_gbps": gbps(consumed, int8_s),
+            "published_bytes_per_step": published[-1],
+            "float32_bytes_per_step": args.params * 4,
+        },
     }
     return result, state, durable
+
+
+def _merge_and_step(state: ShardState, deltas: dict, published: list[int] | None = None):
+    """A callable that accepts every delta (already decoded) and steps every fragment once."""
+    rounds = iter(range(1, 1 << 30))
+
+    def merge_and_step() -> None:
+        rnd = next(rounds)
+        sent = 0
+        for fragment, lst in deltas.items():
+            for k, (_, delta) in enumerate(lst):
+                c = Contribution(f"i{k}", rnd, fragment, 0, 4096, 16, T0, delta)
+                state.apply(AcceptEvent(c))
+            _, update = state.step(fragment, T0)
+            if update.frames is not None:
+                sent += protocol.message_bytes(update.frames)
+        if published is not None:
+            published.append(sent)
+
+    return merge_and_step
 
 
 def measure_round_trip(args, data_dir: str, p, fsync: bool = True) -> dict:
