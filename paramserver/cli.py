@@ -11,6 +11,7 @@ The work is done by `supervisor` (local cluster), `serve` (one shard),
     diloco-server start --cluster cluster.toml --shard 0 [--detach]
     diloco-server status --connect tcp://127.0.0.1:5555 [--json]
     diloco-server stop --data-dir runs/server
+    diloco-server keys --out keys/ [--name server]     # CURVE key pair (see README, Security)
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def build_parser() -> argparse.ArgumentParser:
         description="Asynchronous, sharded outer parameter server (DiLoCo-style training).",
         allow_abbrev=False,
     )
-    sub = parser.add_subparsers(dest="command", metavar="{start,status,stop}", parser_class=_Parser)
+    sub = parser.add_subparsers(
+        dest="command", metavar="{start,status,stop,keys}", parser_class=_Parser
+    )
     sub.required = True
 
     start = sub.add_parser(
@@ -112,6 +115,20 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout", type=float, default=60.0, metavar="S", help="seconds to wait for the drain"
     )
     stop.set_defaults(func=cmd_stop)
+
+    keys = sub.add_parser(
+        "keys",
+        help="create a CURVE key pair: NAME.key (public) and NAME.key_secret (mode 0600)",
+        description=(
+            "Create a CURVE key pair for a shard (--name server) or an island. Give shards "
+            "curve_secret_key_file=NAME.key_secret and curve_allow_dir=a directory holding the "
+            "islands' NAME.key files; give islands their own NAME.key_secret and the server's .key."
+        ),
+        allow_abbrev=False,
+    )
+    keys.add_argument("--out", required=True, metavar="DIR", help="directory for the key files")
+    keys.add_argument("--name", default="server", metavar="NAME", help="file stem (default server)")
+    keys.set_defaults(func=cmd_keys)
 
     shard = sub.add_parser("shard", allow_abbrev=False)  # internal: one shard of a local cluster
     shard.add_argument("--index", type=int, required=True)
@@ -286,6 +303,25 @@ def cmd_stop(args: argparse.Namespace) -> int:
         raise SettingsError(f"--timeout: bad value {args.timeout!r}: expected > 0")
     pids = supervisor.stop_server(data_dir, args.timeout)
     print(f"{PROG}: stopped pid {', '.join(map(str, pids))} ({data_dir}); it drained and exited")
+    return 0
+
+
+def cmd_keys(args: argparse.Namespace) -> int:
+    """`keys`: write a new CURVE key pair.
+
+    Args:
+        args: the parsed command line (`out`, `name`).
+
+    Returns:
+        Exit code: 0, or 2 when the name is bad or a key file exists.
+    """
+    from paramserver.curve import CurveError, write_keypair
+
+    try:
+        public, secret = write_keypair(args.out, args.name)
+    except CurveError as exc:
+        return _fail(str(exc), EXIT_USAGE)
+    print(f"{PROG}: public key {public} (share it); secret key {secret} (mode 0600, keep private)")
     return 0
 
 

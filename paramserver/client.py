@@ -55,6 +55,8 @@ class ClientConfig:
     push_timeout_s: float = 300.0  # push waiting for a free slot longer than this fails
     join_timeout_s: float = 30.0  # join (hello, init, snapshots) must finish within this
     snapshot_timeout_s: float = 30.0  # a re-snapshot of a shard not done by then is restarted
+    curve_secret_key_file: str = ""  # island key pair (NAME.key_secret); "" = no CURVE
+    curve_server_key_file: str = ""  # with CURVE: the shards' public key (NAME.key)
 
     def __post_init__(self) -> None:
         if not isinstance(self.connect, str) or not self.connect.startswith(
@@ -93,6 +95,14 @@ class ClientConfig:
             raise ClientConfigError(
                 f"ClientConfig.ack_timeout_cap_s={self.ack_timeout_cap_s!r}: must be >= "
                 f"ack_timeout_s={self.ack_timeout_s}"
+            )
+        for name in ("curve_secret_key_file", "curve_server_key_file"):
+            if not isinstance(getattr(self, name), str):
+                raise ClientConfigError(f"ClientConfig.{name}={getattr(self, name)!r}: give a path")
+        if bool(self.curve_secret_key_file) != bool(self.curve_server_key_file):
+            raise ClientConfigError(
+                "ClientConfig: CURVE needs both curve_secret_key_file (this island's key pair) "
+                "and curve_server_key_file (the shards' public key), or neither"
             )
         if self.reconnect_cap_s < self.heartbeat_interval_s:
             raise ClientConfigError(

@@ -27,7 +27,7 @@ import numpy as np
 import zmq
 
 import codec
-from paramserver import protocol
+from paramserver import curve, protocol
 from paramserver.client import ClientConfig, ClientError, JoinResult, PushRequest, Update
 from paramserver.liveness import is_silent, next_backoff, resend_due
 from paramserver.plan import Plan, PlanError, leaf_specs, make_plan
@@ -110,6 +110,13 @@ class IOThread(threading.Thread):
         # dropped with the connection, not answered): checked by `Client.push`.
         self.max_message_bytes: int | None = None
         self._release = release
+        self._curve: tuple[bytes, bytes, bytes] | None = None
+        if cfg.curve_secret_key_file:
+            try:
+                public, secret = curve.load_keypair(cfg.curve_secret_key_file)
+                self._curve = (public, secret, curve.load_public_key(cfg.curve_server_key_file))
+            except curve.CurveError as exc:
+                raise ClientError(f"client: {exc}") from None
         self._ctx = zmq.Context()
         self._wake_rx = self._ctx.socket(zmq.PAIR)
         self._wake_rx.setsockopt(zmq.LINGER, 0)
@@ -314,6 +321,8 @@ class IOThread(threading.Thread):
         self._drop_socket(shard.dealer)
         sock = self._ctx.socket(zmq.DEALER)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            curve.secure_client(sock, *self._curve)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.cfg.reconnect_cap_s * 1000))
         sock.connect(shard.router)
@@ -324,6 +333,8 @@ class IOThread(threading.Thread):
         self._drop_socket(shard.sub)
         sock = self._ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.LINGER, 0)
+        if self._curve is not None:
+            curve.secure_client(sock, *self._curve)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.cfg.reconnect_cap_s * 1000))
         sock.setsockopt(zmq.SUBSCRIBE, b"")

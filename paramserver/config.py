@@ -68,6 +68,8 @@ class ShardConfig:
     downlink: Literal["float32", "int8"] = "float32"  # published updates: full fp32 or int8 deltas
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     metrics_port: int = 0  # Prometheus metrics port; 0 = off
+    curve_secret_key_file: str = ""  # shard key pair (NAME.key_secret); "" = no CURVE (trusted net)
+    curve_allow_dir: str = ""  # with CURVE: directory of the allowed islands' NAME.key files
 
     def __post_init__(self) -> None:
         _require(
@@ -149,6 +151,14 @@ class ShardConfig:
         _choice("log_level", self.log_level, LOG_LEVELS)
         _int_at_least("metrics_port", self.metrics_port, 0)
         _require(self.metrics_port <= 65535, "metrics_port", self.metrics_port, "must be <= 65535")
+        for name in ("curve_secret_key_file", "curve_allow_dir"):
+            _require(isinstance(getattr(self, name), str), name, getattr(self, name), "give a path")
+        _require(
+            bool(self.curve_secret_key_file) == bool(self.curve_allow_dir),
+            "curve_allow_dir" if self.curve_secret_key_file else "curve_secret_key_file",
+            self.curve_allow_dir or self.curve_secret_key_file,
+            "CURVE needs both curve_secret_key_file and curve_allow_dir (or neither)",
+        )
 
     @property
     def num_fragments(self) -> int:

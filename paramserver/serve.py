@@ -19,6 +19,7 @@ import zmq
 
 from paramserver import daemon
 from paramserver.config import ShardConfig
+from paramserver.curve import CurveError
 
 logger = logging.getLogger(__name__)
 
@@ -105,6 +106,9 @@ def serve_shard(
             return 1
         except OSError as exc:
             logger.error("shard %d failed: %s", index, exc)
+            return 1
+        except CurveError as exc:
+            logger.error("shard %d cannot start: %s", index, exc)
             return 1
         logger.info("shard %d drained and stopped; exiting", index)
         return 0

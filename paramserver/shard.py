@@ -33,6 +33,7 @@ import zmq
 import codec
 from paramserver import daemon, protocol, settings
 from paramserver.config import ShardConfig, bind_endpoints, local_endpoints
+from paramserver.curve import CurveServer
 from paramserver.durable import Durability
 from paramserver.state import ACCEPTED, REJECTED, Outcome, ShardState, Update
 
@@ -96,6 +97,7 @@ class ShardServer:
             DurabilityError: the data dir cannot be recovered without losing
                 acknowledged data (paramserver.durable; the message says what to do).
             zmq.ZMQError: a bind failed (e.g. port in use).
+            CurveError: CURVE is configured but a key file or the allow dir is unusable.
             OSError: the write-ahead log or a checkpoint cannot be written; the
                 shard stops rather than ack what it cannot keep.
         """
@@ -104,9 +106,16 @@ class ShardServer:
         ctx = zmq.Context()
         self._router = router = ctx.socket(zmq.ROUTER)
         self._pub = pub = ctx.socket(zmq.PUB)
+        auth: CurveServer | None = None
         try:
             for sock in (router, pub):
                 sock.setsockopt(zmq.LINGER, 0)
+            if self.cfg.curve_secret_key_file:
+                auth = CurveServer(
+                    ctx, self.cfg.curve_secret_key_file, self.cfg.curve_allow_dir, self.index
+                ).start()
+                auth.secure(router, "router")
+                auth.secure(pub, "pub")
             router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
             router.bind(self.router_bind)
             pub.bind(self.pub_bind)
@@ -127,6 +136,8 @@ class ShardServer:
             self._drain()
             self._durable.checkpoint(self.state, time.time())
         finally:
+            if auth is not None:
+                auth.stop()
             router.close(0)
             pub.close(0)
             ctx.term()

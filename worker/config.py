@@ -51,6 +51,8 @@ class IslandConfig:
     flush_timeout_s: float = 10.0  # on stop, wait this long for unacked deltas
     join_timeout_s: float = 60.0  # give up joining (server unreachable) after this long
     heartbeat_interval_s: float = 1.0  # heartbeat period to every shard
+    curve_secret_key_file: str = ""  # CURVE: this island's NAME.key_secret; "" = no CURVE
+    curve_server_key_file: str = ""  # CURVE: the shards' public key file (server.key)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
 
     def __post_init__(self) -> None:
@@ -93,5 +95,10 @@ class IslandConfig:
                 raise bad(field, f"must be >= {low}")
         if self.data_shard >= self.data_shards:
             raise bad("data_shard", f"must be < data_shards ({self.data_shards})")
+        if bool(self.curve_secret_key_file) != bool(self.curve_server_key_file):
+            raise bad(
+                "curve_server_key_file" if self.curve_secret_key_file else "curve_secret_key_file",
+                "must be set together with the other curve_* key file (or neither)",
+            )
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")

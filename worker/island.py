@@ -225,6 +225,8 @@ class Island:
                 island=cfg.island,
                 heartbeat_interval_s=cfg.heartbeat_interval_s,
                 join_timeout_s=cfg.join_timeout_s,
+                curve_secret_key_file=cfg.curve_secret_key_file,
+                curve_server_key_file=cfg.curve_server_key_file,
             )
         )
         try:
