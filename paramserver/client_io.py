@@ -72,6 +72,10 @@ class _Pending:
     queued_at: float = 0.0  # when `push` handed it over (ack latency is measured from here)
 
 
+RETRYABLE_REASONS = frozenset({"too_many_pending"})
+"""Rejections that say "not now" rather than "never": the delta is kept and re-sent."""
+
+
 @dataclass
 class _Counters:
     """What `stats` reports; mutated by the I/O thread under a lock."""
@@ -88,6 +92,7 @@ class _Counters:
     reconnects: int = 0
     resyncs: int = 0
     bad_messages: int = 0
+    deferred: int = 0  # pushes the shard refused for now (too_many_pending): kept, re-sent
 
 
 class IOThread(threading.Thread):
@@ -210,6 +215,7 @@ class IOThread(threading.Thread):
                 "reconnects": c.reconnects,
                 "resyncs": c.resyncs,
                 "bad_messages": c.bad_messages,
+                "deferred": c.deferred,
                 "shards_down": sum(1 for s in self._shards if not s.up),
             }
 
@@ -657,6 +663,12 @@ class IOThread(threading.Thread):
             return  # ack of a re-send whose first copy was already acked
         if outcome == "rejected" and reason == "unknown_island":
             self._request(shard, "hello")  # the shard forgot us; the delta stays pending
+            return
+        if outcome == "rejected" and reason in RETRYABLE_REASONS:
+            # the shard's buffer for us is full: keep the delta, the ack timeout re-sends it
+            # (back-off doubles), so a full buffer becomes back-pressure, not lost work
+            with self._lock:
+                self._counters.deferred += 1
             return
         del self._pending[key]
         with self._lock:

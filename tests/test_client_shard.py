@@ -22,13 +22,9 @@ class Cluster:
     """N shards serving in threads, with the endpoints they advertise matching their binds."""
 
     def __init__(self, tmp_path, shards: int = 1, **overrides) -> None:
+        settings = {"mode": "async", "heartbeat_interval_s": 0.2, **overrides}
         self.cfg = ShardConfig(
-            data_dir=str(tmp_path / "server"),
-            fsync=False,
-            shards=shards,
-            mode="async",
-            heartbeat_interval_s=0.2,
-            **overrides,
+            data_dir=str(tmp_path / "server"), fsync=False, shards=shards, **settings
         )
         self.endpoints = [
             (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
@@ -190,6 +186,24 @@ def test_rejected_push_is_counted_by_reason(cluster, client):
     assert a.stats()["rejected"] == {"non_finite": 1}
     assert a.stats()["acked"] == 0
     assert a.stats()["pending"] == 0
+
+
+def test_full_pending_buffer_defers_the_push_instead_of_dropping_it(cluster, client):
+    # sync mode with two islands: nothing merges until b contributes, and a may keep
+    # only one unmerged delta per fragment on the shard
+    c = cluster(1, mode="sync", max_pending_per_island=1)
+    a = client(c.connect, "a", ack_timeout_s=0.1, ack_timeout_cap_s=0.2)
+    b = client(c.connect, "b")
+    res = a.join(small_flat(0))
+    b.join(small_flat(0))
+    size = res.plan.fragments[0].size
+    a.push(0, 1, 0, 10, 1, delta_frames(np.full(size, 0.1, np.float32)))
+    a.push(0, 2, 0, 10, 1, delta_frames(np.full(size, 0.2, np.float32)))
+    wait_for(lambda: a.stats()["deferred"] >= 1, "the shard to refuse a's second delta for now")
+    assert a.stats()["acked"] == 1 and a.stats()["pending"] == 1 and not a.stats()["rejected"]
+    b.push(0, 1, 0, 10, 1, delta_frames(np.full(size, 0.3, np.float32)))  # quorum -> step
+    wait_for(lambda: a.stats()["acked"] == 2, "the deferred delta to be re-sent and accepted")
+    assert a.stats()["pending"] == 0 and not a.stats()["rejected"]
 
 
 def test_updates_from_another_island_reach_every_replica(cluster, client):
