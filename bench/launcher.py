@@ -66,6 +66,7 @@ class IslandSpec:
     name: str
     speed: float = 1.0
     extra: tuple[str, ...] = ()  # further diloco-worker flags, e.g. ("--codec", "int4")
+    prefix: tuple[str, ...] = ()  # argv prefix, e.g. ("ip", "netns", "exec", NS) (bench.wan)
 
 
 def _run(argv: Sequence[str], what: str, timeout_s: float) -> str:
@@ -138,7 +139,7 @@ class LocalCluster:
             data_dir = self.island_dir(spec.name)
             self.islands[spec.name] = data_dir
             argv = [
-                sys.executable, "-m", "worker.cli", "start", "--detach",
+                *spec.prefix, sys.executable, "-m", "worker.cli", "start", "--detach",
                 "--connect", self.connect, "--island", spec.name,
                 "--speed", str(spec.speed), "--data-dir", str(data_dir),
                 "--cpu", str(i), *spec.extra,

@@ -46,6 +46,7 @@ class IslandConfig:
     eval_every: int = 2  # rounds between evaluations of the global parameters (0 = never)
     eval_batches: int = 4  # held-out batches per evaluation
     max_rounds: int = 0  # stop after this many rounds (0 = until stopped)
+    start_file: str = ""  # after joining, wait until this file exists (a start barrier); "" = none
     devices: int = 0  # local devices for data parallel inside the island (0 = all)
     cpu: int = -1  # pin the process to this CPU core (-1 = no pinning)
     flush_timeout_s: float = 10.0  # on stop, wait this long for unacked deltas

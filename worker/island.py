@@ -240,6 +240,8 @@ class Island:
             self._write_status()
             if on_ready is not None:
                 on_ready()
+            if cfg.start_file:
+                self._wait_for_start(stop)
             steps_per_round = inner_steps_for(cfg)
             while not stop.is_set() and (cfg.max_rounds == 0 or self.round < cfg.max_rounds):
                 losses, adopted, steps = [], 0, 0
@@ -275,6 +277,17 @@ class Island:
             else:
                 self._write_status()
         return 0
+
+    def _wait_for_start(self, stop: threading.Event) -> None:
+        """Hold training until `start_file` exists (or stop), so that islands start together."""
+        start_file = Path(self.cfg.start_file)
+        self.state = "waiting"
+        self._write_status()
+        while not stop.is_set() and not start_file.exists():
+            stop.wait(0.05)
+        self.state = "training"
+        self.started = time.monotonic()
+        self._write_status()
 
     # -- reporting ------------------------------------------------------------
 

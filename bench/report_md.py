@@ -1,0 +1,154 @@
+"""The markdown text of a report: setup, claims, and one table per scenario group.
+
+This module owns formatting only; numbers come from the run records and
+`bench.claims.evaluate`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def _num(value: Any, fmt: str = "{:.3f}") -> str:
+    if value is None:
+        return "-"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    return fmt.format(value)
+
+
+def _bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return [
+        "| " + " | ".join(header) + " |",
+        "|" + "|".join("---" for _ in header) + "|",
+        *("| " + " | ".join(r) + " |" for r in rows),
+        "",
+    ]
+
+
+def _measured(value: Any) -> str:
+    if isinstance(value, dict):
+        return ", ".join(f"{k}: {_measured(v)}" for k, v in value.items())
+    if isinstance(value, float):
+        return f"{value:.4g}"
+    return str(value)
+
+
+def render(
+    meta: Mapping[str, Any], records: Mapping[str, Mapping[str, Any]], summary: Mapping[str, Any]
+) -> str:
+    """The report as markdown.
+
+    Args:
+        meta: command, date, machine, budget and link description.
+        records: run records by scenario name.
+        summary: `bench.claims.evaluate` output.
+
+    Returns:
+        Markdown text.
+    """
+    budget, link = meta["budget"], meta["link"]
+    lines = [
+        "# decoupled-diloco: benchmark report",
+        "",
+        f"`{meta['command']}` on {meta['date']} ({meta['machine']}); {meta['elapsed_s']:.0f} s.",
+        "",
+        f"Model `{budget['model']}` ({meta.get('params', '?')} parameters), {budget['islands']} "
+        f"islands, batch {budget['batch_size']} x {budget['seq_len']} bytes, H = "
+        f"{budget['inner_steps']} inner steps per round, {budget['steps_per_island']} steps per "
+        f"island ({budget['tokens']} tokens per run), {budget['shards']} shards. WAN link per "
+        f"island: {link['rate_mbit_per_direction']} Mbit/s each way, "
+        f"{link['one_way_delay_ms']} ms one way; shaping: {link['shaping']}.",
+        "",
+        "DDP = the same islands exchanging full fp32 gradients every step through a reducer "
+        "(`ddp` on loopback for the loss at equal tokens, `ddp-wan` on the WAN link for its step "
+        "time); sync = synchronous DiLoCo; quorum = this system (quorum + grace window, tokens x "
+        "staleness weighting unless `uniform`).",
+        "",
+        "## Claims",
+        "",
+    ]
+    lines += _table(
+        ["claim", "target", "measured", "met", "note"],
+        [
+            [c["claim"], c["target"], _measured(c["measured"]), _num(c["met"]), c["note"]]
+            for c in summary["claims"]
+        ],
+    )
+    target = summary.get("target_loss")
+    lines += [
+        f"Target loss for time-to-target: {_num(target)} nats/byte (the worst final loss of "
+        "ddp, sync and quorum, so each of them reaches it).",
+        "",
+    ]
+    groups = {
+        "methods": "Methods (homogeneous islands)",
+        "codecs": "Delta codecs (quorum, homogeneous islands)",
+        "slow": "One island 2x slower",
+        "mix": "v6e/v5p-like mix (one island 1.2x slower, 10% step-time jitter)",
+    }
+    for group, title in groups.items():
+        names = [n for n, r in records.items() if r["group"] == group]
+        if group == "codecs":
+            names = [n for n in ("quorum", *names) if n in records]
+        if not names:
+            continue
+        lines += [f"## {title}", ""]
+        rows = []
+        for n in names:
+            rec, s = records[n], summary["runs"][n]
+            islands = list(rec["islands"].values())
+            up = sum(i["up_per_round"] for i in islands) / len(islands)
+            down = sum(i["down_per_round"] for i in islands) / len(islands)
+            goodput = " / ".join(_pct(g) for g in s["goodput"].values())
+            rows.append(
+                [
+                    n,
+                    rec["codec"],
+                    _num(rec["duration_s"], "{:.0f}"),
+                    str(rec["tokens_total"]),
+                    f"{_num(rec['eval_initial'])} -> {_num(rec['eval_final'])}",
+                    _pct(s["loss_vs_ddp"]),
+                    _num(s["time_to_target_s"], "{:.0f}")
+                    + (" (extrap.)" if s["time_to_target_extrapolated"] else ""),
+                    f"{_bytes(up)} / {_bytes(down)}",
+                    _bytes(s.get("bytes_per_island")),
+                    _num(s.get("ddp_over_this"), "{:.0f}x"),
+                    goodput,
+                    _pct(s["uptime"]),
+                ]
+            )
+        lines += _table(
+            ["run", "codec", "time (s)", "tokens", "eval loss", "vs DDP", "time to target (s)",
+             "up / down per round", "bytes per island", "DDP bytes / these", "goodput per island",
+             "uptime"],
+            rows,
+        )  # fmt: skip
+    lines += [
+        "Bytes are counted at the sockets (frame bytes of every message, heartbeats and the "
+        "join snapshot included; 'per round' is the steady state after the join). 'DDP bytes / "
+        "these' compares with the DDP run's measured bytes per token for the same tokens. "
+        "Goodput: share of an island's time in training steps whose deltas were acknowledged. "
+        "Uptime: share of windows (one median round of a full-speed island) in which some "
+        "fragment's version advanced, from the shards' versions polled every second.",
+        "",
+        "Plots: loss_vs_wallclock.png, loss_vs_tokens.png, bytes_per_round.png, goodput.png. "
+        "One JSON per run in runs/, everything in report.json.",
+        "",
+    ]
+    return "\n".join(lines)

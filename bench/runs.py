@@ -1,0 +1,441 @@
+"""Execute one scenario of the report with real processes on real (shaped) links.
+
+DiLoCo runs: shards started one by one from a cluster file (they bind on
+loopback and advertise the relay's address on the hub, so every island <->
+shard byte crosses the island's shaped link), islands as `diloco-worker`
+daemons inside their namespaces. The run ends when the islands together have
+trained the budget's tokens (or at the wall-clock cap); meanwhile the shards'
+versions are polled for the uptime timeline.
+
+DDP runs: `bench.ddp_reducer` on loopback (through the relay on the WAN) and
+one `worker.ddp` rank per island, each doing the same steps as one island.
+
+`run_scenario` returns the run's JSON record (computed with `bench.analysis`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from bench import analysis
+from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
+from bench.scenarios import Budget, Scenario
+from bench.wan import Wan
+from paramserver import daemon, probe
+
+POLL_S = 0.5
+Progress = Callable[[int, str], None]
+
+
+def island_names(count: int) -> list[str]:
+    """Names of the islands (and DDP ranks): the same data shards for every method."""
+    return [f"island-{i}" for i in range(count)]
+
+
+def common_flags(budget: Budget, index: int) -> list[str]:
+    """Flags every island and DDP rank gets: model, data shard, batch, eval, seed."""
+    return [
+        "--model", budget.model, "--inner-steps", str(budget.inner_steps),
+        "--batch-size", str(budget.batch_size), "--seq-len", str(budget.seq_len),
+        "--eval-batches", str(budget.eval_batches), "--eval-every", "1",
+        "--data-shard", str(index), "--seed", str(budget.seed),
+    ]  # fmt: skip
+
+
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (missing file: none; a torn last line is skipped)."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line))
+    return rows
+
+
+def cluster_toml(scenario: Scenario, budget: Budget, hub: str, relay_port: int, bind_port: int,
+                 data_dir: Path) -> str:  # fmt: skip
+    """The cluster file: shards bind on loopback, islands reach them at hub:relay ports.
+
+    Args:
+        scenario: the run (mode, weighting, codec).
+        budget: shared settings (shards, islands).
+        hub: address islands connect to.
+        relay_port: first relay listen port (shard i: +2i ROUTER, +2i+1 PUB).
+        bind_port: first loopback bind port (same layout).
+        data_dir: the server's data dir.
+
+    Returns:
+        TOML text.
+    """
+    quorum = max(1, budget.islands - 1)
+    lines = [
+        "[server]",
+        f'mode = "{scenario.method}"',
+        f"quorum = {quorum}",
+        f'weighting = "{scenario.weighting}"',
+        f'downlink = "{scenario.downlink}"',
+        "fsync = false",
+        "checkpoint_every_steps = 0",
+        "checkpoint_every_s = 0.0",
+        f'data_dir = "{data_dir}"',
+    ]
+    for i in range(budget.shards):
+        lines += [
+            "[[shard]]",
+            f'router = "tcp://{hub}:{relay_port + 2 * i}"',
+            f'pub = "tcp://{hub}:{relay_port + 2 * i + 1}"',
+            f'router_bind = "tcp://127.0.0.1:{bind_port + 2 * i}"',
+            f'pub_bind = "tcp://127.0.0.1:{bind_port + 2 * i + 1}"',
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def _run_cmd(argv: list[str], what: str, timeout_s: float = 120.0) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise LaunchError(f"{what} failed (exit {proc.returncode}): {tail[-1] if tail else ''}")
+
+
+def _signal_all(pids: list[int], sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, sig)
+
+
+def _version_sum(status: dict[str, Any]) -> int | None:
+    shards = status.get("shards", [])
+    if not shards or any("error" in s for s in shards):
+        return None
+    return sum(int(v) for s in shards for v in s.get("versions", {}).values())
+
+
+def run_diloco(
+    scenario: Scenario, budget: Budget, wan: Wan | None, out: Path, progress: Progress
+) -> dict[str, Any]:
+    """One DiLoCo run (sync or quorum) until the token budget is trained.
+
+    Args:
+        scenario: the run.
+        budget: shared settings.
+        wan: the shaped links (None: plain loopback).
+        out: this run's directory.
+        progress: called with (cluster tokens so far, note).
+
+    Returns:
+        Raw material for `summarize`: rows per island, timeline, stop time, server status.
+    """
+    hub = wan.hub if wan is not None else "127.0.0.1"
+    cluster = LocalCluster(out, shards=budget.shards)
+    bind_port = cluster.port
+    relay_port = free_base_port(2 * budget.shards, "127.0.0.1") if wan is not None else bind_port
+    out.mkdir(parents=True, exist_ok=True)
+    cluster_file = out / "cluster.toml"
+    cluster_file.write_text(
+        cluster_toml(scenario, budget, hub, relay_port, bind_port, cluster.server_dir)
+    )
+    targets = {relay_port + k: bind_port + k for k in range(2 * budget.shards)}
+    relay = wan.relay(targets) if wan is not None else contextlib.nullcontext()
+    names = island_names(budget.islands)
+    # islands connect to shard 0's advertised router (the relay on the WAN)
+    cluster.host, cluster.port = hub, relay_port
+    shard_dirs = [cluster.server_dir / f"shard-{i}" for i in range(budget.shards)]
+    timeline: list[tuple[float, int]] = []
+    server: dict[str, Any] = {}
+    with relay:
+        try:
+            for i in range(budget.shards):
+                _run_cmd(
+                    [sys.executable, "-m", "paramserver.cli", "start", "--cluster",
+                     str(cluster_file), "--shard", str(i), "--detach"],
+                    f"diloco-server start --shard {i}",
+                )  # fmt: skip
+            progress(0, "starting islands")
+            start_file = out / "start"
+            # homogeneous islands train exactly their share; otherwise stop at the cluster budget
+            homogeneous = all(sj == (1.0, 0.0) for sj in scenario.speeds(budget.islands))
+            max_rounds = budget.steps_per_island // budget.inner_steps if homogeneous else 0
+            specs = [
+                IslandSpec(
+                    name,
+                    speed,
+                    (
+                        *common_flags(budget, i),
+                        *("--codec", scenario.codec, "--jitter", str(jitter)),
+                        *("--flush-timeout-s", "5", "--start-file", str(start_file)),
+                        *("--max-rounds", str(max_rounds)),
+                    ),
+                    wan.prefix(i) if wan is not None else (),
+                )
+                for i, (name, (speed, jitter)) in enumerate(
+                    zip(names, scenario.speeds(budget.islands), strict=True)
+                )
+            ]
+            cluster.start_islands(specs)
+            start_file.touch()  # every island has joined: start together
+            started = time.monotonic()
+            cap = scenario.wall_cap_s or budget.wall_cap_s
+            last_probe = 0.0
+            loopback = f"tcp://127.0.0.1:{bind_port}"
+            while True:
+                states = [cluster.island_status(n) for n in names]
+                tokens = sum(st.get("tokens", 0) for st in states)
+                progress(tokens, "training")
+                if tokens >= budget.tokens or time.monotonic() - started > cap:
+                    break
+                if all(st.get("state") == "stopped" for st in states):
+                    break
+                if time.monotonic() - last_probe >= 1.0:
+                    last_probe = time.monotonic()
+                    with contextlib.suppress(probe.ProbeError):
+                        total = _version_sum(probe.cluster_status(loopback, timeout_s=2.0))
+                        if total is not None:
+                            timeline.append((time.time(), total))
+                time.sleep(POLL_S)
+            stopped_at = time.time()
+            pids = [
+                p for n in names if (p := daemon.running_pid(daemon.pid_path(cluster.islands[n])))
+            ]
+            _signal_all(pids, signal.SIGTERM)
+            progress(tokens, "stopping islands")
+            for pid in pids:
+                daemon.wait_exit(pid, 60.0)
+            with contextlib.suppress(probe.ProbeError):
+                server = probe.cluster_status(loopback, timeout_s=2.0)
+                if (total := _version_sum(server)) is not None:
+                    timeline.append((time.time(), total))
+        finally:
+            for name in list(cluster.islands):
+                cluster.stop_island(name, timeout_s=30.0)
+            for shard_dir in shard_dirs:
+                with contextlib.suppress(daemon.DaemonError):
+                    daemon.stop(shard_dir, timeout_s=60.0)
+    return {
+        "rows": {n: cluster.island_metrics(n) for n in names},
+        "timeline": timeline,
+        "stopped_at": stopped_at,
+        "server": server,
+    }
+
+
+def run_ddp(
+    scenario: Scenario, budget: Budget, wan: Wan | None, out: Path, progress: Progress
+) -> dict[str, Any]:
+    """One DDP run: reducer plus one rank per island, the same steps per rank as per island.
+
+    Args:
+        scenario: the run (wall_cap_s bounds the WAN run).
+        budget: shared settings.
+        wan: the shaped links (None: plain loopback).
+        out: this run's directory.
+        progress: called with (cluster tokens so far, note).
+
+    Returns:
+        Raw material for `summarize`.
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    names = island_names(budget.islands)
+    bind_port = free_base_port(2, "127.0.0.1")
+    hub = wan.hub if wan is not None else "127.0.0.1"
+    connect_port = bind_port + 1 if wan is not None else bind_port
+    reducer = subprocess.Popen(
+        [sys.executable, "-m", "bench.ddp_reducer", "--bind", f"tcp://127.0.0.1:{bind_port}",
+         "--world", str(budget.islands)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    ranks: list[subprocess.Popen] = []
+    relay = wan.relay({bind_port + 1: bind_port}) if wan is not None else contextlib.nullcontext()
+    try:
+        if (reducer.stdout.readline().strip() if reducer.stdout else "") != "ready":
+            raise LaunchError(f"ddp reducer did not start: {reducer.stderr.read().strip()[-200:]}")
+        with relay:
+            progress(0, "starting ranks")
+            per_step = ("--inner-steps", "1", "--max-rounds", str(budget.steps_per_island),
+                        "--eval-every", str(budget.inner_steps))  # fmt: skip
+            for i, name in enumerate(names):
+                data_dir = out / "islands" / name
+                data_dir.mkdir(parents=True, exist_ok=True)
+                argv = [
+                    *(wan.prefix(i) if wan is not None else ()), sys.executable, "-m",
+                    "worker.ddp", "--rank", str(i), "--world", str(budget.islands),
+                    "--island", name, "--connect", f"tcp://{hub}:{connect_port}",
+                    "--data-dir", str(data_dir), "--cpu", str(i),
+                    "--max-rounds", str(budget.steps_per_island // budget.inner_steps),
+                    *common_flags(budget, i),
+                    # on the WAN a step takes seconds: one row per step, eval every H steps
+                    *(per_step if wan is not None else ()),
+                ]  # fmt: skip
+                ranks.append(
+                    subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                )
+            cap = scenario.wall_cap_s or budget.wall_cap_s
+            started = None
+            while any(r.poll() is None for r in ranks):
+                rows = [read_rows(out / "islands" / n / "metrics.jsonl") for n in names]
+                tokens = sum(rs[-1].get("tokens", 0) for rs in rows if rs)
+                progress(tokens, "training")
+                if started is None and any(r.get("round", 0) >= 1 for r in rows[0]):
+                    started = time.monotonic()  # the cap counts from the first step (compiled)
+                if started is not None and time.monotonic() - started > cap:
+                    break
+                time.sleep(POLL_S)
+            stopped_at = time.time()
+            for r in ranks:
+                if r.poll() is None:
+                    r.send_signal(signal.SIGTERM)
+            for r in ranks:
+                try:
+                    r.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    r.kill()
+                    r.wait()
+            failed = [r for r in ranks if r.returncode not in (0, -signal.SIGTERM)]
+            if failed:
+                err = (
+                    failed[0].stderr.read().decode().strip().splitlines()
+                    if failed[0].stderr
+                    else []
+                )
+                raise LaunchError(f"ddp rank failed: {err[-1] if err else failed[0].returncode}")
+    finally:
+        for r in ranks:
+            if r.poll() is None:
+                r.kill()
+                r.wait()
+        reducer.terminate()
+        try:
+            reducer.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            reducer.kill()
+    return {
+        "rows": {n: read_rows(out / "islands" / n / "metrics.jsonl") for n in names},
+        "timeline": [],
+        "stopped_at": stopped_at,
+        "server": {},
+    }
+
+
+def summarize(scenario: Scenario, budget: Budget, raw: dict[str, Any]) -> dict[str, Any]:
+    """The run's JSON record from its raw material.
+
+    Args:
+        scenario: the run.
+        budget: shared settings.
+        raw: what `run_diloco` / `run_ddp` returned.
+
+    Returns:
+        JSON-ready dict: per-island bytes and goodput, eval curve, uptime, final loss.
+    """
+    rows = raw["rows"]
+    t0 = analysis.start_time(rows)
+    curve = analysis.eval_curve(rows)
+    islands = {}
+    for (name, rs), (speed, jitter) in zip(
+        rows.items(), scenario.speeds(budget.islands), strict=True
+    ):
+        last_goodput = next((r["goodput"] for r in reversed(rs) if "goodput" in r), None)
+        islands[name] = {
+            "speed": speed,
+            "jitter": jitter,
+            **analysis.island_bytes(rs),
+            "bytes_per_token": analysis.bytes_per_token(rs),
+            "goodput": last_goodput,
+            "final_train_loss": next((r["loss"] for r in reversed(rs) if "loss" in r), None),
+            "round_s_median": _median([r["round_s"] for r in rs if "round_s" in r]),
+            "step_s": next((r["step_s"] for r in reversed(rs) if r.get("step_s")), None),
+        }
+    timeline = [(w - t0, v) for w, v in raw["timeline"]]
+    stopped = raw["stopped_at"] - t0
+    record: dict[str, Any] = {
+        "name": scenario.name,
+        "method": scenario.method,
+        "group": scenario.group,
+        "codec": scenario.codec if scenario.method != "ddp" else "float32 gradients",
+        "downlink": scenario.downlink if scenario.method != "ddp" else "float32 mean gradient",
+        "weighting": scenario.weighting if scenario.method == "quorum" else None,
+        "wan": scenario.wan,
+        "duration_s": stopped,
+        "tokens_total": sum(i["tokens"] for i in islands.values()),
+        "eval_initial": curve[0][2] if curve else None,
+        "eval_final": curve[-1][2] if curve else None,
+        "eval_curve": [list(p) for p in curve],
+        "islands": islands,
+        "timeline": [list(p) for p in timeline],
+    }
+    speeds = dict(zip(rows, scenario.speeds(budget.islands), strict=True))
+    window = _median(
+        [
+            r["round_s"]
+            for n, rs in rows.items()
+            if speeds[n][0] == 1.0
+            for r in rs
+            if "round_s" in r
+        ]
+    )
+    if timeline and window:
+        base = timeline[0][1]
+        first = next((t for t, v in timeline if v > base), None)
+        record["uptime_window_s"] = window
+        record["uptime"] = (
+            analysis.uptime(timeline, window, first, stopped) if first is not None else 0.0
+        )
+    server = raw.get("server") or {}
+    if server.get("shards"):
+        shards = [s for s in server["shards"] if "error" not in s]
+        record["server"] = {
+            "accepted": sum(s.get("accepted", 0) for s in shards),
+            "rejected": sum(sum(s.get("rejected", {}).values()) for s in shards),
+            "outer_steps": sum(s.get("steps", 0) for s in shards),
+            "staleness_histogram": _merge_hist([s.get("staleness_histogram", {}) for s in shards]),
+        }
+    return record
+
+
+def run_scenario(
+    scenario: Scenario, budget: Budget, wan: Wan | None, out: Path, progress: Progress
+) -> dict[str, Any]:
+    """Run one scenario and write ``<out>/<name>.json``.
+
+    Args:
+        scenario: the run.
+        budget: shared settings.
+        wan: the shaped links (used when `scenario.wan`).
+        out: the report's runs directory.
+        progress: called with (cluster tokens so far, note).
+
+    Returns:
+        The run's JSON record.
+    """
+    link = wan if scenario.wan else None
+    run = run_ddp if scenario.method == "ddp" else run_diloco
+    raw = run(scenario, budget, link, out / scenario.name, progress)
+    record = summarize(scenario, budget, raw)
+    record["link"] = link.describe() if link is not None else {"shaping": "none (loopback)"}
+    (out / f"{scenario.name}.json").write_text(json.dumps(record, indent=2))
+    return record
+
+
+def _median(values: list[float]) -> float | None:
+    values = sorted(v for v in values if v is not None)
+    if not values:
+        return None
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _merge_hist(hists: list[dict[str, int]]) -> dict[str, int]:
+    merged: dict[str, int] = {}
+    for h in hists:
+        for k, v in h.items():
+            merged[k] = merged.get(k, 0) + v
+    return dict(sorted(merged.items(), key=lambda kv: int(kv[0])))

@@ -1,0 +1,102 @@
+"""The runs `diloco-bench report` makes: one budget and a list of scenarios, quick or full.
+
+This module owns what is compared (methods, codecs, island speeds) and the
+shared budget (model, data, seeds, tokens, link); `bench.runs` executes a
+scenario and `bench.report` strings them together.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from bench.wan import LinkSpec
+
+METHODS = ("ddp", "sync", "quorum")
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """What every run of one report shares."""
+
+    islands: int = 2  # islands (DiLoCo) or ranks (DDP)
+    model: str = "tiny"  # worker.model config
+    inner_steps: int = 20  # H: inner steps per round (DDP: steps per metrics row)
+    steps_per_island: int = 200  # token budget = islands * steps_per_island * batch * seq_len
+    batch_size: int = 16  # sequences per step and island
+    seq_len: int = 128  # bytes per sequence
+    eval_batches: int = 4  # held-out batches per evaluation (the same set everywhere)
+    shards: int = 2  # parameter-server shards
+    seed: int = 0  # model init seed (data seeds derive from island names)
+    link: LinkSpec = LinkSpec()  # the emulated WAN link of every island
+    wall_cap_s: float = 600.0  # any run stops after this many seconds of training
+
+    @property
+    def tokens(self) -> int:
+        """The cluster's token budget."""
+        return self.islands * self.steps_per_island * self.batch_size * self.seq_len
+
+
+@dataclasses.dataclass(frozen=True)
+class Scenario:
+    """One run."""
+
+    name: str
+    method: str  # ddp | sync | quorum
+    group: str  # report table: methods | codecs | slow | mix
+    codec: str = "int8"  # delta codec (DiLoCo)
+    weighting: str = "default"  # server merge weighting (DiLoCo)
+    slow_speed: float = 1.0  # speed of the last island
+    slow_jitter: float = 0.0  # step-time jitter of the last island
+    wan: bool = True  # on the emulated WAN link (False: loopback)
+    wall_cap_s: float = 0.0  # stop after this many seconds of training (0: budget's cap)
+
+    @property
+    def downlink(self) -> str:
+        """Published updates: int8 for quantized deltas, float32 for raw ones."""
+        return "int8" if self.codec in ("int8", "int4") else "float32"
+
+    def speeds(self, islands: int) -> list[tuple[float, float]]:
+        """(speed, jitter) per island: all full speed except possibly the last."""
+        return [(1.0, 0.0)] * (islands - 1) + [(self.slow_speed, self.slow_jitter)]
+
+
+def quick() -> tuple[Budget, list[Scenario]]:
+    """The CI smoke report: 2 islands, few rounds, the core comparison only."""
+    budget = Budget(
+        islands=2,
+        inner_steps=10,
+        steps_per_island=50,
+        link=LinkSpec(rate_mbit=5.0, delay_ms=25.0),
+        wall_cap_s=120.0,
+    )
+    return budget, [
+        Scenario("ddp", "ddp", "methods", wan=False),
+        Scenario("ddp-wan", "ddp", "methods", wall_cap_s=20.0),
+        Scenario("sync", "sync", "methods"),
+        Scenario("quorum", "quorum", "methods"),
+    ]
+
+
+def full(islands: int = 2) -> tuple[Budget, list[Scenario]]:
+    """The full report: every method, codec and heterogeneity scenario."""
+    budget = Budget(
+        islands=islands,
+        inner_steps=50,
+        steps_per_island=400,
+        link=LinkSpec(rate_mbit=5.0, delay_ms=25.0),
+        wall_cap_s=420.0,
+    )
+    return budget, [
+        Scenario("ddp", "ddp", "methods", wan=False),
+        Scenario("ddp-wan", "ddp", "methods", wall_cap_s=45.0),
+        Scenario("sync", "sync", "methods"),
+        Scenario("quorum", "quorum", "methods"),
+        Scenario("quorum-fp32", "quorum", "codecs", codec="float32"),
+        Scenario("quorum-bf16", "quorum", "codecs", codec="bfloat16"),
+        Scenario("quorum-int4", "quorum", "codecs", codec="int4"),
+        Scenario("sync-slow", "sync", "slow", slow_speed=0.5),
+        Scenario("quorum-slow", "quorum", "slow", slow_speed=0.5),
+        Scenario("quorum-slow-uniform", "quorum", "slow", weighting="uniform", slow_speed=0.5),
+        Scenario("sync-mix", "sync", "mix", slow_speed=0.833, slow_jitter=0.1),
+        Scenario("quorum-mix", "quorum", "mix", slow_speed=0.833, slow_jitter=0.1),
+    ]
