@@ -209,6 +209,13 @@ def uptime(
 
 
 def mean(values: Sequence[float]) -> float | None:
-    """Arithmetic mean, or None for no values."""
+    """Arithmetic mean, ignoring None.
+
+    Args:
+        values: numbers (None entries are skipped).
+
+    Returns:
+        The mean, or None for no values.
+    """
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None

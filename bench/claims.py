@@ -25,7 +25,14 @@ DILOCO_METHODS = ("sync", "quorum")
 
 
 def ddp_bytes_per_token(records: Records) -> float | None:
-    """Bytes per token and island of the DDP run at equal tokens (loopback run), None if absent."""
+    """Bytes per token and island of the DDP run at equal tokens (loopback run).
+
+    Args:
+        records: run records by name.
+
+    Returns:
+        Bytes per token, or None without a "ddp" run.
+    """
     ddp = records.get("ddp")
     if not ddp:
         return None
@@ -33,7 +40,14 @@ def ddp_bytes_per_token(records: Records) -> float | None:
 
 
 def ddp_wan_tokens_per_s(records: Records) -> float | None:
-    """Cluster tokens per second of DDP on the WAN link, from its measured median step time."""
+    """Cluster tokens per second of DDP on the WAN link, from its measured median step time.
+
+    Args:
+        records: run records by name.
+
+    Returns:
+        Tokens per second, or None without a "ddp-wan" run that finished two steps.
+    """
     run = records.get("ddp-wan")
     if not run:
         return None
@@ -74,7 +88,14 @@ def bytes_vs_ddp(record: Mapping[str, Any], ddp_per_token: float) -> dict[str, f
 
 
 def target_loss(records: Records) -> float | None:
-    """The target eval loss: the worst final loss among DDP, sync and quorum (all reach it)."""
+    """The target eval loss: the worst final loss among DDP, sync and quorum (all reach it).
+
+    Args:
+        records: run records by name.
+
+    Returns:
+        The loss, or None when none of those runs was made.
+    """
     finals = [
         records[n]["eval_final"]
         for n in ("ddp", "sync", "quorum")

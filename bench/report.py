@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="the small CI smoke report")
     parser.add_argument("--out", default="runs/report", help="output directory (replaced)")
     parser.add_argument(
-        "--islands", type=int, default=2, help="islands in the full report (default 2)"
+        "--islands", type=int, default=3, help="islands in the full report (default 3)"
     )
     parser.add_argument("--only", default="", help="comma-separated scenario names to run")
     parser.add_argument(
@@ -84,8 +84,13 @@ def run(args: argparse.Namespace) -> int:
                         task, completed=min(tokens, budget.tokens), description=f"{name}: {note}"
                     )
 
-                records[scenario.name] = runs.run_scenario(
+                p.console.log(f"{scenario.name}: starting ({scenario.method}, {scenario.codec})")
+                records[scenario.name] = record = runs.run_scenario(
                     scenario, budget, wan, out / "runs", update
+                )
+                p.console.log(
+                    f"{scenario.name}: done in {record['duration_s']:.0f} s of training, eval loss "
+                    f"{record['eval_initial']} -> {record['eval_final']}"
                 )
                 p.update(task, description=f"{scenario.name}: done")
                 p.stop_task(task)

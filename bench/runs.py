@@ -37,22 +37,46 @@ Progress = Callable[[int, str], None]
 
 
 def island_names(count: int) -> list[str]:
-    """Names of the islands (and DDP ranks): the same data shards for every method."""
+    """Names of the islands (and DDP ranks): the same data shards for every method.
+
+    Args:
+        count: number of islands.
+
+    Returns:
+        ["island-0", ...].
+    """
     return [f"island-{i}" for i in range(count)]
 
 
 def common_flags(budget: Budget, index: int) -> list[str]:
-    """Flags every island and DDP rank gets: model, data shard, batch, eval, seed."""
+    """Flags every island and DDP rank gets: model, data shard, batch, eval, seed.
+
+    Args:
+        budget: shared settings.
+        index: the island's index (its data shard).
+
+    Returns:
+        argv fragment.
+    """
     return [
         "--model", budget.model, "--inner-steps", str(budget.inner_steps),
         "--batch-size", str(budget.batch_size), "--seq-len", str(budget.seq_len),
         "--eval-batches", str(budget.eval_batches), "--eval-every", "1",
         "--data-shard", str(index), "--seed", str(budget.seed),
+        # one core per island when there are enough; otherwise let the OS share them evenly
+        "--cpu", str(index if budget.islands <= (os.cpu_count() or 1) else -1),
     ]  # fmt: skip
 
 
 def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (missing file: none; a torn last line is skipped)."""
+    """The rows of a metrics.jsonl (missing file: none; a torn last line is skipped).
+
+    Args:
+        path: the file.
+
+    Returns:
+        One dict per line.
+    """
     if not path.exists():
         return []
     rows = []

@@ -143,7 +143,14 @@ class Wan:
         atexit.unregister(self.cleanup)
 
     def prefix(self, island: int) -> tuple[str, ...]:
-        """The argv prefix that runs a command on island `island`'s side of its link."""
+        """The argv prefix that runs a command on island `island`'s side of its link.
+
+        Args:
+            island: island index.
+
+        Returns:
+            ("ip", "netns", "exec", NS) in netns mode, () in relay mode.
+        """
         if self.mode == "netns":
             return ("ip", "netns", "exec", self._namespaces[island])
         return ()
@@ -154,7 +161,11 @@ class Wan:
         return 0.0 if self.mode == "netns" else self.link.rate_mbit
 
     def describe(self) -> dict[str, Any]:
-        """What the JSON output records about the link."""
+        """What the JSON output records about the link.
+
+        Returns:
+            dict: shaping used, mode, rate per direction, one-way delay (and why it fell back).
+        """
         return {
             "shaping": "netns+tbf (kernel), latency in bench.relay"
             if self.mode == "netns"

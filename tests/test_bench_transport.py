@@ -15,7 +15,7 @@ import zmq
 
 from bench.ddp_reducer import ReduceError, StepMean
 from bench.relay import RelayError, TokenBucket, parse_pair
-from bench.wan import tbf_args
+from bench.wan import LinkSpec, Wan, tbf_args
 from tests.conftest import free_port
 
 
@@ -109,3 +109,27 @@ def test_relay_forwards_both_ways_and_adds_latency():
     finally:
         stop(proc)
         server.close()
+
+
+@pytest.mark.timeout(30)
+def test_ddp_rank_refuses_a_rank_outside_the_world(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker.ddp", "--rank", "2", "--world", "2",
+         "--data-dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=25,
+    )  # fmt: skip
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "worker.ddp: --rank must be in [0, --world), got 2 of 2"
+    ]
+
+
+@pytest.mark.timeout(10)
+def test_wan_in_relay_mode_creates_nothing_and_says_so():
+    with Wan(2, LinkSpec(rate_mbit=3.0, delay_ms=10.0), force_relay=True) as wan:
+        assert wan.prefix(1) == ()
+        assert wan.hub == "127.0.0.1"
+        assert wan.relay_rate_mbit == 3.0
+        described = wan.describe()
+    assert described["mode"] == "relay" and "token bucket" in described["shaping"]
+    assert described["rate_mbit_per_direction"] == 3.0
