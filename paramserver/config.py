@@ -62,6 +62,7 @@ class ShardConfig:
     max_islands: int = 256  # distinct islands a shard tracks at once
     max_pending_per_island: int = 8  # unmerged deltas one island may have per fragment
     dedup_window: int = 64  # rounds below an island's newest that are still deduplicated
+    clip_norm_multiple: float = 0.0  # clip a delta's norm to this x the recent median; 0 = off
     checkpoint_every_steps: int = 50  # checkpoint after this many outer steps (0 = never)
     checkpoint_every_s: float = 60.0  # ... or this many seconds since the last (0 = never)
     fsync: bool = True  # fsync the log before acking; False only for throwaway runs
@@ -144,6 +145,13 @@ class ShardConfig:
         _int_at_least("max_islands", self.max_islands, 1)
         _int_at_least("max_pending_per_island", self.max_pending_per_island, 1)
         _int_at_least("dedup_window", self.dedup_window, 1)
+        _number_at_least("clip_norm_multiple", self.clip_norm_multiple, 0.0)
+        _require(
+            self.clip_norm_multiple == 0 or self.clip_norm_multiple >= 1,
+            "clip_norm_multiple",
+            self.clip_norm_multiple,
+            "use 0 (off) or a multiple >= 1 of the median recent norm (e.g. 3)",
+        )
         _int_at_least("checkpoint_every_steps", self.checkpoint_every_steps, 0)
         _number_at_least("checkpoint_every_s", self.checkpoint_every_s, 0.0)
         _require(isinstance(self.fsync, bool), "fsync", self.fsync, "must be true or false")

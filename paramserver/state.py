@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
@@ -40,7 +40,7 @@ import numpy as np
 import optax
 
 import codec
-from paramserver import liveness
+from paramserver import liveness, robust
 from paramserver.config import ShardConfig
 from paramserver.downlink import Downlink
 from paramserver.outer import FragmentOptimizer, make_outer_optimizer, merge_deltas
@@ -148,6 +148,7 @@ class FragmentState:
     pending: list[Contribution] = field(default_factory=list)
     stats: ArrivalStats = field(default_factory=ArrivalStats)
     residual: np.ndarray | None = None  # int8 downlink: quantization error carried forward
+    norms: list[float] = field(default_factory=list)  # recent (clipped) delta norms: robust.py
 
 
 @dataclass
@@ -169,6 +170,7 @@ class Counters:
     bytes_out: int = 0
     staleness: dict[int, int] = field(default_factory=dict)
     steps: int = 0
+    clipped: int = 0  # deltas scaled down by robust aggregation (clip_norm_multiple)
 
 
 class ShardState:
@@ -259,7 +261,7 @@ class ShardState:
         Returns:
             A dict with shard, initialized, plan_hash, versions, islands_live,
             islands_known, accepted, duplicates, rejected, bytes_in, bytes_out,
-            staleness_histogram, steps and pending (fragment -> count).
+            staleness_histogram, steps, clipped and pending (fragment -> count).
         """
         c = self.counters
         return {
@@ -276,6 +278,7 @@ class ShardState:
             "bytes_out": c.bytes_out,
             "staleness_histogram": {str(k): v for k, v in sorted(c.staleness.items())},
             "steps": c.steps,
+            "clipped": c.clipped,
             "pending": {str(i): len(f.pending) for i, f in sorted(self.fragments.items())},
         }
 
@@ -595,6 +598,8 @@ class ShardState:
         frag = self.fragments.get(c.fragment)
         if frag is None:
             raise StateError(f"accept event for fragment {c.fragment} not owned by {self.index}")
+        if self.cfg.clip_norm_multiple > 0:
+            c = self._clip(frag, c)
         frag.pending.append(c)
         frag.stats = observe(frag.stats, c.arrived, self.policy.ema_alpha)
         entry = self.dedup.get((c.island, c.fragment))
@@ -606,6 +611,27 @@ class ShardState:
             low = entry.newest - self.cfg.dedup_window
             entry.rounds = {r for r in entry.rounds if r >= low}
         self.counters.accepted += 1
+
+    def _clip(self, frag: FragmentState, c: Contribution) -> Contribution:
+        """Scale a delta down to the robust bound (deterministic: replay clips the same)."""
+        norm = robust.l2_norm(c.delta)
+        factor = robust.clip_factor(norm, frag.norms, self.cfg.clip_norm_multiple)
+        frag.norms.append(norm * factor)
+        del frag.norms[: -robust.HISTORY]
+        if factor >= 1.0:
+            return c
+        self.counters.clipped += 1
+        logger.warning(
+            "shard %d clipped a delta of island %s on fragment %d: norm %.4g scaled by %.3g",
+            self.index,
+            c.island,
+            c.fragment,
+            norm,
+            factor,
+            extra={"shard": self.index, "island": c.island, "fragment": c.fragment},
+        )
+        # a new array: the event keeps the delta as received (what the log replays)
+        return replace(c, delta=c.delta * np.float32(factor))
 
     def _apply_step(self, event: StepEvent) -> Update:
         frag = self.fragments.get(event.fragment)
@@ -690,6 +716,7 @@ class ShardState:
                     "opt_arrays": len(opt),
                     "stats": [st.ema_interarrival_s, st.last_arrival, st.count],
                     "pending": pending,
+                    "norms": list(frag.norms),
                 }
             )
         c = self.counters
@@ -712,6 +739,7 @@ class ShardState:
                 "bytes_out": c.bytes_out,
                 "staleness": [[k, v] for k, v in sorted(c.staleness.items())],
                 "steps": c.steps,
+                "clipped": c.clipped,
             },
         }
         return meta, arrays
@@ -755,6 +783,7 @@ class ShardState:
                 if f"residual/{i}" in arrays:
                     frag.residual = np.array(arrays[f"residual/{i}"], dtype=np.float32)
                 frag.version = int(f["version"])
+                frag.norms = [float(n) for n in f.get("norms", [])]
                 ema, last, count = f["stats"]
                 frag.stats = ArrivalStats(ema, last, int(count))
                 for j, (island, rnd, base, tokens, steps, arrived) in enumerate(f["pending"]):
@@ -775,6 +804,7 @@ class ShardState:
                 bytes_out=c["bytes_out"],
                 staleness={int(k): v for k, v in c["staleness"]},
                 steps=c["steps"],
+                clipped=c.get("clipped", 0),
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"inconsistent checkpoint: {exc!r}") from exc
