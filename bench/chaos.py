@@ -12,7 +12,8 @@ duplicate, delay or corrupt its pushes and acks). Both runs train for the
 same wall time; the fault-free run uses the same seed and an empty schedule.
 
 Reported per run (JSON on stdout and in DIR/chaos.json): `goodput` (tokens
-of applied deltas / tokens the islands trained in the fault-free run),
+of the deltas the shards applied within the window / what the islands would
+have trained in it at their own median round rate: machine-speed independent),
 `uptime` (share of windows in which some fragment version advanced),
 `deltas_acked` (unique keys the shards acked, seen by the relay),
 `deltas_applied` (the shards' durable accepted count: merged or pending),
@@ -404,7 +405,6 @@ def summarize(
     raw: dict[str, Any],
     faults: list[fl.Fault],
     setup: Setup,
-    capacity_tokens: float,
     window_s: float,
 ) -> dict[str, Any]:
     """The report of one run from its raw material (pure).
@@ -413,7 +413,6 @@ def summarize(
         raw: what `ChaosRun.run` returned.
         faults: the run's schedule.
         setup: the run's shape.
-        capacity_tokens: tokens the islands trained in the fault-free run.
         window_s: uptime window.
 
     Returns:
@@ -450,8 +449,12 @@ def summarize(
             {**f.to_json(), "fired": fired, "recovery_s": None if rec is None else round(rec, 3)}
         )
     up = uptime(raw["timeline"], window_s, t0, end) if raw["timeline"] else None
+    capacity = setup.duration_s * sum(
+        fl.training_rate(_round_samples(rows)) or 0.0 for rows in raw["rows"].values()
+    )
     return {
-        "goodput": fl.goodput(useful, capacity_tokens),
+        "goodput": fl.goodput(useful, capacity),
+        "capacity_tokens": capacity,
         "uptime": up,
         "deltas_acked": len(acked),
         "deltas_applied": applied,
@@ -468,6 +471,19 @@ def summarize(
         "faults_fired": sum(1 for r in recovery if r["fired"]),
         "errors": [e["error"] for e in raw["events"] if "error" in e],
     }
+
+
+def _round_samples(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
+    """(tokens, seconds) of each training round an island recorded (restarts included)."""
+    out, prev = [], 0
+    for r in rows:
+        if "round_s" not in r or "tokens" not in r:
+            continue
+        tokens = r["tokens"] - prev if r["tokens"] >= prev else r["tokens"]
+        prev = r["tokens"]
+        if r.get("round", 0) > 1:  # a process's first round includes compiling
+            out.append((float(tokens), float(r["round_s"])))
+    return out
 
 
 def trained_in_window(raw: dict[str, Any], setup: Setup) -> float:
@@ -533,10 +549,11 @@ def run(args: argparse.Namespace) -> int:
     except (LaunchError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"diloco-bench chaos: {exc}", file=sys.stderr)
         return 1
+    for name, raw in (("fault_free", raw_free), ("faulted", raw_chaos)):
+        (out / name / "raw.json").write_text(json.dumps(raw, default=str))
     window = _round_window(raw_free["rows"])
-    capacity = trained_in_window(raw_free, setup)
-    free = summarize(raw_free, [], setup, capacity, window)
-    chaos = summarize(raw_chaos, schedule, setup, capacity, window)
+    free = summarize(raw_free, [], setup, window)
+    chaos = summarize(raw_chaos, schedule, setup, window)
     loss_ratio = (
         chaos["final_eval_loss"] / free["final_eval_loss"]
         if chaos["final_eval_loss"] and free["final_eval_loss"]

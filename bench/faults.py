@@ -163,6 +163,22 @@ def goodput(useful_tokens: float, capacity_tokens: float) -> float | None:
     return useful_tokens / capacity_tokens if capacity_tokens > 0 else None
 
 
+def training_rate(rounds: Sequence[tuple[float, float]]) -> float | None:
+    """An island's training rate: the median over its rounds of tokens / seconds.
+
+    Args:
+        rounds: (tokens, seconds) of each round (without the compiling first one).
+
+    Returns:
+        Tokens per second, or None without usable rounds.
+    """
+    rates = sorted(t / s for t, s in rounds if s > 0)
+    if not rates:
+        return None
+    mid = len(rates) // 2
+    return rates[mid] if len(rates) % 2 else (rates[mid - 1] + rates[mid]) / 2
+
+
 def recovery_s(end: float, progress_times: Sequence[float]) -> float | None:
     """Seconds from the end of a fault until the target next made progress.
 

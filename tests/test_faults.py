@@ -53,6 +53,9 @@ def test_fault_json_round_trip_and_activity_window():
 def test_goodput_recovery_and_ack_keys():
     assert fl.goodput(90.0, 100.0) == pytest.approx(0.9)
     assert fl.goodput(5.0, 0.0) is None
+    assert fl.training_rate([(100.0, 1.0), (100.0, 4.0), (100.0, 2.0)]) == 50.0
+    assert fl.training_rate([(100.0, 1.0), (100.0, 2.0)]) == 75.0
+    assert fl.training_rate([]) is None
     assert fl.recovery_s(10.0, [3.0, 12.5, 11.0]) == pytest.approx(1.0)
     assert fl.recovery_s(10.0, [3.0]) is None
     keys = fl.ack_keys([["a", 0, 5, "accepted", 1.0], ["a", 0, 5, "duplicate", 2.0], ["b", 1, 5]])

@@ -1,0 +1,48 @@
+"""`diloco-bench chaos --quick` as a slow smoke test: real daemons, a relay, faults as data.
+
+The schedule is a pure function of the seed (tests/test_faults.py); seed 9 with
+these kinds gives duplicate, corrupt, pause_island, then kill_shard, so every
+fault meets islands that are pushing. Asserted: the exactness targets (every
+delta the shards acked is applied, none twice, in both runs), that each fault
+fired and left its trace (duplicate acks, checksum rejections), and that the
+report carries its fields. Goodput, uptime and loss are reported, not asserted.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+KINDS = "duplicate,corrupt,pause_island,kill_shard"
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_quick_chaos_run_loses_nothing_acked_and_every_fault_fires(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "bench.cli", "chaos", "--quick", "--faults", "4",
+            "--seed", "9", "--kinds", KINDS, "--out", str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=400,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(proc.stdout)
+    assert [f["kind"] for f in report["schedule"]] == KINDS.split(",")
+    for name, run in report["runs"].items():
+        for field in ("goodput", "uptime", "deltas_acked", "deltas_applied", "final_eval_loss"):
+            assert field in run, (name, field)
+        assert run["deltas_acked"] > 0, name
+        assert run["deltas_acked"] == run["deltas_applied"], (name, run)
+        assert run["final_eval_loss"] is not None, (name, run["errors"])
+    free, chaos = report["runs"]["fault_free"], report["runs"]["faulted"]
+    assert free["faults"] == [] and free["shard_duplicates"] == 0
+    assert all(f["fired"] for f in chaos["faults"]), chaos["faults"]
+    assert chaos["shard_duplicates"] > 0  # the duplicated pushes were acked "duplicate"
+    assert chaos["shard_rejected"].get("codec_error", 0) > 0  # corruption caught by checksum
+    assert json.loads((tmp_path / "chaos.json").read_text()) == report
