@@ -140,14 +140,16 @@ class Relay:
                 self._fire(f)
                 hold = max(hold, f.delay_ms / 1000)
                 continue
-            if kind not in ("push", "ack") or self.rng.random() >= f.prob:
+            if kind not in ("push", "ack") or (f.kind == "corrupt" and kind != "push"):
+                continue
+            if self.rng.random() >= f.prob:
                 continue
             self._fire(f)
             if f.kind == "drop":
                 return "drop", 0.0
             if f.kind == "duplicate":
                 return "dup", hold
-            if f.kind == "corrupt" and kind == "push":
+            if f.kind == "corrupt":
                 return "corrupt", hold
             if f.kind == "delay":
                 hold = max(hold, self.rng.uniform(0.0, f.delay_ms / 1000))

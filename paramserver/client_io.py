@@ -70,10 +70,16 @@ class _Pending:
     attempt: int = 0
     sends: int = 0
     queued_at: float = 0.0  # when `push` handed it over (ack latency is measured from here)
+    decode_retries: int = 0  # re-sends after the shard could not decode it (codec_error)
 
 
 RETRYABLE_REASONS = frozenset({"too_many_pending"})
 """Rejections that say "not now" rather than "never": the delta is kept and re-sent."""
+
+DECODE_RETRIES = 3
+"""A push the shard could not decode (codec_error) was corrupted in transit, since this
+client keeps its frames intact: it is re-sent at once, up to this many times, before the
+rejection is final."""
 
 
 @dataclass
@@ -669,6 +675,14 @@ class IOThread(threading.Thread):
             # (back-off doubles), so a full buffer becomes back-pressure, not lost work
             with self._lock:
                 self._counters.deferred += 1
+            return
+        if (
+            outcome == "rejected"
+            and reason == "codec_error"
+            and pending.decode_retries < DECODE_RETRIES
+        ):
+            pending.decode_retries += 1
+            self._send_push(shard, pending, time.monotonic(), resend=True)
             return
         del self._pending[key]
         with self._lock:

@@ -1,0 +1,106 @@
+"""The chaos relay between a real client and a live shard: injected faults fire and are survived.
+
+The relay runs in a thread of the test (its `Relay` class, real sockets on
+127.0.0.1); the shard's welcome advertises the relay's address, so every
+request and reply of the island passes through it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import RunningShard, free_port
+from shard_helpers import small_flat
+
+import codec
+from bench.chaos_relay import Relay
+from bench.faults import Fault
+from paramserver.client import Client, ClientConfig
+from paramserver.client_io import DECODE_RETRIES
+from paramserver.config import ShardConfig
+from paramserver.shard import ShardServer
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture
+def relayed(tmp_path):
+    """Factory: relayed(faults) -> (shard, relay, client endpoint); all stopped at teardown."""
+    made = []
+
+    def make(faults):
+        router, pub, front = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+        cfg = ShardConfig(
+            data_dir=str(tmp_path / "server"),
+            fsync=False,
+            mode="async",
+            heartbeat_interval_s=5.0,
+            liveness=20,
+        )
+        shard = RunningShard(ShardServer(cfg, 0, [(front, pub)], router, pub))
+        t0 = tmp_path / "t0"
+        t0.write_text(f"{time.time() - 1.0:.6f}")
+        relay = Relay([(front, router)], faults, t0, seed=0)
+        stop = threading.Event()
+        thread = threading.Thread(target=relay.serve, args=(stop,), daemon=True)
+        thread.start()
+        made.append((shard, relay, stop, thread))
+        return shard, relay, front
+
+    yield make
+    for shard, relay, stop, thread in made:
+        stop.set()
+        thread.join(10)
+        relay.close()
+        shard.stop()
+
+
+def _wait(predicate, timeout_s=30.0):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if predicate():
+            return
+        time.sleep(0.02)
+    raise AssertionError(f"condition not met within {timeout_s}s")
+
+
+def _push_one(front):
+    client = Client(ClientConfig(connect=front, island="a", heartbeat_interval_s=5.0, liveness=20))
+    plan = client.join(small_flat()).plan
+    frames, _ = codec.int8().encode({"delta": np.full(plan.fragments[0].size, 0.1, np.float32)})
+    client.push(0, 1, 0, 100, 1, frames)
+    _wait(lambda: client.stats()["pending"] == 0)
+    return client
+
+
+def test_a_push_corrupted_on_every_attempt_is_retried_then_rejected(relayed):
+    shard, relay, front = relayed([Fault("corrupt", "a", 0.0, 1e9, prob=1.0)])
+    client = _push_one(front)
+    try:
+        stats = client.stats()
+        assert stats["acked"] == 0 and stats["rejected"] == {"codec_error": 1}
+        assert stats["resent"] >= DECODE_RETRIES
+        counters = shard.server.state.counters
+        assert counters.rejected == {"codec_error": 1 + DECODE_RETRIES}  # caught by checksum
+        assert counters.accepted == 0 and shard.server.state.versions() == {0: 0, 1: 0}
+        assert relay.fired == {"corrupt@0.0": 1 + DECODE_RETRIES}
+    finally:
+        client.close(0)
+
+
+def test_a_duplicated_push_is_applied_once(relayed):
+    shard, relay, front = relayed([Fault("duplicate", "a", 0.0, 1e9, prob=1.0)])
+    client = _push_one(front)
+    try:
+        _wait(lambda: shard.server.state.counters.duplicates == 1)
+        counters = shard.server.state.counters
+        assert counters.accepted == 1 and counters.duplicates == 1
+        assert client.stats()["acked"] == 1
+        assert relay.fired["duplicate@0.0"] >= 1
+        acked = {tuple(a[:3]) for a in relay.acked_by_shard}
+        assert acked == {("a", 0, 1)}
+    finally:
+        client.close(0)
