@@ -24,12 +24,17 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Synchronous and quorum modes: the DiLoCo values (lr 0.7, Nesterov 0.9).
 SYNC_OUTER_LR = 0.7
 SYNC_OUTER_MOMENTUM = 0.9
-# Fully async mode steps once per delta, so each step carries one island's
-# pseudo-gradient instead of an average: a smaller step. PROVISIONAL, not yet
-# justified by a measurement on this code base (to be replaced by the value a
-# bench run selects).
-ASYNC_OUTER_LR = 0.35
-ASYNC_OUTER_MOMENTUM = 0.9
+# Fully async mode steps once per delta: each step carries one island's stale
+# pseudo-gradient, and Nesterov 0.9 on per-delta steps diverges. Chosen by
+# `diloco-bench async_outer` (3 islands at speeds 1/1.5/2.5, tiny model, 10
+# inner steps per round, staleness up to 5; held-out nats/byte, lower is
+# better). 24 rounds, 2 seeds: momentum 0.9 at lr 0.7/0.5/0.35/0.2 gave
+# 6.98/4.66/4.35/2.85; momentum 0.5 at lr 0.7/0.5 gave 3.06/2.66; momentum 0 at
+# lr 1.0/0.7/0.5 gave 2.60/2.43/2.38; delayed Nesterov (0.9, delay 3) at lr
+# 0.7/0.35 gave 2.63/2.43. 48 rounds, 1 seed: lr 0.5 momentum 0 gave 2.211,
+# lr 0.35 momentum 0 gave 2.228, delayed Nesterov at lr 0.35 / 0.5 gave 2.235 / 2.322.
+ASYNC_OUTER_LR = 0.5
+ASYNC_OUTER_MOMENTUM = 0.0
 
 
 class ConfigError(ValueError):
