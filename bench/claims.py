@@ -177,7 +177,7 @@ def evaluate(records: Records) -> dict[str, Any]:
         claims.append(
             _claim(
                 "bytes vs DDP at equal tokens (quorum, int8), eval loss within 1%",
-                ">= 1000x fewer, |loss diff| <= 1%",
+                ">= 1000x fewer, loss diff within 1%",
                 {"ddp_over_this": ratio, "steady_state": q["ddp_over_this_steady"],
                  "loss_vs_ddp": loss},
                 bool(ratio and ratio >= 1000 and loss is not None and abs(loss) <= 0.01),

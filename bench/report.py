@@ -84,13 +84,14 @@ def run(args: argparse.Namespace) -> int:
                         task, completed=min(tokens, budget.tokens), description=f"{name}: {note}"
                     )
 
-                p.console.log(f"{scenario.name}: starting ({scenario.method}, {scenario.codec})")
+                what = "fp32 gradients" if scenario.method == "ddp" else f"{scenario.codec} deltas"
+                p.console.log(f"{scenario.name}: starting ({scenario.method}, {what})")
                 records[scenario.name] = record = runs.run_scenario(
                     scenario, budget, wan, out / "runs", update
                 )
                 p.console.log(
                     f"{scenario.name}: done in {record['duration_s']:.0f} s of training, eval loss "
-                    f"{record['eval_initial']} -> {record['eval_final']}"
+                    f"{_loss(record['eval_initial'])} -> {_loss(record['eval_final'])}"
                 )
                 p.update(task, description=f"{scenario.name}: done")
                 p.stop_task(task)
@@ -115,6 +116,10 @@ def run(args: argparse.Namespace) -> int:
     print(f"wrote {out / 'report.md'}", file=sys.stderr)
     emit_json(report)
     return 0
+
+
+def _loss(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
 
 
 def _param_count(out: Path) -> int | None:

@@ -33,6 +33,7 @@ def _pct(value: float | None) -> str:
 
 
 def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    rows = [[cell.replace("|", "\\|") for cell in row] for row in rows]
     return [
         "| " + " | ".join(header) + " |",
         "|" + "|".join("---" for _ in header) + "|",
