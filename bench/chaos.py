@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `diloco-bench chaos`."""
     parser.add_argument("--faults", type=int, default=8, help="faults to inject (default 8)")
     parser.add_argument("--seed", type=int, default=0, help="schedule and relay seed (default 0)")
-    parser.add_argument("--quick", action="store_true", help="CI size: 24 s measured per run")
+    parser.add_argument("--quick", action="store_true", help="CI size: 20 s measured per run")
     parser.add_argument("--duration", type=float, default=None, help="seconds per run")
     parser.add_argument("--islands", type=int, default=2, help="islands (default 2)")
     parser.add_argument("--shards", type=int, default=2, help="shards (default 2)")
@@ -79,7 +79,15 @@ def _log(msg: str) -> None:
 
 
 def cluster_file(path: Path, setup: Setup, relay_base: int, bind_base: int, data_dir: Path) -> None:
-    """Write the cluster file: shards bind on loopback; islands reach their ROUTER via the relay."""
+    """Write the cluster file: shards bind on loopback; islands reach their ROUTER via the relay.
+
+    Args:
+        path: the file to write.
+        setup: the run's shape (shards, heartbeat, duration for the checkpoint period).
+        relay_base: relay listen port of shard 0's ROUTER (shard i: +i).
+        bind_base: shard 0's ROUTER bind port (shard i: ROUTER +2i, PUB +2i+1).
+        data_dir: the shards' data dir.
+    """
     lines = [
         "[server]",
         'mode = "quorum"',
@@ -105,12 +113,16 @@ class VersionSampler(threading.Thread):
     """Polls every shard's versions; keeps (time, shard, version sum) samples."""
 
     def __init__(self, routers: list[str]) -> None:
+        """Args:
+        routers: every shard's loopback ROUTER, in shard order.
+        """
         super().__init__(name="version-sampler", daemon=True)
         self.routers = routers
         self.samples: list[tuple[float, int, int]] = []
         self.stop_event = threading.Event()
 
     def run(self) -> None:
+        """Sample until `stop_event` is set (a shard that does not answer keeps its last value)."""
         ctx = zmq.Context()
         try:
             while not self.stop_event.is_set():
@@ -148,6 +160,15 @@ class ChaosRun:
     """One run: cluster up, faults executed on time, everything down, figures out."""
 
     def __init__(self, name: str, setup: Setup, faults: list[fl.Fault], seed: int, out: Path):
+        """Lay the run out under `out/name` (nothing starts before `run`).
+
+        Args:
+            name: run name ("fault_free" or "faulted").
+            setup: the run's shape.
+            faults: the schedule (empty: fault-free).
+            seed: model, relay and schedule seed.
+            out: parent directory.
+        """
         self.name, self.setup, self.faults, self.seed = name, setup, faults, seed
         self.out = out / name
         self.out.mkdir(parents=True, exist_ok=True)
@@ -173,6 +194,24 @@ class ChaosRun:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
         if proc.returncode != 0:
             raise LaunchError(f"shard {i} did not start: {proc.stderr.strip()[-300:]}")
+
+    def _start_shards(self) -> None:
+        """Start every shard at once (each pays its own JAX import)."""
+        errors: list[Exception] = []
+
+        def start(i: int) -> None:
+            try:
+                self._start_shard(i)
+            except (LaunchError, subprocess.TimeoutExpired) as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(self.setup.shards)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise LaunchError(str(errors[0]))
 
     def _spec(self, name: str) -> IslandSpec:
         s = self.setup
@@ -272,8 +311,7 @@ class ChaosRun:
         final_status: list[dict[str, Any]] = []
         loss = None
         try:
-            for i in range(s.shards):
-                self._start_shard(i)
+            self._start_shards()
             self._start_relay(relay_stats)
             self.cluster.port = self.relay_base  # islands connect to shard 0 through the relay
             _log(f"{self.name}: starting {s.islands} islands")
@@ -530,7 +568,7 @@ def _round_window(rows: dict[str, list[dict[str, Any]]]) -> float:
 
 def run(args: argparse.Namespace) -> int:
     """Run `diloco-bench chaos`; prints the JSON report; 0 when nothing acked was lost."""
-    duration = args.duration or (24.0 if args.quick else 90.0)
+    duration = args.duration or (20.0 if args.quick else 90.0)
     setup = Setup(islands=args.islands, shards=args.shards, duration_s=duration)
     kinds = [k for k in args.kinds.split(",") if k]
     islands = [f"island-{i}" for i in range(setup.islands)]
