@@ -12,11 +12,11 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from conftest import free_port
 
 from bench.ddp_reducer import ReduceError, StepMean
 from bench.relay import RelayError, TokenBucket, parse_pair
 from bench.wan import LinkSpec, Wan, tbf_args
-from tests.conftest import free_port
 
 
 def start(argv: list[str]) -> subprocess.Popen:
