@@ -148,6 +148,13 @@ def render(
         "Uptime: share of windows (one median round of a full-speed island) in which some "
         "fragment's version advanced, from the shards' versions polled every second.",
         "",
+        "Caveats: runs share 2 CPU cores with whatever else the machine does, so wall-clock "
+        "figures of different runs are noisy (+-30% or worse); token-based figures and bytes are "
+        "not. DDP's WAN time to target, when extrapolated, leaves out its compile time (the "
+        "DiLoCo runs include theirs), which favours DDP. The islands' goodput counts time in "
+        "steps whose deltas were acknowledged; an island never blocks on the server, so "
+        "synchronous DiLoCo's waste shows in its loss and uptime rather than in goodput.",
+        "",
         "Plots: loss_vs_wallclock.png, loss_vs_tokens.png, bytes_per_round.png, goodput.png. "
         "One JSON per run in runs/, everything in report.json.",
         "",
