@@ -58,7 +58,7 @@ class ShardConfig:
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
     outer_optimizer: str = "nesterov"  # nesterov, sgd or delayed-nesterov
-    outer_lr: float | None = None  # None: 0.7 (sync/quorum) or ASYNC_OUTER_LR (async)
+    outer_lr: float | None = None  # None: 0.7 (sync/quorum) or ASYNC_OUTER_LR (async, quorum 1)
     outer_momentum: float | None = None  # None: 0.9 (sync/quorum) or ASYNC_OUTER_MOMENTUM
     nesterov_delay: int = 1  # contributions between momentum updates (delayed Nesterov)
     heartbeat_interval_s: float = 1.0  # PUB heartbeat period when idle; liveness unit
@@ -179,18 +179,27 @@ class ShardConfig:
         return self.fragments or 2 * self.shards
 
     @property
+    def steps_on_single_deltas(self) -> bool:
+        """Whether outer steps typically merge one delta: async mode, or a quorum of 1.
+
+        Such steps take the async outer defaults: Nesterov with momentum 0.9 on
+        single deltas diverged in `diloco-bench async_outer`.
+        """
+        return self.mode == "async" or (self.mode == "quorum" and self.quorum == 1)
+
+    @property
     def effective_outer_lr(self) -> float:
         """The outer learning rate after resolving the mode-dependent default."""
         if self.outer_lr is not None:
             return float(self.outer_lr)
-        return ASYNC_OUTER_LR if self.mode == "async" else SYNC_OUTER_LR
+        return ASYNC_OUTER_LR if self.steps_on_single_deltas else SYNC_OUTER_LR
 
     @property
     def effective_outer_momentum(self) -> float:
         """The outer momentum after resolving the mode-dependent default."""
         if self.outer_momentum is not None:
             return float(self.outer_momentum)
-        return ASYNC_OUTER_MOMENTUM if self.mode == "async" else SYNC_OUTER_MOMENTUM
+        return ASYNC_OUTER_MOMENTUM if self.steps_on_single_deltas else SYNC_OUTER_MOMENTUM
 
     @property
     def max_frame_bytes(self) -> int:
