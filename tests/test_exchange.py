@@ -26,14 +26,13 @@ def test_no_work_counted_twice_over_push_then_adopt_then_push():
     start = rng.normal(size=64).astype(np.float32)
     sync = FragmentSync.start(start, version=3)
     local = start + rng.normal(size=64).astype(np.float32)  # round 1 progress
-    first = take_delta(sync.base, local)
-    sync.sent(local)
+    first = sync.take(local)
     progress_after_push = rng.normal(size=64).astype(np.float32)
     local = local + progress_after_push
     new_global = start - first  # the server applied exactly our delta (lr 1)
     local = sync.adopt(local, new_global, version=4, rule="keep-progress")
     assert sync.base_version == 4
-    second = take_delta(sync.base, local)
+    second = sync.take(local)
     # the second delta carries exactly the progress made after the first push
     np.testing.assert_allclose(-second, progress_after_push, atol=1e-5)
     # and the sum of both deltas is all the work done
@@ -43,11 +42,26 @@ def test_no_work_counted_twice_over_push_then_adopt_then_push():
 def test_overwrite_discards_unsent_work():
     sync = FragmentSync.start(np.zeros(4, np.float32), version=0)
     local = np.ones(4, np.float32)
-    sync.sent(local)
+    sync.take(local)
     local = local + 1
     local = sync.adopt(local, np.full(4, 5.0, np.float32), version=1, rule="overwrite")
     np.testing.assert_array_equal(local, 5.0)
     np.testing.assert_array_equal(take_delta(sync.base, local), 0.0)
+
+
+def test_two_pushes_without_a_new_version_send_disjoint_work():
+    # the shards did not step between two rounds (no adoption): the second delta must
+    # not carry the first round's work again, or merging both would count it twice
+    start = np.zeros(8, np.float32)
+    sync = FragmentSync.start(start, version=5)
+    round1 = np.full(8, -1.0, np.float32)
+    first = sync.take(round1)
+    round2 = round1 - 2.0
+    second = sync.take(round2)
+    np.testing.assert_array_equal(first, 1.0)
+    np.testing.assert_array_equal(second, 2.0)
+    np.testing.assert_array_equal(first + second, start - round2)  # all work, once
+    assert sync.base_version == 5  # both were computed on top of version 5
 
 
 def test_bad_rule_and_shapes_are_clear_errors():

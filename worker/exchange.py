@@ -2,18 +2,22 @@
 
 Per fragment an island keeps three 1-D float32 vectors:
 
-- `base`: the global values of the version its next delta is computed against;
+- `base`: the global values of the newest version it adopted (`base_version`);
 - `anchor`: the local values already accounted for (sent in a delta, or
   adopted from the global state), so progress since the anchor is unsent work;
 - the local values themselves (inside the trainer).
 
-At the end of a round the island sends ``delta = base - local`` (the
-pseudo-gradient) and moves its anchor to the local values. When a new global
-version G arrives it adopts G and keeps the local progress made since the
-anchor: ``local = G + (local - anchor)``; then ``base = anchor = G``. Nothing is
-counted twice (progress before the anchor reaches the model through the sent
-delta) and nothing is thrown away. The "overwrite" rule, ``local = G``, is the
-ablation: it discards the work done between the push and the adoption.
+At the end of a round the island sends ``delta = anchor - local`` (the
+pseudo-gradient of the work not sent yet; right after an adoption the anchor is
+the global base, so this is the usual ``base - local``) and moves its anchor to
+the local values. Two rounds pushed without a new version in between thus send
+disjoint progress, never the first round's work twice. When a new global
+version G arrives the island adopts G and keeps the local progress made since
+the anchor: ``local = G + (local - anchor)``; then ``base = anchor = G``.
+Nothing is counted twice (progress before the anchor reaches the model through
+the sent deltas) and nothing is thrown away. The "overwrite" rule, ``local =
+G``, is the ablation: it discards the work done between the push and the
+adoption.
 """
 
 from __future__ import annotations
@@ -44,10 +48,11 @@ def check_merge_rule(rule: str) -> str:
 
 
 def take_delta(base: np.ndarray, local: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """The pseudo-gradient of one fragment: global base minus local values.
+    """The pseudo-gradient of one fragment: reference values minus local values.
 
     Args:
-        base: 1-D float32 global values the round started from.
+        base: 1-D float32 reference values (an island passes its anchor: the
+            values already accounted for).
         local: 1-D float32 current local values.
         out: optional float32 buffer of the same shape to write into.
 
@@ -104,9 +109,18 @@ class FragmentSync:
         values = np.array(values, dtype=np.float32, copy=True)
         return cls(base=values, base_version=version, anchor=values.copy())
 
-    def sent(self, local: np.ndarray) -> None:
-        """Record that the progress up to `local` went out in a delta."""
+    def take(self, local: np.ndarray) -> np.ndarray:
+        """The delta to send now (the work since the anchor); moves the anchor to `local`.
+
+        Args:
+            local: current local values of this fragment.
+
+        Returns:
+            ``anchor - local`` as a fresh float32 array.
+        """
+        delta = take_delta(self.anchor, local)
         np.copyto(self.anchor, local)
+        return delta
 
     def adopt(self, local: np.ndarray, global_values: np.ndarray, version: int, rule: str):
         """Adopt a new global version; returns the new local values.

@@ -30,7 +30,7 @@ from paramserver.client import Client, ClientConfig
 from worker import data as data_lib
 from worker import model as model_lib
 from worker.config import IslandConfig
-from worker.exchange import FragmentSync, take_delta
+from worker.exchange import FragmentSync
 from worker.pace import Pacer
 from worker.train import InnerConfig, InnerTrainer
 
@@ -193,14 +193,13 @@ class Island:
         for frag in self.plan.fragments:
             sync = self.sync[frag.index]
             values = self.plan.gather(local, frag.index)
-            delta = take_delta(sync.base, values)
+            delta = sync.take(values)  # only the work not sent yet
             frames, self.ef_state[frag.index] = self.codec.encode(
                 {"delta": delta}, self.ef_state[frag.index]
             )
             client.push(
                 frag.index, self.round_base + self.round, sync.base_version, tokens, steps, frames
             )
-            sync.sent(values)
 
     def _global_eval(self) -> float:
         flat = {k: v.copy() for k, v in self.flat.items()}
