@@ -71,6 +71,7 @@ class _Pending:
     sends: int = 0
     queued_at: float = 0.0  # when `push` handed it over (ack latency is measured from here)
     decode_retries: int = 0  # re-sends after the shard could not decode it (codec_error)
+    deferred: bool = False  # refused for now (too_many_pending): re-sent on the next update
 
 
 RETRYABLE_REASONS = frozenset({"too_many_pending"})
@@ -671,8 +672,10 @@ class IOThread(threading.Thread):
             self._request(shard, "hello")  # the shard forgot us; the delta stays pending
             return
         if outcome == "rejected" and reason in RETRYABLE_REASONS:
-            # the shard's buffer for us is full: keep the delta, the ack timeout re-sends it
-            # (back-off doubles), so a full buffer becomes back-pressure, not lost work
+            # the shard's buffer for us is full: keep the delta and re-send it once the
+            # fragment steps (its buffer empties), or on the ack timeout; a full buffer
+            # becomes back-pressure, not lost work
+            pending.deferred = True
             with self._lock:
                 self._counters.deferred += 1
             return
@@ -724,6 +727,15 @@ class IOThread(threading.Thread):
             self._known[fragment] = max(self._known.get(fragment, 0), header["version"])
         item = Published(header["seq"], fragment, header["version"], header["mode"], values)
         self._publish(shard.feed.on_update(item))
+        self._resend_deferred(shard, fragment)
+
+    def _resend_deferred(self, shard: _Shard, fragment: int) -> None:
+        """A fragment stepped, so the shard has room again: re-send what it deferred (in order)."""
+        now = time.monotonic()
+        for pending in self._pending.values():
+            if pending.deferred and pending.request.fragment == fragment:
+                pending.deferred = False
+                self._send_push(shard, pending, now, resend=True)
 
     def _publish(self, fragments: list[int]) -> None:
         """Hand changed fragments to `poll_updates` (after join; join returns them itself)."""

@@ -192,7 +192,8 @@ def test_full_pending_buffer_defers_the_push_instead_of_dropping_it(cluster, cli
     # sync mode with two islands: nothing merges until b contributes, and a may keep
     # only one unmerged delta per fragment on the shard
     c = cluster(1, mode="sync", max_pending_per_island=1)
-    a = client(c.connect, "a", ack_timeout_s=0.1, ack_timeout_cap_s=0.2)
+    # a long ack timeout: only the published step can trigger the re-send in time
+    a = client(c.connect, "a", ack_timeout_s=30.0, ack_timeout_cap_s=60.0)
     b = client(c.connect, "b")
     res = a.join(small_flat(0))
     b.join(small_flat(0))
@@ -202,7 +203,7 @@ def test_full_pending_buffer_defers_the_push_instead_of_dropping_it(cluster, cli
     wait_for(lambda: a.stats()["deferred"] >= 1, "the shard to refuse a's second delta for now")
     assert a.stats()["acked"] == 1 and a.stats()["pending"] == 1 and not a.stats()["rejected"]
     b.push(0, 1, 0, 10, 1, delta_frames(np.full(size, 0.3, np.float32)))  # quorum -> step
-    wait_for(lambda: a.stats()["acked"] == 2, "the deferred delta to be re-sent and accepted")
+    wait_for(lambda: a.stats()["acked"] == 2, "the deferred delta to be re-sent after the step")
     assert a.stats()["pending"] == 0 and not a.stats()["rejected"]
 
 
