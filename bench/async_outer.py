@@ -23,6 +23,7 @@ import numpy as np
 import optax
 
 import codec
+from bench import cli
 from bench.common import emit_json, progress
 from paramserver.config import ShardConfig
 from paramserver.plan import leaf_specs, make_plan
@@ -205,19 +206,5 @@ def replace_args(args: argparse.Namespace) -> argparse.Namespace:
     return argparse.Namespace(**{k: v for k, v in vars(args).items() if not k.startswith("_")})
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m bench.async_outer`.
-
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        exit status.
-    """
-    parser = argparse.ArgumentParser(prog="bench.async_outer", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.main(["async_outer", *sys.argv[1:]]))

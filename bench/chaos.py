@@ -44,6 +44,7 @@ from bench.analysis import uptime
 from bench.common import emit_json
 from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 from paramserver import daemon, probe
+from paramserver.clusterfile import ShardAddress, render_cluster_file
 
 SAMPLE_S = 0.25
 
@@ -88,25 +89,25 @@ def cluster_file(path: Path, setup: Setup, relay_base: int, bind_base: int, data
         bind_base: shard 0's ROUTER bind port (shard i: ROUTER +2i, PUB +2i+1).
         data_dir: the shards' data dir.
     """
-    lines = [
-        "[server]",
-        'mode = "quorum"',
-        f"quorum = {setup.islands}",  # DiLoCo averaging; a dead island leaves the live quorum
-        f"heartbeat_interval_s = {setup.heartbeat_s}",
-        "liveness = 5",
-        "checkpoint_every_steps = 25",
-        f"checkpoint_every_s = {max(5.0, setup.duration_s / 4)}",
-        f'data_dir = "{data_dir}"',
+    server = {
+        "mode": "quorum",
+        "quorum": setup.islands,  # DiLoCo averaging; a dead island leaves the live quorum
+        "heartbeat_interval_s": setup.heartbeat_s,
+        "liveness": 5,
+        "checkpoint_every_steps": 25,
+        "checkpoint_every_s": max(5.0, setup.duration_s / 4),
+        "data_dir": str(data_dir),
+    }
+    shards = [
+        ShardAddress(
+            router=f"tcp://127.0.0.1:{relay_base + i}",
+            pub=f"tcp://127.0.0.1:{bind_base + 2 * i + 1}",
+            router_bind=f"tcp://127.0.0.1:{bind_base + 2 * i}",
+            pub_bind=f"tcp://127.0.0.1:{bind_base + 2 * i + 1}",
+        )
+        for i in range(setup.shards)
     ]
-    for i in range(setup.shards):
-        lines += [
-            "[[shard]]",
-            f'router = "tcp://127.0.0.1:{relay_base + i}"',
-            f'pub = "tcp://127.0.0.1:{bind_base + 2 * i + 1}"',
-            f'router_bind = "tcp://127.0.0.1:{bind_base + 2 * i}"',
-            f'pub_bind = "tcp://127.0.0.1:{bind_base + 2 * i + 1}"',
-        ]
-    path.write_text("\n".join(lines) + "\n")
+    path.write_text(render_cluster_file(server, shards))
 
 
 class VersionSampler(threading.Thread):

@@ -24,6 +24,7 @@ import sys
 import numpy as np
 
 import codec
+from bench import cli
 from bench.common import emit_json, gbps, memcpy_gbps, progress, timed
 
 SCHEMES = {
@@ -277,19 +278,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m bench.codec`.
-
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        exit status.
-    """
-    parser = argparse.ArgumentParser(prog="bench.codec", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.main(["codec", *sys.argv[1:]]))

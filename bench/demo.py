@@ -20,6 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import cli
 from bench.launcher import IslandSpec, LaunchError, LocalCluster
 from worker.data import default_corpus, unigram_entropy
 
@@ -189,7 +190,15 @@ def plot(cluster: LocalCluster, names: list[str], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns the exit code."""
+    """Run the demo; returns the exit code (1 with a one-line message if a daemon fails)."""
+    try:
+        return _run(args)
+    except LaunchError as exc:
+        print(f"diloco-bench demo: {exc}", file=sys.stderr)
+        return 1
+
+
+def _run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
@@ -277,17 +286,5 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
     print(json.dumps({k: v for k, v in summary.items() if k != "server"}))
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.demo`."""
-    parser = argparse.ArgumentParser(prog="diloco-bench demo", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    args = parser.parse_args(argv)
-    try:
-        return run(args)
-    except LaunchError as exc:
-        print(f"diloco-bench demo: {exc}", file=sys.stderr)
-        return 1
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.main(["demo", *sys.argv[1:]]))

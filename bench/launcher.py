@@ -59,6 +59,24 @@ def free_base_port(
     raise LaunchError(f"no {count} consecutive free ports found on {host}")
 
 
+def read_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a metrics.jsonl (missing file: none; a torn last line is skipped).
+
+    Args:
+        path: the file.
+
+    Returns:
+        One dict per line.
+    """
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        with contextlib.suppress(ValueError):
+            rows.append(json.loads(line))
+    return rows
+
+
 @dataclasses.dataclass(frozen=True)
 class IslandSpec:
     """One island of a local cluster."""
@@ -183,14 +201,7 @@ class LocalCluster:
 
     def island_metrics(self, name: str) -> list[dict[str, Any]]:
         """Every per-round metrics row the island wrote."""
-        path = self.islands[name] / "metrics.jsonl"
-        if not path.exists():
-            return []
-        rows = []
-        for line in path.read_text().splitlines():
-            with contextlib.suppress(ValueError):
-                rows.append(json.loads(line))
-        return rows
+        return read_rows(self.islands[name] / "metrics.jsonl")
 
     def server_status(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """Status of every shard, as `diloco-server status --json` shows it ({} if none answers)."""

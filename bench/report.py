@@ -24,9 +24,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import claims, plots, report_md, runs, scenarios
+from bench import claims, cli, plots, report_md, runs, scenarios
 from bench.common import emit_json, progress
-from bench.launcher import LaunchError
+from bench.launcher import LaunchError, read_rows
 from bench.wan import Wan, WanError
 
 
@@ -124,20 +124,11 @@ def _loss(value: float | None) -> str:
 
 def _param_count(out: Path) -> int | None:
     for path in sorted((out / "runs").glob("*/islands/*/metrics.jsonl")):
-        for row in runs.read_rows(path):
+        for row in read_rows(path):
             if "params" in row:
                 return row["params"]
     return None
 
 
-def main(argv: list[str] | None = None) -> int:
-    """`python -m bench.report`."""
-    parser = argparse.ArgumentParser(
-        prog="diloco-bench report", description=__doc__.splitlines()[0]
-    )
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.main(["report", *sys.argv[1:]]))

@@ -27,10 +27,11 @@ from pathlib import Path
 from typing import Any
 
 from bench import analysis
-from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
+from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port, read_rows
 from bench.scenarios import Budget, Scenario
 from bench.wan import Wan
 from paramserver import daemon, probe
+from paramserver.clusterfile import ShardAddress, render_cluster_file
 
 POLL_S = 0.5
 Progress = Callable[[int, str], None]
@@ -68,24 +69,6 @@ def common_flags(budget: Budget, index: int) -> list[str]:
     ]  # fmt: skip
 
 
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (missing file: none; a torn last line is skipped).
-
-    Args:
-        path: the file.
-
-    Returns:
-        One dict per line.
-    """
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            rows.append(json.loads(line))
-    return rows
-
-
 def cluster_toml(scenario: Scenario, budget: Budget, hub: str, relay_port: int, bind_port: int,
                  data_dir: Path) -> str:  # fmt: skip
     """The cluster file: shards bind on loopback, islands reach them at hub:relay ports.
@@ -101,27 +84,26 @@ def cluster_toml(scenario: Scenario, budget: Budget, hub: str, relay_port: int, 
     Returns:
         TOML text.
     """
-    quorum = max(1, budget.islands - 1)
-    lines = [
-        "[server]",
-        f'mode = "{scenario.method}"',
-        f"quorum = {quorum}",
-        f'weighting = "{scenario.weighting}"',
-        f'downlink = "{scenario.downlink}"',
-        "fsync = false",
-        "checkpoint_every_steps = 0",
-        "checkpoint_every_s = 0.0",
-        f'data_dir = "{data_dir}"',
+    server = {
+        "mode": scenario.method,
+        "quorum": max(1, budget.islands - 1),
+        "weighting": scenario.weighting,
+        "downlink": scenario.downlink,
+        "fsync": False,
+        "checkpoint_every_steps": 0,
+        "checkpoint_every_s": 0.0,
+        "data_dir": str(data_dir),
+    }
+    shards = [
+        ShardAddress(
+            router=f"tcp://{hub}:{relay_port + 2 * i}",
+            pub=f"tcp://{hub}:{relay_port + 2 * i + 1}",
+            router_bind=f"tcp://127.0.0.1:{bind_port + 2 * i}",
+            pub_bind=f"tcp://127.0.0.1:{bind_port + 2 * i + 1}",
+        )
+        for i in range(budget.shards)
     ]
-    for i in range(budget.shards):
-        lines += [
-            "[[shard]]",
-            f'router = "tcp://{hub}:{relay_port + 2 * i}"',
-            f'pub = "tcp://{hub}:{relay_port + 2 * i + 1}"',
-            f'router_bind = "tcp://127.0.0.1:{bind_port + 2 * i}"',
-            f'pub_bind = "tcp://127.0.0.1:{bind_port + 2 * i + 1}"',
-        ]
-    return "\n".join(lines) + "\n"
+    return render_cluster_file(server, shards)
 
 
 def _run_cmd(argv: list[str], what: str, timeout_s: float = 120.0) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 import zmq
 
 import codec
+from bench import cli
 from bench.common import emit_json, gbps, progress, timed
 from paramserver import protocol
 from paramserver.config import ShardConfig
@@ -279,19 +280,5 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: list[str] | None = None) -> int:
-    """Entry point of `python -m bench.server`.
-
-    Args:
-        argv: arguments (default: sys.argv[1:]).
-
-    Returns:
-        exit status.
-    """
-    parser = argparse.ArgumentParser(prog="bench.server", description=__doc__.splitlines()[0])
-    add_arguments(parser)
-    return run(parser.parse_args(argv))
-
-
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(cli.main(["server", *sys.argv[1:]]))

@@ -110,3 +110,28 @@ def load_cluster_file(path: str | Path) -> ClusterFile:
             )
         )
     return ClusterFile(path, server, tuple(shards))
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    return '"' + str(value).replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def render_cluster_file(server: dict[str, Any], shards: list[ShardAddress]) -> str:
+    """The TOML text of a cluster file (the inverse of `load_cluster_file`).
+
+    Args:
+        server: shared ShardConfig settings for the [server] table (str, int, float, bool).
+        shards: one address per shard, in shard order.
+
+    Returns:
+        TOML text.
+    """
+    lines = ["[server]", *(f"{key} = {_toml_value(value)}" for key, value in server.items())]
+    for shard in shards:
+        lines.append("[[shard]]")
+        lines += [f"{key} = {_toml_value(getattr(shard, key))}" for key in SHARD_KEYS]
+    return "\n".join(lines) + "\n"

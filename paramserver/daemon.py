@@ -239,6 +239,31 @@ def install_signal_handlers(
     return restore
 
 
+def enter_foreground(data_dir: str | Path, log_level: str) -> threading.Event:
+    """The common start of a daemon's main loop: logging, signal handlers, pid file.
+
+    Logs go to stderr, and also to the data dir's log file unless the process was
+    started by `detach` (which already sends its output there).
+
+    Args:
+        data_dir: the daemon's data directory (pid and log files).
+        log_level: logging level name.
+
+    Returns:
+        The event SIGTERM / SIGINT set.
+
+    Raises:
+        DaemonError: another live daemon holds the data dir.
+        OSError: the pid file cannot be written.
+    """
+    detached = READY_ENV in os.environ
+    setup_logging(log_level, None if detached else log_path(data_dir))
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    acquire_pid_file(pid_path(data_dir))
+    return stop
+
+
 def notify_ready(info: Mapping[str, Any] | None = None) -> None:
     """Tell a waiting `detach` that this daemon serves (no-op when not started by `detach`).
 

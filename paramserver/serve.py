@@ -71,12 +71,8 @@ def serve_shard(
     from paramserver.shard import ShardServer  # imports jax/optax: only where a shard runs
 
     directory = shard_dir(cfg, index)
-    detached = daemon.READY_ENV in os.environ
-    daemon.setup_logging(cfg.log_level, None if detached else daemon.log_path(directory))
-    stop = threading.Event()
-    daemon.install_signal_handlers(stop)
     try:
-        daemon.acquire_pid_file(daemon.pid_path(directory))
+        stop = daemon.enter_foreground(directory, cfg.log_level)
     except (daemon.DaemonError, OSError) as exc:
         logger.error("shard %d cannot start: %s", index, exc)
         return 1

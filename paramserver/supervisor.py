@@ -179,12 +179,8 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
         Exit code: 0 after every shard drained, 1 when a shard failed.
     """
     data_dir = Path(cfg.data_dir)
-    detached = daemon.READY_ENV in os.environ
-    daemon.setup_logging(cfg.log_level, None if detached else daemon.log_path(data_dir))
-    stop = threading.Event()
-    daemon.install_signal_handlers(stop)
     try:
-        daemon.acquire_pid_file(daemon.pid_path(data_dir))
+        stop = daemon.enter_foreground(data_dir, cfg.log_level)
     except (DaemonError, OSError) as exc:
         logger.error("cannot start: %s", exc)
         return 1

@@ -384,3 +384,18 @@ def test_client_resends_to_a_frozen_shard_and_the_shard_dedups(tmp_path, stop_af
         (shard,) = json.loads(status.stdout)["shards"]
         assert shard["accepted"] == 1 and shard["duplicates"] >= 1
         assert shard["versions"]["0"] == 1  # applied once
+
+
+def test_rendered_cluster_file_reads_back_the_same(tmp_path):
+    from paramserver.clusterfile import ShardAddress, load_cluster_file, render_cluster_file
+
+    server = {"mode": "quorum", "quorum": 2, "fsync": False, "grace_fraction": 0.5}
+    shards = [
+        ShardAddress(f"tcp://h{i}:5555", f"tcp://h{i}:5556", "tcp://*:5555", "tcp://*:5556")
+        for i in range(2)
+    ]
+    path = tmp_path / "cluster.toml"
+    path.write_text(render_cluster_file({**server, "data_dir": 'C:\\dir "x"'}, shards))
+    cluster = load_cluster_file(path)
+    assert cluster.server == {**server, "data_dir": 'C:\\dir "x"'}
+    assert list(cluster.shards) == shards

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from bench import server
+from bench import cli
 
 
 @pytest.mark.slow
@@ -13,7 +13,7 @@ def test_bench_server_reports_every_measurement(capsys):
     args = [
         "--params", "65536", "--rt-params", "4096", "--pushes", "5", "--repeats", "1",
     ]  # fmt: skip
-    assert server.main(args) == 0
+    assert cli.main(["server", *args]) == 0
     result = json.loads(capsys.readouterr().out)
     merge = result["merge_step"]
     assert merge["decode_gbps"]["median"] > 0 and merge["merge_step_gbps"]["median"] > 0

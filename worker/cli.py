@@ -15,7 +15,6 @@ import argparse
 import json
 import os
 import sys
-import threading
 from pathlib import Path
 
 from paramserver import daemon, settings
@@ -80,14 +79,10 @@ def _run_foreground(cfg: IslandConfig) -> int:
 
     data_dir = Path(cfg.data_dir)
     data_dir.mkdir(parents=True, exist_ok=True)
-    daemon.acquire_pid_file(daemon.pid_path(data_dir))
+    stop = daemon.enter_foreground(data_dir, cfg.log_level)
     try:
-        log_file = daemon.log_path(data_dir) if os.environ.get(daemon.READY_ENV) is None else None
-        daemon.setup_logging(cfg.log_level, log_file)
         if cfg.cpu >= 0 and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {cfg.cpu % os.cpu_count()})
-        stop = threading.Event()
-        daemon.install_signal_handlers(stop)
         island = Island(cfg)
         return island.run(stop, on_ready=lambda: daemon.notify_ready({"island": cfg.island}))
     finally:
