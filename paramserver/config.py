@@ -71,7 +71,9 @@ class ShardConfig:
     checkpoint_every_steps: int = 50  # checkpoint after this many outer steps (0 = never)
     checkpoint_every_s: float = 60.0  # ... or this many seconds since the last (0 = never)
     fsync: bool = True  # fsync the log before acking; False only for throwaway runs
-    downlink: Literal["float32", "int8"] = "float32"  # published updates: full fp32 or int8 deltas
+    downlink: Literal["float32", "int8"] = (
+        "int8"  # published updates: int8 deltas (error feedback) or full fp32
+    )
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     metrics_port: int = 0  # Prometheus metrics port; 0 = off
     curve_secret_key_file: str = ""  # shard key pair (NAME.key_secret); "" = no CURVE (trusted net)

@@ -65,7 +65,7 @@ def test_join_init_and_snapshot(start_shard, peer):
 
 
 def test_push_ack_step_and_publish(start_shard, peer, zmq_ctx):
-    shard = start_shard(mode="sync", heartbeat_interval_s=0.05, liveness=400)
+    shard = start_shard(mode="sync", heartbeat_interval_s=0.05, liveness=400, downlink="float32")
     sub = zmq_ctx.socket(zmq.SUB)
     sub.setsockopt(zmq.LINGER, 0)
     sub.setsockopt(zmq.SUBSCRIBE, b"")

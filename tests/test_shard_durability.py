@@ -208,6 +208,8 @@ def spawn_shard(port, data_dir):
         "sync",
         "--outer-optimizer",
         "nesterov",
+        "--downlink",  # exact fp32 state, so a plain optimizer replay is the reference
+        "float32",
         "--checkpoint-every-steps",
         "4",
         "--heartbeat-interval-s",

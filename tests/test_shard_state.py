@@ -63,7 +63,10 @@ def test_init_refuses_a_plan_for_another_cluster_shape():
 
 
 def test_step_equals_a_hand_computed_nesterov_step_of_the_weighted_merge():
-    cfg = ShardConfig(mode="sync", fsync=False, outer_lr=0.5, outer_momentum=0.8)
+    # exact fp32 downlink: the published state is the optimizer step itself
+    cfg = ShardConfig(
+        mode="sync", fsync=False, outer_lr=0.5, outer_momentum=0.8, downlink="float32"
+    )
     state, plan, _ = fresh(cfg)
     before = state.snapshot(0)[1].copy()
     da, db = vec(plan, 0, 1), vec(plan, 0, 2)
@@ -86,7 +89,9 @@ def test_step_equals_a_hand_computed_nesterov_step_of_the_weighted_merge():
 
 
 def test_staleness_weights_down_an_old_base_version():
-    cfg = ShardConfig(mode="async", fsync=False, outer_optimizer="sgd", outer_lr=1.0)
+    cfg = ShardConfig(
+        mode="async", fsync=False, outer_optimizer="sgd", outer_lr=1.0, downlink="float32"
+    )
     state, plan, _ = fresh(cfg)
     push(state, plan, "a", 1)
     state.step(0, T0)
