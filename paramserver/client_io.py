@@ -330,28 +330,28 @@ class IOThread(threading.Thread):
             self._poller.unregister(sock)
         sock.close(linger=0)
 
-    def _new_dealer(self, shard: _Shard) -> None:
-        self._drop_socket(shard.dealer)
-        sock = self._ctx.socket(zmq.DEALER)
+    def _connect(self, kind: int, endpoint: str) -> zmq.Socket:
+        """A socket of `kind` connected to `endpoint`: linger 0, CURVE if set, capped reconnect."""
+        sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
             curve.secure_client(sock, *self._curve)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
         sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.cfg.reconnect_cap_s * 1000))
-        sock.connect(shard.router)
+        if kind == zmq.SUB:
+            sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.connect(endpoint)
+        return sock
+
+    def _new_dealer(self, shard: _Shard) -> None:
+        self._drop_socket(shard.dealer)
+        sock = self._connect(zmq.DEALER, shard.router)
         shard.dealer = sock
         self._register(sock, "dealer", shard)
 
     def _new_sub(self, shard: _Shard) -> None:
         self._drop_socket(shard.sub)
-        sock = self._ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self._curve is not None:
-            curve.secure_client(sock, *self._curve)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.cfg.reconnect_cap_s * 1000))
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(shard.pub)
+        sock = self._connect(zmq.SUB, shard.pub)
         shard.sub = sock
         self._register(sock, "sub", shard)
 
