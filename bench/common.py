@@ -101,3 +101,21 @@ def _plain(value):
     if isinstance(value, np.generic):
         return value.item()
     raise TypeError(f"not JSON serializable: {type(value).__name__}")
+
+
+def human_bytes(n: float | None) -> str:
+    """A byte count for people: 950 B, 1.2 KB, 3.4 MB (powers of 1000); "-" for None.
+
+    Args:
+        n: bytes, or None.
+
+    Returns:
+        The formatted count.
+    """
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB"):
+        if abs(n) < 1000:
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} TB"

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import cli
+from bench.common import human_bytes
 from bench.launcher import IslandSpec, LaunchError, LocalCluster
 from worker.data import default_corpus, unigram_entropy
 
@@ -91,19 +92,11 @@ def _table(cluster: LocalCluster, names: list[str], elapsed: float, duration: fl
             f"{s['loss']:.3f}" if "loss" in s else "-",
             f"{s['eval_global']:.3f}" if "eval_global" in s else "-",
             str(s.get("version_lag", "-")),
-            _human(s.get("bytes_sent", 0)),
-            _human(s.get("bytes_received", 0)),
+            human_bytes(s.get("bytes_sent", 0)),
+            human_bytes(s.get("bytes_received", 0)),
             f"{100 * s['goodput']:.0f}%" if "goodput" in s else "-",
         )
     return table
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def summarize(cluster: LocalCluster, names: list[str], speeds: dict[str, float]) -> dict[str, Any]:
@@ -268,8 +261,8 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
     )
     ratio = summary["ddp_over_wire"]
     console.print(
-        f"bytes on the wire: {_human(summary['bytes_on_wire'])}; synchronous data parallel for the "
-        f"same tokens: {_human(summary['ddp_bytes_same_tokens'])}"
+        f"bytes on the wire: {human_bytes(summary['bytes_on_wire'])}; synchronous data parallel for the "
+        f"same tokens: {human_bytes(summary['ddp_bytes_same_tokens'])}"
         + (f" ({ratio:.0f}x more)" if ratio else "")
     )
     table = Table(title="islands")
@@ -277,8 +270,8 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         table.add_column(col, justify="right")
     for name, s in summary["islands"].items():
         table.add_row(
-            name, f"{s['speed']}", str(s["rounds"]), str(s["tokens"]), _human(s["bytes_sent"]),
-            _human(s["bytes_received"]),
+            name, f"{s['speed']}", str(s["rounds"]), str(s["tokens"]), human_bytes(s["bytes_sent"]),
+            human_bytes(s["bytes_received"]),
             f"{100 * s['goodput']:.0f}%" if s["goodput"] is not None else "-",
         )  # fmt: skip
     console.print(table)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import random
 import socket
 import subprocess
 import sys
@@ -39,8 +40,6 @@ def free_base_port(
     Returns:
         The base port.
     """
-    import random
-
     rng = random.Random()
     for _ in range(200):
         base = rng.randrange(start, end - count)

@@ -9,6 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from bench.common import human_bytes
+
 
 def _num(value: Any, fmt: str = "{:.3f}") -> str:
     if value is None:
@@ -16,16 +18,6 @@ def _num(value: Any, fmt: str = "{:.3f}") -> str:
     if isinstance(value, bool):
         return "yes" if value else "no"
     return fmt.format(value)
-
-
-def _bytes(n: float | None) -> str:
-    if n is None:
-        return "-"
-    for unit in ("B", "KB", "MB", "GB"):
-        if abs(n) < 1000:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000
-    return f"{n:.1f} TB"
 
 
 def _pct(value: float | None) -> str:
@@ -127,8 +119,8 @@ def render(
                     _pct(s["loss_vs_ddp"]),
                     _num(s["time_to_target_s"], "{:.0f}")
                     + (" (extrap.)" if s["time_to_target_extrapolated"] else ""),
-                    f"{_bytes(up)} / {_bytes(down)}",
-                    _bytes(s.get("bytes_per_island")),
+                    f"{human_bytes(up)} / {human_bytes(down)}",
+                    human_bytes(s.get("bytes_per_island")),
                     _num(s.get("ddp_over_this"), "{:.0f}x"),
                     goodput,
                     _pct(s["uptime"]),
