@@ -202,7 +202,7 @@ class Island:
             )
 
     def _global_eval(self) -> float:
-        flat = {k: v.copy() for k, v in self.flat.items()}
+        flat = {k: np.empty_like(v) for k, v in self.flat.items()}  # fragments cover every element
         for index, sync in self.sync.items():
             self.plan.scatter(index, sync.base, flat)
         return self.trainer.evaluate(self.eval_set, params=codec.unflatten(flat))
