@@ -125,6 +125,11 @@ class Plan:
         return arr
 
     @functools.cached_property
+    def total_size(self) -> int:
+        """Elements of all fragments together (every parameter element once)."""
+        return sum(f.size for f in self.fragments)
+
+    @functools.cached_property
     def _specs(self) -> dict[str, LeafSpec]:
         return {leaf.path: leaf for leaf in self.leaves}
 

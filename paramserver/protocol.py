@@ -61,13 +61,20 @@ kind            header fields (payload)
 welcome         shard (uint), num_shards (pos), num_fragments (pos), endpoints
                 (list of [router, pub] per shard), initialized (bool), plan_hash
                 (str, or nil before init), plan (map, only when initialized),
-                heartbeat_interval_s (number), liveness (pos), seq (uint: last PUB seq)
+                heartbeat_interval_s (number), liveness (pos), seq (uint: last PUB seq),
+                mode (optional str: the merge policy; in "sync" an island waits
+                until its round is merged before starting the next)
 init_ok         versions (map fragment -> version)
 snapshot_reply  fragment, version, seq (uint: the PUB seq the snapshot includes)
                 (codec raw float32 {"values": vec}: exact fp32 values)
 ack             round, fragment, outcome ("accepted" | "duplicate" | "rejected"),
-                reason (str or nil), version (uint: the fragment's current version)
-heartbeat       shard, seq
+                reason (str or nil), version (uint: the fragment's current version),
+                merged_version (optional, uint or nil: the first version of the
+                fragment that includes this delta; a step merges every pending
+                delta, so an accepted delta is in version + 1)
+heartbeat       shard, seq, credited (optional number: tokens of the asking
+                island that entered the model through this shard, each delta's
+                tokens x its staleness factor x the fragment's share of the model)
 status_reply    status (map, see `ShardState.status`)
 bye_ok          -
 rejected        reason (str, one of `REASONS`), detail (str, human-readable)
@@ -97,6 +104,9 @@ kind       header fields                                   payload
 update     shard, seq, fragment, version, mode ("full":     codec frames
            payload is the new values; "delta": payload is   {"values": vec}
            the change to add to the previous version)
+           credited (optional map island -> number: the
+           cumulative `credited` of each island this step
+           merged, as in the heartbeat reply)
 heartbeat  shard, seq (the last update's seq; no increment)  -
 =========  ==============================================  ========================
 
@@ -219,6 +229,7 @@ _CHECKS: dict[str, tuple[Callable[[object], bool], str]] = {
     "map": (lambda x: isinstance(x, Mapping), "a map"),
     "list": (lambda x: isinstance(x, list | tuple), "a list"),
     "str?": (_str_or_nil, "a string or nil"),
+    "uint?": (lambda x: x is None or _uint(x), "an int >= 0 or nil"),
 }
 
 # kind -> {required field: type name}, per role.
@@ -279,7 +290,11 @@ SCHEMAS: dict[str, dict[str, dict[str, str]]] = {
 }
 
 # Optional fields checked when present, per role.
-_OPTIONAL: dict[str, dict[str, str]] = {REQUEST: {"id": "int"}, REPLY: {"id": "int"}, PUB: {}}
+_OPTIONAL: dict[str, dict[str, str]] = {
+    REQUEST: {"id": "int"},
+    REPLY: {"id": "int", "merged_version": "uint?", "credited": "number"},
+    PUB: {"credited": "map"},
+}
 
 
 def pack(header: Mapping[str, Any], payload: Sequence[Any] = ()) -> list[Any]:

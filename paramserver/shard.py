@@ -200,6 +200,7 @@ class ShardServer:
                     "fragment": update.fragment,
                     "version": update.version,
                     "mode": mode,
+                    "credited": update.credited,
                 },
                 frames,
             )
@@ -269,6 +270,7 @@ class ShardServer:
                 outcome=outcome.status,
                 reason=outcome.reason,
                 version=outcome.version or version,
+                merged_version=outcome.merged_version,
             )
         else:
             self._reply(ident, header, "rejected", reason=outcome.reason, detail=outcome.detail)
@@ -290,6 +292,7 @@ class ShardServer:
             "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
             "liveness": self.cfg.liveness,
             "seq": self.seq,
+            "mode": self.cfg.mode,
         }
         if plan is not None:
             fields["plan"] = plan.to_wire()
@@ -348,7 +351,8 @@ class ShardServer:
             )
             self._answer(ident, header, outcome)
             return
-        self._reply(ident, header, "heartbeat", shard=self.index, seq=self.seq)
+        credited = self.state.counters.credited.get(header["island"], 0.0)
+        self._reply(ident, header, "heartbeat", shard=self.index, seq=self.seq, credited=credited)
 
     def _on_status(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
         assert self.state

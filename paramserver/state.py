@@ -34,19 +34,22 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 import jax
-import jax.dlpack
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 import codec
 from paramserver import liveness, robust
 from paramserver.config import ShardConfig
 from paramserver.downlink import Downlink
-from paramserver.outer import FragmentOptimizer, make_outer_optimizer, merge_deltas
+from paramserver.outer import (
+    FragmentOptimizer,
+    aligned_float32,
+    make_outer_optimizer,
+    merge_deltas,
+)
 from paramserver.plan import Plan, PlanError
 from paramserver.policy import ArrivalStats, PendingDelta, decide, observe
-from paramserver.weighting import make_weighting, normalized_weights
+from paramserver.weighting import make_weighting, merge_coefficients
 
 logger = logging.getLogger(__name__)
 
@@ -115,6 +118,9 @@ class Outcome:
 
     `event` is the applied event when the request changed durable state.
     `version` is the fragment's version after the request (pushes), else 0.
+    `merged_version` (pushes accepted or duplicate) is the first version of the
+    fragment that includes the delta: a step merges every pending delta, so a
+    delta still pending is in the next version.
     """
 
     status: str
@@ -122,6 +128,7 @@ class Outcome:
     detail: str = ""
     event: Event | None = None
     version: int = 0
+    merged_version: int | None = None
 
 
 @dataclass(frozen=True)
@@ -136,6 +143,7 @@ class Update:
     version: int
     values: np.ndarray
     frames: tuple[Any, ...] | None = None
+    credited: dict[str, float] = field(default_factory=dict)  # merged islands: cumulative
 
 
 @dataclass
@@ -171,6 +179,8 @@ class Counters:
     staleness: dict[int, int] = field(default_factory=dict)
     steps: int = 0
     clipped: int = 0  # deltas scaled down by robust aggregation (clip_norm_multiple)
+    # island -> tokens that entered the model: tokens * g(staleness) * fragment share
+    credited: dict[str, float] = field(default_factory=dict)
 
 
 class ShardState:
@@ -203,7 +213,7 @@ class ShardState:
         self.last_seen: dict[str, float] = {}
         self.counters = Counters()
         self._merge_buffers: dict[int, np.ndarray] = {}
-        self._step = DonatingStep(self.optimizer.tx)
+        self._step = self.optimizer.donating  # the one outer step (paramserver.outer)
         self.downlink = Downlink(cfg.downlink)
 
     # ----- queries -------------------------------------------------------------
@@ -261,7 +271,10 @@ class ShardState:
         Returns:
             A dict with shard, initialized, plan_hash, versions, islands_live,
             islands_known, accepted, duplicates, rejected, bytes_in, bytes_out,
-            staleness_histogram, steps, clipped and pending (fragment -> count).
+            staleness_histogram, steps, clipped, pending (fragment -> count)
+            and credited_tokens (island -> tokens that entered the model through
+            this shard: tokens * g(staleness) * the fragment's share of all
+            parameters; summed over shards, an island's useful tokens).
         """
         c = self.counters
         return {
@@ -280,6 +293,7 @@ class ShardState:
             "steps": c.steps,
             "clipped": c.clipped,
             "pending": {str(i): len(f.pending) for i, f in sorted(self.fragments.items())},
+            "credited_tokens": {k: round(v, 3) for k, v in sorted(c.credited.items())},
         }
 
     # ----- islands -------------------------------------------------------------
@@ -427,7 +441,14 @@ class ShardState:
         entry = self.dedup.get((island, fragment))
         if entry is not None:
             if rnd in entry.rounds:
-                return Outcome(DUPLICATE, None, "already accepted", version=frag.version)
+                still_pending = any(c.island == island and c.round == rnd for c in frag.pending)
+                return Outcome(
+                    DUPLICATE,
+                    None,
+                    "already accepted",
+                    version=frag.version,
+                    merged_version=frag.version + 1 if still_pending else frag.version,
+                )
             if rnd < entry.newest - self.cfg.dedup_window:
                 return Outcome(
                     REJECTED,
@@ -494,7 +515,7 @@ class ShardState:
         )
         event = AcceptEvent(contribution, tuple(payload))
         self.apply(event)
-        return Outcome(ACCEPTED, event=event, version=frag.version)
+        return Outcome(ACCEPTED, event=event, version=frag.version, merged_version=frag.version + 1)
 
     def _count(self, outcome: Outcome) -> Outcome:
         if outcome.status == DUPLICATE:
@@ -644,12 +665,12 @@ class ShardState:
             raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
         if not merged_in:
             raise StateError(f"step event for fragment {event.fragment} merges nothing")
-        weights = normalized_weights(self.weighting, merged_in, frag.version)
+        coefficients, shares = merge_coefficients(self.weighting, merged_in, frag.version)
         buf = self._merge_buffers.get(event.fragment)
         if buf is None:
             size = frag.params.shape[0]
-            buf = self._merge_buffers[event.fragment] = _aligned_float32(size)
-        merged = merge_deltas([c.delta for c in merged_in], weights, out=buf)
+            buf = self._merge_buffers[event.fragment] = aligned_float32(size)
+        merged = merge_deltas([c.delta for c in merged_in], coefficients, out=buf)
         frames = None
         if self.downlink.compressed:
             updates, frag.opt_state = self._step.updates(frag.params, frag.opt_state, merged)
@@ -665,6 +686,12 @@ class ShardState:
         for c in merged_in:
             staleness = frag.version - c.base_version
             self.counters.staleness[staleness] = self.counters.staleness.get(staleness, 0) + 1
+        share_of_model = frag.params.shape[0] / self.plan.total_size
+        for share in shares:
+            credit = share.tokens * share.factor * share_of_model
+            self.counters.credited[share.island] = (
+                self.counters.credited.get(share.island, 0.0) + credit
+            )
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]
         frag.version += 1
@@ -681,10 +708,11 @@ class ShardState:
                 "version": frag.version,
                 "merged": len(merged_in),
                 "islands": sorted({c.island for c in merged_in}),
-                "weights": [round(float(w), 4) for w in weights],
+                "coefficients": {x.island: round(x.coefficient, 4) for x in shares},
             },
         )
-        return Update(event.fragment, frag.version, np.asarray(frag.params), frames)
+        credited = {x.island: self.counters.credited[x.island] for x in shares}
+        return Update(event.fragment, frag.version, np.asarray(frag.params), frames, credited)
 
     # ----- checkpoint form ---------------------------------------------------------
 
@@ -740,6 +768,7 @@ class ShardState:
                 "staleness": [[k, v] for k, v in sorted(c.staleness.items())],
                 "steps": c.steps,
                 "clipped": c.clipped,
+                "credited": dict(c.credited),
             },
         }
         return meta, arrays
@@ -805,86 +834,11 @@ class ShardState:
                 staleness={int(k): v for k, v in c["staleness"]},
                 steps=c["steps"],
                 clipped=c.get("clipped", 0),
+                credited={str(k): float(v) for k, v in c.get("credited", {}).items()},
             )
         except (KeyError, TypeError, ValueError) as exc:
             raise StateError(f"inconsistent checkpoint: {exc!r}") from exc
         return state
-
-
-class DonatingStep:
-    """The outer step of a fragment, jitted with params and optimizer state donated.
-
-    Same update as `FragmentOptimizer.step` (the optax transformation applied to
-    the merged pseudo-gradient), but params and state stay JAX arrays that XLA
-    updates in place, and the merged delta enters zero-copy (a 64-byte aligned
-    numpy buffer via DLPack). Measured on a 8M-element fragment: 10 ms instead
-    of 150 ms, which went to copies and page faults of freshly allocated memory.
-
-    A numpy view of the old params (from `snapshot`) stays valid: JAX does not
-    donate a buffer that has external references (it copies instead).
-    """
-
-    def __init__(self, tx: optax.GradientTransformation) -> None:
-        """Jit the step of a transformation.
-
-        Args:
-            tx: the outer optax transformation.
-        """
-
-        def step(params: jax.Array, opt_state: Any, delta: jax.Array) -> tuple[jax.Array, Any]:
-            updates, opt_state = tx.update(delta, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state
-
-        def updates_only(
-            params: jax.Array, opt_state: Any, delta: jax.Array
-        ) -> tuple[jax.Array, Any]:
-            return tx.update(delta, opt_state, params)
-
-        self._step = jax.jit(step, donate_argnums=(0, 1))
-        self._updates = jax.jit(updates_only, donate_argnums=(1,))
-
-    def __call__(
-        self, params: jax.Array, opt_state: Any, merged: np.ndarray
-    ) -> tuple[jax.Array, Any]:
-        """One step; `merged` may be reused by the caller as soon as this returns.
-
-        Args:
-            params: the fragment's params (donated: do not use them afterwards).
-            opt_state: its optimizer state (donated).
-            merged: the merged pseudo-gradient, 1-D float32.
-
-        Returns:
-            (new params, new optimizer state).
-        """
-        delta = jax.dlpack.from_dlpack(merged)  # zero-copy when 64-byte aligned
-        new_params, new_state = self._step(params, opt_state, delta)
-        jax.block_until_ready((new_params, new_state))
-        return new_params, new_state
-
-    def updates(
-        self, params: jax.Array, opt_state: Any, merged: np.ndarray
-    ) -> tuple[jax.Array, Any]:
-        """The optimizer's update without applying it (for the compressed downlink).
-
-        Args:
-            params: the fragment's params (not donated).
-            opt_state: its optimizer state (donated).
-            merged: the merged pseudo-gradient, 1-D float32.
-
-        Returns:
-            (update to add to params, new optimizer state).
-        """
-        delta = jax.dlpack.from_dlpack(merged)
-        updates, new_state = self._updates(params, opt_state, delta)
-        jax.block_until_ready((updates, new_state))
-        return updates, new_state
-
-
-def _aligned_float32(size: int, align: int = 64) -> np.ndarray:
-    """An uninitialized 1-D float32 array whose data starts on an `align`-byte boundary."""
-    raw = np.empty(size * 4 + align, dtype=np.uint8)
-    start = (-raw.ctypes.data) % align
-    return raw[start : start + size * 4].view(np.float32)
 
 
 def _vector_problem(arr: Any, size: int) -> tuple[str, str] | None:

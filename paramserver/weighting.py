@@ -1,22 +1,32 @@
-"""Merge weights of deltas: pure, composable functions of (tokens, steps, staleness).
+"""How much each island's work counts in an outer step: pure functions, no state.
 
-This module owns how much each contribution counts in a merge. A weighting is
-`f(tokens, steps) * g(staleness)`: Decoupled DiLoCo's tokens^2/steps by default
-(more tokens per inner step: larger batches, more useful work), times a
-polynomial staleness decay (1 + staleness)^-a (FedAsync-style).
+This module owns the merge rule of one fragment's step (DESIGN.md, "The outer
+merge, exactly"). Pending deltas are first grouped per island: an island sends
+``anchor - local``, so its pushes are disjoint increments of work and are
+**summed**, with their tokens and inner steps; the island's staleness is the
+fragment's current version minus the oldest base version among them. Then,
+across the islands i of the step::
+
+    merged = sum_i  w_i * g(s_i) * delta_i
+    w_i    = f(tokens_i, steps_i) / sum_j f(tokens_j, steps_j)
+    g(s)   = (1 + s)^-a              (absolute: g(0) = 1, never renormalised)
+
+`f` is the work weight (Decoupled DiLoCo's tokens^2/steps by default: more
+tokens per inner step, bigger batches, count more) and `g` the staleness
+factor (FedAsync's polynomial decay), so a lone stale delta moves the model
+less, and a fast island's extra rounds add work instead of diluting everyone's.
+
+Named weightings: ``default`` (f = tokens^2/steps, g polynomial), ``uniform``
+(f = 1), ``tokens`` (f = tokens), ``no-staleness`` (f = tokens^2/steps, g = 1).
 """
 
 from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
-
-import numpy as np
-
-Weighting = Callable[[float, float, float], float]
-"""A weighting maps (tokens, steps, staleness) to a non-negative weight."""
 
 WEIGHTINGS = ("default", "uniform", "tokens", "no-staleness")
 
@@ -65,81 +75,167 @@ def polynomial_staleness(staleness: float, exponent: float) -> float:
     return float((1.0 + staleness) ** -exponent)
 
 
+@dataclass(frozen=True)
+class Weighting:
+    """A named weighting: the work weight f and the absolute staleness factor g.
+
+    Attributes:
+        name: one of WEIGHTINGS.
+        staleness_exponent: a in g(s) = (1 + s)^-a (unused by "no-staleness").
+    """
+
+    name: str = "default"
+    staleness_exponent: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.name not in WEIGHTINGS:
+            raise WeightingError(f"unknown weighting {self.name!r}; choose one of {WEIGHTINGS}")
+        a = self.staleness_exponent
+        if not isinstance(a, numbers.Real) or isinstance(a, bool) or not math.isfinite(a) or a < 0:
+            raise WeightingError(f"staleness_exponent={a!r} must be a finite number >= 0")
+
+    def work(self, tokens: float, steps: float) -> float:
+        """The work weight f of one island's contribution (before normalisation).
+
+        Args:
+            tokens: tokens of the island's pending deltas, > 0.
+            steps: inner steps of the island's pending deltas, > 0.
+
+        Returns:
+            f(tokens, steps) > 0.
+        """
+        _check(tokens, steps, 0)
+        if self.name == "uniform":
+            return 1.0
+        if self.name == "tokens":
+            return float(tokens)
+        return token_weight(tokens, steps)
+
+    def staleness_factor(self, staleness: float) -> float:
+        """The absolute staleness factor g, with g(0) = 1.
+
+        Args:
+            staleness: versions between the island's oldest base and now, >= 0.
+
+        Returns:
+            g(staleness) in (0, 1].
+        """
+        _check(1, 1, staleness)
+        if self.name == "no-staleness":
+            return 1.0
+        return polynomial_staleness(staleness, self.staleness_exponent)
+
+
 def make_weighting(name: str = "default", staleness_exponent: float = 0.5) -> Weighting:
     """Build a weighting by name.
 
     Args:
-        name: "default" (tokens^2/steps * (1+staleness)^-a), "uniform" (1),
-            "tokens" (tokens only) or "no-staleness" (tokens^2/steps).
-        staleness_exponent: a >= 0, used by "default".
+        name: one of WEIGHTINGS (see the module docstring).
+        staleness_exponent: a >= 0 of g(s) = (1 + s)^-a.
 
     Returns:
-        A callable (tokens, steps, staleness) -> float that validates its inputs.
+        The validated Weighting.
     """
-    if name not in WEIGHTINGS:
-        raise WeightingError(f"unknown weighting {name!r}; choose one of {WEIGHTINGS}")
-    a = staleness_exponent
-    if not isinstance(a, numbers.Real) or not math.isfinite(a) or a < 0:
-        raise WeightingError(f"staleness_exponent={a!r} must be a finite number >= 0")
-
-    def default(tokens: float, steps: float, staleness: float) -> float:
-        _check(tokens, steps, staleness)
-        return token_weight(tokens, steps) * polynomial_staleness(staleness, a)
-
-    def uniform(tokens: float, steps: float, staleness: float) -> float:
-        _check(tokens, steps, staleness)
-        return 1.0
-
-    def tokens_only(tokens: float, steps: float, staleness: float) -> float:
-        _check(tokens, steps, staleness)
-        return float(tokens)
-
-    def no_staleness(tokens: float, steps: float, staleness: float) -> float:
-        _check(tokens, steps, staleness)
-        return token_weight(tokens, steps)
-
-    return {
-        "default": default,
-        "uniform": uniform,
-        "tokens": tokens_only,
-        "no-staleness": no_staleness,
-    }[name]
+    return Weighting(name, staleness_exponent)
 
 
-def _fields(contribution: Any) -> tuple[float, float, int]:
+@dataclass(frozen=True)
+class IslandShare:
+    """One island's part of a step.
+
+    Attributes:
+        island: island id.
+        tokens: tokens summed over the island's merged deltas.
+        steps: inner steps summed over them.
+        staleness: current version minus the oldest base version among them.
+        weight: normalised work weight w_i (the weights of a step sum to 1).
+        factor: staleness factor g(staleness).
+    """
+
+    island: str
+    tokens: int
+    steps: int
+    staleness: int
+    weight: float
+    factor: float
+
+    @property
+    def coefficient(self) -> float:
+        """w_i * g(s_i): what each of the island's deltas is multiplied by."""
+        return self.weight * self.factor
+
+
+def _fields(contribution: Any) -> tuple[str, float, float, int]:
     if isinstance(contribution, tuple) and not hasattr(contribution, "base_version"):
-        tokens, steps, base_version = contribution
-        return tokens, steps, base_version
-    return contribution.tokens, contribution.steps, contribution.base_version
+        island, tokens, steps, base_version = contribution
+        return island, tokens, steps, base_version
+    c = contribution
+    return c.island, c.tokens, c.steps, c.base_version
 
 
-def normalized_weights(
+def island_shares(
     weighting: Weighting, contributions: Sequence[Any], current_version: int
-) -> np.ndarray:
-    """Normalized merge weights of the pending contributions of one fragment.
+) -> list[IslandShare]:
+    """Group a step's contributions per island and weigh each island.
 
     Args:
         weighting: from make_weighting.
-        contributions: objects with tokens, steps, base_version attributes, or
-            (tokens, steps, base_version) tuples.
+        contributions: objects with island, tokens, steps, base_version
+            attributes, or (island, tokens, steps, base_version) tuples.
         current_version: the fragment's version now; staleness = current - base.
 
     Returns:
-        float64 weights, one per contribution, summing to 1.
+        One IslandShare per distinct island, in order of first appearance.
+
+    Raises:
+        WeightingError: no contributions, a base newer than current, bad numbers.
     """
     if len(contributions) == 0:
         raise WeightingError("no contributions to weight")
-    raw = np.empty(len(contributions), dtype=np.float64)
+    totals: dict[str, list[float]] = {}  # island -> [tokens, steps, oldest base]
     for i, c in enumerate(contributions):
-        tokens, steps, base_version = _fields(c)
-        staleness = current_version - base_version
-        if staleness < 0:
+        island, tokens, steps, base_version = _fields(c)
+        if base_version > current_version:
             raise WeightingError(
                 f"contribution {i}: base_version={base_version} is newer than "
                 f"current_version={current_version}"
             )
-        raw[i] = weighting(tokens, steps, staleness)
-    total = raw.sum()
+        _check(tokens, steps, 0)
+        t = totals.setdefault(island, [0, 0, base_version])
+        t[0] += tokens
+        t[1] += steps
+        t[2] = min(t[2], base_version)
+    work = {island: weighting.work(t[0], t[1]) for island, t in totals.items()}
+    total = math.fsum(work.values())
     if not (math.isfinite(total) and total > 0):
-        raise WeightingError(f"weights {raw.tolist()} do not sum to a finite positive number")
-    return raw / total
+        raise WeightingError(f"work weights {work} do not sum to a finite positive number")
+    return [
+        IslandShare(
+            island=island,
+            tokens=int(t[0]),
+            steps=int(t[1]),
+            staleness=int(current_version - t[2]),
+            weight=work[island] / total,
+            factor=weighting.staleness_factor(current_version - t[2]),
+        )
+        for island, t in totals.items()
+    ]
+
+
+def merge_coefficients(
+    weighting: Weighting, contributions: Sequence[Any], current_version: int
+) -> tuple[list[float], list[IslandShare]]:
+    """The factor of each pending delta in the merged pseudo-gradient.
+
+    Args:
+        weighting: from make_weighting.
+        contributions: as for `island_shares`.
+        current_version: the fragment's version now.
+
+    Returns:
+        (one coefficient per contribution, w_i * g(s_i) of its island, so that
+        merged = sum coefficient * delta; the island shares).
+    """
+    shares = island_shares(weighting, contributions, current_version)
+    by_island = {s.island: s.coefficient for s in shares}
+    return [by_island[_fields(c)[0]] for c in contributions], shares

@@ -1,17 +1,21 @@
-"""Outer optimizer: sign convention, hand-computed Nesterov, delayed Nesterov, state round trip,
-merge_deltas, and a golden trajectory (regenerate with REGENERATE_GOLDEN=1)."""
+"""Outer optimizer: sign convention, hand-computed Nesterov, delayed Nesterov, the donated step,
+state round trip, merge_deltas, and a golden trajectory (regenerate with REGENERATE_GOLDEN=1)."""
 
 import json
 import os
 from pathlib import Path
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
 
 from paramserver.outer import (
+    DonatingStep,
     FragmentOptimizer,
     OuterError,
+    aligned_float32,
     delayed_nesterov,
     make_outer_optimizer,
     merge_deltas,
@@ -72,7 +76,37 @@ def test_delayed_nesterov_with_delay_1_equals_nesterov():
     ref, _ = run(FragmentOptimizer(optax.sgd(0.7, momentum=0.9, nesterov=True)), params, deltas)
     got, _ = run(FragmentOptimizer(delayed_nesterov(0.7, 0.9, 1)), params, deltas)
     for a, b in zip(ref, got, strict=True):
-        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7)
+        np.testing.assert_array_equal(a, b)  # same float ops as optax's trace(nesterov=True)
+
+
+def test_delayed_nesterov_with_delay_1_matches_hand_computed_nesterov():
+    fo = FragmentOptimizer(delayed_nesterov(0.5, 0.9, 1))
+    (p1, p2), _ = run(fo, f32(1.0, 2.0), [f32(0.1, 0.2), f32(0.3, -0.1)])
+    # Same numbers as test_nesterov_matches_hand_computed_two_steps.
+    np.testing.assert_allclose(p1, [0.905, 1.81], rtol=1e-6)
+    np.testing.assert_allclose(p2, [0.5795, 1.824], rtol=1e-6)
+
+
+def test_delayed_nesterov_group_of_n_is_one_nesterov_step_on_the_mean():
+    lr, mu = 0.7, 0.9
+    fo = FragmentOptimizer(make_outer_optimizer("delayed-nesterov", lr=lr, momentum=mu, delay=3))
+    traj, state = run(fo, f32(0.0), [f32(1.0)] * 6)
+    first = -0.7 * (0.9 * 1.0 + 1.0)  # m' = 0.9*0 + 1 = 1: -1.33 in total
+    second = -0.7 * (0.9 * 1.9 + 1.0)  # m'' = 0.9*1 + 1 = 1.9
+    want = [-0.7 / 3, -1.4 / 3, first, first - 0.7 / 3, first - 1.4 / 3, first + second]
+    np.testing.assert_allclose(np.concatenate(traj), want, rtol=1e-6)
+    assert abs(first - -1.33) < 1e-12  # not -2.73, the old rule's -0.7*3 - 0.7*(0.9 + 1)
+    count, momentum, accumulator = fo.state_to_arrays(state)
+    assert int(count) == 0
+    np.testing.assert_allclose(momentum, [1.9], rtol=1e-6)
+    np.testing.assert_array_equal(accumulator, [0.0])
+
+
+def test_delayed_nesterov_steps_on_the_mean_not_the_last_contribution():
+    fo = FragmentOptimizer(make_outer_optimizer("delayed-nesterov", lr=0.7, momentum=0.9, delay=3))
+    traj, _ = run(fo, f32(0.0), [f32(1.0), f32(2.0), f32(6.0)])
+    # mean 3: m' = 3, total -0.7*(0.9*3 + 3) = -3.99; in between -0.7*1/3, then -0.7*(1+2)/3.
+    np.testing.assert_allclose(np.concatenate(traj), [-0.7 / 3, -0.7, -3.99], rtol=1e-6)
 
 
 def test_delayed_nesterov_moves_momentum_only_every_n_contributions():
@@ -88,8 +122,10 @@ def test_delayed_nesterov_moves_momentum_only_every_n_contributions():
         count, momentum, _ = fo.state_to_arrays(state)
         momenta.append(momentum)
         if len(momenta) < n:
-            # In between: a plain lr-scaled step, momentum untouched.
-            np.testing.assert_allclose(params, before - lr * d, rtol=1e-6)
+            # In between: a plain step of 1/n of the contribution, momentum untouched. (This
+            # test used to pin `before - lr * d`, a full step per contribution on top of the
+            # Nesterov step at the n-th, so a group moved about n+1 steps instead of one.)
+            np.testing.assert_allclose(params, before - lr * d / n, rtol=1e-6)
             np.testing.assert_array_equal(momentum, [0.0, 0.0])
     avg = (deltas[0] + deltas[1] + deltas[2]) / n
     np.testing.assert_allclose(momenta[2], avg, rtol=1e-6)
@@ -187,6 +223,80 @@ def test_merge_deltas_validates(deltas, weights, out, match):
         merge_deltas(deltas, weights, out=out)
 
 
+def misaligned_copy(values):
+    """A C-contiguous, writable float32 copy whose data is 4 bytes off a 64-byte boundary."""
+    raw = aligned_float32(len(values) + 16)
+    out = raw[1 : 1 + len(values)]
+    out[...] = values
+    assert out.ctypes.data % 64 == 4 and out.flags.c_contiguous and out.flags.writeable
+    return out
+
+
+def test_aligned_float32_is_aligned_and_writable():
+    for size, align in [(1, 64), (1000, 64), (7, 128)]:
+        buf = aligned_float32(size, align)
+        assert buf.ctypes.data % align == 0 and buf.shape == (size,) and buf.dtype == np.float32
+        assert buf.flags.writeable and buf.flags.c_contiguous
+
+
+@pytest.mark.parametrize("name, lr, momentum, delay", GOLDEN_CONFIGS)
+def test_fragment_step_is_the_donating_step_bit_for_bit(name, lr, momentum, delay):
+    tx = make_outer_optimizer(name, lr=lr, momentum=momentum, delay=delay)
+    fo = FragmentOptimizer(tx)
+    assert isinstance(fo.donating, DonatingStep)
+    direct = DonatingStep(tx)
+    rng = np.random.default_rng(5)
+    params = rng.standard_normal(40).astype(np.float32)
+    p_fo, s_fo = params, fo.init(params)
+    p_d, s_d = jnp.array(params), tx.init(jnp.array(params))
+    for _ in range(7):
+        merged = aligned_float32(40)
+        merged[...] = 0.1 * rng.standard_normal(40)
+        p_fo, s_fo = fo.step(p_fo, s_fo, merged)
+        p_d, s_d = direct(p_d, s_d, merged)
+        np.testing.assert_array_equal(p_fo, np.asarray(p_d))
+    for a, b in zip(jax.tree.leaves(s_fo), jax.tree.leaves(s_d), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_donating_step_donates_and_fragment_step_does_not_consume():
+    tx = make_outer_optimizer("delayed-nesterov", delay=2)
+    params = np.arange(8, dtype=np.float32)
+    merged = aligned_float32(8)
+    merged[...] = 1.0
+    direct = DonatingStep(tx)
+    p, s = jnp.array(params), tx.init(jnp.array(params))
+    new_p, _ = direct(p, s, merged)
+    assert p.is_deleted()  # donated: updated in place
+    fo = FragmentOptimizer(tx)
+    state = fo.init(params)
+    once, _ = fo.step(params, state, merged)
+    again, _ = fo.step(params, state, merged)  # same inputs still usable
+    np.testing.assert_array_equal(once, again)
+    np.testing.assert_array_equal(once, np.asarray(new_p))
+    np.testing.assert_array_equal(params, np.arange(8, dtype=np.float32))
+
+
+def test_donated_step_with_non_aligned_merged_buffer():
+    tx = make_outer_optimizer("nesterov", lr=0.5, momentum=0.9)
+    fo = FragmentOptimizer(tx)
+    params = f32(1.0, 2.0)
+    # Hand-computed as in test_nesterov_matches_hand_computed_two_steps.
+    p1, s1 = fo.step(params, fo.init(params), misaligned_copy([0.1, 0.2]))
+    np.testing.assert_allclose(p1, [0.905, 1.81], rtol=1e-6)
+    read_only = f32(0.3, -0.1)
+    read_only.flags.writeable = False
+    strided = f32(0.3, 0.0, -0.1)[::2]
+    for merged in (misaligned_copy([0.3, -0.1]), read_only, strided):
+        p2, _ = fo.step(p1, s1, merged)
+        np.testing.assert_allclose(p2, [0.5795, 1.824], rtol=1e-6)
+    # DonatingStep itself takes an unaligned buffer too (JAX copies it instead of aliasing).
+    direct = DonatingStep(tx)
+    q1, t1 = direct(jnp.array(params), tx.init(jnp.array(params)), misaligned_copy([0.1, 0.2]))
+    q2, _ = direct(q1, t1, misaligned_copy([0.3, -0.1]))
+    np.testing.assert_allclose(np.asarray(q2), [0.5795, 1.824], rtol=1e-6)
+
+
 def golden_run(name, lr, momentum, delay, params, deltas):
     fo = FragmentOptimizer(make_outer_optimizer(name, lr=lr, momentum=momentum, delay=delay))
     trajectory, state = run(
@@ -237,3 +347,19 @@ def test_golden_trajectories():
             )
         for want, have in zip(case["state"], got["state"], strict=True):
             np.testing.assert_array_equal(np.array(have), np.array(want))
+
+
+def test_golden_delayed_nesterov_groups_are_nesterov_steps_on_the_mean():
+    """Pins the golden file itself (written by the code) to the rule, in float64 numpy."""
+    golden = json.loads(GOLDEN.read_text())
+    deltas = np.array(golden["deltas"], np.float64)
+    for case in golden["cases"]:
+        if case["delay"] == 1:
+            continue
+        lr, mu, n = case["lr"], case["momentum"], case["delay"]
+        p, m = np.array(golden["params"], np.float64), np.zeros(deltas.shape[1])
+        for end in range(n, len(deltas) + 1, n):
+            mean = deltas[end - n : end].mean(axis=0)
+            m = mu * m + mean
+            p = p - lr * (mu * m + mean)
+            np.testing.assert_allclose(case["params"][end - 1], p, rtol=1e-5, atol=1e-6)

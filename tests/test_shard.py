@@ -222,3 +222,40 @@ def test_run_shard_logs_serving_and_returns_zero(tmp_path, caplog, peer):
         thread.join(30)
     assert result == [0]
     assert any(f"shard 0 serving on tcp://127.0.0.1:{port}" in r.message for r in caplog.records)
+
+
+def test_sync_merge_through_the_sockets_adds_an_islands_increments(start_shard, peer):
+    # Island a pushes two increments d1, d2 before b pushes dB; uniform weights, no staleness
+    # decay, SGD lr 1: the published version is G0 - ((d1 + d2) + dB) / 2 (DiLoCo's mean over
+    # islands of their whole work), computed here by hand in float64.
+    shard = start_shard(
+        mode="sync",
+        weighting="uniform",
+        staleness_exponent=0.0,
+        outer_optimizer="sgd",
+        outer_lr=1.0,
+        downlink="float32",
+        **SLOW_HB,
+    )
+    a, plan, flat = init_shard(peer, shard)
+    b = peer(shard.router, "b")
+    b.hello()
+    size = plan.fragments[0].size
+    d1, d2, db = (
+        np.random.default_rng(s).standard_normal(size).astype(np.float32) for s in (1, 2, 3)
+    )
+    for p, rnd, d in ((a, 1, d1), (a, 2, d2), (b, 1, db)):
+        ack, _ = p.request(push_header(plan, p.island, rnd, 0), delta_frames(d))
+        assert ack["outcome"] == "accepted" and ack["merged_version"] == 1, ack
+    for _ in range(200):  # the step follows the last push within a loop turn
+        reply, values = snapshot(a, 0)
+        if reply["version"] == 1:
+            break
+        threading.Event().wait(0.01)
+    assert reply["version"] == 1
+    g0 = plan.gather(flat, 0).astype(np.float64)
+    expected = g0 - ((d1.astype(np.float64) + d2) + db) / 2
+    np.testing.assert_allclose(values, expected, rtol=0, atol=1e-5)
+    assert a.status()["credited_tokens"] == pytest.approx(
+        {"a": 2000 * size / plan.total_size, "b": 1000 * size / plan.total_size}, abs=1e-2
+    )

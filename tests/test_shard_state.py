@@ -100,8 +100,8 @@ def test_staleness_weights_down_an_old_base_version():
     push(state, plan, "a", 2, base=1, v=da)  # fresh
     push(state, plan, "b", 1, base=0, v=db)  # one version stale
     _, update = state.step(0, T0)
-    wa, wb = 1.0, 2**-0.5
-    g = (wa * da.astype(np.float64) + wb * db) / (wa + wb)
+    # equal work (1000 tokens, 10 steps): w = 1/2 each; g(0) = 1, g(1) = 2^-0.5 (absolute)
+    g = 0.5 * da.astype(np.float64) + 0.5 * 2**-0.5 * db
     np.testing.assert_allclose(update.values, start - g, rtol=1e-5, atol=1e-7)
     assert state.counters.staleness == {0: 2, 1: 1}
 

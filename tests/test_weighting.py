@@ -1,8 +1,10 @@
-"""Merge weighting: the named weightings, building blocks, validation and normalization."""
+"""Merge weighting: work weights f, absolute staleness factors g, per-island grouping.
+
+Every expected value here is computed by hand in the test.
+"""
 
 from collections import namedtuple
 
-import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -10,13 +12,14 @@ from hypothesis import strategies as st
 from paramserver.weighting import (
     WEIGHTINGS,
     WeightingError,
+    island_shares,
     make_weighting,
-    normalized_weights,
+    merge_coefficients,
     polynomial_staleness,
     token_weight,
 )
 
-Contribution = namedtuple("Contribution", "tokens steps base_version")
+Contribution = namedtuple("Contribution", "island tokens steps base_version")
 
 
 def test_building_blocks():
@@ -26,34 +29,28 @@ def test_building_blocks():
     assert polynomial_staleness(3, 0.0) == 1.0
 
 
-def test_default_is_tokens_squared_over_steps_times_staleness_decay():
-    w = make_weighting()
-    assert w(100, 4, 0) == 2500.0
-    assert w(100, 4, 3) == pytest.approx(1250.0)
-    w1 = make_weighting("default", staleness_exponent=1.0)
-    assert w1(100, 4, 4) == pytest.approx(500.0)
-
-
 @pytest.mark.parametrize(
-    "name, expected",
-    [("uniform", 1.0), ("tokens", 100.0), ("no-staleness", 2500.0)],
+    "name, work, factor_at_3",
+    [
+        ("default", 2500.0, 0.5),  # f = 100^2/4, g(3) = 4^-0.5
+        ("uniform", 1.0, 0.5),  # f = 1, staleness still applies
+        ("tokens", 100.0, 0.5),  # f = tokens
+        ("no-staleness", 2500.0, 1.0),  # g = 1
+    ],
 )
-def test_named_weightings_ignore_what_they_should(name, expected):
+def test_named_weightings(name, work, factor_at_3):
     w = make_weighting(name)
-    assert w(100, 4, 0) == expected
-    assert w(100, 4, 9) == expected
+    assert w.work(100, 4) == work
+    assert w.staleness_factor(0) == 1.0
+    assert w.staleness_factor(3) == pytest.approx(factor_at_3)
+
+
+def test_exponent_one():
+    assert make_weighting("default", 1.0).staleness_factor(4) == pytest.approx(0.2)
 
 
 def test_tokens_weighting_ignores_steps():
-    assert make_weighting("tokens")(100, 1, 0) == make_weighting("tokens")(100, 50, 0)
-
-
-def test_staler_and_smaller_contributions_weigh_less():
-    w = make_weighting()
-    assert w(100, 10, 5) < w(100, 10, 1) < w(100, 10, 0)
-    assert w(50, 10, 0) < w(100, 10, 0)
-    # Same tokens in fewer steps (bigger batches) count more.
-    assert w(100, 20, 0) < w(100, 10, 0)
+    assert make_weighting("tokens").work(100, 1) == make_weighting("tokens").work(100, 50)
 
 
 def test_unknown_name_lists_valid_names():
@@ -63,7 +60,7 @@ def test_unknown_name_lists_valid_names():
         assert name in str(err.value)
 
 
-@pytest.mark.parametrize("exponent", [-0.5, float("nan"), float("inf"), "1"])
+@pytest.mark.parametrize("exponent", [-0.5, float("nan"), float("inf"), "1", True])
 def test_bad_exponent(exponent):
     with pytest.raises(WeightingError, match="staleness_exponent"):
         make_weighting("default", staleness_exponent=exponent)
@@ -73,51 +70,85 @@ def test_bad_exponent(exponent):
 @pytest.mark.parametrize(
     "args, match",
     [
-        ((0, 1, 0), "tokens=0"),
-        ((-5, 1, 0), "tokens=-5"),
-        ((10, 0, 0), "steps=0"),
-        ((10, 1, -1), "staleness=-1"),
-        ((float("nan"), 1, 0), "tokens=nan"),
-        ((10, 1, float("inf")), "staleness=inf"),
+        ((0, 1), "tokens=0"),
+        ((-5, 1), "tokens=-5"),
+        ((10, 0), "steps=0"),
+        ((float("nan"), 1), "tokens=nan"),
     ],
 )
-def test_every_weighting_validates_its_inputs(name, args, match):
+def test_work_validates_its_inputs(name, args, match):
     with pytest.raises(WeightingError, match=match):
-        make_weighting(name)(*args)
+        make_weighting(name).work(*args)
 
 
-def test_normalized_weights_accepts_objects_and_tuples():
-    w = make_weighting()
-    contributions = [Contribution(100, 4, 10), (100, 4, 7)]
-    got = normalized_weights(w, contributions, current_version=10)
-    # staleness 0 and 3 -> raw 2500 and 1250
-    np.testing.assert_allclose(got, [2 / 3, 1 / 3])
-    assert got.sum() == pytest.approx(1.0)
+@pytest.mark.parametrize("staleness, match", [(-1, "staleness=-1"), (float("inf"), "inf")])
+def test_staleness_factor_validates(staleness, match):
+    with pytest.raises(WeightingError, match=match):
+        make_weighting().staleness_factor(staleness)
 
 
-def test_normalized_weights_uniform():
-    got = normalized_weights(make_weighting("uniform"), [(1, 1, 0)] * 4, current_version=3)
-    np.testing.assert_allclose(got, [0.25] * 4)
+def test_one_islands_increments_are_summed_not_averaged():
+    # island a pushed twice (bases 10 and 9), island b once; uniform f, g = 1
+    contributions = [("a", 100, 4, 10), ("b", 50, 2, 10), ("a", 300, 6, 9)]
+    coefficients, shares = merge_coefficients(
+        make_weighting("uniform", 0.0), contributions, current_version=10
+    )
+    # two islands: each island's summed delta counts 1/2
+    assert coefficients == [0.5, 0.5, 0.5]
+    a = next(s for s in shares if s.island == "a")
+    assert (a.tokens, a.steps, a.staleness) == (400, 10, 1)  # oldest base 9
 
 
-def test_normalized_weights_rejects_future_base_and_empty():
+def test_default_weights_islands_by_summed_work_and_oldest_base():
+    contributions = [Contribution("a", 100, 4, 10), Contribution("a", 100, 4, 10)]
+    contributions.append(Contribution("b", 100, 4, 7))
+    coefficients, shares = merge_coefficients(make_weighting(), contributions, current_version=10)
+    # a: tokens 200, steps 8 -> f = 5000, staleness 0 -> g 1
+    # b: tokens 100, steps 4 -> f = 2500, staleness 3 -> g 0.5
+    # w_a = 2/3, w_b = 1/3; coefficients w*g
+    assert coefficients == pytest.approx([2 / 3, 2 / 3, 1 / 6])
+    assert [s.island for s in shares] == ["a", "b"]
+    assert shares[1].factor == pytest.approx(0.5)
+
+
+def test_a_lone_stale_delta_keeps_its_staleness_factor():
+    coefficients, _ = merge_coefficients(make_weighting(), [("a", 10, 1, 1)], current_version=4)
+    assert coefficients == pytest.approx([0.5])  # (1 + 3)^-0.5, not renormalised to 1
+    coefficients, _ = merge_coefficients(
+        make_weighting("no-staleness"), [("a", 10, 1, 1)], current_version=4
+    )
+    assert coefficients == [1.0]
+
+
+def test_equally_stale_deltas_do_not_cancel_the_factor():
+    contributions = [("a", 10, 1, 0), ("b", 10, 1, 0)]
+    coefficients, _ = merge_coefficients(make_weighting(), contributions, current_version=8)
+    assert coefficients == pytest.approx([0.5 / 3, 0.5 / 3])  # w = 1/2, g(8) = 1/3
+
+
+def test_rejects_future_base_and_empty():
     with pytest.raises(WeightingError, match="base_version=6 is newer than current_version=5"):
-        normalized_weights(make_weighting(), [(1, 1, 6)], current_version=5)
+        island_shares(make_weighting(), [("a", 1, 1, 6)], current_version=5)
     with pytest.raises(WeightingError, match="no contributions"):
-        normalized_weights(make_weighting(), [], current_version=5)
+        island_shares(make_weighting(), [], current_version=5)
 
 
 @settings(max_examples=100, deadline=None)
 @given(
     st.sampled_from(WEIGHTINGS),
     st.lists(
-        st.tuples(st.integers(1, 10**7), st.integers(1, 10**4), st.integers(0, 50)),
+        st.tuples(
+            st.sampled_from("abcd"),
+            st.integers(1, 10**7),
+            st.integers(1, 10**4),
+            st.integers(0, 50),
+        ),
         min_size=1,
         max_size=10,
     ),
 )
-def test_normalized_weights_sum_to_one(name, contributions):
-    got = normalized_weights(make_weighting(name), contributions, current_version=50)
-    assert got.shape == (len(contributions),)
-    assert np.all(got > 0)
-    assert got.sum() == pytest.approx(1.0)
+def test_work_weights_sum_to_one_and_factors_are_at_most_one(name, contributions):
+    shares = island_shares(make_weighting(name), contributions, current_version=50)
+    assert len(shares) == len({c[0] for c in contributions})
+    assert sum(s.weight for s in shares) == pytest.approx(1.0)
+    assert all(0 < s.factor <= 1 for s in shares)
