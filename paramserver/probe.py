@@ -1,8 +1,11 @@
-"""Asking running shards for their status over the wire (for `diloco-server status` and metrics).
+"""Asking running shards for their status and parameters over the wire (read-only operator queries).
 
 This module owns the read-only queries an operator tool makes: one `status`
-request per shard, and learning the cluster map from the shard it was
-pointed at. Every request has a finite timeout; nothing here keeps state.
+request per shard, learning the cluster map (and plan) from the shard it was
+pointed at, waiting until every acked delta is merged (`wait_merged`), and
+reading the global parameters from the owning shards' snapshots
+(`global_params`, what the final evaluation of a run reads). Every request has
+a finite timeout; nothing here keeps state, and nothing imports JAX.
 
 The cluster map comes from the `status` reply when it lists `endpoints`,
 otherwise from a `welcome` (hello, immediately followed by bye, under an
@@ -14,15 +17,24 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import threading
+import time
 from typing import Any
 
+import numpy as np
 import zmq
 
+import codec
 from paramserver import protocol
+from paramserver.plan import Plan, PlanError
 
 logger = logging.getLogger(__name__)
 
 _IDS = itertools.count(1)
+
+
+def _island() -> str:
+    return f"diloco-status-{os.getpid()}"
 
 
 class ProbeError(RuntimeError):
@@ -32,6 +44,13 @@ class ProbeError(RuntimeError):
 def _request(
     ctx: zmq.Context, endpoint: str, header: dict[str, Any], timeout_s: float
 ) -> dict[str, Any]:
+    return _exchange(ctx, endpoint, header, timeout_s)[0]
+
+
+def _exchange(
+    ctx: zmq.Context, endpoint: str, header: dict[str, Any], timeout_s: float
+) -> tuple[dict[str, Any], list[Any]]:
+    """One request, its reply header and payload frames; `rejected` raises ProbeError."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -45,7 +64,7 @@ def _request(
                     f"no reply from {endpoint} within {timeout_s:g}s: is the server running there?"
                 )
             try:
-                reply, _ = protocol.unpack(sock.recv_multipart(), protocol.REPLY)
+                reply, payload = protocol.unpack(sock.recv_multipart(), protocol.REPLY)
             except protocol.ProtocolError as exc:
                 raise ProbeError(f"{endpoint} sent an unusable reply: {exc}") from None
             if reply.get("id") == rid:
@@ -54,7 +73,7 @@ def _request(
             raise ProbeError(
                 f"{endpoint} refused {header['kind']}: {reply['reason']}: {reply['detail']}"
             )
-        return reply
+        return reply, payload
     except zmq.ZMQError as exc:
         raise ProbeError(f"cannot reach {endpoint}: {exc}") from None
     finally:
@@ -98,14 +117,22 @@ def cluster_endpoints(
     Raises:
         ProbeError: no usable answer.
     """
-    island = f"diloco-status-{os.getpid()}"
-    welcome = _request(ctx, connect, {"kind": "hello", "island": island}, timeout_s)
+    return _endpoints_of(_welcome(ctx, connect, timeout_s), connect)
+
+
+def _welcome(ctx: zmq.Context, connect: str, timeout_s: float) -> dict[str, Any]:
+    """The welcome of the shard at `connect` (hello, then bye at once)."""
+    welcome = _request(ctx, connect, {"kind": "hello", "island": _island()}, timeout_s)
     try:
-        _request(ctx, connect, {"kind": "bye", "island": island}, timeout_s)
+        _request(ctx, connect, {"kind": "bye", "island": _island()}, timeout_s)
     except ProbeError as exc:
         logger.debug("bye after status hello failed: %s", exc)
     if welcome["kind"] != "welcome":
         raise ProbeError(f"{connect} answered hello with {welcome['kind']!r}")
+    return welcome
+
+
+def _endpoints_of(welcome: dict[str, Any], connect: str) -> list[tuple[str, str]]:
     endpoints = [(str(r), str(p)) for r, p in welcome["endpoints"]]
     index = welcome["shard"]
     if 0 <= index < len(endpoints):
@@ -144,5 +171,154 @@ def cluster_status(connect: str, timeout_s: float = 5.0) -> dict[str, Any]:
             except ProbeError as exc:
                 shards.append({"shard": index, "endpoint": router, "error": str(exc)})
         return {"connect": connect, "shards": shards}
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _not_initialized(connect: str) -> ProbeError:
+    return ProbeError(
+        f"the cluster at {connect} is not initialized: no island has joined it yet, so there "
+        "are no global parameters; start an island first"
+    )
+
+
+def _pending_of(shards: list[dict[str, Any]]) -> list[str]:
+    """What keeps the cluster from being fully merged, one phrase per shard ([] = merged)."""
+    waiting = []
+    for s in shards:
+        where = f"shard {s.get('shard', '?')} ({s.get('endpoint', '?')})"
+        if "error" in s:
+            waiting.append(f"{where}: {s['error']}")
+            continue
+        busy = {f: n for f, n in dict(s.get("pending", {})).items() if n}
+        if busy:
+            frags = ", ".join(f"fragment {f}: {n}" for f, n in sorted(busy.items()))
+            waiting.append(f"{where} has unmerged deltas ({frags})")
+    return waiting
+
+
+def wait_merged(
+    connect: str,
+    timeout_s: float,
+    stop: threading.Event | None = None,
+    poll_s: float = 0.1,
+) -> dict[str, Any]:
+    """Wait until every shard reports no pending (acked but unmerged) delta on any fragment.
+
+    The cluster map is learnt once (one welcome); then every shard's `status` is
+    polled every `poll_s` seconds. Call it after every island has flushed (stopped):
+    then nothing new arrives, and "nothing pending" means every acked delta is in
+    the global parameters.
+
+    Args:
+        connect: ROUTER endpoint of any shard (normally shard 0).
+        timeout_s: give up after this many seconds.
+        stop: optional event; once set, waiting ends with ProbeError.
+        poll_s: seconds between polls.
+
+    Returns:
+        The final cluster status, as `cluster_status` returns it:
+        {"connect": connect, "shards": [status dict + "endpoint" per shard]}.
+
+    Raises:
+        ProbeError: the cluster is unreachable or not initialized, `stop` was set,
+            or deltas are still pending (named per shard and fragment) at the timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    request_s = max(0.5, min(5.0, timeout_s))
+    ctx = zmq.Context()
+    try:
+        endpoints = cluster_endpoints(ctx, connect, request_s)
+        while True:
+            shards = []
+            for index, (router, _pub) in enumerate(endpoints):
+                try:
+                    shards.append({**shard_status(ctx, router, request_s), "endpoint": router})
+                except ProbeError as exc:
+                    shards.append({"shard": index, "endpoint": router, "error": str(exc)})
+            if any(s.get("initialized") is False for s in shards):
+                raise _not_initialized(connect)
+            waiting = _pending_of(shards)
+            if not waiting:
+                return {"connect": connect, "shards": shards}
+            if stop is not None and stop.is_set():
+                raise ProbeError("stopped while waiting for the merge: " + "; ".join(waiting))
+            if time.monotonic() >= deadline:
+                raise ProbeError(f"not merged within {timeout_s:g}s: " + "; ".join(waiting))
+            if stop is not None:
+                stop.wait(poll_s)
+            else:
+                time.sleep(poll_s)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _fragment_values(
+    ctx: zmq.Context, router: str, fragment: int, size: int, timeout_s: float
+) -> tuple[int, np.ndarray]:
+    """(version, 1-D float32 values) of one fragment, from a snapshot of its owning shard."""
+    header = {"kind": "snapshot", "island": _island(), "fragment": fragment}
+    reply, payload = _exchange(ctx, router, header, timeout_s)
+    if reply["kind"] != "snapshot_reply" or reply["fragment"] != fragment:
+        raise ProbeError(
+            f"{router} answered the snapshot of fragment {fragment} with {reply['kind']!r}"
+        )
+    try:
+        tree = codec.decode(payload)
+    except codec.CodecError as exc:
+        raise ProbeError(
+            f"{router} sent an undecodable snapshot of fragment {fragment}: {exc}"
+        ) from None
+    values = np.asarray(tree.get("values", np.empty(0)), dtype=np.float32)
+    if values.shape != (size,):
+        raise ProbeError(
+            f"{router} sent fragment {fragment} with shape {values.shape}; the plan says ({size},)"
+        )
+    return int(reply["version"]), values
+
+
+def global_params(
+    connect: str, timeout_s: float = 5.0
+) -> tuple[Plan, dict[str, np.ndarray], dict[int, int]]:
+    """The global parameters, read from a snapshot of every fragment on its owning shard.
+
+    The plan and the cluster map come from one welcome of the shard at `connect`.
+
+    Args:
+        connect: ROUTER endpoint of any shard (normally shard 0).
+        timeout_s: per-request timeout.
+
+    Returns:
+        (plan, flat params {leaf path: float32 array of the leaf's shape}, versions
+        {fragment: version of the values read}).
+
+    Raises:
+        ProbeError: a shard did not answer, the cluster is not initialized, or a
+            plan or snapshot is unusable.
+    """
+    ctx = zmq.Context()
+    try:
+        welcome = _welcome(ctx, connect, timeout_s)
+        if not welcome["initialized"] or welcome.get("plan") is None:
+            raise _not_initialized(connect)
+        try:
+            plan = Plan.from_wire(welcome["plan"])
+        except PlanError as exc:
+            raise ProbeError(f"{connect} sent an unusable plan: {exc}") from None
+        endpoints = _endpoints_of(welcome, connect)
+        if len(endpoints) != plan.num_shards:
+            raise ProbeError(
+                f"{connect} lists {len(endpoints)} shard endpoints but the plan has "
+                f"{plan.num_shards} shards"
+            )
+        flat = {leaf.path: np.empty(leaf.shape, np.float32) for leaf in plan.leaves}
+        versions = {}
+        for frag in plan.fragments:  # the fragments cover every element exactly once
+            router = endpoints[frag.shard][0]
+            versions[frag.index], values = _fragment_values(
+                ctx, router, frag.index, frag.size, timeout_s
+            )
+            plan.scatter(frag.index, values, flat)
+        return plan, flat, versions
     finally:
         ctx.destroy(linger=0)

@@ -98,3 +98,10 @@ def test_bad_token_shapes_are_rejected():
         model.loss_fn(params, jnp.zeros((2, 5), jnp.float32), TINY)
     with pytest.raises(model.ModelConfigError, match="seed"):
         model.init_params(TINY, "0")
+
+
+def test_every_configurable_model_name_has_a_config():
+    from worker.config import MODEL_NAMES
+    from worker.model import MODEL_CONFIGS
+
+    assert tuple(MODEL_CONFIGS) == MODEL_NAMES

@@ -1,12 +1,21 @@
-"""`diloco-worker`: start, stop and inspect one island daemon.
+"""`diloco-worker`: start, stop and inspect one island daemon; evaluate the global model.
 
     diloco-worker start --connect tcp://HOST:PORT --island NAME [--speed F]
                         [--model tiny|small|base] [--config FILE] [--detach --data-dir D]
     diloco-worker stop --data-dir D
     diloco-worker status --data-dir D [--json]
+    diloco-worker eval --connect tcp://HOST:PORT [--wait-s 120] [--json]
+                       [--model ... --seq-len ... --batch-size ... --eval-batches ...
+                        --data ... --heldout-fraction ... --data-shards ... --config FILE]
+
+`eval` is the final evaluation of a run (DESIGN.md, "What counts as useful work"):
+once every island has stopped, it waits until no shard holds a pending delta,
+reads the global parameters from the shards and evaluates them once on the
+common held-out set; run it with the islands' model and data settings.
 
 Settings: defaults <- TOML file (--config; keys at top level or under [worker])
 <- environment (DILOCO_WORKER_<FIELD>) <- flags. Every IslandConfig field is a flag.
+`stop` and `status` import no JAX.
 """
 
 from __future__ import annotations
@@ -42,6 +51,25 @@ def _parser() -> argparse.ArgumentParser:
     status = sub.add_parser("status", help="show an island's progress")
     status.add_argument("--data-dir", required=True, help="the island's data directory")
     status.add_argument("--json", action="store_true", help="print JSON")
+    evaluate = sub.add_parser(
+        "eval",
+        help="final eval loss: wait until merged, read the global model, evaluate it once",
+        description="Wait until every shard has merged every acked delta, read the global "
+        "parameters from the shards and evaluate them once on the common held-out set. "
+        "Run it after the islands stopped, with their model and data settings.",
+    )
+    evaluate.add_argument(
+        "--connect", required=True, help="ROUTER endpoint of any shard, e.g. tcp://HOST:5555"
+    )
+    evaluate.add_argument(
+        "--wait-s",
+        type=float,
+        default=120.0,
+        help="seconds to wait for pending deltas to be merged (default 120)",
+    )
+    evaluate.add_argument("--json", action="store_true", help="print one JSON line")
+    evaluate.add_argument("--config", help="TOML file with island settings (model, data, ...)")
+    settings.add_flags(evaluate, IslandConfig, exclude=("connect",))
     return parser
 
 
@@ -123,6 +151,31 @@ def _status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _eval(args: argparse.Namespace) -> int:
+    cfg = _load_config(args)
+    if not args.wait_s >= 0:
+        raise ValueError(f"--wait-s must be >= 0, got {args.wait_s!r}")
+    from worker import evaluate  # imports JAX: only for eval
+
+    try:
+        result = evaluate.evaluate_global(cfg, cfg.connect, args.wait_s)
+    except evaluate.EvalError as exc:
+        print(f"diloco-worker eval: {exc}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(result, sort_keys=True))
+        return 0
+    line = (
+        f"eval_loss {result['eval_loss']:.4f} nats/byte (model {cfg.model}, "
+        f"{cfg.eval_batches} x {cfg.batch_size} x {cfg.seq_len} held-out tokens) at "
+        f"version sum {result['version_sum']} over {len(result['versions'])} fragments"
+    )
+    if "tokens_merged" in result:
+        line += f", tokens merged {result['tokens_merged']}"
+    print(line)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     """Entry point of `diloco-worker`; returns the exit code (2 for bad settings)."""
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -134,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
             pid = daemon.stop(args.data_dir, timeout_s=args.timeout)
             print(f"island stopped (pid {pid})")
             return 0
+        if args.command == "eval":
+            return _eval(args)
         return _status(args)
     except (settings.SettingsError, ValueError) as exc:
         print(f"diloco-worker: {exc}", file=sys.stderr)

@@ -10,9 +10,9 @@ import dataclasses
 import math
 
 from worker.exchange import MERGE_RULES
-from worker.model import MODEL_CONFIGS
 
 CODECS = ("int8", "int4", "float32", "bfloat16")
+MODEL_NAMES = ("tiny", "small", "base")  # worker.model.MODEL_CONFIGS defines each (imports JAX)
 
 
 class IslandConfigError(ValueError):
@@ -60,8 +60,8 @@ class IslandConfig:
         def bad(field: str, rule: str) -> IslandConfigError:
             return IslandConfigError(f"{field} {rule}, got {getattr(self, field)!r}")
 
-        if self.model not in MODEL_CONFIGS:
-            raise bad("model", f"must be one of {', '.join(MODEL_CONFIGS)}")
+        if self.model not in MODEL_NAMES:
+            raise bad("model", f"must be one of {', '.join(MODEL_NAMES)}")
         if self.codec not in CODECS:
             raise bad("codec", f"must be one of {', '.join(CODECS)}")
         if self.merge_rule not in MERGE_RULES:

@@ -91,6 +91,38 @@ def make_apply_step(tx, params):
     return jax.jit(apply_step, donate_argnums=(0, 1))
 
 
+def warmup(grad_step, apply_step, eval_step, params, opt_state, batch_size: int, seq_len: int):
+    """Compile the grad, apply and eval steps before anything is timed; no state changes.
+
+    Runs grad + apply twice on device copies of `params` / `opt_state` (apply donates
+    them; the second round takes the first round's outputs, the signature of every
+    later step) with a zero batch and a zero gradient, and the eval step once.
+
+    Args:
+        grad_step: from `make_grad_step`.
+        apply_step: from `make_apply_step`.
+        eval_step: jitted ``(params, tokens_BxT1) -> loss``.
+        params: the rank's parameter tree (not consumed).
+        opt_state: its optimizer state (not consumed).
+        batch_size: B of every batch.
+        seq_len: T (batches hold T + 1 tokens per row).
+
+    Returns:
+        Seconds the warm-up took.
+    """
+    import jax
+
+    t0 = time.monotonic()
+    zeros_BxT1 = np.zeros((batch_size, seq_len + 1), np.int32)
+    p, s = jax.tree_util.tree_map(lambda x: x.copy(), (params, opt_state))
+    for _ in range(2):
+        _loss, grad_P = grad_step(p, zeros_BxT1)
+        p, s = apply_step(p, s, np.zeros_like(np.asarray(grad_P)))
+    jax.block_until_ready((p, s))
+    jax.block_until_ready(eval_step(params, zeros_BxT1))
+    return time.monotonic() - t0
+
+
 class ReducerLink:
     """This rank's DEALER to the reducer, counting the bytes of every frame it moves."""
 
@@ -180,16 +212,23 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
     grad_step = make_grad_step(model_cfg)
     apply_step = make_apply_step(tx, params)
     eval_step = jax.jit(lambda p, t: model_lib.loss_fn(p, t, model_cfg))
+    compile_s = warmup(
+        grad_step, apply_step, eval_step, params, opt_state, cfg.batch_size, cfg.seq_len
+    )
+    logger.info("ddp rank %d: warm-up (compile) took %.2f s", rank, compile_s)
     pacer = Pacer(cfg.speed, cfg.jitter, seed)
     link = ReducerLink(cfg.connect, rank)
     metrics_path = data_dir / "metrics.jsonl"
     started = time.monotonic()
     busy_s = 0.0
     steps = 0
-    step_times: list[float] = []  # wall seconds of every step after the first (no compile)
+    step_times: list[float] = []  # wall seconds of every step after the first
+    evaluated: dict[int, float] = {}  # steps -> eval loss of the parameters after them
 
     def evaluate() -> float:
-        return float(np.mean([float(eval_step(params, b)) for b in eval_set]))
+        if steps not in evaluated:
+            evaluated[steps] = float(np.mean([float(eval_step(params, b)) for b in eval_set]))
+        return evaluated[steps]
 
     def append(row: dict[str, Any]) -> None:
         wall_s = time.monotonic() - started
@@ -241,7 +280,12 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
                 row["eval_global"] = evaluate()
             append(row)
             logger.info("ddp rank %d round %d loss %.3f", rank, round_index, row["loss"])
-        append({"round": round_index, "final": True})
+        final: dict[str, Any] = {"round": round_index, "final": True}
+        if rank == 0:
+            # The run's final eval loss: the final parameters, once, on the common held-out
+            # set (the definition the islands' `diloco-worker eval` uses), last point of the curve.
+            final["eval_global"] = evaluate()
+        append(final)
     finally:
         link.close()
     return 0

@@ -1,0 +1,250 @@
+"""The final global evaluation: probe.global_params / wait_merged and `diloco-worker eval`.
+
+Real shards serve in threads on random 127.0.0.1 ports; islands are real `Client`s;
+the CLI runs as a subprocess. No mocks.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+from conftest import free_port
+from shard_helpers import delta_frames, small_flat
+
+import codec
+from paramserver import probe
+from paramserver.client import Client, ClientConfig
+from paramserver.config import ShardConfig
+from paramserver.shard import ShardServer
+from worker import model as model_lib
+from worker.config import IslandConfig
+
+WAIT_S = 20.0
+ROOT = Path(__file__).resolve().parent.parent
+EVAL_FLAGS = ("--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2")
+
+
+class Cluster:
+    """N shards serving in threads; the endpoints they advertise match their binds."""
+
+    def __init__(self, tmp_path: Path, shards: int, **overrides) -> None:
+        settings = {"mode": "async", "heartbeat_interval_s": 0.2, **overrides}
+        cfg = ShardConfig(data_dir=str(tmp_path / "server"), fsync=False, shards=shards, **settings)
+        self.endpoints = [
+            (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
+            for _ in range(shards)
+        ]
+        self.stops, self.threads = [], []
+        for i, (router, pub) in enumerate(self.endpoints):
+            server = ShardServer(cfg, i, self.endpoints, router_bind=router, pub_bind=pub)
+            stop = threading.Event()
+            thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+            thread.start()
+            self.stops.append(stop)
+            self.threads.append(thread)
+            assert server.ready.wait(WAIT_S), "shard did not start"
+
+    @property
+    def connect(self) -> str:
+        return self.endpoints[0][0]
+
+    def stop(self) -> None:
+        for stop in self.stops:
+            stop.set()
+        for thread in self.threads:
+            thread.join(WAIT_S)
+            assert not thread.is_alive()
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made: list[Cluster] = []
+
+    def make(shards: int = 2, **overrides) -> Cluster:
+        made.append(Cluster(tmp_path, shards, **overrides))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.stop()
+
+
+@pytest.fixture
+def client():
+    made: list[Client] = []
+
+    def make(connect: str, island: str) -> Client:
+        cfg = ClientConfig(
+            connect=connect, island=island, heartbeat_interval_s=0.2, join_timeout_s=WAIT_S
+        )
+        made.append(Client(cfg))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.close(flush_timeout_s=1.0)
+
+
+def wait_for(predicate, what: str) -> None:
+    deadline = time.monotonic() + WAIT_S
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.01)
+
+
+def tiny_flat() -> dict[str, np.ndarray]:
+    params = model_lib.init_params(model_lib.MODEL_CONFIGS["tiny"], 0)
+    return codec.flatten(jax.tree_util.tree_map(np.asarray, params))
+
+
+def run_eval(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "worker.cli", "eval", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+
+
+# -- probe.global_params / wait_merged ---------------------------------------------
+
+
+@pytest.mark.timeout(60)
+def test_global_params_equal_the_joined_params_bit_for_bit(cluster, client):
+    c = cluster(2)
+    joined = client(c.connect, "a").join(small_flat(0))
+    plan, flat, versions = probe.global_params(c.connect)
+    assert plan.hash == joined.plan.hash and plan.num_shards == 2
+    assert versions == joined.versions
+    assert set(flat) == set(joined.params)
+    for name, value in joined.params.items():
+        assert flat[name].dtype == np.float32
+        np.testing.assert_array_equal(flat[name], value)
+
+
+@pytest.mark.timeout(60)
+def test_after_a_push_wait_merged_returns_and_global_params_read_the_new_version(cluster, client):
+    c = cluster(2)
+    a = client(c.connect, "a")
+    joined = a.join(small_flat(0))
+    frag = joined.plan.fragments_of(1)[0]  # a fragment on the second shard
+    delta = np.full(frag.size, 0.01, np.float32)
+    a.push(frag.index, 1, joined.versions[frag.index], 1000, 10, delta_frames(delta))
+    wait_for(lambda: a.stats()["acked"] == 1, "the ack")
+
+    status = probe.wait_merged(c.connect, timeout_s=WAIT_S)
+    assert len(status["shards"]) == 2
+    for shard in status["shards"]:
+        assert "error" not in shard and not any(shard["pending"].values())
+    _plan, flat, versions = probe.global_params(c.connect)
+    assert versions[frag.index] == joined.versions[frag.index] + 1
+    assert sum(versions.values()) == sum(sum(s["versions"].values()) for s in status["shards"])
+    moved = joined.plan.gather(flat, frag.index)
+    assert not np.array_equal(moved, joined.plan.gather(joined.params, frag.index))
+    updates: list = []
+    wait_for(lambda: updates.extend(a.poll_updates()) or updates, "the update")
+    (update,) = updates
+    np.testing.assert_array_equal(moved, update.values)  # what the islands see, bit for bit
+    for other in joined.plan.fragments:
+        if other.index != frag.index:
+            np.testing.assert_array_equal(
+                joined.plan.gather(flat, other.index),
+                joined.plan.gather(joined.params, other.index),
+            )
+
+
+@pytest.mark.timeout(60)
+def test_wait_merged_names_what_is_pending_then_returns_once_merged(cluster, client):
+    c = cluster(1, mode="sync")  # sync: a step waits for every live island
+    a, b = client(c.connect, "a"), client(c.connect, "b")
+    joined = a.join(small_flat(0))
+    b.join(small_flat(0))
+    size = joined.plan.fragments[0].size
+    a.push(0, 1, joined.versions[0], 100, 5, delta_frames(np.full(size, 0.1, np.float32)))
+    wait_for(lambda: a.stats()["acked"] == 1, "a's ack")
+    with pytest.raises(probe.ProbeError, match=r"not merged within 0.3s: shard 0 .*fragment 0: 1"):
+        probe.wait_merged(c.connect, timeout_s=0.3, poll_s=0.05)
+    stop = threading.Event()
+    stop.set()
+    with pytest.raises(probe.ProbeError, match="stopped while waiting"):
+        probe.wait_merged(c.connect, timeout_s=WAIT_S, stop=stop)
+
+    b.push(0, 1, joined.versions[0], 100, 5, delta_frames(np.full(size, 0.2, np.float32)))
+    status = probe.wait_merged(c.connect, timeout_s=WAIT_S, poll_s=0.05)
+    assert status["shards"][0]["pending"] == {"0": 0, "1": 0}
+    assert status["shards"][0]["versions"]["0"] == joined.versions[0] + 1
+
+
+@pytest.mark.timeout(60)
+def test_an_uninitialized_cluster_is_named_as_such(cluster):
+    c = cluster(2)
+    with pytest.raises(probe.ProbeError, match="not initialized: no island has joined"):
+        probe.global_params(c.connect)
+    with pytest.raises(probe.ProbeError, match="not initialized"):
+        probe.wait_merged(c.connect, timeout_s=1.0)
+
+
+@pytest.mark.timeout(30)
+def test_an_unreachable_shard_is_a_probe_error():
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    with pytest.raises(probe.ProbeError, match=f"no reply from {dead}"):
+        probe.global_params(dead, timeout_s=0.3)
+    with pytest.raises(probe.ProbeError, match="no reply"):
+        probe.wait_merged(dead, timeout_s=0.3)
+
+
+# -- worker.evaluate / diloco-worker eval --------------------------------------------
+
+
+@pytest.mark.timeout(180)
+def test_cli_eval_json_against_a_live_cluster_equals_the_in_process_evaluation(cluster, client):
+    from worker.evaluate import evaluate_global
+
+    c = cluster(2)
+    joined = client(c.connect, "a").join(tiny_flat())
+    proc = run_eval("--connect", c.connect, "--json", "--wait-s", "10", *EVAL_FLAGS)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert math.isfinite(result["eval_loss"]) and 4.0 < result["eval_loss"] < 7.0  # ~ln 256
+    assert result["versions"] == {str(f): v for f, v in joined.versions.items()}
+    assert result["version_sum"] == sum(joined.versions.values())
+    assert result["pending"] == 0
+
+    cfg = IslandConfig(model="tiny", batch_size=4, seq_len=32, eval_batches=2)
+    here = evaluate_global(cfg, c.connect, wait_s=10.0)
+    assert here == result  # same definition, same numbers (1 CPU device each)
+
+    text = run_eval("--connect", c.connect, "--wait-s", "10", *EVAL_FLAGS)
+    assert text.returncode == 0, text.stderr[-2000:]
+    assert text.stdout.startswith("eval_loss ") and "version sum" in text.stdout
+
+
+@pytest.mark.timeout(120)
+def test_cli_eval_errors_are_one_line_and_non_zero(cluster, client):
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    for args, code in (
+        (("--connect", dead, "--wait-s", "0.5"), 1),  # nobody there
+        (("--connect", "nonsense"), 2),  # not an endpoint
+        (("--connect", dead, "--wait-s", "-1"), 2),
+    ):
+        proc = run_eval(*args, *EVAL_FLAGS)
+        assert proc.returncode == code, (args, proc.stderr)
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr
+        assert lines[0].startswith("diloco-worker"), lines
+
+    c = cluster(1)  # initialized with another model than --model tiny
+    client(c.connect, "a").join(small_flat(0))
+    proc = run_eval("--connect", c.connect, "--wait-s", "5", *EVAL_FLAGS)
+    assert proc.returncode == 2, proc.stderr
+    assert "not those of model 'tiny'" in proc.stderr and "Traceback" not in proc.stderr

@@ -1,0 +1,123 @@
+"""The final evaluation of a run: the global model read from the shards, evaluated once.
+
+DESIGN.md defines the final eval loss of any run as the global model after every
+island flushed and every acked delta is merged, read from the shards (a snapshot of
+each fragment from its owning shard), evaluated once on the common held-out set.
+`evaluate_global` does exactly that: wait until no shard holds a pending delta, read
+the parameters, build the held-out batches as every island does (`Island.__init__`:
+the held-out split is the same for every data shard) and evaluate them with the
+islands' own jitted eval step (`InnerTrainer.evaluate`).
+
+Run it after the islands have stopped (`diloco-worker eval --connect ...`); while
+islands still push, "merged" is only a moment and the result is one more point of
+the curve, not the final one.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+
+import codec
+from paramserver import probe
+from worker import data as data_lib
+from worker import model as model_lib
+from worker.config import IslandConfig
+from worker.train import InnerConfig, InnerTrainer
+
+logger = logging.getLogger(__name__)
+
+
+class EvalError(RuntimeError):
+    """The cluster could not be read (unreachable, not initialized, not merged in time)."""
+
+
+class EvalModelError(ValueError):
+    """The cluster holds parameters of another model than the one asked for."""
+
+
+def heldout_batches(cfg: IslandConfig) -> list[np.ndarray]:
+    """The common held-out evaluation batches, exactly as an island builds them.
+
+    Args:
+        cfg: settings (data, data_shards, heldout_fraction, batch_size, seq_len,
+            eval_batches); the island's data shard does not matter.
+
+    Returns:
+        `cfg.eval_batches` int32 arrays [batch_size, seq_len + 1].
+    """
+    corpus = data_lib.load_corpus(cfg.data or None)
+    _train, heldout = data_lib.split_corpus(corpus, cfg.data_shards, 0, cfg.heldout_fraction)
+    return data_lib.eval_batches(heldout, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+
+
+def _check_model(cfg: IslandConfig, flat: dict[str, np.ndarray]) -> None:
+    """Raise EvalModelError unless `flat` has the leaves of model `cfg.model`."""
+    model_cfg = model_lib.MODEL_CONFIGS[cfg.model]
+    shapes = jax.eval_shape(lambda: model_lib.init_params(model_cfg, 0))
+    want = {k: tuple(v.shape) for k, v in codec.flatten(shapes).items()}
+    have = {k: tuple(v.shape) for k, v in flat.items()}
+    if want != have:
+        diff = sorted(set(want.items()) ^ set(have.items()))[:3]
+        raise EvalModelError(
+            f"the cluster's parameters are not those of model {cfg.model!r} "
+            f"({len(have)} leaves vs {len(want)}; first differences {diff}): "
+            "pass the --model the islands trained"
+        )
+
+
+def _tokens_merged(shards: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """{shard index: the shard's `tokens_merged`} when the shards report it, else None."""
+    found = {str(s.get("shard")): s["tokens_merged"] for s in shards if "tokens_merged" in s}
+    return found or None
+
+
+def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str, Any]:
+    """Wait until merged, read the global parameters from the shards, evaluate them once.
+
+    Args:
+        cfg: model and data settings (model, data, data_shards, heldout_fraction,
+            batch_size, seq_len, eval_batches, devices).
+        connect: ROUTER endpoint of any shard (normally shard 0).
+        wait_s: how long to wait for every shard's pending deltas to be merged.
+
+    Returns:
+        {"eval_loss": float (nats/byte), "versions": {str(fragment): version},
+        "version_sum": int, "pending": 0} plus "tokens_merged" ({str(shard): value})
+        when the shards' status reports it.
+
+    Raises:
+        EvalError: a shard is unreachable, the cluster is not initialized, or
+            deltas are still pending after `wait_s`.
+        EvalModelError: the cluster holds another model than `cfg.model`.
+        ValueError: bad data settings (e.g. a held-out set too small for the batches).
+    """
+    if not wait_s >= 0:
+        raise ValueError(f"wait_s must be >= 0, got {wait_s!r}")
+    try:
+        status = probe.wait_merged(connect, wait_s)
+        _plan, flat, versions = probe.global_params(connect)
+    except probe.ProbeError as exc:
+        raise EvalError(str(exc)) from None
+    _check_model(cfg, flat)
+    batches = heldout_batches(cfg)
+    inner = InnerConfig(batch_size=cfg.batch_size, seq_len=cfg.seq_len)
+    params = codec.unflatten(flat)
+    trainer = InnerTrainer(
+        model_lib.MODEL_CONFIGS[cfg.model], inner, params, devices=cfg.devices or None
+    )
+    loss = trainer.evaluate(batches)
+    result: dict[str, Any] = {
+        "eval_loss": float(loss),
+        "versions": {str(f): v for f, v in sorted(versions.items())},
+        "version_sum": int(sum(versions.values())),
+        "pending": 0,
+    }
+    tokens = _tokens_merged(status["shards"])
+    if tokens is not None:
+        result["tokens_merged"] = tokens
+    logger.info("final global eval: %.4f at version sum %d", loss, result["version_sum"])
+    return result
