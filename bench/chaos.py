@@ -45,6 +45,7 @@ from bench.common import emit_json
 from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 from paramserver import daemon, probe
 from paramserver.clusterfile import ShardAddress, render_cluster_file
+from worker.goodput import goodput
 
 SAMPLE_S = 0.25
 
@@ -493,7 +494,7 @@ def summarize(
         fl.training_rate(_round_samples(rows)) or 0.0 for rows in raw["rows"].values()
     )
     return {
-        "goodput": fl.goodput(useful, capacity),
+        "goodput": goodput(useful, capacity),
         "capacity_tokens": capacity,
         "uptime": up,
         "deltas_acked": len(acked),

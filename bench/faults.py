@@ -2,7 +2,7 @@
 
 This module owns what a chaos run injects and how its outcome is computed,
 with no processes, sockets or files: `make_schedule` turns (seed, count,
-duration, cluster shape) into a list of `Fault`s; `goodput`, `recovery_s`,
+duration, cluster shape) into a list of `Fault`s; `recovery_s`,
 `ack_keys` and `useful_tokens` compute the report's figures.
 
 Fault kinds (who executes them):
@@ -147,20 +147,6 @@ def active(faults: Iterable[Fault], t: float) -> list[Fault]:
         Faults with at_s <= t < end_s.
     """
     return [f for f in faults if f.at_s <= t < f.end_s]
-
-
-def goodput(useful_tokens: float, capacity_tokens: float) -> float | None:
-    """Share of the islands' training capacity that reached the model.
-
-    Args:
-        useful_tokens: tokens of the deltas the shards applied.
-        capacity_tokens: tokens the islands would have trained in the same time
-            without faults (islands x seconds x the fault-free rate per island).
-
-    Returns:
-        useful / capacity (may exceed 1 on a noisy machine), or None without capacity.
-    """
-    return useful_tokens / capacity_tokens if capacity_tokens > 0 else None
 
 
 def training_rate(rounds: Sequence[tuple[float, float]]) -> float | None:

@@ -118,6 +118,7 @@ class JoinResult:
     plan: Plan
     params: dict[str, np.ndarray]
     versions: dict[int, int]
+    mode: str = "quorum"  # the cluster's merge mode ("sync": wait for each round's merge)
 
 
 @dataclass(frozen=True)
@@ -309,6 +310,20 @@ class Client:
         self._check_alive()
         return self._io.take_updates()
 
+    def round_merged(self, round: int) -> bool:
+        """Whether the global parameters this client holds include all of `round`'s deltas.
+
+        Args:
+            round: a round id passed to `push` for every fragment.
+
+        Returns:
+            True once each fragment's delta of that round is acked and a version
+            that merged it has arrived (rejected deltas count as resolved), so
+            `poll_updates` hands out parameters that include the round.
+        """
+        self._check_alive()
+        return self._io.round_merged(round)
+
     def stats(self) -> dict[str, Any]:
         """Counters of this client.
 
@@ -316,7 +331,9 @@ class Client:
             dict with bytes_sent, bytes_received (sums of frame lengths at the
             sockets), pushes, acked (duplicates included), duplicates, rejected
             (reason -> count), resent, pending, snapshots, updates_applied,
-            version_lag, reconnects, resyncs, shards_down.
+            version_lag, reconnects, resyncs, shards_down, credited_tokens
+            (tokens of this island that entered the model, each delta's tokens x
+            its staleness factor, as the shards last said in heartbeat replies).
         """
         out = self._io.stats()
         with self._slots:

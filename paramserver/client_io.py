@@ -38,6 +38,7 @@ logger = logging.getLogger(__name__)
 _RAW = codec.raw("float32")
 _MAX_BATCH = 256  # messages read from one socket per poll round, so no socket starves the rest
 _MAX_LATENCIES = 100_000  # ack latencies kept until `take_ack_latencies` (bounded memory)
+_MAX_MERGE_ROUNDS = 1024  # rounds whose merge versions are kept for `round_merged`
 
 
 @dataclass
@@ -149,11 +150,15 @@ class IOThread(threading.Thread):
         self._plan: Plan | None = None
         self._replica: dict[int, FragmentState] = {}
         self._known: dict[int, int] = {}  # newest version heard of, per fragment
+        # round -> fragment -> first version that includes the delta (None: rejected)
+        self._merge_targets: dict[int, dict[int, int | None]] = {}
+        self._credited: dict[int, float] = {}  # shard -> tokens of ours that entered the model
         self._pending: dict[tuple[int, int], _Pending] = {}
         self._requests: dict[int, tuple[str, int, int]] = {}  # id -> (kind, shard, fragment)
         self._awaited: dict[int, tuple[dict, list] | None] = {}
         self._next_id = 0
         self._joined = False
+        self._mode = "quorum"  # the cluster's merge mode, from the welcome
         self._close: tuple[float, Future] | None = None
         self._stopped = False
         self._tick_s = min(0.1, cfg.heartbeat_interval_s / 4)
@@ -198,6 +203,28 @@ class IOThread(threading.Thread):
             self._ack_latencies.clear()
         return out
 
+    def round_merged(self, round: int) -> bool:
+        """Whether every fragment's delta of `round` is resolved and in the replica.
+
+        Args:
+            round: the round id given to `push`.
+
+        Returns:
+            True once every fragment of the plan has an ack for this round and
+            the replica holds a version that includes it (a rejected delta
+            never will: it counts as resolved).
+        """
+        with self._lock:
+            targets = self._merge_targets.get(round)
+            if self._plan is None or targets is None:
+                return False
+            if len(targets) < self._plan.num_fragments:
+                return False
+            return all(
+                target is None or (f in self._replica and self._replica[f].version >= target)
+                for f, target in targets.items()
+            )
+
     def stats(self) -> dict[str, Any]:
         """A copy of the counters plus derived values.
 
@@ -224,6 +251,7 @@ class IOThread(threading.Thread):
                 "bad_messages": c.bad_messages,
                 "deferred": c.deferred,
                 "shards_down": sum(1 for s in self._shards if not s.up),
+                "credited_tokens": sum(self._credited.values()),
             }
 
     def shutdown(self, flush_timeout_s: float) -> int:
@@ -462,6 +490,7 @@ class IOThread(threading.Thread):
         welcome, _ = self._call(first, "hello", deadline)
         welcome = self._expect(welcome, "welcome", "hello")
         plan = self._adopt_cluster(welcome, first, local_leaves)
+        self._mode = str(welcome.get("mode", "quorum"))
         if not welcome["initialized"]:
             plan = self._initialize(plan, flat, deadline)
         self._plan = plan
@@ -576,7 +605,7 @@ class IOThread(threading.Thread):
             shard.heard = shard.sub_heard = shard.next_heartbeat = now
         self._joined = True
         logger.info("island %s joined: versions %s", self.cfg.island, versions)
-        return JoinResult(plan, params, versions)
+        return JoinResult(plan, params, versions, self._mode)
 
     # -- replies -----------------------------------------------------------------------
 
@@ -586,6 +615,8 @@ class IOThread(threading.Thread):
         if kind == "ack":
             self._on_ack(shard, header)
             return
+        if kind == "heartbeat" and "credited" in header:
+            self._on_credit(shard, header["credited"])
         if rid in self._awaited:
             self._awaited[rid] = (header, payload)
             return
@@ -689,6 +720,7 @@ class IOThread(threading.Thread):
             return
         del self._pending[key]
         with self._lock:
+            self._record_merge_target(header)
             if outcome in ("accepted", "duplicate"):
                 self._counters.acked += 1
                 self._ack_latencies.append(time.monotonic() - pending.queued_at)
@@ -704,6 +736,25 @@ class IOThread(threading.Thread):
                 reason,
             )
         self._release(1)
+
+    def _on_credit(self, shard: _Shard, credited: object) -> None:
+        """A shard's cumulative credit of our tokens (heartbeat reply or published step)."""
+        if isinstance(credited, int | float) and not isinstance(credited, bool):
+            with self._lock:
+                self._credited[shard.index] = max(
+                    self._credited.get(shard.index, 0.0), float(credited)
+                )
+
+    def _record_merge_target(self, ack: dict) -> None:
+        """Remember which version will include an acked delta (None: rejected, never)."""
+        target = ack.get("merged_version")
+        if ack["outcome"] == "rejected":
+            target = None
+        elif target is None:  # a shard that does not say: a step merges all pending
+            target = ack["version"] + (ack["outcome"] == "accepted")
+        self._merge_targets.setdefault(ack["round"], {})[ack["fragment"]] = target
+        while len(self._merge_targets) > _MAX_MERGE_ROUNDS:
+            del self._merge_targets[min(self._merge_targets)]
 
     # -- published updates ------------------------------------------------------------
 
@@ -725,6 +776,9 @@ class IOThread(threading.Thread):
             raise protocol.ProtocolError("malformed", f"update mode {header['mode']!r}")
         with self._lock:
             self._known[fragment] = max(self._known.get(fragment, 0), header["version"])
+        credit = header.get("credited", {}).get(self.cfg.island)
+        if credit is not None:
+            self._on_credit(shard, credit)
         item = Published(header["seq"], fragment, header["version"], header["mode"], values)
         self._publish(shard.feed.on_update(item))
         self._resend_deferred(shard, fragment)

@@ -104,3 +104,39 @@ def test_a_duplicated_push_is_applied_once(relayed):
         assert acked == {("a", 0, 1)}
     finally:
         client.close(0)
+
+
+def _island_goodput(front, data_dir):
+    """Run a real tiny Island through the relay for 2 rounds; return its final metrics row."""
+    import json
+
+    from worker.config import IslandConfig
+    from worker.island import Island
+
+    cfg = IslandConfig(
+        connect=front, island="a", data_dir=str(data_dir), model="tiny", batch_size=4,
+        seq_len=32, inner_steps=4, max_rounds=2, eval_every=0, heartbeat_interval_s=0.2,
+        flush_timeout_s=20.0,
+    )  # fmt: skip
+    island = Island(cfg)
+    assert island.run(threading.Event()) == 0
+    rows = [json.loads(line) for line in (data_dir / "metrics.jsonl").read_text().splitlines()]
+    return rows[-1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("corrupted", [True, False])
+def test_an_island_whose_deltas_are_all_rejected_has_goodput_zero(relayed, tmp_path, corrupted):
+    # every push corrupted in transit: the shard rejects each one (codec_error), nothing
+    # enters the model, so goodput is 0; the same island on a clean link has goodput > 0
+    faults = [Fault("corrupt", "a", 0.0, 1e9, prob=1.0)] if corrupted else []
+    shard, _relay, front = relayed(faults)
+    final = _island_goodput(front, tmp_path / "island")
+    assert final["final"] and final["pushes"] == 2 * 2  # 2 rounds x 2 fragments
+    if corrupted:
+        assert final["rejected"] == final["pushes"] and final["acked"] == 0
+        assert final["credited_tokens"] == 0 and final["goodput"] == 0.0
+        assert shard.server.state.versions() == {0: 0, 1: 0}
+    else:
+        assert final["acked"] == final["pushes"] and final["goodput"] > 0
+        assert final["credited_tokens"] > 0

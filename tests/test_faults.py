@@ -11,6 +11,7 @@ from shard_helpers import delta_frames
 import codec
 from bench import faults as fl
 from bench.chaos_relay import corrupt
+from worker.goodput import goodput
 
 ISLANDS = ["island-0", "island-1"]
 
@@ -51,8 +52,8 @@ def test_fault_json_round_trip_and_activity_window():
 
 
 def test_goodput_recovery_and_ack_keys():
-    assert fl.goodput(90.0, 100.0) == pytest.approx(0.9)
-    assert fl.goodput(5.0, 0.0) is None
+    assert goodput(90.0, 100.0) == pytest.approx(0.9)
+    assert goodput(5.0, 0.0) is None
     assert fl.training_rate([(100.0, 1.0), (100.0, 4.0), (100.0, 2.0)]) == 50.0
     assert fl.training_rate([(100.0, 1.0), (100.0, 2.0)]) == 75.0
     assert fl.training_rate([]) is None

@@ -154,3 +154,47 @@ def test_unreachable_server_is_a_clear_error(tmp_path):
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
     assert f"127.0.0.1:{port}" in proc.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sync_mode_paces_the_fast_island_and_its_wait_is_lost_goodput(tmp_path):
+    # Synchronous DiLoCo: after each push an island waits until the shards merged its round.
+    # With one island at half speed the fast one can never run more than a round ahead, and
+    # the time it waits shows as goodput of about 0.5 (never as a stall).
+    start = tmp_path / "start"
+    rounds = ("--inner-steps", "30", "--max-rounds", "5", *TINY_FAST, "--eval-every", "0")
+    rounds = (*rounds, "--start-file", str(start))
+    with LocalCluster(tmp_path / "run", shards=2, server_args=("--mode", "sync")) as c:
+        c.start_server()
+        c.start_islands([IslandSpec("fast", 1.0, rounds), IslandSpec("slow", 0.5, rounds)])
+        start.touch()  # both joined and compiled: start together
+        worst_lead = 0
+
+        def finished() -> bool:
+            nonlocal worst_lead
+            fast, slow = c.island_status("fast"), c.island_status("slow")
+            worst_lead = max(worst_lead, fast.get("round", 0) - slow.get("round", 0))
+            return fast.get("state") == "stopped" and slow.get("state") == "stopped"
+
+        wait_for(finished, 480, "both islands to finish 5 synchronous rounds", poll_s=0.05)
+        fast_rows = [r for r in c.island_metrics("fast") if r.get("round", 0) >= 1]
+        slow_rows = [r for r in c.island_metrics("slow") if r.get("round", 0) >= 1]
+        status = c.server_status()
+    assert worst_lead <= 1, f"fast island ran {worst_lead} rounds ahead in sync mode"
+    assert sum(s["steps"] for s in status["shards"]) == 5 * 4  # 5 outer steps x 4 fragments
+    fast, slow = fast_rows[-1], slow_rows[-1]
+    assert fast["final"] and slow["final"]
+    assert fast["credited_tokens"] == fast["tokens"]  # every round merged, never stale
+    assert fast["wait_s"] > slow["wait_s"]
+    # the fast island waits about half of each round; both lose a little to the exchange
+    assert 0.2 < fast["goodput"] < 0.7, fast
+    assert 0.3 < fast["goodput"] / slow["goodput"] < 0.7, (fast, slow)
+
+
+@pytest.mark.timeout(60)
+def test_control_commands_import_no_jax():
+    # stop / status must answer fast and work where JAX is broken: they never import it
+    code = "import sys, worker.cli, worker.config; sys.exit('jax' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, "importing worker.cli pulled in jax"

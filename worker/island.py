@@ -1,9 +1,18 @@
 """One island: join the cluster, train H inner steps per round, push deltas, fold in new versions.
 
-The training loop never waits on the network: pushes go to the client's
-background I/O thread (which blocks `push` only when its bounded buffer of
-unacked deltas is full), and published versions are picked up between steps
-with a non-blocking poll and folded in with the rule of `worker.exchange`.
+Pushes go to the client's background I/O thread (which blocks `push` only
+when its bounded buffer of unacked deltas is full), and published versions are
+picked up between steps with a non-blocking poll and folded in with the rule
+of `worker.exchange`. In a cluster of mode "sync" (synchronous DiLoCo) the
+island waits after each push until the shards published versions that include
+its round, then adopts them and starts the next round: the slowest island
+paces everyone, and that wait shows as lost goodput. The train and eval steps
+are compiled before the start barrier, so compile time is neither padded by
+`--speed` nor charged to the first round.
+
+Goodput (`worker.goodput`): tokens the shards credited to this island (each
+delta's tokens times its staleness factor) over the tokens it could have
+trained since the start at its measured step rate.
 
 Progress goes to ``<data_dir>/metrics.jsonl`` (one JSON object per round) and
 ``<data_dir>/status.json`` (rewritten atomically), which `diloco-worker status`
@@ -31,6 +40,7 @@ from worker import data as data_lib
 from worker import model as model_lib
 from worker.config import IslandConfig
 from worker.exchange import FragmentSync
+from worker.goodput import goodput, step_rate
 from worker.pace import Pacer
 from worker.train import InnerConfig, InnerTrainer
 
@@ -132,7 +142,9 @@ class Island:
         # each process's rounds from its start time so a restarted island never reuses one.
         self.round_base = int(time.time()) * 1_000_000
         self.started = time.monotonic()
-        self.train_time_s = 0.0
+        self.step_times: list[float] = []  # recent step durations, padding included
+        self.wait_s = 0.0  # time spent waiting for merges (sync mode)
+        self.mode = "quorum"
         self.last: dict[str, Any] = {}
 
     # -- set-up ---------------------------------------------------------------
@@ -144,6 +156,7 @@ class Island:
         self._write_status()
         joined = client.join(flat0)
         self.plan = joined.plan
+        self.mode = joined.mode
         self.param_count = sum(frag.size for frag in self.plan.fragments)
         self.flat = {k: np.array(v, dtype=np.float32) for k, v in joined.params.items()}
         devices = self.cfg.devices or None
@@ -160,11 +173,16 @@ class Island:
             for frag in self.plan.fragments
         }
         logger.info(
-            "island %s joined: %d fragments, versions %s",
+            "island %s joined: %d fragments, versions %s, mode %s",
             self.cfg.island,
             len(self.plan.fragments),
             joined.versions,
+            self.mode,
         )
+        self.state = "compiling"
+        self._write_status()
+        compile_s = self.trainer.warmup()
+        logger.info("island %s compiled its steps in %.1f s", self.cfg.island, compile_s)
 
     # -- the loop -------------------------------------------------------------
 
@@ -201,11 +219,22 @@ class Island:
                 frag.index, self.round_base + self.round, sync.base_version, tokens, steps, frames
             )
 
-    def _global_eval(self) -> float:
+    def _global_eval(self) -> dict[str, Any]:
+        """Held-out loss of the newest adopted global parameters, labelled with their versions."""
         flat = {k: np.empty_like(v) for k, v in self.flat.items()}  # fragments cover every element
         for index, sync in self.sync.items():
             self.plan.scatter(index, sync.base, flat)
-        return self.trainer.evaluate(self.eval_set, params=codec.unflatten(flat))
+        return {
+            "eval_global": self.trainer.evaluate(self.eval_set, params=codec.unflatten(flat)),
+            "eval_versions": sum(sync.base_version for sync in self.sync.values()),
+        }
+
+    def _wait_for_merge(self, client: Client, round_id: int, stop: threading.Event) -> None:
+        """Sync mode: block until the shards published versions that include `round_id`."""
+        t0 = time.monotonic()
+        while not stop.is_set() and not client.round_merged(round_id):
+            stop.wait(0.005)
+        self.wait_s += time.monotonic() - t0
 
     def run(self, stop: threading.Event, on_ready: Callable[[], None] | None = None) -> int:
         """Train until `stop` is set or `max_rounds` rounds are done.
@@ -233,9 +262,7 @@ class Island:
             self.started = time.monotonic()
             self.state = "training"
             if cfg.eval_every:
-                self._append_metrics(
-                    {"round": 0, "steps": 0, "tokens": 0, "eval_global": self._global_eval()}
-                )
+                self._append_metrics({"round": 0, "steps": 0, "tokens": 0, **self._global_eval()})
             self._write_status()
             if on_ready is not None:
                 on_ready()
@@ -251,12 +278,16 @@ class Island:
                     t0 = time.monotonic()
                     losses.append(self.trainer.step(self.sampler.next()))
                     self.pacer.pad(time.monotonic() - t0)
-                    self.train_time_s += time.monotonic() - t0
+                    self.step_times.append(time.monotonic() - t0)
+                    del self.step_times[:-256]
                     steps += 1
                     adopted += self._fold_updates(client)
                 if steps == 0:
                     break
                 self._push_round(client, steps)
+                if self.mode == "sync":
+                    self._wait_for_merge(client, self.round_base + self.round, stop)
+                    adopted += self._fold_updates(client)
                 self.round += 1
                 self._record_round(client, losses, adopted, steps, round_start)
             self.state = "stopping"
@@ -303,7 +334,7 @@ class Island:
             **self._stats_fields(stats),
         }
         if cfg.eval_every and self.round % cfg.eval_every == 0:
-            row["eval_global"] = self._global_eval()
+            row.update(self._global_eval())
         row = self._append_metrics(row)
         logger.info(
             "round %d loss %.3f eval %s tokens/s %.0f lag %d sent %d B received %d B",
@@ -335,16 +366,17 @@ class Island:
     def _stats_fields(self, stats: dict[str, Any]) -> dict[str, Any]:
         """The client counters a metrics row carries, and the goodput they imply.
 
-        Goodput is the share of wall time since joining spent in training steps
-        whose deltas reached the model, approximated as training time / wall time
-        times the share of pushed deltas that were acked (accepted or duplicate).
+        Goodput = tokens the shards credited to this island (staleness-weighted,
+        as of their last heartbeat replies) / (wall time since the start x the
+        island's median step rate); see `worker.goodput`.
         """
         wall = time.monotonic() - self.started
+        tokens_per_step = self.cfg.batch_size * self.cfg.seq_len
+        rate = step_rate(self.step_times, tokens_per_step)
+        capacity = wall * rate if rate else 0.0
+        credited = float(stats.get("credited_tokens", 0.0))
         pushes = stats.get("pushes", 0)
         acked = stats.get("acked", 0)
-        goodput = (
-            min(1.0, self.train_time_s / wall * acked / pushes) if wall > 0 and pushes else 0.0
-        )
         return {
             "steps": self.trainer.steps_done,
             "tokens": self.trainer.tokens_done,
@@ -355,7 +387,10 @@ class Island:
             "acked": acked,
             "rejected": sum(stats.get("rejected", {}).values()),
             "pending": stats.get("pending", 0),
-            "goodput": goodput,
+            "credited_tokens": round(credited, 1),
+            "capacity_tokens": round(capacity, 1),
+            "wait_s": round(self.wait_s, 3),
+            "goodput": goodput(credited, capacity) or 0.0,
         }
 
     def _write_status(self, client_stats: dict[str, Any] | None = None) -> None:
