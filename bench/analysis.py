@@ -8,7 +8,8 @@ unit-tested on hand-made rows.
 Row fields used: ``wall`` (epoch seconds), ``time_s`` (seconds since that
 process started training), ``round``, ``tokens``, ``steps``, ``bytes_sent``,
 ``bytes_received`` (cumulative, counted at the process's sockets),
-``eval_global`` (held-out loss of the global parameters), ``loss``, ``goodput``.
+``eval_global`` (held-out loss of the global parameters), ``loss``, ``goodput``,
+``capacity_tokens``; and the shards' ``credited_tokens`` for the final goodput.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from __future__ import annotations
 import bisect
 from collections.abc import Mapping, Sequence
 from typing import Any
+
+from worker.goodput import goodput
 
 Rows = Sequence[Mapping[str, Any]]
 
@@ -219,3 +222,36 @@ def mean(values: Sequence[float]) -> float | None:
     """
     values = [v for v in values if v is not None]
     return sum(values) / len(values) if values else None
+
+
+def credited_tokens(server: Mapping[str, Any]) -> dict[str, float]:
+    """Tokens of each island that entered the model, summed over the shards.
+
+    Args:
+        server: a cluster status ({"shards": [status, ...]}), e.g. after the
+            final merges.
+
+    Returns:
+        island -> credited tokens (each delta's tokens x its staleness factor).
+    """
+    total: dict[str, float] = {}
+    for shard in server.get("shards", []):
+        for island, tokens in shard.get("credited_tokens", {}).items():
+            total[island] = total.get(island, 0.0) + float(tokens)
+    return total
+
+
+def final_goodput(rows: Rows, credited: float) -> float | None:
+    """An island's goodput over its whole run, from the shards' final credit.
+
+    Args:
+        rows: the island's metrics rows (the last one carries capacity_tokens:
+            wall time since the start x its median step rate).
+        credited: the island's tokens credited by the shards after every
+            acked delta was merged.
+
+    Returns:
+        credited / capacity, or None without a capacity.
+    """
+    capacity = next((r["capacity_tokens"] for r in reversed(rows) if "capacity_tokens" in r), 0)
+    return goodput(credited, capacity)

@@ -404,42 +404,15 @@ class ChaosRun:
             ctx.destroy(linger=0)
 
     def _final_loss(self) -> float | None:
-        """Held-out loss of the final global parameters (joined straight to shard 0)."""
-        import codec
-        from paramserver.client import Client, ClientConfig, ClientError
-        from worker import data as data_lib
-        from worker import model as model_lib
-        from worker.train import InnerConfig, InnerTrainer
-
+        """Held-out loss of the global model once every acked delta is merged (read from shards)."""
         s = self.setup
-        model_cfg = model_lib.MODEL_CONFIGS[s.model]
-        flat0 = codec.flatten(_numpy_tree(model_lib.init_params(model_cfg, self.seed)))
-        client = Client(
-            ClientConfig(connect=f"tcp://127.0.0.1:{self.bind_base}", island="chaos-eval")
-        )
-        try:
-            params = client.join(flat0).params
-        except ClientError as exc:
-            self.events.append({"error": f"final eval: {exc}"})
+        flags = ("--model", s.model, "--batch-size", str(s.batch_size),
+                 "--seq-len", str(s.seq_len), "--eval-batches", "16")  # fmt: skip
+        final = self.cluster.final_eval(flags, connect=f"tcp://127.0.0.1:{self.bind_base}")
+        if "error" in final:
+            self.events.append({"error": f"final eval: {final['error']}"})
             return None
-        finally:
-            client.close(0)
-        _, heldout = data_lib.split_corpus(data_lib.load_corpus(None), 8, 0, 0.05)
-        batches = data_lib.eval_batches(heldout, s.batch_size, s.seq_len, 16)
-        trainer = InnerTrainer(
-            model_cfg,
-            InnerConfig(batch_size=s.batch_size, seq_len=s.seq_len),
-            codec.unflatten(params),
-        )
-        return float(trainer.evaluate(batches))
-
-
-def _numpy_tree(tree: Any) -> Any:
-    import numpy as np
-
-    if isinstance(tree, dict):
-        return {k: _numpy_tree(v) for k, v in tree.items()}
-    return np.asarray(tree)
+        return float(final["eval_loss"])
 
 
 def summarize(

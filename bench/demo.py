@@ -20,7 +20,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import cli
+from bench import analysis, cli
 from bench.common import human_bytes
 from bench.launcher import IslandSpec, LaunchError, LocalCluster
 from worker.data import default_corpus, unigram_entropy
@@ -99,17 +99,26 @@ def _table(cluster: LocalCluster, names: list[str], elapsed: float, duration: fl
     return table
 
 
-def summarize(cluster: LocalCluster, names: list[str], speeds: dict[str, float]) -> dict[str, Any]:
-    """Summary of a finished run from the islands' metrics files.
+def summarize(
+    cluster: LocalCluster,
+    names: list[str],
+    speeds: dict[str, float],
+    final: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Summary of a finished run from the islands' metrics files and the final eval.
 
     Args:
         cluster: the (stopped) cluster.
         names: island names.
         speeds: island -> emulated speed.
+        final: `LocalCluster.final_eval` (the global model after the last merge,
+            with the shards' status); without it the newest island eval counts.
 
     Returns:
         JSON-ready summary.
     """
+    final = final or {}
+    credited = analysis.credited_tokens(final.get("server") or {})
     rows = {name: cluster.island_metrics(name) for name in names}
     evals = sorted(
         (r["wall"], r["eval_global"]) for rs in rows.values() for r in rs if "eval_global" in r
@@ -132,12 +141,18 @@ def summarize(cluster: LocalCluster, names: list[str], speeds: dict[str, float])
             "bytes_sent": last.get("bytes_sent", 0),
             "bytes_received": last.get("bytes_received", 0),
             "ddp_bytes_same_tokens": ddp,
-            "goodput": last.get("goodput"),
+            "goodput": (
+                analysis.final_goodput(rs, credited[name])
+                if name in credited
+                else last.get("goodput")
+            ),
         }
+    after = final.get("eval_loss", evals[-1][1] if evals else None)
     return {
         "params": params,
         "eval_loss_before": evals[0][1] if evals else None,
-        "eval_loss_after": evals[-1][1] if evals else None,
+        "eval_loss_after": after,
+        "eval_after_versions": final.get("version_sum"),
         "unigram_entropy": UNIGRAM_NATS,
         "bytes_on_wire": total_wire,
         "ddp_bytes_same_tokens": total_ddp,
@@ -214,9 +229,12 @@ def _run(args: argparse.Namespace) -> int:
         print("stopping islands ...", file=log)
         for name in names:
             cluster.stop_island(name)
-        server = cluster.server_status()
-    summary = summarize(cluster, names, speeds)
-    summary["server"] = server
+        print("final eval of the merged global model ...", file=log)
+        final = cluster.final_eval(("--model", args.model))
+        if "error" in final:
+            print(f"final eval failed: {final['error']}", file=log)
+    summary = summarize(cluster, names, speeds, final)
+    summary["server"] = final.get("server") or {}
     summary["duration_s"] = args.duration
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot(cluster, names, out / "loss.png")

@@ -209,6 +209,42 @@ class LocalCluster:
         except probe.ProbeError:
             return {}
 
+    def final_eval(
+        self,
+        model_flags: Sequence[str] = (),
+        connect: str | None = None,
+        wait_s: float = 120.0,
+    ) -> dict[str, Any]:
+        """The run's final eval: the global model once every acked delta is merged.
+
+        Call it after the islands stopped (flushed and said bye, so nothing
+        holds a step back). Runs `diloco-worker eval` (JAX stays out of this
+        process), which waits until no shard has a pending delta, reads every
+        fragment's snapshot and evaluates it once on the common held-out set.
+
+        Args:
+            model_flags: island flags that fix the model and the held-out set
+                (--model, --batch-size, --seq-len, --eval-batches, --data ...).
+            connect: a shard's ROUTER reachable from here (default: shard 0).
+            wait_s: bound on waiting for the merges.
+
+        Returns:
+            {"eval_loss", "versions", "version_sum", "pending": 0, "server": the
+            cluster status after the merges}, or {"error": message}.
+        """
+        connect = connect or self.connect
+        argv = [sys.executable, "-m", "worker.cli", "eval", "--connect", connect, "--json",
+                "--wait-s", str(wait_s), *model_flags]  # fmt: skip
+        try:
+            result = json.loads(_run(argv, "diloco-worker eval", wait_s + 180.0))
+        except (LaunchError, ValueError, subprocess.TimeoutExpired) as exc:
+            return {"error": str(exc)}
+        try:
+            result["server"] = probe.cluster_status(connect, timeout_s=10.0)
+        except probe.ProbeError as exc:
+            result["server"] = {"error": str(exc)}
+        return result
+
     def stop(self) -> None:
         """Stop every island, then the server; never raises for what already stopped."""
         for name in list(self.islands):

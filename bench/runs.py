@@ -158,6 +158,7 @@ def run_diloco(
     shard_dirs = [cluster.server_dir / f"shard-{i}" for i in range(budget.shards)]
     timeline: list[tuple[float, int]] = []
     server: dict[str, Any] = {}
+    final: dict[str, Any] = {}
     with relay:
         try:
             for i in range(budget.shards):
@@ -216,10 +217,13 @@ def run_diloco(
             progress(tokens, "stopping islands")
             for pid in pids:
                 daemon.wait_exit(pid, 60.0)
-            with contextlib.suppress(probe.ProbeError):
-                server = probe.cluster_status(loopback, timeout_s=2.0)
-                if (total := _version_sum(server)) is not None:
-                    timeline.append((time.time(), total))
+            # every island flushed and left: the shards merge what is pending, then the
+            # final eval reads the global model from them (DDP: rank 0's final parameters)
+            progress(tokens, "final eval")
+            final = cluster.final_eval(common_flags(budget, 0), connect=loopback)
+            server = final.pop("server", {})
+            if (total := _version_sum(server)) is not None:
+                timeline.append((time.time(), total))
         finally:
             for name in list(cluster.islands):
                 cluster.stop_island(name, timeout_s=30.0)
@@ -231,6 +235,7 @@ def run_diloco(
         "timeline": timeline,
         "stopped_at": stopped_at,
         "server": server,
+        "final_eval": final,
     }
 
 
@@ -345,11 +350,16 @@ def summarize(scenario: Scenario, budget: Budget, raw: dict[str, Any]) -> dict[s
     rows = raw["rows"]
     t0 = analysis.start_time(rows)
     curve = analysis.eval_curve(rows)
+    final = raw.get("final_eval") or {}
+    server = raw.get("server") or {}
+    credited = analysis.credited_tokens(server)
     islands = {}
     for (name, rs), (speed, jitter) in zip(
         rows.items(), scenario.speeds(budget.islands), strict=True
     ):
         last_goodput = next((r["goodput"] for r in reversed(rs) if "goodput" in r), None)
+        if name in credited:  # the shards' word after the final merges
+            last_goodput = analysis.final_goodput(rs, credited[name])
         islands[name] = {
             "speed": speed,
             "jitter": jitter,
@@ -362,6 +372,9 @@ def summarize(scenario: Scenario, budget: Budget, raw: dict[str, Any]) -> dict[s
         }
     timeline = [(w - t0, v) for w, v in raw["timeline"]]
     stopped = raw["stopped_at"] - t0
+    tokens_total = sum(i["tokens"] for i in islands.values())
+    if "eval_loss" in final:  # the final point: every acked delta merged, all tokens in
+        curve.append((stopped, tokens_total, float(final["eval_loss"])))
     record: dict[str, Any] = {
         "name": scenario.name,
         "method": scenario.method,
@@ -371,9 +384,11 @@ def summarize(scenario: Scenario, budget: Budget, raw: dict[str, Any]) -> dict[s
         "weighting": scenario.weighting if scenario.method == "quorum" else None,
         "wan": scenario.wan,
         "duration_s": stopped,
-        "tokens_total": sum(i["tokens"] for i in islands.values()),
+        "tokens_total": tokens_total,
         "eval_initial": curve[0][2] if curve else None,
         "eval_final": curve[-1][2] if curve else None,
+        "eval_final_versions": final.get("version_sum"),
+        "final_eval_error": final.get("error"),
         "eval_curve": [list(p) for p in curve],
         "islands": islands,
         "timeline": [list(p) for p in timeline],
@@ -395,7 +410,6 @@ def summarize(scenario: Scenario, budget: Budget, raw: dict[str, Any]) -> dict[s
         record["uptime"] = (
             analysis.uptime(timeline, window, first, stopped) if first is not None else 0.0
         )
-    server = raw.get("server") or {}
     if server.get("shards"):
         shards = [s for s in server["shards"] if "error" not in s]
         record["server"] = {
@@ -403,6 +417,7 @@ def summarize(scenario: Scenario, budget: Budget, raw: dict[str, Any]) -> dict[s
             "rejected": sum(sum(s.get("rejected", {}).values()) for s in shards),
             "outer_steps": sum(s.get("steps", 0) for s in shards),
             "staleness_histogram": _merge_hist([s.get("staleness_histogram", {}) for s in shards]),
+            "credited_tokens": credited,
         }
     return record
 

@@ -147,3 +147,19 @@ def test_claims_skip_what_was_not_run():
     out = claims.evaluate({"quorum": record("quorum", 2.0, {"a": island(100, 1, 1)})})
     assert out["claims"] == []
     assert out["target_loss"] == 2.0
+
+
+def test_credited_tokens_sum_over_shards_and_final_goodput_can_fall():
+    server = {
+        "shards": [
+            {"credited_tokens": {"a": 300.0, "b": 100.0}},
+            {"credited_tokens": {"a": 200.0}},
+            {"error": "no reply"},
+        ]
+    }
+    credited = analysis.credited_tokens(server)
+    assert credited == {"a": 500.0, "b": 100.0}
+    rows = [{"capacity_tokens": 400.0}, {"capacity_tokens": 1000.0, "final": True}]
+    assert analysis.final_goodput(rows, credited["a"]) == 0.5
+    assert analysis.final_goodput(rows, 0.0) == 0.0  # nothing merged: no goodput
+    assert analysis.final_goodput([{"round": 1}], 10.0) is None  # no capacity measured
