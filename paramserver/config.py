@@ -24,16 +24,17 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 # Synchronous and quorum modes: the DiLoCo values (lr 0.7, Nesterov 0.9).
 SYNC_OUTER_LR = 0.7
 SYNC_OUTER_MOMENTUM = 0.9
-# Fully async mode steps once per delta: each step carries one island's stale
-# pseudo-gradient, and Nesterov 0.9 on per-delta steps diverges. Chosen by
-# `diloco-bench async_outer` (3 islands at speeds 1/1.5/2.5, tiny model, 10
-# inner steps per round, staleness up to 5; held-out nats/byte, lower is
-# better). 24 rounds, 2 seeds: momentum 0.9 at lr 0.7/0.5/0.35/0.2 gave
-# 6.98/4.66/4.35/2.85; momentum 0.5 at lr 0.7/0.5 gave 3.06/2.66; momentum 0 at
-# lr 1.0/0.7/0.5 gave 2.60/2.43/2.38; delayed Nesterov (0.9, delay 3) at lr
-# 0.7/0.35 gave 2.63/2.43. 48 rounds, 1 seed: lr 0.5 momentum 0 gave 2.211,
-# lr 0.35 momentum 0 gave 2.228, delayed Nesterov at lr 0.35 / 0.5 gave 2.235 / 2.322.
-ASYNC_OUTER_LR = 0.5
+# Fully async mode (and a quorum of 1) steps once per delta: each step carries one
+# island's stale pseudo-gradient. Chosen by `diloco-bench async_outer --rounds 48
+# --seeds 2` (2026-11-30, after the merge fix: per-island sums, absolute staleness
+# factor (1+s)^-0.5, delayed Nesterov = one Nesterov step on the mean of N deltas;
+# 3 islands at speeds 1/1.5/2.5, tiny model, 10 inner steps per round, staleness
+# 0-5; held-out nats/byte, mean over 2 seeds, spread max-min). Momentum 0 at lr
+# 1.0/0.7/0.5: 2.216 (0.006) / 2.180 (0.016) / 2.226 (0.009); delayed Nesterov
+# (delay 3) at lr 0.7/1.0/0.5 momentum 0.9: 2.339 (0.021) / 2.342 (0.009) / 2.330
+# (0.005), lr 0.7 momentum 0.8: 2.278 (0.029); delay 6: 2.402 (0.025); plain
+# Nesterov 0.9 per delta at lr 0.7/0.35: 4.982 (0.71) / 2.771 (0.016).
+ASYNC_OUTER_LR = 0.7
 ASYNC_OUTER_MOMENTUM = 0.0
 
 
@@ -188,6 +189,28 @@ class ShardConfig:
         single deltas diverged in `diloco-bench async_outer`.
         """
         return self.mode == "async" or (self.mode == "quorum" and self.quorum == 1)
+
+    @property
+    def single_island_outer_lr(self) -> float | None:
+        """The lr of a momentum-free step taken when a step merges one island's work.
+
+        In sync and quorum mode with the default outer optimizer, a step that
+        merges a single island (the quorum collapsed to 1 at run time: the
+        others are dead, or the grace window closed on one) takes the
+        single-delta defaults, plain SGD at ASYNC_OUTER_LR, and leaves the
+        Nesterov momentum untouched. None where every step uses the configured
+        optimizer (async, quorum 1, or an explicit outer_lr / outer_momentum /
+        outer_optimizer / nesterov_delay).
+        """
+        explicit = (
+            self.outer_lr is not None
+            or self.outer_momentum is not None
+            or self.outer_optimizer != "nesterov"
+            or self.nesterov_delay != 1
+        )
+        if explicit or self.steps_on_single_deltas or ASYNC_OUTER_MOMENTUM != 0:
+            return None
+        return ASYNC_OUTER_LR
 
     @property
     def effective_outer_lr(self) -> float:

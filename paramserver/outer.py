@@ -167,8 +167,9 @@ class DonatingStep:
         """Jit the step of a transformation.
 
         Args:
-            tx: the outer optax transformation.
+            tx: the outer optax transformation (kept as `tx`).
         """
+        self.tx = tx
 
         def step(params: jax.Array, opt_state: Any, delta: jax.Array) -> tuple[jax.Array, Any]:
             updates, opt_state = tx.update(delta, opt_state, params)

@@ -36,12 +36,14 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 
 import codec
 from paramserver import liveness, robust
 from paramserver.config import ShardConfig
 from paramserver.downlink import Downlink
 from paramserver.outer import (
+    DonatingStep,
     FragmentOptimizer,
     aligned_float32,
     make_outer_optimizer,
@@ -214,6 +216,9 @@ class ShardState:
         self.counters = Counters()
         self._merge_buffers: dict[int, np.ndarray] = {}
         self._step = self.optimizer.donating  # the one outer step (paramserver.outer)
+        single_lr = cfg.single_island_outer_lr
+        # a step that merges one island's work when the quorum collapsed: plain SGD
+        self._single = DonatingStep(optax.sgd(single_lr)) if single_lr else None
         self.downlink = Downlink(cfg.downlink)
 
     # ----- queries -------------------------------------------------------------
@@ -672,8 +677,12 @@ class ShardState:
             buf = self._merge_buffers[event.fragment] = aligned_float32(size)
         merged = merge_deltas([c.delta for c in merged_in], coefficients, out=buf)
         frames = None
+        if self._single is not None and len(shares) == 1:
+            step, opt_state = self._single, self._single.tx.init(frag.params)
+        else:
+            step, opt_state = self._step, frag.opt_state
         if self.downlink.compressed:
-            updates, frag.opt_state = self._step.updates(frag.params, frag.opt_state, merged)
+            updates, opt_state = step.updates(frag.params, opt_state, merged)
             if frag.residual is None:
                 frag.residual = np.zeros(frag.params.shape[0], np.float32)
             new_params, frames, frag.residual = self.downlink.publish(
@@ -682,7 +691,9 @@ class ShardState:
             frag.params = jnp.asarray(new_params)
             frames = tuple(frames)
         else:
-            frag.params, frag.opt_state = self._step(frag.params, frag.opt_state, merged)
+            frag.params, opt_state = step(frag.params, opt_state, merged)
+        if step is self._step:
+            frag.opt_state = opt_state
         for c in merged_in:
             staleness = frag.version - c.base_version
             self.counters.staleness[staleness] = self.counters.staleness.get(staleness, 0) + 1

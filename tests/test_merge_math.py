@@ -193,3 +193,43 @@ def test_conservation_over_any_interleaving(ops, seed):
             for item in retry:  # the fragment stepped: deferred pushes go again
                 submit(*item)
         np.testing.assert_allclose(params(state), expected, rtol=0, atol=1e-4)
+
+
+def _quorum_state(**kw):
+    cfg = ShardConfig(mode="quorum", quorum=2, fsync=False, downlink="float32", **kw)
+    flat = small_flat()
+    plan = plan_for(flat, 1, 2)
+    state = ShardState(cfg, 0)
+    assert state.initialize(plan.to_wire(), init_payload(plan, flat)).status == ACCEPTED
+    for island in ("a", "b"):
+        state.hello(island, T0)
+    return state, plan
+
+
+def test_a_quorum_collapsed_to_one_island_steps_without_momentum_at_the_async_lr():
+    # default outer settings: a step that merges one island is plain SGD at lr 0.7
+    # (ASYNC_OUTER_LR) and leaves the Nesterov momentum alone; a step of two islands is
+    # Nesterov (lr 0.7, momentum 0.9) from the untouched zero momentum.
+    state, plan = _quorum_state()
+    g0 = params(state)
+    d = delta(plan, 1)
+    push(state, plan, "a", 1, d)  # b never comes: the grace window closes on one island
+    state.step(0, T0)
+    after_one = g0 - 0.7 * d.astype(np.float64)
+    np.testing.assert_allclose(params(state), after_one, atol=1e-6)
+    da, db = delta(plan, 2), delta(plan, 3)
+    push(state, plan, "a", 2, da, base=1)
+    push(state, plan, "b", 1, db, base=1)
+    state.step(0, T0)
+    g = (da.astype(np.float64) + db) / 2  # equal work, fresh: w = 1/2 each
+    expected = after_one - 0.7 * (g + 0.9 * g)  # Nesterov from zero momentum: m = g
+    np.testing.assert_allclose(params(state), expected, atol=1e-5)
+
+
+def test_explicit_outer_settings_apply_to_single_island_steps_too():
+    state, plan = _quorum_state(outer_lr=0.4, outer_momentum=0.5)
+    g0 = params(state)
+    d = delta(plan, 1)
+    push(state, plan, "a", 1, d)
+    state.step(0, T0)
+    np.testing.assert_allclose(params(state), g0 - 0.4 * 1.5 * d.astype(np.float64), atol=1e-6)

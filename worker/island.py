@@ -367,8 +367,8 @@ class Island:
         """The client counters a metrics row carries, and the goodput they imply.
 
         Goodput = tokens the shards credited to this island (staleness-weighted,
-        as of their last heartbeat replies) / (wall time since the start x the
-        island's median step rate); see `worker.goodput`.
+        as of their latest heartbeat replies and published steps) / (wall time
+        since the start x the island's median step rate); see `worker.goodput`.
         """
         wall = time.monotonic() - self.started
         tokens_per_step = self.cfg.batch_size * self.cfg.seq_len
