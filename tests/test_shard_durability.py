@@ -206,8 +206,12 @@ def spawn_shard(port, data_dir):
         str(data_dir),
         "--mode",
         "sync",
-        "--outer-optimizer",
+        "--outer-optimizer",  # explicit: every step (one island each) takes Nesterov
         "nesterov",
+        "--outer-lr",
+        "0.7",
+        "--outer-momentum",
+        "0.9",
         "--downlink",  # exact fp32 state, so a plain optimizer replay is the reference
         "float32",
         "--checkpoint-every-steps",
@@ -285,7 +289,9 @@ def test_kill_9_mid_run_loses_no_acked_delta_and_applies_none_twice(tmp_path, zm
     params = plan.gather(flat, 0)
     opt_state = opt.init(params)
     for r in range(1, 31):
-        params, opt_state = opt.step(params, opt_state, deltas[r] * np.float32(1.0))
+        # every push is based on version 0, merged at version r - 1: factor (1 + (r-1))^-0.5
+        factor = np.float32(1.0 * (1.0 + (r - 1)) ** -0.5)
+        params, opt_state = opt.step(params, opt_state, deltas[r] * factor)
     assert reply["version"] == 30
     assert codec.decode(body)["values"].tobytes() == params.tobytes()
 
