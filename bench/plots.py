@@ -118,7 +118,7 @@ def write_plots(
     ax.bar(range(len(bars)), heights)
     ax.axhline(95, color="grey", ls=":", lw=1)
     ax.set_xticks(range(len(bars)), bars, rotation=60, ha="right", fontsize=6)
-    ax.set_ylabel("goodput (% of island time in steps that reached the model)")
+    ax.set_ylabel("goodput (% of the island's capacity that entered the model)")
     ax.set_ylim(0, 105)
     ax.set_title("goodput per island")
     fig.tight_layout()

@@ -136,16 +136,20 @@ def render(
         "Bytes are counted at the sockets (frame bytes of every message, heartbeats and the "
         "join snapshot included; 'per round' is the steady state after the join). 'DDP bytes / "
         "these' compares with the DDP run's measured bytes per token for the same tokens. "
-        "Goodput: share of an island's time in training steps whose deltas were acknowledged. "
+        "Goodput: tokens of an island that entered the model (each delta's tokens x its "
+        "staleness factor, as the shards credit them after the final merges; rejected or "
+        "never-merged deltas count 0) over the tokens it could have trained in its wall time at "
+        "its own step rate; waiting (sync barrier, back-pressure) counts as lost. "
+        "Final eval loss: the global model read from the shards once every island flushed and "
+        "every acked delta was merged, on the common held-out set (DDP: rank 0's final "
+        "parameters), at equal tokens. "
         "Uptime: share of windows (one median round of a full-speed island) in which some "
         "fragment's version advanced, from the shards' versions polled every second.",
         "",
         "Caveats: runs share 2 CPU cores with whatever else the machine does, so wall-clock "
         "figures of different runs are noisy (+-30% or worse); token-based figures and bytes are "
-        "not. DDP's WAN time to target, when extrapolated, leaves out its compile time (the "
-        "DiLoCo runs include theirs), which favours DDP. The islands' goodput counts time in "
-        "steps whose deltas were acknowledged; an island never blocks on the server, so "
-        "synchronous DiLoCo's waste shows in its loss and uptime rather than in goodput.",
+        "not. Islands and DDP ranks compile before they start, so no run is charged its "
+        "compile time; DDP's WAN time to target is extrapolated from its measured step time.",
         "",
         "Plots: loss_vs_wallclock.png, loss_vs_tokens.png, bytes_per_round.png, goodput.png. "
         "One JSON per run in runs/, everything in report.json.",
