@@ -12,8 +12,9 @@ duplicate, delay or corrupt its pushes and acks). Both runs train for the
 same wall time; the fault-free run uses the same seed and an empty schedule.
 
 Reported per run (JSON on stdout and in DIR/chaos.json): `goodput` (tokens
-of the deltas the shards applied within the window / what the islands would
-have trained in it at their own median round rate: machine-speed independent),
+that entered the model, as the shards credit them after the final merges: each
+delta's tokens x its staleness factor / what the islands would have trained in
+the window at their own median round rate: machine-speed independent),
 `uptime` (share of windows in which some fragment version advanced),
 `deltas_acked` (unique keys the shards acked, seen by the relay),
 `deltas_applied` (the shards' durable accepted count: merged or pending),
@@ -40,7 +41,7 @@ from typing import Any
 import zmq
 
 from bench import faults as fl
-from bench.analysis import uptime
+from bench.analysis import credited_tokens, uptime
 from bench.common import emit_json
 from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 from paramserver import daemon, probe
@@ -342,8 +343,9 @@ class ChaosRun:
             self._stop_islands()
             sampler.stop_event.set()
             sampler.join(5)
-            final_status = self._final_status()
+            # the final eval waits until every acked delta is merged: status after it
             loss = self._final_loss()  # through the relay: the welcome lists its addresses
+            final_status = self._final_status()
             self._stop_relay()
         finally:
             sampler.stop_event.set()
@@ -440,8 +442,11 @@ def summarize(
     fragments = 2 * setup.shards
     t0, end = raw["t0"], raw["t0"] + setup.duration_s
     in_window = fl.ack_keys(a for a in relay.get("acked_by_shard", []) if t0 <= float(a[-1]) <= end)
-    useful = fl.useful_tokens(in_window, tokens, fragments)
+    acked_tokens = fl.useful_tokens(in_window, tokens, fragments)
     status = raw["status"]
+    # tokens that entered the model: the shards' credit (tokens x staleness factor) after
+    # the final merges; a rejected or never-merged delta counts 0
+    useful = sum(credited_tokens({"shards": status}).values())
     applied = sum(st.get("accepted", 0) for st in status)
     deliveries: dict[str, list[float]] = {}
     for island, _f, _r, t in relay.get("acked_delivered", []):
@@ -479,6 +484,7 @@ def summarize(
         "shard_rejected": _merge([st.get("rejected", {}) for st in status]),
         "shard_errors": [st["error"] for st in status if "error" in st],
         "useful_tokens": useful,
+        "acked_tokens_in_window": acked_tokens,
         "trained_tokens_in_window": trained_in_window(raw, setup),
         "final_eval_loss": raw["final_eval_loss"],
         "faults": recovery,
