@@ -13,6 +13,7 @@ wake-up), `take_updates`, `stats` and `shutdown`.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import queue
 import threading
@@ -158,7 +159,6 @@ class IOThread(threading.Thread):
         self._awaited: dict[int, tuple[dict, list] | None] = {}
         self._next_id = 0
         self._joined = False
-        self._mode = "quorum"  # the cluster's merge mode, from the welcome
         self._close: tuple[float, Future] | None = None
         self._stopped = False
         self._tick_s = min(0.1, cfg.heartbeat_interval_s / 4)
@@ -490,11 +490,11 @@ class IOThread(threading.Thread):
         welcome, _ = self._call(first, "hello", deadline)
         welcome = self._expect(welcome, "welcome", "hello")
         plan = self._adopt_cluster(welcome, first, local_leaves)
-        self._mode = str(welcome.get("mode", "quorum"))
         if not welcome["initialized"]:
             plan = self._initialize(plan, flat, deadline)
         self._plan = plan
-        return self._sync_all(plan, deadline)
+        joined = self._sync_all(plan, deadline)
+        return dataclasses.replace(joined, mode=str(welcome.get("mode", "quorum")))
 
     def _expect(self, header: dict, kind: str, what: str) -> dict:
         if header["kind"] != kind:
@@ -605,7 +605,7 @@ class IOThread(threading.Thread):
             shard.heard = shard.sub_heard = shard.next_heartbeat = now
         self._joined = True
         logger.info("island %s joined: versions %s", self.cfg.island, versions)
-        return JoinResult(plan, params, versions, self._mode)
+        return JoinResult(plan, params, versions)
 
     # -- replies -----------------------------------------------------------------------
 

@@ -161,18 +161,29 @@ def cluster_status(connect: str, timeout_s: float = 5.0) -> dict[str, Any]:
             endpoints = [(str(r), str(p)) for r, p in first["endpoints"]]
         else:
             endpoints = cluster_endpoints(ctx, connect, timeout_s)
-        shards = []
-        for index, (router, _pub) in enumerate(endpoints):
-            if index == first.get("shard"):
-                shards.append({**first, "endpoint": connect})
-                continue
-            try:
-                shards.append({**shard_status(ctx, router, timeout_s), "endpoint": router})
-            except ProbeError as exc:
-                shards.append({"shard": index, "endpoint": router, "error": str(exc)})
-        return {"connect": connect, "shards": shards}
+        known = {first.get("shard"): {**first, "endpoint": connect}}
+        return {"connect": connect, "shards": _statuses(ctx, endpoints, timeout_s, known)}
     finally:
         ctx.destroy(linger=0)
+
+
+def _statuses(
+    ctx: zmq.Context,
+    endpoints: list[tuple[str, str]],
+    timeout_s: float,
+    known: dict[Any, dict[str, Any]] | None = None,
+) -> list[dict[str, Any]]:
+    """Every shard's status + "endpoint"; {"shard", "endpoint", "error"} for a silent one."""
+    shards = []
+    for index, (router, _pub) in enumerate(endpoints):
+        if known and index in known:
+            shards.append(known[index])
+            continue
+        try:
+            shards.append({**shard_status(ctx, router, timeout_s), "endpoint": router})
+        except ProbeError as exc:
+            shards.append({"shard": index, "endpoint": router, "error": str(exc)})
+    return shards
 
 
 def _not_initialized(connect: str) -> ProbeError:
@@ -229,26 +240,19 @@ def wait_merged(
     ctx = zmq.Context()
     try:
         endpoints = cluster_endpoints(ctx, connect, request_s)
+        stop = stop or threading.Event()
         while True:
-            shards = []
-            for index, (router, _pub) in enumerate(endpoints):
-                try:
-                    shards.append({**shard_status(ctx, router, request_s), "endpoint": router})
-                except ProbeError as exc:
-                    shards.append({"shard": index, "endpoint": router, "error": str(exc)})
+            shards = _statuses(ctx, endpoints, request_s)
             if any(s.get("initialized") is False for s in shards):
                 raise _not_initialized(connect)
             waiting = _pending_of(shards)
             if not waiting:
                 return {"connect": connect, "shards": shards}
-            if stop is not None and stop.is_set():
+            if stop.is_set():
                 raise ProbeError("stopped while waiting for the merge: " + "; ".join(waiting))
             if time.monotonic() >= deadline:
                 raise ProbeError(f"not merged within {timeout_s:g}s: " + "; ".join(waiting))
-            if stop is not None:
-                stop.wait(poll_s)
-            else:
-                time.sleep(poll_s)
+            stop.wait(poll_s)
     finally:
         ctx.destroy(linger=0)
 

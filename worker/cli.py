@@ -153,8 +153,6 @@ def _status(args: argparse.Namespace) -> int:
 
 def _eval(args: argparse.Namespace) -> int:
     cfg = _load_config(args)
-    if not args.wait_s >= 0:
-        raise ValueError(f"--wait-s must be >= 0, got {args.wait_s!r}")
     from worker import evaluate  # imports JAX: only for eval
 
     try:
@@ -170,8 +168,6 @@ def _eval(args: argparse.Namespace) -> int:
         f"{cfg.eval_batches} x {cfg.batch_size} x {cfg.seq_len} held-out tokens) at "
         f"version sum {result['version_sum']} over {len(result['versions'])} fragments"
     )
-    if "tokens_merged" in result:
-        line += f", tokens merged {result['tokens_merged']}"
     print(line)
     return 0
 

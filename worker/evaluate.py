@@ -69,12 +69,6 @@ def _check_model(cfg: IslandConfig, flat: dict[str, np.ndarray]) -> None:
         )
 
 
-def _tokens_merged(shards: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """{shard index: the shard's `tokens_merged`} when the shards report it, else None."""
-    found = {str(s.get("shard")): s["tokens_merged"] for s in shards if "tokens_merged" in s}
-    return found or None
-
-
 def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str, Any]:
     """Wait until merged, read the global parameters from the shards, evaluate them once.
 
@@ -86,8 +80,7 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
 
     Returns:
         {"eval_loss": float (nats/byte), "versions": {str(fragment): version},
-        "version_sum": int, "pending": 0} plus "tokens_merged" ({str(shard): value})
-        when the shards' status reports it.
+        "version_sum": int, "pending": 0}.
 
     Raises:
         EvalError: a shard is unreachable, the cluster is not initialized, or
@@ -98,7 +91,7 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
     if not wait_s >= 0:
         raise ValueError(f"wait_s must be >= 0, got {wait_s!r}")
     try:
-        status = probe.wait_merged(connect, wait_s)
+        probe.wait_merged(connect, wait_s)
         _plan, flat, versions = probe.global_params(connect)
     except probe.ProbeError as exc:
         raise EvalError(str(exc)) from None
@@ -116,8 +109,5 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
         "version_sum": int(sum(versions.values())),
         "pending": 0,
     }
-    tokens = _tokens_merged(status["shards"])
-    if tokens is not None:
-        result["tokens_merged"] = tokens
     logger.info("final global eval: %.4f at version sum %d", loss, result["version_sum"])
     return result

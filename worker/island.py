@@ -181,8 +181,7 @@ class Island:
         )
         self.state = "compiling"
         self._write_status()
-        compile_s = self.trainer.warmup()
-        logger.info("island %s compiled its steps in %.1f s", self.cfg.island, compile_s)
+        self.trainer.warmup()  # logs its compile time
 
     # -- the loop -------------------------------------------------------------
 
