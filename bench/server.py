@@ -39,8 +39,9 @@ from paramserver import protocol
 from paramserver.config import ShardConfig
 from paramserver.durable import Durability
 from paramserver.plan import leaf_specs, make_plan
+from paramserver.records import AcceptEvent, Contribution
 from paramserver.shard import ShardServer
-from paramserver.state import AcceptEvent, Contribution, ShardState
+from paramserver.state import ShardState
 
 T0 = 1_000_000.0
 

@@ -146,6 +146,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import msgpack
+import numpy as np
 
 PROTOCOL_VERSION = 1
 
@@ -434,3 +435,26 @@ def versions_from_wire(obj: Mapping[Any, Any]) -> dict[int, int]:
         return {int(k): int(v) for k, v in obj.items()}
     except (TypeError, ValueError, AttributeError) as exc:
         raise ProtocolError("malformed", f"versions map {obj!r}: {exc!r}") from exc
+
+
+def vector_problem(arr: Any, size: int) -> tuple[str, str] | None:
+    """Why a decoded payload cannot be a fragment vector (the rejection reason and detail).
+
+    Args:
+        arr: the decoded tensor.
+        size: the fragment's element count.
+
+    Returns:
+        ("bad_shape" | "bad_dtype" | "non_finite", detail), or None when `arr` is a
+        finite 1-D float32 vector of `size` elements.
+    """
+    if not isinstance(arr, np.ndarray):
+        return "bad_shape", f"expected an array, got {type(arr).__name__}"
+    if arr.dtype != np.float32:
+        return "bad_dtype", f"dtype {arr.dtype}; fragment vectors are float32"
+    if arr.shape != (size,):
+        return "bad_shape", f"shape {arr.shape}; the fragment needs ({size},)"
+    # max/min propagate NaN and expose +-inf without a temporary boolean array.
+    if size and not (np.isfinite(arr.max()) and np.isfinite(arr.min())):
+        return "non_finite", "values contain NaN or Inf"
+    return None

@@ -52,3 +52,22 @@ def l2_norm(delta: np.ndarray) -> float:
         The norm.
     """
     return float(np.sqrt(np.dot(delta.astype(np.float64, copy=False), delta)))
+
+
+def clip(
+    delta: np.ndarray, recent: Sequence[float], multiple: float
+) -> tuple[float, float, list[float]]:
+    """Judge one incoming delta against its fragment's recent norms.
+
+    Args:
+        delta: the delta (1-D float32).
+        recent: the fragment's kept (clipped) norms, oldest first.
+        multiple: allowed multiple of their median (> 0); 0 turns clipping off.
+
+    Returns:
+        (the delta's norm, its clip factor in (0, 1], the recent norms with its
+        clipped norm appended, the newest HISTORY kept).
+    """
+    norm = l2_norm(delta)
+    factor = clip_factor(norm, recent, multiple)
+    return norm, factor, [*recent, norm * factor][-HISTORY:]

@@ -35,7 +35,8 @@ from paramserver import daemon, protocol, settings
 from paramserver.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.curve import CurveServer
 from paramserver.durable import Durability
-from paramserver.state import ACCEPTED, REJECTED, Outcome, ShardState, Update
+from paramserver.records import ACCEPTED, REJECTED, Outcome, Update
+from paramserver.state import ShardState
 
 logger = logging.getLogger(__name__)
 

@@ -30,16 +30,15 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
 import codec
-from paramserver import liveness, robust
+from paramserver import liveness, protocol, robust
 from paramserver.config import ShardConfig
 from paramserver.downlink import Downlink
 from paramserver.outer import (
@@ -50,139 +49,26 @@ from paramserver.outer import (
     merge_deltas,
 )
 from paramserver.plan import Plan, PlanError
-from paramserver.policy import ArrivalStats, PendingDelta, decide, observe
+from paramserver.policy import PendingDelta, decide, observe
+from paramserver.records import (
+    ACCEPTED,
+    DUPLICATE,
+    REJECTED,
+    AcceptEvent,
+    Contribution,
+    Counters,
+    DedupEntry,
+    Event,
+    FragmentState,
+    InitEvent,
+    Outcome,
+    StateError,
+    StepEvent,
+    Update,
+)
 from paramserver.weighting import make_weighting, merge_coefficients
 
 logger = logging.getLogger(__name__)
-
-ACCEPTED, DUPLICATE, REJECTED = "accepted", "duplicate", "rejected"
-
-
-class StateError(RuntimeError):
-    """An event that cannot be applied (a corrupted or foreign log), or misuse of the state."""
-
-
-@dataclass(frozen=True)
-class Contribution:
-    """One accepted delta waiting to be merged into its fragment."""
-
-    island: str
-    round: int
-    fragment: int
-    base_version: int
-    tokens: int
-    steps: int
-    arrived: float  # wall-clock seconds
-    delta: np.ndarray  # 1-D float32, the fragment's size
-
-    @property
-    def key(self) -> tuple[str, int, int]:
-        """The idempotency key (island, round, fragment)."""
-        return (self.island, self.round, self.fragment)
-
-
-@dataclass(frozen=True)
-class InitEvent:
-    """The shard got its plan and initial values (fragment -> 1-D float32)."""
-
-    plan_wire: dict
-    values: dict[int, np.ndarray]
-
-
-@dataclass(frozen=True)
-class AcceptEvent:
-    """A delta was accepted into its fragment's pending set.
-
-    `frames` are the codec frames the delta was decoded from, when known: the
-    log keeps those (compressed) bytes instead of the float32 delta, and
-    decoding is deterministic, so replay gets the same delta bit for bit.
-    """
-
-    contribution: Contribution
-    frames: tuple[Any, ...] | None = None
-
-
-@dataclass(frozen=True)
-class StepEvent:
-    """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round))."""
-
-    fragment: int
-    keys: tuple[tuple[str, int], ...]
-    at: float
-
-
-Event = InitEvent | AcceptEvent | StepEvent
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """The answer to a request: status accepted / duplicate / rejected, reason and detail.
-
-    `event` is the applied event when the request changed durable state.
-    `version` is the fragment's version after the request (pushes), else 0.
-    `merged_version` (pushes accepted or duplicate) is the first version of the
-    fragment that includes the delta: a step merges every pending delta, so a
-    delta still pending is in the next version.
-    """
-
-    status: str
-    reason: str | None = None
-    detail: str = ""
-    event: Event | None = None
-    version: int = 0
-    merged_version: int | None = None
-
-
-@dataclass(frozen=True)
-class Update:
-    """A new fragment version to publish: the values after the step (1-D float32).
-
-    `frames` is None for the float32 downlink (publish `values`, mode "full"),
-    else the codec frames of the quantized update (publish them, mode "delta").
-    """
-
-    fragment: int
-    version: int
-    values: np.ndarray
-    frames: tuple[Any, ...] | None = None
-    credited: dict[str, float] = field(default_factory=dict)  # merged islands: cumulative
-
-
-@dataclass
-class FragmentState:
-    """Mutable state of one owned fragment (params and opt_state live in JAX)."""
-
-    params: jax.Array  # 1-D float32
-    opt_state: Any
-    version: int = 0
-    pending: list[Contribution] = field(default_factory=list)
-    stats: ArrivalStats = field(default_factory=ArrivalStats)
-    residual: np.ndarray | None = None  # int8 downlink: quantization error carried forward
-    norms: list[float] = field(default_factory=list)  # recent (clipped) delta norms: robust.py
-
-
-@dataclass
-class DedupEntry:
-    """Per (island, fragment): newest accepted round, accepted rounds within the window."""
-
-    newest: int
-    rounds: set[int]
-
-
-@dataclass
-class Counters:
-    """What `status` reports; `accepted`, `staleness` and `steps` are rebuilt by replay."""
-
-    accepted: int = 0
-    duplicates: int = 0
-    rejected: dict[str, int] = field(default_factory=dict)
-    bytes_in: int = 0
-    bytes_out: int = 0
-    staleness: dict[int, int] = field(default_factory=dict)
-    steps: int = 0
-    clipped: int = 0  # deltas scaled down by robust aggregation (clip_norm_multiple)
-    # island -> tokens that entered the model: tokens * g(staleness) * fragment share
-    credited: dict[str, float] = field(default_factory=dict)
 
 
 class ShardState:
@@ -216,9 +102,8 @@ class ShardState:
         self.counters = Counters()
         self._merge_buffers: dict[int, np.ndarray] = {}
         self._step = self.optimizer.donating  # the one outer step (paramserver.outer)
-        single_lr = cfg.single_island_outer_lr
         # a step that merges one island's work when the quorum collapsed: plain SGD
-        self._single = DonatingStep(optax.sgd(single_lr)) if single_lr else None
+        self._single = DonatingStep(optax.sgd(lr)) if (lr := cfg.single_island_outer_lr) else None
         self.downlink = Downlink(cfg.downlink)
 
     # ----- queries -------------------------------------------------------------
@@ -403,7 +288,7 @@ class ShardState:
             )
         values: dict[int, np.ndarray] = {}
         for index, size in owned.items():
-            problem = _vector_problem(tree[str(index)], size)
+            problem = protocol.vector_problem(tree[str(index)], size)
             if problem:
                 return self.reject(problem[0], f"fragment {index}: {problem[1]}")
             values[index] = tree[str(index)]
@@ -505,7 +390,7 @@ class ShardState:
                 "bad_shape", f"payload must be the tree {{'delta': vec}}, got {keys}"
             )
         delta = tree["delta"]
-        problem = _vector_problem(delta, size)
+        problem = protocol.vector_problem(delta, size)
         if problem:
             return self.reject(*problem)
         contribution = Contribution(
@@ -526,9 +411,7 @@ class ShardState:
         if outcome.status == DUPLICATE:
             self.counters.duplicates += 1
         elif outcome.status == REJECTED:
-            self.counters.rejected[outcome.reason] = (
-                self.counters.rejected.get(outcome.reason, 0) + 1
-            )
+            return self.reject(outcome.reason, outcome.detail)
         return outcome
 
     # ----- steps ----------------------------------------------------------------
@@ -640,10 +523,7 @@ class ShardState:
 
     def _clip(self, frag: FragmentState, c: Contribution) -> Contribution:
         """Scale a delta down to the robust bound (deterministic: replay clips the same)."""
-        norm = robust.l2_norm(c.delta)
-        factor = robust.clip_factor(norm, frag.norms, self.cfg.clip_norm_multiple)
-        frag.norms.append(norm * factor)
-        del frag.norms[: -robust.HISTORY]
+        norm, factor, frag.norms = robust.clip(c.delta, frag.norms, self.cfg.clip_norm_multiple)
         if factor >= 1.0:
             return c
         self.counters.clipped += 1
@@ -671,10 +551,9 @@ class ShardState:
         if not merged_in:
             raise StateError(f"step event for fragment {event.fragment} merges nothing")
         coefficients, shares = merge_coefficients(self.weighting, merged_in, frag.version)
-        buf = self._merge_buffers.get(event.fragment)
-        if buf is None:
-            size = frag.params.shape[0]
-            buf = self._merge_buffers[event.fragment] = aligned_float32(size)
+        if event.fragment not in self._merge_buffers:  # reused: no fresh pages per step
+            self._merge_buffers[event.fragment] = aligned_float32(frag.params.shape[0])
+        buf = self._merge_buffers[event.fragment]
         merged = merge_deltas([c.delta for c in merged_in], coefficients, out=buf)
         frames = None
         if self._single is not None and len(shares) == 1:
@@ -694,19 +573,14 @@ class ShardState:
             frag.params, opt_state = step(frag.params, opt_state, merged)
         if step is self._step:
             frag.opt_state = opt_state
-        for c in merged_in:
-            staleness = frag.version - c.base_version
-            self.counters.staleness[staleness] = self.counters.staleness.get(staleness, 0) + 1
         share_of_model = frag.params.shape[0] / self.plan.total_size
-        for share in shares:
-            credit = share.tokens * share.factor * share_of_model
-            self.counters.credited[share.island] = (
-                self.counters.credited.get(share.island, 0.0) + credit
-            )
+        self.counters.add_step(
+            [frag.version - c.base_version for c in merged_in],
+            {x.island: x.tokens * x.factor * share_of_model for x in shares},
+        )
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]
         frag.version += 1
-        self.counters.steps += 1
         logger.info(
             "outer step shard=%d fragment=%d version=%d merged=%d",
             self.index,
@@ -724,143 +598,3 @@ class ShardState:
         )
         credited = {x.island: self.counters.credited[x.island] for x in shares}
         return Update(event.fragment, frag.version, np.asarray(frag.params), frames, credited)
-
-    # ----- checkpoint form ---------------------------------------------------------
-
-    def export(self) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
-        """Everything durable, as a msgpack-ready map plus named arrays (for a checkpoint).
-
-        Returns:
-            (meta, arrays); `ShardState.restore` inverts it. The island registry
-            is not included (islands say hello again after a restart).
-        """
-        arrays: dict[str, np.ndarray] = {}
-        frags = []
-        for index, frag in sorted(self.fragments.items()):
-            arrays[f"params/{index}"] = np.asarray(frag.params)
-            if frag.residual is not None:
-                arrays[f"residual/{index}"] = frag.residual
-            opt = self.optimizer.state_to_arrays(frag.opt_state)
-            for k, arr in enumerate(opt):
-                arrays[f"opt/{index}/{k}"] = arr
-            pending = []
-            for j, c in enumerate(frag.pending):
-                arrays[f"pending/{index}/{j}"] = c.delta
-                pending.append([c.island, c.round, c.base_version, c.tokens, c.steps, c.arrived])
-            st = frag.stats
-            frags.append(
-                {
-                    "index": index,
-                    "version": frag.version,
-                    "opt_arrays": len(opt),
-                    "stats": [st.ema_interarrival_s, st.last_arrival, st.count],
-                    "pending": pending,
-                    "norms": list(frag.norms),
-                }
-            )
-        c = self.counters
-        meta = {
-            "shard": self.index,
-            "shards": self.cfg.shards,
-            "num_fragments": self.cfg.num_fragments,
-            "outer_optimizer": self.cfg.outer_optimizer,
-            "plan": self.plan.to_wire() if self.plan else None,
-            "fragments": frags,
-            "dedup": [
-                [island, fragment, e.newest, sorted(e.rounds)]
-                for (island, fragment), e in sorted(self.dedup.items())
-            ],
-            "counters": {
-                "accepted": c.accepted,
-                "duplicates": c.duplicates,
-                "rejected": dict(c.rejected),
-                "bytes_in": c.bytes_in,
-                "bytes_out": c.bytes_out,
-                "staleness": [[k, v] for k, v in sorted(c.staleness.items())],
-                "steps": c.steps,
-                "clipped": c.clipped,
-                "credited": dict(c.credited),
-            },
-        }
-        return meta, arrays
-
-    @classmethod
-    def restore(
-        cls, cfg: ShardConfig, index: int, meta: Mapping[str, Any], arrays: Mapping[str, np.ndarray]
-    ) -> ShardState:
-        """Rebuild a state from `export` output.
-
-        Args:
-            cfg: the settings to run with (must match the checkpoint's cluster shape).
-            index: this shard's index.
-            meta: the exported map.
-            arrays: the exported arrays.
-
-        Returns:
-            The restored state.
-
-        Raises:
-            StateError: the checkpoint belongs to another shard or cluster shape,
-                or is inconsistent.
-        """
-        state = cls(cfg, index)
-        got = (meta.get("shard"), meta.get("shards"), meta.get("num_fragments"))
-        want = (index, cfg.shards, cfg.num_fragments)
-        if got != want:
-            raise StateError(
-                f"checkpoint is for shard/shards/fragments {got}, this process runs {want}: "
-                "point data_dir at this cluster's directory or start with an empty one"
-            )
-        try:
-            if meta["plan"] is not None:
-                state.plan = Plan.from_wire(meta["plan"])
-            for f in meta["fragments"]:
-                i = f["index"]
-                params = np.asarray(arrays[f"params/{i}"], dtype=np.float32)
-                opt_arrays = [arrays[f"opt/{i}/{k}"] for k in range(f["opt_arrays"])]
-                opt_state = state.optimizer.state_from_arrays(opt_arrays, params)
-                frag = FragmentState(jnp.asarray(params), opt_state)
-                if f"residual/{i}" in arrays:
-                    frag.residual = np.array(arrays[f"residual/{i}"], dtype=np.float32)
-                frag.version = int(f["version"])
-                frag.norms = [float(n) for n in f.get("norms", [])]
-                ema, last, count = f["stats"]
-                frag.stats = ArrivalStats(ema, last, int(count))
-                for j, (island, rnd, base, tokens, steps, arrived) in enumerate(f["pending"]):
-                    frag.pending.append(
-                        Contribution(
-                            island, rnd, i, base, tokens, steps, arrived, arrays[f"pending/{i}/{j}"]
-                        )
-                    )
-                state.fragments[i] = frag
-            for island, fragment, newest, rounds in meta["dedup"]:
-                state.dedup[(island, fragment)] = DedupEntry(newest, set(rounds))
-            c = meta["counters"]
-            state.counters = Counters(
-                accepted=c["accepted"],
-                duplicates=c["duplicates"],
-                rejected=dict(c["rejected"]),
-                bytes_in=c["bytes_in"],
-                bytes_out=c["bytes_out"],
-                staleness={int(k): v for k, v in c["staleness"]},
-                steps=c["steps"],
-                clipped=c.get("clipped", 0),
-                credited={str(k): float(v) for k, v in c.get("credited", {}).items()},
-            )
-        except (KeyError, TypeError, ValueError) as exc:
-            raise StateError(f"inconsistent checkpoint: {exc!r}") from exc
-        return state
-
-
-def _vector_problem(arr: Any, size: int) -> tuple[str, str] | None:
-    """Why an array cannot be a fragment vector of `size` elements, or None if it can."""
-    if not isinstance(arr, np.ndarray):
-        return "bad_shape", f"expected an array, got {type(arr).__name__}"
-    if arr.dtype != np.float32:
-        return "bad_dtype", f"dtype {arr.dtype}; fragment vectors are float32"
-    if arr.shape != (size,):
-        return "bad_shape", f"shape {arr.shape}; the fragment needs ({size},)"
-    # max/min propagate NaN and expose +-inf without a temporary boolean array.
-    if size and not (np.isfinite(arr.max()) and np.isfinite(arr.min())):
-        return "non_finite", "values contain NaN or Inf"
-    return None

@@ -18,7 +18,8 @@ from shard_helpers import (
 )
 
 from paramserver.config import ShardConfig
-from paramserver.state import ACCEPTED, DUPLICATE, REJECTED, ShardState
+from paramserver.records import ACCEPTED, DUPLICATE, REJECTED
+from paramserver.state import ShardState
 
 T0 = 1_000_000.0
 

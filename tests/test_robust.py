@@ -7,8 +7,10 @@ import pytest
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 from paramserver.config import ConfigError, ShardConfig
-from paramserver.robust import clip_factor, l2_norm
-from paramserver.state import ACCEPTED, ShardState
+from paramserver.durable import export_state, restore_state
+from paramserver.records import ACCEPTED
+from paramserver.robust import clip, clip_factor, l2_norm
+from paramserver.state import ShardState
 
 T0 = 1_000_000.0
 
@@ -76,7 +78,15 @@ def test_one_poisoned_island_cannot_wreck_the_model():
     assert replica.counters.clipped == 1
 
     # a checkpoint keeps the recent norms, so the bound survives a restart
-    meta, arrays = clipped.export()
-    restored = ShardState.restore(clipped.cfg, 0, meta, arrays)
+    meta, arrays = export_state(clipped)
+    restored = restore_state(clipped.cfg, 0, meta, arrays)
     assert restored.fragments[0].norms == clipped.fragments[0].norms
     assert restored.counters.clipped == 1
+
+
+def test_clip_keeps_the_clipped_norm_in_a_bounded_history():
+    recent = [1.0] * 32
+    delta = np.full(4, 5.0, np.float32)  # norm 10
+    norm, factor, kept = clip(delta, recent, multiple=2.0)
+    assert norm == 10.0 and factor == 0.2  # bound 2 x median 1 = 2
+    assert len(kept) == 32 and kept[-1] == 2.0 and recent == [1.0] * 32

@@ -11,6 +11,7 @@ import codec
 from paramserver import protocol
 from paramserver.config import ShardConfig
 from paramserver.downlink import Downlink, DownlinkError
+from paramserver.durable import export_state, restore_state
 from paramserver.state import ShardState
 
 T0 = 1_000_000.0
@@ -66,8 +67,8 @@ def test_replay_and_checkpoint_reproduce_frames_params_and_residuals():
     assert [tuple(bytes(memoryview(f)) for f in u.frames) for u in replayed] == [
         tuple(bytes(memoryview(f)) for f in u.frames) for u in updates
     ]
-    meta, arrays = replica.export()
-    restored = ShardState.restore(CFG, 0, meta, arrays)
+    meta, arrays = export_state(replica)
+    restored = restore_state(CFG, 0, meta, arrays)
     for f in (0, 1):
         assert restored.snapshot(f)[1].tobytes() == state.snapshot(f)[1].tobytes()
         assert restored.fragments[f].residual.tobytes() == state.fragments[f].residual.tobytes()
