@@ -301,6 +301,24 @@ class Client:
             self._outstanding += 1
         self._io.submit(("push", request, None))
 
+    def report_step_time(self, seconds: float) -> None:
+        """Tell the shards this island's typical inner-step time (padding included).
+
+        Sent as `t_step` with every later push and heartbeat; the shards' adaptive
+        grace window (`--grace-rule eq3`) uses it.
+
+        Args:
+            seconds: a finite time > 0.
+
+        Raises:
+            ClientError: not a finite positive number.
+        """
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float | np.floating):
+            raise ClientError(f"report_step_time: seconds={seconds!r} must be a number")
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ClientError(f"report_step_time: seconds={seconds!r} must be finite and > 0")
+        self._io.step_time_s = float(seconds)
+
     def poll_updates(self) -> list[Update]:
         """The newest update of each fragment that changed since the last call.
 

@@ -123,6 +123,9 @@ class IOThread(threading.Thread):
         # The shard's size limit when its welcome says (a bigger push would be
         # dropped with the connection, not answered): checked by `Client.push`.
         self.max_message_bytes: int | None = None
+        # The island's typical inner-step time (s), sent in pushes and heartbeats as
+        # `t_step` for the shards' adaptive grace window; None: not reported.
+        self.step_time_s: float | None = None
         self._release = release
         self._curve: tuple[bytes, bytes, bytes] | None = None
         if cfg.curve_secret_key_file:
@@ -832,6 +835,7 @@ class IOThread(threading.Thread):
             "tokens": request.tokens,
             "steps": request.steps,
             "plan_hash": self._plan.hash,
+            **self._step_time_field(),
         }
         frames = protocol.pack(header, request.frames)
         pending = _Pending(request, shard_index, frames, protocol.message_bytes(frames))
@@ -841,6 +845,10 @@ class IOThread(threading.Thread):
         pending.sent_at = pending.queued_at = now
         if shard.up:
             self._send_push(shard, pending, now, resend=False)
+
+    def _step_time_field(self) -> dict[str, float]:
+        step_time = self.step_time_s
+        return {} if step_time is None else {"t_step": step_time}
 
     def _send_push(self, shard: _Shard, pending: _Pending, now: float, resend: bool) -> None:
         try:
@@ -863,7 +871,7 @@ class IOThread(threading.Thread):
                 if now >= shard.next_reconnect:
                     self._reconnect(shard, now)
             elif now >= shard.next_heartbeat:
-                self._send(shard, {"kind": "heartbeat"})
+                self._send(shard, {"kind": "heartbeat", **self._step_time_field()})
                 shard.next_heartbeat = now + cfg.heartbeat_interval_s
             feed = shard.feed
             if feed is None:

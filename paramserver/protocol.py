@@ -53,6 +53,9 @@ status     -                                            - / `status_reply`
 bye        island                                       - / `bye_ok`
 =========  ===========================================  ===============================
 
+`push` and `heartbeat` may carry `t_step` (finite number > 0): the island's
+typical inner-step time in seconds, for the adaptive grace window.
+
 Replies (ROUTER -> DEALER), each echoing the request's `id` when it had one:
 
 ==============  ===================================================================
@@ -141,6 +144,7 @@ more fragments.
 
 from __future__ import annotations
 
+import math
 import numbers
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -231,6 +235,7 @@ _CHECKS: dict[str, tuple[Callable[[object], bool], str]] = {
     "list": (lambda x: isinstance(x, list | tuple), "a list"),
     "str?": (_str_or_nil, "a string or nil"),
     "uint?": (lambda x: x is None or _uint(x), "an int >= 0 or nil"),
+    "seconds": (lambda x: _number(x) and math.isfinite(x) and x > 0, "a finite number > 0"),
 }
 
 # kind -> {required field: type name}, per role.
@@ -292,7 +297,7 @@ SCHEMAS: dict[str, dict[str, dict[str, str]]] = {
 
 # Optional fields checked when present, per role.
 _OPTIONAL: dict[str, dict[str, str]] = {
-    REQUEST: {"id": "int"},
+    REQUEST: {"id": "int", "t_step": "seconds"},
     REPLY: {"id": "int", "merged_version": "uint?", "credited": "number"},
     PUB: {"credited": "map"},
 }

@@ -283,6 +283,7 @@ class Island:
                     adopted += self._fold_updates(client)
                 if steps == 0:
                     break
+                client.report_step_time(float(np.median(self.step_times[-steps_per_round:])))
                 self._push_round(client, steps)
                 if self.mode == "sync":
                     self._wait_for_merge(client, self.round_base + self.round, stop)
