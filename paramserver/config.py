@@ -13,7 +13,8 @@ from typing import Literal
 
 from paramserver.downlink import DOWNLINKS
 from paramserver.outer import OUTER_OPTIMIZERS
-from paramserver.policy import MODES, PolicyConfig
+from paramserver.policy import GRACE_RULES, MODES, PolicyConfig
+from paramserver.rda import MERGES
 from paramserver.weighting import WEIGHTINGS
 
 MIB = 1024 * 1024
@@ -53,10 +54,13 @@ class ShardConfig:
     data_dir: str = "runs/server"  # write-ahead logs and checkpoints (shard-<i>/ below it)
     mode: Literal["sync", "quorum", "async"] = "quorum"  # merge policy (paramserver.policy)
     quorum: int = 2  # quorum mode: distinct live islands needed before the grace window
-    grace_fraction: float = 0.5  # grace window as a fraction of the EMA inter-arrival time
+    grace_rule: str = "fraction"  # quorum grace window: fraction or eq3 (paramserver.policy)
+    grace_fraction: float = 0.5  # fraction rule: share of the EMA inter-arrival time
+    grace_gamma: float = 0.5  # eq3 rule: share of the slack spent waiting, in (0, 1)
     grace_min_s: float = 0.05  # lower clamp of the grace window, seconds
     grace_max_s: float = 30.0  # upper clamp of the grace window, seconds
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
+    merge: str = "mean"  # combining the islands' deltas: mean or rda (paramserver.rda)
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
     outer_optimizer: str = "nesterov"  # nesterov, sgd or delayed-nesterov
     outer_lr: float | None = None  # None: 0.7 (sync/quorum) or ASYNC_OUTER_LR (async, quorum 1)
@@ -119,7 +123,11 @@ class ShardConfig:
             self.grace_max_s,
             f"must be >= grace_min_s={self.grace_min_s}",
         )
+        _choice("grace_rule", self.grace_rule, GRACE_RULES)
+        _number_at_least("grace_gamma", self.grace_gamma, 0.0)
+        _require(0 < self.grace_gamma < 1, "grace_gamma", self.grace_gamma, "must be in (0, 1)")
         _choice("weighting", self.weighting, WEIGHTINGS)
+        _choice("merge", self.merge, MERGES)
         _number_at_least("staleness_exponent", self.staleness_exponent, 0.0)
         _choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
         if self.outer_lr is not None:
@@ -240,7 +248,9 @@ class ShardConfig:
         return PolicyConfig(
             mode=self.mode,
             quorum=self.quorum,
+            grace_rule=self.grace_rule,
             grace_fraction=self.grace_fraction,
+            grace_gamma=self.grace_gamma,
             grace_min_s=self.grace_min_s,
             grace_max_s=self.grace_max_s,
         )

@@ -155,3 +155,23 @@ class Counters:
             self.staleness[s] = self.staleness.get(s, 0) + 1
         for island, credit in credits.items():
             self.credited[island] = self.credited.get(island, 0.0) + credit
+
+    def report(self) -> dict[str, Any]:
+        """The counters as status fields (JSON-ready, str keys).
+
+        Returns:
+            accepted, duplicates, rejected (reason -> count), bytes_in, bytes_out,
+            staleness_histogram, steps, clipped and credited_tokens (island ->
+            tokens * g(staleness) * fragment share, rounded to 3 decimals).
+        """
+        return {
+            "accepted": self.accepted,
+            "duplicates": self.duplicates,
+            "rejected": dict(sorted(self.rejected.items())),
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
+            "steps": self.steps,
+            "clipped": self.clipped,
+            "credited_tokens": {k: round(v, 3) for k, v in sorted(self.credited.items())},
+        }

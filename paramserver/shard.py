@@ -230,7 +230,7 @@ class ShardServer:
         now = time.time()
         island = header.get("island")
         if isinstance(island, str) and header["kind"] != "hello":
-            known = self.state.touch(island, now)
+            known = self.state.touch(island, now, header)
         else:
             known = True
         if size > self.cfg.max_message_bytes:

@@ -29,6 +29,7 @@ persisted with pending deltas and must mean the same after a restart.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -41,15 +42,18 @@ import codec
 from paramserver import liveness, protocol, robust
 from paramserver.config import ShardConfig
 from paramserver.downlink import Downlink
-from paramserver.outer import (
-    DonatingStep,
-    FragmentOptimizer,
-    aligned_float32,
-    make_outer_optimizer,
-    merge_deltas,
-)
+from paramserver.outer import DonatingStep, FragmentOptimizer, aligned_float32, make_outer_optimizer
 from paramserver.plan import Plan, PlanError
-from paramserver.policy import PendingDelta, decide, observe
+from paramserver.policy import (
+    IslandPace,
+    PendingDelta,
+    decide,
+    observe,
+    pace_report,
+    observe_step,
+    quorum_time,
+)
+from paramserver.rda import merge_pending
 from paramserver.records import (
     ACCEPTED,
     DUPLICATE,
@@ -66,7 +70,7 @@ from paramserver.records import (
     StepEvent,
     Update,
 )
-from paramserver.weighting import make_weighting, merge_coefficients
+from paramserver.weighting import island_shares, make_weighting
 
 logger = logging.getLogger(__name__)
 
@@ -87,18 +91,13 @@ class ShardState:
         self.index = index
         self.policy = cfg.policy()
         self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent)
-        self.optimizer = FragmentOptimizer(
-            make_outer_optimizer(
-                cfg.outer_optimizer,
-                cfg.effective_outer_lr,
-                cfg.effective_outer_momentum,
-                cfg.nesterov_delay,
-            )
-        )
+        outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
+        self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
         self.plan: Plan | None = None
         self.fragments: dict[int, FragmentState] = {}
         self.dedup: dict[tuple[str, int], DedupEntry] = {}
         self.last_seen: dict[str, float] = {}
+        self.paces: dict[str, IslandPace] = {}  # reported step times (eq3 grace window)
         self.counters = Counters()
         self._merge_buffers: dict[int, np.ndarray] = {}
         self._step = self.optimizer.donating  # the one outer step (paramserver.outer)
@@ -161,12 +160,12 @@ class ShardState:
         Returns:
             A dict with shard, initialized, plan_hash, versions, islands_live,
             islands_known, accepted, duplicates, rejected, bytes_in, bytes_out,
-            staleness_histogram, steps, clipped, pending (fragment -> count)
+            staleness_histogram, steps, clipped, pending (fragment -> count),
+            paces (island -> reported step_s, steps, round_s)
             and credited_tokens (island -> tokens that entered the model through
             this shard: tokens * g(staleness) * the fragment's share of all
             parameters; summed over shards, an island's useful tokens).
         """
-        c = self.counters
         return {
             "shard": self.index,
             "initialized": self.initialized,
@@ -174,16 +173,9 @@ class ShardState:
             "versions": {str(k): v for k, v in self.versions().items()},
             "islands_live": sorted(self.live(now)),
             "islands_known": len(self.last_seen),
-            "accepted": c.accepted,
-            "duplicates": c.duplicates,
-            "rejected": dict(sorted(c.rejected.items())),
-            "bytes_in": c.bytes_in,
-            "bytes_out": c.bytes_out,
-            "staleness_histogram": {str(k): v for k, v in sorted(c.staleness.items())},
-            "steps": c.steps,
-            "clipped": c.clipped,
             "pending": {str(i): len(f.pending) for i, f in sorted(self.fragments.items())},
-            "credited_tokens": {k: round(v, 3) for k, v in sorted(c.credited.items())},
+            "paces": {i: p.report() for i, p in sorted(self.paces.items())},
+            **self.counters.report(),
         }
 
     # ----- islands -------------------------------------------------------------
@@ -210,20 +202,24 @@ class ShardState:
         self.last_seen[island] = now
         return Outcome(ACCEPTED)
 
-    def touch(self, island: str, now: float) -> bool:
+    def touch(self, island: str, now: float, header: Mapping[str, Any] | None = None) -> bool:
         """Refresh a known island's last-heard time (any message counts as a heartbeat).
 
         Args:
             island: island id.
             now: wall-clock seconds.
+            header: the message; its `t_step` (and a push's `steps`) update the
+                island's pace for the eq3 grace window.
 
         Returns:
             Whether the island is known (said hello).
         """
-        if island in self.last_seen:
-            self.last_seen[island] = max(now, self.last_seen[island])
-            return True
-        return False
+        if island not in self.last_seen:
+            return False
+        self.last_seen[island] = max(now, self.last_seen[island])
+        if header is not None and (pace := pace_report(self.paces.get(island), header)):
+            self.paces[island] = pace
+        return True
 
     def bye(self, island: str) -> None:
         """Forget an island that left (it no longer counts for quorum).
@@ -432,7 +428,7 @@ class ShardState:
             if not frag.pending:
                 continue
             pending = [PendingDelta(c.island, c.arrived) for c in frag.pending]
-            decision = decide(now, pending, live, frag.stats, self.policy)
+            decision = decide(now, pending, live, frag.stats, self.policy, self.paces)
             if decision.step:
                 due.append(index)
             elif decision.wake_at is not None:
@@ -452,9 +448,15 @@ class ShardState:
         frag = self.fragments.get(fragment)
         if frag is None or not frag.pending:
             raise StateError(f"fragment {fragment} has nothing to step")
+        pending = [PendingDelta(c.island, c.arrived) for c in frag.pending]
+        quorum_s = quorum_time(pending, self.live(now), self.policy)
         event = StepEvent(fragment, tuple((c.island, c.round) for c in frag.pending), float(now))
+        started = time.perf_counter()
         update = self.apply(event)
         assert update is not None
+        frag.stats = observe_step(
+            frag.stats, quorum_s, time.perf_counter() - started, self.policy.ema_alpha
+        )
         return event, update
 
     # ----- the one mutation path --------------------------------------------------
@@ -550,11 +552,17 @@ class ShardState:
             raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
         if not merged_in:
             raise StateError(f"step event for fragment {event.fragment} merges nothing")
-        coefficients, shares = merge_coefficients(self.weighting, merged_in, frag.version)
+        shares = island_shares(self.weighting, merged_in, frag.version)
         if event.fragment not in self._merge_buffers:  # reused: no fresh pages per step
             self._merge_buffers[event.fragment] = aligned_float32(frag.params.shape[0])
         buf = self._merge_buffers[event.fragment]
-        merged = merge_deltas([c.delta for c in merged_in], coefficients, out=buf)
+        merged = merge_pending(
+            self.cfg.merge,
+            [(c.island, c.delta) for c in merged_in],
+            {x.island: x.coefficient for x in shares},
+            self.plan.fragments[event.fragment],
+            out=buf,
+        )
         frames = None
         if self._single is not None and len(shares) == 1:
             step, opt_state = self._single, self._single.tx.init(frag.params)
@@ -581,20 +589,11 @@ class ShardState:
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]
         frag.version += 1
+        islands = {x.island: round(x.coefficient, 4) for x in shares}
+        where = {"shard": self.index, "fragment": event.fragment, "version": frag.version}
         logger.info(
-            "outer step shard=%d fragment=%d version=%d merged=%d",
-            self.index,
-            event.fragment,
-            frag.version,
-            len(merged_in),
-            extra={
-                "shard": self.index,
-                "fragment": event.fragment,
-                "version": frag.version,
-                "merged": len(merged_in),
-                "islands": sorted({c.island for c in merged_in}),
-                "coefficients": {x.island: round(x.coefficient, 4) for x in shares},
-            },
-        )
+            "outer step shard=%d fragment=%d version=%d merged=%d", *where.values(),
+            len(merged_in), extra={**where, "merged": len(merged_in), "coefficients": islands},
+        )  # fmt: skip
         credited = {x.island: self.counters.credited[x.island] for x in shares}
         return Update(event.fragment, frag.version, np.asarray(frag.params), frames, credited)

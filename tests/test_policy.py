@@ -9,12 +9,16 @@ from hypothesis import strategies as st
 from paramserver.policy import (
     ArrivalStats,
     Decision,
+    IslandPace,
     PendingDelta,
     PolicyConfig,
     PolicyError,
     decide,
     grace_window,
     observe,
+    observe_pace,
+    observe_step,
+    quorum_time,
 )
 
 NO_STATS = ArrivalStats()
@@ -234,3 +238,74 @@ def test_policy_config_defaults_and_is_frozen():
     assert (cfg.mode, cfg.quorum, cfg.grace_fraction) == ("quorum", 2, 0.5)
     with pytest.raises(AttributeError):
         cfg.quorum = 3
+
+
+# -- eq3 grace rule (Decoupled DiLoCo Eq. 3) ---------------------------------------------
+EQ3 = PolicyConfig(mode="quorum", quorum=1, grace_rule="eq3", grace_gamma=0.5, grace_min_s=0.0)
+
+
+def test_eq3_window_spends_gamma_of_the_slack():
+    stats = ArrivalStats(ema_quorum_s=1.0, ema_sync_s=0.5)
+    # 0.5 * (20 steps * 0.5 s - 1.0 - 0.5) = 4.25
+    assert grace_window(stats, EQ3, round_s=10.0) == pytest.approx(4.25)
+    # no slack left: clamped to the lower bound
+    assert grace_window(stats, EQ3, round_s=1.0) == 0.0
+    capped = PolicyConfig(quorum=1, grace_rule="eq3", grace_max_s=2.0, grace_min_s=0.1)
+    assert grace_window(stats, capped, round_s=10.0) == 2.0
+    # unmeasured EMAs count as 0; without any pace the window is grace_min_s
+    assert grace_window(ArrivalStats(), EQ3, round_s=10.0) == pytest.approx(5.0)
+    assert grace_window(stats, capped, round_s=None) == 0.1
+
+
+def test_eq3_decide_uses_the_fastest_quorum_island_and_waits_for_a_second():
+    paces = {"fast": IslandPace(0.1, 20), "slow": IslandPace(0.2, 20)}  # rounds 2 s and 4 s
+    pending = pend(("fast", 10.0))
+    alive = live("fast", "slow")
+    # quorum of 1 reached at 10.0 by "fast": grace 0.5 * 2.0 = 1.0, so wait until 11.0
+    d = decide(10.5, pending, alive, ArrivalStats(), EQ3, paces)
+    assert not d.step and d.wake_at == pytest.approx(11.0)
+    assert decide(11.0, pending, alive, ArrivalStats(), EQ3, paces).step
+    # the slow island arriving inside the window completes the set: step at once
+    both = pend(("fast", 10.0), ("slow", 10.8))
+    assert decide(10.8, both, alive, ArrivalStats(), EQ3, paces).step
+    # no reported pace: grace_min_s (0 here), step at once
+    assert decide(10.0, pending, alive, ArrivalStats(), EQ3, {}).step
+
+
+def test_fraction_rule_ignores_paces():
+    cfg = PolicyConfig(mode="quorum", quorum=1, grace_min_s=0.2)
+    paces = {"a": IslandPace(1.0, 100)}
+    d = decide(0.0, pend(("a", 0.0)), live("a", "b"), ArrivalStats(), cfg, paces)
+    assert d.wake_at == pytest.approx(0.2)
+
+
+def test_observe_step_and_pace_are_emas():
+    s = observe_step(ArrivalStats(), 2.0, 0.4, alpha=0.5)
+    assert (s.ema_quorum_s, s.ema_sync_s) == (2.0, 0.4)
+    s = observe_step(s, None, 0.2, alpha=0.5)  # no quorum sample: quorum EMA unchanged
+    assert (s.ema_quorum_s, s.ema_sync_s) == (2.0, pytest.approx(0.3))
+    s = observe_step(s, -1.0, 0.0, alpha=0.5)  # negative counts as 0
+    assert s.ema_quorum_s == pytest.approx(1.0)
+    p = observe_pace(None, 0.2, 30, alpha=0.5)
+    assert p == IslandPace(0.2, 30) and p.round_s == pytest.approx(6.0)
+    p = observe_pace(p, 0.4, None, alpha=0.5)  # a heartbeat: step time only
+    assert p == IslandPace(pytest.approx(0.3), 30)
+    assert observe_pace(p, None, 10) == IslandPace(p.step_s, 10)
+    assert observe_pace(None, None, 10) is None
+    assert IslandPace(0.5).round_s is None
+    with pytest.raises(PolicyError):
+        observe_pace(None, float("inf"), 1)
+
+
+def test_quorum_time_is_first_arrival_to_quorum():
+    cfg = PolicyConfig(mode="quorum", quorum=2)
+    pending = pend(("a", 1.0), ("a", 1.5), ("b", 3.5), ("c", 4.0))
+    assert quorum_time(pending, live("a", "b", "c"), cfg) == pytest.approx(2.5)
+    assert quorum_time(pend(("a", 1.0)), live("a", "b"), cfg) is None
+
+
+@pytest.mark.parametrize("kw", [{"grace_rule": "median"}, {"grace_gamma": 1.0},
+                                {"grace_gamma": 0.0}, {"grace_gamma": float("nan")}])  # fmt: skip
+def test_bad_grace_settings_are_refused(kw):
+    with pytest.raises(PolicyError, match=next(iter(kw))):
+        PolicyConfig(**kw)

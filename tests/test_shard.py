@@ -136,6 +136,9 @@ def _bad_cases(plan, size):
         ("replayed round", ({**good, "round": 1}, zeros), "ack", "replayed_round"),
         ("future base", ({**good, "base_version": 9}, zeros), "ack", "future_base_version"),
         ("missing field", ({"kind": "push", "island": "a"}, zeros), "rejected", "malformed"),
+        ("negative t_step", ({**good, "t_step": -1.0}, zeros), "rejected", "malformed"),
+        ("t_step not a number", ({**good, "t_step": "fast"}, zeros), "rejected", "malformed"),
+        ("infinite t_step", ({**good, "t_step": float("inf")}, zeros), "rejected", "malformed"),
     ]
 
 
@@ -259,3 +262,31 @@ def test_sync_merge_through_the_sockets_adds_an_islands_increments(start_shard, 
     assert a.status()["credited_tokens"] == pytest.approx(
         {"a": 2000 * size / plan.total_size, "b": 1000 * size / plan.total_size}, abs=1e-2
     )
+
+
+@pytest.mark.parametrize("reported", [True, False])
+def test_eq3_grace_waits_on_the_reported_pace_for_a_second_island(start_shard, peer, reported):
+    # Quorum 1 with the eq3 rule: island a reports 10 steps of 0.5 s (a 5 s round), so the
+    # window after its push is 0.5 * 5 s = 2.5 s and b's delta joins the same step. Without
+    # a reported pace the window is grace_min_s = 0: a's delta is merged alone at once.
+    shard = start_shard(mode="quorum", quorum=1, grace_rule="eq3", grace_min_s=0.0, **SLOW_HB)
+    a, plan, _ = init_shard(peer, shard)
+    b = peer(shard.router, "b")
+    b.hello()
+    size = plan.fragments[0].size
+    pace = {"t_step": 0.5} if reported else {}
+    hb, _ = a.request({"kind": "heartbeat", "island": "a", **pace})
+    assert hb["kind"] == "heartbeat"
+    header = {**push_header(plan, "a", 1, 0, 0, 1000, 10), **pace}
+    ack, _ = a.request(header, delta_frames(np.ones(size, np.float32)))
+    assert ack["outcome"] == "accepted", ack
+    status = a.status()
+    if not reported:
+        assert status["pending"]["0"] == 0 and status["steps"] == 1 and status["paces"] == {}
+        return
+    assert status["paces"] == {"a": {"step_s": 0.5, "steps": 10, "round_s": 5.0}}
+    assert status["pending"]["0"] == 1 and status["steps"] == 0  # inside the window
+    ack, _ = b.request(push_header(plan, "b", 1, 0), delta_frames(np.ones(size, np.float32)))
+    assert ack["outcome"] == "accepted" and ack["merged_version"] == 1, ack
+    status = a.status()
+    assert status["pending"]["0"] == 0 and status["steps"] == 1  # one step merged both
