@@ -41,6 +41,7 @@ from typing import Any
 import zmq
 
 from bench import faults as fl
+from bench import outdir
 from bench.analysis import credited_tokens, uptime
 from bench.common import emit_json
 from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
@@ -74,7 +75,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--islands", type=int, default=2, help="islands (default 2)")
     parser.add_argument("--shards", type=int, default=2, help="shards (default 2)")
     parser.add_argument("--kinds", default=",".join(fl.KINDS), help="comma-separated fault kinds")
-    parser.add_argument("--out", default="runs/chaos", help="output directory")
+    parser.add_argument("--out", default="runs/chaos", help="output dir (new, empty or from chaos)")
 
 
 def _log(msg: str) -> None:
@@ -561,8 +562,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"diloco-bench chaos: {exc}", file=sys.stderr)
         return 2
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = outdir.claim(Path(args.out), "chaos")
     try:
         raw_free = ChaosRun("fault_free", setup, [], args.seed, out).run()
         raw_chaos = ChaosRun("faulted", setup, schedule, args.seed, out).run()

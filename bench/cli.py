@@ -8,7 +8,9 @@ Owns the dispatcher. A module of the `bench` package becomes a subcommand
 
 The first line of its module docstring is the subcommand's help. Modules are
 found by reading their source (no import), and only the chosen one is
-imported, so a heavy subcommand never slows the others down.
+imported, so a heavy subcommand never slows the others down. An output
+directory a subcommand refuses (`bench.outdir.OutDirError`) ends it here with
+one line on stderr and exit status 2.
 """
 
 import argparse
@@ -16,6 +18,8 @@ import ast
 import importlib
 import sys
 from pathlib import Path
+
+from bench.outdir import OutDirError
 
 PACKAGE_DIR = Path(__file__).resolve().parent
 REQUIRED = {"add_arguments", "run"}
@@ -72,11 +76,15 @@ def main(argv: list[str] | None = None) -> int:
         argv: arguments (default: sys.argv[1:]).
 
     Returns:
-        the subcommand's exit status.
+        the subcommand's exit status (2 when its output directory is refused).
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
-    return int(args._module.run(args) or 0)
+    try:
+        return int(args._module.run(args) or 0)
+    except OutDirError as exc:
+        print(f"diloco-bench {args.command}: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import analysis, cli
+from bench import analysis, cli, outdir
 from bench.common import human_bytes
 from bench.launcher import IslandSpec, LaunchError, LocalCluster
 from worker.data import default_corpus, unigram_entropy
@@ -43,7 +42,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--inner-steps", type=int, default=30, help="inner steps per round (default 30)"
     )
-    parser.add_argument("--out", default="runs/demo", help="output directory (default runs/demo)")
+    parser.add_argument(
+        "--out",
+        default="runs/demo",
+        help="output directory (default runs/demo); must be new, empty or an earlier demo's",
+    )
     parser.add_argument("--no-live", action="store_true", help="no live display (plain log lines)")
 
 
@@ -208,10 +211,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run(args: argparse.Namespace) -> int:
-    out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
-    out.mkdir(parents=True)
+    out = outdir.claim(Path(args.out), "demo")
     names = [f"island-{i}" for i in range(args.islands)]
     speeds = {n: 1.0 for n in names}
     if args.islands > 1:

@@ -6,7 +6,8 @@ Runs every scenario of `bench.scenarios` (quick: the CI smoke set, ~3 min on
 2 cores; full: methods, codecs, slow and mixed islands, < 30 min) with real
 daemons on emulated WAN links (`bench.wan`), then writes DIR/runs/<name>.json
 per run, DIR/report.json, DIR/report.md and the PNG plots, and prints the
-summary JSON on stdout. Progress goes to stderr.
+summary JSON on stdout. Progress goes to stderr. DIR must be new, empty or the
+output of an earlier bench run (see `bench.outdir`); anything else is refused.
 """
 
 from __future__ import annotations
@@ -17,14 +18,13 @@ import datetime
 import json
 import os
 import platform
-import shutil
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import claims, cli, plots, report_md, runs, scenarios
+from bench import claims, cli, outdir, plots, report_md, runs, scenarios
 from bench.common import emit_json, progress
 from bench.launcher import LaunchError, read_rows
 from bench.wan import Wan, WanError
@@ -33,7 +33,11 @@ from bench.wan import Wan, WanError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `diloco-bench report`."""
     parser.add_argument("--quick", action="store_true", help="the small CI smoke report")
-    parser.add_argument("--out", default="runs/report", help="output directory (replaced)")
+    parser.add_argument(
+        "--out",
+        default="runs/report",
+        help="output directory (default runs/report); must be new, empty or an earlier report's",
+    )
     parser.add_argument(
         "--islands", type=int, default=3, help="islands in the full report (default 3)"
     )
@@ -66,10 +70,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"diloco-bench report: unknown scenario(s) {sorted(unknown)}", file=sys.stderr)
             return 2
         chosen = [s for s in chosen if s.name in wanted]
-    out = Path(args.out)
-    if out.exists():
-        shutil.rmtree(out)
-    (out / "runs").mkdir(parents=True)
+    out = outdir.claim(Path(args.out), "report")
+    (out / "runs").mkdir()
     signal.signal(signal.SIGTERM, _terminate)
     started = time.monotonic()
     records: dict[str, dict[str, Any]] = {}
