@@ -86,7 +86,9 @@ def cluster_toml(scenario: Scenario, budget: Budget, hub: str, relay_port: int, 
     """
     server = {
         "mode": scenario.method,
-        "quorum": max(1, budget.islands - 1),
+        "quorum": scenario.quorum_of(budget.islands),
+        "grace_rule": scenario.grace_rule,
+        "merge": scenario.merge,
         "weighting": scenario.weighting,
         "downlink": scenario.downlink,
         "fsync": False,
@@ -179,6 +181,7 @@ def run_diloco(
                     (
                         *common_flags(budget, i),
                         *("--codec", scenario.codec, "--jitter", str(jitter)),
+                        *("--merge-rule", scenario.merge_rule),
                         *("--flush-timeout-s", "5", "--start-file", str(start_file)),
                         *("--max-rounds", str(max_rounds)),
                     ),
@@ -369,6 +372,7 @@ def summarize(scenario: Scenario, budget: Budget, raw: dict[str, Any]) -> dict[s
             "final_train_loss": next((r["loss"] for r in reversed(rs) if "loss" in r), None),
             "round_s_median": _median([r["round_s"] for r in rs if "round_s" in r]),
             "step_s": next((r["step_s"] for r in reversed(rs) if r.get("step_s")), None),
+            "wait_s": next((r["wait_s"] for r in reversed(rs) if "wait_s" in r), 0.0),
         }
     timeline = [(w - t0, v) for w, v in raw["timeline"]]
     stopped = raw["stopped_at"] - t0

@@ -49,6 +49,12 @@ class Scenario:
     slow_jitter: float = 0.0  # step-time jitter of the last island
     wan: bool = True  # on the emulated WAN link (False: loopback)
     wall_cap_s: float = 0.0  # stop after this many seconds of training (0: budget's cap)
+    quorum: int = 0  # quorum mode: distinct islands per step (0: all islands but one)
+    grace_rule: str = "fraction"  # quorum grace window: fraction | eq3 (paramserver.policy)
+    merge: str = "mean"  # combining island deltas on the server: mean | rda
+    merge_rule: str = "keep-progress"  # islands folding a new version: keep-progress | overwrite
+    island_speeds: tuple[tuple[float, float], ...] = ()  # (speed, jitter) each; () = slow_*
+    inner_steps: int = 0  # H of this run (0: the budget's)
 
     @property
     def downlink(self) -> str:
@@ -56,8 +62,18 @@ class Scenario:
         return "int8" if self.codec in ("int8", "int4") else "float32"
 
     def speeds(self, islands: int) -> list[tuple[float, float]]:
-        """(speed, jitter) per island: all full speed except possibly the last."""
+        """(speed, jitter) per island: `island_speeds`, else all full speed but the last."""
+        if self.island_speeds:
+            if len(self.island_speeds) != islands:
+                raise ValueError(
+                    f"{self.name}: {len(self.island_speeds)} speeds, {islands} islands"
+                )
+            return list(self.island_speeds)
         return [(1.0, 0.0)] * (islands - 1) + [(self.slow_speed, self.slow_jitter)]
+
+    def quorum_of(self, islands: int) -> int:
+        """Distinct islands per outer step in quorum mode."""
+        return self.quorum or max(1, islands - 1)
 
 
 def quick() -> tuple[Budget, list[Scenario]]:

@@ -49,8 +49,8 @@ from paramserver.policy import (
     PendingDelta,
     decide,
     observe,
-    pace_report,
     observe_step,
+    pace_report,
     quorum_time,
 )
 from paramserver.rda import merge_pending

@@ -1,0 +1,180 @@
+"""The fidelity harness's numbers: per-scenario summaries over seeds, and the claims table.
+
+This module owns the arithmetic of `diloco-bench fidelity` (pure functions of
+the run records `bench.runs.run_scenario` wrote): a scenario's final eval loss
+is the mean over seeds of the loss the shards' global model reaches after every
+acked delta was merged (DDP: rank 0's final parameters), its spread is max - min
+over seeds, `goodput` is the shards' credited tokens (tokens x staleness factor)
+over each island's capacity (wall time x its own step rate), averaged over
+islands and seeds, and `utilization` is the share of wall time an island was not
+waiting for a merge (the paper's notion of goodput). A claim whose scenarios did
+not run has `measured` None and `met` None.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from bench import analysis
+
+Record = Mapping[str, Any]
+
+
+def summarize(scenario: Any, budget: Any, records: Sequence[Record], seeds: Sequence[int]) -> dict:
+    """One scenario's entry of fidelity.json from its per-seed run records.
+
+    Args:
+        scenario: the bench.scenarios.Scenario.
+        budget: the group's budget (islands, H).
+        records: one run record per seed (bench.runs.summarize output).
+        seeds: the seeds, in the order of `records`.
+
+    Returns:
+        JSON-ready dict with the pinned keys (name, mode, quorum, grace, merge,
+        merge_rule, speeds, seeds, final_eval_loss, final_eval_loss_spread,
+        goodput, uptime, bytes_per_island) and more.
+    """
+    losses = [r["eval_final"] for r in records if r.get("eval_final") is not None]
+    islands = [i for r in records for i in r["islands"].values()]
+    goodputs = [i["goodput"] for i in islands if i.get("goodput") is not None]
+    utilization = [
+        1.0 - min(1.0, i.get("wait_s", 0.0) / r["duration_s"])
+        for r in records
+        for i in r["islands"].values()
+        if r.get("duration_s")
+    ]
+    diloco = scenario.method != "ddp"
+    return {
+        "name": scenario.name,
+        "group": scenario.group,
+        "mode": scenario.method,
+        "quorum": scenario.quorum_of(budget.islands) if scenario.method == "quorum" else None,
+        "grace": scenario.grace_rule if scenario.method == "quorum" else None,
+        "merge": scenario.merge if diloco else None,
+        "merge_rule": scenario.merge_rule if diloco else None,
+        "weighting": scenario.weighting if diloco else None,
+        "codec": scenario.codec if diloco else "float32 gradients",
+        "inner_steps": scenario.inner_steps or budget.inner_steps,
+        "islands": budget.islands,
+        "speeds": [list(s) for s in scenario.speeds(budget.islands)],
+        "seeds": list(seeds),
+        "final_eval_loss": analysis.mean(losses),
+        "final_eval_loss_spread": (max(losses) - min(losses)) if losses else None,
+        "final_eval_losses": losses,
+        "goodput": analysis.mean(goodputs) if diloco else None,
+        "goodput_min": min(goodputs) if diloco and goodputs else None,
+        "utilization": analysis.mean(utilization) if diloco else None,
+        "uptime": analysis.mean([r["uptime"] for r in records if r.get("uptime") is not None]),
+        "bytes_per_island": analysis.mean([i["bytes_sent"] + i["bytes_received"] for i in islands]),
+        "tokens_total": analysis.mean([r["tokens_total"] for r in records]),
+        "duration_s": analysis.mean([r["duration_s"] for r in records]),
+        "eval_curves": [r["eval_curve"] for r in records],
+    }
+
+
+def _loss(entries: Mapping[str, dict], name: str) -> float | None:
+    return (entries.get(name) or {}).get("final_eval_loss")
+
+
+def _rel(value: float | None, ref: float | None) -> float | None:
+    return None if value is None or ref is None else (value - ref) / ref
+
+
+def _claim(claim: str, target: str, measured: Any, met: bool | None, note: str = "") -> dict:
+    return {"claim": claim, "target": target, "measured": measured, "met": met, "note": note}
+
+
+def _pair(entries: Mapping[str, dict], ours: str, ref: str, within: float, claim: str) -> dict:
+    rel = _rel(_loss(entries, ours), _loss(entries, ref))
+    measured = (
+        None
+        if rel is None
+        else f"{ours} {_loss(entries, ours):.4f} vs {ref} "
+        + (f"{_loss(entries, ref):.4f} ({rel:+.2%})")
+    )
+    return _claim(claim, f"loss <= {ref} x (1 + {within:.1%})", measured,
+                  None if rel is None else rel <= within)  # fmt: skip
+
+
+def evaluate(entries: Mapping[str, dict]) -> list[dict]:
+    """The claims table.
+
+    Args:
+        entries: scenario name -> `summarize` output.
+
+    Returns:
+        Claims with claim, target, measured, met (and a note).
+    """
+    claims = []
+    ddp, syncs = (
+        _loss(entries, "ddp_a"),
+        {n: _loss(entries, n) for n in entries if n.startswith("sync_h")},
+    )
+    rels = {n: _rel(v, ddp) for n, v in syncs.items() if v is not None}
+    best = min(rels, key=rels.get) if rels and ddp is not None else None  # type: ignore[arg-type]
+    claims.append(_claim(
+        "synchronous DiLoCo within 2% of DDP's eval loss at equal tokens (group A)",
+        "best H: loss <= DDP x 1.02",
+        None if best is None else f"DDP {ddp:.4f}; " + ", ".join(
+            f"{n} {syncs[n]:.4f} ({r:+.2%})" for n, r in sorted(rels.items())),
+        None if best is None else rels[best] <= 0.02,
+    ))  # fmt: skip
+    claims.append(_pair(entries, "k1_grace", "k_all", 0.01, "K=1 + grace within 1% of K=all"))
+    k1g, kall = entries.get("k1_grace"), entries.get("k_all")
+    if k1g and kall and k1g.get("goodput") is not None and kall.get("goodput") is not None:
+        measured = (
+            f"goodput k1_grace {k1g['goodput']:.1%} vs k_all {kall['goodput']:.1%}; utilization "
+            f"{k1g['utilization']:.1%} vs {kall['utilization']:.1%}"
+        )
+        met = k1g["goodput"] >= 0.99 and kall["goodput"] < k1g["goodput"]
+    else:
+        measured, met = None, None
+    claims.append(_claim("K=1 + grace at goodput >= 99% while K=all's shows the waiting",
+                         "k1_grace goodput >= 99% > k_all goodput", measured, met,
+                         "goodput = credited (staleness-weighted) tokens / capacity"))  # fmt: skip
+    k1 = entries.get("k1")
+    if k1 and k1g and k1.get("final_eval_loss") and k1g.get("final_eval_loss"):
+        gain = k1["final_eval_loss"] - k1g["final_eval_loss"]
+        spread = max(k1["final_eval_loss_spread"] or 0.0, k1g["final_eval_loss_spread"] or 0.0)
+        measured, met = f"k1 - k1_grace = {gain:+.4f}, seed spread {spread:.4f}", gain > spread
+    else:
+        measured, met = None, None
+    claims.append(_claim("K=1 + grace better than K=1 by more than the seed spread",
+                         "loss(k1) - loss(k1_grace) > spread", measured, met))  # fmt: skip
+    claims.append(
+        _pair(
+            entries,
+            "harsh_k1_grace",
+            "harsh_k1_grace_uniform",
+            0.0,
+            "weighted merge at least as good as uniform with the 2x island",
+        )
+    )
+    claims.append(
+        _pair(
+            entries,
+            "k1_grace_rda",
+            "k1_grace",
+            0.0,
+            "RDA at least as good as mean at 4 islands (K=1 + grace)",
+        )
+    )
+    claims.append(
+        _pair(
+            entries, "k_all_rda", "k_all", 0.0, "RDA at least as good as mean at 4 islands (K=all)"
+        )
+    )
+    claims.append(
+        _pair(entries, "k1_grace", "k1_grace_fp32", 0.005, "int8 deltas within 0.5% of fp32 deltas")
+    )
+    claims.append(
+        _pair(
+            entries,
+            "k1_grace",
+            "k1_grace_overwrite",
+            0.0,
+            "keep-progress fold at least as good as overwrite (alpha = 0)",
+        )
+    )
+    return claims
