@@ -140,7 +140,8 @@ def run(args: argparse.Namespace) -> int:
     (out / "fidelity.md").write_text(fidelity_report.render(meta, claims, entries))
     fidelity_report.write_plots(groups, entries, out)
     print(f"wrote {out / 'fidelity.md'}", file=sys.stderr)
-    emit_json({k: v for k, v in report.items()})
+    scenarios = [{k: v for k, v in e.items() if k != "eval_curves"} for e in entries.values()]
+    emit_json({**report, "scenarios": scenarios})  # the curves are in fidelity.json
     return 0
 
 

@@ -134,7 +134,9 @@ def evaluate(entries: Mapping[str, dict]) -> list[dict]:
                          "k1_grace goodput >= 99% > k_all goodput", measured, met,
                          "goodput = credited (staleness-weighted) tokens / capacity"))  # fmt: skip
     k1 = entries.get("k1")
-    if k1 and k1g and k1.get("final_eval_loss") and k1g.get("final_eval_loss"):
+    if k1 and k1g and len(k1["seeds"]) < 2:
+        measured, met = "needs >= 2 seeds for a spread", None
+    elif k1 and k1g and k1.get("final_eval_loss") and k1g.get("final_eval_loss"):
         gain = k1["final_eval_loss"] - k1g["final_eval_loss"]
         spread = max(k1["final_eval_loss_spread"] or 0.0, k1g["final_eval_loss_spread"] or 0.0)
         measured, met = f"k1 - k1_grace = {gain:+.4f}, seed spread {spread:.4f}", gain > spread
