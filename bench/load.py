@@ -28,6 +28,7 @@ import numpy as np
 import psutil
 
 import codec
+from bench import outdir
 from bench.common import emit_json
 from bench.launcher import LaunchError, LocalCluster
 from paramserver.client import Client, ClientConfig, ClientError
@@ -136,8 +137,7 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
     Returns:
         The report dict.
     """
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = outdir.claim(Path(args.out), "load")
     flat = {"w": np.zeros(args.params, np.float32)}
     server_args = ("--mode", "async", "--heartbeat-interval-s", "2.0", "--liveness", "30")
     errors: list[str] = []
