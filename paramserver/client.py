@@ -1,8 +1,9 @@
 """The client library an island uses to join the cluster, push deltas and receive updates.
 
-This module owns the public API (`ClientConfig`, `Client`, `JoinResult`,
-`Update`, `ClientError`). All network I/O runs in one background thread
-(`paramserver.client_io`) that owns every socket; the API hands it commands
+This module owns the public API, `Client`, and re-exports its types
+(`ClientConfig`, `JoinResult`, `Update`, `ClientError`, `ClientConfigError`,
+defined in `paramserver.client_types`). All network I/O runs in one background
+thread (`paramserver.client_io`) that owns every socket; the API hands it commands
 through a thread-safe queue plus an inproc wake-up, so `push` and
 `poll_updates` never wait on the network. `push` blocks only for
 back-pressure, when `max_unacked` deltas are outstanding.
@@ -22,124 +23,24 @@ import threading
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from paramserver.client_io import IOThread
+from paramserver.client_types import (
+    ClientConfig,
+    ClientConfigError,
+    ClientError,
+    JoinResult,
+    PushRequest,
+    Update,
+)
 from paramserver.plan import Plan
 
+__all__ = ["Client", "ClientConfig", "ClientConfigError", "ClientError", "JoinResult", "Update"]
+
 _INSTANCES = itertools.count()
-
-
-class ClientError(RuntimeError):
-    """The client cannot do what was asked; the message says why and what to do."""
-
-
-class ClientConfigError(ClientError, ValueError):
-    """A `ClientConfig` value is invalid (a ValueError too, so settings loaders report it)."""
-
-
-@dataclass(frozen=True)
-class ClientConfig:
-    """Settings of one island's connection to the parameter server."""
-
-    connect: str  # ROUTER endpoint of any shard (normally shard 0), e.g. tcp://host:5555
-    island: str  # stable island id, 1-128 characters
-    heartbeat_interval_s: float = 1.0  # heartbeat period to every shard; liveness unit
-    liveness: int = 5  # a shard silent this many intervals is down (reconnect, re-snapshot)
-    ack_timeout_s: float = 5.0  # re-send an unacked delta after this, doubling per attempt
-    ack_timeout_cap_s: float = 60.0  # upper bound of the re-send back-off
-    reconnect_cap_s: float = 10.0  # upper bound of the reconnect back-off
-    max_unacked: int = 16  # deltas outstanding before push blocks (back-pressure)
-    push_timeout_s: float = 300.0  # push waiting for a free slot longer than this fails
-    join_timeout_s: float = 30.0  # join (hello, init, snapshots) must finish within this
-    snapshot_timeout_s: float = 30.0  # a re-snapshot of a shard not done by then is restarted
-    curve_secret_key_file: str = ""  # island key pair (NAME.key_secret); "" = no CURVE
-    curve_server_key_file: str = ""  # with CURVE: the shards' public key (NAME.key)
-
-    def __post_init__(self) -> None:
-        if not isinstance(self.connect, str) or not self.connect.startswith(
-            ("tcp://", "ipc://", "inproc://")
-        ):
-            raise ClientConfigError(
-                f"ClientConfig.connect={self.connect!r}: give a ZeroMQ endpoint such as "
-                "tcp://127.0.0.1:5555"
-            )
-        if not isinstance(self.island, str) or not 1 <= len(self.island) <= 128:
-            raise ClientConfigError(
-                f"ClientConfig.island={self.island!r}: give a string of 1-128 characters"
-            )
-        for name in (
-            "heartbeat_interval_s",
-            "ack_timeout_s",
-            "ack_timeout_cap_s",
-            "reconnect_cap_s",
-            "push_timeout_s",
-            "join_timeout_s",
-            "snapshot_timeout_s",
-        ):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ClientConfigError(f"ClientConfig.{name}={value!r}: must be a number > 0")
-        for name in ("liveness", "max_unacked"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ClientConfigError(f"ClientConfig.{name}={value!r}: must be an int >= 1")
-        if self.ack_timeout_cap_s < self.ack_timeout_s:
-            raise ClientConfigError(
-                f"ClientConfig.ack_timeout_cap_s={self.ack_timeout_cap_s!r}: must be >= "
-                f"ack_timeout_s={self.ack_timeout_s}"
-            )
-        for name in ("curve_secret_key_file", "curve_server_key_file"):
-            if not isinstance(getattr(self, name), str):
-                raise ClientConfigError(f"ClientConfig.{name}={getattr(self, name)!r}: give a path")
-        if bool(self.curve_secret_key_file) != bool(self.curve_server_key_file):
-            raise ClientConfigError(
-                "ClientConfig: CURVE needs both curve_secret_key_file (this island's key pair) "
-                "and curve_server_key_file (the shards' public key), or neither"
-            )
-        if self.reconnect_cap_s < self.heartbeat_interval_s:
-            raise ClientConfigError(
-                f"ClientConfig.reconnect_cap_s={self.reconnect_cap_s!r}: must be >= "
-                f"heartbeat_interval_s={self.heartbeat_interval_s}"
-            )
-
-
-@dataclass(frozen=True)
-class JoinResult:
-    """What `Client.join` returns: the plan and the global parameters as of `versions`."""
-
-    plan: Plan
-    params: dict[str, np.ndarray]
-    versions: dict[int, int]
-    mode: str = "quorum"  # the cluster's merge mode ("sync": wait for each round's merge)
-
-
-@dataclass(frozen=True)
-class Update:
-    """A new global version of one fragment: `values` is the full 1-D float32 vector."""
-
-    fragment: int
-    version: int
-    values: np.ndarray
-
-
-@dataclass
-class PushRequest:
-    """One delta handed from the API to the I/O thread."""
-
-    fragment: int
-    round: int
-    base_version: int
-    tokens: int
-    steps: int
-    frames: list[Any]
 
 
 def _uint(name: str, value: object, low: int = 0) -> int:
@@ -172,8 +73,6 @@ class Client:
         Args:
             cfg: connection settings.
         """
-        from paramserver.client_io import IOThread  # the I/O side imports this module
-
         if not isinstance(cfg, ClientConfig):
             raise ClientError(f"Client needs a ClientConfig, got {type(cfg).__name__}")
         self.cfg = cfg
@@ -326,7 +225,7 @@ class Client:
             Updates in fragment order (values: full 1-D float32, bit-exact replica).
         """
         self._check_alive()
-        return self._io.take_updates()
+        return self._io.shared.take_updates()
 
     def round_merged(self, round: int) -> bool:
         """Whether the global parameters this client holds include all of `round`'s deltas.
@@ -340,7 +239,7 @@ class Client:
             `poll_updates` hands out parameters that include the round.
         """
         self._check_alive()
-        return self._io.round_merged(round)
+        return self._io.shared.round_merged(round)
 
     def stats(self) -> dict[str, Any]:
         """Counters of this client.
@@ -365,7 +264,7 @@ class Client:
             Seconds from `push` to its ack, one per acked delta (the newest
             100,000 at most are kept between calls).
         """
-        return self._io.take_ack_latencies()
+        return self._io.shared.take_ack_latencies()
 
     def close(self, flush_timeout_s: float = 5.0) -> int:
         """Wait up to `flush_timeout_s` for unacked deltas, say bye, close every socket.

@@ -1,107 +1,46 @@
-"""The client's network thread: owns every socket of one island and runs join, pushes and updates.
+"""The client's network thread: the one thread that touches an island's sockets.
 
-This module owns the island side of the wire protocol (`paramserver.protocol`):
-one DEALER and one SUB per shard, the join sequence (hello -> welcome, plan
-check, init of an empty cluster, Clone-pattern snapshots), re-sending unacked
-deltas with capped exponential back-off, heartbeats to every shard,
-reconnect of a silent shard (Paranoid Pirate), and re-snapshot on a sequence
-gap or a silent update stream. The public API lives in `paramserver.client`
-and talks to this thread only through `submit` (a queue plus an inproc
-wake-up), `take_updates`, `stats` and `shutdown`.
+This module owns the island side's event loop over the wire protocol
+(`paramserver.protocol`): commands from the API (join, push, close), replies
+and acks on each shard's DEALER, published updates on each shard's SUB,
+heartbeats to every shard, reconnect of a silent shard (Paranoid Pirate) and
+re-snapshot on a sequence gap or a silent update stream. The rules live next
+to it: which deltas to send, keep or re-send in `paramserver.outbox`, the
+join's steps in `paramserver.client_join`, the checks of snapshots and
+updates in `paramserver.client_decode`; the sockets are
+`paramserver.client_links`' and the state the API reads
+`paramserver.client_shared`'s. The public API (`paramserver.client`) talks to
+this thread only through `submit` (a queue plus an inproc wake-up), `shared`,
+`stats`, `shutdown` and the plain attributes `failure`, `max_message_bytes`
+and `step_time_s`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import logging
 import queue
 import threading
 import time
-from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import zmq
 
 import codec
-from paramserver import curve, protocol
-from paramserver.client import ClientConfig, ClientError, JoinResult, PushRequest, Update
-from paramserver.liveness import is_silent, next_backoff, resend_due
-from paramserver.plan import Plan, PlanError, leaf_specs, make_plan
-from paramserver.replica import FragmentState, Published, Resync, ShardFeed
+from paramserver import client_decode, client_join, protocol
+from paramserver.client_links import Links, ShardLink
+from paramserver.client_shared import Shared
+from paramserver.client_types import ClientConfig, ClientError, JoinResult, PushRequest
+from paramserver.liveness import is_silent, next_backoff
+from paramserver.outbox import Key, Outbox
+from paramserver.plan import Plan
+from paramserver.replica import Resync
 
 logger = logging.getLogger(__name__)
 
-_RAW = codec.raw("float32")
 _MAX_BATCH = 256  # messages read from one socket per poll round, so no socket starves the rest
-_MAX_LATENCIES = 100_000  # ack latencies kept until `take_ack_latencies` (bounded memory)
-_MAX_MERGE_ROUNDS = 1024  # rounds whose merge versions are kept for `round_merged`
-
-
-@dataclass
-class _Shard:
-    """Connection state of one shard."""
-
-    index: int
-    router: str
-    pub: str
-    dealer: zmq.Socket | None = None
-    sub: zmq.Socket | None = None
-    heard: float = 0.0  # last message on the DEALER
-    sub_heard: float = 0.0  # last message on the SUB
-    up: bool = True
-    attempt: int = 0  # reconnects since the shard was last heard
-    next_reconnect: float = 0.0
-    next_heartbeat: float = 0.0
-    feed: ShardFeed | None = None
-
-
-@dataclass
-class _Pending:
-    """One unacked delta: kept, with its frames, until the shard acks it."""
-
-    request: PushRequest
-    shard: int
-    frames: list[Any]
-    nbytes: int
-    sent_at: float = 0.0
-    attempt: int = 0
-    sends: int = 0
-    queued_at: float = 0.0  # when `push` handed it over (ack latency is measured from here)
-    decode_retries: int = 0  # re-sends after the shard could not decode it (codec_error)
-    deferred: bool = False  # refused for now (too_many_pending): re-sent on the next update
-
-
-RETRYABLE_REASONS = frozenset({"too_many_pending"})
-"""Rejections that say "not now" rather than "never": the delta is kept and re-sent."""
-
-DECODE_RETRIES = 3
-"""A push the shard could not decode (codec_error) was corrupted in transit, since this
-client keeps its frames intact: it is re-sent at once, up to this many times, before the
-rejection is final."""
-
-
-@dataclass
-class _Counters:
-    """What `stats` reports; mutated by the I/O thread under a lock."""
-
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    pushes: int = 0
-    acked: int = 0
-    duplicates: int = 0
-    rejected: Counter = field(default_factory=Counter)
-    resent: int = 0
-    snapshots: int = 0
-    updates_applied: int = 0
-    reconnects: int = 0
-    resyncs: int = 0
-    bad_messages: int = 0
-    deferred: int = 0  # pushes the shard refused for now (too_many_pending): kept, re-sent
 
 
 class IOThread(threading.Thread):
@@ -126,38 +65,12 @@ class IOThread(threading.Thread):
         # The island's typical inner-step time (s), sent in pushes and heartbeats as
         # `t_step` for the shards' adaptive grace window; None: not reported.
         self.step_time_s: float | None = None
+        self.shared = Shared()  # what the API reads: updates, acks, replica, counters
         self._release = release
-        self._curve: tuple[bytes, bytes, bytes] | None = None
-        if cfg.curve_secret_key_file:
-            try:
-                public, secret = curve.load_keypair(cfg.curve_secret_key_file)
-                self._curve = (public, secret, curve.load_public_key(cfg.curve_server_key_file))
-            except curve.CurveError as exc:
-                raise ClientError(f"client: {exc}") from None
-        self._ctx = zmq.Context()
-        self._wake_rx = self._ctx.socket(zmq.PAIR)
-        self._wake_rx.setsockopt(zmq.LINGER, 0)
-        self._wake_rx.bind(wake_endpoint)
-        self._wake_tx = self._ctx.socket(zmq.PAIR)
-        self._wake_tx.setsockopt(zmq.LINGER, 0)
-        self._wake_tx.connect(wake_endpoint)
-        self._wake_lock = threading.Lock()
+        self._links = Links(cfg, wake_endpoint)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._counters = _Counters()
-        self._updates: dict[int, Update] = {}
-        self._ack_latencies: deque[float] = deque(maxlen=_MAX_LATENCIES)
-        self._poller = zmq.Poller()
-        self._poller.register(self._wake_rx, zmq.POLLIN)
-        self._sockets: dict[zmq.Socket, tuple[str, _Shard]] = {}
-        self._shards: list[_Shard] = []
+        self._outbox = Outbox(cfg.ack_timeout_s, cfg.ack_timeout_cap_s)
         self._plan: Plan | None = None
-        self._replica: dict[int, FragmentState] = {}
-        self._known: dict[int, int] = {}  # newest version heard of, per fragment
-        # round -> fragment -> first version that includes the delta (None: rejected)
-        self._merge_targets: dict[int, dict[int, int | None]] = {}
-        self._credited: dict[int, float] = {}  # shard -> tokens of ours that entered the model
-        self._pending: dict[tuple[int, int], _Pending] = {}
         self._requests: dict[int, tuple[str, int, int]] = {}  # id -> (kind, shard, fragment)
         self._awaited: dict[int, tuple[dict, list] | None] = {}
         self._next_id = 0
@@ -179,54 +92,7 @@ class IOThread(threading.Thread):
             command: (name, argument, future or None).
         """
         self._commands.put(command)
-        with self._wake_lock:
-            if not self._wake_tx.closed:
-                # Again: a wake-up is already queued, which is all we need.
-                with contextlib.suppress(zmq.Again):
-                    self._wake_tx.send(b"", zmq.NOBLOCK)
-
-    def take_updates(self) -> list[Update]:
-        """Pop the newest update of every fragment that changed.
-
-        Returns:
-            Updates sorted by fragment.
-        """
-        with self._lock:
-            updates, self._updates = self._updates, {}
-        return [updates[k] for k in sorted(updates)]
-
-    def take_ack_latencies(self) -> list[float]:
-        """Pop the ack latencies recorded since the last call (bounded to the newest 100,000).
-
-        Returns:
-            Seconds from `push` to the ack (accepted or duplicate), one per delta.
-        """
-        with self._lock:
-            out = list(self._ack_latencies)
-            self._ack_latencies.clear()
-        return out
-
-    def round_merged(self, round: int) -> bool:
-        """Whether every fragment's delta of `round` is resolved and in the replica.
-
-        Args:
-            round: the round id given to `push`.
-
-        Returns:
-            True once every fragment of the plan has an ack for this round and
-            the replica holds a version that includes it (a rejected delta
-            never will: it counts as resolved).
-        """
-        with self._lock:
-            targets = self._merge_targets.get(round)
-            if self._plan is None or targets is None:
-                return False
-            if len(targets) < self._plan.num_fragments:
-                return False
-            return all(
-                target is None or (f in self._replica and self._replica[f].version >= target)
-                for f, target in targets.items()
-            )
+        self._links.wake()
 
     def stats(self) -> dict[str, Any]:
         """A copy of the counters plus derived values.
@@ -234,28 +100,7 @@ class IOThread(threading.Thread):
         Returns:
             The stats dict of `Client.stats` (without `pending`).
         """
-        with self._lock:
-            c = self._counters
-            replica = list(self._replica.items())  # one C-level copy; the dict may grow
-            lag = max((self._known.get(f, s.version) - s.version for f, s in replica), default=0)
-            return {
-                "bytes_sent": c.bytes_sent,
-                "bytes_received": c.bytes_received,
-                "pushes": c.pushes,
-                "acked": c.acked,
-                "duplicates": c.duplicates,
-                "rejected": dict(c.rejected),
-                "resent": c.resent,
-                "snapshots": c.snapshots,
-                "updates_applied": c.updates_applied,
-                "version_lag": max(0, lag),
-                "reconnects": c.reconnects,
-                "resyncs": c.resyncs,
-                "bad_messages": c.bad_messages,
-                "deferred": c.deferred,
-                "shards_down": sum(1 for s in self._shards if not s.up),
-                "credited_tokens": sum(self._credited.values()),
-            }
+        return self.shared.stats(sum(1 for s in self._links.shards if not s.up))
 
     def shutdown(self, flush_timeout_s: float) -> int:
         """Flush (bounded), stop the thread, close every socket and the context.
@@ -275,10 +120,9 @@ class IOThread(threading.Thread):
             except Exception as exc:  # the thread failed while closing
                 logger.warning("client close: %s", exc)
             self.join(timeout=10.0)
-        with self._wake_lock:
-            self._wake_tx.close(linger=0)
+        self._links.close_wake()
         if not self.is_alive():
-            self._ctx.term()
+            self._links.term()
         return dropped
 
     # -- thread body -----------------------------------------------------------------
@@ -291,13 +135,12 @@ class IOThread(threading.Thread):
         except Exception as exc:
             logger.exception("client I/O thread failed")
             self.failure = str(exc) or type(exc).__name__
-            self._release(len(self._pending) + self._commands.qsize())
+            self._release(len(self._outbox) + self._commands.qsize())
             self._fail_commands(exc)
         finally:
-            self._close_shards()
-            self._wake_rx.close(linger=0)
+            self._links.close()
             if self._close is not None and not self._close[1].done():
-                self._close[1].set_result(len(self._pending))
+                self._close[1].set_result(len(self._outbox))
 
     def _fail_commands(self, exc: Exception) -> None:
         while True:
@@ -313,26 +156,17 @@ class IOThread(threading.Thread):
 
     def _iteration(self, commands: bool) -> None:
         """Poll once, handle what arrived, run the timers."""
-        timeout_ms = int(self._tick_s * 1000) if self._joined or self._shards else 1000
-        for sock, _ in self._poller.poll(timeout_ms):
-            if sock is self._wake_rx:
-                self._drain_wake()
-            elif sock in self._sockets:
-                role, shard = self._sockets[sock]
-                self._read(sock, role, shard)
+        timeout_ms = int(self._tick_s * 1000) if self._joined or self._links.shards else 1000
+        for sock in self._links.poll(timeout_ms):
+            owner = self._links.owner(sock)
+            if owner is not None:
+                self._read(sock, *owner)
         if commands:
             self._run_commands()
         if self._joined:
             self._timers(time.monotonic())
         if self._close is not None:
             self._maybe_finish_close(time.monotonic())
-
-    def _drain_wake(self) -> None:
-        while True:
-            try:
-                self._wake_rx.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
 
     def _run_commands(self) -> None:
         while True:
@@ -347,68 +181,17 @@ class IOThread(threading.Thread):
             elif name == "close":
                 self._close = (time.monotonic() + arg, future)
 
-    # -- sockets ------------------------------------------------------------------------
+    # -- messages ------------------------------------------------------------------------
 
-    def _register(self, sock: zmq.Socket, role: str, shard: _Shard) -> None:
-        self._sockets[sock] = (role, shard)
-        self._poller.register(sock, zmq.POLLIN)
-
-    def _drop_socket(self, sock: zmq.Socket | None) -> None:
-        if sock is None:
-            return
-        if sock in self._sockets:
-            del self._sockets[sock]
-            self._poller.unregister(sock)
-        sock.close(linger=0)
-
-    def _connect(self, kind: int, endpoint: str) -> zmq.Socket:
-        """A socket of `kind` connected to `endpoint`: linger 0, CURVE if set, capped reconnect."""
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if self._curve is not None:
-            curve.secure_client(sock, *self._curve)
-        sock.setsockopt(zmq.RECONNECT_IVL, 100)
-        sock.setsockopt(zmq.RECONNECT_IVL_MAX, int(self.cfg.reconnect_cap_s * 1000))
-        if kind == zmq.SUB:
-            sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(endpoint)
-        return sock
-
-    def _new_dealer(self, shard: _Shard) -> None:
-        self._drop_socket(shard.dealer)
-        sock = self._connect(zmq.DEALER, shard.router)
-        shard.dealer = sock
-        self._register(sock, "dealer", shard)
-
-    def _new_sub(self, shard: _Shard) -> None:
-        self._drop_socket(shard.sub)
-        sock = self._connect(zmq.SUB, shard.pub)
-        shard.sub = sock
-        self._register(sock, "sub", shard)
-
-    def _close_shards(self) -> None:
-        for shard in self._shards:
-            self._drop_socket(shard.dealer)
-            self._drop_socket(shard.sub)
-            shard.dealer = shard.sub = None
-        for sock in list(self._sockets):
-            self._drop_socket(sock)
-        self._shards = []
-
-    def _send(self, shard: _Shard, header: dict, payload: list[Any] = ()) -> bool:
+    def _send(self, shard: ShardLink, header: dict, payload: list[Any] = ()) -> bool:
         """Send one request on a shard's DEALER without blocking; False when its queue is full."""
-        if shard.dealer is None:
-            return False
         frames = protocol.pack({"island": self.cfg.island, **header}, payload)
-        try:
-            shard.dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
+        if not self._links.send(shard, frames):
             return False
-        with self._lock:
-            self._counters.bytes_sent += protocol.message_bytes(frames)
+        self.shared.add(bytes_sent=protocol.message_bytes(frames))
         return True
 
-    def _request(self, shard: _Shard, kind: str, about: int = -1, **fields: Any) -> int:
+    def _request(self, shard: ShardLink, kind: str, about: int = -1, **fields: Any) -> int:
         """Send a tracked request (`about`: its fragment, if any); the reply is matched by id."""
         self._next_id += 1
         rid = self._next_id
@@ -416,15 +199,13 @@ class IOThread(threading.Thread):
         self._send(shard, {"kind": kind, "id": rid, **fields})
         return rid
 
-    def _read(self, sock: zmq.Socket, role: str, shard: _Shard) -> None:
+    def _read(self, sock: zmq.Socket, role: str, shard: ShardLink) -> None:
         for _ in range(_MAX_BATCH):
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
-            except zmq.Again:
+            frames = self._links.recv(sock)
+            if frames is None:
                 return
             now = time.monotonic()
-            with self._lock:
-                self._counters.bytes_received += protocol.message_bytes(frames)
+            self.shared.add(bytes_received=protocol.message_bytes(frames))
             try:
                 if role == "dealer":
                     shard.heard = now
@@ -436,10 +217,9 @@ class IOThread(threading.Thread):
                 logger.info("re-snapshot shard %d: %s", shard.index, why)
                 self._resync(shard, now)
             except (protocol.ProtocolError, codec.CodecError) as exc:
-                with self._lock:
-                    self._counters.bad_messages += 1
+                self.shared.add(bad_messages=1)
                 logger.warning("shard %d sent an unusable %s message: %s", shard.index, role, exc)
-            if sock not in self._sockets:  # replaced while handling the message
+            if self._links.owner(sock) is None:  # replaced while handling the message
                 return
 
     # -- join ----------------------------------------------------------------------------
@@ -448,15 +228,15 @@ class IOThread(threading.Thread):
         try:
             future.set_result(self._join(flat, time.monotonic() + self.cfg.join_timeout_s))
         except ClientError as exc:
-            self._close_shards()
+            self._links.close_shards()
             future.set_exception(exc)
         except Exception as exc:
             logger.exception("join failed")
-            self._close_shards()
+            self._links.close_shards()
             future.set_exception(ClientError(f"join failed: {exc}"))
 
     def _call(
-        self, shard: _Shard, kind: str, deadline: float, payload: list[Any] = (), **fields: Any
+        self, shard: ShardLink, kind: str, deadline: float, payload: list[Any] = (), **fields: Any
     ) -> tuple[dict, list]:
         """Send a request and run the loop until its reply arrives (join only)."""
         self._next_id += 1
@@ -483,143 +263,34 @@ class IOThread(threading.Thread):
     def _join(self, flat: Mapping[str, np.ndarray], deadline: float) -> JoinResult:
         if self._joined:
             raise ClientError("join() was already called on this client")
-        try:
-            local_leaves = leaf_specs(flat)
-        except (PlanError, ValueError, TypeError) as exc:
-            raise ClientError(f"join: cannot use these parameters: {exc}") from None
-        first = _Shard(-1, self.cfg.connect, "")
-        self._shards = [first]
-        self._new_dealer(first)
-        welcome, _ = self._call(first, "hello", deadline)
-        welcome = self._expect(welcome, "welcome", "hello")
-        plan = self._adopt_cluster(welcome, first, local_leaves)
-        if not welcome["initialized"]:
-            plan = self._initialize(plan, flat, deadline)
-        self._plan = plan
-        joined = self._sync_all(plan, deadline)
-        return dataclasses.replace(joined, mode=str(welcome.get("mode", "quorum")))
-
-    def _expect(self, header: dict, kind: str, what: str) -> dict:
-        if header["kind"] != kind:
-            raise ClientError(
-                f"join: {what} refused: {header.get('reason')}: {header.get('detail')}"
-            )
-        return header
-
-    def _adopt_cluster(self, welcome: dict, first: _Shard, local_leaves: list) -> Plan:
-        endpoints = welcome["endpoints"]
-        self._pub_interval_s = max(self.cfg.heartbeat_interval_s, welcome["heartbeat_interval_s"])
-        self._pub_liveness = max(self.cfg.liveness, welcome["liveness"])
-        limit = welcome.get("max_message_bytes")  # optional field: known to newer shards
-        if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
-            self.max_message_bytes = limit
-        num_shards, num_fragments = welcome["num_shards"], welcome["num_fragments"]
-        if len(endpoints) != num_shards or not 0 <= welcome["shard"] < num_shards:
-            raise ClientError(
-                f"join: welcome lists {len(endpoints)} endpoints for {num_shards} shards "
-                f"(shard {welcome['shard']}); the cluster is misconfigured"
-            )
-        try:
-            plan = make_plan(local_leaves, num_shards, num_fragments)
-        except PlanError as exc:
-            raise ClientError(f"join: cannot shard this model over the cluster: {exc}") from None
-        if welcome["initialized"] and welcome["plan_hash"] != plan.hash:
-            raise ClientError(_mismatch(welcome["plan_hash"], plan, num_shards, num_fragments))
-        shards = []
-        for i, (router, pub) in enumerate(endpoints):
-            if i == welcome["shard"]:
-                first.index, first.pub = i, str(pub)
-                shards.append(first)
-            else:
-                shard = _Shard(i, str(router), str(pub))
-                self._new_dealer(shard)
-                shards.append(shard)
-        self._shards = shards
-        logger.info(
-            "island %s: cluster of %d shards, %d fragments, initialized=%s, plan %s",
-            self.cfg.island,
-            num_shards,
-            num_fragments,
-            welcome["initialized"],
-            plan.hash,
+        loop = client_join.Loop(
+            call=self._call,
+            pump=lambda: self._iteration(commands=False),
+            resync=lambda shard, now: self._resync(shard, now, count=False),
+            adopt=self._adopt,
         )
-        return plan
-
-    def _initialize(self, plan: Plan, flat: Mapping[str, np.ndarray], deadline: float) -> Plan:
-        """Init every shard with this island's values (shard 0 first); on a lost race, go on."""
-        for shard in self._shards:
-            tree = {
-                str(f.index): plan.gather(flat, f.index) for f in plan.fragments_of(shard.index)
-            }
-            frames, _ = _RAW.encode(tree, None)
-            reply, _ = self._call(shard, "init", deadline, frames, plan=plan.to_wire())
-            if reply["kind"] == "init_ok":
-                logger.info("island %s initialized shard %d", self.cfg.island, shard.index)
-                continue
-            reason = reply.get("reason")
-            if reason == "already_initialized":
-                logger.info("shard %d already initialized by another island", shard.index)
-                welcome, _ = self._call(shard, "hello", deadline)
-                welcome = self._expect(welcome, "welcome", "hello")
-                if welcome["plan_hash"] != plan.hash:
-                    raise ClientError(
-                        _mismatch(welcome["plan_hash"], plan, plan.num_shards, plan.num_fragments)
-                    )
-                if shard.index == 0:
-                    break  # lost the race: the winner initializes the other shards
-                continue
-            if reason == "plan_mismatch":
-                raise ClientError(f"join: plan mismatch: {reply.get('detail')}")
-            raise ClientError(
-                f"join: shard {shard.index} refused init: {reason}: {reply.get('detail')}"
-            )
-        return plan
-
-    def _sync_all(self, plan: Plan, deadline: float) -> JoinResult:
-        now = time.monotonic()
-        for shard in self._shards:
-            self._new_sub(shard)  # Clone pattern: subscribe before the snapshot
-            shard.feed = ShardFeed(
-                shard.index, tuple(f.index for f in plan.fragments_of(shard.index)), self._replica
-            )
-            shard.heard = shard.sub_heard = now
-            self._resync(shard, now, count=False)
-        while any(s.feed.syncing for s in self._shards):
-            if time.monotonic() > deadline:
-                missing = [s.index for s in self._shards if s.feed.syncing]
-                raise ClientError(
-                    f"join: snapshots of shard(s) {missing} not received within "
-                    f"{self.cfg.join_timeout_s:g}s"
-                )
-            self._iteration(commands=False)
-            now = time.monotonic()
-            for shard in self._shards:  # e.g. a shard the winner of an init race has not reached
-                if (
-                    shard.feed.syncing
-                    and now - shard.feed.sync_started > self.cfg.snapshot_timeout_s
-                ):
-                    self._resync(shard, now, count=False)
-        params = {leaf.path: np.zeros(leaf.shape, dtype=np.float32) for leaf in plan.leaves}
-        for index, state in self._replica.items():
-            plan.scatter(index, state.values, params)
-        versions = {index: state.version for index, state in sorted(self._replica.items())}
-        now = time.monotonic()
-        for shard in self._shards:
-            shard.heard = shard.sub_heard = shard.next_heartbeat = now
+        result = client_join.join(self.cfg, self._links, self.shared.replica, flat, deadline, loop)
         self._joined = True
-        logger.info("island %s joined: versions %s", self.cfg.island, versions)
-        return JoinResult(plan, params, versions)
+        return result
+
+    def _adopt(self, cluster: client_join.Cluster) -> None:
+        """The join knows the cluster: use its plan and its PUB stream's heartbeat settings."""
+        self._plan = cluster.plan
+        self.shared.num_fragments = cluster.plan.num_fragments
+        self._pub_interval_s, self._pub_liveness = cluster.pub_interval_s, cluster.pub_liveness
+        if cluster.max_message_bytes is not None:
+            self.max_message_bytes = cluster.max_message_bytes
 
     # -- replies -----------------------------------------------------------------------
 
-    def _on_reply(self, shard: _Shard, frames: list) -> None:
+    def _on_reply(self, shard: ShardLink, frames: list) -> None:
         header, payload = protocol.unpack(frames, protocol.REPLY)
         kind, rid = header["kind"], header.get("id")
         if kind == "ack":
             self._on_ack(shard, header)
             return
         if kind == "heartbeat" and "credited" in header:
-            self._on_credit(shard, header["credited"])
+            self.shared.credit(shard.index, header["credited"])
         if rid in self._awaited:
             self._awaited[rid] = (header, payload)
             return
@@ -653,163 +324,84 @@ class IOThread(threading.Thread):
         elif what == "hello" and kind == "welcome":
             self._on_rewelcome(shard, header)
 
-    def _on_snapshot(self, shard: _Shard, header: dict, payload: list) -> None:
-        values = _vector(payload, "values")
+    def _on_snapshot(self, shard: ShardLink, header: dict, payload: list) -> None:
+        values = client_decode.snapshot_values(header, payload, self._plan)
         fragment = header["fragment"]
-        if self._plan is not None and fragment < self._plan.num_fragments:
-            size = self._plan.fragments[fragment].size
-            if values.shape != (size,):
-                raise protocol.ProtocolError(
-                    "bad_shape", f"snapshot of fragment {fragment}: {values.shape}, want {size}"
-                )
-        with self._lock:
-            self._counters.snapshots += 1
-            self._known[fragment] = max(self._known.get(fragment, 0), header["version"])
+        self.shared.add(snapshots=1)
+        self.shared.note_version(fragment, header["version"])
         changed = shard.feed.on_snapshot(fragment, header["version"], header["seq"], values)
         self._publish(changed)
 
-    def _on_rewelcome(self, shard: _Shard, welcome: dict) -> None:
+    def _on_rewelcome(self, shard: ShardLink, welcome: dict) -> None:
         """A shard answered the hello of a reconnect: re-send its deltas and re-snapshot."""
-        if not welcome["initialized"]:
-            raise ClientError(
-                f"shard {shard.index} restarted without its state (not initialized); "
-                "restart the cluster from a checkpoint or re-join with a new client"
-            )
-        if self._plan is not None and welcome["plan_hash"] != self._plan.hash:
-            raise ClientError(
-                _mismatch(
-                    welcome["plan_hash"],
-                    self._plan,
-                    welcome["num_shards"],
-                    welcome["num_fragments"],
-                )
-            )
+        client_join.check_rewelcome(welcome, self._plan, shard.index)
         if not shard.up:
             logger.info("shard %d is back", shard.index)
         shard.up, shard.attempt = True, 0
         now = time.monotonic()
-        for pending in self._pending.values():
-            if pending.shard == shard.index:
-                self._send_push(shard, pending, now, resend=pending.sends > 0)
+        for key in self._outbox.on_rejoin(shard.index):
+            self._send_push(key, now)
         self._resync(shard, now)
 
-    def _on_ack(self, shard: _Shard, header: dict) -> None:
+    def _on_ack(self, shard: ShardLink, header: dict) -> None:
         key = (header["fragment"], header["round"])
-        outcome, reason = header["outcome"], header.get("reason")
-        with self._lock:
-            f = header["fragment"]
-            self._known[f] = max(self._known.get(f, 0), header["version"])
-        pending = self._pending.get(key)
-        if pending is None:
+        self.shared.note_version(header["fragment"], header["version"])
+        entry = self._outbox.get(key)
+        if entry is None:
             return  # ack of a re-send whose first copy was already acked
-        if outcome == "rejected" and reason == "unknown_island":
+        decision = self._outbox.on_ack(key, header["outcome"], header.get("reason"))
+        if decision == "rejoin":
             self._request(shard, "hello")  # the shard forgot us; the delta stays pending
-            return
-        if outcome == "rejected" and reason in RETRYABLE_REASONS:
-            # the shard's buffer for us is full: keep the delta and re-send it once the
-            # fragment steps (its buffer empties), or on the ack timeout; a full buffer
-            # becomes back-pressure, not lost work
-            pending.deferred = True
-            with self._lock:
-                self._counters.deferred += 1
-            return
-        if (
-            outcome == "rejected"
-            and reason == "codec_error"
-            and pending.decode_retries < DECODE_RETRIES
-        ):
-            pending.decode_retries += 1
-            self._send_push(shard, pending, time.monotonic(), resend=True)
-            return
-        del self._pending[key]
-        with self._lock:
-            self._record_merge_target(header)
-            if outcome in ("accepted", "duplicate"):
-                self._counters.acked += 1
-                self._ack_latencies.append(time.monotonic() - pending.queued_at)
-                self._counters.duplicates += outcome == "duplicate"
-            else:
-                self._counters.rejected[reason or "unknown"] += 1
-        if outcome not in ("accepted", "duplicate"):
-            logger.warning(
-                "delta island=%s fragment=%d round=%d rejected: %s",
-                self.cfg.island,
-                key[0],
-                key[1],
-                reason,
-            )
-        self._release(1)
-
-    def _on_credit(self, shard: _Shard, credited: object) -> None:
-        """A shard's cumulative credit of our tokens (heartbeat reply or published step)."""
-        if isinstance(credited, int | float) and not isinstance(credited, bool):
-            with self._lock:
-                self._credited[shard.index] = max(
-                    self._credited.get(shard.index, 0.0), float(credited)
+        elif decision == "defer":
+            # the shard's buffer for us is full: the delta is re-sent once the fragment
+            # steps (its buffer empties), or on the ack timeout; a full buffer becomes
+            # back-pressure, not lost work
+            self.shared.add(deferred=1)
+        elif decision == "resend":  # corrupted in transit (codec_error): again, at once
+            self._send_push(key, time.monotonic())
+        else:
+            self.shared.record_ack(header, time.monotonic() - entry.queued_at)
+            if header["outcome"] not in ("accepted", "duplicate"):
+                logger.warning(
+                    "delta island=%s fragment=%d round=%d rejected: %s",
+                    self.cfg.island,
+                    key[0],
+                    key[1],
+                    header.get("reason"),
                 )
-
-    def _record_merge_target(self, ack: dict) -> None:
-        """Remember which version will include an acked delta (None: rejected, never)."""
-        target = ack.get("merged_version")
-        if ack["outcome"] == "rejected":
-            target = None
-        elif target is None:  # a shard that does not say: a step merges all pending
-            target = ack["version"] + (ack["outcome"] == "accepted")
-        self._merge_targets.setdefault(ack["round"], {})[ack["fragment"]] = target
-        while len(self._merge_targets) > _MAX_MERGE_ROUNDS:
-            del self._merge_targets[min(self._merge_targets)]
+            self._release(1)
 
     # -- published updates ------------------------------------------------------------
 
-    def _on_published(self, shard: _Shard, frames: list) -> None:
+    def _on_published(self, shard: ShardLink, frames: list) -> None:
         header, payload = protocol.unpack(frames, protocol.PUB)
         if shard.feed is None or header["shard"] != shard.index:
             return
         if header["kind"] == "heartbeat":
             shard.feed.on_heartbeat(header["seq"])
             return
-        fragment = header["fragment"]
-        values = _vector(payload, "values")
-        if self._plan is not None and (
-            fragment >= self._plan.num_fragments
-            or values.shape != (self._plan.fragments[fragment].size,)
-        ):
-            raise Resync(f"update of fragment {fragment} with shape {values.shape}")
-        if header["mode"] not in ("full", "delta"):
-            raise protocol.ProtocolError("malformed", f"update mode {header['mode']!r}")
-        with self._lock:
-            self._known[fragment] = max(self._known.get(fragment, 0), header["version"])
+        item = client_decode.published_update(header, payload, self._plan)
+        fragment = item.fragment
+        self.shared.note_version(fragment, header["version"])
         credit = header.get("credited", {}).get(self.cfg.island)
         if credit is not None:
-            self._on_credit(shard, credit)
-        item = Published(header["seq"], fragment, header["version"], header["mode"], values)
+            self.shared.credit(shard.index, credit)
         self._publish(shard.feed.on_update(item))
-        self._resend_deferred(shard, fragment)
-
-    def _resend_deferred(self, shard: _Shard, fragment: int) -> None:
-        """A fragment stepped, so the shard has room again: re-send what it deferred (in order)."""
+        # The fragment stepped, so the shard has room again: re-send what it deferred.
         now = time.monotonic()
-        for pending in self._pending.values():
-            if pending.deferred and pending.request.fragment == fragment:
-                pending.deferred = False
-                self._send_push(shard, pending, now, resend=True)
+        for key in self._outbox.on_step(fragment):
+            self._send_push(key, now)
 
     def _publish(self, fragments: list[int]) -> None:
         """Hand changed fragments to `poll_updates` (after join; join returns them itself)."""
-        if not fragments or not self._joined:
-            return
-        with self._lock:
-            for f in fragments:
-                state = self._replica[f]
-                self._updates[f] = Update(f, state.version, state.values.copy())
-                self._counters.updates_applied += 1
+        if fragments and self._joined:
+            self.shared.publish(fragments)
 
-    def _resync(self, shard: _Shard, now: float, count: bool = True) -> None:
+    def _resync(self, shard: ShardLink, now: float, count: bool = True) -> None:
         if shard.feed is None:
             return
         if count:
-            with self._lock:
-                self._counters.resyncs += 1
+            self.shared.add(resyncs=1)
         for fragment in shard.feed.begin_sync(now):
             self._request(shard, "snapshot", fragment, fragment=fragment)
 
@@ -817,9 +409,8 @@ class IOThread(threading.Thread):
 
     def _on_push(self, request: PushRequest) -> None:
         key = (request.fragment, request.round)
-        with self._lock:
-            self._counters.pushes += 1
-        if key in self._pending:
+        self.shared.add(pushes=1)
+        if key in self._outbox:
             logger.warning(
                 "push of fragment %d round %d ignored: that round is still pending", *key
             )
@@ -838,35 +429,29 @@ class IOThread(threading.Thread):
             **self._step_time_field(),
         }
         frames = protocol.pack(header, request.frames)
-        pending = _Pending(request, shard_index, frames, protocol.message_bytes(frames))
-        self._pending[key] = pending
-        shard = self._shards[shard_index]
         now = time.monotonic()
-        pending.sent_at = pending.queued_at = now
-        if shard.up:
-            self._send_push(shard, pending, now, resend=False)
+        self._outbox.add(key, shard_index, frames, protocol.message_bytes(frames), now)
+        if self._links.shards[shard_index].up:
+            self._send_push(key, now)
 
     def _step_time_field(self) -> dict[str, float]:
         step_time = self.step_time_s
         return {} if step_time is None else {"t_step": step_time}
 
-    def _send_push(self, shard: _Shard, pending: _Pending, now: float, resend: bool) -> None:
-        try:
-            shard.dealer.send_multipart(pending.frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            pending.sent_at = now  # queue full: try again after the back-off
+    def _send_push(self, key: Key, now: float) -> None:
+        """Send a pending delta (again) to its shard; the outbox learns whether it went out."""
+        entry = self._outbox.get(key)
+        if not self._links.send(self._links.shards[entry.shard], entry.frames):
+            self._outbox.blocked(key, now)  # queue full: try again after the back-off
             return
-        pending.sends += 1
-        pending.sent_at = now
-        with self._lock:
-            self._counters.bytes_sent += pending.nbytes
-            self._counters.resent += resend
+        resend = self._outbox.sent(key, now)
+        self.shared.add(bytes_sent=entry.nbytes, resent=int(resend))
 
     # -- timers -------------------------------------------------------------------------
 
     def _timers(self, now: float) -> None:
         cfg = self.cfg
-        for shard in self._shards:
+        for shard in self._links.shards:
             if is_silent(now, shard.heard, cfg.heartbeat_interval_s, cfg.liveness):
                 if now >= shard.next_reconnect:
                     self._reconnect(shard, now)
@@ -886,15 +471,11 @@ class IOThread(threading.Thread):
                 logger.info("shard %d: update stream silent; re-snapshot", shard.index)
                 shard.sub_heard = now
                 self._resync(shard, now)
-        for pending in self._pending.values():
-            shard = self._shards[pending.shard]
-            if shard.up and resend_due(
-                now, pending.sent_at, pending.attempt, cfg.ack_timeout_s, cfg.ack_timeout_cap_s
-            ):
-                pending.attempt += 1
-                self._send_push(shard, pending, now, resend=pending.sends > 0)
+        up = {shard.index for shard in self._links.shards if shard.up}
+        for key in self._outbox.due(now, up):
+            self._send_push(key, now)
 
-    def _reconnect(self, shard: _Shard, now: float) -> None:
+    def _reconnect(self, shard: ShardLink, now: float) -> None:
         """Paranoid Pirate: a silent shard gets a fresh DEALER and a new hello."""
         if shard.up:
             logger.warning(
@@ -903,47 +484,27 @@ class IOThread(threading.Thread):
         shard.up = False
         for rid in [r for r, (_, s, _) in self._requests.items() if s == shard.index]:
             del self._requests[rid]
-        self._new_dealer(shard)
+        self._links.open_dealer(shard)
         self._request(shard, "hello")
         shard.next_reconnect = now + next_backoff(
             shard.attempt, self.cfg.heartbeat_interval_s, self.cfg.reconnect_cap_s
         )
         shard.attempt += 1
-        with self._lock:
-            self._counters.reconnects += 1
+        self.shared.add(reconnects=1)
 
     # -- close -----------------------------------------------------------------------------
 
     def _maybe_finish_close(self, now: float) -> None:
         deadline, future = self._close
-        if self._pending and now < deadline:
+        if self._outbox and now < deadline:
             return
-        dropped = len(self._pending)
+        dropped = len(self._outbox)
         if dropped:
             logger.warning("closing with %d deltas unacked", dropped)
-        for shard in self._shards:
+        for shard in self._links.shards:
             if shard.up:
                 self._send(shard, {"kind": "bye"})
-        self._close_shards()
-        self._pending.clear()
+        self._links.close_shards()
+        self._outbox.drop_all()
         self._stopped = True
         future.set_result(dropped)
-
-
-def _vector(payload: list, name: str) -> np.ndarray:
-    """Decode codec frames holding {name: 1-D vector} into float32."""
-    tree = codec.decode(payload)
-    if name not in tree:
-        raise protocol.ProtocolError("malformed", f"payload has no {name!r} tensor")
-    values = np.asarray(tree[name])
-    if values.ndim != 1:
-        raise protocol.ProtocolError("bad_shape", f"{name} must be 1-D, got {values.shape}")
-    return values.astype(np.float32, copy=False)
-
-
-def _mismatch(theirs: str | None, plan: Plan, num_shards: int, num_fragments: int) -> str:
-    return (
-        f"plan mismatch: the cluster's plan hash is {theirs}, this island's is {plan.hash} "
-        f"({len(plan.leaves)} leaves over {num_shards} shards, {num_fragments} fragments): "
-        "this model's parameter names, shapes or dtypes differ from the cluster's"
-    )

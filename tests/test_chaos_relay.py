@@ -19,8 +19,8 @@ import codec
 from bench.chaos_relay import Relay
 from bench.faults import Fault
 from paramserver.client import Client, ClientConfig
-from paramserver.client_io import DECODE_RETRIES
 from paramserver.config import ShardConfig
+from paramserver.outbox import DECODE_RETRIES
 from paramserver.shard import ShardServer
 
 pytestmark = pytest.mark.timeout(90)
