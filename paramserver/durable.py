@@ -11,23 +11,20 @@ Layout of ``<data_dir>/shard-<i>/``:
     wal-<n>.log           the events after checkpoint n (wal-0: after the empty state)
 
 A checkpoint n+1 is written (atomically) only after the log is synced; then
-wal-<n+1>.log is started. The newest two checkpoints are kept, and the log
-segments from the older of them on, so the previous checkpoint and the log
-after it stay as a fallback. Recovery loads the newest checkpoint that reads back intact (a
-corrupted one is reported, renamed to ``*.corrupt`` and the previous one
+wal-<n+1>.log is started (if it cannot be, checkpoint n+1 is removed again).
+The newest two checkpoints are kept, and the log segments from the older of
+them on, so the previous checkpoint and the log after it stay as a fallback.
+Recovery loads the newest checkpoint that reads back intact (a corrupted one is reported, renamed to ``*.corrupt`` and the previous one
 used), replays every log segment from its generation on, truncates a torn
 tail of the last segment, and appends there. If a corrupted checkpoint was
 skipped, a fresh checkpoint is written at once.
 
-Log records (msgpack header + raw payload):
-
-    init    {"t": "init", "plan": wire plan, "fragments": [[index, size], ...]}
-            payload: the fragments' float32 values back to back
-    accept  {"t": "accept", island, round, fragment, base_version, tokens,
-            steps, arrived, codec: [frame lengths] or nil}; payload: the codec
-            frames as received, back to back (decoded again on replay:
-            decoding is deterministic), or the float32 delta when codec is nil
-    step    {"t": "step", fragment, keys: [[island, round], ...], at}
+Storage faults (disk full, file-size limit, read-only, I/O error): a failed
+append or sync raises `StorageError` and the log keeps only what was synced
+before (`paramserver.wal`); the caller refuses what it could not log and,
+after a failed sync, rebuilds its state from disk (`reload`). A failed
+checkpoint is logged and retried later (the log still holds everything).
+Faults are logged at most once per `FAULT_LOG_EVERY_S`, recovery once.
 """
 
 from __future__ import annotations
@@ -42,134 +39,38 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-import codec
 from paramserver.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from paramserver.config import ShardConfig
+from paramserver.log_records import event_to_record, record_to_event
 from paramserver.plan import Plan
 from paramserver.policy import ArrivalStats
 from paramserver.records import (
-    AcceptEvent,
     Contribution,
     Counters,
     DedupEntry,
     Event,
     FragmentState,
-    InitEvent,
     StateError,
     StepEvent,
 )
 from paramserver.state import ShardState
-from paramserver.wal import LogReader, Record, WalError, WriteAheadLog, fsync_dir
+from paramserver.wal import LogReader, WalError, WriteAheadLog, fsync_dir
 
 logger = logging.getLogger(__name__)
 
 _CKPT = re.compile(r"^checkpoint-(\d+)\.ckpt$")
 _WAL = re.compile(r"^wal-(\d+)\.log$")
 
+FAULT_LOG_EVERY_S = 60.0  # storage faults are logged at most this often
+CHECKPOINT_RETRY_S = 10.0  # a failed checkpoint is tried again after this long
+
 
 class DurabilityError(RuntimeError):
     """The data directory cannot be recovered without losing acknowledged data."""
 
 
-def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
-    """The log record of an event.
-
-    Args:
-        event: InitEvent, AcceptEvent or StepEvent.
-
-    Returns:
-        (record header, payload arrays).
-    """
-    if isinstance(event, AcceptEvent):
-        c = event.contribution
-        header = {
-            "t": "accept",
-            "island": c.island,
-            "round": c.round,
-            "fragment": c.fragment,
-            "base_version": c.base_version,
-            "tokens": c.tokens,
-            "steps": c.steps,
-            "arrived": c.arrived,
-        }
-        if event.frames is not None:
-            header["codec"] = [memoryview(f).nbytes for f in event.frames]
-            return header, list(event.frames)
-        header["codec"] = None
-        return header, [np.ascontiguousarray(c.delta, dtype=np.float32)]
-    if isinstance(event, StepEvent):
-        header = {
-            "t": "step",
-            "fragment": event.fragment,
-            "keys": [list(k) for k in event.keys],
-            "at": event.at,
-        }
-        return header, []
-    if isinstance(event, InitEvent):
-        order = sorted(event.values)
-        header = {
-            "t": "init",
-            "plan": event.plan_wire,
-            "fragments": [[i, int(event.values[i].shape[0])] for i in order],
-        }
-        return header, [np.ascontiguousarray(event.values[i], dtype=np.float32) for i in order]
-    raise TypeError(f"not an event: {type(event).__name__}")
-
-
-def record_to_event(record: Record) -> Event:
-    """Inverse of `event_to_record`.
-
-    Args:
-        record: a record read back from the log.
-
-    Returns:
-        The event.
-
-    Raises:
-        WalError: an unknown or inconsistent record.
-    """
-    h = record.header
-    try:
-        kind = h["t"]
-        if kind == "accept":
-            lengths = h.get("codec")
-            if lengths is None:
-                delta = np.frombuffer(record.payload, dtype=np.float32)
-            else:
-                frames, offset = [], 0
-                view = memoryview(record.payload)
-                for n in lengths:
-                    frames.append(view[offset : offset + n])
-                    offset += n
-                if offset != len(view):
-                    raise ValueError(f"payload has {len(view)} bytes, frames need {offset}")
-                delta = codec.decode(frames)["delta"]
-            c = Contribution(
-                h["island"],
-                h["round"],
-                h["fragment"],
-                h["base_version"],
-                h["tokens"],
-                h["steps"],
-                h["arrived"],
-                delta,
-            )
-            return AcceptEvent(c)
-        if kind == "step":
-            keys = tuple((str(island), int(rnd)) for island, rnd in h["keys"])
-            return StepEvent(int(h["fragment"]), keys, float(h["at"]))
-        if kind == "init":
-            flat = np.frombuffer(record.payload, dtype=np.float32)
-            values, offset = {}, 0
-            for index, size in h["fragments"]:
-                values[int(index)] = flat[offset : offset + size]
-                offset += size
-            if offset != flat.shape[0]:
-                raise ValueError(f"payload has {flat.shape[0]} values, fragments need {offset}")
-            return InitEvent(h["plan"], values)
-    except (KeyError, TypeError, ValueError) as exc:  # codec.CodecError is a ValueError
-        raise WalError(f"log record at byte {record.offset} is inconsistent: {exc!r}") from exc
-    raise WalError(f"log record at byte {record.offset} has unknown type {h.get('t')!r}")
+class StorageError(RuntimeError):
+    """The write-ahead log could not be written or synced; what it was for is not durable."""
 
 
 # ----- the checkpoint's content: a shard state <-> (meta, arrays) ---------------------
@@ -225,6 +126,7 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
             "accepted": c.accepted,
             "duplicates": c.duplicates,
             "rejected": dict(c.rejected),
+            "hello_requests": c.hello_requests,
             "bytes_in": c.bytes_in,
             "bytes_out": c.bytes_out,
             "staleness": [[k, v] for k, v in sorted(c.staleness.items())],
@@ -291,6 +193,7 @@ def restore_state(
             accepted=c["accepted"],
             duplicates=c["duplicates"],
             rejected=dict(c["rejected"]),
+            hello_requests=c.get("hello_requests", 0),
             bytes_in=c["bytes_in"],
             bytes_out=c["bytes_out"],
             staleness={int(k): v for k, v in c["staleness"]},
@@ -324,6 +227,9 @@ class Durability:
         self.last_checkpoint_s: float | None = None
         self.last_checkpoint_bytes: int | None = None
         self.replayed = 0
+        self.faults = 0  # storage faults since the last good write
+        self._fault_logged = -FAULT_LOG_EVERY_S  # monotonic time of the last fault log
+        self._checkpoint_retry_at = 0.0
 
     # ----- recovery --------------------------------------------------------------
 
@@ -429,22 +335,91 @@ class Durability:
     # ----- the running shard -------------------------------------------------------
 
     def append(self, event: Event) -> None:
-        """Append an event to the log (fsynced by the next `sync`).
+        """Append an event to the log (fsynced by the next `sync`); the state's journal.
 
         Args:
-            event: the event just applied to the state.
+            event: the event about to be applied to the state.
+
+        Raises:
+            StorageError: it could not be written (the log is unchanged).
         """
         assert self._wal is not None, "call recover() first"
         header, payload = event_to_record(event)
-        self._wal.append(header, payload)
+        try:
+            self._wal.append(header, payload)
+        except OSError as exc:
+            raise self._fault("append to", exc) from exc
+        if self.faults:
+            logger.warning(
+                "shard %d: the write-ahead log is writable again after %d failure(s)",
+                self.index,
+                self.faults,
+                extra={"shard": self.index, "faults": self.faults},
+            )
+            self.faults = 0
         self._events_since += 1
         if isinstance(event, StepEvent):
             self._steps_since += 1
 
     def sync(self) -> None:
-        """fsync what was appended (call before sending acks)."""
-        if self._wal is not None:
+        """fsync what was appended (call before sending acks).
+
+        Raises:
+            StorageError: fsync failed; the log is cut back to the previous sync,
+                so the state is ahead of it: `reload` before going on.
+            OSError: fsync failed and the log could not even be cut back (the
+                shard must stop: its log may hold records that were never durable).
+        """
+        if self._wal is None:
+            return
+        try:
             self._wal.sync()
+        except OSError as exc:
+            if self._wal.broken:
+                raise
+            raise self._fault("sync", exc) from exc
+
+    def _fault(self, what: str, exc: OSError) -> StorageError:
+        """Count a storage fault, log it (at most once per FAULT_LOG_EVERY_S), and describe it."""
+        self.faults += 1
+        error = StorageError(f"cannot {what} {self.dir}: {exc.strerror or exc}")
+        now = time.monotonic()
+        if now - self._fault_logged >= FAULT_LOG_EVERY_S:
+            self._fault_logged = now
+            logger.error(
+                "shard %d: %s (%d failure(s) so far; pushes are refused with storage_error "
+                "until writes succeed; next report in %.0f s)",
+                self.index,
+                error,
+                self.faults,
+                FAULT_LOG_EVERY_S,
+                extra={"shard": self.index, "faults": self.faults},
+            )
+        return error
+
+    def reload(self, old: ShardState) -> ShardState:
+        """Rebuild the state from disk after a failed sync (the log was cut back to the last sync).
+
+        Args:
+            old: the state that got ahead of the log; its island registry, paces and
+                request counters carry over.
+
+        Returns:
+            The state of the checkpoint plus the synced log.
+        """
+        self.close()
+        self.replayed = 0
+        state = self.recover()
+        state.last_seen, state.paces = old.last_seen, old.paces
+        for name in ("duplicates", "rejected", "bytes_in", "bytes_out", "hello_requests"):
+            setattr(state.counters, name, getattr(old.counters, name))
+        logger.warning(
+            "shard %d: state rebuilt from disk after a failed sync: versions %s",
+            self.index,
+            state.versions(),
+            extra={"shard": self.index},
+        )
+        return state
 
     def maybe_checkpoint(self, state: ShardState, now: float) -> bool:
         """Checkpoint when checkpoint_every_steps steps or checkpoint_every_s seconds have passed.
@@ -457,6 +432,8 @@ class Durability:
             Whether a checkpoint was written.
         """
         every_steps, every_s = self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_s
+        if time.monotonic() < self._checkpoint_retry_at:
+            return False
         due = (every_steps and self._steps_since >= every_steps) or (
             every_s and self._events_since and now - self._last_checkpoint >= every_s
         )
@@ -470,20 +447,31 @@ class Durability:
             now: wall-clock seconds.
 
         Returns:
-            False when nothing changed since the last checkpoint (nothing written).
+            False when nothing changed since the last checkpoint, or when storage
+            failed (logged; tried again after CHECKPOINT_RETRY_S, the log keeps
+            everything meanwhile).
         """
         assert self._wal is not None, "call recover() first"
         if self._events_since == 0 or not state.initialized:
             return False
-        self._wal.sync()
+        self.sync()
         gen = max([self.generation, *self._numbered(_CKPT), *self._numbered(_WAL)]) + 1
         start = time.perf_counter()
         meta, arrays = export_state(state)
-        size = write_checkpoint(
-            self.dir / f"checkpoint-{gen}.ckpt", meta, arrays, fsync=self.cfg.fsync
-        )
+        path = self.dir / f"checkpoint-{gen}.ckpt"
+        try:
+            size = write_checkpoint(path, meta, arrays, fsync=self.cfg.fsync)
+            try:
+                wal = WriteAheadLog(self._wal_path(gen), fsync=self.cfg.fsync)
+            except OSError:  # appends must not go on in a segment older than the checkpoint
+                path.unlink(missing_ok=True)
+                raise
+        except OSError as exc:
+            self._checkpoint_retry_at = time.monotonic() + CHECKPOINT_RETRY_S
+            self._fault("write a checkpoint in", exc)
+            return False
         self._wal.close()
-        self._wal = WriteAheadLog(self._wal_path(gen), fsync=self.cfg.fsync)
+        self._wal = wal
         self.generation = gen
         self._prune()
         self.last_checkpoint_s = time.perf_counter() - start

@@ -48,9 +48,18 @@ def _request(
 
 
 def _exchange(
-    ctx: zmq.Context, endpoint: str, header: dict[str, Any], timeout_s: float
+    ctx: zmq.Context,
+    endpoint: str,
+    header: dict[str, Any],
+    timeout_s: float,
+    farewell: dict[str, Any] | None = None,
 ) -> tuple[dict[str, Any], list[Any]]:
-    """One request, its reply header and payload frames; `rejected` raises ProbeError."""
+    """One request, its reply header and payload frames; `rejected` raises ProbeError.
+
+    `farewell` (a bye after a hello) is sent after the reply on the same
+    connection, as a shard binds an island id to the connection of its hello;
+    its answer is awaited (up to `timeout_s`) but not checked.
+    """
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     try:
@@ -73,6 +82,10 @@ def _exchange(
             raise ProbeError(
                 f"{endpoint} refused {header['kind']}: {reply['reason']}: {reply['detail']}"
             )
+        if farewell is not None:
+            sock.send_multipart(protocol.pack({**farewell, "id": next(_IDS)}))
+            if not sock.poll(deadline_ms):
+                logger.debug("no answer from %s to %s", endpoint, farewell["kind"])
         return reply, payload
     except zmq.ZMQError as exc:
         raise ProbeError(f"cannot reach {endpoint}: {exc}") from None
@@ -122,11 +135,8 @@ def cluster_endpoints(
 
 def _welcome(ctx: zmq.Context, connect: str, timeout_s: float) -> dict[str, Any]:
     """The welcome of the shard at `connect` (hello, then bye at once)."""
-    welcome = _request(ctx, connect, {"kind": "hello", "island": _island()}, timeout_s)
-    try:
-        _request(ctx, connect, {"kind": "bye", "island": _island()}, timeout_s)
-    except ProbeError as exc:
-        logger.debug("bye after status hello failed: %s", exc)
+    hello, bye = {"kind": "hello", "island": _island()}, {"kind": "bye", "island": _island()}
+    welcome, _ = _exchange(ctx, connect, hello, timeout_s, farewell=bye)
     if welcome["kind"] != "welcome":
         raise ProbeError(f"{connect} answered hello with {welcome['kind']!r}")
     return welcome

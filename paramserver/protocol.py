@@ -38,7 +38,7 @@ the client, echoed in the reply) and, except `status`, carries `island`
 =========  ===========================================  ===============================
 kind       header fields                                payload / reply
 =========  ===========================================  ===============================
-hello      island                                       - / `welcome`
+hello      island, session (optional str, 1-128 chars)  - / `welcome` or `rejected`
 init       island, plan (map: `Plan.to_wire()`)         codec raw float32 tree
                                                         {"<fragment>": values} with one
                                                         1-D vector per fragment this
@@ -54,7 +54,10 @@ bye        island                                       - / `bye_ok`
 =========  ===========================================  ===============================
 
 `push` and `heartbeat` may carry `t_step` (finite number > 0): the island's
-typical inner-step time in seconds, for the adaptive grace window.
+typical inner-step time in seconds, for the adaptive grace window. `hello`
+may carry `session`: a token the client draws once per process (e.g. a random
+hex string) and repeats in every hello, so that a shard lets its reconnect
+(a new DEALER) take the island id over at once (see "Island ids" below).
 
 Replies (ROUTER -> DEALER), each echoing the request's `id` when it had one:
 
@@ -66,7 +69,10 @@ welcome         shard (uint), num_shards (pos), num_fragments (pos), endpoints
                 (str, or nil before init), plan (map, only when initialized),
                 heartbeat_interval_s (number), liveness (pos), seq (uint: last PUB seq),
                 mode (optional str: the merge policy; in "sync" an island waits
-                until its round is merged before starting the next)
+                until its round is merged before starting the next),
+                max_message_bytes (optional pos: the largest request the shard
+                answers; a bigger push is refused `oversize`, and one over twice
+                this is dropped with the connection, unanswered: refuse it locally)
 init_ok         versions (map fragment -> version)
 snapshot_reply  fragment, version, seq (uint: the PUB seq the snapshot includes)
                 (codec raw float32 {"values": vec}: exact fp32 values)
@@ -74,7 +80,8 @@ ack             round, fragment, outcome ("accepted" | "duplicate" | "rejected")
                 reason (str or nil), version (uint: the fragment's current version),
                 merged_version (optional, uint or nil: the first version of the
                 fragment that includes this delta; a step merges every pending
-                delta, so an accepted delta is in version + 1)
+                delta, so an accepted delta is in version + 1), detail (optional
+                str: why, when the outcome is "rejected")
 heartbeat       shard, seq, credited (optional number: tokens of the asking
                 island that entered the model through this shard, each delta's
                 tokens x its staleness factor x the fragment's share of the model)
@@ -86,14 +93,19 @@ rejected        reason (str, one of `REASONS`), detail (str, human-readable)
 Islands are known to a shard from their `hello` until they say `bye`, or
 until they are dead and the shard needs room for a new island; a shard that
 restarted knows nobody. A `push` or `heartbeat` from an island the shard does
-not know is refused with `unknown_island`: say `hello` again, then resend.
+not know is refused with `unknown_island`: say `hello` again, then resend
+(a shard's status counts these as `hello_requests`, not as rejections: they
+are expected after a restart and before an island's first hello there).
 `snapshot` and `status` need no `hello`.
 
 A push that parses is always answered by `ack` (outcome `rejected` with a
 reason when refused); any other request that cannot be parsed or is refused
 is answered by `rejected`. An `accepted` ack is sent only after the delta is
 durable (write-ahead log fsynced). A `duplicate` ack means the idempotency key
-was accepted before: the delta is not applied again.
+was accepted before: the delta is not applied again. When the shard cannot
+write its log (disk full, read-only, I/O error) it refuses pushes (and
+`init`) with `storage_error`: nothing of the delta was kept, so keep it and
+send it again after a back-off; snapshots, heartbeats and status go on.
 
 Published messages (PUB -> SUB). `seq` increases by one per `update` per
 shard, starting at 1 when the shard process starts; a subscriber that sees a
@@ -131,14 +143,28 @@ rejected `replayed_round` (the client drops it: it was acked long ago or is
 too old to merge); unseen rounds inside the window are accepted (resends may
 arrive out of order). The dedup table survives restarts (checkpoint + log).
 
+Island ids
+==========
+
+A `hello` binds the island id to the connection (DEALER) it came on. A hello
+for an id bound to another connection is refused `island_in_use`, unless
+that connection has been silent for more than min(2, liveness) heartbeat
+intervals or the hello carries the same `session` as the bound one; a push,
+heartbeat or bye for the id from another connection is refused
+`island_in_use` while the bound one is heard, and answered `unknown_island`
+once it is silent (hello again to take the id over). So a second process
+with the same id cannot join, and a reconnecting island gets its id back
+within about two heartbeat intervals (at once with `session`).
+
 Sizes
 =====
 
 A shard rejects a message whose frames total more than its
-`max_message_bytes` with reason `oversize` (the message was received, then
-dropped). Past a hard cap of twice that, ZeroMQ itself drops the peer's
-connection (ZMQ_MAXMSGSIZE) without a reply; the client reconnects and must
-not resend that message. Keep messages at a few MiB: split large models into
+`max_message_bytes` (sent in the `welcome`) with reason `oversize` (the
+message was received, then dropped). Past a hard cap of twice that, ZeroMQ
+itself drops the peer's connection (ZMQ_MAXMSGSIZE) without a reply; the
+client reconnects and must not resend that message: check a push against the
+welcome's limit before sending it. Keep messages at a few MiB: split large models into
 more fragments.
 """
 
@@ -182,6 +208,8 @@ REASONS = (
     "too_many_pending",
     "already_initialized",
     "internal_error",
+    "storage_error",
+    "island_in_use",
 )
 
 
@@ -297,8 +325,14 @@ SCHEMAS: dict[str, dict[str, dict[str, str]]] = {
 
 # Optional fields checked when present, per role.
 _OPTIONAL: dict[str, dict[str, str]] = {
-    REQUEST: {"id": "int", "t_step": "seconds"},
-    REPLY: {"id": "int", "merged_version": "uint?", "credited": "number"},
+    REQUEST: {"id": "int", "t_step": "seconds", "session": "island"},
+    REPLY: {
+        "id": "int",
+        "merged_version": "uint?",
+        "credited": "number",
+        "max_message_bytes": "pos",
+        "detail": "str",
+    },
     PUB: {"credited": "map"},
 }
 

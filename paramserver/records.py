@@ -140,8 +140,23 @@ class Counters:
     staleness: dict[int, int] = field(default_factory=dict)
     steps: int = 0
     clipped: int = 0  # deltas scaled down by robust aggregation (clip_norm_multiple)
+    # requests from islands the shard does not know (answered unknown_island: "say
+    # hello"); expected after a restart or before an island's first hello here, so
+    # they are not rejections
+    hello_requests: int = 0
     # island -> tokens that entered the model: tokens * g(staleness) * fragment share
     credited: dict[str, float] = field(default_factory=dict)
+
+    def count_rejection(self, reason: str) -> None:
+        """Count a refused request: `unknown_island` as a hello request, the rest by reason.
+
+        Args:
+            reason: one of paramserver.protocol.REASONS.
+        """
+        if reason == "unknown_island":
+            self.hello_requests += 1
+        else:
+            self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def add_step(self, staleness: list[int], credits: dict[str, float]) -> None:
         """Count one outer step.
@@ -160,14 +175,15 @@ class Counters:
         """The counters as status fields (JSON-ready, str keys).
 
         Returns:
-            accepted, duplicates, rejected (reason -> count), bytes_in, bytes_out,
-            staleness_histogram, steps, clipped and credited_tokens (island ->
+            accepted, duplicates, rejected (reason -> count), hello_requests,
+            bytes_in, bytes_out, staleness_histogram, steps, clipped and credited_tokens (island ->
             tokens * g(staleness) * fragment share, rounded to 3 decimals).
         """
         return {
             "accepted": self.accepted,
             "duplicates": self.duplicates,
             "rejected": dict(sorted(self.rejected.items())),
+            "hello_requests": self.hello_requests,
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},

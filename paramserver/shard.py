@@ -8,13 +8,18 @@ The loop stays thin:
 
     1. poll the ROUTER until the next policy wake-up, heartbeat or stop check;
     2. handle every queued request (up to a batch), collecting replies; each
-       accepted change is appended to the write-ahead log;
-    3. step the fragments the merge policy says are due (also logged);
+       accepted change is appended to the write-ahead log before it is applied
+       (the state's journal), so a push whose record cannot be written is
+       answered `rejected` / `storage_error` and leaves no trace;
+    3. step the fragments the merge policy says are due (also logged first);
     4. fsync the log once for the whole batch (group commit), then send the
        replies (an `accepted` ack is never sent before its delta is durable)
-       and publish the new versions;
+       and publish the new versions; if the fsync fails, the state is rebuilt
+       from disk and the batch's accepts are answered `storage_error` instead;
     5. checkpoint when due; heartbeat on the PUB when it has been idle.
 
+Snapshots, status and heartbeats need no disk, so they are served through
+storage faults. Island ids are bound to connections (`paramserver.binding`).
 On stop: answer what is queued, checkpoint, close the sockets.
 """
 
@@ -31,10 +36,10 @@ from typing import Any
 import zmq
 
 import codec
-from paramserver import daemon, protocol, settings
+from paramserver import binding, daemon, protocol, settings
 from paramserver.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.curve import CurveServer
-from paramserver.durable import Durability
+from paramserver.durable import Durability, StorageError
 from paramserver.records import ACCEPTED, REJECTED, Outcome, Update
 from paramserver.state import ShardState
 
@@ -44,6 +49,8 @@ logger = logging.getLogger(__name__)
 BATCH = 64
 # Longest poll; bounds how late a set stop event is noticed.
 STOP_CHECK_S = 0.1
+# Requests that act as an island, refused from a connection the island is not bound to.
+_BOUND_KINDS = ("push", "heartbeat", "bye")
 
 
 class ShardServer:
@@ -78,7 +85,8 @@ class ShardServer:
         self.bound_endpoints: tuple[str, str] | None = None
         self.state: ShardState | None = None
         self.seq = 0
-        self._replies: list[list[Any]] = []
+        self._replies: list[tuple[Any, dict[str, Any], list[Any]]] = []  # sent after the sync
+        self._bindings = binding.Bindings(cfg.heartbeat_interval_s, cfg.liveness)
         self._updates: list[Update] = []
         self._durable: Durability | None = None
         self._router: zmq.Socket | None = None
@@ -104,6 +112,7 @@ class ShardServer:
         """
         self._durable = Durability(self.cfg, self.index)
         self.state = self._durable.recover()
+        self.state.journal = self._durable.append
         ctx = zmq.Context()
         self._router = router = ctx.socket(zmq.ROUTER)
         self._pub = pub = ctx.socket(zmq.PUB)
@@ -165,10 +174,12 @@ class ShardServer:
         now = time.time()
         due, _ = self.state.due_fragments(now)
         for fragment in due:
-            event, update = self.state.step(fragment, now)
-            self._durable.append(event)
+            try:
+                _, update = self.state.step(fragment, now)
+            except StorageError:
+                break  # not logged, not applied: the fragment is due again next turn
             self._updates.append(update)
-        self._durable.sync()
+        self._sync()
         self._flush()
         self._durable.maybe_checkpoint(self.state, now)
         if time.monotonic() - self._last_pub >= self.cfg.heartbeat_interval_s:
@@ -179,13 +190,43 @@ class ShardServer:
         assert self._router and self._durable
         while self._router.poll(0):
             self._handle(self._router.recv_multipart(copy=False))
-        self._durable.sync()
+        self._sync()
         self._flush()
+
+    def _sync(self) -> None:
+        """fsync the batch; if that fails, take back what it would have made durable.
+
+        The log was cut back to the previous sync, so the state is rebuilt from
+        disk, the batch's updates are dropped unpublished, and its `accepted`
+        and `duplicate` acks (and an `init_ok`) become `storage_error` refusals
+        that the islands send again.
+        """
+        assert self._durable and self.state
+        try:
+            self._durable.sync()
+            return
+        except StorageError as exc:
+            error = exc
+        self.state = self._durable.reload(self.state)
+        self.state.journal = self._durable.append
+        self._updates.clear()
+        detail = f"{error}: not durable; send it again"
+        versions = self.state.versions()
+        replies = []
+        for ident, header, payload in self._replies:
+            refusal = storage_refusal(header, detail, versions)
+            if refusal is not None:
+                self.state.counters.count_rejection("storage_error")
+                header, payload = refusal, []
+            replies.append((ident, header, payload))
+        self._replies = replies
 
     def _flush(self) -> None:
         assert self._router and self.state
-        for frames in self._replies:
-            self._router.send_multipart(frames, copy=False)
+        for ident, header, payload in self._replies:
+            frames = protocol.pack(header, payload)
+            self.state.counters.bytes_out += protocol.message_bytes(frames)
+            self._router.send_multipart([ident, *frames], copy=False)
         self._replies.clear()
         for update in self._updates:
             self.seq += 1
@@ -228,11 +269,15 @@ class ShardServer:
             self._reply(ident, exc.header, "rejected", reason=exc.reason, detail=exc.detail)
             return
         now = time.time()
-        island = header.get("island")
-        if isinstance(island, str) and header["kind"] != "hello":
-            known = self.state.touch(island, now, header)
-        else:
-            known = True
+        island, kind = header.get("island"), header["kind"]
+        known = True
+        if isinstance(island, str) and kind != "hello":
+            verdict = self._bindings.verdict(island, bytes(ident), now)
+            if verdict == binding.IN_USE and kind in _BOUND_KINDS:
+                detail = self._bindings.in_use_detail(island, now)
+                self._answer(ident, header, self.state.reject("island_in_use", detail))
+                return
+            known = verdict == binding.OWN and self.state.touch(island, now, header)
         if size > self.cfg.max_message_bytes:
             outcome = self.state.reject(
                 "oversize", f"{size} bytes; max_message_bytes={self.cfg.max_message_bytes}"
@@ -252,16 +297,14 @@ class ShardServer:
     def _reply(
         self, ident: Any, request: dict | None, kind: str, payload: list[Any] = (), **fields: Any
     ) -> None:
-        assert self.state
-        frames = protocol.pack(protocol.reply_header(request, kind, **fields), payload)
-        self.state.counters.bytes_out += protocol.message_bytes(frames)
-        self._replies.append([ident, *frames])
+        self._replies.append((ident, protocol.reply_header(request, kind, **fields), list(payload)))
 
     def _answer(self, ident: Any, header: dict, outcome: Outcome) -> None:
         """Reply to a request with its outcome: `ack` for a push, else `rejected`."""
         assert self.state
         if header.get("kind") == "push":
             version = self.state.versions().get(header["fragment"], 0)
+            detail = {"detail": outcome.detail} if outcome.status == REJECTED else {}
             self._reply(
                 ident,
                 header,
@@ -272,16 +315,25 @@ class ShardServer:
                 reason=outcome.reason,
                 version=outcome.version or version,
                 merged_version=outcome.merged_version,
+                **detail,
             )
         else:
             self._reply(ident, header, "rejected", reason=outcome.reason, detail=outcome.detail)
 
     def _on_hello(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
         assert self.state
-        outcome = self.state.hello(header["island"], now)
+        island, conn, session = header["island"], bytes(ident), header.get("session")
+        if not self._bindings.may_bind(island, conn, session, now):
+            detail = self._bindings.in_use_detail(island, now)
+            self._answer(ident, header, self.state.reject("island_in_use", detail))
+            return
+        outcome = self.state.hello(island, now)
         if outcome.status == REJECTED:
             self._answer(ident, header, outcome)
             return
+        self._bindings.bind(island, binding.Binding(conn, session, now))
+        if len(self._bindings) > len(self.state.last_seen):
+            self._bindings.prune(self.state.last_seen)
         plan = self.state.plan
         fields: dict[str, Any] = {
             "shard": self.index,
@@ -294,18 +346,21 @@ class ShardServer:
             "liveness": self.cfg.liveness,
             "seq": self.seq,
             "mode": self.cfg.mode,
+            "max_message_bytes": self.cfg.max_message_bytes,
         }
         if plan is not None:
             fields["plan"] = plan.to_wire()
         self._reply(ident, header, "welcome", **fields)
 
     def _on_init(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
-        assert self.state and self._durable
-        outcome = self.state.initialize(header["plan"], payload)
+        assert self.state
+        try:
+            outcome = self.state.initialize(header["plan"], payload)
+        except StorageError as exc:
+            outcome = self.state.reject("storage_error", f"{exc}: not initialized; try again")
         if outcome.status != ACCEPTED:
             self._answer(ident, header, outcome)
             return
-        self._durable.append(outcome.event)
         versions = protocol.versions_to_wire(self.state.versions())
         self._reply(ident, header, "init_ok", versions=versions)
 
@@ -336,10 +391,14 @@ class ShardServer:
         )
 
     def _on_push(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
-        assert self.state and self._durable
-        outcome = self.state.submit_delta(header, payload, now)
-        if outcome.event is not None:
-            self._durable.append(outcome.event)
+        assert self.state
+        if not known:
+            outcome = self.state.reject("unknown_island", _say_hello(header["island"]))
+        else:
+            try:
+                outcome = self.state.submit_delta(header, payload, now)
+            except StorageError as exc:
+                outcome = self.state.reject("storage_error", f"{exc}: not accepted; send it again")
         self._answer(ident, header, outcome)
 
     def _on_heartbeat(
@@ -347,10 +406,9 @@ class ShardServer:
     ) -> None:
         assert self.state
         if not known:
-            outcome = self.state.reject(
-                "unknown_island", f"island {header['island']!r}: say hello again"
+            self._answer(
+                ident, header, self.state.reject("unknown_island", _say_hello(header["island"]))
             )
-            self._answer(ident, header, outcome)
             return
         credited = self.state.counters.credited.get(header["island"], 0.0)
         self._reply(ident, header, "heartbeat", shard=self.index, seq=self.seq, credited=credited)
@@ -363,8 +421,38 @@ class ShardServer:
 
     def _on_bye(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
         assert self.state
-        self.state.bye(header["island"])
+        if known:  # a bye from a connection that lost the id to another changes nothing
+            self.state.bye(header["island"])
+            self._bindings.forget(header["island"])
         self._reply(ident, header, "bye_ok")
+
+
+def _say_hello(island: str) -> str:
+    return f"island {island!r} is not known here (or its connection changed): say hello again"
+
+
+def storage_refusal(
+    reply: dict[str, Any], detail: str, versions: dict[int, int]
+) -> dict[str, Any] | None:
+    """The `storage_error` refusal replacing a reply that promised durability, if it did.
+
+    Args:
+        reply: a reply header not yet sent (`accepted` / `duplicate` acks and
+            `init_ok` promise that something is on disk).
+        detail: the refusal's detail.
+        versions: the fragments' versions after the state was rebuilt.
+
+    Returns:
+        The replacement header (same `id`), or None to send `reply` as it is.
+    """
+    echo = {"id": reply["id"]} if "id" in reply else {}
+    if reply["kind"] == "ack" and reply["outcome"] != REJECTED:
+        version = versions.get(reply["fragment"], 0)
+        fields = {"reason": "storage_error", "detail": detail, "merged_version": None}
+        return {**reply, "outcome": REJECTED, "version": version, **fields}
+    if reply["kind"] == "init_ok":
+        return {"kind": "rejected", "reason": "storage_error", "detail": detail, **echo}
+    return None
 
 
 def run_shard(

@@ -11,8 +11,9 @@ Event-sourced: every change that must survive a crash is one of three events,
 - `AcceptEvent`: one validated delta joins a fragment's pending set;
 - `StepEvent`: one outer step of a fragment merging exactly the listed keys.
 
-`initialize`, `submit_delta` and `step` validate, build the event and `apply`
-it; they return the event so the caller can log it. Replaying the same events
+`initialize`, `submit_delta` and `step` validate, build the event, hand it
+to the `journal` (the write-ahead log; if it raises, nothing is applied) and
+`apply` it; they return the event. Replaying the same events
 through `apply` on a fresh state gives the same parameters bit for bit (the
 write-ahead log's recovery). Rejected requests never reach `apply`, so they
 never touch parameters. Island registry, rejection counts and byte counters
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -40,6 +41,7 @@ import optax
 
 import codec
 from paramserver import liveness, protocol, robust
+from paramserver.admission import check_push
 from paramserver.config import ShardConfig
 from paramserver.downlink import Downlink
 from paramserver.outer import DonatingStep, FragmentOptimizer, aligned_float32, make_outer_optimizer
@@ -104,6 +106,9 @@ class ShardState:
         # a step that merges one island's work when the quorum collapsed: plain SGD
         self._single = DonatingStep(optax.sgd(lr)) if (lr := cfg.single_island_outer_lr) else None
         self.downlink = Downlink(cfg.downlink)
+        # called with each live event before it is applied (the write-ahead log's append);
+        # an exception from it propagates and the event is not applied
+        self.journal: Callable[[Event], None] | None = None
 
     # ----- queries -------------------------------------------------------------
 
@@ -241,7 +246,7 @@ class ShardState:
         Returns:
             Outcome(rejected, reason, detail).
         """
-        self.counters.rejected[reason] = self.counters.rejected.get(reason, 0) + 1
+        self.counters.count_rejection(reason)
         return Outcome(REJECTED, reason, detail)
 
     def initialize(self, plan_wire: Any, payload: Sequence[Any]) -> Outcome:
@@ -256,6 +261,9 @@ class ShardState:
             accepted with an InitEvent, or rejected (already_initialized,
             malformed, plan_mismatch, codec_error, unknown_fragment, bad_shape,
             bad_dtype, non_finite), counted.
+
+        Raises:
+            Whatever `journal` raises; the event is then not applied.
         """
         if self.initialized:
             return self.reject(
@@ -289,73 +297,8 @@ class ShardState:
                 return self.reject(problem[0], f"fragment {index}: {problem[1]}")
             values[index] = tree[str(index)]
         event = InitEvent(plan.to_wire(), values)
-        self.apply(event)
+        self._commit(event)
         return Outcome(ACCEPTED, event=event)
-
-    def check_push(self, header: Mapping[str, Any]) -> Outcome | None:
-        """Header-only checks of a push, in order; counts nothing.
-
-        Args:
-            header: a push header that passed protocol.unpack.
-
-        Returns:
-            None when the push may proceed to payload checks; else the
-            duplicate or rejected outcome (not yet counted: see submit_delta).
-        """
-        if self.plan is None:
-            return Outcome(REJECTED, "not_initialized", "no parameters yet: init first")
-        fragment = header["fragment"]
-        if header["plan_hash"] != self.plan.hash:
-            return Outcome(
-                REJECTED,
-                "plan_mismatch",
-                f"plan hash {header['plan_hash']!r} != {self.plan.hash!r}",
-            )
-        if fragment not in self.fragments:
-            return Outcome(
-                REJECTED,
-                "unknown_fragment",
-                f"fragment {fragment} is not owned by shard {self.index}",
-            )
-        frag = self.fragments[fragment]
-        island = header["island"]
-        if island not in self.last_seen:
-            return Outcome(
-                REJECTED, "unknown_island", f"island {island!r}: say hello, then resend", None
-            )
-        rnd = header["round"]
-        entry = self.dedup.get((island, fragment))
-        if entry is not None:
-            if rnd in entry.rounds:
-                still_pending = any(c.island == island and c.round == rnd for c in frag.pending)
-                return Outcome(
-                    DUPLICATE,
-                    None,
-                    "already accepted",
-                    version=frag.version,
-                    merged_version=frag.version + 1 if still_pending else frag.version,
-                )
-            if rnd < entry.newest - self.cfg.dedup_window:
-                return Outcome(
-                    REJECTED,
-                    "replayed_round",
-                    f"round {rnd} is older than the dedup window "
-                    f"(newest {entry.newest}, window {self.cfg.dedup_window})",
-                )
-        if header["base_version"] > frag.version:
-            return Outcome(
-                REJECTED,
-                "future_base_version",
-                f"base_version {header['base_version']} > current version {frag.version}",
-            )
-        mine = sum(1 for c in frag.pending if c.island == island)
-        if mine >= self.cfg.max_pending_per_island:
-            return Outcome(
-                REJECTED,
-                "too_many_pending",
-                f"{mine} deltas of {island!r} already pending on fragment {fragment}",
-            )
-        return None
 
     def submit_delta(
         self, header: Mapping[str, Any], payload: Sequence[Any], now: float
@@ -370,8 +313,11 @@ class ShardState:
         Returns:
             accepted (with its AcceptEvent), duplicate, or rejected with a
             reason; counted. Parameters are never touched here.
+
+        Raises:
+            Whatever `journal` raises; the event is then not applied.
         """
-        early = self.check_push(header)
+        early = check_push(self, header)
         if early is not None:
             return self._count(early)
         frag = self.fragments[header["fragment"]]
@@ -400,7 +346,7 @@ class ShardState:
             delta=delta,
         )
         event = AcceptEvent(contribution, tuple(payload))
-        self.apply(event)
+        self._commit(event)
         return Outcome(ACCEPTED, event=event, version=frag.version, merged_version=frag.version + 1)
 
     def _count(self, outcome: Outcome) -> Outcome:
@@ -444,6 +390,9 @@ class ShardState:
 
         Returns:
             (the applied StepEvent, the Update to publish).
+
+        Raises:
+            Whatever `journal` raises; the event is then not applied.
         """
         frag = self.fragments.get(fragment)
         if frag is None or not frag.pending:
@@ -452,7 +401,7 @@ class ShardState:
         quorum_s = quorum_time(pending, self.live(now), self.policy)
         event = StepEvent(fragment, tuple((c.island, c.round) for c in frag.pending), float(now))
         started = time.perf_counter()
-        update = self.apply(event)
+        update = self._commit(event)
         assert update is not None
         frag.stats = observe_step(
             frag.stats, quorum_s, time.perf_counter() - started, self.policy.ema_alpha
@@ -460,6 +409,12 @@ class ShardState:
         return event, update
 
     # ----- the one mutation path --------------------------------------------------
+
+    def _commit(self, event: Event) -> Update | None:
+        """Journal a live event, then apply it (a journal error leaves the state as it was)."""
+        if self.journal is not None:
+            self.journal(event)
+        return self.apply(event)
 
     def apply(self, event: Event) -> Update | None:
         """Apply an event (live or replayed from the log).

@@ -13,7 +13,12 @@ File format (all integers little endian):
 
 Appends go straight to the file descriptor (one `writev` per record), so a
 record survives the death of the process as soon as `append` returns; `sync`
-(fsync) makes it survive the machine. Replay yields records in order and:
+(fsync) makes it survive the machine. A failed write (disk full, file-size
+limit, read-only or I/O error) raises `OSError` and leaves the file as it was
+before the record (the partial record is cut off); a failed `sync` raises and
+cuts the file back to what the last good `sync` covered, so the log never
+holds a record that was not durable when it was acknowledged. Replay yields
+records in order and:
 
 - stops at a torn tail, the unfinished last record of a crash (too few bytes
   for its prefix or body, or a bad checksum on a record that ends the file):
@@ -99,6 +104,8 @@ class WriteAheadLog:
         except BaseException:
             os.close(self._fd)
             raise
+        self.synced = self.size  # the length the last good sync (or the open) covered
+        self.broken = False  # a failed write or sync could not be cut back yet
         self._dirty = False
 
     def append(self, header: Mapping[str, Any], payload: Sequence[Any] = ()) -> int:
@@ -110,7 +117,14 @@ class WriteAheadLog:
 
         Returns:
             The record's byte offset.
+
+        Raises:
+            OSError: the record could not be written (nothing of it stays in the
+                file; if even that cut failed, `broken` is set and the next append
+                retries the cut first).
         """
+        if self.broken:
+            self._cut(self.size)
         head = msgpack.packb(dict(header), use_bin_type=True)
         pieces = [memoryview(p).cast("B") for p in payload]
         body_len = _HLEN.size + len(head) + sum(p.nbytes for p in pieces)
@@ -120,22 +134,53 @@ class WriteAheadLog:
             crc = zlib.crc32(p, crc)
         buffers = [_PREFIX.pack(body_len, crc), _HLEN.pack(len(head)), head, *pieces]
         total = _PREFIX.size + body_len
-        written = os.writev(self._fd, buffers)
-        if written != total:  # short write (e.g. disk full): finish it or fail loudly
-            rest = b"".join(bytes(b) for b in buffers)[written:]
-            while rest:
-                n = os.write(self._fd, rest)
-                rest = rest[n:]
+        try:
+            written = os.writev(self._fd, buffers)
+            if written != total:  # short write (e.g. disk full): finish it or fail loudly
+                rest = b"".join(bytes(b) for b in buffers)[written:]
+                while rest:
+                    n = os.write(self._fd, rest)
+                    rest = rest[n:]
+        except OSError:
+            self._cut_after_failure(self.size)
+            raise
         offset = self.size
         self.size += total
         self._dirty = True
         return offset
 
     def sync(self) -> None:
-        """fsync everything appended so far (no-op when nothing changed or fsync is off)."""
-        if self._dirty:
+        """fsync everything appended so far (no-op when nothing changed or fsync is off).
+
+        Raises:
+            OSError: fsync failed; the records appended since the last good sync
+                are cut off (`size` drops to `synced`), or `broken` is set if the
+                cut failed too.
+        """
+        if not self._dirty:
+            return
+        try:
             self._sync_file()
+        except OSError:
             self._dirty = False
+            self._cut_after_failure(self.synced)
+            self.size = self.synced
+            raise
+        self._dirty = False
+        self.synced = self.size
+
+    def _cut(self, length: int) -> None:
+        """Cut the file to `length` bytes and append from there (durable with the next sync)."""
+        os.ftruncate(self._fd, length)
+        os.lseek(self._fd, length, os.SEEK_SET)
+        self.broken = False
+
+    def _cut_after_failure(self, length: int) -> None:
+        try:
+            self._cut(length)
+        except OSError as exc:
+            self.broken = True
+            logger.error("%s: cannot cut the log back to %d bytes: %s", self.path, length, exc)
 
     def _sync_file(self) -> None:
         if self.fsync:
@@ -146,6 +191,8 @@ class WriteAheadLog:
         if self._fd >= 0:
             try:
                 self.sync()
+            except OSError as exc:  # nothing unsynced was acknowledged: say so and close
+                logger.error("%s: last sync before closing failed: %s", self.path, exc)
             finally:
                 os.close(self._fd)
                 self._fd = -1

@@ -100,3 +100,37 @@ def test_versions_wire_round_trip_and_message_bytes():
     with pytest.raises(ProtocolError):
         protocol.versions_from_wire({"a": 1})
     assert protocol.message_bytes([b"abc", memoryview(b"de")]) == 5
+
+
+WELCOME = {
+    "kind": "welcome",
+    "shard": 0,
+    "num_shards": 1,
+    "num_fragments": 2,
+    "endpoints": [["tcp://a:1", "tcp://a:2"]],
+    "initialized": False,
+    "plan_hash": None,
+    "heartbeat_interval_s": 1.0,
+    "liveness": 5,
+    "seq": 0,
+}
+
+
+def test_optional_fields_of_this_round_are_checked_when_present():
+    assert "storage_error" in protocol.REASONS and "island_in_use" in protocol.REASONS
+    welcome, _ = unpack(pack({**WELCOME, "max_message_bytes": 4096}), role=REPLY)
+    assert welcome["max_message_bytes"] == 4096
+    assert "max_message_bytes" not in unpack(pack(WELCOME), role=REPLY)[0]  # older shards
+    hello, _ = unpack(pack({"kind": "hello", "island": "a", "session": "f00d"}))
+    assert hello["session"] == "f00d"
+    ack = {"kind": "ack", "round": 1, "fragment": 0, "outcome": "rejected", "version": 0}
+    assert unpack(pack({**ack, "reason": "storage_error", "detail": "disk full"}), role=REPLY)
+    for frames, role in [
+        (pack({**WELCOME, "max_message_bytes": 0}), REPLY),
+        (pack({**WELCOME, "max_message_bytes": True}), REPLY),
+        (pack({"kind": "hello", "island": "a", "session": ""}), REQUEST),
+        (pack({**ack, "reason": "storage_error", "detail": 3}), REPLY),
+    ]:
+        with pytest.raises(ProtocolError) as info:
+            unpack(frames, role=role)
+        assert info.value.reason == "malformed"

@@ -133,6 +133,7 @@ def _bad_cases(plan, size):
         ("no codec frames", (good, []), "ack", "codec_error"),
         ("oversize", (good, [b"\x00" * 70_000]), "ack", "oversize"),
         ("unknown island", ({**good, "island": "nobody"}, zeros), "ack", "unknown_island"),
+        ("another's island id", ({**good, "island": "h"}, zeros), "ack", "island_in_use"),
         ("replayed round", ({**good, "round": 1}, zeros), "ack", "replayed_round"),
         ("future base", ({**good, "base_version": 9}, zeros), "ack", "future_base_version"),
         ("missing field", ({"kind": "push", "island": "a"}, zeros), "rejected", "malformed"),
@@ -144,13 +145,16 @@ def _bad_cases(plan, size):
 
 def test_bad_input_is_rejected_counted_and_never_touches_parameters(start_shard, peer):
     shard = start_shard(mode="sync", max_message_bytes=65_536, dedup_window=4, **SLOW_HB)
-    honest, plan, _ = init_shard(peer, shard, island="a")
-    peer(shard.router, "b").hello()  # a second live island: a's pushes alone never step
+    honest, plan, _ = init_shard(peer, shard, island="h")
+    peer(shard.router, "b").hello()  # a third live island: pushes of a and h alone never step
     size = plan.fragments[0].size
-    ack, _ = honest.request(push_header(plan, "a", 40, 0), delta_frames(np.ones(size, np.float32)))
-    assert ack["outcome"] == "accepted"
+    attacker = peer(shard.router, "a")
+    attacker.hello()
+    ack, _ = attacker.request(
+        push_header(plan, "a", 40, 0), delta_frames(np.ones(size, np.float32))
+    )
+    assert ack["outcome"] == "accepted" and "detail" not in ack
     before = {f: snapshot(honest, f)[1].tobytes() for f in (0, 1)}
-    attacker = peer(shard.router, "a")  # claims island a's id over another connection
     expected: dict[str, int] = {}
     for name, message, kind, reason in _bad_cases(plan, size):
         if isinstance(message, tuple):
@@ -163,17 +167,19 @@ def test_bad_input_is_rejected_counted_and_never_touches_parameters(start_shard,
         assert reply.get("reason") == reason, (name, reply)
         if kind == "ack":
             assert reply["outcome"] == "rejected" and reply["id"] == rid, (name, reply)
-        expected[reason] = expected.get(reason, 0) + 1
+            assert reply["detail"], (name, reply)
+        if reason != "unknown_island":  # "say hello" is counted apart from rejections
+            expected[reason] = expected.get(reason, 0) + 1
         # the honest peer is still served after every bad message
-        hb, _ = honest.request({"kind": "heartbeat", "island": "a"})
+        hb, _ = honest.request({"kind": "heartbeat", "island": "h"})
         assert hb["kind"] == "heartbeat", (name, hb)
     after = {f: snapshot(honest, f)[1].tobytes() for f in (0, 1)}
     assert after == before
     status = honest.status()
-    assert status["rejected"] == expected
+    assert status["rejected"] == expected and status["hello_requests"] == 1
     assert status["accepted"] == 1 and status["steps"] == 0
     assert status["pending"] == {"0": 1, "1": 0}
-    ack, _ = honest.request(push_header(plan, "a", 41, 0), delta_frames(np.ones(size, np.float32)))
+    ack, _ = honest.request(push_header(plan, "h", 41, 0), delta_frames(np.ones(size, np.float32)))
     assert ack["outcome"] == "accepted"
 
 

@@ -135,7 +135,11 @@ def test_header_rejections(mutate, reason):
     mutate(h, plan)
     out = state.submit_delta(h, delta_frames(vec(plan, 0, 0)), T0)
     assert (out.status, out.reason) == (REJECTED, reason)
-    assert state.counters.rejected == {reason: 1} and state.counters.accepted == 0
+    if reason == "unknown_island":  # "say hello": counted apart from real rejections
+        assert state.counters.rejected == {} and state.counters.hello_requests == 1
+    else:
+        assert state.counters.rejected == {reason: 1} and state.counters.hello_requests == 0
+    assert state.counters.accepted == 0
 
 
 def test_payload_rejections():
@@ -228,7 +232,7 @@ def test_status_is_json_ready():
     assert status["versions"] == {"0": 0, "1": 0}
     assert status["pending"] == {"0": 1, "1": 0}
     assert status["islands_live"] == ["a", "b"]
-    assert status["rejected"] == {"unknown_island": 1}
+    assert status["rejected"] == {} and status["hello_requests"] == 1
 
 
 def test_a_snapshot_view_survives_later_steps():

@@ -1,0 +1,86 @@
+"""A shard as a real subprocess (``python -m paramserver.shard``) for tests that signal it,
+limit its resources or read its log: start on a free port pair, wait until it answers."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import zmq
+from conftest import Peer
+
+
+def free_port_pair() -> int:
+    """A port P with P and P + 1 free a moment ago (a shard binds ROUTER P, PUB P + 1)."""
+    for _ in range(100):
+        with socket.socket() as first:
+            first.bind(("127.0.0.1", 0))
+            port = first.getsockname()[1]
+            if port >= 65535:
+                continue
+            with socket.socket() as second:
+                try:
+                    second.bind(("127.0.0.1", port + 1))
+                except OSError:
+                    continue
+        return port
+    raise AssertionError("no free port pair")
+
+
+class ShardProcess:
+    """`python -m paramserver.shard --index 0` on 127.0.0.1; its output is kept in `output`.
+
+    The output goes through a pipe (not a file), so a file-size limit on the
+    process does not touch it.
+    """
+
+    def __init__(self, data_dir: Path, *flags: str) -> None:
+        self.port = free_port_pair()
+        self.router = f"tcp://127.0.0.1:{self.port}"
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+        argv = [
+            sys.executable, "-m", "paramserver.shard", "--index", "0",
+            "--port", str(self.port), "--data-dir", str(data_dir), *flags,
+        ]  # fmt: skip
+        self.proc = subprocess.Popen(
+            argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+        )
+        self._lines: list[str] = []
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+
+    def _read(self) -> None:
+        for line in self.proc.stdout:
+            self._lines.append(line)
+
+    @property
+    def output(self) -> str:
+        """Everything the process wrote so far."""
+        return "".join(self._lines)
+
+    def wait_ready(self, ctx: zmq.Context, timeout_s: float = 90.0) -> None:
+        """Poll with status requests until the shard answers; fail at once if it exited."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            assert self.proc.poll() is None, f"shard exited {self.proc.returncode}: {self.output}"
+            p = Peer(ctx, self.router, "probe")  # fresh: no reply left queued
+            try:
+                p.send({"kind": "status"})
+                if p.sock.poll(500):
+                    return
+            finally:
+                p.close()
+            assert time.monotonic() < deadline, f"shard did not answer: {self.output}"
+
+    def stop(self, timeout_s: float = 60.0) -> int:
+        """SIGTERM, wait, return the exit code (output complete afterwards)."""
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        code = self.proc.wait(timeout_s)
+        self._reader.join(timeout_s)
+        return code

@@ -1,0 +1,54 @@
+"""paramserver.binding: which connection may act as an island id (pure rules, explicit time)."""
+
+import pytest
+
+from paramserver.binding import IN_USE, OWN, SAY_HELLO, Binding, Bindings, may_take_over
+
+A, B = b"\x00conn-a", b"\x00conn-b"
+
+
+@pytest.mark.parametrize(
+    ("bound", "conn", "session", "now", "allowed"),
+    [
+        (None, B, None, 100.0, True),  # a free id
+        (Binding(A, None, 99.9), A, None, 100.0, True),  # the same connection again
+        (Binding(A, "s1", 99.9), B, "s1", 100.0, True),  # the same client on a new socket
+        (Binding(A, "s1", 99.9), B, "s2", 100.0, False),  # another process, heard just now
+        (Binding(A, None, 99.9), B, None, 100.0, False),  # no session: the silence decides
+        (Binding(A, None, 98.0), B, None, 100.0, False),  # silent exactly quiet_s
+        (Binding(A, None, 97.9), B, None, 100.0, True),  # silent longer than quiet_s
+        (Binding(A, None, 97.9), B, "s1", 100.0, True),
+    ],
+)
+def test_may_take_over(bound, conn, session, now, allowed):
+    assert may_take_over(now, bound, conn, session, quiet_s=2.0) is allowed
+
+
+def test_quiet_time_is_two_intervals_or_the_whole_liveness_budget_if_shorter():
+    assert Bindings(0.5, 5).quiet_s == 1.0
+    assert Bindings(0.5, 1).quiet_s == 0.5
+
+
+def test_verdicts_follow_the_bound_connection_and_its_silence():
+    b = Bindings(1.0, 5)  # quiet after 2 s
+    assert b.verdict("x", A, 10.0) == OWN  # unbound ids are served as before
+    b.bind("x", Binding(A, None, 10.0))
+    assert b.verdict("x", B, 11.5) == IN_USE
+    assert b.verdict("x", A, 11.9) == OWN  # refreshes the binding
+    assert b.verdict("x", B, 13.5) == IN_USE  # 1.6 s after A was last heard
+    assert b.verdict("x", B, 14.0) == SAY_HELLO  # A silent > 2 s: hello takes it over
+    assert not b.may_bind("x", B, None, 13.0) and b.may_bind("x", B, None, 14.0)
+    b.bind("x", Binding(B, None, 14.0))
+    assert b.verdict("x", A, 14.1) == IN_USE
+    detail = b.in_use_detail("x", 14.1)
+    assert "'x'" in detail and "another connection" in detail and "2 s" in detail
+
+
+def test_forget_and_prune():
+    b = Bindings(1.0, 5)
+    for island in ("x", "y", "z"):
+        b.bind(island, Binding(A, None, 0.0))
+    b.forget("x")
+    assert b.verdict("x", B, 0.1) == OWN and len(b) == 2
+    b.prune({"z"})
+    assert len(b) == 1 and b.verdict("y", B, 0.1) == OWN and b.verdict("z", B, 0.1) == IN_USE

@@ -1,0 +1,120 @@
+"""Island ids on a live shard: one connection per id (island_in_use), takeover after silence.
+
+Raw DEALER peers on 127.0.0.1 against a real shard; every wait polls with a deadline.
+"""
+
+import time
+
+import numpy as np
+import pytest
+from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
+
+pytestmark = pytest.mark.timeout(60)
+
+SLOW_HB = {"heartbeat_interval_s": 5.0, "liveness": 20}
+
+
+def _refused(reply, kind="rejected"):
+    assert reply["kind"] == kind, reply
+    if kind == "ack":
+        assert reply["outcome"] == "rejected", reply
+    assert reply["reason"] == "island_in_use", reply
+    return reply
+
+
+def _init(peer_factory, shard, island="a"):
+    flat = small_flat()
+    plan = plan_for(flat, 1, 2)
+    p = peer_factory(shard.router, island)
+    p.hello()
+    reply, _ = p.request(
+        {"kind": "init", "island": island, "plan": plan.to_wire()}, init_payload(plan, flat)
+    )
+    assert reply["kind"] == "init_ok", reply
+    return p, plan
+
+
+def test_a_live_id_is_refused_on_another_connection(start_shard, peer):
+    shard = start_shard(mode="sync", **SLOW_HB)
+    first, plan = _init(peer, shard)
+    peer(shard.router, "quiet").hello()  # a second live island: nothing steps
+    second = peer(shard.router, "a")
+    reply, _ = second.request({"kind": "hello", "island": "a"})
+    assert "'a'" in _refused(reply)["detail"] and "another connection" in reply["detail"]
+    assert first.hello()["kind"] == "welcome"  # the bound connection may say hello again
+    zeros = delta_frames(np.zeros(plan.fragments[0].size, np.float32))
+    reply, _ = second.request(push_header(plan, "a", 1, 0), zeros)
+    assert reply["detail"]
+    _refused(reply, "ack")
+    _refused(second.request({"kind": "heartbeat", "island": "a"})[0])
+    _refused(second.request({"kind": "bye", "island": "a"})[0])
+    # read-only requests need no binding
+    reply, _ = second.request({"kind": "snapshot", "island": "a", "fragment": 0})
+    assert reply["kind"] == "snapshot_reply"
+    ack, _ = first.request(push_header(plan, "a", 1, 0), zeros)
+    assert ack["outcome"] == "accepted"
+    status = first.status()
+    assert status["islands_live"] == ["a", "quiet"]
+    assert status["rejected"] == {"island_in_use": 4} and status["accepted"] == 1
+
+
+def test_a_silent_connection_loses_its_id_to_the_next_hello(start_shard, peer):
+    # quiet_s = 2 intervals = 0.4 s; liveness 50 intervals: the island is never dead here
+    shard = start_shard(mode="sync", heartbeat_interval_s=0.2, liveness=50)
+    old, plan = _init(peer, shard)
+    new = peer(shard.router, "a")  # a reconnect: new socket, same id; the old one is closed
+    _refused(new.request({"kind": "hello", "island": "a"})[0])
+    old.close()
+    started = time.monotonic()
+    deadline = started + 10.0
+    while True:  # what a client does: heartbeat; on unknown_island, say hello
+        reply, _ = new.request({"kind": "heartbeat", "island": "a"})
+        if reply["kind"] == "rejected" and reply["reason"] == "unknown_island":
+            break
+        _refused(reply)
+        assert time.monotonic() < deadline, "the old connection's binding never expired"
+        time.sleep(0.05)
+    assert new.hello()["kind"] == "welcome"
+    assert time.monotonic() - started < 5.0
+    zeros = delta_frames(np.zeros(plan.fragments[0].size, np.float32))
+    ack, _ = new.request(push_header(plan, "a", 1, 0), zeros)
+    assert ack["outcome"] == "accepted"
+    assert "a" in new.status()["islands_live"]
+
+
+def test_the_same_session_takes_its_id_over_at_once(start_shard, peer):
+    shard = start_shard(**SLOW_HB)
+    old = peer(shard.router, "a")
+    reply, _ = old.request({"kind": "hello", "island": "a", "session": "s-1"})
+    assert reply["kind"] == "welcome"
+    other, _ = peer(shard.router, "a").request({"kind": "hello", "island": "a", "session": "s-2"})
+    _refused(other)
+    new = peer(shard.router, "a")
+    reply, _ = new.request({"kind": "hello", "island": "a", "session": "s-1"})
+    assert reply["kind"] == "welcome"
+    _refused(old.request({"kind": "heartbeat", "island": "a"})[0])
+    assert new.request({"kind": "heartbeat", "island": "a"})[0]["kind"] == "heartbeat"
+
+
+def test_a_dead_islands_id_may_be_taken_over(start_shard, peer):
+    shard = start_shard(heartbeat_interval_s=0.1, liveness=1)  # dead after 0.1 s of silence
+    peer(shard.router, "a").hello()
+    taker = peer(shard.router, "a")
+    deadline = time.monotonic() + 10.0
+    while True:
+        reply, _ = taker.request({"kind": "hello", "island": "a"})
+        if reply["kind"] == "welcome":
+            break
+        _refused(reply)
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert taker.status()["islands_live"] == ["a"]
+
+
+def test_the_status_probe_says_bye_on_the_connection_of_its_hello(start_shard, peer, zmq_ctx):
+    from paramserver import probe
+
+    shard = start_shard(**SLOW_HB)
+    assert probe.cluster_endpoints(zmq_ctx, shard.router, timeout_s=10)
+    status = peer(shard.router, "watcher").status()
+    assert status["islands_live"] == [] and status["rejected"] == {}  # not left live
