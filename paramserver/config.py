@@ -81,6 +81,7 @@ class ShardConfig:
     )
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     metrics_port: int = 0  # Prometheus metrics port; 0 = off
+    metrics_host: str = ""  # bind address of the metrics endpoint; "" = the same as host
     curve_secret_key_file: str = ""  # shard key pair (NAME.key_secret); "" = no CURVE (trusted net)
     curve_allow_dir: str = ""  # with CURVE: directory of the allowed islands' NAME.key files
 
@@ -175,6 +176,12 @@ class ShardConfig:
         _choice("log_level", self.log_level, LOG_LEVELS)
         _int_at_least("metrics_port", self.metrics_port, 0)
         _require(self.metrics_port <= 65535, "metrics_port", self.metrics_port, "must be <= 65535")
+        _require(
+            isinstance(self.metrics_host, str),
+            "metrics_host",
+            self.metrics_host,
+            "give a bind address such as 127.0.0.1, or leave it empty to use host",
+        )
         for name in ("curve_secret_key_file", "curve_allow_dir"):
             _require(isinstance(getattr(self, name), str), name, getattr(self, name), "give a path")
         _require(
@@ -183,6 +190,12 @@ class ShardConfig:
             self.curve_allow_dir or self.curve_secret_key_file,
             "CURVE needs both curve_secret_key_file and curve_allow_dir (or neither)",
         )
+
+    @property
+    def metrics_bind_host(self) -> str:
+        """Where the metrics endpoint binds: `metrics_host`, or `host` when it is empty ("*": all)."""
+        host = self.metrics_host.strip() or self.host
+        return "0.0.0.0" if host == "*" else host
 
     @property
     def num_fragments(self) -> int:

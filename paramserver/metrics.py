@@ -23,6 +23,7 @@ SCRAPE_TIMEOUT_S = 2.0
 _COUNTERS = {
     "accepted": "deltas accepted",
     "duplicates": "duplicate deltas (acked, not applied again)",
+    "hello_requests": "requests from islands not known here (answered: say hello)",
     "steps": "outer steps taken",
     "bytes_in": "bytes received on the ROUTER",
     "bytes_out": "bytes sent (replies and published updates)",
@@ -96,13 +97,13 @@ class ShardCollector:
         yield from (rejected, staleness, version, live)
 
 
-def serve_metrics(port: int, endpoints: Sequence[str], host: str = "0.0.0.0") -> Any:
+def serve_metrics(port: int, endpoints: Sequence[str], host: str = "127.0.0.1") -> Any:
     """Start the HTTP endpoint in a background thread.
 
     Args:
         port: TCP port for /metrics.
         endpoints: ROUTER endpoint of each shard.
-        host: bind address.
+        host: bind address (ShardConfig.metrics_bind_host: metrics_host, else host).
 
     Returns:
         The HTTP server (call ``shutdown()`` to stop it).

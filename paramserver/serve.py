@@ -88,7 +88,9 @@ def serve_shard(
 
             try:
                 metrics = serve_metrics(
-                    metrics_port, [server.router_bind.replace("*", "127.0.0.1")]
+                    metrics_port,
+                    [server.router_bind.replace("*", "127.0.0.1")],
+                    cfg.metrics_bind_host,
                 )
             except MetricsError as exc:
                 logger.error("shard %d cannot start: %s", index, exc)

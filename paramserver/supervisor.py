@@ -202,7 +202,9 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
                 from paramserver.metrics import MetricsError, serve_metrics
 
                 try:
-                    metrics = serve_metrics(cfg.metrics_port, [r for r, _ in endpoints])
+                    metrics = serve_metrics(
+                        cfg.metrics_port, [r for r, _ in endpoints], cfg.metrics_bind_host
+                    )
                 except MetricsError as exc:
                     logger.error("cannot start: %s", exc)
                     stop.set()
