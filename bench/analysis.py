@@ -255,3 +255,19 @@ def final_goodput(rows: Rows, credited: float) -> float | None:
     """
     capacity = next((r["capacity_tokens"] for r in reversed(rows) if "capacity_tokens" in r), 0)
     return goodput(credited, capacity)
+
+
+def sum_counts(counts: Sequence[Mapping[str, int]]) -> dict[str, int]:
+    """Add up count dicts key by key (e.g. every shard's rejections by reason).
+
+    Args:
+        counts: dicts of key -> count.
+
+    Returns:
+        key -> total, keys in first-seen order.
+    """
+    total: dict[str, int] = {}
+    for d in counts:
+        for key, value in d.items():
+            total[key] = total.get(key, 0) + value
+    return total

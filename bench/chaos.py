@@ -29,7 +29,6 @@ import contextlib
 import json
 import os
 import signal
-import statistics
 import subprocess
 import sys
 import threading
@@ -40,14 +39,11 @@ from typing import Any
 
 import zmq
 
+from bench import chaos_score, outdir
 from bench import faults as fl
-from bench import outdir
-from bench.analysis import credited_tokens, uptime
 from bench.common import emit_json
 from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 from paramserver import daemon, probe
-from paramserver.clusterfile import ShardAddress, render_cluster_file
-from worker.goodput import goodput
 
 SAMPLE_S = 0.25
 
@@ -82,17 +78,16 @@ def _log(msg: str) -> None:
     print(f"chaos: {msg}", file=sys.stderr, flush=True)
 
 
-def cluster_file(path: Path, setup: Setup, relay_base: int, bind_base: int, data_dir: Path) -> None:
-    """Write the cluster file: shards bind on loopback; islands reach their ROUTER via the relay.
+def server_settings(setup: Setup) -> dict[str, Any]:
+    """The `[server]` settings of a chaos run's cluster file.
 
     Args:
-        path: the file to write.
-        setup: the run's shape (shards, heartbeat, duration for the checkpoint period).
-        relay_base: relay listen port of shard 0's ROUTER (shard i: +i).
-        bind_base: shard 0's ROUTER bind port (shard i: ROUTER +2i, PUB +2i+1).
-        data_dir: the shards' data dir.
+        setup: the run's shape (islands, heartbeat, duration for the checkpoint period).
+
+    Returns:
+        Settings for `LocalCluster.write_relayed_cluster_file`.
     """
-    server = {
+    return {
         "mode": "quorum",
         # as the report: all islands but one, so one faulty island never holds up the steps
         "quorum": max(1, setup.islands - 1),
@@ -100,18 +95,7 @@ def cluster_file(path: Path, setup: Setup, relay_base: int, bind_base: int, data
         "liveness": 5,
         "checkpoint_every_steps": 25,
         "checkpoint_every_s": max(5.0, setup.duration_s / 4),
-        "data_dir": str(data_dir),
     }
-    shards = [
-        ShardAddress(
-            router=f"tcp://127.0.0.1:{relay_base + i}",
-            pub=f"tcp://127.0.0.1:{bind_base + 2 * i + 1}",
-            router_bind=f"tcp://127.0.0.1:{bind_base + 2 * i}",
-            pub_bind=f"tcp://127.0.0.1:{bind_base + 2 * i + 1}",
-        )
-        for i in range(setup.shards)
-    ]
-    path.write_text(render_cluster_file(server, shards))
 
 
 class VersionSampler(threading.Thread):
@@ -181,7 +165,6 @@ class ChaosRun:
         self.cluster = LocalCluster(self.out, shards=setup.shards)
         self.bind_base = self.cluster.port
         self.relay_base = free_base_port(setup.shards)
-        self.cluster_path = self.out / "cluster.toml"
         self.start_file = self.out / "start"  # islands wait for it (a start barrier)
         self.t0_file = self.out / "t0"  # the measured window's start, for the relay
         self.events: list[dict[str, Any]] = []
@@ -189,34 +172,6 @@ class ChaosRun:
         self._relay: subprocess.Popen | None = None
 
     # -- processes -----------------------------------------------------------------
-
-    def _shard_dir(self, i: int) -> Path:
-        return self.cluster.server_dir / f"shard-{i}"
-
-    def _start_shard(self, i: int) -> None:
-        argv = [sys.executable, "-m", "paramserver.cli", "start", "--cluster",
-                str(self.cluster_path), "--shard", str(i), "--detach"]  # fmt: skip
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=180)
-        if proc.returncode != 0:
-            raise LaunchError(f"shard {i} did not start: {proc.stderr.strip()[-300:]}")
-
-    def _start_shards(self) -> None:
-        """Start every shard at once (each pays its own JAX import)."""
-        errors: list[Exception] = []
-
-        def start(i: int) -> None:
-            try:
-                self._start_shard(i)
-            except (LaunchError, subprocess.TimeoutExpired) as exc:
-                errors.append(exc)
-
-        threads = [threading.Thread(target=start, args=(i,)) for i in range(self.setup.shards)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise LaunchError(str(errors[0]))
 
     def _spec(self, name: str) -> IslandSpec:
         s = self.setup
@@ -278,14 +233,14 @@ class ChaosRun:
         self.events.append({"restarted": name, "t": time.time()})
 
     def _restart_shard(self, i: int) -> None:
-        self._start_shard(i)
+        self.cluster.start_shard(i)
         self.events.append({"restarted": f"shard-{i}", "t": time.time()})
 
     def _inject(self, fault: fl.Fault) -> bool:
         """Execute a harness fault now; returns whether it fired."""
         if fault.kind == "kill_shard":
             i = int(fault.target.split("-")[1])
-            pid = self._pid(self._shard_dir(i))
+            pid = self._pid(self.cluster.shard_dir(i))
             if pid is None:
                 return False
             os.kill(pid, signal.SIGKILL)
@@ -307,7 +262,9 @@ class ChaosRun:
     def run(self) -> dict[str, Any]:
         """Run it; returns the raw material for `summarize`."""
         s = self.setup
-        cluster_file(self.cluster_path, s, self.relay_base, self.bind_base, self.cluster.server_dir)
+        self.cluster.write_relayed_cluster_file(
+            self.out / "cluster.toml", server_settings(s), "127.0.0.1", self.relay_base, False
+        )
         relay_stats = self.out / "relay.json"
         sampler = VersionSampler(
             [f"tcp://127.0.0.1:{self.bind_base + 2 * i}" for i in range(s.shards)]
@@ -316,7 +273,7 @@ class ChaosRun:
         final_status: list[dict[str, Any]] = []
         loss = None
         try:
-            self._start_shards()
+            self.cluster.start_shards()
             self._start_relay(relay_stats)
             self.cluster.port = self.relay_base  # islands connect to shard 0 through the relay
             _log(f"{self.name}: starting {s.islands} islands")
@@ -352,9 +309,7 @@ class ChaosRun:
             sampler.stop_event.set()
             self._stop_islands()
             self._stop_relay()
-            for i in range(s.shards):
-                with contextlib.suppress(daemon.DaemonError):
-                    daemon.stop(self._shard_dir(i), timeout_s=60.0)
+            self.cluster.stop()
         relay = json.loads(relay_stats.read_text()) if relay_stats.exists() else {}
         return {
             "t0": t0,
@@ -418,137 +373,6 @@ class ChaosRun:
         return float(final["eval_loss"])
 
 
-def summarize(
-    raw: dict[str, Any],
-    faults: list[fl.Fault],
-    setup: Setup,
-    window_s: float,
-) -> dict[str, Any]:
-    """The report of one run from its raw material (pure).
-
-    Args:
-        raw: what `ChaosRun.run` returned.
-        faults: the run's schedule.
-        setup: the run's shape.
-        window_s: uptime window.
-
-    Returns:
-        JSON-ready dict with goodput, uptime, deltas_acked, deltas_applied,
-        final_eval_loss, recovery per fault and the fault counts.
-    """
-    relay = raw["relay"]
-    acked = fl.ack_keys(relay.get("acked_by_shard", []))
-    delivered = fl.ack_keys(relay.get("acked_delivered", []))
-    tokens = {(str(i), int(f), int(r)): int(n) for i, f, r, n in relay.get("tokens", [])}
-    fragments = 2 * setup.shards
-    t0, end = raw["t0"], raw["t0"] + setup.duration_s
-    in_window = fl.ack_keys(a for a in relay.get("acked_by_shard", []) if t0 <= float(a[-1]) <= end)
-    acked_tokens = fl.useful_tokens(in_window, tokens, fragments)
-    status = raw["status"]
-    # tokens that entered the model: the shards' credit (tokens x staleness factor) after
-    # the final merges; a rejected or never-merged delta counts 0
-    useful = sum(credited_tokens({"shards": status}).values())
-    applied = sum(st.get("accepted", 0) for st in status)
-    deliveries: dict[str, list[float]] = {}
-    for island, _f, _r, t in relay.get("acked_delivered", []):
-        deliveries.setdefault(str(island), []).append(float(t))
-    recovery = []
-    for f in faults:
-        if f.kind == "kill_shard":
-            progress = raw["advances"].get(int(f.target.split("-")[1]), [])
-        else:
-            progress = deliveries.get(f.target, [])
-        rec = fl.recovery_s(t0 + f.end_s, progress)
-        key = f"{f.kind}@{f.at_s}"
-        fired = (
-            raw["fired_harness"].get(key, False)
-            if f.kind in fl.HARNESS_KINDS
-            else relay.get("fired", {}).get(key, 0) > 0
-        )
-        recovery.append(
-            {**f.to_json(), "fired": fired, "recovery_s": None if rec is None else round(rec, 3)}
-        )
-    up = uptime(raw["timeline"], window_s, t0, end) if raw["timeline"] else None
-    capacity = setup.duration_s * sum(
-        fl.training_rate(_round_samples(rows)) or 0.0 for rows in raw["rows"].values()
-    )
-    return {
-        "goodput": goodput(useful, capacity),
-        "capacity_tokens": capacity,
-        "uptime": up,
-        "deltas_acked": len(acked),
-        "deltas_applied": applied,
-        "deltas_acked_delivered": len(delivered),
-        "deltas_acked_in_window": len(in_window),
-        "acked_equals_applied": len(acked) == applied,
-        "shard_duplicates": sum(st.get("duplicates", 0) for st in status),
-        "shard_rejected": _merge([st.get("rejected", {}) for st in status]),
-        "shard_errors": [st["error"] for st in status if "error" in st],
-        "useful_tokens": useful,
-        "acked_tokens_in_window": acked_tokens,
-        "trained_tokens_in_window": trained_in_window(raw, setup),
-        "final_eval_loss": raw["final_eval_loss"],
-        "faults": recovery,
-        "faults_fired": sum(1 for r in recovery if r["fired"]),
-        "errors": [e["error"] for e in raw["events"] if "error" in e],
-    }
-
-
-def _round_samples(rows: list[dict[str, Any]]) -> list[tuple[float, float]]:
-    """(tokens, seconds) of each training round an island recorded (restarts included)."""
-    out, prev = [], 0
-    for r in rows:
-        if "round_s" not in r or "tokens" not in r:
-            continue
-        tokens = r["tokens"] - prev if r["tokens"] >= prev else r["tokens"]
-        prev = r["tokens"]
-        if r.get("round", 0) > 1:  # a process's first round includes compiling
-            out.append((float(tokens), float(r["round_s"])))
-    return out
-
-
-def trained_in_window(raw: dict[str, Any], setup: Setup) -> float:
-    """Tokens the islands trained within the measured window (from their metrics rows).
-
-    Args:
-        raw: what `ChaosRun.run` returned.
-        setup: the run's shape.
-
-    Returns:
-        Sum over islands of tokens at the window's end minus tokens at its start
-        (a restarted island's counter starts again from 0: its rows after the
-        restart are counted from there).
-    """
-    t0, end = raw["t0"], raw["t0"] + setup.duration_s
-    total = 0.0
-    for rows in raw["rows"].values():
-        prev, start_tokens = 0, None
-        for r in rows:
-            if "tokens" not in r or r["wall"] > end:
-                continue
-            if r["tokens"] < prev:  # a restarted process
-                total += prev - (start_tokens or 0)
-                start_tokens = 0
-            if r["wall"] <= t0:
-                start_tokens = r["tokens"]
-            prev = r["tokens"]
-        total += prev - (start_tokens or 0)
-    return total
-
-
-def _merge(dicts: list[dict[str, int]]) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for d in dicts:
-        for k, v in d.items():
-            out[k] = out.get(k, 0) + v
-    return out
-
-
-def _round_window(rows: dict[str, list[dict[str, Any]]]) -> float:
-    times = [r["round_s"] for rs in rows.values() for r in rs if "round_s" in r]
-    return 2.0 * statistics.median(times) if times else 2.0
-
-
 def run(args: argparse.Namespace) -> int:
     """Run `diloco-bench chaos`; prints the JSON report; 0 when nothing acked was lost."""
     duration = args.duration or (20.0 if args.quick else 90.0)
@@ -571,9 +395,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for name, raw in (("fault_free", raw_free), ("faulted", raw_chaos)):
         (out / name / "raw.json").write_text(json.dumps(raw, default=str))
-    window = _round_window(raw_free["rows"])
-    free = summarize(raw_free, [], setup, window)
-    chaos = summarize(raw_chaos, schedule, setup, window)
+    window = chaos_score.round_window(raw_free["rows"])
+    free = chaos_score.summarize(raw_free, [], setup, window)
+    chaos = chaos_score.summarize(raw_chaos, schedule, setup, window)
     loss_ratio = (
         chaos["final_eval_loss"] / free["final_eval_loss"]
         if chaos["final_eval_loss"] and free["final_eval_loss"]

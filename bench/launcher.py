@@ -15,11 +15,13 @@ import random
 import socket
 import subprocess
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from paramserver import daemon, probe
+from paramserver.clusterfile import ShardAddress, render_cluster_file
 
 
 class LaunchError(RuntimeError):
@@ -122,6 +124,7 @@ class LocalCluster:
         self.port = free_base_port(2 * shards, host)
         self.server_dir = self.out_dir / "server"
         self.islands: dict[str, Path] = {}
+        self.cluster_file: Path | None = None
 
     @property
     def connect(self) -> str:
@@ -143,6 +146,81 @@ class LocalCluster:
             "diloco-server start",
             timeout_s,
         )  # fmt: skip
+
+    def shard_dir(self, index: int) -> Path:
+        """The data dir of shard `index`."""
+        return daemon.shard_dir(self.server_dir, index)
+
+    def write_relayed_cluster_file(
+        self, path: Path, server: Mapping[str, Any], hub: str, relay_port: int, relay_pub: bool
+    ) -> Path:
+        """A cluster file whose shards bind on loopback and are reached through a relay.
+
+        Shard i binds ROUTER `port + 2i` and PUB `port + 2i + 1` on 127.0.0.1. Islands
+        reach its ROUTER at `hub:relay_port + 2i` (with `relay_pub`, its PUB at
+        `hub:relay_port + 2i + 1`) or `hub:relay_port + i` (without: the PUB directly).
+
+        Args:
+            path: the file to write.
+            server: the `[server]` settings (mode, quorum, ...); data_dir is added.
+            hub: the address islands connect to.
+            relay_port: the relay's first listen port.
+            relay_pub: whether the PUB sockets are relayed too.
+
+        Returns:
+            `path`.
+        """
+        step = 2 if relay_pub else 1
+        shards = [
+            ShardAddress(
+                router=f"tcp://{hub}:{relay_port + step * i}",
+                pub=f"tcp://{hub}:{relay_port + 2 * i + 1}"
+                if relay_pub
+                else f"tcp://127.0.0.1:{self.port + 2 * i + 1}",
+                router_bind=f"tcp://127.0.0.1:{self.port + 2 * i}",
+                pub_bind=f"tcp://127.0.0.1:{self.port + 2 * i + 1}",
+            )
+            for i in range(self.shards)
+        ]
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(render_cluster_file({**server, "data_dir": str(self.server_dir)}, shards))
+        self.cluster_file = path
+        return path
+
+    def start_shard(self, index: int, timeout_s: float = 180.0) -> None:
+        """Start (or restart) one shard of the cluster file, detached.
+
+        Args:
+            index: shard index.
+            timeout_s: bound on the start.
+        """
+        if self.cluster_file is None:
+            raise LaunchError("start_shard needs write_relayed_cluster_file first")
+        _run([sys.executable, "-m", "paramserver.cli", "start", "--cluster",
+              str(self.cluster_file), "--shard", str(index), "--detach"],
+             f"diloco-server start --shard {index}", timeout_s)  # fmt: skip
+
+    def start_shards(self, timeout_s: float = 180.0) -> None:
+        """Start every shard of the cluster file at once (each pays its own JAX import).
+
+        Args:
+            timeout_s: bound on each shard's start.
+        """
+        errors: list[Exception] = []
+
+        def start(index: int) -> None:
+            try:
+                self.start_shard(index, timeout_s)
+            except (LaunchError, subprocess.TimeoutExpired) as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=start, args=(i,)) for i in range(self.shards)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise LaunchError(str(errors[0]))
 
     def start_islands(self, specs: Sequence[IslandSpec], timeout_s: float = 300.0) -> None:
         """Start islands (detached) in parallel and return once each has joined.
@@ -249,6 +327,9 @@ class LocalCluster:
         """Stop every island, then the server; never raises for what already stopped."""
         for name in list(self.islands):
             self.stop_island(name)
+        for index in range(self.shards if self.cluster_file else 0):  # started one by one
+            with contextlib.suppress(daemon.DaemonError):
+                daemon.stop(self.shard_dir(index), timeout_s=60.0)
         with contextlib.suppress(LaunchError, subprocess.TimeoutExpired):
             _run(
                 [

@@ -31,7 +31,6 @@ from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 from bench.scenarios import Budget, Scenario
 from bench.wan import Wan
 from paramserver import daemon, probe
-from paramserver.clusterfile import ShardAddress, render_cluster_file
 
 POLL_S = 0.5
 Progress = Callable[[int, str], None]
@@ -69,22 +68,17 @@ def common_flags(budget: Budget, index: int) -> list[str]:
     ]  # fmt: skip
 
 
-def cluster_toml(scenario: Scenario, budget: Budget, hub: str, relay_port: int, bind_port: int,
-                 data_dir: Path) -> str:  # fmt: skip
-    """The cluster file: shards bind on loopback, islands reach them at hub:relay ports.
+def server_settings(scenario: Scenario, budget: Budget) -> dict[str, Any]:
+    """The `[server]` settings of a scenario's cluster file.
 
     Args:
-        scenario: the run (mode, weighting, codec).
-        budget: shared settings (shards, islands).
-        hub: address islands connect to.
-        relay_port: first relay listen port (shard i: +2i ROUTER, +2i+1 PUB).
-        bind_port: first loopback bind port (same layout).
-        data_dir: the server's data dir.
+        scenario: the run (mode, quorum, grace rule, merge, weighting, codec).
+        budget: shared settings (islands).
 
     Returns:
-        TOML text.
+        Settings for `LocalCluster.write_relayed_cluster_file`.
     """
-    server = {
+    return {
         "mode": scenario.method,
         "quorum": scenario.quorum_of(budget.islands),
         "grace_rule": scenario.grace_rule,
@@ -94,25 +88,7 @@ def cluster_toml(scenario: Scenario, budget: Budget, hub: str, relay_port: int, 
         "fsync": False,
         "checkpoint_every_steps": 0,
         "checkpoint_every_s": 0.0,
-        "data_dir": str(data_dir),
     }
-    shards = [
-        ShardAddress(
-            router=f"tcp://{hub}:{relay_port + 2 * i}",
-            pub=f"tcp://{hub}:{relay_port + 2 * i + 1}",
-            router_bind=f"tcp://127.0.0.1:{bind_port + 2 * i}",
-            pub_bind=f"tcp://127.0.0.1:{bind_port + 2 * i + 1}",
-        )
-        for i in range(budget.shards)
-    ]
-    return render_cluster_file(server, shards)
-
-
-def _run_cmd(argv: list[str], what: str, timeout_s: float = 120.0) -> None:
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=timeout_s)
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout).strip().splitlines()
-        raise LaunchError(f"{what} failed (exit {proc.returncode}): {tail[-1] if tail else ''}")
 
 
 def _signal_all(pids: list[int], sig: int) -> None:
@@ -147,28 +123,20 @@ def run_diloco(
     cluster = LocalCluster(out, shards=budget.shards)
     bind_port = cluster.port
     relay_port = free_base_port(2 * budget.shards, "127.0.0.1") if wan is not None else bind_port
-    out.mkdir(parents=True, exist_ok=True)
-    cluster_file = out / "cluster.toml"
-    cluster_file.write_text(
-        cluster_toml(scenario, budget, hub, relay_port, bind_port, cluster.server_dir)
+    cluster.write_relayed_cluster_file(
+        out / "cluster.toml", server_settings(scenario, budget), hub, relay_port, relay_pub=True
     )
     targets = {relay_port + k: bind_port + k for k in range(2 * budget.shards)}
     relay = wan.relay(targets) if wan is not None else contextlib.nullcontext()
     names = island_names(budget.islands)
     # islands connect to shard 0's advertised router (the relay on the WAN)
     cluster.host, cluster.port = hub, relay_port
-    shard_dirs = [cluster.server_dir / f"shard-{i}" for i in range(budget.shards)]
     timeline: list[tuple[float, int]] = []
     server: dict[str, Any] = {}
     final: dict[str, Any] = {}
     with relay:
         try:
-            for i in range(budget.shards):
-                _run_cmd(
-                    [sys.executable, "-m", "paramserver.cli", "start", "--cluster",
-                     str(cluster_file), "--shard", str(i), "--detach"],
-                    f"diloco-server start --shard {i}",
-                )  # fmt: skip
+            cluster.start_shards()
             progress(0, "starting islands")
             start_file = out / "start"
             # homogeneous islands train exactly their share; otherwise stop at the cluster budget
@@ -228,11 +196,7 @@ def run_diloco(
             if (total := _version_sum(server)) is not None:
                 timeline.append((time.time(), total))
         finally:
-            for name in list(cluster.islands):
-                cluster.stop_island(name, timeout_s=30.0)
-            for shard_dir in shard_dirs:
-                with contextlib.suppress(daemon.DaemonError):
-                    daemon.stop(shard_dir, timeout_s=60.0)
+            cluster.stop()
     return {
         "rows": {n: cluster.island_metrics(n) for n in names},
         "timeline": timeline,
@@ -420,7 +384,12 @@ def summarize(scenario: Scenario, budget: Budget, raw: dict[str, Any]) -> dict[s
             "accepted": sum(s.get("accepted", 0) for s in shards),
             "rejected": sum(sum(s.get("rejected", {}).values()) for s in shards),
             "outer_steps": sum(s.get("steps", 0) for s in shards),
-            "staleness_histogram": _merge_hist([s.get("staleness_histogram", {}) for s in shards]),
+            "staleness_histogram": dict(
+                sorted(
+                    analysis.sum_counts([s.get("staleness_histogram", {}) for s in shards]).items(),
+                    key=lambda kv: int(kv[0]),
+                )
+            ),
             "credited_tokens": credited,
         }
     return record
@@ -456,11 +425,3 @@ def _median(values: list[float]) -> float | None:
         return None
     mid = len(values) // 2
     return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
-def _merge_hist(hists: list[dict[str, int]]) -> dict[str, int]:
-    merged: dict[str, int] = {}
-    for h in hists:
-        for k, v in h.items():
-            merged[k] = merged.get(k, 0) + v
-    return dict(sorted(merged.items(), key=lambda kv: int(kv[0])))

@@ -44,6 +44,19 @@ class DaemonError(RuntimeError):
     """A daemon cannot be started, found or stopped; the message is one line saying what to do."""
 
 
+def shard_dir(data_dir: str | Path, index: int) -> Path:
+    """The directory of shard `index` of a server (pid file, log, write-ahead log, checkpoints).
+
+    Args:
+        data_dir: the server's data directory (`--data-dir`).
+        index: shard index.
+
+    Returns:
+        ``data_dir / "shard-<index>"``.
+    """
+    return Path(data_dir) / f"shard-{index}"
+
+
 def pid_path(data_dir: str | Path) -> Path:
     """The pid file of the daemon that owns `data_dir`.
 

@@ -34,7 +34,7 @@ def shard_dir(cfg: ShardConfig, index: int) -> Path:
     Returns:
         ``<data_dir>/shard-<index>``.
     """
-    return Path(cfg.data_dir) / f"shard-{index}"
+    return daemon.shard_dir(cfg.data_dir, index)
 
 
 def _announce(server, index: int, finished: threading.Event) -> None:

@@ -189,7 +189,7 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
     failed = False
     try:
         for i in range(cfg.shards):
-            directory = data_dir / f"shard-{i}"
+            directory = daemon.shard_dir(data_dir, i)
             procs.append(
                 daemon.spawn(shard_argv(cfg, i), daemon.log_path(directory), directory / READY_FILE)
             )
@@ -227,7 +227,9 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
         codes = _terminate(procs, DRAIN_TIMEOUT_S)
         bad = [(i, c) for i, c in enumerate(codes) if c != 0]
         for i, code in bad:
-            logger.error("shard %d exited with code %s; see %s", i, code, data_dir / f"shard-{i}")
+            logger.error(
+                "shard %d exited with code %s; see %s", i, code, daemon.shard_dir(data_dir, i)
+            )
         if not bad:
             logger.info("all %d shard(s) drained and stopped; exiting", len(procs))
         return 1 if failed or bad else 0
@@ -252,7 +254,7 @@ def _wait_all_ready(
         for i, proc in enumerate(procs):
             if infos[i] is not None:
                 continue
-            directory = data_dir / f"shard-{i}"
+            directory = daemon.shard_dir(data_dir, i)
             try:
                 infos[i] = daemon.check_ready(
                     proc, directory / READY_FILE, daemon.log_path(directory)

@@ -168,7 +168,7 @@ def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
     assert f"tcp://127.0.0.1:{port}" in proc.stdout
     supervisor_pid = daemon.read_pid(daemon.pid_path(data_dir))
     assert supervisor_pid and daemon.pid_alive(supervisor_pid)
-    shard_pids = [daemon.read_pid(daemon.pid_path(data_dir / f"shard-{i}")) for i in range(2)]
+    shard_pids = [daemon.read_pid(daemon.pid_path(daemon.shard_dir(data_dir, i))) for i in range(2)]
     assert all(pid and daemon.pid_alive(pid) for pid in shard_pids)
 
     again = run_cli("start", "--detach", "--port", str(port + 10), "--data-dir", str(data_dir))
@@ -210,8 +210,8 @@ def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
     assert stopped.returncode == 0, stopped.stderr
     assert not daemon.pid_path(data_dir).exists()
     for i in range(2):
-        assert not daemon.pid_path(data_dir / f"shard-{i}").exists()
-        assert "drained and stopped" in daemon.log_path(data_dir / f"shard-{i}").read_text()
+        assert not daemon.pid_path(daemon.shard_dir(data_dir, i)).exists()
+        assert "drained and stopped" in daemon.log_path(daemon.shard_dir(data_dir, i)).read_text()
     assert "drained and stopped" in daemon.log_path(data_dir).read_text()
     assert not any(daemon.pid_alive(pid) for pid in [supervisor_pid, *shard_pids])
 
@@ -285,7 +285,7 @@ def test_cluster_file_shards_start_and_stop(tmp_path, stop_after):
     stopped = run_cli("stop", "--data-dir", str(data_dir))
     assert stopped.returncode == 0, stopped.stderr
     for i in range(2):
-        assert not daemon.pid_path(data_dir / f"shard-{i}").exists()
+        assert not daemon.pid_path(daemon.shard_dir(data_dir, i)).exists()
 
 
 # -- the pieces behind status and metrics, in-process against a real shard ----------------
