@@ -107,8 +107,9 @@ class ShardServer:
                 acknowledged data (paramserver.durable; the message says what to do).
             zmq.ZMQError: a bind failed (e.g. port in use).
             CurveError: CURVE is configured but a key file or the allow dir is unusable.
-            OSError: the write-ahead log or a checkpoint cannot be written; the
-                shard stops rather than ack what it cannot keep.
+            OSError: the write-ahead log failed and could not even be cut back to
+                its last sync; the shard stops rather than serve a state it cannot
+                vouch for (other storage faults are answered `storage_error`).
         """
         self._durable = Durability(self.cfg, self.index)
         self.state = self._durable.recover()
