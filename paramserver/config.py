@@ -12,9 +12,8 @@ from dataclasses import dataclass
 from typing import Literal
 
 from paramserver.downlink import DOWNLINKS
-from paramserver.outer import OUTER_OPTIMIZERS
+from paramserver.merge import MERGES
 from paramserver.policy import GRACE_RULES, MODES, PolicyConfig
-from paramserver.rda import MERGES
 from paramserver.weighting import WEIGHTINGS
 
 MIB = 1024 * 1024
@@ -35,6 +34,7 @@ SYNC_OUTER_MOMENTUM = 0.9
 # (delay 3) at lr 0.7/1.0/0.5 momentum 0.9: 2.339 (0.021) / 2.342 (0.009) / 2.330
 # (0.005), lr 0.7 momentum 0.8: 2.278 (0.029); delay 6: 2.402 (0.025); plain
 # Nesterov 0.9 per delta at lr 0.7/0.35: 4.982 (0.71) / 2.771 (0.016).
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.outer
 ASYNC_OUTER_LR = 0.7
 ASYNC_OUTER_MOMENTUM = 0.0
 
@@ -60,7 +60,7 @@ class ShardConfig:
     grace_min_s: float = 0.05  # lower clamp of the grace window, seconds
     grace_max_s: float = 30.0  # upper clamp of the grace window, seconds
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
-    merge: str = "mean"  # combining the islands' deltas: mean or rda (paramserver.rda)
+    merge: str = "mean"  # combining the islands' deltas: mean or rda (paramserver.merge)
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
     outer_optimizer: str = "nesterov"  # nesterov, sgd or delayed-nesterov
     outer_lr: float | None = None  # None: 0.7 (sync/quorum) or ASYNC_OUTER_LR (async, quorum 1)

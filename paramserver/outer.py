@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")
+from paramserver.config import OUTER_OPTIMIZERS
 
 
 class OuterError(ValueError):
@@ -312,37 +312,3 @@ class FragmentOptimizer:
                 raise OuterError(f"state array {i} has shape {arr.shape}, expected {leaf.shape}")
             restored.append(jnp.asarray(arr, dtype=leaf.dtype))
         return jax.tree.unflatten(treedef, restored)
-
-
-def merge_deltas(
-    deltas: Sequence[np.ndarray], weights: Sequence[float], out: np.ndarray | None = None
-) -> np.ndarray:
-    """Weighted sum of deltas.
-
-    Args:
-        deltas: equal-shaped float arrays (decoded pseudo-gradients).
-        weights: one already-normalized weight per delta.
-        out: optional float32 buffer of the deltas' shape (must not alias a delta).
-
-    Returns:
-        sum_i weights[i] * deltas[i] as float32 (`out` when given).
-    """
-    if len(deltas) == 0:
-        raise OuterError("merge_deltas needs at least one delta")
-    if len(deltas) != len(weights):
-        raise OuterError(f"{len(deltas)} deltas but {len(weights)} weights")
-    shape = np.shape(deltas[0])
-    for i, d in enumerate(deltas):
-        if np.shape(d) != shape:
-            raise OuterError(f"delta {i} has shape {np.shape(d)}, delta 0 has {shape}")
-    if out is None:
-        out = np.empty(shape, dtype=np.float32)
-    elif out.dtype != np.float32 or out.shape != shape:
-        raise OuterError(f"out must be float32 of shape {shape}, got {out.dtype} {out.shape}")
-    np.multiply(deltas[0], np.float32(weights[0]), out=out, casting="unsafe")
-    if len(deltas) > 1:
-        scratch = np.empty(shape, dtype=np.float32)
-        for d, w in zip(deltas[1:], weights[1:], strict=True):
-            np.multiply(d, np.float32(w), out=scratch, casting="unsafe")
-            out += scratch
-    return out

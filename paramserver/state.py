@@ -44,6 +44,7 @@ from paramserver import liveness, protocol, robust
 from paramserver.admission import check_push
 from paramserver.config import ShardConfig
 from paramserver.downlink import Downlink
+from paramserver.merge import merge_pending
 from paramserver.outer import DonatingStep, FragmentOptimizer, aligned_float32, make_outer_optimizer
 from paramserver.plan import Plan, PlanError
 from paramserver.policy import (
@@ -55,7 +56,6 @@ from paramserver.policy import (
     pace_report,
     quorum_time,
 )
-from paramserver.rda import merge_pending
 from paramserver.records import (
     ACCEPTED,
     DUPLICATE,

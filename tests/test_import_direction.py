@@ -82,3 +82,40 @@ def test_the_walker_sees_a_violation(tmp_path):
     bad = tmp_path / "bad.py"
     bad.write_text("import worker.model\nfrom bench import demo\nfrom . import sibling\n")
     assert imported_top_levels(bad) == {"worker", "bench"}
+
+
+CONTROL_SCRIPT = """
+import contextlib, io, sys
+from paramserver import cli as server_cli
+from worker import cli as worker_cli
+data, keys, port = sys.argv[1], sys.argv[2], sys.argv[3]
+runs = [
+    (server_cli.main, ["stop", "--data-dir", data, "--timeout", "1"]),
+    (server_cli.main, ["status", "--connect", "tcp://127.0.0.1:" + port, "--timeout", "0.2"]),
+    (server_cli.main, ["keys", "--out", keys, "--name", "isl"]),
+    (worker_cli.main, ["stop", "--data-dir", data, "--timeout", "1"]),
+    (worker_cli.main, ["status", "--data-dir", data]),
+]
+for main, argv in runs:
+    with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+        with contextlib.suppress(SystemExit):
+            main(argv)
+print(sorted(m for m in ("jax", "optax", "flax") if m in sys.modules))
+"""
+
+
+@pytest.mark.timeout(120)
+def test_control_commands_import_no_jax(tmp_path):
+    # stop, status and keys of both daemons run without importing JAX (a fresh interpreter)
+    import subprocess
+
+    from conftest import free_port
+
+    proc = subprocess.run(
+        [sys.executable, "-c", CONTROL_SCRIPT, str(tmp_path / "none"), str(tmp_path / "keys"),
+         str(free_port())],
+        capture_output=True, text=True, timeout=100, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
+    assert (tmp_path / "keys" / "isl.key").exists()  # the keys command really ran

@@ -18,7 +18,6 @@ from paramserver.outer import (
     aligned_float32,
     delayed_nesterov,
     make_outer_optimizer,
-    merge_deltas,
 )
 
 GOLDEN = Path(__file__).parent / "golden" / "outer_trajectories.json"
@@ -197,30 +196,6 @@ def test_step_rejects_bad_arrays():
 def test_make_outer_optimizer_validates(kwargs, match):
     with pytest.raises(OuterError, match=match):
         make_outer_optimizer(**kwargs)
-
-
-def test_merge_deltas_weighted_sum_into_out():
-    deltas = [f32(1.0, 2.0), f32(3.0, -4.0), np.array([0.5, 0.5], np.float64)]
-    out = np.full(2, 99.0, np.float32)
-    got = merge_deltas(deltas, [0.5, 0.25, 0.25], out=out)
-    assert got is out
-    np.testing.assert_allclose(out, [0.5 + 0.75 + 0.125, 1.0 - 1.0 + 0.125], rtol=1e-6)
-    np.testing.assert_array_equal(merge_deltas([f32(2.0)], [1.0]), [2.0])
-    assert merge_deltas([f32(2.0)], [1.0]).dtype == np.float32
-
-
-@pytest.mark.parametrize(
-    "deltas, weights, out, match",
-    [
-        ([], [], None, "at least one"),
-        ([f32(1.0)], [0.5, 0.5], None, "1 deltas but 2 weights"),
-        ([f32(1.0), f32(1.0, 2.0)], [0.5, 0.5], None, "delta 1 has shape"),
-        ([f32(1.0)], [1.0], np.zeros(1, np.float64), "out must be float32"),
-    ],
-)
-def test_merge_deltas_validates(deltas, weights, out, match):
-    with pytest.raises(OuterError, match=match):
-        merge_deltas(deltas, weights, out=out)
 
 
 def misaligned_copy(values):

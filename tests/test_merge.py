@@ -1,12 +1,19 @@
-"""RDA merge (`--merge rda`): hand-computed expectations, per-slice norms, the shard's step."""
+"""The merge rules (`--merge mean|rda`): hand-computed expectations, per-slice norms, the shard's step."""
 
 import numpy as np
 import pytest
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 from paramserver.config import ConfigError, ShardConfig
+from paramserver.merge import (
+    MergeError,
+    Segment,
+    fragment_segments,
+    merge_deltas,
+    merge_pending,
+    rda_merge,
+)
 from paramserver.plan import Fragment, Slice
-from paramserver.rda import RdaError, Segment, fragment_segments, merge_pending, rda_merge
 from paramserver.records import ACCEPTED
 from paramserver.state import ShardState
 
@@ -83,7 +90,7 @@ def test_fragment_segments_follow_the_slices_and_mark_embeddings():
     ],
 )
 def test_bad_arguments_are_refused(deltas, coefficients, segments, match):
-    with pytest.raises(RdaError, match=match):
+    with pytest.raises(MergeError, match=match):
         rda_merge(deltas, coefficients, segments)
 
 
@@ -96,7 +103,7 @@ def test_merge_pending_sums_an_islands_increments_before_averaging():
     np.testing.assert_allclose(merged, [np.sqrt(2), np.sqrt(2)], rtol=1e-6)
     mean = merge_pending("mean", [("a", a1), ("b", b), ("a", a2)], {"a": 0.5, "b": 0.5}, frag)
     np.testing.assert_allclose(mean, [1.0, 1.0], rtol=1e-6)
-    with pytest.raises(RdaError, match="unknown"):
+    with pytest.raises(MergeError, match="unknown"):
         merge_pending("median", [("a", a1)], {"a": 1.0}, frag)
 
 
@@ -130,3 +137,31 @@ def test_shard_step_with_rda_keeps_the_norm_of_orthogonal_island_deltas():
     expected[1] -= 3 / np.sqrt(2)
     expected[50] -= 1.0
     np.testing.assert_allclose(update.values, expected, rtol=0, atol=1e-6)
+
+
+def _f32(*values):
+    return np.array(values, np.float32)
+
+
+def test_merge_deltas_weighted_sum_into_out():
+    deltas = [_f32(1.0, 2.0), _f32(3.0, -4.0), np.array([0.5, 0.5], np.float64)]
+    out = np.full(2, 99.0, np.float32)
+    got = merge_deltas(deltas, [0.5, 0.25, 0.25], out=out)
+    assert got is out
+    np.testing.assert_allclose(out, [0.5 + 0.75 + 0.125, 1.0 - 1.0 + 0.125], rtol=1e-6)
+    np.testing.assert_array_equal(merge_deltas([_f32(2.0)], [1.0]), [2.0])
+    assert merge_deltas([_f32(2.0)], [1.0]).dtype == np.float32
+
+
+@pytest.mark.parametrize(
+    "deltas, weights, out, match",
+    [
+        ([], [], None, "at least one"),
+        ([_f32(1.0)], [0.5, 0.5], None, "1 deltas but 2 weights"),
+        ([_f32(1.0), _f32(1.0, 2.0)], [0.5, 0.5], None, "delta 1 has shape"),
+        ([_f32(1.0)], [1.0], np.zeros(1, np.float64), "out must be float32"),
+    ],
+)
+def test_merge_deltas_validates(deltas, weights, out, match):
+    with pytest.raises(MergeError, match=match):
+        merge_deltas(deltas, weights, out=out)

@@ -1,7 +1,8 @@
-"""Radial-directional averaging (RDA): merge island deltas by mean norm and mean direction.
+"""Combining a step's island deltas into one pseudo-gradient: the weighted mean, or RDA.
 
-This module owns the `--merge rda` rule of one fragment's step (the `mean` rule
-is `outer.merge_deltas`). With the step's island coefficients c_i = w_i * g(s_i)
+This module owns the `--merge mean|rda` rule of one fragment's step (numpy
+only). `mean` is `sum_i c_i * delta_i` (`merge_deltas`). `rda` is radial-
+directional averaging: island deltas merged by mean norm and mean direction. With the step's island coefficients c_i = w_i * g(s_i)
 (`paramserver.weighting`), C = sum c_i and p_i = c_i / C, each tensor segment
 of the fragment is merged as::
 
@@ -31,7 +32,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paramserver.outer import merge_deltas
 from paramserver.plan import Fragment
 
 MERGES = ("mean", "rda")
@@ -39,7 +39,7 @@ MEAN_LEAF_MARK = "embed"  # leaf paths merged by the weighted mean under RDA
 _CANCEL_TOL = 1e-6  # |mean direction| below this: the directions cancel, use the mean
 
 
-class RdaError(ValueError):
+class MergeError(ValueError):
     """Deltas, coefficients or segments that do not fit together."""
 
 
@@ -86,25 +86,25 @@ def rda_merge(
         The merged float32 vector (`out` when given).
 
     Raises:
-        RdaError: no deltas, mismatched lengths or shapes, bad coefficients, or
+        MergeError: no deltas, mismatched lengths or shapes, bad coefficients, or
             segments that do not cover the vector.
     """
     if not deltas or len(deltas) != len(coefficients):
-        raise RdaError(f"{len(deltas)} deltas but {len(coefficients)} coefficients")
+        raise MergeError(f"{len(deltas)} deltas but {len(coefficients)} coefficients")
     size = np.shape(deltas[0])
     if len(size) != 1 or any(np.shape(d) != size for d in deltas):
-        raise RdaError(f"deltas must be 1-D of one length, got {[np.shape(d) for d in deltas]}")
+        raise MergeError(f"deltas must be 1-D of one length, got {[np.shape(d) for d in deltas]}")
     coef = np.asarray(coefficients, dtype=np.float64)
     total = float(coef.sum())
     if not np.all(np.isfinite(coef)) or np.any(coef < 0) or total <= 0:
-        raise RdaError(f"coefficients {list(coefficients)} must be >= 0 with a positive sum")
+        raise MergeError(f"coefficients {list(coefficients)} must be >= 0 with a positive sum")
     expected = 0
     for seg in segments:
         if seg.start != expected or seg.stop < seg.start:
-            raise RdaError(f"segments must be contiguous from 0; got {seg} after {expected}")
+            raise MergeError(f"segments must be contiguous from 0; got {seg} after {expected}")
         expected = seg.stop
     if expected != size[0]:
-        raise RdaError(f"segments cover {expected} elements, the deltas have {size[0]}")
+        raise MergeError(f"segments cover {expected} elements, the deltas have {size[0]}")
     if out is None:
         out = np.empty(size, dtype=np.float32)
     share = coef / total
@@ -128,6 +128,40 @@ def _merge_segment(pieces: list[np.ndarray], share: np.ndarray, mean_only: bool)
     return float(share @ norms) * direction / length
 
 
+def merge_deltas(
+    deltas: Sequence[np.ndarray], weights: Sequence[float], out: np.ndarray | None = None
+) -> np.ndarray:
+    """Weighted sum of deltas.
+
+    Args:
+        deltas: equal-shaped float arrays (decoded pseudo-gradients).
+        weights: one already-normalized weight per delta.
+        out: optional float32 buffer of the deltas' shape (must not alias a delta).
+
+    Returns:
+        sum_i weights[i] * deltas[i] as float32 (`out` when given).
+    """
+    if len(deltas) == 0:
+        raise MergeError("merge_deltas needs at least one delta")
+    if len(deltas) != len(weights):
+        raise MergeError(f"{len(deltas)} deltas but {len(weights)} weights")
+    shape = np.shape(deltas[0])
+    for i, d in enumerate(deltas):
+        if np.shape(d) != shape:
+            raise MergeError(f"delta {i} has shape {np.shape(d)}, delta 0 has {shape}")
+    if out is None:
+        out = np.empty(shape, dtype=np.float32)
+    elif out.dtype != np.float32 or out.shape != shape:
+        raise MergeError(f"out must be float32 of shape {shape}, got {out.dtype} {out.shape}")
+    np.multiply(deltas[0], np.float32(weights[0]), out=out, casting="unsafe")
+    if len(deltas) > 1:
+        scratch = np.empty(shape, dtype=np.float32)
+        for d, w in zip(deltas[1:], weights[1:], strict=True):
+            np.multiply(d, np.float32(w), out=scratch, casting="unsafe")
+            out += scratch
+    return out
+
+
 def merge_pending(
     rule: str,
     deltas: Sequence[tuple[str, np.ndarray]],
@@ -149,7 +183,7 @@ def merge_pending(
         The merged float32 vector (`out` when given).
     """
     if rule not in MERGES:
-        raise RdaError(f"merge={rule!r} is unknown; choose one of {MERGES}")
+        raise MergeError(f"merge={rule!r} is unknown; choose one of {MERGES}")
     if rule == "mean":
         return merge_deltas([d for _, d in deltas], [coefficients[i] for i, _ in deltas], out=out)
     per_island: dict[str, np.ndarray] = {}
