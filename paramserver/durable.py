@@ -39,6 +39,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from paramserver import daemon
 from paramserver.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
 from paramserver.config import ShardConfig
 from paramserver.log_records import event_to_record, record_to_event
@@ -218,7 +219,7 @@ class Durability:
         """
         self.cfg = cfg
         self.index = index
-        self.dir = Path(cfg.data_dir) / f"shard-{index}"
+        self.dir = daemon.shard_dir(cfg.data_dir, index)
         self.generation = 0
         self._wal: WriteAheadLog | None = None
         self._events_since = 0
