@@ -6,13 +6,17 @@ defined in `paramserver.client_types`). All network I/O runs in one background
 thread (`paramserver.client_io`) that owns every socket; the API hands it commands
 through a thread-safe queue plus an inproc wake-up, so `push` and
 `poll_updates` never wait on the network. `push` blocks only for
-back-pressure, when `max_unacked` deltas are outstanding.
+back-pressure, when `max_unacked` deltas are outstanding; `join` and `push`
+take a `stop` event that ends their waits at once (an island's SIGTERM).
+`close` hands the deltas it could not deliver to `unacked`, so that the
+caller can keep them (e.g. in a file) and push them again later.
 
     client = Client(ClientConfig(connect="tcp://127.0.0.1:5555", island="a"))
     res = client.join(flat_params)        # plan, params, versions
     client.push(fragment, round, base_version, tokens, steps, frames)
     for update in client.poll_updates(): ...
     client.close()
+    kept = client.unacked()               # PushRequest(fragment, round, ...) each
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
@@ -38,9 +43,19 @@ from paramserver.client_types import (
 )
 from paramserver.plan import Plan
 
-__all__ = ["Client", "ClientConfig", "ClientConfigError", "ClientError", "JoinResult", "Update"]
+__all__ = [
+    "Client",
+    "ClientConfig",
+    "ClientConfigError",
+    "ClientError",
+    "JoinResult",
+    "PushRequest",
+    "Update",
+]
 
 _INSTANCES = itertools.count()
+_STOP_POLL_S = 0.05  # how often a wait with a `stop` event looks at it
+_HEADER_BYTES = 512  # a push header's size on the wire is at most this (island id <= 128)
 
 
 def _uint(name: str, value: object, low: int = 0) -> int:
@@ -81,6 +96,7 @@ class Client:
         self._plan: Plan | None = None
         self._joined = False
         self._closed = False
+        self._unacked: list[PushRequest] = []
         self._io = IOThread(cfg, f"inproc://client-wake-{next(_INSTANCES)}", self._release)
         self._io.start()
 
@@ -100,20 +116,25 @@ class Client:
 
     # -- public API --------------------------------------------------------------------
 
-    def join(self, flat_params: Mapping[str, np.ndarray]) -> JoinResult:
+    def join(
+        self, flat_params: Mapping[str, np.ndarray], stop: threading.Event | None = None
+    ) -> JoinResult:
         """Join the cluster: learn its map, initialise it if empty, fetch every fragment.
 
         Args:
             flat_params: path -> array (float dtypes); the first joiner of an empty
-                cluster provides the initial values; later joiners' values are
-                only used for their shapes.
+                cluster provides the initial values (and so does a later joiner for
+                shards its initialiser left uninitialised for `init_grace_s`); other
+                joiners' values are only used for their shapes.
+            stop: when set, the join gives up at once (ClientError "stopped").
 
         Returns:
             JoinResult(plan, params as float32 arrays, versions per fragment).
 
         Raises:
-            ClientError: no answer in time, plan mismatch with the cluster, or a
-                shard refused the join.
+            ClientError: no answer in time, plan mismatch with the cluster, the
+                island id in use by another running island, a shard refused the
+                join, or `stop` was set.
         """
         self._check_alive()
         if self._joined:
@@ -121,8 +142,13 @@ class Client:
         flat = _check_params(flat_params)
         future: Future = Future()
         self._io.submit(("join", flat, future))
+        deadline = time.monotonic() + self.cfg.join_timeout_s + 10.0
         try:
-            result = future.result(timeout=self.cfg.join_timeout_s + 10.0)
+            while stop is not None and not future.done() and time.monotonic() < deadline:
+                if stop.wait(_STOP_POLL_S):
+                    self._io.stop_join.set()
+                    break
+            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
         except FutureTimeout:
             raise ClientError(
                 f"join: no result within {self.cfg.join_timeout_s:g}s; is the server at "
@@ -140,10 +166,13 @@ class Client:
         tokens: int,
         steps: int,
         frames: Sequence[Any],
+        stop: threading.Event | None = None,
     ) -> None:
         """Queue one delta for its shard; it is kept and re-sent until acked.
 
-        Blocks only while `max_unacked` deltas are outstanding.
+        Blocks only while `max_unacked` deltas are outstanding, and never once
+        `stop` is set: the delta is then queued at once, past the limit, so that
+        `close` hands it to `unacked` with the others rather than losing it.
 
         Args:
             fragment: fragment index.
@@ -154,10 +183,11 @@ class Client:
             steps: inner steps since that version (>= 1).
             frames: codec frames of {"delta": 1-D vector of the fragment's size};
                 not modified afterwards by the caller.
+            stop: an event (e.g. the island's SIGTERM) that ends the wait for a slot.
 
         Raises:
-            ClientError: not joined, a bad argument, or no free slot within
-                `push_timeout_s`.
+            ClientError: not joined, a bad argument, a delta larger than the
+                shards accept (never queued), or no free slot within `push_timeout_s`.
         """
         self._check_alive()
         if not self._joined or self._plan is None:
@@ -178,19 +208,9 @@ class Client:
         )
         if not request.frames:
             raise ClientError("push: frames is empty; pass the frames a codec's encode returned")
-        limit = self._io.max_message_bytes
-        if limit is not None:
-            size = sum(memoryview(f).nbytes for f in request.frames)
-            if size > limit:
-                raise ClientError(
-                    f"push: delta of {size} bytes exceeds the server's max_message_bytes={limit}; "
-                    "use more fragments or a stronger codec"
-                )
+        self._check_size(request)
         with self._slots:
-            ok = self._slots.wait_for(
-                lambda: self._outstanding < self.cfg.max_unacked or self._io.failure is not None,
-                timeout=self.cfg.push_timeout_s,
-            )
+            ok = self._wait_for_slot(stop)
             if not ok:
                 raise ClientError(
                     f"push: {self._outstanding} deltas still unacked after "
@@ -199,6 +219,43 @@ class Client:
             self._check_alive()
             self._outstanding += 1
         self._io.submit(("push", request, None))
+
+    def _check_size(self, request: PushRequest) -> None:
+        """Refuse a push larger than the shards accept (their welcome says the limit)."""
+        limit = self._io.max_message_bytes
+        if limit is None:
+            return
+        size = sum(memoryview(f).nbytes for f in request.frames) + _HEADER_BYTES
+        if size > limit:
+            raise ClientError(
+                f"push: the delta of fragment {request.fragment} (round {request.round}) is "
+                f"{size} bytes with its header, over the shards' max_message_bytes={limit}; "
+                "use more fragments or a stronger codec (int8/int4)"
+            )
+
+    def _wait_for_slot(self, stop: threading.Event | None) -> bool:
+        """With `_slots` held: wait until a push may be queued (back-pressure, or stop set).
+
+        Returns:
+            False when no slot freed within `push_timeout_s`.
+        """
+
+        def ready() -> bool:
+            return (
+                self._outstanding < self.cfg.max_unacked
+                or self._io.failure is not None
+                or (stop is not None and stop.is_set())
+            )
+
+        if stop is None:
+            return self._slots.wait_for(ready, timeout=self.cfg.push_timeout_s)
+        deadline = time.monotonic() + self.cfg.push_timeout_s
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._slots.wait(min(left, _STOP_POLL_S))
+        return True
 
     def report_step_time(self, seconds: float) -> None:
         """Tell the shards this island's typical inner-step time (padding included).
@@ -269,6 +326,9 @@ class Client:
     def close(self, flush_timeout_s: float = 5.0) -> int:
         """Wait up to `flush_timeout_s` for unacked deltas, say bye, close every socket.
 
+        The wait ends early when every shard that holds an unacked delta is
+        down. The deltas left unacked are kept for `unacked`.
+
         Args:
             flush_timeout_s: how long to wait for outstanding acks.
 
@@ -278,11 +338,21 @@ class Client:
         if self._closed:
             return 0
         self._closed = True
-        dropped = self._io.shutdown(flush_timeout_s)
+        self._unacked = self._io.shutdown(flush_timeout_s)
         with self._slots:
             self._outstanding = 0
             self._slots.notify_all()
-        return dropped
+        return len(self._unacked)
+
+    def unacked(self) -> list[PushRequest]:
+        """The deltas `close` gave up on, to keep and push again later (same round ids).
+
+        Returns:
+            PushRequest(fragment, round, base_version, tokens, steps, frames as
+            bytes) per delta, in push order; empty before `close`. The shards'
+            (island, round, fragment) dedup makes pushing one again safe.
+        """
+        return list(self._unacked)
 
     def __enter__(self) -> Client:
         return self

@@ -11,14 +11,15 @@ updates in `paramserver.client_decode`; the sockets are
 `paramserver.client_links`' and the state the API reads
 `paramserver.client_shared`'s. The public API (`paramserver.client`) talks to
 this thread only through `submit` (a queue plus an inproc wake-up), `shared`,
-`stats`, `shutdown` and the plain attributes `failure`, `max_message_bytes`
-and `step_time_s`.
+`stats`, `shutdown`, the `stop_join` event and the plain attributes `failure`,
+`max_message_bytes` and `step_time_s`.
 """
 
 from __future__ import annotations
 
 import logging
 import queue
+import secrets
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ from paramserver import client_decode, client_join, protocol
 from paramserver.client_links import Links, ShardLink
 from paramserver.client_shared import Shared
 from paramserver.client_types import ClientConfig, ClientError, JoinResult, PushRequest
+from paramserver.client_unacked import StorageWarning, requests_of
 from paramserver.liveness import is_silent, next_backoff
 from paramserver.outbox import Key, Outbox
 from paramserver.plan import Plan
@@ -65,6 +67,11 @@ class IOThread(threading.Thread):
         # The island's typical inner-step time (s), sent in pushes and heartbeats as
         # `t_step` for the shards' adaptive grace window; None: not reported.
         self.step_time_s: float | None = None
+        self.stop_join = threading.Event()  # set by the API: a join in progress gives up
+        # Drawn once per client and sent in every hello, so that a shard lets this
+        # client's reconnect (a new DEALER) take its island id over at once.
+        self._session = secrets.token_hex(8)
+        self._storage_warning = StorageWarning()
         self.shared = Shared()  # what the API reads: updates, acks, replica, counters
         self._release = release
         self._links = Links(cfg, wake_endpoint)
@@ -102,16 +109,17 @@ class IOThread(threading.Thread):
         """
         return self.shared.stats(sum(1 for s in self._links.shards if not s.up))
 
-    def shutdown(self, flush_timeout_s: float) -> int:
+    def shutdown(self, flush_timeout_s: float) -> list[PushRequest]:
         """Flush (bounded), stop the thread, close every socket and the context.
 
         Args:
-            flush_timeout_s: how long to wait for unacked deltas.
+            flush_timeout_s: how long to wait for unacked deltas (less when every
+                shard that holds one is down).
 
         Returns:
-            Deltas dropped unacked.
+            The deltas dropped unacked, in push order.
         """
-        dropped = 0
+        dropped: list[PushRequest] = []
         if self.is_alive():
             future: Future = Future()
             self.submit(("close", max(0.0, float(flush_timeout_s)), future))
@@ -120,6 +128,8 @@ class IOThread(threading.Thread):
             except Exception as exc:  # the thread failed while closing
                 logger.warning("client close: %s", exc)
             self.join(timeout=10.0)
+        if not self.is_alive():  # a thread that failed left its ledger to us
+            dropped += requests_of(self._outbox.drop_all())
         self._links.close_wake()
         if not self.is_alive():
             self._links.term()
@@ -140,7 +150,7 @@ class IOThread(threading.Thread):
         finally:
             self._links.close()
             if self._close is not None and not self._close[1].done():
-                self._close[1].set_result(len(self._outbox))
+                self._close[1].set_result(requests_of(self._outbox.drop_all()))
 
     def _fail_commands(self, exc: Exception) -> None:
         while True:
@@ -150,12 +160,14 @@ class IOThread(threading.Thread):
                 return
             if future is not None and not future.done():
                 if name == "close":
-                    future.set_result(0)
+                    future.set_result(requests_of(self._outbox.drop_all()))
                 else:
                     future.set_exception(ClientError(f"client I/O thread failed: {exc}"))
 
     def _iteration(self, commands: bool) -> None:
-        """Poll once, handle what arrived, run the timers."""
+        """Poll once, handle what arrived, run the timers (a join that is stopped gives up)."""
+        if not commands and self.stop_join.is_set():
+            raise ClientError("join: stopped before it finished")
         timeout_ms = int(self._tick_s * 1000) if self._joined or self._links.shards else 1000
         for sock in self._links.poll(timeout_ms):
             owner = self._links.owner(sock)
@@ -185,6 +197,8 @@ class IOThread(threading.Thread):
 
     def _send(self, shard: ShardLink, header: dict, payload: list[Any] = ()) -> bool:
         """Send one request on a shard's DEALER without blocking; False when its queue is full."""
+        if header["kind"] == "hello":
+            header = {**header, "session": self._session}
         frames = protocol.pack({"island": self.cfg.island, **header}, payload)
         if not self._links.send(shard, frames):
             return False
@@ -335,6 +349,9 @@ class IOThread(threading.Thread):
     def _on_rewelcome(self, shard: ShardLink, welcome: dict) -> None:
         """A shard answered the hello of a reconnect: re-send its deltas and re-snapshot."""
         client_join.check_rewelcome(welcome, self._plan, shard.index)
+        limit = client_join.welcome_limit(welcome)
+        if limit is not None:
+            self.max_message_bytes = limit
         if not shard.up:
             logger.info("shard %d is back", shard.index)
         shard.up, shard.attempt = True, 0
@@ -353,10 +370,11 @@ class IOThread(threading.Thread):
         if decision == "rejoin":
             self._request(shard, "hello")  # the shard forgot us; the delta stays pending
         elif decision == "defer":
-            # the shard's buffer for us is full: the delta is re-sent once the fragment
-            # steps (its buffer empties), or on the ack timeout; a full buffer becomes
-            # back-pressure, not lost work
+            # the shard's buffer for us is full (or its disk failed): the delta is re-sent
+            # once the fragment steps (its buffer empties), or on the ack back-off; a full
+            # buffer becomes back-pressure, not lost work
             self.shared.add(deferred=1)
+            self._storage_warning.note(shard.index, header, time.monotonic())
         elif decision == "resend":  # corrupted in transit (codec_error): again, at once
             self._send_push(key, time.monotonic())
         else:
@@ -496,15 +514,14 @@ class IOThread(threading.Thread):
 
     def _maybe_finish_close(self, now: float) -> None:
         deadline, future = self._close
-        if self._outbox and now < deadline:
-            return
-        dropped = len(self._outbox)
-        if dropped:
-            logger.warning("closing with %d deltas unacked", dropped)
+        up = {shard.index for shard in self._links.shards if shard.up}
+        if self._outbox and now < deadline and self._outbox.shards() & up:
+            return  # a shard that is up holds deltas: wait (bounded) for their acks
+        if self._outbox:
+            logger.warning("closing with %d deltas unacked", len(self._outbox))
         for shard in self._links.shards:
             if shard.up:
                 self._send(shard, {"kind": "bye"})
         self._links.close_shards()
-        self._outbox.drop_all()
         self._stopped = True
-        future.set_result(dropped)
+        future.set_result(requests_of(self._outbox.drop_all()))

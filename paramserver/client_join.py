@@ -7,11 +7,18 @@ reply arrives or the deadline passes), a `pump` (one round of the loop), a
 `resync` (snapshot a shard's fragments) and an `adopt` (the cluster is known).
 The steps: check the parameters before anything is sent; hello to the
 configured shard; check its welcome and make the plan (`read_welcome`, no
-I/O); connect a DEALER to every other shard; if the cluster is empty, init
-every shard with this island's values, shard 0 first (losing that race to
-another island is fine: its values win); subscribe to every shard, then
+I/O); connect a DEALER to every other shard and say hello to it (each
+welcome says whether that shard is initialised, and with which plan);
+initialise what is not (`_initialize`); subscribe to every shard, then
 snapshot it (Clone pattern). `check_rewelcome` checks a reconnected shard's
 welcome.
+
+Initialisation: the island that initialises shard 0 (the first joiner; a
+lost race for it is fine, the winner's values count) initialises every other
+shard with its own values, in index order. A shard still uninitialised
+`init_grace_s` after another island took shard 0 (that island died half-way)
+is initialised by the joining island with its own values, so that a
+half-initialised cluster can always be joined.
 """
 
 from __future__ import annotations
@@ -91,20 +98,30 @@ def join(
     first = ShardLink(-1, cfg.connect, "")
     links.shards = [first]
     links.open_dealer(first)
-    welcome, _ = loop.call(first, "hello", deadline)
-    cluster = read_welcome(_expect(welcome, "welcome", "hello"), cfg, leaves)
+    logger.info(
+        "island %s: waiting for the server at %s (join timeout %gs)",
+        cfg.island,
+        cfg.connect,
+        cfg.join_timeout_s,
+    )
+    cluster = read_welcome(_hello(cfg, first, loop.call, deadline), cfg, leaves)
     _open_shards(links, first, cluster)
     plan = cluster.plan
+    initialized = {cluster.shard: cluster.initialized}
+    for shard in links.shards:
+        if shard is not first:
+            welcome = _hello(cfg, shard, loop.call, deadline)
+            initialized[shard.index] = shard_initialized(welcome, plan, shard.index)
     logger.info(
-        "island %s: cluster of %d shards, %d fragments, initialized=%s, plan %s",
+        "island %s: cluster of %d shards, %d fragments, initialized %s, plan %s",
         cfg.island,
         plan.num_shards,
         plan.num_fragments,
-        cluster.initialized,
+        [i for i in sorted(initialized) if initialized[i]],
         plan.hash,
     )
-    if not cluster.initialized:
-        _initialize(cfg.island, plan, flat, links.shards, loop.call, deadline)
+    if not all(initialized.values()):
+        _initialize(cfg, plan, flat, links.shards, initialized, loop, deadline)
     loop.adopt(cluster)
     joined = _sync_all(cfg, links, plan, replica, deadline, loop)
     return dataclasses.replace(joined, mode=cluster.mode)
@@ -125,6 +142,52 @@ def _expect(header: dict, kind: str, what: str) -> dict:
     return header
 
 
+def _hello(cfg: ClientConfig, shard: ShardLink, call: Call, deadline: float) -> dict:
+    """Say hello to a shard; its welcome, or a ClientError saying why it refused."""
+    reply, _ = call(shard, "hello", deadline)
+    if reply["kind"] == "rejected" and reply.get("reason") == "island_in_use":
+        raise ClientError(
+            f"join: island id {cfg.island!r} is in use by another running island "
+            f"(shard at {shard.router}: {reply.get('detail')}); give each island its own id "
+            "or stop the other one"
+        )
+    return _expect(reply, "welcome", "hello")
+
+
+def welcome_limit(welcome: dict) -> int | None:
+    """The `max_message_bytes` a welcome carries (an optional field), or None.
+
+    Args:
+        welcome: a welcome header.
+
+    Returns:
+        The shard's size limit of a request in bytes, or None when it does not say.
+    """
+    limit = welcome.get("max_message_bytes")
+    if isinstance(limit, int) and not isinstance(limit, bool) and limit > 0:
+        return limit
+    return None
+
+
+def shard_initialized(welcome: dict, plan: Plan, shard: int) -> bool:
+    """Whether a shard's welcome says it is initialised (with this island's plan).
+
+    Args:
+        welcome: the shard's welcome header.
+        plan: this island's plan.
+        shard: the shard's index.
+
+    Returns:
+        True when initialised, False when it waits for its init.
+
+    Raises:
+        ClientError: it is initialised with another plan.
+    """
+    if welcome["initialized"] and welcome["plan_hash"] != plan.hash:
+        raise ClientError(mismatch(welcome["plan_hash"], plan, plan.num_shards, plan.num_fragments))
+    return bool(welcome["initialized"])
+
+
 def read_welcome(welcome: dict, cfg: ClientConfig, leaves: list[LeafSpec]) -> Cluster:
     """Check the first shard's welcome and make this island's plan of the cluster.
 
@@ -143,9 +206,6 @@ def read_welcome(welcome: dict, cfg: ClientConfig, leaves: list[LeafSpec]) -> Cl
     endpoints = welcome["endpoints"]
     pub_interval_s = max(cfg.heartbeat_interval_s, welcome["heartbeat_interval_s"])
     pub_liveness = max(cfg.liveness, welcome["liveness"])
-    limit = welcome.get("max_message_bytes")  # optional field: known to newer shards
-    if not (isinstance(limit, int) and not isinstance(limit, bool) and limit > 0):
-        limit = None
     num_shards, num_fragments = welcome["num_shards"], welcome["num_fragments"]
     if len(endpoints) != num_shards or not 0 <= welcome["shard"] < num_shards:
         raise ClientError(
@@ -165,7 +225,7 @@ def read_welcome(welcome: dict, cfg: ClientConfig, leaves: list[LeafSpec]) -> Cl
         initialized=welcome["initialized"],
         pub_interval_s=pub_interval_s,
         pub_liveness=pub_liveness,
-        max_message_bytes=limit,
+        max_message_bytes=welcome_limit(welcome),
         mode=str(welcome.get("mode", "quorum")),
     )
 
@@ -185,51 +245,104 @@ def _open_shards(links: Links, first: ShardLink, cluster: Cluster) -> None:
 
 
 def _initialize(
-    island: str,
+    cfg: ClientConfig,
     plan: Plan,
     flat: Mapping[str, np.ndarray],
     shards: list[ShardLink],
-    call: Call,
+    initialized: dict[int, bool],
+    loop: Loop,
     deadline: float,
 ) -> None:
-    """Init every shard with this island's values (shard 0 first); on a lost race, go on.
+    """Init every shard not initialised yet with this island's values, shard 0 first.
+
+    When another island took shard 0 (before this join, or in a race just
+    now), the other shards are its to initialise: each is awaited up to
+    `init_grace_s`, then initialised with this island's values (that island
+    died half-way).
 
     Args:
-        island: this island's id (for the log).
-        plan: this island's plan.
+        cfg: client settings (island, init_grace_s).
+        plan: this island's plan (checked against every initialised shard's).
         flat: path -> this island's initial values.
         shards: every shard, by index.
-        call: the I/O thread's request function.
+        initialized: shard index -> whether its welcome said initialised.
+        loop: the I/O thread's request and loop functions.
         deadline: monotonic time the join must finish by.
 
     Raises:
         ClientError: a shard refused init for another reason than a lost race,
-            or the winner's plan differs from ours.
+            or a shard runs another plan.
     """
+    ours = not initialized[0]  # shard 0 is ours to initialise: then so are the others
+    grace_until = time.monotonic() + cfg.init_grace_s
     for shard in shards:
-        tree = {str(f.index): plan.gather(flat, f.index) for f in plan.fragments_of(shard.index)}
-        frames, _ = _RAW.encode(tree, None)
-        reply, _ = call(shard, "init", deadline, frames, plan=plan.to_wire())
-        if reply["kind"] == "init_ok":
-            logger.info("island %s initialized shard %d", island, shard.index)
+        if initialized[shard.index]:
             continue
-        reason = reply.get("reason")
-        if reason == "already_initialized":
-            logger.info("shard %d already initialized by another island", shard.index)
-            welcome, _ = call(shard, "hello", deadline)
-            welcome = _expect(welcome, "welcome", "hello")
-            if welcome["plan_hash"] != plan.hash:
-                raise ClientError(
-                    mismatch(welcome["plan_hash"], plan, plan.num_shards, plan.num_fragments)
-                )
-            if shard.index == 0:
-                break  # lost the race: the winner initializes the other shards
-            continue
-        if reason == "plan_mismatch":
-            raise ClientError(f"join: plan mismatch: {reply.get('detail')}")
-        raise ClientError(
-            f"join: shard {shard.index} refused init: {reason}: {reply.get('detail')}"
-        )
+        if not ours:
+            if _initialized_within(cfg, shard, plan, loop, min(grace_until, deadline), deadline):
+                continue
+            logger.warning(
+                "shard %d is still not initialised %.1fs after another island initialised "
+                "shard 0 (it stopped half-way?): island %s initialises it with its own values",
+                shard.index,
+                cfg.init_grace_s,
+                cfg.island,
+            )
+        won = _init(cfg.island, plan, flat, shard, loop.call, deadline)
+        if shard.index == 0 and not won:  # lost the race: the winner initialises the rest
+            ours, grace_until = False, time.monotonic() + cfg.init_grace_s
+
+
+def _init(
+    island: str,
+    plan: Plan,
+    flat: Mapping[str, np.ndarray],
+    shard: ShardLink,
+    call: Call,
+    deadline: float,
+) -> bool:
+    """Init one shard with this island's values.
+
+    Returns:
+        True when this island initialised it, False when another one did first
+        (with the same plan).
+
+    Raises:
+        ClientError: the shard refused for another reason, or runs another plan.
+    """
+    tree = {str(f.index): plan.gather(flat, f.index) for f in plan.fragments_of(shard.index)}
+    frames, _ = _RAW.encode(tree, None)
+    reply, _ = call(shard, "init", deadline, frames, plan=plan.to_wire())
+    if reply["kind"] == "init_ok":
+        logger.info("island %s initialized shard %d", island, shard.index)
+        return True
+    reason = reply.get("reason")
+    if reason == "already_initialized":
+        logger.info("shard %d already initialized by another island", shard.index)
+        welcome, _ = call(shard, "hello", deadline)
+        shard_initialized(_expect(welcome, "welcome", "hello"), plan, shard.index)
+        return False
+    if reason == "plan_mismatch":
+        raise ClientError(f"join: plan mismatch: {reply.get('detail')}")
+    raise ClientError(f"join: shard {shard.index} refused init: {reason}: {reply.get('detail')}")
+
+
+def _initialized_within(
+    cfg: ClientConfig, shard: ShardLink, plan: Plan, loop: Loop, until: float, deadline: float
+) -> bool:
+    """Ask a shard (hello, every 0.2 s) until it is initialised or `until` passes.
+
+    Returns:
+        True when it became initialised (with this island's plan) by `until`.
+    """
+    while True:
+        if shard_initialized(_hello(cfg, shard, loop.call, deadline), plan, shard.index):
+            return True
+        if time.monotonic() >= until:
+            return False
+        pause_end = min(until, time.monotonic() + 0.2)
+        while time.monotonic() < pause_end:
+            loop.pump()
 
 
 def _sync_all(

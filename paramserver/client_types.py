@@ -1,7 +1,7 @@
 """The client's public types: settings, errors, and what join, poll_updates and push carry.
 
 This module owns `ClientConfig` (with its validation), `ClientError`,
-`ClientConfigError`, `JoinResult`, `Update` and `PushRequest`. Users import
+`ClientConfigError`, `JoinResult`, `Update` and `PushRequest` (a delta). Users import
 them from `paramserver.client`, which re-exports them; the client's other
 modules (`client_io` and its helpers) import them from here, so the imports
 run one way: client -> client_io -> client_types.
@@ -41,6 +41,8 @@ class ClientConfig:
     push_timeout_s: float = 300.0  # push waiting for a free slot longer than this fails
     join_timeout_s: float = 30.0  # join (hello, init, snapshots) must finish within this
     snapshot_timeout_s: float = 30.0  # a re-snapshot of a shard not done by then is restarted
+    init_grace_s: float = 5.0  # a shard left uninitialised this long by shard 0's initialiser
+    # (it died half-way?) is initialised by the joining island with its own values
     curve_secret_key_file: str = ""  # island key pair (NAME.key_secret); "" = no CURVE
     curve_server_key_file: str = ""  # with CURVE: the shards' public key (NAME.key)
 
@@ -64,6 +66,7 @@ class ClientConfig:
             "push_timeout_s",
             "join_timeout_s",
             "snapshot_timeout_s",
+            "init_grace_s",
         ):
             value = getattr(self, name)
             if (
@@ -118,7 +121,11 @@ class Update:
 
 @dataclass
 class PushRequest:
-    """One delta handed from the API to the I/O thread."""
+    """One delta: what `Client.push` hands the I/O thread, and what `Client.unacked` gives back.
+
+    Its fields are `push`'s arguments, so an unacked delta kept elsewhere (an
+    island's outbox file) is re-sent by passing them to `push` again.
+    """
 
     fragment: int
     round: int

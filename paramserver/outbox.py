@@ -18,8 +18,10 @@ The rules:
     island says hello again ("rejoin"); the welcome re-sends every delta of
     that shard (`on_rejoin`);
   - a reason in `RETRYABLE_REASONS` (the shard's buffer for this island is
-    full): it stays pending, deferred ("defer"), and is re-sent when its
-    fragment steps (`on_step`) or on the ack back-off, whichever comes first;
+    full, or it could not write its log: `storage_error`, nothing was kept):
+    it stays pending, deferred ("defer"), and is re-sent when its fragment
+    steps (`on_step`) or on the ack back-off, whichever comes first (the
+    back-off doubles, so a shard with a broken disk is not hammered);
   - `codec_error` (corrupted in transit, as this client keeps frames intact):
     re-sent at once ("resend"), up to `DECODE_RETRIES` times, then final.
 """
@@ -39,7 +41,7 @@ Decision = Literal["done", "resend", "defer", "rejoin"]
 """What to do after an ack: forget the delta (resolved), send it again now, keep it
 until its fragment steps, or keep it and say hello to the shard again."""
 
-RETRYABLE_REASONS = frozenset({"too_many_pending"})
+RETRYABLE_REASONS = frozenset({"too_many_pending", "storage_error"})
 """Rejections that say "not now" rather than "never": the delta is kept and re-sent."""
 
 DECODE_RETRIES = 3
@@ -60,7 +62,7 @@ class Entry:
     attempt: int = 0  # back-off re-sends so far
     sends: int = 0  # sends that went out
     decode_retries: int = 0  # re-sends after the shard could not decode it (codec_error)
-    deferred: bool = False  # refused for now (too_many_pending): re-sent when its fragment steps
+    deferred: bool = False  # refused for now (RETRYABLE_REASONS): re-sent when its fragment steps
 
 
 class Outbox:
@@ -216,12 +218,21 @@ class Outbox:
         """
         return [key for key, entry in self._entries.items() if entry.shard == shard]
 
-    def drop_all(self) -> int:
+    def shards(self) -> set[int]:
+        """The shards that hold at least one pending delta.
+
+        Returns:
+            Shard indices (empty when nothing is pending).
+        """
+        return {entry.shard for entry in self._entries.values()}
+
+    def drop_all(self) -> list[list[Any]]:
         """Forget every pending delta (the client closes).
 
         Returns:
-            How many were dropped unacked.
+            The packed message of each delta dropped unacked, in push order (so
+            that the caller can keep them elsewhere, e.g. in a file).
         """
-        dropped = len(self._entries)
+        dropped = [entry.frames for entry in self._entries.values()]
         self._entries.clear()
         return dropped

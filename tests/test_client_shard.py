@@ -1,4 +1,8 @@
-"""The client against real ShardServer instances (threads, real sockets on 127.0.0.1)."""
+"""The client against real ShardServer instances (threads, real sockets on 127.0.0.1).
+
+Also when things go wrong: a stop while the server is gone, a half-initialised
+cluster, an oversize push, an island id already in use.
+"""
 
 from __future__ import annotations
 
@@ -7,94 +11,22 @@ import time
 
 import numpy as np
 import pytest
+from client_helpers import WAIT_S, clients, clusters, wait_for
 from conftest import free_port
-from shard_helpers import delta_frames, nan_frames, small_flat
+from shard_helpers import delta_frames, init_payload, nan_frames, plan_for, small_flat
 
 from paramserver import protocol
 from paramserver.client import Client, ClientConfig, ClientError
-from paramserver.config import ShardConfig
-from paramserver.shard import ShardServer
-
-WAIT_S = 20.0
-
-
-class Cluster:
-    """N shards serving in threads, with the endpoints they advertise matching their binds."""
-
-    def __init__(self, tmp_path, shards: int = 1, **overrides) -> None:
-        settings = {"mode": "async", "heartbeat_interval_s": 0.2, **overrides}
-        self.cfg = ShardConfig(
-            data_dir=str(tmp_path / "server"), fsync=False, shards=shards, **settings
-        )
-        self.endpoints = [
-            (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-            for _ in range(shards)
-        ]
-        self.servers: list = [None] * shards
-        self.threads: list = [None] * shards
-        self.stops: list = [None] * shards
-        for i in range(shards):
-            self.start(i)
-
-    def start(self, i: int) -> None:
-        """Start (or restart, on the same ports and data dir) shard i."""
-        router, pub = self.endpoints[i]
-        server = ShardServer(self.cfg, i, self.endpoints, router_bind=router, pub_bind=pub)
-        stop = threading.Event()
-        thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
-        thread.start()
-        self.servers[i], self.threads[i], self.stops[i] = server, thread, stop
-        assert server.ready.wait(WAIT_S), "shard did not start"
-
-    def stop_shard(self, i: int) -> None:
-        self.stops[i].set()
-        self.threads[i].join(WAIT_S)
-        assert not self.threads[i].is_alive()
-
-    @property
-    def connect(self) -> str:
-        return self.endpoints[0][0]
-
-    def stop(self) -> None:
-        for i in range(len(self.threads)):
-            self.stop_shard(i)
 
 
 @pytest.fixture
 def cluster(tmp_path):
-    made = []
-
-    def make(shards: int = 1, **overrides) -> Cluster:
-        c = Cluster(tmp_path, shards, **overrides)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.stop()
+    yield from clusters(tmp_path)
 
 
 @pytest.fixture
 def client():
-    made = []
-
-    def make(connect: str, island: str, **overrides) -> Client:
-        settings = {"heartbeat_interval_s": 0.2, "join_timeout_s": WAIT_S, **overrides}
-        cfg = ClientConfig(connect=connect, island=island, **settings)
-        c = Client(cfg)
-        made.append(c)
-        return c
-
-    yield make
-    for c in made:
-        c.close(flush_timeout_s=1.0)
-
-
-def wait_for(predicate, what: str):
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+    yield from clients()
 
 
 def snapshot(peer, fragment):
@@ -322,3 +254,150 @@ def test_concurrent_first_joins_agree_on_one_initializer(cluster, client):
     for res in results:  # both replicas hold one island's values, not a mix
         for name, value in winner.items():
             np.testing.assert_array_equal(res.params[name], value)
+
+
+def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
+    """Run fn in a thread; the dict gets "result" or "error" and "elapsed"."""
+    out: dict = {}
+
+    def body():
+        t0 = time.monotonic()
+        try:
+            out["result"] = fn(*args, **kwargs)
+        except Exception as exc:
+            out["error"] = exc
+        out["elapsed"] = time.monotonic() - t0
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    return thread, out
+
+
+@pytest.mark.timeout(60)
+def test_a_stopped_push_returns_at_once_and_close_hands_back_every_unacked_delta(cluster, client):
+    c = cluster(1)
+    # a long push timeout: only the stop event can end the wait for a slot in time
+    a = client(c.connect, "a", max_unacked=1, push_timeout_s=30.0, ack_timeout_s=0.2)
+    res = a.join(small_flat(0))
+    c.stop_shard(0)  # the server is gone
+    size = res.plan.fragments[0].size
+    first, second = (delta_frames(np.full(size, v, np.float32)) for v in (0.1, 0.2))
+    a.push(0, 1, res.versions[0], 100, 5, first)
+    stop = threading.Event()
+    thread, out = in_thread(a.push, 0, 2, res.versions[0], 100, 5, second, stop=stop)
+    thread.join(0.3)
+    assert thread.is_alive(), "push did not wait for a free slot"
+    stop.set()
+    thread.join(5.0)
+    assert not thread.is_alive() and "error" not in out, out
+    assert out["elapsed"] < 1.5  # the stop ended the wait, not push_timeout_s
+    t0 = time.monotonic()
+    assert a.close(flush_timeout_s=WAIT_S) == 2
+    assert time.monotonic() - t0 < 10.0  # the flush gives up once its shard is down
+    kept = a.unacked()
+    assert [(d.fragment, d.round, d.base_version, d.tokens, d.steps) for d in kept] == [
+        (0, 1, res.versions[0], 100, 5),
+        (0, 2, res.versions[0], 100, 5),
+    ]
+
+    c.start(0)  # the same data dir: the shard recovers its state
+    again = client(c.connect, "a")
+    again.join(small_flat(0))
+    for acks in (2, 4):  # twice: the shard's dedup keeps each delta exactly-once
+        for d in kept:
+            again.push(d.fragment, d.round, d.base_version, d.tokens, d.steps, d.frames)
+        wait_for(lambda n=acks: again.stats()["acked"] == n, "the re-sent deltas' acks")
+    stats = again.stats()
+    assert stats["duplicates"] == 2 and stats["rejected"] == {}
+    assert c.servers[0].state.versions()[0] == res.versions[0] + 2  # each applied once
+
+
+@pytest.mark.timeout(60)
+def test_join_gives_up_at_once_when_its_stop_event_is_set():
+    port = free_port()  # nothing listens here
+    a = Client(ClientConfig(connect=f"tcp://127.0.0.1:{port}", island="a", join_timeout_s=30))
+    try:
+        stop = threading.Event()
+        thread, out = in_thread(a.join, small_flat(0), stop=stop)
+        thread.join(0.3)
+        assert thread.is_alive(), "join did not wait for the server"
+        stop.set()
+        thread.join(5.0)
+        assert isinstance(out.get("error"), ClientError), out
+        assert "stopped" in str(out["error"])
+        assert out["elapsed"] < 2.0
+    finally:
+        a.close(flush_timeout_s=0.1)
+
+
+@pytest.mark.timeout(60)
+def test_a_half_initialised_cluster_is_completed_by_the_next_joiner(cluster, client, peer):
+    c = cluster(2)
+    mine, theirs = small_flat(0), small_flat(1)
+    plan = plan_for(theirs, shards=2, fragments=c.cfg.num_fragments)
+    dead = peer(c.endpoints[0][0], "dead")  # initialises shard 0, then dies
+    dead.hello()
+    reply, _ = dead.request(
+        {"kind": "init", "island": "dead", "plan": plan.to_wire()}, init_payload(plan, theirs, 0)
+    )
+    assert reply["kind"] == "init_ok", reply
+    dead.close()
+
+    res = client(c.connect, "a", init_grace_s=0.5).join(mine)
+    assert res.plan.hash == plan.hash
+    for frag in plan.fragments:  # shard 0 keeps the dead island's values, shard 1 gets ours
+        source = theirs if frag.shard == 0 else mine
+        np.testing.assert_array_equal(
+            res.plan.gather(res.params, frag.index), plan.gather(source, frag.index)
+        )
+    later = client(c.connect, "b").join(small_flat(2))  # the cluster is whole now
+    assert later.versions == res.versions
+
+
+@pytest.mark.timeout(60)
+def test_a_half_initialised_cluster_refuses_another_model_with_a_clear_message(
+    cluster, client, peer
+):
+    c = cluster(2)
+    flat = small_flat(0)
+    plan = plan_for(flat, shards=2, fragments=c.cfg.num_fragments)
+    dead = peer(c.endpoints[0][0], "dead")
+    dead.hello()
+    reply, _ = dead.request(
+        {"kind": "init", "island": "dead", "plan": plan.to_wire()}, init_payload(plan, flat, 0)
+    )
+    assert reply["kind"] == "init_ok", reply
+    other = {"a/w": np.zeros((8, 15), np.float32), "b": np.zeros(40, np.float32)}
+    with pytest.raises(ClientError, match=r"plan mismatch: the cluster's plan hash is \w+"):
+        client(c.connect, "a", init_grace_s=0.2).join(other)
+    assert not peer(c.endpoints[1][0], "probe").hello()["initialized"]  # left alone
+
+
+@pytest.mark.timeout(60)
+def test_an_oversize_push_is_refused_locally_naming_the_fragment_and_the_limit(cluster, client):
+    c = cluster(1, max_message_bytes=4096)
+    a = client(c.connect, "a")
+    res = a.join(small_flat(0))
+    with pytest.raises(
+        ClientError, match=r"fragment 1 \(round 3\) is \d+ bytes .* max_message_bytes=4096"
+    ):
+        a.push(1, 3, res.versions[1], 10, 1, [b"\0" * 5000])
+    stats = a.stats()
+    assert stats["pushes"] == 0 and stats["pending"] == 0  # never queued
+    size = res.plan.fragments[1].size
+    a.push(1, 3, res.versions[1], 10, 1, delta_frames(np.zeros(size, np.float32)))
+    wait_for(lambda: a.stats()["acked"] == 1, "a push under the limit")
+
+
+@pytest.mark.timeout(60)
+def test_an_island_id_live_on_another_client_is_refused_at_join_in_one_line(cluster, client):
+    c = cluster(2)
+    a = client(c.connect, "a")
+    a.join(small_flat(0))
+    with pytest.raises(ClientError) as info:
+        client(c.connect, "a").join(small_flat(0))
+    message = str(info.value)
+    assert "island id 'a' is in use by another running island" in message
+    assert "\n" not in message
+    a.close(flush_timeout_s=1.0)  # says bye: the id is free again
+    client(c.connect, "a").join(small_flat(0))

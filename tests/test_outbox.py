@@ -24,6 +24,7 @@ ACKS = [
     ("accepted", "too_many_pending", "done", False, False),  # reasons only matter on rejection
     ("rejected", "unknown_island", "rejoin", True, False),
     ("rejected", "too_many_pending", "defer", True, True),
+    ("rejected", "storage_error", "defer", True, True),  # nothing kept: again after the back-off
     ("rejected", "codec_error", "resend", True, False),
     ("rejected", "plan_mismatch", "done", False, False),
     ("rejected", "replayed_round", "done", False, False),
@@ -33,6 +34,7 @@ ACKS = [
     ("rejected", "oversize", "done", False, False),
     ("rejected", "unknown_fragment", "done", False, False),
     ("rejected", "internal_error", "done", False, False),
+    ("rejected", "island_in_use", "done", False, False),  # another process has the id: final
     ("rejected", None, "done", False, False),
 ]
 
@@ -185,6 +187,35 @@ def test_resolved_and_dropped_deltas_leave_the_ledger():
     assert box.on_ack((0, 1), "accepted", None) == "done"
     assert len(box) == 2 and (0, 1) not in box
     assert box.add((0, 1), 0, [b"f"], 1, 11.0)  # the key can be pushed again once resolved
-    assert box.drop_all() == 3
+    assert box.drop_all() == [[b"frames"], [b"frames"], [b"f"]]  # in push order, to keep
     assert len(box) == 0 and not box
     assert box.due(100.0, up={0, 1}) == [] and box.on_rejoin(0) == []
+
+
+@pytest.mark.timeout(10)
+def test_storage_error_keeps_the_delta_and_resends_on_the_doubling_back_off():
+    # the shard could not write its log: nothing of the delta was kept there, so it is
+    # sent again, but on the back-off (not at once: a broken disk is not hammered)
+    box = ledger(now=10.0)
+    assert box.on_ack(KEY, "rejected", "storage_error") == "defer"
+    resent = []
+    for tick in range(1000, 2000):  # 10.0 .. 19.99 s in 10 ms ticks
+        now = tick / 100
+        for key in box.due(now, up={0}):
+            box.sent(key, now)
+            resent.append(now)
+            assert box.on_ack(key, "rejected", "storage_error") == "defer"
+    assert resent == [11.0, 13.0, 17.0]
+    assert box.on_ack(KEY, "accepted", None) == "done"  # the disk works again
+    assert len(box) == 0
+
+
+@pytest.mark.timeout(10)
+def test_shards_names_the_shards_holding_pending_deltas():
+    box = ledger((0, 1), shard=2)
+    assert box.add((1, 1), 0, [b"f"], 1, 10.0)
+    assert box.shards() == {0, 2}
+    box.on_ack((0, 1), "accepted", None)
+    assert box.shards() == {0}
+    box.drop_all()
+    assert box.shards() == set()
