@@ -9,27 +9,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
+from worker_helpers import wait_for
 
-from bench.launcher import IslandSpec, LocalCluster, free_base_port
+from bench.launcher import IslandSpec, LocalCluster
 from paramserver import daemon
 from worker.data import default_corpus, unigram_entropy
 
 UNIGRAM_NATS = unigram_entropy(default_corpus())
 TINY_FAST = ("--model", "tiny", "--batch-size", "8", "--seq-len", "64", "--eval-every", "1")
-
-
-def wait_for(predicate, timeout_s: float, what: str, poll_s: float = 0.2):
-    """Poll `predicate` until it returns a truthy value; fail the test after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll_s)
-    pytest.fail(f"timed out after {timeout_s:g}s waiting for {what}")
 
 
 def versions_total(cluster: LocalCluster) -> int:
@@ -136,24 +125,6 @@ def test_bad_config_is_one_clear_line(tmp_path, flags, message):
     assert proc.returncode == 2
     assert message in proc.stderr
     assert "Traceback" not in proc.stderr
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_unreachable_server_is_a_clear_error(tmp_path):
-    port = free_base_port(1)
-    proc = worker(
-        "start",
-        "--connect",
-        f"tcp://127.0.0.1:{port}",
-        "--join-timeout-s",
-        "3",
-        "--data-dir",
-        str(tmp_path),
-    )
-    assert proc.returncode == 1, proc.stderr
-    assert "Traceback" not in proc.stderr
-    assert f"127.0.0.1:{port}" in proc.stderr
 
 
 @pytest.mark.slow

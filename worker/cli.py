@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 
 from paramserver import daemon, settings
@@ -83,9 +84,27 @@ def _load_config(args: argparse.Namespace) -> IslandConfig:
     )
 
 
+def _usable_data_dir(data_dir: Path) -> None:
+    """Create `data_dir` if needed and check that files can be written in it.
+
+    Raises:
+        DaemonError: it cannot be created or written (one line naming it and why).
+    """
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=data_dir, prefix=".write-check-"):
+            pass
+    except OSError as exc:
+        raise daemon.DaemonError(
+            f"cannot use --data-dir {data_dir}: {exc.strerror or exc}"
+            f"{f' ({exc.filename})' if exc.filename else ''}; give a writable directory"
+        ) from None
+
+
 def _start(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _load_config(args)
     data_dir = Path(cfg.data_dir)
+    _usable_data_dir(data_dir)
     if args.detach:
         running = daemon.running_pid(daemon.pid_path(data_dir))
         if running:
@@ -106,7 +125,6 @@ def _run_foreground(cfg: IslandConfig) -> int:
     from worker.island import Island  # imports JAX: only when an island really starts
 
     data_dir = Path(cfg.data_dir)
-    data_dir.mkdir(parents=True, exist_ok=True)
     stop = daemon.enter_foreground(data_dir, cfg.log_level)
     try:
         if cfg.cpu >= 0 and hasattr(os, "sched_setaffinity"):

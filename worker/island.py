@@ -17,6 +17,12 @@ trained since the start at its measured step rate.
 Progress goes to ``<data_dir>/metrics.jsonl`` (one JSON object per round) and
 ``<data_dir>/status.json`` (rewritten atomically), which `diloco-worker status`
 and the demo's live display read.
+
+Stopping: every wait (join, a push under back-pressure, the sync-mode merge,
+the start barrier) ends when the stop event is set (SIGTERM). Deltas still
+unacked then are written to ``<data_dir>/outbox.bin`` and pushed again, with
+their round ids, when the island starts again with the same data dir
+(`worker.outbox_file`); new rounds wait until those are resolved.
 """
 
 from __future__ import annotations
@@ -35,9 +41,10 @@ import jax
 import numpy as np
 
 import codec
-from paramserver.client import Client, ClientConfig
+from paramserver.client import Client, ClientConfig, ClientError
 from worker import data as data_lib
 from worker import model as model_lib
+from worker import outbox_file
 from worker.config import IslandConfig
 from worker.exchange import FragmentSync
 from worker.goodput import goodput, step_rate
@@ -136,6 +143,10 @@ class Island:
         self.client_factory = client_factory
         self.metrics_path = self.data_dir / METRICS_FILE
         self.status_path = self.data_dir / STATUS_FILE
+        self.outbox_path = self.data_dir / outbox_file.OUTBOX_FILE
+        # Deltas of a previous run pushed again and not resolved yet; None until the
+        # outbox file was read (after the join): only then may the file be rewritten.
+        self.resending: int | None = None
         self.state = "starting"
         self.round = 0
         # Round ids are the idempotency key (island, round, fragment) on the shards: start
@@ -149,12 +160,12 @@ class Island:
 
     # -- set-up ---------------------------------------------------------------
 
-    def _join(self, client: Client) -> None:
+    def _join(self, client: Client, stop: threading.Event) -> None:
         params0 = model_lib.init_params(self.model_cfg, self.cfg.seed)
         flat0 = codec.flatten(jax.tree_util.tree_map(np.asarray, params0))
         self.state = "joining"
         self._write_status()
-        joined = client.join(flat0)
+        joined = client.join(flat0, stop=stop)
         self.plan = joined.plan
         self.mode = joined.mode
         self.param_count = sum(frag.size for frag in self.plan.fragments)
@@ -204,7 +215,8 @@ class Island:
         self.trainer.set_params(codec.unflatten(local))
         return len(updates)
 
-    def _push_round(self, client: Client, steps: int) -> None:
+    def _push_round(self, client: Client, steps: int, stop: threading.Event) -> None:
+        self._settle_resent(client, stop)
         local = self._local_flat()
         tokens = steps * self.cfg.batch_size * self.cfg.seq_len
         for frag in self.plan.fragments:
@@ -214,9 +226,26 @@ class Island:
             frames, self.ef_state[frag.index] = self.codec.encode(
                 {"delta": delta}, self.ef_state[frag.index]
             )
-            client.push(
-                frag.index, self.round_base + self.round, sync.base_version, tokens, steps, frames
-            )
+            round_id = self.round_base + self.round
+            client.push(frag.index, round_id, sync.base_version, tokens, steps, frames, stop=stop)
+
+    def _settle_resent(self, client: Client, stop: threading.Event) -> None:
+        """Before the first new round: wait until the re-sent deltas are resolved, drop the file.
+
+        (A shard refuses a round far below the newest it saw from this island, so
+        the previous run's deltas must land first.)
+        """
+        if not self.resending:
+            return
+        while client.stats()["pending"] and not stop.is_set():
+            stop.wait(0.01)
+        if stop.is_set():
+            return  # the file stays; close() rewrites it with what is still unacked
+        logger.info(
+            "island %s: the %d re-sent deltas are resolved", self.cfg.island, self.resending
+        )
+        outbox_file.save(self.outbox_path, self.cfg.island, self.plan.hash, [])
+        self.resending = 0
 
     def _global_eval(self) -> dict[str, Any]:
         """Held-out loss of the newest adopted global parameters, labelled with their versions."""
@@ -257,7 +286,16 @@ class Island:
             )
         )
         try:
-            self._join(client)
+            try:
+                self._join(client, stop)
+            except ClientError:
+                if not stop.is_set():
+                    raise
+                logger.info("island %s stopped while joining", cfg.island)
+                return 0
+            self.resending = outbox_file.resend(
+                client, self.outbox_path, cfg.island, self.plan.hash, stop
+            )
             self.started = time.monotonic()
             self.state = "training"
             if cfg.eval_every:
@@ -284,7 +322,7 @@ class Island:
                 if steps == 0:
                     break
                 client.report_step_time(float(np.median(self.step_times[-steps_per_round:])))
-                self._push_round(client, steps)
+                self._push_round(client, steps, stop)
                 if self.mode == "sync":
                     self._wait_for_merge(client, self.round_base + self.round, stop)
                     adopted += self._fold_updates(client)
@@ -293,9 +331,9 @@ class Island:
             self.state = "stopping"
             self._write_status()
         finally:
-            unacked = client.close(flush_timeout_s=cfg.flush_timeout_s)
-            if unacked:
-                logger.warning("island %s stopped with %d unacked deltas", cfg.island, unacked)
+            client.close(flush_timeout_s=cfg.flush_timeout_s)
+            if self.resending is not None:  # keep what is unacked, or drop a settled file
+                outbox_file.keep(self.outbox_path, cfg.island, self.plan.hash, client.unacked())
             self.state = "stopped"
             if self.round:
                 # final counters, after the flush: the last round's acks are in
