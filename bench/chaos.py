@@ -4,7 +4,7 @@
 
 Each run is real daemons: shards started one by one from a cluster file
 (`diloco-server start --cluster F --shard I --detach`, so one can be killed
-and restarted alone), a chaos relay (`bench.chaos_relay`) in front of every
+and restarted alone), a chaos relay (`bench.children.chaos_relay`) in front of every
 shard ROUTER, and `diloco-worker` islands. The schedule (`bench.faults`) is
 executed by this harness (kill -9 / restart an island or a shard, SIGSTOP /
 SIGCONT an island) and by the relay (cut or slow an island's link; drop,
@@ -192,7 +192,7 @@ class ChaosRun:
     def _start_relay(self, stats: Path) -> None:
         schedule = self.out / "schedule.json"
         schedule.write_text(json.dumps([f.to_json() for f in self.faults]))
-        argv = [sys.executable, "-m", "bench.chaos_relay", "--schedule", str(schedule),
+        argv = [sys.executable, "-m", "bench.children.chaos_relay", "--schedule", str(schedule),
                 "--start-file", str(self.t0_file), "--seed", str(self.seed),
                 "--stats", str(stats)]  # fmt: skip
         for i in range(self.setup.shards):

@@ -11,7 +11,7 @@ Fault kinds (who executes them):
   `pause_island` (SIGSTOP, SIGCONT after `duration_s`), `kill_shard`
   (kill -9, restart after `duration_s`: the shard recovers from its WAL and
   checkpoint);
-- relay (bench.chaos_relay), for the messages between islands and shards
+- relay (bench.children.chaos_relay), for the messages between islands and shards
   within [at_s, at_s + duration_s]: `cut_link` (every message of one island,
   both ways, dropped), `slow_link` (every message of one island held
   `delay_ms`), `drop` / `duplicate` / `delay` / `corrupt` (each push or ack

@@ -43,7 +43,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--only", default="", help="comma-separated scenario names to run")
     parser.add_argument(
-        "--force-relay", action="store_true", help="shape in bench.relay, not network namespaces"
+        "--force-relay",
+        action="store_true",
+        help="shape in bench.children.relay, not network namespaces",
     )
 
 

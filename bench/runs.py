@@ -7,8 +7,8 @@ daemons inside their namespaces. The run ends when the islands together have
 trained the budget's tokens (or at the wall-clock cap); meanwhile the shards'
 versions are polled for the uptime timeline.
 
-DDP runs: `bench.ddp_reducer` on loopback (through the relay on the WAN) and
-one `worker.ddp` rank per island, each doing the same steps as one island.
+DDP runs: `bench.children.ddp_reducer` on loopback (through the relay on the WAN) and
+one `bench.children.ddp_rank` rank per island, each doing the same steps as one island.
 
 `run_scenario` returns the run's JSON record (computed with `bench.analysis`).
 """
@@ -227,7 +227,7 @@ def run_ddp(
     hub = wan.hub if wan is not None else "127.0.0.1"
     connect_port = bind_port + 1 if wan is not None else bind_port
     reducer = subprocess.Popen(
-        [sys.executable, "-m", "bench.ddp_reducer", "--bind", f"tcp://127.0.0.1:{bind_port}",
+        [sys.executable, "-m", "bench.children.ddp_reducer", "--bind", f"tcp://127.0.0.1:{bind_port}",
          "--world", str(budget.islands)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
     )  # fmt: skip
@@ -245,7 +245,7 @@ def run_ddp(
                 data_dir.mkdir(parents=True, exist_ok=True)
                 argv = [
                     *(wan.prefix(i) if wan is not None else ()), sys.executable, "-m",
-                    "worker.ddp", "--rank", str(i), "--world", str(budget.islands),
+                    "bench.children.ddp_rank", "--rank", str(i), "--world", str(budget.islands),
                     "--island", name, "--connect", f"tcp://{hub}:{connect_port}",
                     "--data-dir", str(data_dir), "--cpu", str(i),
                     "--max-rounds", str(budget.steps_per_island // budget.inner_steps),

@@ -4,7 +4,7 @@ Preferred ("netns"): one network namespace per island, joined to a bridge in
 the root namespace by a veth pair; a `tc tbf` qdisc on each end limits that
 island's uplink and downlink to `rate_mbit`. Islands run inside their
 namespace (`prefix(i)`), shards and the DDP reducer stay on loopback in the
-root namespace and are reached through `bench.relay`, which listens on the
+root namespace and are reached through `bench.children.relay`, which listens on the
 bridge address and adds the one-way latency (`netem` is not available).
 
 Fallback ("relay"): where namespaces cannot be made (not root, no `ip`), the
@@ -40,7 +40,7 @@ class LinkSpec:
     """One island's link to the hub."""
 
     rate_mbit: float = 5.0  # per direction
-    delay_ms: float = 25.0  # one way (added by bench.relay)
+    delay_ms: float = 25.0  # one way (added by bench.children.relay)
 
 
 def _sh(*argv: str) -> None:
@@ -167,9 +167,9 @@ class Wan:
             dict: shaping used, mode, rate per direction, one-way delay (and why it fell back).
         """
         return {
-            "shaping": "netns+tbf (kernel), latency in bench.relay"
+            "shaping": "netns+tbf (kernel), latency in bench.children.relay"
             if self.mode == "netns"
-            else "bench.relay token bucket per connection and direction, latency in bench.relay",
+            else "bench.children.relay token bucket per connection and direction, latency in bench.children.relay",
             "mode": self.mode,
             "rate_mbit_per_direction": self.link.rate_mbit,
             "one_way_delay_ms": self.link.delay_ms,
@@ -178,7 +178,7 @@ class Wan:
 
     @contextlib.contextmanager
     def relay(self, targets: dict[int, int]) -> Iterator[None]:
-        """Run `bench.relay`: hub:listen -> 127.0.0.1:target for each item, with this link's latency.
+        """Run `bench.children.relay`: hub:listen -> 127.0.0.1:target for each item, with this link's latency.
 
         Args:
             targets: listen port on the hub -> target port on loopback.
@@ -186,7 +186,7 @@ class Wan:
         Yields:
             Once the relay listens; stops it on exit.
         """
-        argv = [sys.executable, "-m", "bench.relay", "--delay-ms", str(self.link.delay_ms)]
+        argv = [sys.executable, "-m", "bench.children.relay", "--delay-ms", str(self.link.delay_ms)]
         argv += ["--rate-mbit", str(self.relay_rate_mbit)]
         for listen, target in targets.items():
             argv += ["--pair", f"{self.hub}:{listen}=127.0.0.1:{target}"]

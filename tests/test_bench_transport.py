@@ -14,8 +14,8 @@ import pytest
 import zmq
 from conftest import free_port
 
-from bench.ddp_reducer import ReduceError, StepMean
-from bench.relay import RelayError, TokenBucket, parse_pair
+from bench.children.ddp_reducer import ReduceError, StepMean
+from bench.children.relay import RelayError, TokenBucket, parse_pair
 from bench.wan import LinkSpec, Wan, tbf_args
 
 
@@ -47,7 +47,9 @@ def test_step_mean_averages_and_refuses_out_of_step_messages():
 @pytest.mark.timeout(30)
 def test_reducer_process_returns_the_mean_to_every_rank(zmq_ctx):
     port = free_port()
-    proc = start(["bench.ddp_reducer", "--bind", f"tcp://127.0.0.1:{port}", "--world", "2"])
+    proc = start(
+        ["bench.children.ddp_reducer", "--bind", f"tcp://127.0.0.1:{port}", "--world", "2"]
+    )
     try:
         socks = []
         for _ in range(2):
@@ -94,7 +96,13 @@ def test_relay_forwards_both_ways_and_adds_latency():
 
     threading.Thread(target=echo, daemon=True).start()
     proc = start(
-        ["bench.relay", "--pair", f"127.0.0.1:{listen}=127.0.0.1:{target}", "--delay-ms", "100"]
+        [
+            "bench.children.relay",
+            "--pair",
+            f"127.0.0.1:{listen}=127.0.0.1:{target}",
+            "--delay-ms",
+            "100",
+        ]
     )
     try:
         with socket.create_connection(("127.0.0.1", listen), timeout=5) as c:
@@ -114,13 +122,13 @@ def test_relay_forwards_both_ways_and_adds_latency():
 @pytest.mark.timeout(30)
 def test_ddp_rank_refuses_a_rank_outside_the_world(tmp_path):
     proc = subprocess.run(
-        [sys.executable, "-m", "worker.ddp", "--rank", "2", "--world", "2",
+        [sys.executable, "-m", "bench.children.ddp_rank", "--rank", "2", "--world", "2",
          "--data-dir", str(tmp_path)],
         capture_output=True, text=True, timeout=25,
     )  # fmt: skip
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
-        "worker.ddp: --rank must be in [0, --world), got 2 of 2"
+        "bench.children.ddp_rank: --rank must be in [0, --world), got 2 of 2"
     ]
 
 

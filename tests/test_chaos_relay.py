@@ -16,7 +16,7 @@ from conftest import RunningShard, free_port
 from shard_helpers import small_flat
 
 import codec
-from bench.chaos_relay import Relay
+from bench.children.chaos_relay import Relay
 from bench.faults import Fault
 from paramserver.client import Client, ClientConfig
 from paramserver.config import ShardConfig

@@ -12,7 +12,7 @@ import pytest
 from conftest import free_port
 
 from bench.analysis import eval_curve
-from worker import ddp
+from bench.children import ddp_rank as ddp
 from worker.config import IslandConfig
 
 
@@ -21,7 +21,7 @@ from worker.config import IslandConfig
 def test_rank0_writes_a_final_row_with_eval_global_that_ends_the_eval_curve(tmp_path, eval_every):
     port = free_port()
     reducer = subprocess.Popen(
-        [sys.executable, "-m", "bench.ddp_reducer", "--bind", f"tcp://127.0.0.1:{port}"]
+        [sys.executable, "-m", "bench.children.ddp_reducer", "--bind", f"tcp://127.0.0.1:{port}"]
         + ["--world", "1"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,

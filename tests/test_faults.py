@@ -10,7 +10,7 @@ from shard_helpers import delta_frames
 
 import codec
 from bench import faults as fl
-from bench.chaos_relay import corrupt
+from bench.children.chaos_relay import corrupt
 from worker.goodput import goodput
 
 ISLANDS = ["island-0", "island-1"]

@@ -11,9 +11,15 @@ from __future__ import annotations
 import functools
 import gzip
 import importlib.resources
+import zlib
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from worker.config import IslandConfig
 
 # A corpus shorter than this cannot give meaningful shards and held-out windows.
 MIN_CORPUS_BYTES = 1024
@@ -218,3 +224,55 @@ def unigram_entropy(data: bytes | np.ndarray) -> float:
     counts = np.bincount(_as_bytes_array(data, "data"), minlength=256).astype(np.float64)
     p = counts[counts > 0] / counts.sum()
     return float(-(p * np.log(p)).sum())
+
+
+@dataclass(frozen=True)
+class IslandData:
+    """What one island (or data-parallel rank) trains and evaluates on.
+
+    Attributes:
+        sampler: the island's own training batches (its data shard, its seed).
+        eval_set: the held-out batches, the same for every island of a run.
+        seed: the island's seed (crc32 of its id xor the run's seed), also for pacing.
+    """
+
+    sampler: BatchSampler
+    eval_set: list[np.ndarray]
+    seed: int
+
+
+def data_shard_of(island: str, data_shard: int, data_shards: int) -> int:
+    """The island's data shard: explicit, or a stable hash of its id.
+
+    Args:
+        island: the island id.
+        data_shard: the configured shard, or < 0 for the hash.
+        data_shards: number of shards.
+
+    Returns:
+        Index in [0, data_shards).
+    """
+    if data_shard >= 0:
+        return data_shard
+    return zlib.crc32(island.encode()) % data_shards
+
+
+def island_data(cfg: IslandConfig) -> IslandData:
+    """Load the corpus and cut out an island's training stream and the common held-out set.
+
+    Args:
+        cfg: island settings (data, data_shards, data_shard, heldout_fraction, batch_size,
+            seq_len, eval_batches, island, seed).
+
+    Returns:
+        The island's IslandData.
+    """
+    corpus = load_corpus(cfg.data or None)
+    shard = data_shard_of(cfg.island, cfg.data_shard, cfg.data_shards)
+    train, heldout = split_corpus(corpus, cfg.data_shards, shard, cfg.heldout_fraction)
+    seed = zlib.crc32(cfg.island.encode()) ^ cfg.seed
+    return IslandData(
+        BatchSampler(train, cfg.batch_size, cfg.seq_len, seed),
+        eval_batches(heldout, cfg.batch_size, cfg.seq_len, cfg.eval_batches),
+        seed,
+    )

@@ -14,7 +14,7 @@ that reached an island (`acked_delivered`), with times, the tokens of every
 push key, and how often each fault fired; on SIGTERM it writes them as JSON
 to `--stats`.
 
-    python -m bench.chaos_relay --pair LISTEN=TARGET [--pair ...] --schedule FILE
+    python -m bench.children.chaos_relay --pair LISTEN=TARGET [--pair ...] --schedule FILE
         --start-file FILE --seed S --stats FILE
 
 The schedule's times count from the epoch seconds written in `--start-file`
@@ -254,7 +254,9 @@ class Relay:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (2 for bad arguments)."""
-    parser = argparse.ArgumentParser(prog="python -m bench.chaos_relay", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.children.chaos_relay", description=__doc__
+    )
     parser.add_argument("--pair", action="append", required=True, help="LISTEN=TARGET endpoints")
     parser.add_argument("--schedule", required=True, help="JSON list of faults")
     parser.add_argument("--start-file", required=True, help="holds the start time once it begins")

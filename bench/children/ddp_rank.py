@@ -2,12 +2,12 @@
 
 What a user would run instead of DiLoCo. Each step a rank computes loss and
 gradients on its own batch, sends the whole fp32 gradient (one flat vector) to
-a reducer over ZeroMQ (`bench.ddp_reducer`), waits for the mean of every rank's
+a reducer over ZeroMQ (`bench.children.ddp_reducer`), waits for the mean of every rank's
 gradient and applies the same AdamW update as an island's inner optimizer
 (`worker.train.make_inner_optimizer`). All ranks start from the same seeded
 parameters and apply the same updates, so they stay identical.
 
-    python -m worker.ddp --connect tcp://HOST:PORT --rank R --world N --island NAME
+    python -m bench.children.ddp_rank --connect tcp://HOST:PORT --rank R --world N --island NAME
                          --data-dir D [--inner-steps 50 --max-rounds 10 ...]
 
 Every `diloco-worker` setting is accepted and means the same thing (model, data
@@ -26,7 +26,6 @@ import os
 import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Any
 
@@ -189,19 +188,13 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
 
     from worker import data as data_lib
     from worker import model as model_lib
-    from worker.island import data_shard_of
     from worker.pace import Pacer
     from worker.train import InnerConfig, make_inner_optimizer
 
     data_dir = Path(cfg.data_dir)
     model_cfg = model_lib.MODEL_CONFIGS[cfg.model]
-    corpus = data_lib.load_corpus(cfg.data or None)
-    train, heldout = data_lib.split_corpus(
-        corpus, cfg.data_shards, data_shard_of(cfg), cfg.heldout_fraction
-    )
-    seed = zlib.crc32(cfg.island.encode()) ^ cfg.seed
-    sampler = data_lib.BatchSampler(train, cfg.batch_size, cfg.seq_len, seed)
-    eval_set = data_lib.eval_batches(heldout, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    own = data_lib.island_data(cfg)  # the same stream an island of this name trains on
+    sampler, eval_set, seed = own.sampler, own.eval_set, own.seed
     inner = InnerConfig(
         lr=cfg.lr, warmup_steps=cfg.warmup_steps, batch_size=cfg.batch_size, seq_len=cfg.seq_len
     )
@@ -293,7 +286,7 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m worker.ddp", description=__doc__.splitlines()[0]
+        prog="python -m bench.children.ddp_rank", description=__doc__.splitlines()[0]
     )
     parser.add_argument("--rank", type=int, required=True, help="this rank's index")
     parser.add_argument("--world", type=int, required=True, help="number of ranks")
@@ -309,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.rank < args.world:
             raise ValueError(f"--rank must be in [0, --world), got {args.rank} of {args.world}")
     except (settings.SettingsError, ValueError) as exc:
-        print(f"worker.ddp: {exc}", file=sys.stderr)
+        print(f"bench.children.ddp_rank: {exc}", file=sys.stderr)
         return 2
     Path(cfg.data_dir).mkdir(parents=True, exist_ok=True)
     daemon.setup_logging(cfg.log_level, Path(cfg.data_dir) / "ddp.log")
@@ -320,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_rank(cfg, args.rank, args.world, stop)
     except DdpError as exc:
-        print(f"worker.ddp: {exc}", file=sys.stderr)
+        print(f"bench.children.ddp_rank: {exc}", file=sys.stderr)
         return 1
 
 

@@ -1,11 +1,11 @@
 """The reducer of the DDP baseline: averages every rank's fp32 gradient, step by step.
 
-A ZeroMQ ROUTER. Each rank (`worker.ddp`) sends ``[header {step, rank}, gradient]``;
+A ZeroMQ ROUTER. Each rank (`bench.children.ddp_rank`) sends ``[header {step, rank}, gradient]``;
 once all `world` ranks sent step s, every rank gets ``[header {step}, mean]``.
 Ranks run in lockstep, so at most one step is open at a time; a message for
 another step than the open one is a protocol error and stops the reducer.
 
-    python -m bench.ddp_reducer --bind tcp://127.0.0.1:PORT --world N
+    python -m bench.children.ddp_reducer --bind tcp://127.0.0.1:PORT --world N
 
 Prints ``ready`` on stdout once bound; runs until SIGTERM / SIGINT.
 """
@@ -108,7 +108,9 @@ def serve(bind: str, world: int, stop: threading.Event) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (2 for bad arguments, 1 for a protocol error)."""
-    parser = argparse.ArgumentParser(prog="python -m bench.ddp_reducer", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.children.ddp_reducer", description=__doc__
+    )
     parser.add_argument("--bind", required=True, help="ROUTER endpoint, tcp://HOST:PORT")
     parser.add_argument("--world", type=int, required=True, help="number of ranks")
     args = parser.parse_args(argv)

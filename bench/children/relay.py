@@ -7,7 +7,7 @@ limits each direction of each connection to `rate_mbit` with a token bucket
 (the bench says which shaping it used). It is transparent to ZeroMQ (ZMTP is a
 plain TCP stream), so islands and ranks reach shards or the reducer through it.
 
-    python -m bench.relay --pair LISTEN_HOST:PORT=TARGET_HOST:PORT [--pair ...]
+    python -m bench.children.relay --pair LISTEN_HOST:PORT=TARGET_HOST:PORT [--pair ...]
                           [--delay-ms 25] [--rate-mbit 0]
 
 Prints ``ready`` on stdout once every listener is bound; runs until SIGTERM.
@@ -140,7 +140,7 @@ async def _serve(pairs: list[tuple[str, int, str, int]], delay_s: float, rate: f
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (2 for bad arguments)."""
-    parser = argparse.ArgumentParser(prog="python -m bench.relay", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.children.relay", description=__doc__)
     parser.add_argument("--pair", action="append", required=True, help="LHOST:LPORT=THOST:TPORT")
     parser.add_argument("--delay-ms", type=float, default=0.0, help="one-way latency added")
     parser.add_argument(

@@ -1,0 +1,10 @@
+"""Child processes the bench harness starts, each run as ``python -m bench.children.<name>``.
+
+- `relay`: TCP relay with per-connection latency and an optional token bucket (`bench.wan`).
+- `chaos_relay`: a relay that cuts, slows, drops, duplicates, delays and corrupts
+  messages on a seeded schedule (`bench.chaos`).
+- `ddp_reducer`: the all-reduce of the data-parallel baseline (`bench.runs`).
+- `ddp_rank`: one rank of the data-parallel baseline (`bench.runs`).
+
+None of them is a `diloco-bench` subcommand.
+"""
