@@ -10,7 +10,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from paramserver.records import DUPLICATE, REJECTED, Outcome
+from paramserver.protocol import DUPLICATE, REJECTED
+from paramserver.records import Outcome
 
 if TYPE_CHECKING:
     from paramserver.state import ShardState

@@ -379,7 +379,7 @@ class IOThread(threading.Thread):
             self._send_push(key, time.monotonic())
         else:
             self.shared.record_ack(header, time.monotonic() - entry.queued_at)
-            if header["outcome"] not in ("accepted", "duplicate"):
+            if header["outcome"] not in (protocol.ACCEPTED, protocol.DUPLICATE):
                 logger.warning(
                     "delta island=%s fragment=%d round=%d rejected: %s",
                     self.cfg.island,

@@ -35,7 +35,7 @@ import codec
 from paramserver.client_links import Links, ShardLink
 from paramserver.client_types import ClientConfig, ClientError, JoinResult
 from paramserver.plan import LeafSpec, Plan, PlanError, leaf_specs, make_plan
-from paramserver.replica import FragmentState, ShardFeed
+from paramserver.replica import ReplicaFragment, ShardFeed
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class Loop:
 def join(
     cfg: ClientConfig,
     links: Links,
-    replica: dict[int, FragmentState],
+    replica: dict[int, ReplicaFragment],
     flat: Mapping[str, np.ndarray],
     deadline: float,
     loop: Loop,
@@ -349,7 +349,7 @@ def _sync_all(
     cfg: ClientConfig,
     links: Links,
     plan: Plan,
-    replica: dict[int, FragmentState],
+    replica: dict[int, ReplicaFragment],
     deadline: float,
     loop: Loop,
 ) -> JoinResult:

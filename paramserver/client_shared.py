@@ -17,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from paramserver.client_types import Update
-from paramserver.replica import FragmentState
+from paramserver.replica import ReplicaFragment
 
 _MAX_LATENCIES = 100_000  # ack latencies kept until `take_ack_latencies` (bounded memory)
 _MAX_MERGE_ROUNDS = 1024  # rounds whose merge versions are kept for `round_merged`
@@ -52,7 +52,7 @@ class Shared:
         """Start empty: no plan, no replica, every counter at zero."""
         self._lock = threading.Lock()
         self._counters = Counters()
-        self.replica: dict[int, FragmentState] = {}
+        self.replica: dict[int, ReplicaFragment] = {}
         self.num_fragments: int | None = None  # the plan's, once joined
         self._known: dict[int, int] = {}  # newest version heard of, per fragment
         self._updates: dict[int, Update] = {}

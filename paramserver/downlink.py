@@ -40,7 +40,7 @@ class Downlink:
 
         Args:
             scheme: "float32" (publish the new values, mode "full") or "int8"
-                (publish the quantized update, mode "delta").
+                (publish the quantized update, mode "increment").
         """
         if scheme not in DOWNLINKS:
             raise DownlinkError(f"downlink {scheme!r} is unknown; choose one of {DOWNLINKS}")

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from paramserver.liveness import resend_due
+from paramserver.protocol import REJECTED
 
 Key = tuple[int, int]
 """(fragment, round): with the island, the idempotency key of a delta."""
@@ -156,7 +157,7 @@ class Outbox:
         entry = self._entries.get(key)
         if entry is None:
             raise KeyError(f"delta {key} is not pending; check `key in outbox` before on_ack")
-        if outcome == "rejected":
+        if outcome == REJECTED:
             if reason == "unknown_island":
                 return "rejoin"
             if reason in RETRYABLE_REASONS:

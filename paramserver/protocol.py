@@ -117,19 +117,20 @@ with seq <= the snapshot's seq).
 kind       header fields                                   payload
 =========  ==============================================  ========================
 update     shard, seq, fragment, version, mode ("full":     codec frames
-           payload is the new values; "delta": payload is   {"values": vec}
-           the change to add to the previous version)
+           payload is the new values; "increment":          {"values": vec}
+           payload is the change to add to the previous
+           version)
            credited (optional map island -> number: the
            cumulative `credited` of each island this step
            merged, as in the heartbeat reply)
 heartbeat  shard, seq (the last update's seq; no increment)  -
 =========  ==============================================  ========================
 
-Mode "full" (downlink float32) carries exact float32 values. Mode "delta"
+Mode "full" (downlink float32) carries exact float32 values. Mode "increment"
 (downlink int8) carries the int8-encoded change from version - 1; a replica
 computes `np.add(values_at_version_minus_1, decoded, dtype=float32)` and then
 equals the shard bit for bit (the shard applies exactly the decoded change to
-its own parameters). A delta that does not follow the replica's version is a
+its own parameters). An increment that does not follow the replica's version is a
 gap: re-snapshot.
 
 Deduplication
@@ -187,7 +188,12 @@ REQUEST = "request"
 REPLY = "reply"
 PUB = "pub"
 
-OUTCOMES = ("accepted", "duplicate", "rejected")
+# The modes of a published update: new values, or the change from the previous version.
+UPDATE_FULL, UPDATE_INCREMENT = "full", "increment"
+
+# The outcomes of an ack (the one place they are spelled).
+ACCEPTED, DUPLICATE, REJECTED = "accepted", "duplicate", "rejected"
+OUTCOMES = (ACCEPTED, DUPLICATE, REJECTED)
 
 REASONS = (
     "malformed",

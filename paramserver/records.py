@@ -14,8 +14,6 @@ import numpy as np
 
 from paramserver.policy import ArrivalStats
 
-ACCEPTED, DUPLICATE, REJECTED = "accepted", "duplicate", "rejected"
-
 
 class StateError(RuntimeError):
     """An event that cannot be applied (a corrupted or foreign log), or misuse of the state."""
@@ -93,11 +91,11 @@ class Outcome:
 
 
 @dataclass(frozen=True)
-class Update:
+class StepUpdate:
     """A new fragment version to publish: the values after the step (1-D float32).
 
     `frames` is None for the float32 downlink (publish `values`, mode "full"),
-    else the codec frames of the quantized update (publish them, mode "delta").
+    else the codec frames of the quantized update (publish them, mode "increment").
     """
 
     fragment: int

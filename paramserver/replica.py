@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from paramserver.protocol import UPDATE_FULL, UPDATE_INCREMENT
+
 logger = logging.getLogger(__name__)
 
-MODES = ("full", "delta")
+MODES = (UPDATE_FULL, UPDATE_INCREMENT)
 
 
 def apply_update(current: np.ndarray | None, mode: str, values: np.ndarray) -> np.ndarray:
@@ -25,7 +27,7 @@ def apply_update(current: np.ndarray | None, mode: str, values: np.ndarray) -> n
 
     Args:
         current: the values at the previous version (1-D float32), or None.
-        mode: "full" (`values` are the new values) or "delta" (`values` is the
+        mode: "full" (`values` are the new values) or "increment" (`values` is the
             decoded change to add in float32).
         values: the decoded payload, 1-D.
 
@@ -33,11 +35,11 @@ def apply_update(current: np.ndarray | None, mode: str, values: np.ndarray) -> n
         A new 1-D float32 array; `current` is not modified.
 
     Raises:
-        ValueError: unknown mode, or a "delta" without current values or of another size.
+        ValueError: unknown mode, or an "increment" without current values or of another size.
     """
     if mode == "full":
         return np.array(values, dtype=np.float32, copy=True, order="C")
-    if mode == "delta":
+    if mode == UPDATE_INCREMENT:
         if current is None or current.shape != np.shape(values):
             raise ValueError("a delta update needs current values of the same shape")
         return np.add(current, values, dtype=np.float32)
@@ -45,7 +47,7 @@ def apply_update(current: np.ndarray | None, mode: str, values: np.ndarray) -> n
 
 
 @dataclass
-class FragmentState:
+class ReplicaFragment:
     """One fragment of the replica: its version and fp32 values."""
 
     version: int
@@ -74,7 +76,7 @@ class ShardFeed:
 
     shard: int
     fragments: tuple[int, ...]
-    replica: dict[int, FragmentState]
+    replica: dict[int, ReplicaFragment]
     last_seq: int | None = None
     awaiting: set[int] = field(default_factory=set)
     snapshot_seqs: dict[int, int] = field(default_factory=dict)
@@ -121,7 +123,7 @@ class ShardFeed:
         self.awaiting.discard(fragment)
         self.snapshot_seqs[fragment] = seq
         old = self.replica.get(fragment)
-        self.replica[fragment] = FragmentState(version, np.asarray(values, dtype=np.float32))
+        self.replica[fragment] = ReplicaFragment(version, np.asarray(values, dtype=np.float32))
         changed = [] if old is not None and old.version == version else [fragment]
         if not self.awaiting:
             changed.extend(self._finish_sync())
@@ -190,7 +192,7 @@ class ShardFeed:
         state = self.replica.get(item.fragment)
         if state is not None and item.version <= state.version:
             return False
-        if item.mode == "delta" and (state is None or item.version != state.version + 1):
+        if item.mode == UPDATE_INCREMENT and (state is None or item.version != state.version + 1):
             raise Resync(
                 f"shard {self.shard}: delta to version {item.version} of fragment "
                 f"{item.fragment}, replica has {None if state is None else state.version}"
@@ -198,7 +200,7 @@ class ShardFeed:
         if state is not None and np.shape(item.values) != state.values.shape:
             raise Resync(f"shard {self.shard}: update of fragment {item.fragment} has wrong size")
         values = apply_update(None if state is None else state.values, item.mode, item.values)
-        self.replica[item.fragment] = FragmentState(item.version, values)
+        self.replica[item.fragment] = ReplicaFragment(item.version, values)
         return True
 
 

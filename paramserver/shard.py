@@ -40,7 +40,8 @@ from paramserver import binding, daemon, protocol, settings
 from paramserver.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.curve import CurveServer
 from paramserver.durable import Durability, StorageError
-from paramserver.records import ACCEPTED, REJECTED, Outcome, Update
+from paramserver.protocol import ACCEPTED, REJECTED
+from paramserver.records import Outcome, StepUpdate
 from paramserver.state import ShardState
 
 logger = logging.getLogger(__name__)
@@ -87,7 +88,7 @@ class ShardServer:
         self.seq = 0
         self._replies: list[tuple[Any, dict[str, Any], list[Any]]] = []  # sent after the sync
         self._bindings = binding.Bindings(cfg.heartbeat_interval_s, cfg.liveness)
-        self._updates: list[Update] = []
+        self._updates: list[StepUpdate] = []
         self._durable: Durability | None = None
         self._router: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
@@ -232,9 +233,12 @@ class ShardServer:
         for update in self._updates:
             self.seq += 1
             if update.frames is None:
-                mode, (frames, _) = "full", self._raw32.encode({"values": update.values})
+                mode, (frames, _) = (
+                    protocol.UPDATE_FULL,
+                    self._raw32.encode({"values": update.values}),
+                )
             else:
-                mode, frames = "delta", list(update.frames)
+                mode, frames = protocol.UPDATE_INCREMENT, list(update.frames)
             self._publish(
                 {
                     "kind": "update",

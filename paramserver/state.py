@@ -56,10 +56,8 @@ from paramserver.policy import (
     pace_report,
     quorum_time,
 )
+from paramserver.protocol import ACCEPTED, DUPLICATE, REJECTED
 from paramserver.records import (
-    ACCEPTED,
-    DUPLICATE,
-    REJECTED,
     AcceptEvent,
     Contribution,
     Counters,
@@ -70,7 +68,7 @@ from paramserver.records import (
     Outcome,
     StateError,
     StepEvent,
-    Update,
+    StepUpdate,
 )
 from paramserver.weighting import island_shares, make_weighting
 
@@ -381,7 +379,7 @@ class ShardState:
                 wake = decision.wake_at if wake is None else min(wake, decision.wake_at)
         return due, wake
 
-    def step(self, fragment: int, now: float) -> tuple[StepEvent, Update]:
+    def step(self, fragment: int, now: float) -> tuple[StepEvent, StepUpdate]:
         """One outer step of a fragment merging all its pending deltas.
 
         Args:
@@ -389,7 +387,7 @@ class ShardState:
             now: wall-clock seconds.
 
         Returns:
-            (the applied StepEvent, the Update to publish).
+            (the applied StepEvent, the StepUpdate to publish).
 
         Raises:
             Whatever `journal` raises; the event is then not applied.
@@ -410,20 +408,20 @@ class ShardState:
 
     # ----- the one mutation path --------------------------------------------------
 
-    def _commit(self, event: Event) -> Update | None:
+    def _commit(self, event: Event) -> StepUpdate | None:
         """Journal a live event, then apply it (a journal error leaves the state as it was)."""
         if self.journal is not None:
             self.journal(event)
         return self.apply(event)
 
-    def apply(self, event: Event) -> Update | None:
+    def apply(self, event: Event) -> StepUpdate | None:
         """Apply an event (live or replayed from the log).
 
         Args:
             event: InitEvent, AcceptEvent or StepEvent.
 
         Returns:
-            The Update of a StepEvent, else None.
+            The StepUpdate of a StepEvent, else None.
 
         Raises:
             StateError: the event does not fit this state (corrupted or foreign log).
@@ -496,7 +494,7 @@ class ShardState:
         # a new array: the event keeps the delta as received (what the log replays)
         return replace(c, delta=c.delta * np.float32(factor))
 
-    def _apply_step(self, event: StepEvent) -> Update:
+    def _apply_step(self, event: StepEvent) -> StepUpdate:
         frag = self.fragments.get(event.fragment)
         if frag is None:
             raise StateError(f"step event for fragment {event.fragment} not owned by {self.index}")
@@ -551,4 +549,4 @@ class ShardState:
             len(merged_in), extra={**where, "merged": len(merged_in), "coefficients": islands},
         )  # fmt: skip
         credited = {x.island: self.counters.credited[x.island] for x in shares}
-        return Update(event.fragment, frag.version, np.asarray(frag.params), frames, credited)
+        return StepUpdate(event.fragment, frag.version, np.asarray(frag.params), frames, credited)

@@ -23,7 +23,7 @@ def synced_feed(seq=5):
 def test_apply_update_full_and_delta_bit_exact():
     cur = vec(1.0, 2.0, 1e-8)
     change = vec(0.1, -2.0, 1.0)
-    out = apply_update(cur, "delta", change)
+    out = apply_update(cur, "increment", change)
     assert out.dtype == np.float32
     np.testing.assert_array_equal(out, np.add(cur, change, dtype=np.float32))
     assert cur[0] == np.float32(1.0)  # not modified
@@ -33,14 +33,14 @@ def test_apply_update_full_and_delta_bit_exact():
     with pytest.raises(ValueError, match="unknown update mode"):
         apply_update(cur, "half", change)
     with pytest.raises(ValueError, match="needs current values"):
-        apply_update(None, "delta", change)
+        apply_update(None, "increment", change)
 
 
 def test_in_order_updates_apply_and_old_versions_are_dropped():
     feed, replica = synced_feed()
     assert feed.on_update(Published(6, 0, 4, "full", vec(9, 9))) == [0]
     assert replica[0].version == 4
-    assert feed.on_update(Published(7, 2, 8, "delta", vec(1))) == [2]
+    assert feed.on_update(Published(7, 2, 8, "increment", vec(1))) == [2]
     np.testing.assert_array_equal(replica[2].values, vec(6))
     assert feed.on_update(Published(8, 0, 4, "full", vec(0, 0))) == []  # not newer
     np.testing.assert_array_equal(replica[0].values, vec(9, 9))
@@ -62,7 +62,7 @@ def test_gap_and_restarted_stream_ask_for_resync():
 def test_delta_that_skips_a_version_asks_for_resync():
     feed, _ = synced_feed()
     with pytest.raises(Resync, match="delta to version 5"):
-        feed.on_update(Published(6, 0, 5, "delta", vec(1, 1)))
+        feed.on_update(Published(6, 0, 5, "increment", vec(1, 1)))
 
 
 def test_updates_buffered_during_sync_replay_only_newer_than_snapshot():
@@ -71,7 +71,7 @@ def test_updates_buffered_during_sync_replay_only_newer_than_snapshot():
     feed.begin_sync(0.0)
     # Snapshot of 1 includes seq 10; seq 11 updates fragment 1, seq 12 fragment 3,
     # which the snapshot of 3 (taken at seq 12) already includes.
-    assert feed.on_update(Published(11, 1, 4, "delta", vec(1))) == []
+    assert feed.on_update(Published(11, 1, 4, "increment", vec(1))) == []
     assert feed.on_update(Published(12, 3, 9, "full", vec(7))) == []
     assert feed.on_snapshot(1, 3, 10, vec(10)) == [1]
     assert feed.on_snapshot(3, 9, 12, vec(7)) == [3, 1]

@@ -309,7 +309,8 @@ def test_a_stopped_push_returns_at_once_and_close_hands_back_every_unacked_delta
         wait_for(lambda n=acks: again.stats()["acked"] == n, "the re-sent deltas' acks")
     stats = again.stats()
     assert stats["duplicates"] == 2 and stats["rejected"] == {}
-    assert c.servers[0].state.versions()[0] == res.versions[0] + 2  # each applied once
+    # each applied once (one step may merge both: the version count depends on timing)
+    assert c.servers[0].state.counters.accepted == 2
 
 
 @pytest.mark.timeout(60)

@@ -14,7 +14,7 @@ from paramserver.merge import (
     rda_merge,
 )
 from paramserver.plan import Fragment, Slice
-from paramserver.records import ACCEPTED
+from paramserver.protocol import ACCEPTED
 from paramserver.state import ShardState
 
 pytestmark = pytest.mark.timeout(60)

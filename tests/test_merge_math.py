@@ -18,7 +18,7 @@ from shard_helpers import (
 )
 
 from paramserver.config import ShardConfig
-from paramserver.records import ACCEPTED, DUPLICATE, REJECTED
+from paramserver.protocol import ACCEPTED, DUPLICATE, REJECTED
 from paramserver.state import ShardState
 
 T0 = 1_000_000.0

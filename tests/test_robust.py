@@ -8,7 +8,7 @@ from shard_helpers import delta_frames, init_payload, plan_for, push_header, sma
 
 from paramserver.config import ConfigError, ShardConfig
 from paramserver.durable import export_state, restore_state
-from paramserver.records import ACCEPTED
+from paramserver.protocol import ACCEPTED
 from paramserver.robust import clip, clip_factor, l2_norm
 from paramserver.state import ShardState
 

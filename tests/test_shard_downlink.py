@@ -109,7 +109,7 @@ def test_a_subscriber_replica_equals_the_live_shard(start_shard, peer, zmq_ctx):
             msg, body = protocol.unpack(sub.recv_multipart(), role=protocol.PUB)
             if msg["kind"] != "update":
                 continue
-            assert msg["mode"] == "delta" and msg["seq"] == last_seq + 1
+            assert msg["mode"] == "increment" and msg["seq"] == last_seq + 1
             last_seq = msg["seq"]
             values = codec.decode(body)["values"]
             replica[msg["fragment"]] = np.add(replica[msg["fragment"]], values, dtype=np.float32)

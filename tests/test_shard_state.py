@@ -14,7 +14,8 @@ from shard_helpers import (
 )
 
 from paramserver.config import ShardConfig
-from paramserver.records import ACCEPTED, DUPLICATE, REJECTED, StateError
+from paramserver.protocol import ACCEPTED, DUPLICATE, REJECTED
+from paramserver.records import StateError
 from paramserver.state import ShardState
 
 T0 = 1_000_000.0
