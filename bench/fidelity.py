@@ -1,6 +1,6 @@
 """Reproduce Decoupled DiLoCo's quorum table and DiLoCo's parity with DDP, with real daemons.
 
-    diloco-bench fidelity [--quick | --smoke] [--seeds N] [--only NAME,...] --out DIR
+    diloco-bench fidelity [--quick | --smoke] [--seeds N] [--only NAME,...] [--resume] --out DIR
 
 One harness, same model, data, seeds and token budget for every scenario of a
 group (`bench.fidelity_plan`): group A compares DDP, synchronous DiLoCo at
@@ -15,7 +15,8 @@ Writes DIR/runs/seed<k>/<name>.json per run, DIR/fidelity.json (pinned keys:
 against tokens per group, goodput/loss bars of the quorum table); prints
 fidelity.json on stdout. Progress (scenario, seed, tokens) goes to stderr.
 `--quick`: tiny model, 1 seed, group B's core (ddp, sync, k_all, k1, k1_grace),
-under 10 minutes on 2 cores; the full run takes about 90 minutes.
+under 10 minutes on 2 cores; the full run takes about 90 minutes. `--resume`
+reuses the runs an interrupted invocation of the same plan already wrote.
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seeds", type=int, default=None,
                         help="seeds per scenario (default: 2 full, 1 quick/smoke)")  # fmt: skip
     parser.add_argument("--only", default="", help="comma-separated scenario names to run")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep DIR and reuse every run whose runs/seed<k>/<name>.json exists "
+                        "(an interrupted run of the same plan)")  # fmt: skip
     parser.add_argument("--out", default="runs/fidelity",
                         help="output directory (new, empty, or one this command made)")  # fmt: skip
 
@@ -82,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"diloco-bench fidelity: {exc}", file=sys.stderr)
         return 2
-    out = outdir.claim(Path(args.out), "fidelity")
+    out = outdir.claim(Path(args.out), "fidelity", keep=args.resume)
     signal.signal(signal.SIGTERM, _terminate)
     seeds = list(range(seeds_n))
     started = time.monotonic()
@@ -110,7 +114,11 @@ def run(args: argparse.Namespace) -> int:
 
                         runs_dir = out / "runs" / f"seed{seed}"
                         runs_dir.mkdir(parents=True, exist_ok=True)
-                        record = runs.run_scenario(scenario, seeded, None, runs_dir, update)
+                        done_json = runs_dir / f"{scenario.name}.json"
+                        if args.resume and done_json.exists():
+                            record = json.loads(done_json.read_text())  # an earlier run's
+                        else:
+                            record = runs.run_scenario(scenario, seeded, None, runs_dir, update)
                         records.append(record)
                         p.remove_task(task)
                         done += 1

@@ -40,15 +40,17 @@ def is_ours(out: Path) -> bool:
     return marker.is_file() and not marker.is_symlink()
 
 
-def claim(out: Path, command: str) -> Path:
+def claim(out: Path, command: str, keep: bool = False) -> Path:
     """Take `out` as the output directory of `command`, refusing anything not ours.
 
     Args:
         out: the directory (`--out`).
         command: the bench subcommand, recorded in the marker (e.g. "demo").
+        keep: keep what an earlier run of ours left there (resuming it).
 
     Returns:
-        `out`, now an existing, marked directory holding nothing but the marker.
+        `out`, now an existing, marked directory holding nothing but the marker
+        (with `keep`: the marker and what was there).
 
     Raises:
         OutDirError: `out` is a file, or a non-empty directory without the
@@ -63,7 +65,7 @@ def claim(out: Path, command: str) -> Path:
                 f"--out {out} is not empty and was not created by diloco-bench (no {MARKER} "
                 f"file); choose a new or empty directory, or empty it yourself"
             )
-        if out.is_dir():
+        if out.is_dir() and not keep:
             _clear(out)
         out.mkdir(parents=True, exist_ok=True)
         created = datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")

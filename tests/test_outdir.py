@@ -145,3 +145,18 @@ def test_demo_refuses_a_foreign_out_dir_fast_and_deletes_nothing(tmp_path):
     assert "Traceback" not in proc.stderr
     assert (out / "foo.txt").read_text() == "keep me"
     assert sorted(p.name for p in out.iterdir()) == ["foo.txt"]
+
+
+@pytest.mark.timeout(10)
+def test_keep_resumes_our_directory_and_still_refuses_a_foreign_one(tmp_path):
+    out = outdir.claim(tmp_path / "run", "fidelity")
+    (out / "runs").mkdir()
+    (out / "runs" / "a.json").write_text("{}")
+    again = outdir.claim(out, "fidelity", keep=True)
+    assert (again / "runs" / "a.json").read_text() == "{}"  # an earlier run's records kept
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "x").write_text("mine")
+    with pytest.raises(outdir.OutDirError):
+        outdir.claim(foreign, "fidelity", keep=True)
+    assert (foreign / "x").read_text() == "mine"
