@@ -5,13 +5,22 @@ shapes, dtypes, shard count, fragment count) that server and client both
 compute and compare by `Plan.hash`, plus `gather` / `scatter` between the flat
 parameter mapping and a fragment's 1-D float32 vector.
 
-Layout: leaves are sorted by path, each flattened row-major, and laid end to
-end. The concatenation is cut at `round(i * total / num_fragments)`, so every
-fragment holds `total // num_fragments` or one more element (byte-balanced to
-one element, since fragment values are always float32); large leaves are
-split across fragments, small neighbours share one. Fragments are then given
-to shards greedily, largest first, each to the least-loaded shard (ties: the
-lower shard index), so shards are balanced by bytes, not by names.
+Layout: leaves are sorted by path (code point order), each flattened
+row-major, and laid end to end. The concatenation is cut at
+`(2 * i * total + F) // (2 * F)` for i = 0..F (F = num_fragments): i * total / F
+rounded half *up*, in integer arithmetic (not Python's `round`, which rounds
+halves to even). So every fragment holds `total // F` or one more element
+(byte-balanced to one element, since fragment values are always float32);
+large leaves are split across fragments, small neighbours share one, a leaf
+with no elements is in no fragment. Fragments are then given to shards
+greedily, largest first (ties: lower fragment index), each to the shard with
+the least (elements held, fragments held, shard index), so shards are
+balanced by bytes, not by names.
+
+The hash is the lowercase hex SHA-256 of the wire form without its "hash"
+key, as `json.dumps(..., sort_keys=True, separators=(",", ":"))` writes it
+(ASCII-escaped). `docs/protocol.md` (section 6) spells all of this out for
+clients written without this module.
 """
 
 from __future__ import annotations
@@ -276,7 +285,7 @@ def leaf_specs(flat: Mapping[str, np.ndarray]) -> list[LeafSpec]:
 
 def _cut_fragments(leaves: Sequence[LeafSpec], num_fragments: int) -> list[tuple[Slice, ...]]:
     total = sum(leaf.size for leaf in leaves)
-    # Integer boundaries round(i * total / F), exact in integer arithmetic.
+    # Integer boundaries: i * total / F rounded half up, exact in integer arithmetic.
     bounds = [
         (2 * i * total + num_fragments) // (2 * num_fragments) for i in range(num_fragments + 1)
     ]
