@@ -10,6 +10,7 @@ The work is done by `supervisor` (local cluster), `serve` (one shard),
     diloco-server start --shards 2 --port 5555 --data-dir runs/server [--detach]
     diloco-server start --cluster cluster.toml --shard 0 [--detach]
     diloco-server status --connect tcp://127.0.0.1:5555 [--json]
+        [--curve-secret-key-file K.key_secret --curve-server-key-file server.key]
     diloco-server stop --data-dir runs/server
     diloco-server keys --out keys/ [--name server]     # CURVE key pair (see README, Security)
 """
@@ -21,12 +22,15 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 from paramserver import clusterfile, daemon
 from paramserver.config import ShardConfig
 from paramserver.daemon import DaemonError
 from paramserver.settings import SettingsError, add_flags, load_settings
+
+if TYPE_CHECKING:
+    from paramserver.curve import ClientKeys
 
 PROG = "diloco-server"
 ENV_PREFIX = "DILOCO_SERVER_"
@@ -104,6 +108,19 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--timeout", type=float, default=5.0, metavar="S", help="reply timeout per shard"
     )
+    status.add_argument(
+        "--curve-secret-key-file",
+        metavar="FILE",
+        default="",
+        help="CURVE shards: a key pair they admit (NAME.key_secret of an allow-listed key, "
+        "or the server's own server.key_secret)",
+    )
+    status.add_argument(
+        "--curve-server-key-file",
+        metavar="FILE",
+        default="",
+        help="CURVE shards: the server's public key (server.key)",
+    )
     status.set_defaults(func=cmd_status)
 
     stop = sub.add_parser(
@@ -122,7 +139,12 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Create a CURVE key pair for a shard (--name server) or an island. Give shards "
             "curve_secret_key_file=NAME.key_secret and curve_allow_dir=a directory holding the "
-            "islands' NAME.key files; give islands their own NAME.key_secret and the server's .key."
+            "islands' NAME.key files; give islands their own NAME.key_secret and the server's .key. "
+            "A key NAME.key in the allow dir may act only as island NAME; to let it act as more "
+            "ids, give shards curve_allow_map=a TOML file with one line per key, "
+            'NAME = ["id-b", "id-c"]. Any other id is refused forbidden_island. '
+            "diloco-server status speaks CURVE with --curve-secret-key-file (an allowed key, or "
+            "the server's own pair) and --curve-server-key-file (the server's .key)."
         ),
         allow_abbrev=False,
     )
@@ -273,7 +295,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     if not args.timeout > 0:
         raise SettingsError(f"--timeout: bad value {args.timeout!r}: expected > 0")
     try:
-        result = probe.cluster_status(args.connect, args.timeout)
+        result = probe.cluster_status(args.connect, args.timeout, _status_keys(args))
     except probe.ProbeError as exc:
         raise DaemonError(str(exc)) from None
     if args.json:
@@ -283,6 +305,23 @@ def cmd_status(args: argparse.Namespace) -> int:
 
         render_status(result)
     return EXIT_FAILURE if any("error" in s for s in result["shards"]) else 0
+
+
+def _status_keys(args: argparse.Namespace) -> ClientKeys | None:
+    """The CURVE client keys of `status`, or None without the options."""
+    from paramserver.curve import ClientKeys, CurveError
+
+    secret, server = args.curve_secret_key_file, args.curve_server_key_file
+    if not secret and not server:
+        return None
+    if not secret or not server:
+        raise SettingsError(
+            "CURVE needs both --curve-secret-key-file and --curve-server-key-file (or neither)"
+        )
+    try:
+        return ClientKeys.load(secret, server)
+    except CurveError as exc:
+        raise SettingsError(str(exc)) from None
 
 
 def cmd_stop(args: argparse.Namespace) -> int:

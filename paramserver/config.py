@@ -84,6 +84,9 @@ class ShardConfig:
     metrics_host: str = ""  # bind address of the metrics endpoint; "" = the same as host
     curve_secret_key_file: str = ""  # shard key pair (NAME.key_secret); "" = no CURVE (trusted net)
     curve_allow_dir: str = ""  # with CURVE: directory of the allowed islands' NAME.key files
+    # with CURVE: TOML file granting a key more island ids than its file's stem (NAME.key acts
+    # as island NAME), one line per key: NAME = ["id-b", "id-c"]; "" = only the stems
+    curve_allow_map: str = ""
 
     def __post_init__(self) -> None:
         _require(
@@ -182,13 +185,19 @@ class ShardConfig:
             self.metrics_host,
             "give a bind address such as 127.0.0.1, or leave it empty to use host",
         )
-        for name in ("curve_secret_key_file", "curve_allow_dir"):
+        for name in ("curve_secret_key_file", "curve_allow_dir", "curve_allow_map"):
             _require(isinstance(getattr(self, name), str), name, getattr(self, name), "give a path")
         _require(
             bool(self.curve_secret_key_file) == bool(self.curve_allow_dir),
             "curve_allow_dir" if self.curve_secret_key_file else "curve_secret_key_file",
             self.curve_allow_dir or self.curve_secret_key_file,
             "CURVE needs both curve_secret_key_file and curve_allow_dir (or neither)",
+        )
+        _require(
+            not self.curve_allow_map or bool(self.curve_allow_dir),
+            "curve_allow_map",
+            self.curve_allow_map,
+            "an allow map needs CURVE: set curve_secret_key_file and curve_allow_dir too",
         )
 
     @property

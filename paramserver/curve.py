@@ -3,9 +3,12 @@
 This module owns everything CURVE: writing and reading key pairs (z85 keys in
 ZeroMQ's certificate format, readable by `zmq.auth.load_certificate`), the
 shard side (`CurveServer`: a ZAP authenticator thread that admits only the
-island public keys found in an allow directory and logs every refusal, plus a
-socket monitor that logs handshakes failing before ZAP, e.g. a client with no
-key), and the client side (`secure_client`).
+island public keys found in an allow directory, plus the shard's own key, and
+logs every refusal; a socket monitor that logs handshakes failing before ZAP,
+e.g. a client with no key; and the `IslandGuard` that binds each key to the
+island ids it may act as, `paramserver.identity`), and the client side
+(`secure_client`, `ClientKeys`, and `HandshakeWatch`, which tells an operator
+tool why a shard stays silent: a CURVE mismatch or a refused key).
 
 Key files, as `diloco-server keys --out DIR --name NAME` writes them:
 
@@ -19,12 +22,16 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections import defaultdict
+from dataclasses import dataclass
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
 from zmq.utils.monitor import recv_monitor_message
+
+from paramserver.identity import AllowMapError, IslandGuard, island_ids, read_allow_map
 
 logger = logging.getLogger(__name__)
 
@@ -143,15 +150,66 @@ def allowed_keys(allow_dir: str | Path) -> frozenset[bytes]:
     Raises:
         CurveError: not a directory, or no key file in it (nobody could connect).
     """
+    return frozenset(key_files(allow_dir).values())
+
+
+def key_files(allow_dir: str | Path) -> dict[str, bytes]:
+    """The public key of every NAME.key file in a directory, by file stem.
+
+    Args:
+        allow_dir: the allow-list directory.
+
+    Returns:
+        {NAME: z85 public key}.
+
+    Raises:
+        CurveError: not a directory, or no key file in it (nobody could connect).
+    """
     directory = Path(allow_dir)
     if not directory.is_dir():
         raise CurveError(f"CURVE allow directory {directory} does not exist")
-    keys = frozenset(load_public_key(p) for p in sorted(directory.glob(f"*{PUBLIC_SUFFIX}")))
+    keys = {
+        p.name[: -len(PUBLIC_SUFFIX)]: load_public_key(p)
+        for p in sorted(directory.glob(f"*{PUBLIC_SUFFIX}"))
+    }
     if not keys:
         raise CurveError(
             f"no *{PUBLIC_SUFFIX} file in {directory}: copy each island's public key there"
         )
     return keys
+
+
+def island_guard(
+    allow_dir: str | Path, allow_map_file: str | Path | None, own_public: bytes, shard: int
+) -> IslandGuard:
+    """The shard's binding of allowed keys to island ids (`paramserver.identity`).
+
+    Args:
+        allow_dir: the allow-list directory (NAME.key may act as island NAME).
+        allow_map_file: optional TOML allow map granting more ids ("" or None: none).
+        own_public: the shard's public key (admitted, acts as no island).
+        shard: shard index (for log lines).
+
+    Returns:
+        The guard.
+
+    Raises:
+        CurveError: the directory or the allow map cannot be used.
+    """
+    files = key_files(allow_dir)
+    try:
+        extra = read_allow_map(allow_map_file, files) if allow_map_file else {}
+    except AllowMapError as exc:
+        raise CurveError(str(exc)) from None
+    stems: dict[str, list[str]] = defaultdict(list)
+    for stem, key in files.items():
+        stems[key.decode()].append(stem)
+    allow = island_ids(stems, extra)
+    names = {user: "/".join(sorted(s)) for user, s in stems.items()}
+    own = own_public.decode()
+    allow.setdefault(own, frozenset())
+    names.setdefault(own, "of the server")
+    return IslandGuard(allow, names, shard)
 
 
 def secure_client(sock: zmq.Socket, public: bytes, secret: bytes, server_public: bytes) -> None:
@@ -166,6 +224,122 @@ def secure_client(sock: zmq.Socket, public: bytes, secret: bytes, server_public:
     sock.curve_publickey = public
     sock.curve_secretkey = secret
     sock.curve_serverkey = server_public
+
+
+@dataclass(frozen=True)
+class ClientKeys:
+    """A client's CURVE keys: its own pair and the shard's public key (z85 bytes)."""
+
+    public: bytes
+    secret: bytes
+    server_public: bytes
+
+    @classmethod
+    def load(cls, secret_key_file: str | Path, server_key_file: str | Path) -> ClientKeys:
+        """Read a client's key pair and the server's public key.
+
+        Args:
+            secret_key_file: the client's NAME.key_secret (an allow-listed key, or
+                the server's own pair on the server host).
+            server_key_file: the shards' NAME.key (or NAME.key_secret).
+
+        Returns:
+            The keys.
+
+        Raises:
+            CurveError: a file is missing or unusable.
+        """
+        public, secret = load_keypair(secret_key_file)
+        return cls(public, secret, load_public_key(server_key_file))
+
+    def apply(self, sock: zmq.Socket) -> None:
+        """Make `sock` a CURVE client with these keys (before connect).
+
+        Args:
+            sock: a DEALER or SUB socket.
+        """
+        secure_client(sock, self.public, self.secret, self.server_public)
+
+
+_CLIENT_EVENTS = zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILURES
+
+
+class HandshakeWatch:
+    """Watches one client socket's handshakes, to say why a shard stays silent."""
+
+    def __init__(self, sock: zmq.Socket, curve: bool) -> None:
+        """Start monitoring (call before connect).
+
+        Args:
+            sock: the client socket.
+            curve: whether `sock` is a CURVE client.
+        """
+        self.curve = curve
+        self.monitor = sock.get_monitor_socket(_CLIENT_EVENTS)
+        self._sock = sock
+        self._failure: tuple[int, int] | None = None
+
+    def failure(self, endpoint: str) -> str | None:
+        """Read pending events; a one-line explanation once a handshake failed.
+
+        Args:
+            endpoint: the address connected to (for the message).
+
+        Returns:
+            None while no handshake failed (or one succeeded since); else the
+            likely cause and what to change.
+        """
+        while self.monitor.poll(0):
+            event = recv_monitor_message(self.monitor)
+            if event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self._failure = None
+            elif event["event"] & _HANDSHAKE_FAILURES:
+                self._failure = (event["event"], event["value"])
+        if self._failure is None:
+            return None
+        return handshake_advice(endpoint, self.curve, *self._failure)
+
+    def close(self) -> None:
+        """Stop monitoring (before the socket closes)."""
+        if not self._sock.closed:
+            self._sock.disable_monitor()
+        self.monitor.close(linger=0)
+
+
+def handshake_advice(endpoint: str, curve: bool, event: int, value: int) -> str:
+    """What a failed client handshake most likely means, in one line.
+
+    A plain client's handshake with a CURVE shard fails, usually without
+    detail (the shard drops the connection first); so does a CURVE client's with
+    a plain shard or with a wrong server key. A key ZAP refused fails with AUTH.
+
+    Args:
+        endpoint: the shard's address.
+        curve: whether the client spoke CURVE.
+        event: the monitor event (a zmq.EVENT_HANDSHAKE_FAILED_*).
+        value: its value (a protocol error code, ZAP status or errno).
+
+    Returns:
+        The explanation, naming the options to change.
+    """
+    if not curve:
+        return (
+            f"the handshake with {endpoint} failed: it speaks CURVE, most likely; give "
+            "--curve-secret-key-file (an allow-listed key pair, or the server's own) and "
+            "--curve-server-key-file (the server's .key)"
+        )
+    if event == zmq.EVENT_HANDSHAKE_FAILED_AUTH:
+        return (
+            f"{endpoint} refused our CURVE key (ZAP status {value}): put its .key in the shard's "
+            "curve_allow_dir, or use the server's own key pair"
+        )
+    mismatch = getattr(zmq, "PROTOCOL_ERROR_ZMTP_MECHANISM_MISMATCH", 0x11000002)
+    if event == zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL and value == mismatch:
+        return f"{endpoint} does not speak CURVE (security mechanism mismatch): drop the CURVE keys"
+    return (
+        f"the CURVE handshake with {endpoint} failed: is --curve-server-key-file the server's "
+        ".key, and does the shard run with CURVE?"
+    )
 
 
 class _AllowList:
@@ -192,20 +366,30 @@ class _AllowList:
 class CurveServer:
     """The shard's CURVE side: ZAP allow-list, server socket options, handshake-failure log."""
 
-    def __init__(self, ctx: zmq.Context, secret_key_file: str, allow_dir: str, shard: int) -> None:
-        """Load the shard's key pair and the allow-list (nothing starts yet).
+    def __init__(
+        self,
+        ctx: zmq.Context,
+        secret_key_file: str,
+        allow_dir: str,
+        shard: int,
+        allow_map_file: str = "",
+    ) -> None:
+        """Load the shard's key pair, the allow-list and its island binding (nothing starts yet).
 
         Args:
             ctx: the shard's context (the authenticator serves ZAP for it).
             secret_key_file: the shard's NAME.key_secret.
             allow_dir: directory of island NAME.key files.
             shard: shard index (for log lines).
+            allow_map_file: optional TOML allow map (more island ids per key).
 
         Raises:
-            CurveError: a key file or the allow directory cannot be used.
+            CurveError: a key file, the allow directory or the allow map cannot be used.
         """
         self.public, self.secret = load_keypair(secret_key_file)
-        self.allow = _AllowList(allowed_keys(allow_dir), shard)
+        self.guard = island_guard(allow_dir, allow_map_file, self.public, shard)
+        # The shard's own key is admitted: operator tools on the server host use it.
+        self.allow = _AllowList(allowed_keys(allow_dir) | {self.public}, shard)
         self.shard = shard
         self._ctx = ctx
         self._auth: ThreadAuthenticator | None = None
@@ -227,7 +411,9 @@ class CurveServer:
         self._auth.start()
         self._auth.configure_curve_callback(domain="*", credentials_provider=self.allow)
         logger.info(
-            "shard %d: CURVE on, %d island key(s) allowed", self.shard, len(self.allow.keys)
+            "shard %d: CURVE on, %d island key(s) allowed (and the server's own)",
+            self.shard,
+            len(self.allow.keys - {self.public}),
         )
         return self
 

@@ -3,7 +3,10 @@
 This module owns the translation of shard status maps into Prometheus
 metrics. Each scrape asks every shard for its status over the wire
 (`paramserver.probe`), so the shard loop is never touched from the HTTP
-thread. Needs the `metrics` extra (prometheus-client).
+thread. Under CURVE the scrape speaks CURVE with the server's own key pair,
+which every shard of the cluster admits (acting as no island), so `up` means
+the shard answered, with or without CURVE. Needs the `metrics` extra
+(prometheus-client).
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import Any
 
 import zmq
 
+from paramserver.curve import ClientKeys, CurveError, load_keypair
 from paramserver.probe import ProbeError, shard_status
 
 logger = logging.getLogger(__name__)
@@ -37,15 +41,22 @@ class MetricsError(RuntimeError):
 class ShardCollector:
     """A prometheus collector that queries each shard's status at scrape time."""
 
-    def __init__(self, endpoints: Sequence[str], timeout_s: float = SCRAPE_TIMEOUT_S) -> None:
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        timeout_s: float = SCRAPE_TIMEOUT_S,
+        curve: ClientKeys | None = None,
+    ) -> None:
         """Remember whom to ask.
 
         Args:
             endpoints: ROUTER endpoint of each shard, in shard order.
             timeout_s: per-shard reply timeout of one scrape.
+            curve: client keys for CURVE shards (None: plain).
         """
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
+        self.curve = curve
 
     def describe(self) -> list[Any]:
         """Nothing up front, so registering does not query the shards."""
@@ -75,7 +86,7 @@ class ShardCollector:
             for index, endpoint in enumerate(self.endpoints):
                 label = str(index)
                 try:
-                    status = shard_status(ctx, endpoint, self.timeout_s)
+                    status = shard_status(ctx, endpoint, self.timeout_s, self.curve)
                 except ProbeError as exc:
                     logger.warning("metrics: shard %d: %s", index, exc)
                     up.add_metric([label], 0)
@@ -97,19 +108,45 @@ class ShardCollector:
         yield from (rejected, staleness, version, live)
 
 
-def serve_metrics(port: int, endpoints: Sequence[str], host: str = "127.0.0.1") -> Any:
+def server_keys(curve_secret_key_file: str) -> ClientKeys | None:
+    """The client keys a scrape uses: the server's own pair, with itself as the server key.
+
+    Args:
+        curve_secret_key_file: the shards' NAME.key_secret ("": no CURVE).
+
+    Returns:
+        The keys, or None without CURVE.
+
+    Raises:
+        MetricsError: the key file cannot be read.
+    """
+    if not curve_secret_key_file:
+        return None
+    try:
+        public, secret = load_keypair(curve_secret_key_file)
+    except CurveError as exc:
+        raise MetricsError(str(exc)) from None
+    return ClientKeys(public, secret, public)
+
+
+def serve_metrics(
+    port: int, endpoints: Sequence[str], host: str = "127.0.0.1", curve_secret_key_file: str = ""
+) -> Any:
     """Start the HTTP endpoint in a background thread.
 
     Args:
         port: TCP port for /metrics.
         endpoints: ROUTER endpoint of each shard.
         host: bind address (ShardConfig.metrics_bind_host: metrics_host, else host).
+        curve_secret_key_file: the shards' key pair (ShardConfig.curve_secret_key_file;
+            "": the shards run without CURVE).
 
     Returns:
         The HTTP server (call ``shutdown()`` to stop it).
 
     Raises:
-        MetricsError: prometheus-client is missing or the port cannot be bound.
+        MetricsError: prometheus-client is missing, the key file is unusable, or
+            the port cannot be bound.
     """
     try:
         from prometheus_client import CollectorRegistry, start_http_server
@@ -119,7 +156,7 @@ def serve_metrics(port: int, endpoints: Sequence[str], host: str = "127.0.0.1") 
             "pip install 'decoupled-diloco[metrics]' or set metrics_port = 0"
         ) from None
     registry = CollectorRegistry()
-    registry.register(ShardCollector(endpoints))
+    registry.register(ShardCollector(endpoints, curve=server_keys(curve_secret_key_file)))
     try:
         server, _thread = start_http_server(port, addr=host, registry=registry)
     except OSError as exc:

@@ -10,6 +10,12 @@ a finite timeout; nothing here keeps state, and nothing imports JAX.
 The cluster map comes from the `status` reply when it lists `endpoints`,
 otherwise from a `welcome` (hello, immediately followed by bye, under an
 island id starting with ``diloco-status-`` so it is recognisable in logs).
+
+Under CURVE, `shard_status`, `cluster_status` and `wait_merged` take the
+client keys (`curve.ClientKeys`: an allow-listed key pair, or the server's
+own). A shard whose handshake fails (it speaks CURVE and we did not, or it
+refused our key) is reported at once with the likely cause
+(`curve.HandshakeWatch`) instead of a bare timeout.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ import zmq
 
 import codec
 from paramserver import protocol
+from paramserver.curve import ClientKeys, HandshakeWatch
 from paramserver.plan import Plan, PlanError
 
 logger = logging.getLogger(__name__)
@@ -41,43 +48,54 @@ class ProbeError(RuntimeError):
     """A shard did not answer in time, or answered something unusable."""
 
 
-def _request(
-    ctx: zmq.Context, endpoint: str, header: dict[str, Any], timeout_s: float
-) -> dict[str, Any]:
-    return _exchange(ctx, endpoint, header, timeout_s)[0]
-
-
 def _exchange(
     ctx: zmq.Context,
     endpoint: str,
     header: dict[str, Any],
     timeout_s: float,
     farewell: dict[str, Any] | None = None,
+    curve: ClientKeys | None = None,
 ) -> tuple[dict[str, Any], list[Any]]:
     """One request, its reply header and payload frames; `rejected` raises ProbeError.
 
     `farewell` (a bye after a hello) is sent after the reply on the same
     connection, as a shard binds an island id to the connection of its hello;
-    its answer is awaited (up to `timeout_s`) but not checked.
+    its answer is awaited (up to `timeout_s`) but not checked. A failed
+    handshake ends the wait at once, with its likely cause.
     """
     sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
+    watch: HandshakeWatch | None = None
     try:
+        sock.setsockopt(zmq.LINGER, 0)
+        if curve is not None:
+            curve.apply(sock)
+        watch = HandshakeWatch(sock, curve=curve is not None)
         sock.connect(endpoint)
         rid = next(_IDS)
         sock.send_multipart(protocol.pack({**header, "id": rid}))
         deadline_ms = int(timeout_s * 1000)
+        deadline = time.monotonic() + timeout_s
+        poller = zmq.Poller()
+        poller.register(sock, zmq.POLLIN)
+        poller.register(watch.monitor, zmq.POLLIN)
         while True:
-            if not sock.poll(deadline_ms):
+            remaining_ms = int((deadline - time.monotonic()) * 1000)
+            ready = dict(poller.poll(remaining_ms)) if remaining_ms > 0 else {}
+            if sock in ready:
+                try:
+                    reply, payload = protocol.unpack(sock.recv_multipart(), protocol.REPLY)
+                except protocol.ProtocolError as exc:
+                    raise ProbeError(f"{endpoint} sent an unusable reply: {exc}") from None
+                if reply.get("id") == rid:
+                    break
+                continue
+            advice = watch.failure(endpoint)  # a failed handshake: no reply will come
+            if advice is not None:
+                raise ProbeError(f"no reply from {endpoint}: {advice}")
+            if not ready:
                 raise ProbeError(
                     f"no reply from {endpoint} within {timeout_s:g}s: is the server running there?"
                 )
-            try:
-                reply, payload = protocol.unpack(sock.recv_multipart(), protocol.REPLY)
-            except protocol.ProtocolError as exc:
-                raise ProbeError(f"{endpoint} sent an unusable reply: {exc}") from None
-            if reply.get("id") == rid:
-                break
         if reply["kind"] == "rejected":
             raise ProbeError(
                 f"{endpoint} refused {header['kind']}: {reply['reason']}: {reply['detail']}"
@@ -90,24 +108,30 @@ def _exchange(
     except zmq.ZMQError as exc:
         raise ProbeError(f"cannot reach {endpoint}: {exc}") from None
     finally:
+        if watch is not None:
+            watch.close()
         sock.close(linger=0)
 
 
-def shard_status(ctx: zmq.Context, endpoint: str, timeout_s: float = 5.0) -> dict[str, Any]:
+def shard_status(
+    ctx: zmq.Context, endpoint: str, timeout_s: float = 5.0, curve: ClientKeys | None = None
+) -> dict[str, Any]:
     """The status map of one shard.
 
     Args:
         ctx: a ZeroMQ context.
         endpoint: the shard's ROUTER, e.g. tcp://127.0.0.1:5555.
         timeout_s: how long to wait for the reply.
+        curve: client keys for a CURVE shard (None: plain).
 
     Returns:
         The shard's status dict (see `paramserver.state.ShardState.status`).
 
     Raises:
-        ProbeError: no reply in time or an unusable one.
+        ProbeError: no reply in time (the message names a failed CURVE
+            handshake when there was one) or an unusable one.
     """
-    reply = _request(ctx, endpoint, {"kind": "status"}, timeout_s)
+    reply, _ = _exchange(ctx, endpoint, {"kind": "status"}, timeout_s, curve=curve)
     if reply["kind"] != "status_reply":
         raise ProbeError(f"{endpoint} answered status with {reply['kind']!r}")
     return dict(reply["status"])
@@ -150,12 +174,30 @@ def _endpoints_of(welcome: dict[str, Any], connect: str) -> list[tuple[str, str]
     return endpoints
 
 
-def cluster_status(connect: str, timeout_s: float = 5.0) -> dict[str, Any]:
+def _cluster_map(
+    ctx: zmq.Context, connect: str, timeout_s: float, curve: ClientKeys | None
+) -> tuple[dict[str, Any], list[tuple[str, str]]]:
+    """The status of the shard at `connect` and every shard's endpoints (its own: `connect`)."""
+    first = shard_status(ctx, connect, timeout_s, curve)
+    if "endpoints" in first:
+        endpoints = [(str(r), str(p)) for r, p in first["endpoints"]]
+        index = first.get("shard")
+        if isinstance(index, int) and 0 <= index < len(endpoints):
+            endpoints[index] = (connect, endpoints[index][1])
+    else:  # a shard that does not list them in its status: ask for a welcome
+        endpoints = cluster_endpoints(ctx, connect, timeout_s)
+    return first, endpoints
+
+
+def cluster_status(
+    connect: str, timeout_s: float = 5.0, curve: ClientKeys | None = None
+) -> dict[str, Any]:
     """Status of every shard of the cluster that `connect` belongs to.
 
     Args:
         connect: ROUTER endpoint of any shard (normally shard 0).
         timeout_s: per-request timeout.
+        curve: client keys for a CURVE cluster (None: plain).
 
     Returns:
         {"connect": connect, "shards": [status dict + "endpoint" per shard]};
@@ -166,13 +208,10 @@ def cluster_status(connect: str, timeout_s: float = 5.0) -> dict[str, Any]:
     """
     ctx = zmq.Context()
     try:
-        first = shard_status(ctx, connect, timeout_s)
-        if "endpoints" in first:
-            endpoints = [(str(r), str(p)) for r, p in first["endpoints"]]
-        else:
-            endpoints = cluster_endpoints(ctx, connect, timeout_s)
+        first, endpoints = _cluster_map(ctx, connect, timeout_s, curve)
         known = {first.get("shard"): {**first, "endpoint": connect}}
-        return {"connect": connect, "shards": _statuses(ctx, endpoints, timeout_s, known)}
+        shards = _statuses(ctx, endpoints, timeout_s, known, curve)
+        return {"connect": connect, "shards": shards}
     finally:
         ctx.destroy(linger=0)
 
@@ -182,6 +221,7 @@ def _statuses(
     endpoints: list[tuple[str, str]],
     timeout_s: float,
     known: dict[Any, dict[str, Any]] | None = None,
+    curve: ClientKeys | None = None,
 ) -> list[dict[str, Any]]:
     """Every shard's status + "endpoint"; {"shard", "endpoint", "error"} for a silent one."""
     shards = []
@@ -190,7 +230,7 @@ def _statuses(
             shards.append(known[index])
             continue
         try:
-            shards.append({**shard_status(ctx, router, timeout_s), "endpoint": router})
+            shards.append({**shard_status(ctx, router, timeout_s, curve), "endpoint": router})
         except ProbeError as exc:
             shards.append({"shard": index, "endpoint": router, "error": str(exc)})
     return shards
@@ -223,19 +263,21 @@ def wait_merged(
     timeout_s: float,
     stop: threading.Event | None = None,
     poll_s: float = 0.1,
+    curve: ClientKeys | None = None,
 ) -> dict[str, Any]:
     """Wait until every shard reports no pending (acked but unmerged) delta on any fragment.
 
-    The cluster map is learnt once (one welcome); then every shard's `status` is
-    polled every `poll_s` seconds. Call it after every island has flushed (stopped):
-    then nothing new arrives, and "nothing pending" means every acked delta is in
-    the global parameters.
+    The cluster map is learnt once (from a status, else one welcome); then every
+    shard's `status` is polled every `poll_s` seconds. Call it after every island
+    has flushed (stopped): then nothing new arrives, and "nothing pending" means
+    every acked delta is in the global parameters.
 
     Args:
         connect: ROUTER endpoint of any shard (normally shard 0).
         timeout_s: give up after this many seconds.
         stop: optional event; once set, waiting ends with ProbeError.
         poll_s: seconds between polls.
+        curve: client keys for a CURVE cluster (None: plain).
 
     Returns:
         The final cluster status, as `cluster_status` returns it:
@@ -249,10 +291,10 @@ def wait_merged(
     request_s = max(0.5, min(5.0, timeout_s))
     ctx = zmq.Context()
     try:
-        endpoints = cluster_endpoints(ctx, connect, request_s)
+        _, endpoints = _cluster_map(ctx, connect, request_s, curve)
         stop = stop or threading.Event()
         while True:
-            shards = _statuses(ctx, endpoints, request_s)
+            shards = _statuses(ctx, endpoints, request_s, curve=curve)
             if any(s.get("initialized") is False for s in shards):
                 raise _not_initialized(connect)
             waiting = _pending_of(shards)

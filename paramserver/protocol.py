@@ -85,7 +85,8 @@ ack             round, fragment, outcome ("accepted" | "duplicate" | "rejected")
 heartbeat       shard, seq, credited (optional number: tokens of the asking
                 island that entered the model through this shard, each delta's
                 tokens x its staleness factor x the fragment's share of the model)
-status_reply    status (map, see `ShardState.status`)
+status_reply    status (map, see `ShardState.status`, plus seq and endpoints: the
+                cluster map as in the welcome, so status needs no hello)
 bye_ok          -
 rejected        reason (str, one of `REASONS`), detail (str, human-readable)
 ==============  ===================================================================
@@ -157,6 +158,13 @@ once it is silent (hello again to take the id over). So a second process
 with the same id cannot join, and a reconnecting island gets its id back
 within about two heartbeat intervals (at once with `session`).
 
+Under CURVE, an island id is also bound to the keys that may use it: the
+key file NAME.key in the shard's allow directory may act as island NAME,
+plus the ids the shard's `curve_allow_map` grants it (`paramserver.identity`).
+A hello, init, push, heartbeat or bye naming another id is refused
+`forbidden_island` (before any of the above). The shard's own key is
+admitted and acts as no island: operator tools use it for `status`.
+
 Sizes
 =====
 
@@ -216,6 +224,7 @@ REASONS = (
     "internal_error",
     "storage_error",
     "island_in_use",
+    "forbidden_island",
 )
 
 

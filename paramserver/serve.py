@@ -91,6 +91,7 @@ def serve_shard(
                     metrics_port,
                     [server.router_bind.replace("*", "127.0.0.1")],
                     cfg.metrics_bind_host,
+                    cfg.curve_secret_key_file,
                 )
             except MetricsError as exc:
                 logger.error("shard %d cannot start: %s", index, exc)

@@ -19,7 +19,8 @@ The loop stays thin:
     5. checkpoint when due; heartbeat on the PUB when it has been idle.
 
 Snapshots, status and heartbeats need no disk, so they are served through
-storage faults. Island ids are bound to connections (`paramserver.binding`).
+storage faults. Island ids are bound to connections (`paramserver.binding`)
+and, under CURVE, to the keys that may use them (`paramserver.identity`).
 On stop: answer what is queued, checkpoint, close the sockets.
 """
 
@@ -40,6 +41,7 @@ from paramserver import binding, daemon, protocol, settings
 from paramserver.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.curve import CurveServer
 from paramserver.durable import Durability, StorageError
+from paramserver.identity import IslandGuard
 from paramserver.protocol import ACCEPTED, REJECTED
 from paramserver.records import Outcome, StepUpdate
 from paramserver.state import ShardState
@@ -88,6 +90,7 @@ class ShardServer:
         self.seq = 0
         self._replies: list[tuple[Any, dict[str, Any], list[Any]]] = []  # sent after the sync
         self._bindings = binding.Bindings(cfg.heartbeat_interval_s, cfg.liveness)
+        self._guard: IslandGuard | None = None  # under CURVE: which key may act as which island
         self._updates: list[StepUpdate] = []
         self._durable: Durability | None = None
         self._router: zmq.Socket | None = None
@@ -124,8 +127,13 @@ class ShardServer:
                 sock.setsockopt(zmq.LINGER, 0)
             if self.cfg.curve_secret_key_file:
                 auth = CurveServer(
-                    ctx, self.cfg.curve_secret_key_file, self.cfg.curve_allow_dir, self.index
+                    ctx,
+                    self.cfg.curve_secret_key_file,
+                    self.cfg.curve_allow_dir,
+                    self.index,
+                    self.cfg.curve_allow_map,
                 ).start()
+                self._guard = auth.guard
                 auth.secure(router, "router")
                 auth.secure(pub, "pub")
             router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
@@ -275,6 +283,11 @@ class ShardServer:
             return
         now = time.time()
         island, kind = header.get("island"), header["kind"]
+        if self._guard is not None and isinstance(island, str):
+            refusal = self._guard.refusal(_user_id(body[0]), island, kind, now)
+            if refusal is not None:  # before the binding: it neither refreshes nor takes the id
+                self._answer(ident, header, self.state.reject("forbidden_island", refusal))
+                return
         known = True
         if isinstance(island, str) and kind != "hello":
             verdict = self._bindings.verdict(island, bytes(ident), now)
@@ -422,6 +435,7 @@ class ShardServer:
         assert self.state
         status = self.state.status(now)
         status["seq"] = self.seq
+        status["endpoints"] = [list(e) for e in self.endpoints]  # the cluster map, without hello
         self._reply(ident, header, "status_reply", status=status)
 
     def _on_bye(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
@@ -430,6 +444,14 @@ class ShardServer:
             self.state.bye(header["island"])
             self._bindings.forget(header["island"])
         self._reply(ident, header, "bye_ok")
+
+
+def _user_id(frame: Any) -> str | None:
+    """The ZAP User-Id (the client's z85 public key) of a received frame, if it has one."""
+    try:
+        return frame.get("User-Id")
+    except (zmq.ZMQError, AttributeError):
+        return None
 
 
 def _say_hello(island: str) -> str:

@@ -203,7 +203,10 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
 
                 try:
                     metrics = serve_metrics(
-                        cfg.metrics_port, [r for r, _ in endpoints], cfg.metrics_bind_host
+                        cfg.metrics_port,
+                        [r for r, _ in endpoints],
+                        cfg.metrics_bind_host,
+                        cfg.curve_secret_key_file,
                     )
                 except MetricsError as exc:
                     logger.error("cannot start: %s", exc)

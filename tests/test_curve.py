@@ -13,23 +13,19 @@ import os
 import stat
 import subprocess
 import sys
-import time
 
 import numpy as np
 import pytest
 import zmq
-from conftest import RunningShard, free_port
+from curve_helpers import curve_shard, wait_for
 from shard_helpers import small_flat
 
 import codec
 from paramserver.client import Client, ClientConfig, ClientConfigError, ClientError
 from paramserver.config import ConfigError, ShardConfig
 from paramserver.curve import CurveError, load_keypair, load_public_key, write_keypair
-from paramserver.shard import ShardServer
 
 pytestmark = pytest.mark.timeout(90)
-
-SLOW_HB = {"heartbeat_interval_s": 5.0, "liveness": 20}
 
 
 @pytest.fixture
@@ -64,16 +60,6 @@ def _client(router, island, secret="", server_pub="", join_timeout_s=30.0):
     )
 
 
-def _wait(predicate, timeout_s=20.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout_s}s")
-
-
 def test_keys_command_writes_a_private_secret_and_never_overwrites(tmp_path):
     cmd = [sys.executable, "-m", "paramserver.cli", "keys", "--out", str(tmp_path), "--name", "s"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
@@ -105,31 +91,17 @@ def test_a_missing_allow_dir_stops_the_shard_with_a_clear_error(start_shard, key
         )
 
 
-def _curve_shard(tmp_path, keys):
-    """A CURVE shard whose welcome lists its real ports (islands must reach its PUB)."""
-    router, pub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
-    cfg = ShardConfig(
-        data_dir=str(tmp_path / "server"),
-        fsync=False,
-        mode="async",
-        curve_secret_key_file=keys["server_secret"],
-        curve_allow_dir=keys["allow"],
-        **SLOW_HB,
-    )
-    return RunningShard(ShardServer(cfg, 0, [(router, pub)], router, pub))
-
-
 def test_only_allow_listed_islands_reach_the_shard(tmp_path, keys, caplog, zmq_ctx):
     caplog.set_level(logging.WARNING, logger="paramserver.curve")
-    shard = _curve_shard(tmp_path, keys)
+    shard = curve_shard(tmp_path, keys["server_secret"], keys["allow"])
     good = _client(shard.router, "good", keys["good"], keys["server_pub"])
     try:
         plan = good.join(small_flat()).plan
         size = plan.fragments[0].size
         frames, _ = codec.int8().encode({"delta": np.full(size, 0.1, np.float32)})
         good.push(0, 1, 0, 100, 1, frames)
-        _wait(lambda: good.stats()["acked"] == 1)
-        updates = _wait(good.poll_updates)  # the PUB stream authenticated the subscriber
+        wait_for(lambda: good.stats()["acked"] == 1)
+        updates = wait_for(good.poll_updates)  # the PUB stream authenticated the subscriber
         assert updates[0].fragment == 0 and updates[0].version == 1
 
         # a key that is not on the allow list: refused by ZAP, logged, never joins
@@ -137,7 +109,7 @@ def test_only_allow_listed_islands_reach_the_shard(tmp_path, keys, caplog, zmq_c
         with pytest.raises(ClientError, match="no hello reply"):
             stranger.join(small_flat())
         stranger.close(0)
-        _wait(lambda: "not in the allow list" in caplog.text)
+        wait_for(lambda: "not in the allow list" in caplog.text)
 
         # no key at all: the handshake fails before ZAP; the monitor logs it
         caplog.clear()
@@ -145,7 +117,7 @@ def test_only_allow_listed_islands_reach_the_shard(tmp_path, keys, caplog, zmq_c
         with pytest.raises(ClientError, match="no hello reply"):
             plain.join(small_flat())
         plain.close(0)
-        _wait(lambda: "failed the CURVE handshake" in caplog.text)
+        wait_for(lambda: "failed the CURVE handshake" in caplog.text)
 
         # a raw peer without a key gets no answer either
         raw = zmq_ctx.socket(zmq.DEALER)
