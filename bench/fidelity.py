@@ -25,6 +25,7 @@ import argparse
 import dataclasses
 import datetime
 import json
+import shutil
 import signal
 import sys
 import time
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
                         if args.resume and done_json.exists():
                             record = json.loads(done_json.read_text())  # an earlier run's
                         else:
-                            record = runs.run_scenario(scenario, seeded, None, runs_dir, update)
+                            record = _run_once(scenario, seeded, runs_dir, update)
                         records.append(record)
                         p.remove_task(task)
                         done += 1
@@ -151,6 +152,21 @@ def run(args: argparse.Namespace) -> int:
     scenarios = [{k: v for k, v in e.items() if k != "eval_curves"} for e in entries.values()]
     emit_json({**report, "scenarios": scenarios})  # the curves are in fidelity.json
     return 0
+
+
+def _run_once(scenario: Any, budget: Any, runs_dir: Path, update: Any) -> dict[str, Any]:
+    """One scenario run in a fresh directory; a port taken meanwhile by another process
+    (between picking a free port and binding it) is retried once on new ports."""
+    for attempt in (1, 2):
+        partial = runs_dir / scenario.name
+        if partial.exists():  # an interrupted attempt of ours: its server data must not be reused
+            shutil.rmtree(partial)
+        try:
+            return runs.run_scenario(scenario, budget, None, runs_dir, update)
+        except LaunchError as exc:
+            if attempt == 2 or "already in use" not in str(exc):
+                raise
+    raise AssertionError("unreachable")
 
 
 def _fmt(value: float | None) -> str:
