@@ -1,6 +1,7 @@
 """worker.data: embedded corpus, loading, island splits, samplers and evaluation batches."""
 
 import gzip
+import zlib
 
 import numpy as np
 import pytest
@@ -157,3 +158,21 @@ def test_unigram_entropy_of_known_distributions_and_the_corpus():
     assert data.unigram_entropy(b"aaaa") == 0.0
     assert abs(data.unigram_entropy(bytes(range(256))) - np.log(256)) < 1e-12
     assert 3.0 < data.unigram_entropy(data.default_corpus()) < 3.6
+
+
+@pytest.mark.timeout(60)
+def test_island_data_is_the_islands_shard_and_the_common_heldout_set():
+    from worker.config import IslandConfig
+    from worker.data import data_shard_of, island_data
+
+    assert data_shard_of("x", 3, 8) == 3
+    assert data_shard_of("island-1", -1, 8) == zlib.crc32(b"island-1") % 8
+    a = island_data(IslandConfig(island="a", data_dir="/tmp/unused", batch_size=2, seq_len=16,
+                                 eval_batches=2, data_shard=0))  # fmt: skip
+    b = island_data(IslandConfig(island="b", data_dir="/tmp/unused", batch_size=2, seq_len=16,
+                                 eval_batches=2, data_shard=1))  # fmt: skip
+    assert a.seed == zlib.crc32(b"a") ^ 0 and a.seed != b.seed
+    assert len(a.eval_set) == 2  # the held-out set is the same for every island
+    for x, y in zip(a.eval_set, b.eval_set, strict=True):
+        np.testing.assert_array_equal(x, y)
+    assert not np.array_equal(a.sampler.next(), b.sampler.next())  # different shards

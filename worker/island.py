@@ -32,7 +32,6 @@ import logging
 import os
 import threading
 import time
-import zlib
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -74,20 +73,6 @@ def make_codec(cfg: IslandConfig) -> codec.Codec:
     return codec.raw(cfg.codec)
 
 
-def data_shard_of(cfg: IslandConfig) -> int:
-    """The island's data shard: explicit, or a stable hash of its id.
-
-    Args:
-        cfg: island settings.
-
-    Returns:
-        Index in [0, cfg.data_shards).
-    """
-    if cfg.data_shard >= 0:
-        return cfg.data_shard
-    return zlib.crc32(cfg.island.encode()) % cfg.data_shards
-
-
 def inner_steps_for(cfg: IslandConfig) -> int:
     """Inner steps per round; with dynamic local updates a slow island runs fewer.
 
@@ -123,15 +108,8 @@ class Island:
         self.data_dir = Path(cfg.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         self.model_cfg = model_lib.MODEL_CONFIGS[cfg.model]
-        corpus = data_lib.load_corpus(cfg.data or None)
-        train, heldout = data_lib.split_corpus(
-            corpus, cfg.data_shards, data_shard_of(cfg), cfg.heldout_fraction
-        )
-        seed = zlib.crc32(cfg.island.encode()) ^ cfg.seed
-        self.sampler = data_lib.BatchSampler(train, cfg.batch_size, cfg.seq_len, seed)
-        self.eval_set = data_lib.eval_batches(
-            heldout, cfg.batch_size, cfg.seq_len, cfg.eval_batches
-        )
+        own = data_lib.island_data(cfg)  # its shard of the corpus, and the common held-out set
+        self.sampler, self.eval_set, seed = own.sampler, own.eval_set, own.seed
         self.inner_cfg = InnerConfig(
             lr=cfg.lr,
             warmup_steps=cfg.warmup_steps,
