@@ -39,7 +39,7 @@ class ClientConfig:
     reconnect_cap_s: float = 10.0  # upper bound of the reconnect back-off
     max_unacked: int = 16  # deltas outstanding before push blocks (back-pressure)
     push_timeout_s: float = 300.0  # push waiting for a free slot longer than this fails
-    join_timeout_s: float = 30.0  # join (hello, init, snapshots) must finish within this
+    join_timeout_s: float = 60.0  # join (hello, init, snapshots) must finish within this
     snapshot_timeout_s: float = 30.0  # a re-snapshot of a shard not done by then is restarted
     init_grace_s: float = 5.0  # a shard left uninitialised this long by shard 0's initialiser
     # (it died half-way?) is initialised by the joining island with its own values

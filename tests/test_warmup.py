@@ -6,7 +6,8 @@ import jax
 import numpy as np
 import pytest
 
-from worker import data, ddp, model, train
+from bench.children import ddp_rank as ddp
+from worker import data, model, train
 
 TINY = model.MODEL_CONFIGS["tiny"]
 INNER = train.InnerConfig(batch_size=8, seq_len=32, warmup_steps=2)

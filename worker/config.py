@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 
+from paramserver.client import ClientConfig
 from worker.exchange import MERGE_RULES
 
 CODECS = ("int8", "int4", "float32", "bfloat16")
@@ -26,6 +27,9 @@ class IslandConfig:
     connect: str = "tcp://127.0.0.1:5555"  # ROUTER endpoint of any shard (normally shard 0)
     island: str = "island-0"  # stable island id; a restarted island keeps it
     data_dir: str = "runs/worker"  # pid, log, status.json and metrics.jsonl go here
+    # JAX persistent compilation cache: "" = <data_dir>/jax-cache, "off" = none, or a shared
+    # directory (trusted: never one that others can write to)
+    compile_cache_dir: str = ""
     model: str = "tiny"  # named model config: tiny | small | base
     seed: int = 0  # model init seed (used only if this island initialises the cluster)
     data: str = ""  # text file or directory of text files; "" = the embedded corpus
@@ -50,8 +54,8 @@ class IslandConfig:
     devices: int = 0  # local devices for data parallel inside the island (0 = all)
     cpu: int = -1  # pin the process to this CPU core (-1 = no pinning)
     flush_timeout_s: float = 10.0  # on stop, wait this long for unacked deltas
-    join_timeout_s: float = 60.0  # give up joining (server unreachable) after this long
-    heartbeat_interval_s: float = 1.0  # heartbeat period to every shard
+    join_timeout_s: float = ClientConfig.join_timeout_s  # give up joining after this long
+    heartbeat_interval_s: float = ClientConfig.heartbeat_interval_s  # period to every shard
     curve_secret_key_file: str = ""  # CURVE: this island's NAME.key_secret; "" = no CURVE
     curve_server_key_file: str = ""  # CURVE: the shards' public key file (server.key)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR

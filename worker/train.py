@@ -30,6 +30,7 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from worker import model
+from worker.config import IslandConfig
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +45,10 @@ class InnerConfigError(ValueError):
 class InnerConfig:
     """Inner (per-island) AdamW training settings."""
 
-    lr: float = 3e-3  # peak rate after warm-up; on tiny 3e-3 ~ 6e-3 > 1e-3 at 300 steps
-    warmup_steps: int = 20  # linear warm-up from 0 to lr over this many steps (0: none)
+    # the island's defaults (worker.config, the one source): peak rate after warm-up (on tiny
+    # 3e-3 ~ 6e-3 > 1e-3 at 300 steps), and linear warm-up from 0 over this many steps (0: none)
+    lr: float = IslandConfig.lr
+    warmup_steps: int = IslandConfig.warmup_steps
     decay: str = "constant"  # after warm-up: "constant" or "cosine" (to the floor, then flat)
     decay_steps: int = 10_000  # cosine: steps from the end of warm-up to the floor
     final_lr_fraction: float = 0.1  # cosine: floor as a fraction of lr
@@ -54,8 +57,8 @@ class InnerConfig:
     b2: float = 0.95  # AdamW second-moment decay
     eps: float = 1e-8  # AdamW denominator epsilon
     grad_clip: float = 1.0  # clip the global gradient norm to this (0: no clipping)
-    batch_size: int = 16  # global batch B (split over the island's devices)
-    seq_len: int = 128  # context length T (windows hold T+1 bytes)
+    batch_size: int = IslandConfig.batch_size  # global batch B (split over the island's devices)
+    seq_len: int = IslandConfig.seq_len  # context length T (windows hold T+1 bytes)
 
     def __post_init__(self) -> None:
         def bad(field: str, rule: str) -> InnerConfigError:
