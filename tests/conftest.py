@@ -36,6 +36,27 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def free_base_port(count: int) -> int:
+    """A base port with `count` consecutive ports on 127.0.0.1 free a moment ago (may race)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + count > 65535:
+            continue
+        ok = True
+        for port in range(base, base + count):
+            with socket.socket() as s:
+                try:
+                    s.bind(("127.0.0.1", port))
+                except OSError:
+                    ok = False
+                    break
+        if ok:
+            return base
+    raise AssertionError("no free port range")
+
+
 @pytest.fixture
 def zmq_ctx() -> Iterator[zmq.Context]:
     """A ZeroMQ context; fails the test if a socket is still open at teardown."""

@@ -12,36 +12,18 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import free_base_port
 
 pytestmark = pytest.mark.timeout(150)
 
 CLIENT = Path(__file__).with_name("outside_client.py")
 CMD_TIMEOUT_S = 60
 LR = 0.5
-
-
-def free_base_port(count: int) -> int:
-    """A base port with `count` consecutive ports on 127.0.0.1 free a moment ago."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        try:
-            for port in range(base, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise AssertionError("no free port range")
 
 
 def server_cli(*args: str) -> subprocess.CompletedProcess:

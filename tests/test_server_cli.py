@@ -12,33 +12,13 @@ import time
 
 import numpy as np
 import pytest
+from conftest import free_base_port
 from shard_helpers import delta_frames, small_flat
 
 from paramserver import daemon
 from paramserver.client import Client, ClientConfig
 
 CMD_TIMEOUT_S = 90
-
-
-def free_base_port(count: int) -> int:
-    """A base port with `count` consecutive ports free a moment ago."""
-    for _ in range(50):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        ok = True
-        for port in range(base, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
-            return base
-    raise AssertionError("no free port range")
 
 
 def run_cli(*args: str, env: dict | None = None, timeout: float = CMD_TIMEOUT_S):
