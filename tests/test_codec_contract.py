@@ -4,10 +4,10 @@ error bound, handles empty/zero-size/scalar trees and rejects bad input."""
 import ml_dtypes
 import numpy as np
 import pytest
+from codec_helpers import SCHEMES, max_abs_error_bound
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
-from test_codec_helpers import SCHEMES, max_abs_error_bound
 
 import codec
 
