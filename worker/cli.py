@@ -2,6 +2,7 @@
 
     diloco-worker start --connect tcp://HOST:PORT --island NAME [--speed F]
                         [--model tiny|small|base] [--config FILE] [--detach --data-dir D]
+                        [--compile-cache-dir DIR|off]  (default: D/jax-cache)
     diloco-worker stop --data-dir D
     diloco-worker status --data-dir D [--json]
     diloco-worker eval --connect tcp://HOST:PORT [--wait-s 120] [--json]

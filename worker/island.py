@@ -41,9 +41,9 @@ import numpy as np
 
 import codec
 from paramserver.client import Client, ClientConfig, ClientError
+from worker import compile_cache, outbox_file
 from worker import data as data_lib
 from worker import model as model_lib
-from worker import outbox_file
 from worker.config import IslandConfig
 from worker.exchange import FragmentSync
 from worker.goodput import goodput, step_rate
@@ -107,6 +107,8 @@ class Island:
         self.cfg = cfg
         self.data_dir = Path(cfg.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
+        # before the first jit, so a restart reads the compiled steps back instead of compiling
+        self.compile_cache = compile_cache.enable(cfg.compile_cache_dir, self.data_dir)
         self.model_cfg = model_lib.MODEL_CONFIGS[cfg.model]
         own = data_lib.island_data(cfg)  # its shard of the corpus, and the common held-out set
         self.sampler, self.eval_set, seed = own.sampler, own.eval_set, own.seed

@@ -186,12 +186,14 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
     """
     import jax
 
+    from worker import compile_cache
     from worker import data as data_lib
     from worker import model as model_lib
     from worker.pace import Pacer
     from worker.train import InnerConfig, make_inner_optimizer
 
     data_dir = Path(cfg.data_dir)
+    compile_cache.enable(cfg.compile_cache_dir, data_dir)  # before the first jit, as an island
     model_cfg = model_lib.MODEL_CONFIGS[cfg.model]
     own = data_lib.island_data(cfg)  # the same stream an island of this name trains on
     sampler, eval_set, seed = own.sampler, own.eval_set, own.seed

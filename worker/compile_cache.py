@@ -1,0 +1,100 @@
+"""JAX's persistent compilation cache for an island (and the DDP baseline's ranks).
+
+An island restarted after a crash pays the JAX import and the compile of its
+train and eval steps again before its first step. With the cache on, the
+compiled executables are written to disk on the first start and read back on
+the next, so a restart skips the XLA compile (not the import, not the tracing).
+
+Where: ``<data_dir>/jax-cache`` by default (`--compile-cache-dir ""`), a shared
+directory given by `--compile-cache-dir DIR` (islands of one machine then
+compile once between them), or nowhere with `--compile-cache-dir off`. JAX
+treats the cache as trusted code: never point it at a directory others can
+write to.
+
+`enable` must run before the process's first jit (the island calls it before it
+builds its model). This module imports JAX only inside `enable`, so resolving
+the setting stays cheap for control commands.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+OFF = "off"
+DEFAULT_SUBDIR = "jax-cache"
+
+
+class CompileCacheError(ValueError):
+    """The compilation cache directory cannot be used (the message names it and why)."""
+
+
+def resolve(setting: str, data_dir: str | Path) -> Path | None:
+    """The cache directory a `compile_cache_dir` setting asks for.
+
+    Args:
+        setting: "" for the data dir's default, "off" for no cache, else a directory.
+        data_dir: the island's data directory.
+
+    Returns:
+        The directory, or None when the cache is off.
+    """
+    if setting.strip().lower() == OFF:
+        return None
+    return Path(setting) if setting else Path(data_dir) / DEFAULT_SUBDIR
+
+
+def enable(setting: str, data_dir: str | Path) -> Path | None:
+    """Turn JAX's persistent compilation cache on (or off) for this process.
+
+    Every compile is cached, however small or fast (the tiny model's steps
+    compile in well under JAX's default 1 s threshold). Safe to call again
+    with another directory (tests run several islands in one process): the
+    cache is reset so that the new setting takes effect.
+
+    Args:
+        setting: the island's `compile_cache_dir` ("" = `<data_dir>/jax-cache`, "off").
+        data_dir: the island's data directory.
+
+    Returns:
+        The cache directory in use, or None when off.
+
+    Raises:
+        CompileCacheError: the directory cannot be created.
+    """
+    path = resolve(setting, data_dir)
+    if path is not None:
+        try:
+            path.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CompileCacheError(
+                f"cannot use --compile-cache-dir {path}: {exc.strerror or exc}; "
+                f"give a writable directory or 'off'"
+            ) from None
+    import jax
+    from jax.experimental.compilation_cache import compilation_cache
+
+    compilation_cache.reset_cache()  # the next compile reads the settings below afresh
+    jax.config.update("jax_enable_compilation_cache", path is not None)
+    if path is None:
+        return None
+    path = path.resolve()
+    jax.config.update("jax_compilation_cache_dir", str(path))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)  # -1: no size floor
+    return path
+
+
+def entries(path: str | Path) -> list[Path]:
+    """The compiled executables stored in a cache directory (none if it does not exist).
+
+    Args:
+        path: the cache directory.
+
+    Returns:
+        The entry files (named ``<key>-cache`` by JAX), sorted; its access-time
+        and lock side files are left out.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        return []
+    return sorted(p for p in path.iterdir() if p.is_file() and p.name.endswith("-cache"))
