@@ -9,14 +9,24 @@ delta is merged (`diloco-worker eval`), prints a summary (eval loss before/after
 bytes on the wire against synchronous data parallel for the same tokens, goodput
 per island), writes `summary.json` and `loss.png` to the output directory and
 stops the server.
+
+The live table needs a terminal: when stdout or stderr is not one (a pipe, a
+log file, CI) or with `--no-live`, the demo prints one plain progress line
+every few seconds instead. Ctrl-C prints one line, stops every daemon the demo
+started and exits with status 130; a Ctrl-C while daemons are being started
+takes effect once they are up (their launchers are shielded from it), so none
+is left behind.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
+import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +36,71 @@ from bench.launcher import IslandSpec, LaunchError, LocalCluster
 from worker.data import default_corpus, unigram_entropy
 
 UNIGRAM_NATS = round(unigram_entropy(default_corpus()), 3)  # best context-free loss
+PROGRESS_S = 5.0  # seconds between two plain progress lines (no terminal)
+INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports it
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (SIGINT) ended the demo; the message is already printed."""
+
+
+class _Interrupt:
+    """SIGINT handler: one line, then raise `Interrupted`, or later while daemons start.
+
+    While `deferred` is set (a start of daemons is under way) the signal is only
+    recorded; `check` raises once the start returned. A second SIGINT is ignored,
+    so that stopping the cluster is never cut short.
+    """
+
+    def __init__(self) -> None:
+        self.hit = False
+        self.deferred = False
+
+    def handler(self, _signum: int, _frame: Any) -> None:
+        if self.hit:
+            return
+        self.hit = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the stop commands inherit it too
+        print("diloco-bench demo: interrupted; stopping the daemons it started",
+              file=sys.stderr, flush=True)  # fmt: skip
+        if not self.deferred:
+            raise Interrupted
+
+    def check(self) -> None:
+        """Raise `Interrupted` if a SIGINT arrived while deferred."""
+        if self.hit:
+            raise Interrupted
+
+    def shielded(self, start: Callable[[], None]) -> None:
+        """Run a daemon start where Ctrl-C cannot cut it short.
+
+        The start runs in a thread that blocks SIGINT, so the launcher processes
+        it runs (and the daemons they spawn) inherit the blocked signal and finish
+        starting; this thread keeps receiving SIGINT and defers it until then.
+
+        Args:
+            start: starts daemons (e.g. `LocalCluster.start_islands` with its specs).
+        """
+        errors: list[BaseException] = []
+
+        def target() -> None:
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            try:
+                start()
+            except BaseException as exc:  # re-raised below, in the main thread
+                errors.append(exc)
+
+        self.deferred = True
+        try:
+            thread = threading.Thread(target=target, name="demo-start", daemon=True)
+            thread.start()
+            while thread.is_alive():
+                thread.join(0.2)
+        finally:
+            self.deferred = False
+        self.check()
+        if errors:
+            raise errors[0]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -47,7 +122,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="runs/demo",
         help="output directory (default runs/demo); must be new, empty or an earlier demo's",
     )
-    parser.add_argument("--no-live", action="store_true", help="no live display (plain log lines)")
+    parser.add_argument(
+        "--no-live",
+        action="store_true",
+        help="plain progress lines instead of the live table (automatic without a terminal)",
+    )
 
 
 def ddp_bytes(params: int, steps: int, islands: int) -> int:
@@ -69,23 +148,33 @@ def ddp_bytes(params: int, steps: int, islands: int) -> int:
     return int(2 * 2 * (islands - 1) / islands * 4 * params * steps)
 
 
-def _table(cluster: LocalCluster, names: list[str], elapsed: float, duration: float):
+def _compact_table(title: str, columns: tuple[str, ...], caption: str | None = None):
+    """A rich table that fits 80 columns: no vertical rules, one space of padding.
+
+    Args:
+        title: shown above.
+        columns: headers; the first is left-aligned, the rest right-aligned.
+        caption: shown below (e.g. what a short header means).
+
+    Returns:
+        The empty `rich.table.Table`.
+    """
+    from rich import box
     from rich.table import Table
 
-    table = Table(title=f"decoupled-diloco demo: {elapsed:5.0f}s / {duration:.0f}s")
-    for col in (
-        "island",
-        "speed",
-        "state",
-        "round",
-        "loss",
-        "eval (global)",
-        "lag",
-        "sent",
-        "received",
-        "goodput",
-    ):
-        table.add_column(col, justify="right")
+    table = Table(title=title, caption=caption, box=box.SIMPLE_HEAD, show_edge=False,
+                  pad_edge=False, collapse_padding=True)  # fmt: skip
+    for i, col in enumerate(columns):
+        table.add_column(col, justify="left" if i == 0 else "right", no_wrap=True)
+    return table
+
+
+def _table(cluster: LocalCluster, names: list[str], elapsed: float, duration: float):
+    table = _compact_table(
+        f"decoupled-diloco demo: {elapsed:.0f}s / {duration:.0f}s",
+        ("island", "speed", "state", "round", "loss", "eval", "lag", "sent", "recv", "good"),
+        caption="eval: global model on held-out data; good: goodput",
+    )
     for name in names:
         s = cluster.island_status(name)
         table.add_row(
@@ -202,15 +291,33 @@ def plot(cluster: LocalCluster, names: list[str], path: Path) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the demo; returns the exit code (1 with a one-line message if a daemon fails)."""
+    """Run the demo.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        0; 1 with a one-line message if a daemon fails; 130 after Ctrl-C (one
+        line, every daemon it started stopped).
+    """
+    interrupt = _Interrupt()
+    main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, interrupt.handler) if main_thread else None
     try:
-        return _run(args)
+        return _run(args, interrupt)
+    except Interrupted:
+        return INTERRUPTED_EXIT
     except LaunchError as exc:
+        if interrupt.hit:  # a terminal's Ctrl-C also reached a launcher: already said
+            return INTERRUPTED_EXIT
         print(f"diloco-bench demo: {exc}", file=sys.stderr)
         return 1
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGINT, previous)
 
 
-def _run(args: argparse.Namespace) -> int:
+def _run(args: argparse.Namespace, interrupt: _Interrupt) -> int:
     out = outdir.claim(Path(args.out), "demo")
     names = [f"island-{i}" for i in range(args.islands)]
     speeds = {n: 1.0 for n in names}
@@ -219,14 +326,14 @@ def _run(args: argparse.Namespace) -> int:
     common = ("--model", args.model, "--inner-steps", str(args.inner_steps))
     specs = [IslandSpec(n, speeds[n], common) for n in names]
     quorum = max(1, args.islands - 1)
+    live = not args.no_live and sys.stdout.isatty() and sys.stderr.isatty()
     log = sys.stderr
     with LocalCluster(out, shards=args.shards, server_args=("--quorum", str(quorum))) as cluster:
         print(f"starting {args.shards} shards on {cluster.connect} ...", file=log)
-        cluster.start_server()
+        interrupt.shielded(cluster.start_server)
         print(f"starting {args.islands} islands (JAX import + compile takes a while) ...", file=log)
-        cluster.start_islands(specs)
-        start = time.monotonic()
-        _watch(cluster, names, start, args.duration, live=not args.no_live)
+        interrupt.shielded(lambda: cluster.start_islands(specs))
+        _watch(cluster, names, time.monotonic(), args.duration, live)
         print("stopping islands ...", file=log)
         for name in names:
             cluster.stop_island(name)
@@ -243,20 +350,41 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
+def progress_line(statuses: dict[str, dict[str, Any]], elapsed: float, duration: float) -> str:
+    """One plain progress line: tokens of all islands, each island's train loss, the newest eval.
+
+    Args:
+        statuses: island -> its status.json (in the order of the islands).
+        elapsed: seconds of training so far.
+        duration: seconds of training planned.
+
+    Returns:
+        E.g. ``[  15s/150s] tokens 1.23M  loss 2.412 2.455 starting  eval 2.500``;
+        an island without a loss yet shows its state.
+    """
+    tokens = sum(s.get("tokens", 0) for s in statuses.values())
+    count = f"{tokens / 1e6:.2f}M" if tokens >= 1e6 else f"{tokens / 1e3:.0f}k"
+    losses = " ".join(
+        f"{s['loss']:.3f}" if "loss" in s else s.get("state", "starting") for s in statuses.values()
+    )
+    evals = [
+        (s.get("wall", 0.0), s["eval_global"]) for s in statuses.values() if "eval_global" in s
+    ]
+    newest = f"  eval {max(evals)[1]:.3f}" if evals else ""
+    return f"[{elapsed:4.0f}s/{duration:.0f}s] tokens {count}  loss {losses}{newest}"
+
+
 def _watch(
     cluster: LocalCluster, names: list[str], start: float, duration: float, live: bool
 ) -> None:
+    """Show progress until `duration` seconds passed (Ctrl-C raises `Interrupted` in the sleeps)."""
     if not live:
+        print(f"every {PROGRESS_S:g}s: tokens, train loss of {' '.join(names)}, global eval",
+              file=sys.stderr)  # fmt: skip
         while (elapsed := time.monotonic() - start) < duration:
-            time.sleep(min(10.0, duration - elapsed))
-            states = {n: cluster.island_status(n) for n in names}
-            line = " | ".join(
-                f"{n}: round {s.get('round', 0)} loss "
-                + (f"{s['loss']:.3f}" if "loss" in s else "-")
-                + (f" eval {s['eval_global']:.3f}" if "eval_global" in s else "")
-                for n, s in states.items()
-            )
-            print(f"[{elapsed:5.0f}s] {line}", file=sys.stderr)
+            statuses = {n: cluster.island_status(n) for n in names}
+            print(progress_line(statuses, elapsed, duration), file=sys.stderr, flush=True)
+            time.sleep(min(PROGRESS_S, duration - elapsed))
         return
     from rich.console import Console
     from rich.live import Live
@@ -269,7 +397,6 @@ def _watch(
 
 def _print_summary(summary: dict[str, Any], out: Path) -> None:
     from rich.console import Console
-    from rich.table import Table
 
     console = Console(stderr=True)
     before, after = summary["eval_loss_before"], summary["eval_loss_after"]
@@ -280,13 +407,13 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
     )
     ratio = summary["ddp_over_wire"]
     console.print(
-        f"bytes on the wire: {human_bytes(summary['bytes_on_wire'])}; synchronous data parallel for the "
+        f"bytes on the wire: {human_bytes(summary['bytes_on_wire'])}; data parallel for the "
         f"same tokens: {human_bytes(summary['ddp_bytes_same_tokens'])}"
-        + (f" ({ratio:.0f}x more)" if ratio else "")
+        + (f" ({ratio:.0f}x)" if ratio else "")
     )
-    table = Table(title="islands")
-    for col in ("island", "speed", "rounds", "tokens", "sent", "received", "goodput"):
-        table.add_column(col, justify="right")
+    table = _compact_table(
+        "islands", ("island", "speed", "rounds", "tokens", "sent", "received", "goodput")
+    )
     for name, s in summary["islands"].items():
         table.add_row(
             name, f"{s['speed']}", str(s["rounds"]), str(s["tokens"]), human_bytes(s["bytes_sent"]),
