@@ -76,7 +76,7 @@ class IOThread(threading.Thread):
         self._release = release
         self._links = Links(cfg, wake_endpoint)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._outbox = Outbox(cfg.ack_timeout_s, cfg.ack_timeout_cap_s)
+        self._outbox = Outbox(cfg.ack_timeout_s, cfg.ack_timeout_cap_s, cfg.ack_timeout_floor_s)
         self._plan: Plan | None = None
         self._requests: dict[int, tuple[str, int, int]] = {}  # id -> (kind, shard, fragment)
         self._awaited: dict[int, tuple[dict, list] | None] = {}
@@ -107,7 +107,8 @@ class IOThread(threading.Thread):
         Returns:
             The stats dict of `Client.stats` (without `pending`).
         """
-        return self.shared.stats(sum(1 for s in self._links.shards if not s.up))
+        out = self.shared.stats(sum(1 for s in self._links.shards if not s.up))
+        return {**out, "ack_timeout_s": self._outbox.timer.base_s}  # the timer is immutable
 
     def shutdown(self, flush_timeout_s: float) -> list[PushRequest]:
         """Flush (bounded), stop the thread, close every socket and the context.
@@ -363,10 +364,13 @@ class IOThread(threading.Thread):
     def _on_ack(self, shard: ShardLink, header: dict) -> None:
         key = (header["fragment"], header["round"])
         self.shared.note_version(header["fragment"], header["version"])
+        now = time.monotonic()
+        if self._outbox.spurious(key, header["outcome"]):
+            self.shared.add(spurious_resends=1)
         entry = self._outbox.get(key)
         if entry is None:
             return  # ack of a re-send whose first copy was already acked
-        decision = self._outbox.on_ack(key, header["outcome"], header.get("reason"))
+        decision = self._outbox.on_ack(key, header["outcome"], header.get("reason"), now)
         if decision == "rejoin":
             self._request(shard, "hello")  # the shard forgot us; the delta stays pending
         elif decision == "defer":
@@ -374,11 +378,11 @@ class IOThread(threading.Thread):
             # once the fragment steps (its buffer empties), or on the ack back-off; a full
             # buffer becomes back-pressure, not lost work
             self.shared.add(deferred=1)
-            self._storage_warning.note(shard.index, header, time.monotonic())
+            self._storage_warning.note(shard.index, header, now)
         elif decision == "resend":  # corrupted in transit (codec_error): again, at once
-            self._send_push(key, time.monotonic())
+            self._send_push(key, now)
         else:
-            self.shared.record_ack(header, time.monotonic() - entry.queued_at)
+            self.shared.record_ack(header, now - entry.queued_at)
             if header["outcome"] not in (protocol.ACCEPTED, protocol.DUPLICATE):
                 logger.warning(
                     "delta island=%s fragment=%d round=%d rejected: %s",

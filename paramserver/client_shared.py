@@ -34,6 +34,7 @@ class Counters:
     duplicates: int = 0
     rejected: Counter = field(default_factory=Counter)
     resent: int = 0
+    spurious_resends: int = 0  # re-sends the shard answered `duplicate`: not needed
     snapshots: int = 0
     updates_applied: int = 0
     reconnects: int = 0
@@ -186,6 +187,7 @@ class Shared:
                 "duplicates": c.duplicates,
                 "rejected": dict(c.rejected),
                 "resent": c.resent,
+                "spurious_resends": c.spurious_resends,
                 "snapshots": c.snapshots,
                 "updates_applied": c.updates_applied,
                 "version_lag": max(0, lag),

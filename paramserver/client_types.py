@@ -34,8 +34,14 @@ class ClientConfig:
     island: str  # stable island id, 1-128 characters
     heartbeat_interval_s: float = 1.0  # heartbeat period to every shard; liveness unit
     liveness: int = 5  # a shard silent this many intervals is down (reconnect, re-snapshot)
-    ack_timeout_s: float = 5.0  # re-send an unacked delta after this, doubling per attempt
+    # Re-send an unacked delta after this, until ack latencies are measured; then after
+    # SRTT + 4 RTTVAR of them (paramserver.ack_timer), doubling per attempt.
+    ack_timeout_s: float = 5.0
     ack_timeout_cap_s: float = 60.0  # upper bound of the re-send back-off
+    # Lower bound of the measured timeout (at most ack_timeout_s). Above TCP's 1 s: TCP
+    # already re-sends lost segments below us, so this timeout only has to catch a lost
+    # connection, while a needless re-send costs a whole delta on a thin link.
+    ack_timeout_floor_s: float = 2.0
     reconnect_cap_s: float = 10.0  # upper bound of the reconnect back-off
     max_unacked: int = 16  # deltas outstanding before push blocks (back-pressure)
     push_timeout_s: float = 300.0  # push waiting for a free slot longer than this fails
@@ -62,6 +68,7 @@ class ClientConfig:
             "heartbeat_interval_s",
             "ack_timeout_s",
             "ack_timeout_cap_s",
+            "ack_timeout_floor_s",
             "reconnect_cap_s",
             "push_timeout_s",
             "join_timeout_s",

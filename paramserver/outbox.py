@@ -9,8 +9,15 @@ names, and reports back with `sent` / `blocked`.
 
 The rules:
 - a delta is kept, with its frames, until its shard resolves it;
-- unacked, it is re-sent after `ack_timeout_s`, doubling per attempt up to
-  `ack_timeout_cap_s` (`due`); deltas of a shard that is down wait for it;
+- unacked, it is re-sent after the adaptive ack timeout (`due`): the
+  ledger's `AckTimer` (`paramserver.ack_timer`, TCP's RFC 6298 timer) starts
+  at `ack_timeout_s`, learns from the latency of every delta acked after its
+  only send (Karn's rule: `on_ack` takes the time), stays within
+  [floor, `ack_timeout_cap_s`], and doubles per attempt and after a timeout;
+  deltas of a shard that is down wait for it;
+- a re-send turns out needless ("spurious", `spurious`) when the shard answers
+  `duplicate` to a copy of a delta that went out more than once; the timer then
+  learns the latency of the first copy (RFC 4015), which Karn's rule had left out;
 - an ack `accepted` or `duplicate` resolves it ("done"), and so does a
   rejection, which is final (plan_mismatch, replayed_round,
   future_base_version, bad_shape, ...), except that:
@@ -32,8 +39,8 @@ from collections.abc import Container
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from paramserver.liveness import resend_due
-from paramserver.protocol import REJECTED
+from paramserver.ack_timer import AckTimer
+from paramserver.protocol import DUPLICATE, REJECTED
 
 Key = tuple[int, int]
 """(fragment, round): with the island, the idempotency key of a delta."""
@@ -41,6 +48,8 @@ Key = tuple[int, int]
 Decision = Literal["done", "resend", "defer", "rejoin"]
 """What to do after an ack: forget the delta (resolved), send it again now, keep it
 until its fragment steps, or keep it and say hello to the shard again."""
+
+_MAX_RESENT_KEPT = 1024  # re-sent deltas whose first copy's latency waits for a duplicate
 
 RETRYABLE_REASONS = frozenset({"too_many_pending", "storage_error"})
 """Rejections that say "not now" rather than "never": the delta is kept and re-sent."""
@@ -62,6 +71,7 @@ class Entry:
     sent_at: float  # last send, or last try of one (the back-off counts from here)
     attempt: int = 0  # back-off re-sends so far
     sends: int = 0  # sends that went out
+    first_sent_at: float | None = None  # the first send that went out
     decode_retries: int = 0  # re-sends after the shard could not decode it (codec_error)
     deferred: bool = False  # refused for now (RETRYABLE_REASONS): re-sent when its fragment steps
 
@@ -69,16 +79,27 @@ class Entry:
 class Outbox:
     """The pending deltas of one client, in the order they were pushed."""
 
-    def __init__(self, ack_timeout_s: float, ack_timeout_cap_s: float) -> None:
+    def __init__(
+        self,
+        ack_timeout_s: float,
+        ack_timeout_cap_s: float,
+        ack_timeout_floor_s: float | None = None,
+    ) -> None:
         """Create an empty ledger.
 
         Args:
-            ack_timeout_s: wait for an ack before the first re-send, > 0.
-            ack_timeout_cap_s: upper bound of the doubling wait, >= ack_timeout_s.
+            ack_timeout_s: wait for an ack before the first re-send, until the
+                first latency sample, > 0.
+            ack_timeout_cap_s: upper bound of every wait, >= ack_timeout_s.
+            ack_timeout_floor_s: lower bound of the measured wait, > 0; never above
+                ack_timeout_s (a smaller ack_timeout_s lowers it). None: ack_timeout_s.
         """
-        self.ack_timeout_s = ack_timeout_s
-        self.ack_timeout_cap_s = ack_timeout_cap_s
+        floor = ack_timeout_s if ack_timeout_floor_s is None else ack_timeout_floor_s
+        self.timer = AckTimer(ack_timeout_s, min(floor, ack_timeout_s), ack_timeout_cap_s)
         self._entries: dict[Key, Entry] = {}
+        # re-sent deltas resolved by an ack `accepted`: the latency of their first copy,
+        # kept until a `duplicate` proves the re-send needless (bounded, oldest dropped)
+        self._resent_latency: dict[Key, float] = {}
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -121,6 +142,8 @@ class Outbox:
         """
         entry = self._entries[key]
         resend = entry.sends > 0
+        if not resend:
+            entry.first_sent_at = now
         entry.sends += 1
         entry.sent_at = now
         return resend
@@ -136,7 +159,7 @@ class Outbox:
         """
         self._entries[key].sent_at = now
 
-    def on_ack(self, key: Key, outcome: str, reason: str | None) -> Decision:
+    def on_ack(self, key: Key, outcome: str, reason: str | None, now: float) -> Decision:
         """Apply a shard's ack of a pending delta (see the module docstring for the rules).
 
         Args:
@@ -144,6 +167,8 @@ class Outbox:
                 first copy was already acked is to be ignored).
             outcome: "accepted", "duplicate" or "rejected".
             reason: the rejection reason, or None.
+            now: when the ack arrived; if the delta went out once and never
+                timed out, now - its send is a latency sample for the timer.
 
         Returns:
             "done": resolved and removed (accepted, duplicate, or finally rejected);
@@ -157,6 +182,8 @@ class Outbox:
         entry = self._entries.get(key)
         if entry is None:
             raise KeyError(f"delta {key} is not pending; check `key in outbox` before on_ack")
+        if entry.sends == 1 and entry.attempt == 0:  # Karn: the ack answers the only copy
+            self.timer = self.timer.sample(now - entry.sent_at)
         if outcome == REJECTED:
             if reason == "unknown_island":
                 return "rejoin"
@@ -167,6 +194,10 @@ class Outbox:
                 entry.decode_retries += 1
                 return "resend"
         del self._entries[key]
+        if entry.sends > 1 and outcome != REJECTED and entry.first_sent_at is not None:
+            self._resent_latency[key] = now - entry.first_sent_at  # the first ack back
+            if len(self._resent_latency) > _MAX_RESENT_KEPT:
+                del self._resent_latency[next(iter(self._resent_latency))]
         return "done"
 
     def due(self, now: float, up: Container[int]) -> list[Key]:
@@ -178,17 +209,47 @@ class Outbox:
 
         Returns:
             Keys, in push order, of the deltas last sent (or tried) at least
-            min(ack_timeout_cap_s, ack_timeout_s * 2**attempt) ago. Deferred
-            deltas are included and stay deferred.
+            `timer.timeout_s(attempt)` ago, as the timer stood before this call.
+            Deferred deltas are included and stay deferred. The timeout of a
+            delta that was not deferred (its ack is late) backs the timer off.
         """
         keys = []
+        timer = self.timer
         for key, entry in self._entries.items():
-            if entry.shard in up and resend_due(
-                now, entry.sent_at, entry.attempt, self.ack_timeout_s, self.ack_timeout_cap_s
-            ):
+            if entry.shard in up and now - entry.sent_at >= timer.timeout_s(entry.attempt):
+                if not entry.deferred:
+                    self.timer = self.timer.timed_out(entry.attempt)
                 entry.attempt += 1
                 keys.append(key)
         return keys
+
+    def spurious(self, key: Key, outcome: str) -> bool:
+        """Whether an ack shows that a re-send of `key` was needless; if so, adapt the timer.
+
+        Call it for every ack, before `on_ack`. The shard answers `duplicate` to
+        a copy when an earlier copy was accepted: so an ack `duplicate` of a
+        delta that went out more than once, or of one already resolved here
+        (the answer to an extra copy), counts one re-send that was not needed.
+        In the latter case the acks came back in order on the one connection, so
+        the ack that resolved the delta answered its first copy: its latency
+        feeds the timer (`AckTimer.spurious`).
+
+        Args:
+            key: (fragment, round) of the ack.
+            outcome: the ack's outcome.
+
+        Returns:
+            True for one needless re-send.
+        """
+        if outcome != DUPLICATE:
+            return False
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry.sends > 1
+        latency = self._resent_latency.pop(key, None)
+        if latency is not None:
+            self.timer = self.timer.spurious(latency)
+        return True
 
     def on_step(self, fragment: int) -> list[Key]:
         """A fragment stepped, so its shard has room again: its deferred deltas, to send now.
