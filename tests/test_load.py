@@ -24,7 +24,7 @@ def test_small_load_run_acks_every_push_within_memory_bound(tmp_path):
         [
             sys.executable, "-m", "bench.cli", "load", "--islands", "8", "--shards", "2",
             "--rounds", "3", "--params", "65536", "--max-rss-mb", "1024", "--timeout", "120",
-            "--out", str(tmp_path),
+            "--out", str(tmp_path), "--profile-shard", "1",
         ],
         capture_output=True,
         text=True,
@@ -36,4 +36,16 @@ def test_small_load_run_acks_every_push_within_memory_bound(tmp_path):
     assert report["acked"] == report["shard_accepted"] == report["pushes"]
     assert all(report["checks"].values()), report["checks"]
     assert report["ack_latency_p50_ms"] is not None and report["pushes_per_s"] > 0
+    assert 0 <= report["spurious_resends"] <= report["resent"]
+    assert report["fsync_per_s"] > 0 and report["fsync_write_bytes"] > 1000
+    assert report["pushes_per_fsync"] == pytest.approx(
+        report["pushes_per_s"] / report["fsync_per_s"], rel=0.01
+    )
+    assert set(report["cpu_cores_busy"]) == {"cores", "machine_busy", "shard_0", "shard_1", "load"}
+    assert report["ack_timeout_s"]["min"] > 0
+    profile = report["shard_profile"]  # shard 1 ran under cProfile
+    assert profile["shard"] == 1 and profile["accepted"] > 0, profile
+    seconds = profile["cumulative_s"]
+    assert seconds["serve"] >= seconds["turn"] >= seconds["handle"] >= seconds["push_submit"] > 0
+    assert seconds["push_decode"] > 0 and seconds["step"] > 0 and profile["top_own_s"]
     assert json.loads((tmp_path / "load.json").read_text()) == report
