@@ -304,7 +304,9 @@ class Client:
         Returns:
             dict with bytes_sent, bytes_received (sums of frame lengths at the
             sockets), pushes, acked (duplicates included), duplicates, rejected
-            (reason -> count), resent, pending, snapshots, updates_applied,
+            (reason -> count), resent, spurious_resends (re-sends of deltas an
+            earlier send had delivered), ack_timeout_s (the current adaptive
+            re-send timeout), pending, snapshots, updates_applied,
             version_lag, reconnects, resyncs, shards_down, credited_tokens
             (tokens of this island that entered the model, each delta's tokens x
             its staleness factor, as the shards last said in heartbeat replies).

@@ -244,6 +244,9 @@ def install_signal_handlers(
         stop_event.set()
 
     previous = {sig: signal.signal(sig, handler) for sig in signals}
+    # a launcher may have blocked these (the demo blocks SIGINT while it starts daemons,
+    # and a child inherits the mask): unblock them, or the daemon never hears them
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
 
     def restore() -> None:
         for sig, old in previous.items():

@@ -1,8 +1,9 @@
-"""Liveness and re-send decisions (Paranoid Pirate style): pure functions of time.
+"""Liveness decisions (Paranoid Pirate style): pure functions of time.
 
 This module owns when a peer counts as dead (silent for more than `liveness`
-heartbeat intervals), the capped exponential back-off, and when an unacked
-message is due to be sent again. Callers pass a monotonic clock's `now`.
+heartbeat intervals) and the capped exponential back-off of reconnects. When an
+unacked delta is sent again is `paramserver.ack_timer` (an adaptive timeout).
+Callers pass a monotonic clock's `now`.
 """
 
 from __future__ import annotations
@@ -86,21 +87,3 @@ def next_backoff(attempt: int, base_s: float, cap_s: float) -> float:
     if attempt >= math.log2(cap_s / base_s) + 1:
         return cap_s
     return min(cap_s, base_s * 2.0 ** int(attempt))
-
-
-def resend_due(now: float, sent_at: float, attempt: int, timeout_s: float, cap_s: float) -> bool:
-    """Whether an unacked message should be sent again.
-
-    Args:
-        now: current time, seconds.
-        sent_at: when it was last sent.
-        attempt: sends so far minus one (0 after the first send).
-        timeout_s: ack timeout of the first send, > 0.
-        cap_s: upper bound of the timeout, >= timeout_s.
-
-    Returns:
-        True once now - sent_at >= next_backoff(attempt, timeout_s, cap_s).
-    """
-    now = _number("now", now)
-    sent_at = _number("sent_at", sent_at)
-    return now - sent_at >= next_backoff(attempt, timeout_s, cap_s)

@@ -11,7 +11,6 @@ from paramserver.liveness import (
     is_silent,
     live_islands,
     next_backoff,
-    resend_due,
 )
 
 
@@ -49,15 +48,6 @@ def test_backoff_is_monotonic_and_bounded(attempt, base, factor):
     assert base <= b0 <= b1 <= cap
 
 
-def test_resend_due_after_capped_exponential_timeout():
-    assert not resend_due(10.9, 10.0, 0, timeout_s=1.0, cap_s=8.0)
-    assert resend_due(11.0, 10.0, 0, timeout_s=1.0, cap_s=8.0)
-    assert not resend_due(13.9, 10.0, 2, timeout_s=1.0, cap_s=8.0)
-    assert resend_due(14.0, 10.0, 2, timeout_s=1.0, cap_s=8.0)
-    assert resend_due(18.0, 10.0, 50, timeout_s=1.0, cap_s=8.0)
-    assert not resend_due(17.9, 10.0, 50, timeout_s=1.0, cap_s=8.0)
-
-
 @pytest.mark.parametrize(
     "call, match",
     [
@@ -72,8 +62,6 @@ def test_resend_due_after_capped_exponential_timeout():
         (lambda: next_backoff(True, 1.0, 2.0), "attempt=True"),
         (lambda: next_backoff(0, 0.0, 2.0), "base_s=0.0"),
         (lambda: next_backoff(0, 2.0, 1.0), "cap_s=1.0 < base_s=2.0"),
-        (lambda: resend_due(math.nan, 0.0, 0, 1.0, 2.0), "now=nan"),
-        (lambda: resend_due(1.0, None, 0, 1.0, 2.0), "sent_at=None"),
     ],
 )
 def test_validation_names_the_bad_value(call, match):
