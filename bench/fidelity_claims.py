@@ -159,12 +159,7 @@ def evaluate(entries: Mapping[str, dict]) -> list[dict]:
             "k1_grace_rda",
             "k1_grace",
             0.0,
-            "RDA at least as good as mean at 4 islands (K=1 + grace)",
-        )
-    )
-    claims.append(
-        _pair(
-            entries, "k_all_rda", "k_all", 0.0, "RDA at least as good as mean at 4 islands (K=all)"
+            "RDA at least as good as mean at 4 islands",
         )
     )
     claims.append(

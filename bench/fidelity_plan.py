@@ -35,14 +35,17 @@ class Group:
     scenarios: tuple[Scenario, ...]
 
 
-def _table(prefix: str, speeds: tuple, islands: int, rda: bool) -> list[Scenario]:
+def _table(prefix: str, speeds: tuple, islands: int, rda: bool, group: str = "B") -> list[Scenario]:
     """K = all, K = 1 and K = 1 + grace (eq3) on one speed mix, mean and optionally RDA."""
     out = []
     for merge in ("mean", "rda") if rda else ("mean",):
         suffix = "" if merge == "mean" else "_rda"
-        common = {"group": "B", "island_speeds": speeds, "merge": merge}
+        common = {"group": group, "island_speeds": speeds, "merge": merge}
         out += [
-            Scenario(f"{prefix}k_all{suffix}", "quorum", quorum=islands, **common),
+            # K = all: every live island pending steps at once, so no grace window applies
+            Scenario(
+                f"{prefix}k_all{suffix}", "quorum", quorum=islands, grace_rule="fraction", **common
+            ),  # fmt: skip
             Scenario(f"{prefix}k1{suffix}", "quorum", quorum=1, grace_rule="fraction", **common),
             Scenario(f"{prefix}k1_grace{suffix}", "quorum", quorum=1, grace_rule="eq3", **common),
         ]
@@ -104,8 +107,8 @@ def full() -> list[Group]:
                  island_speeds=MIX),
     ]  # fmt: skip
     harsh = [
-        *[s for s in _table("harsh_", HARSH, 4, rda=False) if s.name != "harsh_k1"],
-        Scenario("harsh_k1_grace_uniform", "quorum", "B", quorum=1, grace_rule="eq3",
+        *[s for s in _table("harsh_", HARSH, 4, rda=False, group="B2") if s.name != "harsh_k1"],
+        Scenario("harsh_k1_grace_uniform", "quorum", "B2", quorum=1, grace_rule="eq3",
                  weighting="uniform", island_speeds=HARSH),
     ]  # fmt: skip
     return [

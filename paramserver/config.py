@@ -54,7 +54,7 @@ class ShardConfig:
     data_dir: str = "runs/server"  # write-ahead logs and checkpoints (shard-<i>/ below it)
     mode: Literal["sync", "quorum", "async"] = "quorum"  # merge policy (paramserver.policy)
     quorum: int = 2  # quorum mode: distinct live islands needed before the grace window
-    grace_rule: str = "fraction"  # quorum grace window: fraction or eq3 (paramserver.policy)
+    grace_rule: str = "eq3"  # quorum grace window: eq3 (adaptive) or fraction (paramserver.policy)
     grace_fraction: float = 0.5  # fraction rule: share of the EMA inter-arrival time
     grace_gamma: float = 0.5  # eq3 rule: share of the slack spent waiting, in (0, 1)
     grace_min_s: float = 0.05  # lower clamp of the grace window, seconds

@@ -60,7 +60,7 @@ class PolicyConfig:
 
     mode: str = "quorum"
     quorum: int = 2
-    grace_rule: str = "fraction"
+    grace_rule: str = "eq3"
     grace_fraction: float = 0.5
     grace_gamma: float = 0.5
     grace_min_s: float = 0.05

@@ -37,12 +37,12 @@ def live(*islands):
 
 @pytest.mark.parametrize("mode", ["sync", "quorum", "async"])
 def test_nothing_pending_never_steps(mode):
-    d = decide(10.0, [], live("a", "b"), NO_STATS, PolicyConfig(mode=mode))
+    d = decide(10.0, [], live("a", "b"), NO_STATS, PolicyConfig(grace_rule="fraction", mode=mode))
     assert d == Decision(False, None, d.reason) and "nothing" in d.reason
 
 
 def test_async_steps_on_any_pending_even_from_dead_island():
-    cfg = PolicyConfig(mode="async")
+    cfg = PolicyConfig(grace_rule="fraction", mode="async")
     assert decide(1.0, pend(("a", 1.0)), live("a", "b", "c"), NO_STATS, cfg).step
     assert decide(1.0, pend(("gone", 0.5)), live("a"), NO_STATS, cfg).step
 
@@ -51,14 +51,14 @@ def test_async_steps_on_any_pending_even_from_dead_island():
 
 
 def test_sync_waits_for_every_live_island():
-    cfg = PolicyConfig(mode="sync")
+    cfg = PolicyConfig(grace_rule="fraction", mode="sync")
     d = decide(5.0, pend(("a", 1.0), ("a", 2.0)), live("a", "b"), NO_STATS, cfg)
     assert not d.step and d.wake_at is None and "1 live" in d.reason
     assert decide(5.0, pend(("a", 1.0), ("b", 4.0)), live("a", "b"), NO_STATS, cfg).step
 
 
 def test_sync_dead_island_no_longer_blocks_and_dead_pending_still_counts():
-    cfg = PolicyConfig(mode="sync")
+    cfg = PolicyConfig(grace_rule="fraction", mode="sync")
     pending = pend(("a", 1.0), ("dead", 0.5))
     assert not decide(2.0, pending, live("a", "b"), NO_STATS, cfg).step
     # b dies: everyone live is pending now.
@@ -71,13 +71,13 @@ def test_sync_dead_island_no_longer_blocks_and_dead_pending_still_counts():
 
 
 def test_quorum_below_quorum_waits_for_arrivals():
-    cfg = PolicyConfig(mode="quorum", quorum=2)
+    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=2)
     d = decide(100.0, pend(("a", 1.0), ("a", 2.0)), live("a", "b", "c"), NO_STATS, cfg)
     assert not d.step and d.wake_at is None and "1 of 2" in d.reason
 
 
 def test_quorum_grace_window_starts_when_quorum_reached():
-    cfg = PolicyConfig(mode="quorum", quorum=2, grace_min_s=0.5)
+    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=2, grace_min_s=0.5)
     pending = pend(("a", 1.0), ("b", 3.0), ("a", 4.0))
     lv = live("a", "b", "c")
     d = decide(3.2, pending, lv, NO_STATS, cfg)
@@ -87,7 +87,7 @@ def test_quorum_grace_window_starts_when_quorum_reached():
 
 
 def test_quorum_reached_at_uses_first_arrival_of_each_island():
-    cfg = PolicyConfig(mode="quorum", quorum=2, grace_min_s=1.0)
+    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=2, grace_min_s=1.0)
     # b first arrives at 2.0; its second delta at 5.0 does not move the deadline.
     pending = pend(("a", 1.0), ("b", 5.0), ("b", 2.0))
     d = decide(2.5, pending, live("a", "b", "c"), NO_STATS, cfg)
@@ -95,7 +95,7 @@ def test_quorum_reached_at_uses_first_arrival_of_each_island():
 
 
 def test_quorum_grace_follows_ema_and_is_clamped():
-    cfg = PolicyConfig(
+    cfg = PolicyConfig(grace_rule="fraction", 
         mode="quorum", quorum=2, grace_fraction=0.5, grace_min_s=0.1, grace_max_s=4.0
     )
     pending = pend(("a", 0.0), ("b", 10.0))
@@ -107,13 +107,13 @@ def test_quorum_grace_follows_ema_and_is_clamped():
 
 
 def test_quorum_steps_at_once_when_every_live_island_is_pending():
-    cfg = PolicyConfig(mode="quorum", quorum=2, grace_min_s=5.0)
+    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=2, grace_min_s=5.0)
     d = decide(1.0, pend(("a", 1.0), ("b", 1.0)), live("a", "b"), NO_STATS, cfg)
     assert d.step and d.wake_at is None
 
 
 def test_quorum_shrinks_to_live_islands_when_islands_die():
-    cfg = PolicyConfig(mode="quorum", quorum=3, grace_min_s=1.0)
+    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=3, grace_min_s=1.0)
     # Only a is live and pending: it is everyone, step now.
     assert decide(1.0, pend(("a", 1.0)), live("a"), NO_STATS, cfg).step
     # Two live islands, quorum 3 -> needs 2; a dead island's delta counts toward it.
@@ -124,7 +124,7 @@ def test_quorum_shrinks_to_live_islands_when_islands_die():
 
 
 def test_quorum_of_one_is_a_grace_window_after_the_first_delta():
-    cfg = PolicyConfig(mode="quorum", quorum=1, grace_min_s=0.2)
+    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=1, grace_min_s=0.2)
     pending = pend(("a", 1.0))
     lv = live("a", "b")
     assert decide(1.1, pending, lv, NO_STATS, cfg).wake_at == pytest.approx(1.2)
@@ -133,13 +133,13 @@ def test_quorum_of_one_is_a_grace_window_after_the_first_delta():
 
 def test_clock_before_arrival_waits_until_deadline():
     # A now earlier than the arrivals (clock skew between threads) just waits.
-    cfg = PolicyConfig(mode="quorum", quorum=2, grace_min_s=0.5)
+    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=2, grace_min_s=0.5)
     d = decide(0.0, pend(("a", 1.0), ("b", 2.0)), live("a", "b", "c"), NO_STATS, cfg)
     assert not d.step and d.wake_at == 2.5
 
 
 def test_zero_grace_steps_as_soon_as_quorum_is_reached():
-    cfg = PolicyConfig(mode="quorum", quorum=2, grace_min_s=0.0, grace_max_s=0.0)
+    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=2, grace_min_s=0.0, grace_max_s=0.0)
     assert decide(2.0, pend(("a", 1.0), ("b", 2.0)), live("a", "b", "c"), NO_STATS, cfg).step
 
 
@@ -158,7 +158,7 @@ def test_zero_grace_steps_as_soon_as_quorum_is_reached():
 def test_once_due_stays_due_and_wake_at_is_when_it_becomes_due(
     mode, quorum, arrivals, alive, ema, now, later
 ):
-    cfg = PolicyConfig(mode=mode, quorum=quorum, grace_min_s=0.05, grace_max_s=30.0)
+    cfg = PolicyConfig(grace_rule="fraction", mode=mode, quorum=quorum, grace_min_s=0.05, grace_max_s=30.0)
     stats = ArrivalStats(ema, None, 0)
     pending = pend(*arrivals)
     d = decide(now, pending, frozenset(alive), stats, cfg)
@@ -172,7 +172,7 @@ def test_once_due_stays_due_and_wake_at_is_when_it_becomes_due(
 
 
 def test_decide_rejects_bad_times():
-    cfg = PolicyConfig()
+    cfg = PolicyConfig(grace_rule="fraction")
     with pytest.raises(PolicyError, match="now=nan"):
         decide(math.nan, pend(("a", 1.0)), live("a"), NO_STATS, cfg)
     with pytest.raises(PolicyError, match="arrival"):
@@ -206,7 +206,7 @@ def test_observe_validates():
 
 
 def test_grace_window_before_and_after_ema():
-    cfg = PolicyConfig(grace_fraction=0.25, grace_min_s=0.5, grace_max_s=2.0)
+    cfg = PolicyConfig(grace_rule="fraction", grace_fraction=0.25, grace_min_s=0.5, grace_max_s=2.0)
     assert grace_window(ArrivalStats(), cfg) == 0.5
     assert grace_window(ArrivalStats(4.0, 1.0, 3), cfg) == 1.0
     assert grace_window(ArrivalStats(40.0, 1.0, 3), cfg) == 2.0
@@ -230,11 +230,11 @@ def test_grace_window_before_and_after_ema():
 )
 def test_policy_config_validation(kwargs, match):
     with pytest.raises(PolicyError, match=match):
-        PolicyConfig(**kwargs)
+        PolicyConfig(grace_rule="fraction", **kwargs)
 
 
 def test_policy_config_defaults_and_is_frozen():
-    cfg = PolicyConfig()
+    cfg = PolicyConfig(grace_rule="fraction")
     assert (cfg.mode, cfg.quorum, cfg.grace_fraction) == ("quorum", 2, 0.5)
     with pytest.raises(AttributeError):
         cfg.quorum = 3
@@ -273,7 +273,7 @@ def test_eq3_decide_uses_the_fastest_quorum_island_and_waits_for_a_second():
 
 
 def test_fraction_rule_ignores_paces():
-    cfg = PolicyConfig(mode="quorum", quorum=1, grace_min_s=0.2)
+    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=1, grace_min_s=0.2)
     paces = {"a": IslandPace(1.0, 100)}
     d = decide(0.0, pend(("a", 0.0)), live("a", "b"), ArrivalStats(), cfg, paces)
     assert d.wake_at == pytest.approx(0.2)
@@ -298,7 +298,7 @@ def test_observe_step_and_pace_are_emas():
 
 
 def test_quorum_time_is_first_arrival_to_quorum():
-    cfg = PolicyConfig(mode="quorum", quorum=2)
+    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=2)
     pending = pend(("a", 1.0), ("a", 1.5), ("b", 3.5), ("c", 4.0))
     assert quorum_time(pending, live("a", "b", "c"), cfg) == pytest.approx(2.5)
     assert quorum_time(pend(("a", 1.0)), live("a", "b"), cfg) is None
