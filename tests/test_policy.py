@@ -95,8 +95,13 @@ def test_quorum_reached_at_uses_first_arrival_of_each_island():
 
 
 def test_quorum_grace_follows_ema_and_is_clamped():
-    cfg = PolicyConfig(grace_rule="fraction", 
-        mode="quorum", quorum=2, grace_fraction=0.5, grace_min_s=0.1, grace_max_s=4.0
+    cfg = PolicyConfig(
+        grace_rule="fraction",
+        mode="quorum",
+        quorum=2,
+        grace_fraction=0.5,
+        grace_min_s=0.1,
+        grace_max_s=4.0,
     )
     pending = pend(("a", 0.0), ("b", 10.0))
     lv = live("a", "b", "c")
@@ -139,7 +144,9 @@ def test_clock_before_arrival_waits_until_deadline():
 
 
 def test_zero_grace_steps_as_soon_as_quorum_is_reached():
-    cfg = PolicyConfig(grace_rule="fraction", mode="quorum", quorum=2, grace_min_s=0.0, grace_max_s=0.0)
+    cfg = PolicyConfig(
+        grace_rule="fraction", mode="quorum", quorum=2, grace_min_s=0.0, grace_max_s=0.0
+    )
     assert decide(2.0, pend(("a", 1.0), ("b", 2.0)), live("a", "b", "c"), NO_STATS, cfg).step
 
 
@@ -158,7 +165,9 @@ def test_zero_grace_steps_as_soon_as_quorum_is_reached():
 def test_once_due_stays_due_and_wake_at_is_when_it_becomes_due(
     mode, quorum, arrivals, alive, ema, now, later
 ):
-    cfg = PolicyConfig(grace_rule="fraction", mode=mode, quorum=quorum, grace_min_s=0.05, grace_max_s=30.0)
+    cfg = PolicyConfig(
+        grace_rule="fraction", mode=mode, quorum=quorum, grace_min_s=0.05, grace_max_s=30.0
+    )
     stats = ArrivalStats(ema, None, 0)
     pending = pend(*arrivals)
     d = decide(now, pending, frozenset(alive), stats, cfg)
