@@ -104,13 +104,13 @@ def join(
         cfg.connect,
         cfg.join_timeout_s,
     )
-    cluster = read_welcome(_hello(cfg, first, loop.call, deadline), cfg, leaves)
+    cluster = read_welcome(_hello(cfg, first, loop, deadline), cfg, leaves)
     _open_shards(links, first, cluster)
     plan = cluster.plan
     initialized = {cluster.shard: cluster.initialized}
     for shard in links.shards:
         if shard is not first:
-            welcome = _hello(cfg, shard, loop.call, deadline)
+            welcome = _hello(cfg, shard, loop, deadline)
             initialized[shard.index] = shard_initialized(welcome, plan, shard.index)
     logger.info(
         "island %s: cluster of %d shards, %d fragments, initialized %s, plan %s",
@@ -142,10 +142,24 @@ def _expect(header: dict, kind: str, what: str) -> dict:
     return header
 
 
-def _hello(cfg: ClientConfig, shard: ShardLink, call: Call, deadline: float) -> dict:
-    """Say hello to a shard; its welcome, or a ClientError saying why it refused."""
-    reply, _ = call(shard, "hello", deadline)
-    if reply["kind"] == "rejected" and reply.get("reason") == "island_in_use":
+def _hello(cfg: ClientConfig, shard: ShardLink, loop: Loop, deadline: float) -> dict:
+    """Say hello to a shard; its welcome, or a ClientError saying why it refused.
+
+    An id in use on another connection is asked again every 0.2 s for up to
+    `in_use_wait_s`: a restarted island's old connection falls silent within two
+    heartbeats and the shard then lets it in; a second running island with the
+    same id stays refused.
+    """
+    give_up = min(deadline, time.monotonic() + cfg.in_use_wait_s)
+    while True:
+        reply, _ = loop.call(shard, "hello", deadline)
+        in_use = reply["kind"] == "rejected" and reply.get("reason") == "island_in_use"
+        if not in_use or time.monotonic() >= give_up:
+            break
+        pause_end = min(give_up, time.monotonic() + 0.2)
+        while time.monotonic() < pause_end:
+            loop.pump()
+    if in_use:
         raise ClientError(
             f"join: island id {cfg.island!r} is in use by another running island "
             f"(shard at {shard.router}: {reply.get('detail')}); give each island its own id "
@@ -336,7 +350,7 @@ def _initialized_within(
         True when it became initialised (with this island's plan) by `until`.
     """
     while True:
-        if shard_initialized(_hello(cfg, shard, loop.call, deadline), plan, shard.index):
+        if shard_initialized(_hello(cfg, shard, loop, deadline), plan, shard.index):
             return True
         if time.monotonic() >= until:
             return False

@@ -47,6 +47,8 @@ class ClientConfig:
     push_timeout_s: float = 300.0  # push waiting for a free slot longer than this fails
     join_timeout_s: float = 60.0  # join (hello, init, snapshots) must finish within this
     snapshot_timeout_s: float = 30.0  # a re-snapshot of a shard not done by then is restarted
+    in_use_wait_s: float = 5.0  # an id live on another connection: ask again this long (a
+    # restarted island's old connection falls silent within two heartbeats), then fail
     init_grace_s: float = 5.0  # a shard left uninitialised this long by shard 0's initialiser
     # (it died half-way?) is initialised by the joining island with its own values
     curve_secret_key_file: str = ""  # island key pair (NAME.key_secret); "" = no CURVE
@@ -74,6 +76,7 @@ class ClientConfig:
             "join_timeout_s",
             "snapshot_timeout_s",
             "init_grace_s",
+            "in_use_wait_s",
         ):
             value = getattr(self, name)
             if (

@@ -402,3 +402,23 @@ def test_an_island_id_live_on_another_client_is_refused_at_join_in_one_line(clus
     assert "\n" not in message
     a.close(flush_timeout_s=1.0)  # says bye: the id is free again
     client(c.connect, "a").join(small_flat(0))
+
+
+@pytest.mark.timeout(60)
+def test_a_restarted_island_gets_its_id_back_once_the_old_connection_is_silent(
+    start_shard, peer, client
+):
+    # The crashed process's connection said hello as "a" and then went silent (kill -9):
+    # the shard refuses "a" on a new connection for two heartbeats (0.5 s each), and the
+    # restarted island's join asks again instead of failing at once.
+    shard = start_shard(heartbeat_interval_s=0.5, liveness=20)
+    peer(shard.router, "a").hello()
+    t0 = time.monotonic()
+    restarted = client(shard.router, "a", heartbeat_interval_s=0.5, in_use_wait_s=10.0)
+    res = restarted.join(small_flat(0))
+    assert res.versions  # joined
+    assert 0.5 < time.monotonic() - t0 < 10.0  # it waited for the old connection's silence
+    # a second live island with the same id is still refused, after the wait
+    third = client(shard.router, "a", heartbeat_interval_s=0.5, in_use_wait_s=1.0)
+    with pytest.raises(ClientError, match="in use by another running island"):
+        third.join(small_flat(0))
