@@ -57,6 +57,9 @@ class ShardCollector:
         self.endpoints = list(endpoints)
         self.timeout_s = timeout_s
         self.curve = curve
+        # one context for every scrape (each probe closes its own sockets): tearing a
+        # context down per scrape, right after a monitored handshake failed, could hang
+        self._ctx = zmq.Context()
 
     def describe(self) -> list[Any]:
         """Nothing up front, so registering does not query the shards."""
@@ -81,28 +84,25 @@ class ShardCollector:
             "diloco_fragment_version", "fragment version", labels=["shard", "fragment"]
         )
         live = GaugeMetricFamily("diloco_shard_islands_live", "live islands", labels=["shard"])
-        ctx = zmq.Context()
-        try:
-            for index, endpoint in enumerate(self.endpoints):
-                label = str(index)
-                try:
-                    status = shard_status(ctx, endpoint, self.timeout_s, self.curve)
-                except ProbeError as exc:
-                    logger.warning("metrics: shard %d: %s", index, exc)
-                    up.add_metric([label], 0)
-                    continue
-                up.add_metric([label], 1)
-                for name, family in counters.items():
-                    family.add_metric([label], float(status.get(name, 0)))
-                for reason, count in status.get("rejected", {}).items():
-                    rejected.add_metric([label, str(reason)], float(count))
-                for stale, count in status.get("staleness_histogram", {}).items():
-                    staleness.add_metric([label, str(stale)], float(count))
-                for fragment, v in status.get("versions", {}).items():
-                    version.add_metric([label, str(fragment)], float(v))
-                live.add_metric([label], float(len(status.get("islands_live", []))))
-        finally:
-            ctx.destroy(linger=0)
+        ctx = self._ctx
+        for index, endpoint in enumerate(self.endpoints):
+            label = str(index)
+            try:
+                status = shard_status(ctx, endpoint, self.timeout_s, self.curve)
+            except ProbeError as exc:
+                logger.warning("metrics: shard %d: %s", index, exc)
+                up.add_metric([label], 0)
+                continue
+            up.add_metric([label], 1)
+            for name, family in counters.items():
+                family.add_metric([label], float(status.get(name, 0)))
+            for reason, count in status.get("rejected", {}).items():
+                rejected.add_metric([label, str(reason)], float(count))
+            for stale, count in status.get("staleness_histogram", {}).items():
+                staleness.add_metric([label, str(stale)], float(count))
+            for fragment, v in status.get("versions", {}).items():
+                version.add_metric([label, str(fragment)], float(v))
+            live.add_metric([label], float(len(status.get("islands_live", []))))
         yield up
         yield from counters.values()
         yield from (rejected, staleness, version, live)
