@@ -115,17 +115,13 @@ def rda_merge(
 
 
 def _merge_segment(pieces: list[np.ndarray], share: np.ndarray, mean_only: bool) -> np.ndarray:
-    mean = sum(p * v for p, v in zip(share, pieces, strict=True))
-    if mean_only or len(pieces) == 1:
-        return mean
-    norms = np.array([np.linalg.norm(v) for v in pieces])
-    if not np.any(norms > 0):
-        return mean
-    direction = sum(p * v / n for p, v, n in zip(share, pieces, norms, strict=True) if n > 0)
-    length = float(np.linalg.norm(direction))
-    if length < _CANCEL_TOL:
-        return mean
-    return float(share @ norms) * direction / length
+    if not mean_only and len(pieces) > 1:
+        norms = np.array([np.linalg.norm(v) for v in pieces])
+        direction = sum(p * v / n for p, v, n in zip(share, pieces, norms, strict=True) if n > 0)
+        length = float(np.linalg.norm(direction))  # 0 when every delta is zero
+        if length >= _CANCEL_TOL:
+            return float(share @ norms) * direction / length
+    return sum(p * v for p, v in zip(share, pieces, strict=True))  # the weighted mean
 
 
 def merge_deltas(

@@ -21,7 +21,8 @@ Grace rules (quorum mode):
               round times the EMA of the inner-step time it reports as `t_step`; the
               fastest island of the quorum counts), `t_quorum` the EMA of the time from
               the first pending delta's arrival to reaching the quorum, `t_sync` the
-              EMA of the merge + publish time. The islands that formed the quorum train
+              EMA of a step's own time (logging it, merging, the outer step; the
+              publish that follows is a send and is not counted). The islands that formed the quorum train
               their next round meanwhile, so a window that closes before that round
               ends costs them nothing.
     Both are clamped to [grace_min_s, grace_max_s]; eq3 uses grace_min_s until an
@@ -110,7 +111,7 @@ class ArrivalStats:
         last_arrival: time of the latest delta, None before any.
         count: deltas observed.
         ema_quorum_s: EMA of the time from the first pending arrival to the quorum.
-        ema_sync_s: EMA of the merge + publish time of a step.
+        ema_sync_s: EMA of a step's own time (log append, merge, outer step).
     """
 
     ema_interarrival_s: float | None = None
@@ -156,7 +157,7 @@ def observe_step(
         stats: the fragment's statistics so far.
         quorum_s: seconds from the first pending delta's arrival to reaching the
             quorum (`quorum_reached`), None when unknown; negative counts as 0.
-        sync_s: seconds the merge and publish took, >= 0.
+        sync_s: seconds the step took (log append, merge, outer step), >= 0.
         alpha: EMA weight of the newest sample, in (0, 1].
 
     Returns:
@@ -291,7 +292,7 @@ def quorum_reached(pending: Sequence[PendingDelta], needed: int) -> tuple[float,
         (first arrival, arrival that completed the quorum), None if not reached.
     """
     times = sorted(_first_arrivals(pending).values())
-    if len(times) < needed or not times:
+    if len(times) < max(1, needed):
         return None
     return times[0], times[needed - 1]
 

@@ -12,7 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from paramserver.policy import ArrivalStats
+from paramserver.policy import ArrivalStats, PendingDelta
 
 
 class StateError(RuntimeError):
@@ -116,6 +116,10 @@ class FragmentState:
     stats: ArrivalStats = field(default_factory=ArrivalStats)
     residual: np.ndarray | None = None  # int8 downlink: quantization error carried forward
     norms: list[float] = field(default_factory=list)  # recent (clipped) delta norms: robust.py
+
+    def waiting(self) -> list[PendingDelta]:
+        """The pending deltas as the merge policy sees them (island, arrival time)."""
+        return [PendingDelta(c.island, c.arrived) for c in self.pending]
 
 
 @dataclass

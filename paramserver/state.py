@@ -49,7 +49,6 @@ from paramserver.outer import DonatingStep, FragmentOptimizer, aligned_float32, 
 from paramserver.plan import Plan, PlanError
 from paramserver.policy import (
     IslandPace,
-    PendingDelta,
     decide,
     observe,
     observe_step,
@@ -371,8 +370,7 @@ class ShardState:
         for index, frag in sorted(self.fragments.items()):
             if not frag.pending:
                 continue
-            pending = [PendingDelta(c.island, c.arrived) for c in frag.pending]
-            decision = decide(now, pending, live, frag.stats, self.policy, self.paces)
+            decision = decide(now, frag.waiting(), live, frag.stats, self.policy, self.paces)
             if decision.step:
                 due.append(index)
             elif decision.wake_at is not None:
@@ -395,8 +393,7 @@ class ShardState:
         frag = self.fragments.get(fragment)
         if frag is None or not frag.pending:
             raise StateError(f"fragment {fragment} has nothing to step")
-        pending = [PendingDelta(c.island, c.arrived) for c in frag.pending]
-        quorum_s = quorum_time(pending, self.live(now), self.policy)
+        quorum_s = quorum_time(frag.waiting(), self.live(now), self.policy)
         event = StepEvent(fragment, tuple((c.island, c.round) for c in frag.pending), float(now))
         started = time.perf_counter()
         update = self._commit(event)
