@@ -25,9 +25,9 @@ import optax
 import codec
 from bench import cli
 from bench.common import emit_json, progress
-from paramserver.config import ShardConfig
-from paramserver.plan import leaf_specs, make_plan
-from paramserver.state import ShardState
+from paramserver.server.config import ShardConfig
+from paramserver.server.state import ShardState
+from paramserver.wire.plan import leaf_specs, make_plan
 from worker import data, model
 from worker.train import InnerConfig, make_inner_optimizer
 

@@ -43,7 +43,7 @@ from bench import chaos_score, outdir
 from bench import faults as fl
 from bench.common import emit_json
 from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
-from paramserver import daemon, probe
+from paramserver.plumbing import daemon, probe
 
 SAMPLE_S = 0.25
 

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from paramserver import daemon, probe
-from paramserver.clusterfile import ShardAddress, render_cluster_file
+from paramserver.plumbing import daemon, probe
+from paramserver.plumbing.clusterfile import ShardAddress, render_cluster_file
 
 
 class LaunchError(RuntimeError):
@@ -139,7 +139,7 @@ class LocalCluster:
         """Start every shard (detached) and return once they serve."""
         _run(
             [
-                sys.executable, "-m", "paramserver.cli", "start",
+                sys.executable, "-m", "paramserver.server.cli", "start",
                 "--shards", str(self.shards), "--host", self.host, "--port", str(self.port),
                 "--data-dir", str(self.server_dir), "--detach", *self.server_args,
             ],
@@ -196,7 +196,7 @@ class LocalCluster:
         """
         if self.cluster_file is None:
             raise LaunchError("start_shard needs write_relayed_cluster_file first")
-        _run([sys.executable, "-m", "paramserver.cli", "start", "--cluster",
+        _run([sys.executable, "-m", "paramserver.server.cli", "start", "--cluster",
               str(self.cluster_file), "--shard", str(index), "--detach"],
              f"diloco-server start --shard {index}", timeout_s)  # fmt: skip
 
@@ -335,7 +335,7 @@ class LocalCluster:
                 [
                     sys.executable,
                     "-m",
-                    "paramserver.cli",
+                    "paramserver.server.cli",
                     "stop",
                     "--data-dir",
                     str(self.server_dir),

@@ -30,7 +30,7 @@ from bench import analysis
 from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port, read_rows
 from bench.scenarios import Budget, Scenario
 from bench.wan import Wan
-from paramserver import daemon, probe
+from paramserver.plumbing import daemon, probe
 
 POLL_S = 0.5
 Progress = Callable[[int, str], None]

@@ -50,7 +50,7 @@ class Scenario:
     wan: bool = True  # on the emulated WAN link (False: loopback)
     wall_cap_s: float = 0.0  # stop after this many seconds of training (0: budget's cap)
     quorum: int = 0  # quorum mode: distinct islands per step (0: all islands but one)
-    grace_rule: str = "eq3"  # quorum grace window: eq3 | fraction (paramserver.policy)
+    grace_rule: str = "eq3"  # quorum grace window: eq3 | fraction (paramserver.server.policy)
     merge: str = "mean"  # combining island deltas on the server: mean | rda
     merge_rule: str = "keep-progress"  # islands folding a new version: keep-progress | overwrite
     island_speeds: tuple[tuple[float, float], ...] = ()  # (speed, jitter) each; () = slow_*

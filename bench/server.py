@@ -35,13 +35,13 @@ import zmq
 import codec
 from bench import cli
 from bench.common import emit_json, gbps, progress, timed
-from paramserver import protocol
-from paramserver.config import ShardConfig
-from paramserver.durable import Durability
-from paramserver.plan import leaf_specs, make_plan
-from paramserver.records import AcceptEvent, Contribution
-from paramserver.shard import ShardServer
-from paramserver.state import ShardState
+from paramserver.server.config import ShardConfig
+from paramserver.server.durable import Durability
+from paramserver.server.records import AcceptEvent, Contribution
+from paramserver.server.shard import ShardServer
+from paramserver.server.state import ShardState
+from paramserver.wire import protocol
+from paramserver.wire.plan import leaf_specs, make_plan
 
 T0 = 1_000_000.0
 

@@ -1,7 +1,7 @@
 """Profile one shard of a local cluster with cProfile, without touching the shard's code.
 
 `profile_env(directory, index)` returns the environment that makes the shard
-process of `index` (``python -m paramserver.cli shard --index I``) run under
+process of `index` (``python -m paramserver.server.cli shard --index I``) run under
 cProfile from its start to its clean exit (SIGTERM: drain, checkpoint, exit
 0), writing ``shard-I.pstats`` into `directory`: a ``sitecustomize.py`` put on
 PYTHONPATH there starts the profiler in that process only (its main thread,
@@ -44,23 +44,23 @@ if _path and "shard" in _argv and _argv[_argv.index("shard") + 1 :][:2] == ["--i
 # serve > turn > {poll, handle > {unpack, submit_delta > {decode, wal_append}}, step >
 # {wal_append, merge_and_optimizer}, fsync, flush}, checkpoint.
 SECTIONS: dict[str, tuple[str, str]] = {
-    "serve": ("paramserver/shard.py", "serve"),
-    "turn": ("paramserver/shard.py", "_turn"),
+    "serve": ("paramserver/server/shard.py", "serve"),
+    "turn": ("paramserver/server/shard.py", "_turn"),
     "poll_wait": ("zmq/sugar/socket.py", "poll"),
     "recv": ("zmq/sugar/socket.py", "recv_multipart"),
-    "handle": ("paramserver/shard.py", "_handle"),
-    "unpack_header": ("paramserver/protocol.py", "unpack"),
-    "push_submit": ("paramserver/state.py", "submit_delta"),
+    "handle": ("paramserver/server/shard.py", "_handle"),
+    "unpack_header": ("paramserver/wire/protocol.py", "unpack"),
+    "push_submit": ("paramserver/server/state.py", "submit_delta"),
     "push_decode": ("codec/decode.py", "decode"),
-    "wal_append": ("paramserver/durable.py", "append"),
-    "due_fragments": ("paramserver/state.py", "due_fragments"),
-    "step": ("paramserver/state.py", "step"),
-    "step_apply": ("paramserver/state.py", "_apply_step"),
-    "fsync": ("paramserver/durable.py", "sync"),
-    "flush_replies_publish": ("paramserver/shard.py", "_flush"),
-    "checkpoint": ("paramserver/durable.py", "maybe_checkpoint"),
-    "snapshot": ("paramserver/shard.py", "_on_snapshot"),
-    "heartbeat": ("paramserver/shard.py", "_on_heartbeat"),
+    "wal_append": ("paramserver/server/durable.py", "append"),
+    "due_fragments": ("paramserver/server/state.py", "due_fragments"),
+    "step": ("paramserver/server/state.py", "step"),
+    "step_apply": ("paramserver/server/state.py", "_apply_step"),
+    "fsync": ("paramserver/server/durable.py", "sync"),
+    "flush_replies_publish": ("paramserver/server/shard.py", "_flush"),
+    "checkpoint": ("paramserver/server/durable.py", "maybe_checkpoint"),
+    "snapshot": ("paramserver/server/shard.py", "_on_snapshot"),
+    "heartbeat": ("paramserver/server/shard.py", "_on_heartbeat"),
 }
 
 

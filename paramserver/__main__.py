@@ -2,6 +2,6 @@
 
 import sys
 
-from paramserver.cli import main
+from paramserver.server.cli import main
 
 sys.exit(main())

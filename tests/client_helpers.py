@@ -18,8 +18,8 @@ from collections.abc import Callable, Iterator
 from conftest import free_port
 
 from paramserver.client import Client, ClientConfig
-from paramserver.config import ShardConfig
-from paramserver.shard import ShardServer
+from paramserver.server.config import ShardConfig
+from paramserver.server.shard import ShardServer
 
 WAIT_S = 20.0
 

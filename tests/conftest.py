@@ -4,7 +4,7 @@ Everything binds to 127.0.0.1 (random ports) and sets linger 0.
 
 - `zmq_ctx`: a fresh context; the test fails if it leaves a socket open.
 - `free_port()`: a TCP port on 127.0.0.1 that was free a moment ago.
-- `peer(endpoint)`: a raw DEALER speaking `paramserver.protocol` (no client
+- `peer(endpoint)`: a raw DEALER speaking `paramserver.wire.protocol` (no client
   library), for sending good and bad messages to a shard.
 - `start_shard(**overrides)`: a ShardServer in a thread with random ports and a
   temporary data dir; stopped (and checked to have stopped) at teardown.
@@ -22,9 +22,9 @@ from typing import Any
 import pytest
 import zmq
 
-from paramserver import protocol
-from paramserver.config import ShardConfig
-from paramserver.shard import ShardServer
+from paramserver.server.config import ShardConfig
+from paramserver.server.shard import ShardServer
+from paramserver.wire import protocol
 
 REPLY_TIMEOUT_S = 10.0
 

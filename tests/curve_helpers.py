@@ -10,8 +10,8 @@ from typing import Any
 
 from conftest import RunningShard, free_port
 
-from paramserver.config import ShardConfig
-from paramserver.shard import ShardServer
+from paramserver.server.config import ShardConfig
+from paramserver.server.shard import ShardServer
 
 SLOW_HB = {"heartbeat_interval_s": 5.0, "liveness": 20}
 

@@ -18,7 +18,7 @@ import msgpack
 import numpy as np
 from shard_helpers import delta_frames, nan_frames
 
-from paramserver import protocol
+from paramserver.wire import protocol
 
 FAMILIES = (
     "random_bytes",

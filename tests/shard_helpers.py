@@ -9,7 +9,7 @@ import msgpack
 import numpy as np
 
 import codec
-from paramserver.plan import Plan, leaf_specs, make_plan
+from paramserver.wire.plan import Plan, leaf_specs, make_plan
 
 
 def small_flat(seed: int = 0) -> dict[str, np.ndarray]:

@@ -1,4 +1,4 @@
-"""A shard as a real subprocess (``python -m paramserver.shard``) for tests that signal it,
+"""A shard as a real subprocess (``python -m paramserver.server.shard``) for tests that signal it,
 limit its resources or read its log: start on a free port pair, wait until it answers."""
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def free_port_pair() -> int:
 
 
 class ShardProcess:
-    """`python -m paramserver.shard --index 0` on 127.0.0.1; its output is kept in `output`.
+    """`python -m paramserver.server.shard --index 0` on 127.0.0.1; its output is kept in `output`.
 
     The output goes through a pipe (not a file), so a file-size limit on the
     process does not touch it.
@@ -44,7 +44,7 @@ class ShardProcess:
         self.router = f"tcp://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
         argv = [
-            sys.executable, "-m", "paramserver.shard", "--index", "0",
+            sys.executable, "-m", "paramserver.server.shard", "--index", "0",
             "--port", str(self.port), "--data-dir", str(data_dir), *flags,
         ]  # fmt: skip
         self.proc = subprocess.Popen(

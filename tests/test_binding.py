@@ -1,8 +1,8 @@
-"""paramserver.binding: which connection may act as an island id (pure rules, explicit time)."""
+"""paramserver.server.binding: which connection may act as an island id (pure rules, explicit time)."""
 
 import pytest
 
-from paramserver.binding import IN_USE, OWN, SAY_HELLO, Binding, Bindings, may_take_over
+from paramserver.server.binding import IN_USE, OWN, SAY_HELLO, Binding, Bindings, may_take_over
 
 A, B = b"\x00conn-a", b"\x00conn-b"
 

@@ -19,9 +19,9 @@ import codec
 from bench.children.chaos_relay import Relay
 from bench.faults import Fault
 from paramserver.client import Client, ClientConfig
-from paramserver.config import ShardConfig
-from paramserver.outbox import DECODE_RETRIES
-from paramserver.shard import ShardServer
+from paramserver.client.outbox import DECODE_RETRIES
+from paramserver.server.config import ShardConfig
+from paramserver.server.shard import ShardServer
 
 pytestmark = pytest.mark.timeout(90)
 

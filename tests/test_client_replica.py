@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from paramserver.replica import Published, Resync, ShardFeed, apply_update
+from paramserver.client.replica import Published, Resync, ShardFeed, apply_update
 
 
 def vec(*xs):

@@ -15,8 +15,8 @@ from client_helpers import WAIT_S, clients, clusters, wait_for
 from conftest import free_port
 from shard_helpers import delta_frames, init_payload, nan_frames, plan_for, small_flat
 
-from paramserver import protocol
 from paramserver.client import Client, ClientConfig, ClientError
+from paramserver.wire import protocol
 
 
 @pytest.fixture

@@ -22,8 +22,8 @@ from shard_helpers import small_flat
 
 import codec
 from paramserver.client import Client, ClientConfig, ClientConfigError, ClientError
-from paramserver.config import ConfigError, ShardConfig
-from paramserver.curve import CurveError, load_keypair, load_public_key, write_keypair
+from paramserver.plumbing.curve import CurveError, load_keypair, load_public_key, write_keypair
+from paramserver.server.config import ConfigError, ShardConfig
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -61,7 +61,16 @@ def _client(router, island, secret="", server_pub="", join_timeout_s=30.0):
 
 
 def test_keys_command_writes_a_private_secret_and_never_overwrites(tmp_path):
-    cmd = [sys.executable, "-m", "paramserver.cli", "keys", "--out", str(tmp_path), "--name", "s"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "paramserver.server.cli",
+        "keys",
+        "--out",
+        str(tmp_path),
+        "--name",
+        "s",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, proc.stderr
     secret = tmp_path / "s.key_secret"
@@ -92,7 +101,7 @@ def test_a_missing_allow_dir_stops_the_shard_with_a_clear_error(start_shard, key
 
 
 def test_only_allow_listed_islands_reach_the_shard(tmp_path, keys, caplog, zmq_ctx):
-    caplog.set_level(logging.WARNING, logger="paramserver.curve")
+    caplog.set_level(logging.WARNING, logger="paramserver.plumbing.curve")
     shard = curve_shard(tmp_path, keys["server_secret"], keys["allow"])
     good = _client(shard.router, "good", keys["good"], keys["server_pub"])
     try:

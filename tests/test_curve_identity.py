@@ -1,6 +1,6 @@
 """CURVE identity: a key acts only as its island ids; status and metrics speak CURVE.
 
-The rule (`paramserver.identity`) is tested as pure functions; then on a live
+The rule (`paramserver.plumbing.identity`) is tested as pure functions; then on a live
 CURVE shard over real sockets on 127.0.0.1: an allow-listed key `isl` acts as
 `isl` but its hello, push, heartbeat or bye for another id is refused
 `forbidden_island`, logged and counted; an allow map lets it use more ids;
@@ -26,10 +26,11 @@ from conftest import REPLY_TIMEOUT_S, RunningShard, free_port
 from curve_helpers import SLOW_HB, curve_shard, free_port_pair, wait_for
 from shard_helpers import delta_frames, push_header, small_flat
 
-from paramserver import identity, protocol
 from paramserver.client import Client, ClientConfig, ClientError
-from paramserver.config import ConfigError, ShardConfig
-from paramserver.curve import ClientKeys, CurveError, write_keypair
+from paramserver.plumbing import identity
+from paramserver.plumbing.curve import ClientKeys, CurveError, write_keypair
+from paramserver.server.config import ConfigError, ShardConfig
+from paramserver.wire import protocol
 
 pytestmark = pytest.mark.timeout(120)
 CLI_TIMEOUT_S = 60
@@ -82,7 +83,7 @@ def test_allow_map_file_is_checked(tmp_path):
 
 
 def test_guard_refuses_and_logs_at_most_once_a_minute(caplog):
-    caplog.set_level(logging.WARNING, logger="paramserver.identity")
+    caplog.set_level(logging.WARNING, logger="paramserver.plumbing.identity")
     guard = identity.IslandGuard({"K1": frozenset({"isl"})}, {"K1": "isl"}, shard=0)
     assert guard.refusal("K1", "isl", "push", 0.0) is None
     assert guard.refusal("K1", "mallory", "status", 0.0) is None  # status acts as nobody
@@ -132,7 +133,7 @@ def _curve_shard(tmp_path, keys, allow_map: str = "") -> RunningShard:
 
 
 class CurvePeer:
-    """A raw CURVE DEALER speaking paramserver.protocol (no client library)."""
+    """A raw CURVE DEALER speaking paramserver.wire.protocol (no client library)."""
 
     def __init__(self, ctx: zmq.Context, endpoint: str, secret: str, server_pub: str) -> None:
         self.sock = ctx.socket(zmq.DEALER)
@@ -154,7 +155,7 @@ class CurvePeer:
 
 
 def test_a_key_acts_only_as_its_own_island(tmp_path, keys, zmq_ctx, caplog):
-    caplog.set_level(logging.WARNING, logger="paramserver.identity")
+    caplog.set_level(logging.WARNING, logger="paramserver.plumbing.identity")
     shard = _curve_shard(tmp_path, keys)
     isl = _client(shard.router, "isl", keys)
     mal = CurvePeer(zmq_ctx, shard.router, keys["mal"], keys["server_pub"])
@@ -249,7 +250,7 @@ def _client(router, island, keys, secret=None, join_timeout_s=30.0):
 
 def _status_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "paramserver.cli", "status", *args],
+        [sys.executable, "-m", "paramserver.server.cli", "status", *args],
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,
@@ -301,7 +302,7 @@ def test_status_speaks_curve_and_names_curve_when_it_cannot(tmp_path, keys):
 
 
 def test_a_curve_probe_of_a_plain_shard_says_so_at_once(start_shard, keys, zmq_ctx):
-    from paramserver import probe
+    from paramserver.plumbing import probe
 
     shard = start_shard()
     curve = ClientKeys.load(keys["isl"], keys["server_pub"])
@@ -313,7 +314,7 @@ def test_a_curve_probe_of_a_plain_shard_says_so_at_once(start_shard, keys, zmq_c
 
 
 def test_metrics_report_up_under_curve(tmp_path, keys):
-    from paramserver.metrics import serve_metrics
+    from paramserver.server.metrics import serve_metrics
 
     shard = _curve_shard(tmp_path, keys)
     servers = []
@@ -341,7 +342,7 @@ def test_detached_curve_cluster_status_and_metrics(tmp_path, keys):
     """Real daemons: the supervisor's metrics and `status` both get through CURVE."""
     data_dir, port, metrics_port = tmp_path / "server", free_port_pair(), free_port()
     start = [
-        sys.executable, "-m", "paramserver.cli", "start", "--detach", "--shards", "1",
+        sys.executable, "-m", "paramserver.server.cli", "start", "--detach", "--shards", "1",
         "--port", str(port), "--data-dir", str(data_dir), "--fsync", "false",
         "--metrics-port", str(metrics_port),
         "--curve-secret-key-file", keys["server_secret"], "--curve-allow-dir", keys["allow"],
@@ -361,6 +362,6 @@ def test_detached_curve_cluster_status_and_metrics(tmp_path, keys):
         with urllib.request.urlopen(url, timeout=30) as response:
             assert 'diloco_shard_up{shard="0"} 1.0' in response.read().decode()
     finally:
-        stop = [sys.executable, "-m", "paramserver.cli", "stop", "--data-dir", str(data_dir)]
+        stop = [sys.executable, "-m", "paramserver.server.cli", "stop", "--data-dir", str(data_dir)]
         stopped = subprocess.run(stop, capture_output=True, text=True, timeout=CLI_TIMEOUT_S * 2)
     assert stopped.returncode == 0, stopped.stderr

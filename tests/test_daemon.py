@@ -9,15 +9,15 @@ import threading
 
 import pytest
 
-from paramserver import daemon
-from paramserver.daemon import DaemonError
+from paramserver.plumbing import daemon
+from paramserver.plumbing.daemon import DaemonError
 
 # A minimal daemon built from the library: claims the pid file, reports ready,
 # waits for a signal, drains, releases the pid file and exits 0.
 TOY = textwrap.dedent(
     """
     import logging, sys, threading
-    from paramserver import daemon
+    from paramserver.plumbing import daemon
     data_dir = sys.argv[1]
     mode = sys.argv[2] if len(sys.argv) > 2 else "ok"
     daemon.setup_logging("INFO")
@@ -126,7 +126,7 @@ def test_signal_handler_sets_event_then_second_signal_exits(tmp_path):
     code = textwrap.dedent(
         """
         import os, signal, sys, threading
-        from paramserver import daemon
+        from paramserver.plumbing import daemon
         stop = threading.Event()
         daemon.install_signal_handlers(stop)
         print("up", flush=True)

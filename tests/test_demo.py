@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from bench import demo
-from paramserver import daemon
+from paramserver.plumbing import daemon
 
 ROOT = Path(__file__).resolve().parent.parent
 SMALL = ("--islands", "1", "--shards", "1", "--inner-steps", "5")

@@ -21,10 +21,10 @@ from conftest import free_port
 from shard_helpers import delta_frames, small_flat
 
 import codec
-from paramserver import probe
 from paramserver.client import Client, ClientConfig
-from paramserver.config import ShardConfig
-from paramserver.shard import ShardServer
+from paramserver.plumbing import probe
+from paramserver.server.config import ShardConfig
+from paramserver.server.shard import ShardServer
 from worker import model as model_lib
 from worker.config import IslandConfig
 

@@ -55,27 +55,86 @@ def test_codec_imports_only_its_allowed_dependencies():
     assert not offenders, "; ".join(offenders)
 
 
-def test_worker_uses_only_the_public_paramserver_modules():
-    public = {
-        "paramserver",
-        "paramserver.client",
-        "paramserver.daemon",
-        "paramserver.settings",
-        "paramserver.probe",  # read-only operator queries (worker.evaluate's final eval)
-    }
+def imported_modules(path: Path) -> set[str]:
+    """Full dotted names of the absolute imports in a source file (`from a import b`: `a.b`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    mods: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            mods.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            mods.add(node.module)
+            mods.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return mods
+
+
+# paramserver's wings and the wings each may import (besides itself)
+WINGS_ALLOWED = {
+    "wire": set(),
+    "plumbing": {"wire"},
+    "client": {"wire", "plumbing"},
+    "server": {"wire", "plumbing"},
+}
+
+
+def wing_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "paramserver" or len(parts) < 2:
+        return None
+    return parts[1] if parts[1] in WINGS_ALLOWED else None
+
+
+def wing_offenders(files: list[Path], allowed_for) -> list[str]:
     offenders = []
-    for path in package_files("worker"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            mods = []
-            if isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
-                mods = [node.module]
-            elif isinstance(node, ast.Import):
-                mods = [a.name for a in node.names]
-            for mod in mods:
-                if mod.startswith("paramserver") and mod not in public:
-                    offenders.append(f"{path.relative_to(ROOT)} imports {mod}")
-    assert not offenders, "worker may use paramserver's client only: " + "; ".join(offenders)
+    for path in files:
+        for mod in imported_modules(path):
+            wing = wing_of(mod)
+            if wing is not None and wing not in allowed_for(path):
+                where = path.relative_to(ROOT) if path.is_relative_to(ROOT) else path.name
+                offenders.append(f"{where} imports {mod}")
+    return sorted(offenders)
+
+
+@pytest.mark.parametrize("wing", sorted(WINGS_ALLOWED))
+def test_paramserver_wings_import_only_below_them(wing):
+    # islands' client never reaches the shard side; the wire and plumbing stay at the bottom
+    files = sorted((ROOT / "paramserver" / wing).rglob("*.py"))
+    assert files, f"paramserver/{wing}/ is empty"
+    offenders = wing_offenders(files, lambda _path: WINGS_ALLOWED[wing] | {wing})
+    assert not offenders, f"paramserver.{wing} may import only {WINGS_ALLOWED[wing]}: " + "; ".join(
+        offenders
+    )
+
+
+def test_paramserver_has_no_flat_modules_outside_the_wings():
+    flat = sorted(p.name for p in (ROOT / "paramserver").glob("*.py"))
+    assert flat == ["__init__.py", "__main__.py"], flat
+
+
+def test_worker_uses_only_the_client_and_the_plumbing():
+    # an island never imports the shard side (nor the wire's internals directly)
+    offenders = [
+        f"{path.relative_to(ROOT)} imports {mod}"
+        for path in package_files("worker")
+        for mod in imported_modules(path)
+        if mod.startswith("paramserver")
+        and mod not in {"paramserver", "paramserver.client", "paramserver.plumbing"}
+        and not mod.startswith(("paramserver.client.", "paramserver.plumbing."))
+    ]
+    assert not offenders, "worker may use paramserver's client and plumbing only: " + "; ".join(
+        offenders
+    )
+
+
+def test_the_wing_check_sees_a_client_reaching_the_shard_side(tmp_path):
+    bad = tmp_path / "bad.py"
+    bad.write_text("from paramserver.server.state import ShardState\nimport numpy\n")
+    offenders = wing_offenders([bad], lambda _path: {"client", "wire", "plumbing"})
+    assert offenders and all("bad.py imports paramserver.server.state" in o for o in offenders)
+    # `from paramserver.client import core` names the client wing, which the client may use
+    ok = tmp_path / "ok.py"
+    ok.write_text("from paramserver.client import core\n")
+    assert wing_offenders([ok], lambda _path: {"client"}) == []
 
 
 def test_the_walker_sees_a_violation(tmp_path):
@@ -86,7 +145,7 @@ def test_the_walker_sees_a_violation(tmp_path):
 
 CONTROL_SCRIPT = """
 import contextlib, io, sys
-from paramserver import cli as server_cli
+from paramserver.server import cli as server_cli
 from worker import cli as worker_cli
 data, keys, port = sys.argv[1], sys.argv[2], sys.argv[3]
 runs = [

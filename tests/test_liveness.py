@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.liveness import (
+from paramserver.wire.liveness import (
     LivenessError,
     is_silent,
     live_islands,

@@ -4,8 +4,8 @@ import numpy as np
 import pytest
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
-from paramserver.config import ConfigError, ShardConfig
-from paramserver.merge import (
+from paramserver.server.config import ConfigError, ShardConfig
+from paramserver.server.merge import (
     MergeError,
     Segment,
     fragment_segments,
@@ -13,9 +13,9 @@ from paramserver.merge import (
     merge_pending,
     rda_merge,
 )
-from paramserver.plan import Fragment, Slice
-from paramserver.protocol import ACCEPTED
-from paramserver.state import ShardState
+from paramserver.server.state import ShardState
+from paramserver.wire.plan import Fragment, Slice
+from paramserver.wire.protocol import ACCEPTED
 
 pytestmark = pytest.mark.timeout(60)
 WHOLE = [Segment(0, 4)]

@@ -17,9 +17,9 @@ from shard_helpers import (
     small_flat,
 )
 
-from paramserver.config import ShardConfig
-from paramserver.protocol import ACCEPTED, DUPLICATE, REJECTED
-from paramserver.state import ShardState
+from paramserver.server.config import ShardConfig
+from paramserver.server.state import ShardState
+from paramserver.wire.protocol import ACCEPTED, DUPLICATE, REJECTED
 
 T0 = 1_000_000.0
 

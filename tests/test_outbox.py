@@ -2,7 +2,7 @@
 
 import pytest
 
-from paramserver.outbox import DECODE_RETRIES, Outbox
+from paramserver.client.outbox import DECODE_RETRIES, Outbox
 
 ACK_S, CAP_S = 1.0, 4.0  # first re-send after 1 s, doubling, at most every 4 s
 T0 = 10.0  # when `ledger` pushes and sends (an ack at T0 is a 0 s sample: the floor, 1 s)
@@ -222,7 +222,7 @@ def test_shards_names_the_shards_holding_pending_deltas():
     assert box.shards() == set()
 
 
-# -- the adaptive timeout (paramserver.ack_timer) ------------------------------------------
+# -- the adaptive timeout (paramserver.client.ack_timer) ------------------------------------------
 
 
 def sent_at(box, key, now, shard=0):

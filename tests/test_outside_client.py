@@ -29,7 +29,7 @@ LR = 0.5
 def server_cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     return subprocess.run(
-        [sys.executable, "-m", "paramserver.cli", *args],
+        [sys.executable, "-m", "paramserver.server.cli", *args],
         capture_output=True,
         text=True,
         timeout=CMD_TIMEOUT_S,

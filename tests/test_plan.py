@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.plan import LeafSpec, Plan, PlanError, leaf_specs, make_plan
+from paramserver.wire.plan import LeafSpec, Plan, PlanError, leaf_specs, make_plan
 
 shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
 

@@ -1,10 +1,10 @@
-"""paramserver.protocol: framing, version and schema checks, reasons."""
+"""paramserver.wire.protocol: framing, version and schema checks, reasons."""
 
 import msgpack
 import pytest
 
-from paramserver import protocol
-from paramserver.protocol import PUB, REPLY, REQUEST, ProtocolError, pack, unpack
+from paramserver.wire import protocol
+from paramserver.wire.protocol import PUB, REPLY, REQUEST, ProtocolError, pack, unpack
 
 PUSH = {
     "kind": "push",

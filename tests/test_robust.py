@@ -6,11 +6,11 @@ import numpy as np
 import pytest
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
-from paramserver.config import ConfigError, ShardConfig
-from paramserver.durable import export_state, restore_state
-from paramserver.protocol import ACCEPTED
-from paramserver.robust import clip, clip_factor, l2_norm
-from paramserver.state import ShardState
+from paramserver.server.config import ConfigError, ShardConfig
+from paramserver.server.durable import export_state, restore_state
+from paramserver.server.robust import clip, clip_factor, l2_norm
+from paramserver.server.state import ShardState
+from paramserver.wire.protocol import ACCEPTED
 
 T0 = 1_000_000.0
 

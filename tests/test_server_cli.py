@@ -15,8 +15,8 @@ import pytest
 from conftest import free_base_port
 from shard_helpers import delta_frames, small_flat
 
-from paramserver import daemon
 from paramserver.client import Client, ClientConfig
+from paramserver.plumbing import daemon
 
 CMD_TIMEOUT_S = 90
 
@@ -26,7 +26,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = CMD_TIMEOUT_S)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "paramserver.cli", *args],
+        [sys.executable, "-m", "paramserver.server.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -203,7 +203,7 @@ def test_foreground_sigterm_drains_and_exits_0(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     env["DILOCO_SERVER_FSYNC"] = "false"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paramserver.cli", "start", "--port", str(port)]
+        [sys.executable, "-m", "paramserver.server.cli", "start", "--port", str(port)]
         + ["--data-dir", str(data_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -272,7 +272,7 @@ def test_cluster_file_shards_start_and_stop(tmp_path, stop_after):
 
 
 def test_probe_cluster_status_of_a_live_shard(start_shard):
-    from paramserver import probe
+    from paramserver.plumbing import probe
 
     shard = start_shard()
     result = probe.cluster_status(shard.router, timeout_s=10)
@@ -284,7 +284,7 @@ def test_probe_cluster_status_of_a_live_shard(start_shard):
 def test_metrics_endpoint_serves_shard_counters(start_shard):
     import urllib.request
 
-    from paramserver.metrics import serve_metrics
+    from paramserver.server.metrics import serve_metrics
 
     shard = start_shard()
     dead = f"tcp://127.0.0.1:{free_base_port(1)}"
@@ -302,8 +302,8 @@ def test_metrics_endpoint_serves_shard_counters(start_shard):
 
 
 def test_cluster_file_parsing(tmp_path):
-    from paramserver.clusterfile import load_cluster_file
-    from paramserver.settings import SettingsError
+    from paramserver.plumbing.clusterfile import load_cluster_file
+    from paramserver.plumbing.settings import SettingsError
 
     path = tmp_path / "cluster.toml"
     path.write_text(
@@ -367,7 +367,11 @@ def test_client_resends_to_a_frozen_shard_and_the_shard_dedups(tmp_path, stop_af
 
 
 def test_rendered_cluster_file_reads_back_the_same(tmp_path):
-    from paramserver.clusterfile import ShardAddress, load_cluster_file, render_cluster_file
+    from paramserver.plumbing.clusterfile import (
+        ShardAddress,
+        load_cluster_file,
+        render_cluster_file,
+    )
 
     server = {"mode": "quorum", "quorum": 2, "fsync": False, "grace_fraction": 0.5}
     shards = [

@@ -6,7 +6,7 @@ from typing import Literal
 
 import pytest
 
-from paramserver.settings import SettingsError, add_flags, load_settings, setting_keys
+from paramserver.plumbing.settings import SettingsError, add_flags, load_settings, setting_keys
 
 
 @dataclass(frozen=True)

@@ -12,9 +12,9 @@ from conftest import free_port
 from shard_helpers import delta_frames, init_payload, nan_frames, plan_for, push_header, small_flat
 
 import codec
-from paramserver import protocol
-from paramserver.config import ShardConfig
-from paramserver.shard import run_shard
+from paramserver.server.config import ShardConfig
+from paramserver.server.shard import run_shard
+from paramserver.wire import protocol
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -220,7 +220,7 @@ def test_run_shard_logs_serving_and_returns_zero(tmp_path, caplog, peer):
     cfg = replace(ShardConfig(), port=port, data_dir=str(tmp_path / "d"), fsync=False)
     stop = threading.Event()
     result: list[int] = []
-    caplog.set_level(logging.INFO, logger="paramserver.shard")
+    caplog.set_level(logging.INFO, logger="paramserver.server.shard")
     thread = threading.Thread(target=lambda: result.append(run_shard(cfg, 0, None, stop)))
     thread.start()
     try:

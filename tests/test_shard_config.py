@@ -2,7 +2,7 @@
 
 import pytest
 
-from paramserver.config import (
+from paramserver.server.config import (
     ASYNC_OUTER_LR,
     ASYNC_OUTER_MOMENTUM,
     SYNC_OUTER_LR,

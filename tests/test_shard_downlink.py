@@ -8,11 +8,11 @@ import zmq
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 import codec
-from paramserver import protocol
-from paramserver.config import ShardConfig
-from paramserver.downlink import Downlink, DownlinkError
-from paramserver.durable import export_state, restore_state
-from paramserver.state import ShardState
+from paramserver.server.config import ShardConfig
+from paramserver.server.downlink import Downlink, DownlinkError
+from paramserver.server.durable import export_state, restore_state
+from paramserver.server.state import ShardState
+from paramserver.wire import protocol
 
 T0 = 1_000_000.0
 CFG = ShardConfig(mode="async", downlink="int8", fsync=False)

@@ -15,10 +15,10 @@ from conftest import Peer, free_port
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 import codec
-from paramserver.config import ShardConfig
-from paramserver.durable import Durability, DurabilityError
-from paramserver.outer import FragmentOptimizer, make_outer_optimizer
-from paramserver.state import ShardState
+from paramserver.server.config import ShardConfig
+from paramserver.server.durable import Durability, DurabilityError
+from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
+from paramserver.server.state import ShardState
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_000_000.0
@@ -125,7 +125,7 @@ def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
     again = Durability(cfg, 0)
-    with caplog.at_level(logging.ERROR, logger="paramserver.durable"):
+    with caplog.at_level(logging.ERROR, logger="paramserver.server.durable"):
         recovered = again.recover()
     assert f"checkpoint {newest.name} is unusable" in caplog.text
     assert_same(state, recovered)
@@ -148,7 +148,7 @@ def test_a_torn_log_tail_is_reported_and_dropped(tmp_path, caplog):
     with open(log, "ab") as f:
         f.write(b"\x40\x00\x00\x00partial")  # a record whose body never made it
     again = Durability(cfg, 0)
-    with caplog.at_level(logging.WARNING, logger="paramserver.wal"):
+    with caplog.at_level(logging.WARNING, logger="paramserver.server.wal"):
         recovered = again.recover()
     assert f"torn tail at byte {complete}" in caplog.text
     assert_same(state, recovered)
@@ -199,7 +199,7 @@ def spawn_shard(port, data_dir):
     cmd = [
         sys.executable,
         "-m",
-        "paramserver.shard",
+        "paramserver.server.shard",
         "--port",
         str(port),
         "--data-dir",

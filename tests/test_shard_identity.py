@@ -112,7 +112,7 @@ def test_a_dead_islands_id_may_be_taken_over(start_shard, peer):
 
 
 def test_the_status_probe_says_bye_on_the_connection_of_its_hello(start_shard, peer, zmq_ctx):
-    from paramserver import probe
+    from paramserver.plumbing import probe
 
     shard = start_shard(**SLOW_HB)
     assert probe.cluster_endpoints(zmq_ctx, shard.router, timeout_s=10)

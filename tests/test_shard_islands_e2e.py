@@ -15,8 +15,8 @@ from shard_helpers import delta_frames, small_flat
 from shard_process import ShardProcess
 
 from paramserver.client import Client, ClientConfig
-from paramserver.config import ShardConfig
-from paramserver.shard import ShardServer
+from paramserver.server.config import ShardConfig
+from paramserver.server.shard import ShardServer
 
 pytestmark = pytest.mark.timeout(90)
 

@@ -11,7 +11,7 @@ import urllib.request
 import pytest
 from conftest import free_port
 
-from paramserver.config import ShardConfig
+from paramserver.server.config import ShardConfig
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -34,7 +34,7 @@ def _listening(port: int) -> set[str]:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
-    argv = [sys.executable, "-m", "paramserver.cli", *args]
+    argv = [sys.executable, "-m", "paramserver.server.cli", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=90, env=env)
 
 

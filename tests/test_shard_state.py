@@ -1,4 +1,4 @@
-"""paramserver.state: validation, dedup, limits, the outer step against a hand computation, replay."""
+"""paramserver.server.state: validation, dedup, limits, the outer step against a hand computation, replay."""
 
 from dataclasses import replace
 
@@ -13,10 +13,10 @@ from shard_helpers import (
     small_flat,
 )
 
-from paramserver.config import ShardConfig
-from paramserver.protocol import ACCEPTED, DUPLICATE, REJECTED
-from paramserver.records import StateError
-from paramserver.state import ShardState
+from paramserver.server.config import ShardConfig
+from paramserver.server.records import StateError
+from paramserver.server.state import ShardState
+from paramserver.wire.protocol import ACCEPTED, DUPLICATE, REJECTED
 
 T0 = 1_000_000.0
 

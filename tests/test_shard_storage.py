@@ -21,10 +21,10 @@ from conftest import Peer
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 from shard_process import ShardProcess
 
-from paramserver.config import ShardConfig
-from paramserver.durable import Durability
-from paramserver.shard import storage_refusal
-from paramserver.wal import LogReader, WriteAheadLog
+from paramserver.server.config import ShardConfig
+from paramserver.server.durable import Durability
+from paramserver.server.shard import storage_refusal
+from paramserver.server.wal import LogReader, WriteAheadLog
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -113,7 +113,7 @@ def _append_until_it_fails(path: Path, limit: int) -> str:
     """Run in a child: append 100-byte records under a file-size limit; report sizes."""
     code = f"""
 import resource
-from paramserver.wal import WriteAheadLog
+from paramserver.server.wal import WriteAheadLog
 log = WriteAheadLog({str(path)!r})
 log.append({{"n": 0}}, [b"x" * 100])
 log.sync()

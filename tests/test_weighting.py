@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.weighting import (
+from paramserver.server.weighting import (
     WEIGHTINGS,
     WeightingError,
     island_shares,

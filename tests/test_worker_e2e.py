@@ -14,7 +14,7 @@ import pytest
 from worker_helpers import wait_for
 
 from bench.launcher import IslandSpec, LocalCluster
-from paramserver import daemon
+from paramserver.plumbing import daemon
 from worker.data import default_corpus, unigram_entropy
 
 UNIGRAM_NATS = unigram_entropy(default_corpus())

@@ -28,8 +28,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from paramserver import daemon, settings
 from paramserver.client import ClientError
+from paramserver.plumbing import daemon, settings
 from worker.config import IslandConfig
 
 ENV_PREFIX = "DILOCO_WORKER_"

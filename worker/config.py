@@ -1,7 +1,7 @@
 """`IslandConfig`: every setting of one island daemon, validated at load.
 
 Loaded by `diloco-worker` as defaults <- TOML file (`--config`) <- environment
-(`DILOCO_WORKER_<FIELD>`) <- flags, through `paramserver.settings`.
+(`DILOCO_WORKER_<FIELD>`) <- flags, through `paramserver.plumbing.settings`.
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 
 import codec
-from paramserver import probe
+from paramserver.plumbing import probe
 from worker import data as data_lib
 from worker import model as model_lib
 from worker.config import IslandConfig

@@ -33,7 +33,7 @@ import msgpack
 import numpy as np
 import zmq
 
-from paramserver import daemon, settings
+from paramserver.plumbing import daemon, settings
 from worker.config import IslandConfig
 
 logger = logging.getLogger(__name__)

@@ -1,0 +1,300 @@
+"""The client's outbox: which unacked deltas to send, keep, re-send or forget, with no sockets.
+
+This module owns the island side's delivery rules for pushed deltas. `Outbox`
+is a ledger of pending deltas keyed (fragment, round); its methods take the
+time (`now`, monotonic seconds) and the shards' answers as arguments and
+return what to do, so the rules are unit-tested without a network. The I/O
+thread (`paramserver.client.io_thread`) keeps the sockets, sends what the ledger
+names, and reports back with `sent` / `blocked`.
+
+The rules:
+- a delta is kept, with its frames, until its shard resolves it;
+- unacked, it is re-sent after the adaptive ack timeout (`due`): the
+  ledger's `AckTimer` (`paramserver.client.ack_timer`, TCP's RFC 6298 timer) starts
+  at `ack_timeout_s`, learns from the latency of every delta acked after its
+  only send (Karn's rule: `on_ack` takes the time), stays within
+  [floor, `ack_timeout_cap_s`], and doubles per attempt and after a timeout;
+  deltas of a shard that is down wait for it;
+- a re-send turns out needless ("spurious", `spurious`) when the shard answers
+  `duplicate` to a copy of a delta that went out more than once; the timer then
+  learns the latency of the first copy (RFC 4015), which Karn's rule had left out;
+- an ack `accepted` or `duplicate` resolves it ("done"), and so does a
+  rejection, which is final (plan_mismatch, replayed_round,
+  future_base_version, bad_shape, ...), except that:
+  - `unknown_island` (the shard forgot this island): it stays pending and the
+    island says hello again ("rejoin"); the welcome re-sends every delta of
+    that shard (`on_rejoin`);
+  - a reason in `RETRYABLE_REASONS` (the shard's buffer for this island is
+    full, or it could not write its log: `storage_error`, nothing was kept):
+    it stays pending, deferred ("defer"), and is re-sent when its fragment
+    steps (`on_step`) or on the ack back-off, whichever comes first (the
+    back-off doubles, so a shard with a broken disk is not hammered);
+  - `codec_error` (corrupted in transit, as this client keeps frames intact):
+    re-sent at once ("resend"), up to `DECODE_RETRIES` times, then final.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from paramserver.client.ack_timer import AckTimer
+from paramserver.wire.protocol import DUPLICATE, REJECTED
+
+Key = tuple[int, int]
+"""(fragment, round): with the island, the idempotency key of a delta."""
+
+Decision = Literal["done", "resend", "defer", "rejoin"]
+"""What to do after an ack: forget the delta (resolved), send it again now, keep it
+until its fragment steps, or keep it and say hello to the shard again."""
+
+_MAX_RESENT_KEPT = 1024  # re-sent deltas whose first copy's latency waits for a duplicate
+
+RETRYABLE_REASONS = frozenset({"too_many_pending", "storage_error"})
+"""Rejections that say "not now" rather than "never": the delta is kept and re-sent."""
+
+DECODE_RETRIES = 3
+"""A push the shard could not decode (codec_error) was corrupted in transit, since this
+client keeps its frames intact: it is re-sent at once, up to this many times, before the
+rejection is final."""
+
+
+@dataclass
+class Entry:
+    """One unacked delta: kept, with its frames, until its shard resolves it."""
+
+    shard: int
+    frames: list[Any]
+    nbytes: int
+    queued_at: float  # when `push` handed it over (ack latency is measured from here)
+    sent_at: float  # last send, or last try of one (the back-off counts from here)
+    attempt: int = 0  # back-off re-sends so far
+    sends: int = 0  # sends that went out
+    first_sent_at: float | None = None  # the first send that went out
+    decode_retries: int = 0  # re-sends after the shard could not decode it (codec_error)
+    deferred: bool = False  # refused for now (RETRYABLE_REASONS): re-sent when its fragment steps
+
+
+class Outbox:
+    """The pending deltas of one client, in the order they were pushed."""
+
+    def __init__(
+        self,
+        ack_timeout_s: float,
+        ack_timeout_cap_s: float,
+        ack_timeout_floor_s: float | None = None,
+    ) -> None:
+        """Create an empty ledger.
+
+        Args:
+            ack_timeout_s: wait for an ack before the first re-send, until the
+                first latency sample, > 0.
+            ack_timeout_cap_s: upper bound of every wait, >= ack_timeout_s.
+            ack_timeout_floor_s: lower bound of the measured wait, > 0; never above
+                ack_timeout_s (a smaller ack_timeout_s lowers it). None: ack_timeout_s.
+        """
+        floor = ack_timeout_s if ack_timeout_floor_s is None else ack_timeout_floor_s
+        self.timer = AckTimer(ack_timeout_s, min(floor, ack_timeout_s), ack_timeout_cap_s)
+        self._entries: dict[Key, Entry] = {}
+        # re-sent deltas resolved by an ack `accepted`: the latency of their first copy,
+        # kept until a `duplicate` proves the re-send needless (bounded, oldest dropped)
+        self._resent_latency: dict[Key, float] = {}
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._entries
+
+    def get(self, key: Key) -> Entry | None:
+        """The pending delta under `key`, or None (never pushed, or already resolved)."""
+        return self._entries.get(key)
+
+    def add(self, key: Key, shard: int, frames: list[Any], nbytes: int, now: float) -> bool:
+        """Keep a newly pushed delta (not sent yet: send it, then call `sent`).
+
+        Args:
+            key: (fragment, round).
+            shard: the shard that owns the fragment.
+            frames: the packed message, re-sent as is.
+            nbytes: its size on the wire.
+            now: when it was pushed.
+
+        Returns:
+            False, leaving the ledger as it was, when that round of the fragment
+            is still pending (the new push is to be ignored).
+        """
+        if key in self._entries:
+            return False
+        self._entries[key] = Entry(shard, frames, nbytes, queued_at=now, sent_at=now)
+        return True
+
+    def sent(self, key: Key, now: float) -> bool:
+        """Record a send that went out.
+
+        Args:
+            key: a pending delta.
+            now: when it was sent.
+
+        Returns:
+            Whether it was a re-send (the delta had gone out before).
+        """
+        entry = self._entries[key]
+        resend = entry.sends > 0
+        if not resend:
+            entry.first_sent_at = now
+        entry.sends += 1
+        entry.sent_at = now
+        return resend
+
+    def blocked(self, key: Key, now: float) -> None:
+        """Record a send that could not go out (the socket's queue was full).
+
+        The delta is tried again after the back-off, as if it had been sent.
+
+        Args:
+            key: a pending delta.
+            now: when the send was tried.
+        """
+        self._entries[key].sent_at = now
+
+    def on_ack(self, key: Key, outcome: str, reason: str | None, now: float) -> Decision:
+        """Apply a shard's ack of a pending delta (see the module docstring for the rules).
+
+        Args:
+            key: a pending delta (check with `in` first: the ack of a re-send whose
+                first copy was already acked is to be ignored).
+            outcome: "accepted", "duplicate" or "rejected".
+            reason: the rejection reason, or None.
+            now: when the ack arrived; if the delta went out once and never
+                timed out, now - its send is a latency sample for the timer.
+
+        Returns:
+            "done": resolved and removed (accepted, duplicate, or finally rejected);
+            "resend": kept, send it again now; "defer": kept until its fragment
+            steps (`on_step`) or the back-off (`due`); "rejoin": kept, say hello
+            to the shard (its welcome re-sends, `on_rejoin`).
+
+        Raises:
+            KeyError: `key` is not pending.
+        """
+        entry = self._entries.get(key)
+        if entry is None:
+            raise KeyError(f"delta {key} is not pending; check `key in outbox` before on_ack")
+        if entry.sends == 1 and entry.attempt == 0:  # Karn: the ack answers the only copy
+            self.timer = self.timer.sample(now - entry.sent_at)
+        if outcome == REJECTED:
+            if reason == "unknown_island":
+                return "rejoin"
+            if reason in RETRYABLE_REASONS:
+                entry.deferred = True
+                return "defer"
+            if reason == "codec_error" and entry.decode_retries < DECODE_RETRIES:
+                entry.decode_retries += 1
+                return "resend"
+        del self._entries[key]
+        if entry.sends > 1 and outcome != REJECTED and entry.first_sent_at is not None:
+            self._resent_latency[key] = now - entry.first_sent_at  # the first ack back
+            if len(self._resent_latency) > _MAX_RESENT_KEPT:
+                del self._resent_latency[next(iter(self._resent_latency))]
+        return "done"
+
+    def due(self, now: float, up: Container[int]) -> list[Key]:
+        """The deltas whose ack is overdue, to send again now; each one's attempt is counted.
+
+        Args:
+            now: current time.
+            up: the shards that are up (deltas of the others wait for `on_rejoin`).
+
+        Returns:
+            Keys, in push order, of the deltas last sent (or tried) at least
+            `timer.timeout_s(attempt)` ago, as the timer stood before this call.
+            Deferred deltas are included and stay deferred. The timeout of a
+            delta that was not deferred (its ack is late) backs the timer off.
+        """
+        keys = []
+        timer = self.timer
+        for key, entry in self._entries.items():
+            if entry.shard in up and now - entry.sent_at >= timer.timeout_s(entry.attempt):
+                if not entry.deferred:
+                    self.timer = self.timer.timed_out(entry.attempt)
+                entry.attempt += 1
+                keys.append(key)
+        return keys
+
+    def spurious(self, key: Key, outcome: str) -> bool:
+        """Whether an ack shows that a re-send of `key` was needless; if so, adapt the timer.
+
+        Call it for every ack, before `on_ack`. The shard answers `duplicate` to
+        a copy when an earlier copy was accepted: so an ack `duplicate` of a
+        delta that went out more than once, or of one already resolved here
+        (the answer to an extra copy), counts one re-send that was not needed.
+        In the latter case the acks came back in order on the one connection, so
+        the ack that resolved the delta answered its first copy: its latency
+        feeds the timer (`AckTimer.spurious`).
+
+        Args:
+            key: (fragment, round) of the ack.
+            outcome: the ack's outcome.
+
+        Returns:
+            True for one needless re-send.
+        """
+        if outcome != DUPLICATE:
+            return False
+        entry = self._entries.get(key)
+        if entry is not None:
+            return entry.sends > 1
+        latency = self._resent_latency.pop(key, None)
+        if latency is not None:
+            self.timer = self.timer.spurious(latency)
+        return True
+
+    def on_step(self, fragment: int) -> list[Key]:
+        """A fragment stepped, so its shard has room again: its deferred deltas, to send now.
+
+        Args:
+            fragment: the fragment a published update named.
+
+        Returns:
+            Keys, in push order, of the deltas of `fragment` that were deferred
+            (they are not deferred any more).
+        """
+        keys = []
+        for key, entry in self._entries.items():
+            if entry.deferred and key[0] == fragment:
+                entry.deferred = False
+                keys.append(key)
+        return keys
+
+    def on_rejoin(self, shard: int) -> list[Key]:
+        """A shard welcomed this island again (after a reconnect or `unknown_island`).
+
+        Args:
+            shard: the shard's index.
+
+        Returns:
+            Keys, in push order, of every delta of that shard, to send now
+            (back-off and deferral unchanged).
+        """
+        return [key for key, entry in self._entries.items() if entry.shard == shard]
+
+    def shards(self) -> set[int]:
+        """The shards that hold at least one pending delta.
+
+        Returns:
+            Shard indices (empty when nothing is pending).
+        """
+        return {entry.shard for entry in self._entries.values()}
+
+    def drop_all(self) -> list[list[Any]]:
+        """Forget every pending delta (the client closes).
+
+        Returns:
+            The packed message of each delta dropped unacked, in push order (so
+            that the caller can keep them elsewhere, e.g. in a file).
+        """
+        dropped = [entry.frames for entry in self._entries.values()]
+        self._entries.clear()
+        return dropped

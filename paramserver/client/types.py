@@ -1,0 +1,145 @@
+"""The client's public types: settings, errors, and what join, poll_updates and push carry.
+
+This module owns `ClientConfig` (with its validation), `ClientError`,
+`ClientConfigError`, `JoinResult`, `Update` and `PushRequest` (a delta). Users import
+them from `paramserver.client`, which re-exports them; the client's other
+modules (`client_io` and its helpers) import them from here, so the imports
+run one way: client -> client_io -> client_types.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from paramserver.wire.plan import Plan
+
+
+class ClientError(RuntimeError):
+    """The client cannot do what was asked; the message says why and what to do."""
+
+
+class ClientConfigError(ClientError, ValueError):
+    """A `ClientConfig` value is invalid (a ValueError too, so settings loaders report it)."""
+
+
+@dataclass(frozen=True)
+class ClientConfig:
+    """Settings of one island's connection to the parameter server."""
+
+    connect: str  # ROUTER endpoint of any shard (normally shard 0), e.g. tcp://host:5555
+    island: str  # stable island id, 1-128 characters
+    heartbeat_interval_s: float = 1.0  # heartbeat period to every shard; liveness unit
+    liveness: int = 5  # a shard silent this many intervals is down (reconnect, re-snapshot)
+    # Re-send an unacked delta after this, until ack latencies are measured; then after
+    # SRTT + 4 RTTVAR of them (paramserver.client.ack_timer), doubling per attempt.
+    ack_timeout_s: float = 5.0
+    ack_timeout_cap_s: float = 60.0  # upper bound of the re-send back-off
+    # Lower bound of the measured timeout (at most ack_timeout_s). Above TCP's 1 s: TCP
+    # already re-sends lost segments below us, so this timeout only has to catch a lost
+    # connection, while a needless re-send costs a whole delta on a thin link.
+    ack_timeout_floor_s: float = 2.0
+    reconnect_cap_s: float = 10.0  # upper bound of the reconnect back-off
+    max_unacked: int = 16  # deltas outstanding before push blocks (back-pressure)
+    push_timeout_s: float = 300.0  # push waiting for a free slot longer than this fails
+    join_timeout_s: float = 60.0  # join (hello, init, snapshots) must finish within this
+    snapshot_timeout_s: float = 30.0  # a re-snapshot of a shard not done by then is restarted
+    in_use_wait_s: float = 5.0  # an id live on another connection: ask again this long (a
+    # restarted island's old connection falls silent within two heartbeats), then fail
+    init_grace_s: float = 5.0  # a shard left uninitialised this long by shard 0's initialiser
+    # (it died half-way?) is initialised by the joining island with its own values
+    curve_secret_key_file: str = ""  # island key pair (NAME.key_secret); "" = no CURVE
+    curve_server_key_file: str = ""  # with CURVE: the shards' public key (NAME.key)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.connect, str) or not self.connect.startswith(
+            ("tcp://", "ipc://", "inproc://")
+        ):
+            raise ClientConfigError(
+                f"ClientConfig.connect={self.connect!r}: give a ZeroMQ endpoint such as "
+                "tcp://127.0.0.1:5555"
+            )
+        if not isinstance(self.island, str) or not 1 <= len(self.island) <= 128:
+            raise ClientConfigError(
+                f"ClientConfig.island={self.island!r}: give a string of 1-128 characters"
+            )
+        for name in (
+            "heartbeat_interval_s",
+            "ack_timeout_s",
+            "ack_timeout_cap_s",
+            "ack_timeout_floor_s",
+            "reconnect_cap_s",
+            "push_timeout_s",
+            "join_timeout_s",
+            "snapshot_timeout_s",
+            "init_grace_s",
+            "in_use_wait_s",
+        ):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, int | float)
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ClientConfigError(f"ClientConfig.{name}={value!r}: must be a number > 0")
+        for name in ("liveness", "max_unacked"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ClientConfigError(f"ClientConfig.{name}={value!r}: must be an int >= 1")
+        if self.ack_timeout_cap_s < self.ack_timeout_s:
+            raise ClientConfigError(
+                f"ClientConfig.ack_timeout_cap_s={self.ack_timeout_cap_s!r}: must be >= "
+                f"ack_timeout_s={self.ack_timeout_s}"
+            )
+        for name in ("curve_secret_key_file", "curve_server_key_file"):
+            if not isinstance(getattr(self, name), str):
+                raise ClientConfigError(f"ClientConfig.{name}={getattr(self, name)!r}: give a path")
+        if bool(self.curve_secret_key_file) != bool(self.curve_server_key_file):
+            raise ClientConfigError(
+                "ClientConfig: CURVE needs both curve_secret_key_file (this island's key pair) "
+                "and curve_server_key_file (the shards' public key), or neither"
+            )
+        if self.reconnect_cap_s < self.heartbeat_interval_s:
+            raise ClientConfigError(
+                f"ClientConfig.reconnect_cap_s={self.reconnect_cap_s!r}: must be >= "
+                f"heartbeat_interval_s={self.heartbeat_interval_s}"
+            )
+
+
+@dataclass(frozen=True)
+class JoinResult:
+    """What `Client.join` returns: the plan and the global parameters as of `versions`."""
+
+    plan: Plan
+    params: dict[str, np.ndarray]
+    versions: dict[int, int]
+    mode: str = "quorum"  # the cluster's merge mode ("sync": wait for each round's merge)
+
+
+@dataclass(frozen=True)
+class Update:
+    """A new global version of one fragment: `values` is the full 1-D float32 vector."""
+
+    fragment: int
+    version: int
+    values: np.ndarray
+
+
+@dataclass
+class PushRequest:
+    """One delta: what `Client.push` hands the I/O thread, and what `Client.unacked` gives back.
+
+    Its fields are `push`'s arguments, so an unacked delta kept elsewhere (an
+    island's outbox file) is re-sent by passing them to `push` again.
+    """
+
+    fragment: int
+    round: int
+    base_version: int
+    tokens: int
+    steps: int
+    frames: list[Any]

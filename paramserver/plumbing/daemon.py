@@ -1,0 +1,507 @@
+"""Daemon plumbing shared by `diloco-server` and `diloco-worker`: pid files, logs, detach, signals.
+
+This module owns the process life cycle of a daemon and nothing about what
+it serves:
+
+- a pid file (``<data dir>/daemon.pid``, "pid create-time") that marks the data
+  dir as in use; a file whose process is gone (or whose pid was reused) is stale;
+- logging set-up (stderr and/or a log file, one line per record);
+- `detach`: start a command as a child in a new session, stdout/stderr into the
+  log file, and wait until it calls `notify_ready` (it writes a ready file named
+  by the ``DILOCO_READY_FILE`` environment variable) or fails;
+- signals: SIGTERM / SIGINT only set a `threading.Event`; the daemon's main loop
+  drains and exits 0. A second signal exits at once;
+- `stop`: SIGTERM to the pid in the pid file, then wait for the process to exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+logger = logging.getLogger(__name__)
+
+PID_FILE = "daemon.pid"
+LOG_FILE = "daemon.log"
+READY_ENV = "DILOCO_READY_FILE"
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_POLL_S = 0.02
+
+
+class DaemonError(RuntimeError):
+    """A daemon cannot be started, found or stopped; the message is one line saying what to do."""
+
+
+def shard_dir(data_dir: str | Path, index: int) -> Path:
+    """The directory of shard `index` of a server (pid file, log, write-ahead log, checkpoints).
+
+    Args:
+        data_dir: the server's data directory (`--data-dir`).
+        index: shard index.
+
+    Returns:
+        ``data_dir / "shard-<index>"``.
+    """
+    return Path(data_dir) / f"shard-{index}"
+
+
+def pid_path(data_dir: str | Path) -> Path:
+    """The pid file of the daemon that owns `data_dir`.
+
+    Args:
+        data_dir: the daemon's data directory.
+
+    Returns:
+        ``data_dir / "daemon.pid"``.
+    """
+    return Path(data_dir) / PID_FILE
+
+
+def log_path(data_dir: str | Path) -> Path:
+    """The log file of the daemon that owns `data_dir`.
+
+    Args:
+        data_dir: the daemon's data directory.
+
+    Returns:
+        ``data_dir / "daemon.log"``.
+    """
+    return Path(data_dir) / LOG_FILE
+
+
+def _create_time(pid: int) -> float | None:
+    try:
+        return psutil.Process(pid).create_time()
+    except (psutil.NoSuchProcess, psutil.AccessDenied, ValueError):
+        return None
+
+
+def _read(path: Path) -> tuple[int, float | None] | None:
+    try:
+        parts = path.read_text().split()
+    except (FileNotFoundError, NotADirectoryError):
+        return None
+    try:
+        pid = int(parts[0])
+        created = float(parts[1]) if len(parts) > 1 else None
+    except (IndexError, ValueError):
+        return None
+    return (pid, created) if pid > 0 else None
+
+
+def read_pid(path: str | Path) -> int | None:
+    """The pid recorded in a pid file.
+
+    Args:
+        path: the pid file.
+
+    Returns:
+        The pid, or None when the file is missing or unreadable.
+    """
+    entry = _read(Path(path))
+    return entry[0] if entry else None
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process runs (exists and is not a zombie).
+
+    Args:
+        pid: process id.
+
+    Returns:
+        True while the process is alive.
+    """
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except (psutil.NoSuchProcess, ValueError):
+        return False
+    except psutil.AccessDenied:
+        return True
+
+
+def running_pid(path: str | Path) -> int | None:
+    """The pid of the live process that holds a pid file.
+
+    Args:
+        path: the pid file.
+
+    Returns:
+        The pid, or None when the file is missing or stale (process gone, or the
+        pid now belongs to a process started at another time).
+    """
+    entry = _read(Path(path))
+    if entry is None:
+        return None
+    pid, created = entry
+    if not pid_alive(pid):
+        return None
+    if created is not None:
+        now_created = _create_time(pid)
+        if now_created is not None and abs(now_created - created) > 1.0:
+            return None
+    return pid
+
+
+def acquire_pid_file(path: str | Path, pid: int | None = None) -> None:
+    """Claim a pid file for a process; a stale file is replaced.
+
+    Args:
+        path: the pid file (its directory is created).
+        pid: the owner, default this process.
+
+    Raises:
+        DaemonError: a live process already holds the file.
+    """
+    path = Path(path)
+    pid = os.getpid() if pid is None else pid
+    path.parent.mkdir(parents=True, exist_ok=True)
+    for _ in range(3):
+        try:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            holder = running_pid(path)
+            if holder is not None and holder != pid:
+                raise DaemonError(
+                    f"{path.parent} is in use by a running daemon (pid {holder}); "
+                    f"stop it first or choose another data dir"
+                ) from None
+            with contextlib.suppress(FileNotFoundError):
+                path.unlink()
+            continue
+        with os.fdopen(fd, "w") as fh:
+            fh.write(f"{pid} {_create_time(pid) or 0.0:.3f}\n")
+        return
+    raise DaemonError(f"cannot claim pid file {path}: another process keeps re-creating it")
+
+
+def release_pid_file(path: str | Path, pid: int | None = None) -> None:
+    """Remove a pid file if it still names `pid`.
+
+    Args:
+        path: the pid file.
+        pid: the owner, default this process.
+    """
+    path = Path(path)
+    pid = os.getpid() if pid is None else pid
+    if read_pid(path) == pid:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+
+
+def setup_logging(level: str | int = "INFO", log_file: str | Path | None = None) -> None:
+    """Configure the root logger: one line per record to stderr, and to `log_file` if given.
+
+    Args:
+        level: a logging level name or number.
+        log_file: also append records to this file (its directory is created).
+    """
+    root = logging.getLogger()
+    for handler in list(root.handlers):
+        root.removeHandler(handler)
+        handler.close()
+    formatter = logging.Formatter(LOG_FORMAT)
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        handlers.append(logging.FileHandler(log_file))
+    for handler in handlers:
+        handler.setFormatter(formatter)
+        root.addHandler(handler)
+    root.setLevel(level.upper() if isinstance(level, str) else level)
+
+
+def install_signal_handlers(
+    stop_event: threading.Event, signals: Sequence[int] = (signal.SIGTERM, signal.SIGINT)
+) -> Callable[[], None]:
+    """Make SIGTERM / SIGINT set `stop_event`; a second signal exits the process at once.
+
+    Must be called from the main thread.
+
+    Args:
+        stop_event: set on the first signal; the main loop drains and exits.
+        signals: the signals to handle.
+
+    Returns:
+        A function that restores the previous handlers.
+    """
+
+    def handler(signum: int, _frame: Any) -> None:
+        if stop_event.is_set():
+            os.write(2, f"second signal {signum}: exiting now\n".encode())
+            os._exit(128 + signum)
+        stop_event.set()
+
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    # a launcher may have blocked these (the demo blocks SIGINT while it starts daemons,
+    # and a child inherits the mask): unblock them, or the daemon never hears them
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, signals)
+
+    def restore() -> None:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+    return restore
+
+
+def enter_foreground(data_dir: str | Path, log_level: str) -> threading.Event:
+    """The common start of a daemon's main loop: logging, signal handlers, pid file.
+
+    Logs go to stderr, and also to the data dir's log file unless the process was
+    started by `detach` (which already sends its output there).
+
+    Args:
+        data_dir: the daemon's data directory (pid and log files).
+        log_level: logging level name.
+
+    Returns:
+        The event SIGTERM / SIGINT set.
+
+    Raises:
+        DaemonError: another live daemon holds the data dir.
+        OSError: the pid file cannot be written.
+    """
+    detached = READY_ENV in os.environ
+    setup_logging(log_level, None if detached else log_path(data_dir))
+    stop = threading.Event()
+    install_signal_handlers(stop)
+    acquire_pid_file(pid_path(data_dir))
+    return stop
+
+
+def notify_ready(info: Mapping[str, Any] | None = None) -> None:
+    """Tell a waiting `detach` that this daemon serves (no-op when not started by `detach`).
+
+    Args:
+        info: JSON-serialisable details written to the ready file (e.g. endpoints).
+    """
+    target = os.environ.get(READY_ENV)
+    if not target:
+        return
+    tmp = Path(target + ".tmp")
+    tmp.write_text(json.dumps(dict(info or {})))
+    os.replace(tmp, target)
+
+
+def clear_ready() -> None:
+    """Remove this daemon's ready file at exit (no-op when not started by `spawn`)."""
+    target = os.environ.get(READY_ENV)
+    if target:
+        with contextlib.suppress(FileNotFoundError):
+            Path(target).unlink()
+
+
+def _failure_line(log_file: Path, offset: int = 0) -> str:
+    """The line that best explains a failed start: the first ERROR since `offset`, else the last."""
+    try:
+        with open(log_file, "rb") as fh:
+            fh.seek(offset)
+            lines = fh.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    errors = [line for line in lines if " ERROR " in line or line.startswith("Traceback")]
+    return (errors[0] if errors else lines[-1] if lines else "").strip()
+
+
+def spawn(
+    argv: Sequence[str],
+    log_file: str | Path,
+    ready_file: str | Path,
+    env: Mapping[str, str] | None = None,
+) -> subprocess.Popen:
+    """Start `argv` in a new session, stdout/stderr appended to `log_file`, stdin /dev/null.
+
+    The child learns `ready_file` from ``DILOCO_READY_FILE`` and must call
+    `notify_ready` once it serves; a stale ready file is removed first. A new
+    session keeps terminal signals (Ctrl-C) away from the child: its parent
+    decides when it stops.
+
+    Args:
+        argv: the command (e.g. ``[sys.executable, "-m", "paramserver.server.cli", ...]``).
+        log_file: where the child's output goes (directory created).
+        ready_file: the file the child writes when ready.
+        env: the child's environment (default: this process's).
+
+    Returns:
+        The child process.
+    """
+    log_file, ready_file = Path(log_file), Path(ready_file)
+    log_file.parent.mkdir(parents=True, exist_ok=True)
+    ready_file.parent.mkdir(parents=True, exist_ok=True)
+    with contextlib.suppress(FileNotFoundError):
+        ready_file.unlink()
+    child_env = dict(os.environ if env is None else env)
+    child_env[READY_ENV] = str(ready_file)
+    with open(log_file, "ab") as log:
+        offset = log.tell()
+        proc = subprocess.Popen(
+            list(argv),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=child_env,
+            start_new_session=True,
+            close_fds=True,
+        )
+    proc.log_offset = offset  # where this run's output starts, for error messages
+    return proc
+
+
+def check_ready(
+    proc: subprocess.Popen, ready_file: str | Path, log_file: str | Path
+) -> dict[str, Any] | None:
+    """Whether a `spawn`ed child has called `notify_ready` yet (does not wait).
+
+    Args:
+        proc: the child.
+        ready_file: its ready file.
+        log_file: its log (quoted in errors).
+
+    Returns:
+        The info the child passed to `notify_ready`, or None while it is starting.
+
+    Raises:
+        DaemonError: the child exited before it was ready (the message ends
+            with its last log line).
+    """
+    ready_file = Path(ready_file)
+    if ready_file.exists():
+        try:
+            return dict(json.loads(ready_file.read_text() or "{}"))
+        except (OSError, ValueError, TypeError):
+            return {}
+    code = proc.poll()
+    if code is not None:
+        tail = _failure_line(Path(log_file), getattr(proc, "log_offset", 0))
+        raise DaemonError(
+            f"exited with code {code} before it was ready"
+            + (f": {tail}" if tail else f"; see {log_file}")
+        )
+    return None
+
+
+def wait_ready(
+    proc: subprocess.Popen, ready_file: str | Path, log_file: str | Path, timeout_s: float
+) -> dict[str, Any]:
+    """Wait until a `spawn`ed child has called `notify_ready`.
+
+    Args:
+        proc: the child.
+        ready_file: its ready file.
+        log_file: its log (quoted in errors).
+        timeout_s: how long to wait.
+
+    Returns:
+        The info the child passed to `notify_ready`.
+
+    Raises:
+        DaemonError: the child exited first (the message ends with its last log
+            line), or was not ready in time (it is then terminated).
+    """
+    deadline = time.monotonic() + timeout_s
+    while (info := check_ready(proc, ready_file, log_file)) is None:
+        if time.monotonic() > deadline:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=5.0)
+            raise DaemonError(
+                f"was not ready within {timeout_s:g}s and was stopped; see {log_file}"
+            )
+        time.sleep(_POLL_S)
+    return info
+
+
+def detach(
+    argv: Sequence[str],
+    log_file: str | Path,
+    ready_file: str | Path,
+    timeout_s: float = 60.0,
+    env: Mapping[str, str] | None = None,
+) -> tuple[int, dict[str, Any]]:
+    """Start `argv` as a daemon (`spawn`) and wait until it is ready (`wait_ready`).
+
+    Args:
+        argv: the command.
+        log_file: where the child's output goes.
+        ready_file: the file the child writes when ready.
+        timeout_s: how long to wait for readiness.
+        env: the child's environment (default: this process's).
+
+    Returns:
+        (child pid, the info the child passed to `notify_ready`).
+
+    Raises:
+        DaemonError: the child exited before it was ready (with its last log
+            line), or did not become ready in time (it is then terminated).
+    """
+    proc = spawn(argv, log_file, ready_file, env)
+    try:
+        info = wait_ready(proc, ready_file, log_file, timeout_s)
+    except DaemonError as exc:
+        raise DaemonError(f"daemon {exc}") from None
+    return proc.pid, info
+
+
+def wait_exit(pid: int, timeout_s: float) -> bool:
+    """Wait until a process has exited.
+
+    Args:
+        pid: process id (need not be a child).
+        timeout_s: how long to wait.
+
+    Returns:
+        True when it exited within the timeout.
+    """
+    deadline = time.monotonic() + timeout_s
+    while pid_alive(pid):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(_POLL_S)
+    return True
+
+
+def stop(data_dir: str | Path, timeout_s: float = 30.0) -> int:
+    """Stop the daemon that owns `data_dir`: SIGTERM, then wait for it to drain and exit.
+
+    Args:
+        data_dir: the daemon's data directory (holding ``daemon.pid``).
+        timeout_s: how long to wait for the exit.
+
+    Returns:
+        The pid that was stopped.
+
+    Raises:
+        DaemonError: no pid file, a stale one (removed), or the daemon did not exit in time.
+    """
+    path = pid_path(data_dir)
+    recorded = read_pid(path)
+    if recorded is None:
+        raise DaemonError(f"no daemon running for {data_dir}: no pid file at {path}")
+    pid = running_pid(path)
+    if pid is None:
+        with contextlib.suppress(FileNotFoundError):
+            path.unlink()
+        raise DaemonError(
+            f"no daemon running for {data_dir}: pid {recorded} in {path} is gone; removed the stale file"
+        )
+    logger.info("sending SIGTERM to pid %d (%s)", pid, data_dir)
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGTERM)
+    if not wait_exit(pid, timeout_s):
+        raise DaemonError(
+            f"daemon pid {pid} did not exit within {timeout_s:g}s of SIGTERM; "
+            f"see {log_path(data_dir)}, or kill -9 {pid} to force"
+        )
+    release_pid_file(path, pid)
+    return pid

@@ -1,0 +1,163 @@
+"""Atomic checkpoint files: a msgpack metadata map plus named numpy arrays, checksummed.
+
+This module owns the checkpoint file format and how one is written safely;
+what goes into a shard's checkpoint is `paramserver.server.durable`'s job.
+
+File format (integers little endian):
+
+    header   8 bytes magic b"DDCKPT\\x00\\x00", uint32 format version
+             (CHECKPOINT_FORMAT_VERSION), uint32 metadata length M
+    meta     M bytes msgpack map: {"meta": caller's map, "arrays": [[name,
+             dtype, shape, offset, nbytes], ...]} with offsets relative to
+             the data section
+    data     the arrays' bytes, each starting at a multiple of 64 bytes
+    trailer  uint32 crc32 of everything before it, 4 bytes b"DONE"
+
+Writing: a temporary file in the same directory, fsync, rename over the
+final name, fsync the directory, so a reader sees the old file or the new
+one, never half of one. Reading checks magic, version, trailer and checksum
+before trusting anything and raises `CheckpointError` naming the problem.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import zlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import msgpack
+import numpy as np
+
+from paramserver.server.wal import fsync_dir
+
+CHECKPOINT_MAGIC = b"DDCKPT\x00\x00"
+CHECKPOINT_FORMAT_VERSION = 1
+_HEADER = struct.Struct("<8sII")
+_TRAILER = struct.Struct("<I4s")
+_END = b"DONE"
+_ALIGN = 64
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint file is missing, truncated, corrupted or of another format version."""
+
+
+def write_checkpoint(
+    path: str | os.PathLike,
+    meta: Mapping[str, Any],
+    arrays: Mapping[str, np.ndarray],
+    *,
+    fsync: bool = True,
+) -> int:
+    """Write a checkpoint atomically.
+
+    Args:
+        path: the final file name (its directory must exist).
+        meta: msgpack-serializable map.
+        arrays: name -> numpy array (any dtype numpy can name; written C-order).
+        fsync: fsync the file and directory (False only for throwaway runs).
+
+    Returns:
+        The file's size in bytes.
+    """
+    path = Path(path)
+    table = []
+    offset = 0
+    contiguous = {}
+    for name, arr in arrays.items():
+        arr = np.asarray(arr)
+        if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
+            arr = arr.copy(order="C")
+        contiguous[name] = arr
+        offset = -(-offset // _ALIGN) * _ALIGN
+        table.append([name, arr.dtype.str, list(arr.shape), offset, arr.nbytes])
+        offset += arr.nbytes
+    head_map = msgpack.packb({"meta": dict(meta), "arrays": table}, use_bin_type=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    crc = 0
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+
+        def put(buf: Any) -> None:
+            nonlocal crc
+            view = memoryview(buf).cast("B")
+            crc = zlib.crc32(view, crc)
+            while view.nbytes:
+                n = os.write(fd, view)
+                view = view[n:]
+
+        put(_HEADER.pack(CHECKPOINT_MAGIC, CHECKPOINT_FORMAT_VERSION, len(head_map)))
+        put(head_map)
+        written = 0
+        for (_, _, _, start, _), arr in zip(table, contiguous.values(), strict=True):
+            if start > written:
+                put(bytes(start - written))
+            put(arr.reshape(-1).view(np.uint8) if arr.nbytes else b"")
+            written = start + arr.nbytes
+        os.write(fd, _TRAILER.pack(crc, _END))
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    os.replace(tmp, path)
+    fsync_dir(path.parent, fsync)
+    return path.stat().st_size
+
+
+def read_checkpoint(path: str | os.PathLike) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+    """Read and verify a checkpoint.
+
+    Args:
+        path: the checkpoint file.
+
+    Returns:
+        (meta, arrays): the caller's map and name -> writable numpy array.
+
+    Raises:
+        CheckpointError: unreadable, truncated, bad checksum, other format version.
+    """
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        buf = bytearray(size)
+        with open(path, "rb", buffering=0) as f:
+            got = f.readinto(buf)
+    except OSError as exc:
+        raise CheckpointError(f"{path}: cannot read: {exc.strerror}") from exc
+    if got != size or size < _HEADER.size + _TRAILER.size:
+        raise CheckpointError(f"{path}: truncated ({got} of {size} bytes)")
+    view = memoryview(buf)
+    magic, version, meta_len = _HEADER.unpack_from(view)
+    if magic != CHECKPOINT_MAGIC:
+        raise CheckpointError(f"{path}: not a checkpoint (bad magic)")
+    crc, end = _TRAILER.unpack_from(view, size - _TRAILER.size)
+    if end != _END or zlib.crc32(view[: size - _TRAILER.size]) != crc:
+        raise CheckpointError(f"{path}: checksum mismatch or missing trailer (corrupted)")
+    if version != CHECKPOINT_FORMAT_VERSION:
+        raise CheckpointError(
+            f"{path}: checkpoint format {version}; this build reads {CHECKPOINT_FORMAT_VERSION}"
+        )
+    try:
+        head = msgpack.unpackb(view[_HEADER.size : _HEADER.size + meta_len], raw=False)
+        data_start = _HEADER.size + meta_len
+        data_end = size - _TRAILER.size
+        arrays = {}
+        for name, dtype, shape, offset, nbytes in head["arrays"]:
+            start = data_start + offset
+            if start + nbytes > data_end:
+                raise ValueError(f"array {name!r} runs past the data section")
+            dt = np.dtype(dtype)
+            count = int(np.prod(shape, dtype=np.int64))
+            if count * dt.itemsize != nbytes:
+                raise ValueError(f"array {name!r}: shape {shape} {dt} is not {nbytes} bytes")
+            arr = np.frombuffer(buf, dtype=dt, count=count, offset=start)
+            arrays[name] = arr.reshape(tuple(shape))
+        return head["meta"], arrays
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointError(f"{path}: malformed table ({exc})") from exc

@@ -1,0 +1,346 @@
+"""The shard daemon's configuration: one frozen dataclass, validated on construction.
+
+This module owns `ShardConfig` (every setting of a shard process, with its
+default and meaning) and the port layout of a local cluster. Loading from
+TOML / environment / flags is `paramserver.plumbing.settings`' job.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Literal
+
+from paramserver.server.downlink import DOWNLINKS
+from paramserver.server.merge import MERGES
+from paramserver.server.policy import GRACE_RULES, MODES, PolicyConfig
+from paramserver.server.weighting import WEIGHTINGS
+
+MIB = 1024 * 1024
+
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
+
+# Outer lr / momentum used when outer_lr / outer_momentum are left at None.
+# Synchronous and quorum modes: the DiLoCo values (lr 0.7, Nesterov 0.9).
+SYNC_OUTER_LR = 0.7
+SYNC_OUTER_MOMENTUM = 0.9
+# Fully async mode (and a quorum of 1) steps once per delta: each step carries one
+# island's stale pseudo-gradient. Chosen by `diloco-bench async_outer --rounds 48
+# --seeds 2` (2026-11-30, after the merge fix: per-island sums, absolute staleness
+# factor (1+s)^-0.5, delayed Nesterov = one Nesterov step on the mean of N deltas;
+# 3 islands at speeds 1/1.5/2.5, tiny model, 10 inner steps per round, staleness
+# 0-5; held-out nats/byte, mean over 2 seeds, spread max-min). Momentum 0 at lr
+# 1.0/0.7/0.5: 2.216 (0.006) / 2.180 (0.016) / 2.226 (0.009); delayed Nesterov
+# (delay 3) at lr 0.7/1.0/0.5 momentum 0.9: 2.339 (0.021) / 2.342 (0.009) / 2.330
+# (0.005), lr 0.7 momentum 0.8: 2.278 (0.029); delay 6: 2.402 (0.025); plain
+# Nesterov 0.9 per delta at lr 0.7/0.35: 4.982 (0.71) / 2.771 (0.016).
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server.outer
+ASYNC_OUTER_LR = 0.7
+ASYNC_OUTER_MOMENTUM = 0.0
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the field, the value and what to do."""
+
+
+@dataclass(frozen=True)
+class ShardConfig:
+    """Settings of one shard process (every shard of a cluster gets the same config)."""
+
+    host: str = "127.0.0.1"  # bind address of the ROUTER and PUB sockets
+    port: int = 5555  # base port: shard i binds ROUTER port+2i and PUB port+2i+1
+    shards: int = 1  # number of shard processes in the cluster
+    fragments: int = 0  # fragments in the plan; 0 = 2 per shard
+    data_dir: str = "runs/server"  # write-ahead logs and checkpoints (shard-<i>/ below it)
+    mode: Literal["sync", "quorum", "async"] = "quorum"  # merge policy (paramserver.server.policy)
+    quorum: int = 2  # quorum mode: distinct live islands needed before the grace window
+    grace_rule: str = (
+        "eq3"  # quorum grace window: eq3 (adaptive) or fraction (paramserver.server.policy)
+    )
+    grace_fraction: float = 0.5  # fraction rule: share of the EMA inter-arrival time
+    grace_gamma: float = 0.5  # eq3 rule: share of the slack spent waiting, in (0, 1)
+    grace_min_s: float = 0.05  # lower clamp of the grace window, seconds
+    grace_max_s: float = 30.0  # upper clamp of the grace window, seconds
+    weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
+    merge: str = "mean"  # combining the islands' deltas: mean or rda (paramserver.server.merge)
+    staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
+    outer_optimizer: str = "nesterov"  # nesterov, sgd or delayed-nesterov
+    outer_lr: float | None = None  # None: 0.7 (sync/quorum) or ASYNC_OUTER_LR (async, quorum 1)
+    outer_momentum: float | None = None  # None: 0.9 (sync/quorum) or ASYNC_OUTER_MOMENTUM
+    nesterov_delay: int = 1  # contributions between momentum updates (delayed Nesterov)
+    heartbeat_interval_s: float = 1.0  # PUB heartbeat period when idle; liveness unit
+    liveness: int = 5  # an island silent this many heartbeat intervals is dead
+    max_message_bytes: int = 64 * MIB  # larger requests are rejected "oversize"
+    max_islands: int = 256  # distinct islands a shard tracks at once
+    max_pending_per_island: int = 8  # unmerged deltas one island may have per fragment
+    dedup_window: int = 64  # rounds below an island's newest that are still deduplicated
+    clip_norm_multiple: float = 0.0  # clip a delta's norm to this x the recent median; 0 = off
+    checkpoint_every_steps: int = 50  # checkpoint after this many outer steps (0 = never)
+    checkpoint_every_s: float = 60.0  # ... or this many seconds since the last (0 = never)
+    fsync: bool = True  # fsync the log before acking; False only for throwaway runs
+    downlink: Literal["float32", "int8"] = (
+        "int8"  # published updates: int8 deltas (error feedback) or full fp32
+    )
+    log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
+    metrics_port: int = 0  # Prometheus metrics port; 0 = off
+    metrics_host: str = ""  # bind address of the metrics endpoint; "" = the same as host
+    curve_secret_key_file: str = ""  # shard key pair (NAME.key_secret); "" = no CURVE (trusted net)
+    curve_allow_dir: str = ""  # with CURVE: directory of the allowed islands' NAME.key files
+    # with CURVE: TOML file granting a key more island ids than its file's stem (NAME.key acts
+    # as island NAME), one line per key: NAME = ["id-b", "id-c"]; "" = only the stems
+    curve_allow_map: str = ""
+
+    def __post_init__(self) -> None:
+        _require(
+            isinstance(self.host, str) and self.host.strip() != "",
+            "host",
+            self.host,
+            "give a bind address such as 127.0.0.1 or 0.0.0.0",
+        )
+        _int_at_least("shards", self.shards, 1)
+        _int_at_least("port", self.port, 1)
+        _require(
+            self.port + 2 * self.shards - 1 <= 65535,
+            "port",
+            self.port,
+            f"{self.shards} shards need ports port..port+{2 * self.shards - 1} <= 65535; "
+            "lower port",
+        )
+        _int_at_least("fragments", self.fragments, 0)
+        _require(
+            self.fragments == 0 or self.fragments >= self.shards,
+            "fragments",
+            self.fragments,
+            f"need at least one per shard (shards={self.shards}), or 0 for 2 per shard",
+        )
+        _require(
+            isinstance(self.data_dir, str) and self.data_dir != "",
+            "data_dir",
+            self.data_dir,
+            "give a directory path",
+        )
+        _choice("mode", self.mode, MODES)
+        _int_at_least("quorum", self.quorum, 1)
+        for name in ("grace_fraction", "grace_min_s", "grace_max_s"):
+            _number_at_least(name, getattr(self, name), 0.0)
+        _require(
+            self.grace_max_s >= self.grace_min_s,
+            "grace_max_s",
+            self.grace_max_s,
+            f"must be >= grace_min_s={self.grace_min_s}",
+        )
+        _choice("grace_rule", self.grace_rule, GRACE_RULES)
+        _number_at_least("grace_gamma", self.grace_gamma, 0.0)
+        _require(0 < self.grace_gamma < 1, "grace_gamma", self.grace_gamma, "must be in (0, 1)")
+        _choice("weighting", self.weighting, WEIGHTINGS)
+        _choice("merge", self.merge, MERGES)
+        _number_at_least("staleness_exponent", self.staleness_exponent, 0.0)
+        _choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        if self.outer_lr is not None:
+            _number_at_least("outer_lr", self.outer_lr, 0.0)
+            _require(self.outer_lr > 0, "outer_lr", self.outer_lr, "must be > 0")
+        if self.outer_momentum is not None:
+            _number_at_least("outer_momentum", self.outer_momentum, 0.0)
+            _require(self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "must be < 1")
+        _int_at_least("nesterov_delay", self.nesterov_delay, 1)
+        _require(
+            not (self.outer_optimizer == "sgd" and self.nesterov_delay != 1),
+            "nesterov_delay",
+            self.nesterov_delay,
+            "sgd has no momentum to delay: set 1 or use outer_optimizer=delayed-nesterov",
+        )
+        _number_at_least("heartbeat_interval_s", self.heartbeat_interval_s, 0.0)
+        _require(
+            self.heartbeat_interval_s > 0,
+            "heartbeat_interval_s",
+            self.heartbeat_interval_s,
+            "must be > 0",
+        )
+        _int_at_least("liveness", self.liveness, 1)
+        _int_at_least("max_message_bytes", self.max_message_bytes, 4096)
+        _require(
+            self.max_message_bytes <= 1024 * MIB,
+            "max_message_bytes",
+            self.max_message_bytes,
+            "keep it <= 1 GiB; split the model into more fragments instead",
+        )
+        _int_at_least("max_islands", self.max_islands, 1)
+        _int_at_least("max_pending_per_island", self.max_pending_per_island, 1)
+        _int_at_least("dedup_window", self.dedup_window, 1)
+        _number_at_least("clip_norm_multiple", self.clip_norm_multiple, 0.0)
+        _require(
+            self.clip_norm_multiple == 0 or self.clip_norm_multiple >= 1,
+            "clip_norm_multiple",
+            self.clip_norm_multiple,
+            "use 0 (off) or a multiple >= 1 of the median recent norm (e.g. 3)",
+        )
+        _int_at_least("checkpoint_every_steps", self.checkpoint_every_steps, 0)
+        _number_at_least("checkpoint_every_s", self.checkpoint_every_s, 0.0)
+        _require(isinstance(self.fsync, bool), "fsync", self.fsync, "must be true or false")
+        _choice("downlink", self.downlink, DOWNLINKS)
+        _choice("log_level", self.log_level, LOG_LEVELS)
+        _int_at_least("metrics_port", self.metrics_port, 0)
+        _require(self.metrics_port <= 65535, "metrics_port", self.metrics_port, "must be <= 65535")
+        _require(
+            isinstance(self.metrics_host, str),
+            "metrics_host",
+            self.metrics_host,
+            "give a bind address such as 127.0.0.1, or leave it empty to use host",
+        )
+        for name in ("curve_secret_key_file", "curve_allow_dir", "curve_allow_map"):
+            _require(isinstance(getattr(self, name), str), name, getattr(self, name), "give a path")
+        _require(
+            bool(self.curve_secret_key_file) == bool(self.curve_allow_dir),
+            "curve_allow_dir" if self.curve_secret_key_file else "curve_secret_key_file",
+            self.curve_allow_dir or self.curve_secret_key_file,
+            "CURVE needs both curve_secret_key_file and curve_allow_dir (or neither)",
+        )
+        _require(
+            not self.curve_allow_map or bool(self.curve_allow_dir),
+            "curve_allow_map",
+            self.curve_allow_map,
+            "an allow map needs CURVE: set curve_secret_key_file and curve_allow_dir too",
+        )
+
+    @property
+    def metrics_bind_host(self) -> str:
+        """Where the metrics endpoint binds: `metrics_host`, or `host` when it is empty ("*": all)."""
+        host = self.metrics_host.strip() or self.host
+        return "0.0.0.0" if host == "*" else host
+
+    @property
+    def num_fragments(self) -> int:
+        """Fragments in the plan (2 per shard when `fragments` is 0)."""
+        return self.fragments or 2 * self.shards
+
+    @property
+    def steps_on_single_deltas(self) -> bool:
+        """Whether outer steps typically merge one delta: async mode, or a quorum of 1.
+
+        Such steps take the async outer defaults: Nesterov with momentum 0.9 on
+        single deltas diverged in `diloco-bench async_outer`.
+        """
+        return self.mode == "async" or (self.mode == "quorum" and self.quorum == 1)
+
+    @property
+    def single_island_outer_lr(self) -> float | None:
+        """The lr of a momentum-free step taken when a step merges one island's work.
+
+        In sync and quorum mode with the default outer optimizer, a step that
+        merges a single island (the quorum collapsed to 1 at run time: the
+        others are dead, or the grace window closed on one) takes the
+        single-delta defaults, plain SGD at ASYNC_OUTER_LR, and leaves the
+        Nesterov momentum untouched. None where every step uses the configured
+        optimizer (async, quorum 1, or an explicit outer_lr / outer_momentum /
+        outer_optimizer / nesterov_delay).
+        """
+        explicit = (
+            self.outer_lr is not None
+            or self.outer_momentum is not None
+            or self.outer_optimizer != "nesterov"
+            or self.nesterov_delay != 1
+        )
+        if explicit or self.steps_on_single_deltas or ASYNC_OUTER_MOMENTUM != 0:
+            return None
+        return ASYNC_OUTER_LR
+
+    @property
+    def effective_outer_lr(self) -> float:
+        """The outer learning rate after resolving the mode-dependent default."""
+        if self.outer_lr is not None:
+            return float(self.outer_lr)
+        return ASYNC_OUTER_LR if self.steps_on_single_deltas else SYNC_OUTER_LR
+
+    @property
+    def effective_outer_momentum(self) -> float:
+        """The outer momentum after resolving the mode-dependent default."""
+        if self.outer_momentum is not None:
+            return float(self.outer_momentum)
+        return ASYNC_OUTER_MOMENTUM if self.steps_on_single_deltas else SYNC_OUTER_MOMENTUM
+
+    @property
+    def max_frame_bytes(self) -> int:
+        """Hard cap given to ZMQ_MAXMSGSIZE: twice max_message_bytes (see protocol)."""
+        return 2 * self.max_message_bytes
+
+    def policy(self) -> PolicyConfig:
+        """The merge-policy settings.
+
+        Returns:
+            A PolicyConfig with this config's mode, quorum and grace window.
+        """
+        return PolicyConfig(
+            mode=self.mode,
+            quorum=self.quorum,
+            grace_rule=self.grace_rule,
+            grace_fraction=self.grace_fraction,
+            grace_gamma=self.grace_gamma,
+            grace_min_s=self.grace_min_s,
+            grace_max_s=self.grace_max_s,
+        )
+
+
+def local_endpoints(cfg: ShardConfig) -> list[tuple[str, str]]:
+    """Connect addresses of every shard of a cluster on one host.
+
+    Args:
+        cfg: the cluster's config; a wildcard host (0.0.0.0, *, ::) maps to 127.0.0.1.
+
+    Returns:
+        [(router, pub), ...] per shard: tcp://host:port+2i and tcp://host:port+2i+1.
+    """
+    host = "127.0.0.1" if cfg.host in ("0.0.0.0", "*", "::") else cfg.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return [
+        (f"tcp://{host}:{cfg.port + 2 * i}", f"tcp://{host}:{cfg.port + 2 * i + 1}")
+        for i in range(cfg.shards)
+    ]
+
+
+def bind_endpoints(cfg: ShardConfig, index: int) -> tuple[str, str]:
+    """Bind addresses of shard `index`.
+
+    Args:
+        cfg: the cluster's config.
+        index: shard index in [0, cfg.shards).
+
+    Returns:
+        (router, pub) as tcp://host:port+2i and tcp://host:port+2i+1.
+    """
+    if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < cfg.shards:
+        raise ConfigError(f"shard index {index!r} out of range: the config has {cfg.shards} shards")
+    host = cfg.host
+    if ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"tcp://{host}:{cfg.port + 2 * index}", f"tcp://{host}:{cfg.port + 2 * index + 1}"
+
+
+def _require(ok: bool, field: str, value: object, what: str) -> None:
+    if not ok:
+        raise ConfigError(f"ShardConfig.{field}={value!r}: {what}")
+
+
+def _int_at_least(field: str, value: object, low: int) -> None:
+    _require(
+        isinstance(value, int) and not isinstance(value, bool) and value >= low,
+        field,
+        value,
+        f"must be an int >= {low}",
+    )
+
+
+def _number_at_least(field: str, value: object, low: float) -> None:
+    _require(
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and math.isfinite(value)
+        and value >= low,
+        field,
+        value,
+        f"must be a finite number >= {low}",
+    )
+
+
+def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
+    _require(value in choices, field, value, f"choose one of {', '.join(choices)}")

@@ -1,0 +1,126 @@
+"""The write-ahead log's records of a shard's events: `event_to_record` and `record_to_event`.
+
+This module owns what the records of a shard's log mean (the framing is
+`paramserver.server.wal`'s, the events `paramserver.server.records`').
+
+Log records (msgpack header + raw payload):
+
+    init    {"t": "init", "plan": wire plan, "fragments": [[index, size], ...]}
+            payload: the fragments' float32 values back to back
+    accept  {"t": "accept", island, round, fragment, base_version, tokens,
+            steps, arrived, codec: [frame lengths] or nil}; payload: the codec
+            frames as received, back to back (decoded again on replay:
+            decoding is deterministic), or the float32 delta when codec is nil
+    step    {"t": "step", fragment, keys: [[island, round], ...], at}
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+import codec
+from paramserver.server.records import AcceptEvent, Contribution, Event, InitEvent, StepEvent
+from paramserver.server.wal import Record, WalError
+
+
+def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
+    """The log record of an event.
+
+    Args:
+        event: InitEvent, AcceptEvent or StepEvent.
+
+    Returns:
+        (record header, payload arrays).
+    """
+    if isinstance(event, AcceptEvent):
+        c = event.contribution
+        header = {
+            "t": "accept",
+            "island": c.island,
+            "round": c.round,
+            "fragment": c.fragment,
+            "base_version": c.base_version,
+            "tokens": c.tokens,
+            "steps": c.steps,
+            "arrived": c.arrived,
+        }
+        if event.frames is not None:
+            header["codec"] = [memoryview(f).nbytes for f in event.frames]
+            return header, list(event.frames)
+        header["codec"] = None
+        return header, [np.ascontiguousarray(c.delta, dtype=np.float32)]
+    if isinstance(event, StepEvent):
+        header = {
+            "t": "step",
+            "fragment": event.fragment,
+            "keys": [list(k) for k in event.keys],
+            "at": event.at,
+        }
+        return header, []
+    if isinstance(event, InitEvent):
+        order = sorted(event.values)
+        header = {
+            "t": "init",
+            "plan": event.plan_wire,
+            "fragments": [[i, int(event.values[i].shape[0])] for i in order],
+        }
+        return header, [np.ascontiguousarray(event.values[i], dtype=np.float32) for i in order]
+    raise TypeError(f"not an event: {type(event).__name__}")
+
+
+def record_to_event(record: Record) -> Event:
+    """Inverse of `event_to_record`.
+
+    Args:
+        record: a record read back from the log.
+
+    Returns:
+        The event.
+
+    Raises:
+        WalError: an unknown or inconsistent record.
+    """
+    h = record.header
+    try:
+        kind = h["t"]
+        if kind == "accept":
+            lengths = h.get("codec")
+            if lengths is None:
+                delta = np.frombuffer(record.payload, dtype=np.float32)
+            else:
+                frames, offset = [], 0
+                view = memoryview(record.payload)
+                for n in lengths:
+                    frames.append(view[offset : offset + n])
+                    offset += n
+                if offset != len(view):
+                    raise ValueError(f"payload has {len(view)} bytes, frames need {offset}")
+                delta = codec.decode(frames)["delta"]
+            c = Contribution(
+                h["island"],
+                h["round"],
+                h["fragment"],
+                h["base_version"],
+                h["tokens"],
+                h["steps"],
+                h["arrived"],
+                delta,
+            )
+            return AcceptEvent(c)
+        if kind == "step":
+            keys = tuple((str(island), int(rnd)) for island, rnd in h["keys"])
+            return StepEvent(int(h["fragment"]), keys, float(h["at"]))
+        if kind == "init":
+            flat = np.frombuffer(record.payload, dtype=np.float32)
+            values, offset = {}, 0
+            for index, size in h["fragments"]:
+                values[int(index)] = flat[offset : offset + size]
+                offset += size
+            if offset != flat.shape[0]:
+                raise ValueError(f"payload has {flat.shape[0]} values, fragments need {offset}")
+            return InitEvent(h["plan"], values)
+    except (KeyError, TypeError, ValueError) as exc:  # codec.CodecError is a ValueError
+        raise WalError(f"log record at byte {record.offset} is inconsistent: {exc!r}") from exc
+    raise WalError(f"log record at byte {record.offset} has unknown type {h.get('t')!r}")

@@ -1,0 +1,555 @@
+"""The deterministic state of one shard: parameters, optimizer, pending deltas; no sockets, no files.
+
+This module owns what a shard knows and every rule that changes it: the plan,
+per owned fragment the fp32 parameters (1-D), outer optimizer state, version,
+pending contributions and arrival statistics; the dedup table; the island
+registry (last heard from); the counters reported by `status`.
+
+Event-sourced: every change that must survive a crash is one of three events,
+
+- `InitEvent`: the plan and initial values (first `init`);
+- `AcceptEvent`: one validated delta joins a fragment's pending set;
+- `StepEvent`: one outer step of a fragment merging exactly the listed keys.
+
+`initialize`, `submit_delta` and `step` validate, build the event, hand it
+to the `journal` (the write-ahead log; if it raises, nothing is applied) and
+`apply` it; they return the event. Replaying the same events
+through `apply` on a fresh state gives the same parameters bit for bit (the
+write-ahead log's recovery). Rejected requests never reach `apply`, so they
+never touch parameters. Island registry, rejection counts and byte counters
+are bookkeeping, not events (a restart keeps what the last checkpoint had).
+
+Parameters and optimizer state live in JAX and a step updates them in place
+(donated buffers), except when a numpy view handed out by `snapshot` still
+exists: JAX then keeps the old buffer, so such a view never changes.
+
+Clock: `now` is wall-clock seconds (time.time()), because arrival times are
+persisted with pending deltas and must mean the same after a restart.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import replace
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import codec
+from paramserver.server import robust
+from paramserver.server.admission import check_push
+from paramserver.server.config import ShardConfig
+from paramserver.server.downlink import Downlink
+from paramserver.server.merge import merge_pending
+from paramserver.server.outer import (
+    DonatingStep,
+    FragmentOptimizer,
+    aligned_float32,
+    make_outer_optimizer,
+)
+from paramserver.server.policy import (
+    IslandPace,
+    decide,
+    observe,
+    observe_step,
+    pace_report,
+    quorum_time,
+)
+from paramserver.server.records import (
+    AcceptEvent,
+    Contribution,
+    Counters,
+    DedupEntry,
+    Event,
+    FragmentState,
+    InitEvent,
+    Outcome,
+    StateError,
+    StepEvent,
+    StepUpdate,
+)
+from paramserver.server.weighting import island_shares, make_weighting
+from paramserver.wire import liveness, protocol
+from paramserver.wire.plan import Plan, PlanError
+from paramserver.wire.protocol import ACCEPTED, DUPLICATE, REJECTED
+
+logger = logging.getLogger(__name__)
+
+
+class ShardState:
+    """Everything one shard knows; see the module docstring for the event rules."""
+
+    def __init__(self, cfg: ShardConfig, index: int) -> None:
+        """Create an empty (uninitialized) shard state.
+
+        Args:
+            cfg: cluster settings (policy, weighting, outer optimizer, limits).
+            index: this shard's index in [0, cfg.shards).
+        """
+        if not 0 <= index < cfg.shards:
+            raise StateError(f"shard index {index} out of range: the config has {cfg.shards}")
+        self.cfg = cfg
+        self.index = index
+        self.policy = cfg.policy()
+        self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent)
+        outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
+        self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
+        self.plan: Plan | None = None
+        self.fragments: dict[int, FragmentState] = {}
+        self.dedup: dict[tuple[str, int], DedupEntry] = {}
+        self.last_seen: dict[str, float] = {}
+        self.paces: dict[str, IslandPace] = {}  # reported step times (eq3 grace window)
+        self.counters = Counters()
+        self._merge_buffers: dict[int, np.ndarray] = {}
+        self._step = self.optimizer.donating  # the one outer step (paramserver.server.outer)
+        # a step that merges one island's work when the quorum collapsed: plain SGD
+        self._single = DonatingStep(optax.sgd(lr)) if (lr := cfg.single_island_outer_lr) else None
+        self.downlink = Downlink(cfg.downlink)
+        # called with each live event before it is applied (the write-ahead log's append);
+        # an exception from it propagates and the event is not applied
+        self.journal: Callable[[Event], None] | None = None
+
+    # ----- queries -------------------------------------------------------------
+
+    @property
+    def initialized(self) -> bool:
+        """Whether the shard has its plan and parameters."""
+        return self.plan is not None
+
+    def versions(self) -> dict[int, int]:
+        """Fragment -> current version of the owned fragments.
+
+        Returns:
+            The versions (empty before init).
+        """
+        return {i: f.version for i, f in sorted(self.fragments.items())}
+
+    def live(self, now: float) -> frozenset[str]:
+        """Islands heard from within the liveness budget.
+
+        Args:
+            now: wall-clock seconds.
+
+        Returns:
+            The live island ids.
+        """
+        return liveness.live_islands(
+            now, self.last_seen, self.cfg.heartbeat_interval_s, self.cfg.liveness
+        )
+
+    def snapshot(self, fragment: int) -> tuple[int, np.ndarray]:
+        """The current version and values of an owned fragment.
+
+        Args:
+            fragment: fragment index.
+
+        Returns:
+            (version, values); values is a read-only numpy view of the fragment's
+            params that stays valid after later steps (see DonatingStep).
+
+        Raises:
+            StateError: not initialized or fragment not owned.
+        """
+        if fragment not in self.fragments:
+            raise StateError(f"fragment {fragment} is not owned by shard {self.index}")
+        frag = self.fragments[fragment]
+        return frag.version, np.asarray(frag.params)
+
+    def status(self, now: float) -> dict[str, Any]:
+        """Counters and versions, JSON-ready (str keys).
+
+        Args:
+            now: wall-clock seconds (for liveness).
+
+        Returns:
+            A dict with shard, initialized, plan_hash, versions, islands_live,
+            islands_known, accepted, duplicates, rejected, bytes_in, bytes_out,
+            staleness_histogram, steps, clipped, pending (fragment -> count),
+            paces (island -> reported step_s, steps, round_s)
+            and credited_tokens (island -> tokens that entered the model through
+            this shard: tokens * g(staleness) * the fragment's share of all
+            parameters; summed over shards, an island's useful tokens).
+        """
+        return {
+            "shard": self.index,
+            "initialized": self.initialized,
+            "plan_hash": self.plan.hash if self.plan else None,
+            "versions": {str(k): v for k, v in self.versions().items()},
+            "islands_live": sorted(self.live(now)),
+            "islands_known": len(self.last_seen),
+            "pending": {str(i): len(f.pending) for i, f in sorted(self.fragments.items())},
+            "paces": {i: p.report() for i, p in sorted(self.paces.items())},
+            **self.counters.report(),
+        }
+
+    # ----- islands -------------------------------------------------------------
+
+    def hello(self, island: str, now: float) -> Outcome:
+        """Register an island (or refresh it); at capacity, silent islands are forgotten first.
+
+        Args:
+            island: island id.
+            now: wall-clock seconds.
+
+        Returns:
+            accepted, or rejected "too_many_islands" (counted).
+        """
+        if island not in self.last_seen and len(self.last_seen) >= self.cfg.max_islands:
+            live = self.live(now)
+            for gone in [i for i in self.last_seen if i not in live]:
+                del self.last_seen[gone]
+            if len(self.last_seen) >= self.cfg.max_islands:
+                return self.reject(
+                    "too_many_islands",
+                    f"{len(self.last_seen)} live islands; max_islands={self.cfg.max_islands}",
+                )
+        self.last_seen[island] = now
+        return Outcome(ACCEPTED)
+
+    def touch(self, island: str, now: float, header: Mapping[str, Any] | None = None) -> bool:
+        """Refresh a known island's last-heard time (any message counts as a heartbeat).
+
+        Args:
+            island: island id.
+            now: wall-clock seconds.
+            header: the message; its `t_step` (and a push's `steps`) update the
+                island's pace for the eq3 grace window.
+
+        Returns:
+            Whether the island is known (said hello).
+        """
+        if island not in self.last_seen:
+            return False
+        self.last_seen[island] = max(now, self.last_seen[island])
+        if header is not None and (pace := pace_report(self.paces.get(island), header)):
+            self.paces[island] = pace
+        return True
+
+    def bye(self, island: str) -> None:
+        """Forget an island that left (it no longer counts for quorum).
+
+        Args:
+            island: island id.
+        """
+        self.last_seen.pop(island, None)
+
+    # ----- requests that change state -----------------------------------------
+
+    def reject(self, reason: str, detail: str) -> Outcome:
+        """Count a rejection and build its outcome.
+
+        Args:
+            reason: one of paramserver.wire.protocol.REASONS.
+            detail: human-readable explanation.
+
+        Returns:
+            Outcome(rejected, reason, detail).
+        """
+        self.counters.count_rejection(reason)
+        return Outcome(REJECTED, reason, detail)
+
+    def initialize(self, plan_wire: Any, payload: Sequence[Any]) -> Outcome:
+        """Take the plan and initial values from the first island to `init`.
+
+        Args:
+            plan_wire: the wire plan (Plan.to_wire()).
+            payload: codec frames of the tree {"<fragment>": 1-D float32 vector}
+                with exactly this shard's fragments.
+
+        Returns:
+            accepted with an InitEvent, or rejected (already_initialized,
+            malformed, plan_mismatch, codec_error, unknown_fragment, bad_shape,
+            bad_dtype, non_finite), counted.
+
+        Raises:
+            Whatever `journal` raises; the event is then not applied.
+        """
+        if self.initialized:
+            return self.reject(
+                "already_initialized", "this shard has parameters; request a snapshot"
+            )
+        try:
+            plan = Plan.from_wire(plan_wire)
+        except PlanError as exc:
+            return self.reject("malformed", f"bad wire plan: {exc}")
+        if plan.num_shards != self.cfg.shards or plan.num_fragments != self.cfg.num_fragments:
+            return self.reject(
+                "plan_mismatch",
+                f"plan has {plan.num_shards} shards / {plan.num_fragments} fragments; "
+                f"the cluster runs {self.cfg.shards} / {self.cfg.num_fragments}",
+            )
+        owned = {f.index: f.size for f in plan.fragments_of(self.index)}
+        try:
+            tree = codec.decode(payload, max_elements=sum(owned.values()))
+        except codec.CodecError as exc:
+            return self.reject("codec_error", str(exc))
+        keys = sorted(str(k) for k in tree)
+        if keys != sorted(str(i) for i in owned):
+            return self.reject(
+                "unknown_fragment",
+                f"init payload has fragments {keys}; shard {self.index} owns {sorted(owned)}",
+            )
+        values: dict[int, np.ndarray] = {}
+        for index, size in owned.items():
+            problem = protocol.vector_problem(tree[str(index)], size)
+            if problem:
+                return self.reject(problem[0], f"fragment {index}: {problem[1]}")
+            values[index] = tree[str(index)]
+        event = InitEvent(plan.to_wire(), values)
+        self._commit(event)
+        return Outcome(ACCEPTED, event=event)
+
+    def submit_delta(
+        self, header: Mapping[str, Any], payload: Sequence[Any], now: float
+    ) -> Outcome:
+        """Validate a push and, if good, accept its delta into the pending set.
+
+        Args:
+            header: a push header that passed protocol.unpack.
+            payload: codec frames of the tree {"delta": 1-D vector of the fragment's size}.
+            now: wall-clock arrival time.
+
+        Returns:
+            accepted (with its AcceptEvent), duplicate, or rejected with a
+            reason; counted. Parameters are never touched here.
+
+        Raises:
+            Whatever `journal` raises; the event is then not applied.
+        """
+        early = check_push(self, header)
+        if early is not None:
+            return self._count(early)
+        frag = self.fragments[header["fragment"]]
+        size = frag.params.shape[0]
+        try:
+            tree = codec.decode(payload, max_elements=size)
+        except codec.CodecError as exc:
+            return self.reject("codec_error", str(exc))
+        if not isinstance(tree, Mapping) or set(tree) != {"delta"}:
+            keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
+            return self.reject(
+                "bad_shape", f"payload must be the tree {{'delta': vec}}, got {keys}"
+            )
+        delta = tree["delta"]
+        problem = protocol.vector_problem(delta, size)
+        if problem:
+            return self.reject(*problem)
+        contribution = Contribution(
+            island=header["island"],
+            round=header["round"],
+            fragment=header["fragment"],
+            base_version=header["base_version"],
+            tokens=header["tokens"],
+            steps=header["steps"],
+            arrived=float(now),
+            delta=delta,
+        )
+        event = AcceptEvent(contribution, tuple(payload))
+        self._commit(event)
+        return Outcome(ACCEPTED, event=event, version=frag.version, merged_version=frag.version + 1)
+
+    def _count(self, outcome: Outcome) -> Outcome:
+        if outcome.status == DUPLICATE:
+            self.counters.duplicates += 1
+        elif outcome.status == REJECTED:
+            return self.reject(outcome.reason, outcome.detail)
+        return outcome
+
+    # ----- steps ----------------------------------------------------------------
+
+    def due_fragments(self, now: float) -> tuple[list[int], float | None]:
+        """Which fragments the merge policy says to step now, and when to look again.
+
+        Args:
+            now: wall-clock seconds.
+
+        Returns:
+            (fragments to step now, earliest wake_at of the others or None).
+        """
+        live = self.live(now)
+        due: list[int] = []
+        wake: float | None = None
+        for index, frag in sorted(self.fragments.items()):
+            if not frag.pending:
+                continue
+            decision = decide(now, frag.waiting(), live, frag.stats, self.policy, self.paces)
+            if decision.step:
+                due.append(index)
+            elif decision.wake_at is not None:
+                wake = decision.wake_at if wake is None else min(wake, decision.wake_at)
+        return due, wake
+
+    def step(self, fragment: int, now: float) -> tuple[StepEvent, StepUpdate]:
+        """One outer step of a fragment merging all its pending deltas.
+
+        Args:
+            fragment: an owned fragment with pending deltas.
+            now: wall-clock seconds.
+
+        Returns:
+            (the applied StepEvent, the StepUpdate to publish).
+
+        Raises:
+            Whatever `journal` raises; the event is then not applied.
+        """
+        frag = self.fragments.get(fragment)
+        if frag is None or not frag.pending:
+            raise StateError(f"fragment {fragment} has nothing to step")
+        quorum_s = quorum_time(frag.waiting(), self.live(now), self.policy)
+        event = StepEvent(fragment, tuple((c.island, c.round) for c in frag.pending), float(now))
+        started = time.perf_counter()
+        update = self._commit(event)
+        assert update is not None
+        frag.stats = observe_step(
+            frag.stats, quorum_s, time.perf_counter() - started, self.policy.ema_alpha
+        )
+        return event, update
+
+    # ----- the one mutation path --------------------------------------------------
+
+    def _commit(self, event: Event) -> StepUpdate | None:
+        """Journal a live event, then apply it (a journal error leaves the state as it was)."""
+        if self.journal is not None:
+            self.journal(event)
+        return self.apply(event)
+
+    def apply(self, event: Event) -> StepUpdate | None:
+        """Apply an event (live or replayed from the log).
+
+        Args:
+            event: InitEvent, AcceptEvent or StepEvent.
+
+        Returns:
+            The StepUpdate of a StepEvent, else None.
+
+        Raises:
+            StateError: the event does not fit this state (corrupted or foreign log).
+        """
+        if isinstance(event, InitEvent):
+            self._apply_init(event)
+            return None
+        if isinstance(event, AcceptEvent):
+            self._apply_accept(event.contribution)
+            return None
+        if isinstance(event, StepEvent):
+            return self._apply_step(event)
+        raise StateError(f"unknown event {type(event).__name__}")
+
+    def _apply_init(self, event: InitEvent) -> None:
+        if self.initialized:
+            raise StateError("init event on an initialized shard")
+        plan = Plan.from_wire(event.plan_wire)
+        owned = {f.index: f.size for f in plan.fragments_of(self.index)}
+        if set(owned) != set(event.values):
+            raise StateError(
+                f"init event fragments {sorted(event.values)} != owned {sorted(owned)}"
+            )
+        self.plan = plan
+        for index in sorted(owned):
+            params = np.array(event.values[index], dtype=np.float32)
+            opt_state = self.optimizer.init(params)
+            self.fragments[index] = FragmentState(jnp.asarray(params), opt_state)
+        logger.info(
+            "shard %d initialized: plan %s, fragments %s",
+            self.index,
+            plan.hash[:12],
+            sorted(owned),
+            extra={"shard": self.index, "plan_hash": plan.hash, "fragments": sorted(owned)},
+        )
+
+    def _apply_accept(self, c: Contribution) -> None:
+        frag = self.fragments.get(c.fragment)
+        if frag is None:
+            raise StateError(f"accept event for fragment {c.fragment} not owned by {self.index}")
+        if self.cfg.clip_norm_multiple > 0:
+            c = self._clip(frag, c)
+        frag.pending.append(c)
+        frag.stats = observe(frag.stats, c.arrived, self.policy.ema_alpha)
+        entry = self.dedup.get((c.island, c.fragment))
+        if entry is None:
+            entry = self.dedup[(c.island, c.fragment)] = DedupEntry(c.round, set())
+        entry.rounds.add(c.round)
+        if c.round > entry.newest:
+            entry.newest = c.round
+            low = entry.newest - self.cfg.dedup_window
+            entry.rounds = {r for r in entry.rounds if r >= low}
+        self.counters.accepted += 1
+
+    def _clip(self, frag: FragmentState, c: Contribution) -> Contribution:
+        """Scale a delta down to the robust bound (deterministic: replay clips the same)."""
+        norm, factor, frag.norms = robust.clip(c.delta, frag.norms, self.cfg.clip_norm_multiple)
+        if factor >= 1.0:
+            return c
+        self.counters.clipped += 1
+        logger.warning(
+            "shard %d clipped a delta of island %s on fragment %d: norm %.4g scaled by %.3g",
+            self.index,
+            c.island,
+            c.fragment,
+            norm,
+            factor,
+            extra={"shard": self.index, "island": c.island, "fragment": c.fragment},
+        )
+        # a new array: the event keeps the delta as received (what the log replays)
+        return replace(c, delta=c.delta * np.float32(factor))
+
+    def _apply_step(self, event: StepEvent) -> StepUpdate:
+        frag = self.fragments.get(event.fragment)
+        if frag is None:
+            raise StateError(f"step event for fragment {event.fragment} not owned by {self.index}")
+        by_key = {(c.island, c.round): c for c in frag.pending}
+        try:
+            merged_in = [by_key[tuple(k)] for k in event.keys]
+        except KeyError as exc:
+            raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
+        if not merged_in:
+            raise StateError(f"step event for fragment {event.fragment} merges nothing")
+        shares = island_shares(self.weighting, merged_in, frag.version)
+        if event.fragment not in self._merge_buffers:  # reused: no fresh pages per step
+            self._merge_buffers[event.fragment] = aligned_float32(frag.params.shape[0])
+        buf = self._merge_buffers[event.fragment]
+        merged = merge_pending(
+            self.cfg.merge,
+            [(c.island, c.delta) for c in merged_in],
+            {x.island: x.coefficient for x in shares},
+            self.plan.fragments[event.fragment],
+            out=buf,
+        )
+        frames = None
+        if self._single is not None and len(shares) == 1:
+            step, opt_state = self._single, self._single.tx.init(frag.params)
+        else:
+            step, opt_state = self._step, frag.opt_state
+        if self.downlink.compressed:
+            updates, opt_state = step.updates(frag.params, opt_state, merged)
+            if frag.residual is None:
+                frag.residual = np.zeros(frag.params.shape[0], np.float32)
+            new_params, frames, frag.residual = self.downlink.publish(
+                np.asarray(frag.params), np.asarray(updates), frag.residual
+            )
+            frag.params = jnp.asarray(new_params)
+            frames = tuple(frames)
+        else:
+            frag.params, opt_state = step(frag.params, opt_state, merged)
+        if step is self._step:
+            frag.opt_state = opt_state
+        share_of_model = frag.params.shape[0] / self.plan.total_size
+        self.counters.add_step(
+            [frag.version - c.base_version for c in merged_in],
+            {x.island: x.tokens * x.factor * share_of_model for x in shares},
+        )
+        done = {id(c) for c in merged_in}
+        frag.pending = [c for c in frag.pending if id(c) not in done]
+        frag.version += 1
+        islands = {x.island: round(x.coefficient, 4) for x in shares}
+        where = {"shard": self.index, "fragment": event.fragment, "version": frag.version}
+        logger.info(
+            "outer step shard=%d fragment=%d version=%d merged=%d", *where.values(),
+            len(merged_in), extra={**where, "merged": len(merged_in), "coefficients": islands},
+        )  # fmt: skip
+        credited = {x.island: self.counters.credited[x.island] for x in shares}
+        return StepUpdate(event.fragment, frag.version, np.asarray(frag.params), frames, credited)

@@ -1,0 +1,306 @@
+"""An append-only write-ahead log file: framed, checksummed records; replay that stops at a torn tail.
+
+This module owns the on-disk format of one log segment and nothing about what
+the records mean (`paramserver.server.durable` maps shard events to records).
+
+File format (all integers little endian):
+
+    file header   8 bytes magic b"DDWAL\\x00\\x00\\x00", uint32 format version
+                  (WAL_FORMAT_VERSION), uint32 crc32 of the previous 12 bytes
+    record*       uint32 body length N, uint32 crc32 of the body, body (N bytes)
+    body          uint32 header length H, H bytes msgpack map (the record
+                  header), then the raw payload (N - 4 - H bytes)
+
+Appends go straight to the file descriptor (one `writev` per record), so a
+record survives the death of the process as soon as `append` returns; `sync`
+(fsync) makes it survive the machine. A failed write (disk full, file-size
+limit, read-only or I/O error) raises `OSError` and leaves the file as it was
+before the record (the partial record is cut off); a failed `sync` raises and
+cuts the file back to what the last good `sync` covered, so the log never
+holds a record that was not durable when it was acknowledged. Replay yields
+records in order and:
+
+- stops at a torn tail, the unfinished last record of a crash (too few bytes
+  for its prefix or body, or a bad checksum on a record that ends the file):
+  it logs a warning with the byte offset and byte count dropped, and exposes
+  `torn_at` / `end_offset` so the caller can truncate before appending again;
+- raises `WalError` on a bad checksum of a record followed by more data
+  (corruption in the middle is never skipped silently), a bad file header or
+  an unknown format version.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import zlib
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import msgpack
+
+logger = logging.getLogger(__name__)
+
+WAL_MAGIC = b"DDWAL\x00\x00\x00"
+WAL_FORMAT_VERSION = 1
+_FILE_HEADER = struct.Struct("<8sII")
+_PREFIX = struct.Struct("<II")
+_HLEN = struct.Struct("<I")
+# A record body larger than this is treated as a garbage length field.
+MAX_RECORD_BYTES = 1 << 31
+
+
+class WalError(RuntimeError):
+    """The log cannot be read safely (bad header, corrupted record in the middle)."""
+
+
+@dataclass(frozen=True)
+class Record:
+    """One log record: its msgpack header, raw payload and byte offset in the file."""
+
+    header: dict[str, Any]
+    payload: bytes
+    offset: int
+
+
+def _file_header() -> bytes:
+    head = struct.pack("<8sI", WAL_MAGIC, WAL_FORMAT_VERSION)
+    return head + struct.pack("<I", zlib.crc32(head))
+
+
+class WriteAheadLog:
+    """An open log segment for appending."""
+
+    def __init__(self, path: str | os.PathLike, *, fsync: bool = True, truncate_to: int = 0):
+        """Open (creating if missing) a log segment for appending.
+
+        Args:
+            path: the segment file.
+            fsync: whether `sync` calls fsync (False only for throwaway runs).
+            truncate_to: for an existing file, cut it to this length first (the
+                `end_offset` of a replay, dropping a torn tail); 0 keeps it whole.
+
+        Raises:
+            WalError: an existing file with a bad header.
+        """
+        self.path = Path(path)
+        self.fsync = fsync
+        created = not self.path.exists()
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            if created or os.fstat(self._fd).st_size == 0:
+                os.write(self._fd, _file_header())
+                self._sync_file()
+                fsync_dir(self.path.parent, fsync)
+            else:
+                _check_file_header(os.pread(self._fd, _FILE_HEADER.size, 0), self.path)
+                if truncate_to:
+                    os.ftruncate(self._fd, truncate_to)
+                    self._sync_file()
+            self.size = os.lseek(self._fd, 0, os.SEEK_END)
+        except BaseException:
+            os.close(self._fd)
+            raise
+        self.synced = self.size  # the length the last good sync (or the open) covered
+        self.broken = False  # a failed write or sync could not be cut back yet
+        self._dirty = False
+
+    def append(self, header: Mapping[str, Any], payload: Sequence[Any] = ()) -> int:
+        """Append one record (durable against process death on return; call sync for power loss).
+
+        Args:
+            header: msgpack-serializable map.
+            payload: bytes-like pieces written back to back after the header.
+
+        Returns:
+            The record's byte offset.
+
+        Raises:
+            OSError: the record could not be written (nothing of it stays in the
+                file; if even that cut failed, `broken` is set and the next append
+                retries the cut first).
+        """
+        if self.broken:
+            self._cut(self.size)
+        head = msgpack.packb(dict(header), use_bin_type=True)
+        pieces = [memoryview(p).cast("B") for p in payload]
+        body_len = _HLEN.size + len(head) + sum(p.nbytes for p in pieces)
+        crc = zlib.crc32(_HLEN.pack(len(head)))
+        crc = zlib.crc32(head, crc)
+        for p in pieces:
+            crc = zlib.crc32(p, crc)
+        buffers = [_PREFIX.pack(body_len, crc), _HLEN.pack(len(head)), head, *pieces]
+        total = _PREFIX.size + body_len
+        try:
+            written = os.writev(self._fd, buffers)
+            if written != total:  # short write (e.g. disk full): finish it or fail loudly
+                rest = b"".join(bytes(b) for b in buffers)[written:]
+                while rest:
+                    n = os.write(self._fd, rest)
+                    rest = rest[n:]
+        except OSError:
+            self._cut_after_failure(self.size)
+            raise
+        offset = self.size
+        self.size += total
+        self._dirty = True
+        return offset
+
+    def sync(self) -> None:
+        """fsync everything appended so far (no-op when nothing changed or fsync is off).
+
+        Raises:
+            OSError: fsync failed; the records appended since the last good sync
+                are cut off (`size` drops to `synced`), or `broken` is set if the
+                cut failed too.
+        """
+        if not self._dirty:
+            return
+        try:
+            self._sync_file()
+        except OSError:
+            self._dirty = False
+            self._cut_after_failure(self.synced)
+            self.size = self.synced
+            raise
+        self._dirty = False
+        self.synced = self.size
+
+    def _cut(self, length: int) -> None:
+        """Cut the file to `length` bytes and append from there (durable with the next sync)."""
+        os.ftruncate(self._fd, length)
+        os.lseek(self._fd, length, os.SEEK_SET)
+        self.broken = False
+
+    def _cut_after_failure(self, length: int) -> None:
+        try:
+            self._cut(length)
+        except OSError as exc:
+            self.broken = True
+            logger.error("%s: cannot cut the log back to %d bytes: %s", self.path, length, exc)
+
+    def _sync_file(self) -> None:
+        if self.fsync:
+            os.fsync(self._fd)
+
+    def close(self) -> None:
+        """Sync and close the file."""
+        if self._fd >= 0:
+            try:
+                self.sync()
+            except OSError as exc:  # nothing unsynced was acknowledged: say so and close
+                logger.error("%s: last sync before closing failed: %s", self.path, exc)
+            finally:
+                os.close(self._fd)
+                self._fd = -1
+
+
+def _check_file_header(raw: bytes, path: Path) -> None:
+    if len(raw) < _FILE_HEADER.size:
+        raise WalError(f"{path}: shorter than the {_FILE_HEADER.size}-byte log header")
+    magic, version, crc = _FILE_HEADER.unpack(raw)
+    if magic != WAL_MAGIC or crc != zlib.crc32(raw[:12]):
+        raise WalError(f"{path}: not a write-ahead log (bad magic or header checksum)")
+    if version != WAL_FORMAT_VERSION:
+        raise WalError(
+            f"{path}: log format {version}; this build reads {WAL_FORMAT_VERSION}. "
+            "Restore with the build that wrote it."
+        )
+
+
+class LogReader:
+    """Iterates the records of one segment; after iteration, `end_offset` and `torn_at` are set.
+
+    `end_offset` is the length of the good prefix (pass it as `truncate_to`
+    when reopening); `torn_at` is the offset of a torn tail, or None.
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        """Prepare to read a segment.
+
+        Args:
+            path: the segment file.
+        """
+        self.path = Path(path)
+        self.end_offset = 0
+        self.torn_at: int | None = None
+        self.records = 0
+
+    def __iter__(self) -> Iterator[Record]:
+        with open(self.path, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            _check_file_header(f.read(_FILE_HEADER.size), self.path)
+            offset = _FILE_HEADER.size
+            self.end_offset = offset
+            while offset < size:
+                prefix = f.read(_PREFIX.size)
+                if len(prefix) < _PREFIX.size:
+                    self._torn(offset, size)
+                    return
+                body_len, crc = _PREFIX.unpack(prefix)
+                end = offset + _PREFIX.size + body_len
+                if body_len < _HLEN.size or body_len > MAX_RECORD_BYTES or end > size:
+                    self._torn(offset, size)
+                    return
+                body = f.read(body_len)
+                if len(body) < body_len:
+                    self._torn(offset, size)
+                    return
+                if zlib.crc32(body) != crc:
+                    if end == size:
+                        self._torn(offset, size)
+                        return
+                    raise WalError(
+                        f"{self.path}: record at byte {offset} has a bad checksum and "
+                        f"{size - end} bytes follow it: the log is corrupted in the middle. "
+                        "Restore the data dir from a backup, or move this file away to "
+                        "start from the newest checkpoint (losing the records after it)."
+                    )
+                header = _parse_body_header(body, self.path, offset)
+                (hlen,) = _HLEN.unpack_from(body)
+                yield Record(header, body[_HLEN.size + hlen :], offset)
+                self.records += 1
+                offset = end
+                self.end_offset = end
+
+    def _torn(self, offset: int, size: int) -> None:
+        self.torn_at = offset
+        logger.warning(
+            "%s: torn tail at byte %d (%d bytes of an unfinished record dropped)",
+            self.path,
+            offset,
+            size - offset,
+            extra={"path": str(self.path), "offset": offset, "dropped_bytes": size - offset},
+        )
+
+
+def _parse_body_header(body: bytes, path: Path, offset: int) -> dict[str, Any]:
+    (hlen,) = _HLEN.unpack_from(body)
+    try:
+        if _HLEN.size + hlen > len(body):
+            raise ValueError("header length past the record")
+        header = msgpack.unpackb(body[_HLEN.size : _HLEN.size + hlen], raw=False)
+        if not isinstance(header, dict):
+            raise ValueError("record header is not a map")
+    except Exception as exc:
+        raise WalError(f"{path}: record at byte {offset} has a valid checksum but {exc}") from exc
+    return header
+
+
+def fsync_dir(path: str | os.PathLike, enabled: bool = True) -> None:
+    """fsync a directory (after creating, renaming or deleting files in it).
+
+    Args:
+        path: the directory.
+        enabled: False makes it a no-op (fsync off).
+    """
+    if not enabled:
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
