@@ -1,18 +1,24 @@
-"""A shard as a real subprocess (``python -m paramserver.server.shard``) for tests that signal it,
-limit its resources or read its log: start on a free port pair, wait until it answers."""
+"""A shard as a real subprocess for tests that signal it, limit its resources or read its log:
+started the way the supervisor starts each shard (``python -m paramserver.server.cli shard``)
+on a free port pair, then polled until it answers."""
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
 import sys
 import threading
 import time
+from dataclasses import asdict
 from pathlib import Path
 
 import zmq
 from conftest import Peer
+
+from paramserver.plumbing.settings import load_settings
+from paramserver.server.config import ShardConfig
 
 
 def free_port_pair() -> int:
@@ -33,7 +39,9 @@ def free_port_pair() -> int:
 
 
 class ShardProcess:
-    """`python -m paramserver.server.shard --index 0` on 127.0.0.1; its output is kept in `output`.
+    """Shard 0 of a one-shard cluster on 127.0.0.1; its output is kept in `output`.
+
+    `flags` are `diloco-server start` flags as pairs (``"--mode", "async"``).
 
     The output goes through a pipe (not a file), so a file-size limit on the
     process does not touch it.
@@ -43,9 +51,15 @@ class ShardProcess:
         self.port = free_port_pair()
         self.router = f"tcp://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+        given = {
+            flags[i].removeprefix("--").replace("-", "_"): flags[i + 1]
+            for i in range(0, len(flags), 2)
+        }
+        given.update(port=str(self.port), data_dir=str(data_dir))
+        cfg = load_settings(ShardConfig, flags=given)
         argv = [
-            sys.executable, "-m", "paramserver.server.shard", "--index", "0",
-            "--port", str(self.port), "--data-dir", str(data_dir), *flags,
+            sys.executable, "-m", "paramserver.server.cli", "shard", "--index", "0",
+            "--settings-json", json.dumps(asdict(cfg)),
         ]  # fmt: skip
         self.proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True

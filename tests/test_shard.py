@@ -1,19 +1,14 @@
 """A live shard over real sockets: join, init, snapshot, push/ack, publish, and bad input."""
 
-import logging
 import threading
-from dataclasses import replace
 
 import msgpack
 import numpy as np
 import pytest
 import zmq
-from conftest import free_port
 from shard_helpers import delta_frames, init_payload, nan_frames, plan_for, push_header, small_flat
 
 import codec
-from paramserver.server.config import ShardConfig
-from paramserver.server.shard import run_shard
 from paramserver.wire import protocol
 
 pytestmark = pytest.mark.timeout(60)
@@ -213,24 +208,6 @@ def test_too_many_islands(start_shard, peer):
     two = peer(shard.router, "two")
     reply, _ = two.request({"kind": "hello", "island": "two"})
     assert (reply["kind"], reply["reason"]) == ("rejected", "too_many_islands")
-
-
-def test_run_shard_logs_serving_and_returns_zero(tmp_path, caplog, peer):
-    port = free_port()
-    cfg = replace(ShardConfig(), port=port, data_dir=str(tmp_path / "d"), fsync=False)
-    stop = threading.Event()
-    result: list[int] = []
-    caplog.set_level(logging.INFO, logger="paramserver.server.shard")
-    thread = threading.Thread(target=lambda: result.append(run_shard(cfg, 0, None, stop)))
-    thread.start()
-    try:
-        p = peer(f"tcp://127.0.0.1:{port}", "x")
-        assert p.status()["shard"] == 0
-    finally:
-        stop.set()
-        thread.join(30)
-    assert result == [0]
-    assert any(f"shard 0 serving on tcp://127.0.0.1:{port}" in r.message for r in caplog.records)
 
 
 def test_sync_merge_through_the_sockets_adds_an_islands_increments(start_shard, peer):

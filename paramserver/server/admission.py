@@ -1,8 +1,12 @@
-"""Which pushes a shard may accept: the header-only checks, in order, before any payload is read.
+"""What a shard refuses, before any state changes: the rules, as outcomes (never counted here).
 
 This module owns the rules of `check_push` (plan, fragment, island, dedup
-window, base version, per-island pending bound); `paramserver.server.state` counts
-and applies what passes.
+window, base version, per-island pending bound; header-only, before any
+payload is read), the size limit of any request (`oversize`), the refusals of
+a snapshot request (`snapshot_refusal`) and the answer to a request from an
+island the shard does not know on that connection (`unknown_island`).
+`paramserver.server.state` counts the refusals and applies what passes; the
+shard's I/O loop only routes.
 """
 
 from __future__ import annotations
@@ -15,6 +19,54 @@ from paramserver.wire.protocol import DUPLICATE, REJECTED
 
 if TYPE_CHECKING:
     from paramserver.server.state import ShardState
+
+
+def oversize(state: ShardState, size: int) -> Outcome | None:
+    """The refusal of a request larger than the shard accepts.
+
+    Args:
+        state: the shard's state (its config holds max_message_bytes).
+        size: the request's size in bytes, all frames.
+
+    Returns:
+        A rejected `oversize` outcome, or None when the request fits.
+    """
+    limit = state.cfg.max_message_bytes
+    if size <= limit:
+        return None
+    return Outcome(REJECTED, "oversize", f"{size} bytes; max_message_bytes={limit}")
+
+
+def snapshot_refusal(state: ShardState, fragment: int) -> Outcome | None:
+    """Why a snapshot of `fragment` cannot be served, if it cannot.
+
+    Args:
+        state: the shard's state.
+        fragment: the requested fragment.
+
+    Returns:
+        `not_initialized` or `unknown_fragment` (rejected), or None to serve it.
+    """
+    if not state.initialized:
+        return Outcome(REJECTED, "not_initialized", "no parameters yet: init first")
+    if fragment not in state.fragments:
+        return Outcome(
+            REJECTED, "unknown_fragment", f"fragment {fragment} is not on shard {state.index}"
+        )
+    return None
+
+
+def unknown_island(island: str) -> Outcome:
+    """The answer to a push or heartbeat of an island not known on its connection.
+
+    Args:
+        island: the island id the request names.
+
+    Returns:
+        A rejected `unknown_island` outcome asking it to say hello again.
+    """
+    detail = f"island {island!r} is not known here (or its connection changed): say hello again"
+    return Outcome(REJECTED, "unknown_island", detail)
 
 
 def check_push(state: ShardState, header: Mapping[str, Any]) -> Outcome | None:
@@ -46,9 +98,7 @@ def check_push(state: ShardState, header: Mapping[str, Any]) -> Outcome | None:
     frag = state.fragments[fragment]
     island = header["island"]
     if island not in state.last_seen:
-        return Outcome(
-            REJECTED, "unknown_island", f"island {island!r}: say hello, then resend", None
-        )
+        return unknown_island(island)
     rnd = header["round"]
     entry = state.dedup.get((island, fragment))
     if entry is not None:

@@ -26,21 +26,17 @@ On stop: answer what is queued, checkpoint, close the sockets.
 
 from __future__ import annotations
 
-import argparse
 import logging
-import sys
 import threading
 import time
-from collections.abc import Sequence
 from typing import Any
 
 import zmq
 
 import codec
-from paramserver.plumbing import daemon, settings
 from paramserver.plumbing.curve import CurveServer
 from paramserver.plumbing.identity import IslandGuard
-from paramserver.server import binding
+from paramserver.server import admission, binding
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.server.durable import Durability, StorageError
 from paramserver.server.records import Outcome, StepUpdate
@@ -298,11 +294,9 @@ class ShardServer:
                 self._answer(ident, header, self.state.reject("island_in_use", detail))
                 return
             known = verdict == binding.OWN and self.state.touch(island, now, header)
-        if size > self.cfg.max_message_bytes:
-            outcome = self.state.reject(
-                "oversize", f"{size} bytes; max_message_bytes={self.cfg.max_message_bytes}"
-            )
-            self._answer(ident, header, outcome)
+        too_big = admission.oversize(self.state, size)
+        if too_big is not None:
+            self._answer(ident, header, self.state.count_outcome(too_big))
             return
         try:
             handler = getattr(self, f"_on_{header['kind']}")
@@ -388,15 +382,9 @@ class ShardServer:
         self, ident: Any, header: dict, payload: list, now: float, known: bool
     ) -> None:
         assert self.state
-        if not self.state.initialized:
-            outcome = self.state.reject("not_initialized", "no parameters yet: init first")
-            self._answer(ident, header, outcome)
-            return
-        if header["fragment"] not in self.state.fragments:
-            outcome = self.state.reject(
-                "unknown_fragment", f"fragment {header['fragment']} is not on shard {self.index}"
-            )
-            self._answer(ident, header, outcome)
+        refusal = admission.snapshot_refusal(self.state, header["fragment"])
+        if refusal is not None:
+            self._answer(ident, header, self.state.count_outcome(refusal))
             return
         version, values = self.state.snapshot(header["fragment"])
         frames, _ = self._raw32.encode({"values": values})
@@ -413,7 +401,7 @@ class ShardServer:
     def _on_push(self, ident: Any, header: dict, payload: list, now: float, known: bool) -> None:
         assert self.state
         if not known:
-            outcome = self.state.reject("unknown_island", _say_hello(header["island"]))
+            outcome = self.state.count_outcome(admission.unknown_island(header["island"]))
         else:
             try:
                 outcome = self.state.submit_delta(header, payload, now)
@@ -427,7 +415,7 @@ class ShardServer:
         assert self.state
         if not known:
             self._answer(
-                ident, header, self.state.reject("unknown_island", _say_hello(header["island"]))
+                ident, header, self.state.count_outcome(admission.unknown_island(header["island"]))
             )
             return
         credited = self.state.counters.credited.get(header["island"], 0.0)
@@ -456,10 +444,6 @@ def _user_id(frame: Any) -> str | None:
         return None
 
 
-def _say_hello(island: str) -> str:
-    return f"island {island!r} is not known here (or its connection changed): say hello again"
-
-
 def storage_refusal(
     reply: dict[str, Any], detail: str, versions: dict[int, int]
 ) -> dict[str, Any] | None:
@@ -482,72 +466,3 @@ def storage_refusal(
     if reply["kind"] == "init_ok":
         return {"kind": "rejected", "reason": "storage_error", "detail": detail, **echo}
     return None
-
-
-def run_shard(
-    cfg: ShardConfig,
-    index: int,
-    endpoints: list[tuple[str, str]] | None,
-    stop_event: threading.Event,
-) -> int:
-    """Daemon entry: serve one shard until `stop_event`, drain, checkpoint.
-
-    Args:
-        cfg: cluster settings.
-        index: shard index.
-        endpoints: connect addresses of every shard (None: local_endpoints(cfg)).
-        stop_event: set by the caller's signal handler.
-
-    Returns:
-        Process exit code: 0 after a clean drain, 1 if the shard failed.
-    """
-    server = ShardServer(cfg, index, endpoints)
-    try:
-        server.serve(stop_event)
-    except Exception:
-        logger.exception("shard %d failed", index, extra={"shard": index})
-        return 1
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """Foreground entry for one shard process: ``python -m paramserver.server.shard --index I``.
-
-    Settings come from defaults <- ``--config`` TOML (section ``server`` if
-    present) <- ``DILOCO_SERVER_*`` environment <- ``--<field>`` flags.
-    SIGTERM / SIGINT drain, checkpoint and exit 0.
-
-    Args:
-        argv: command-line arguments (default sys.argv[1:]).
-
-    Returns:
-        Exit code: 0 clean, 1 shard failure, 2 bad settings.
-    """
-    parser = argparse.ArgumentParser(prog="python -m paramserver.server.shard", description=__doc__)
-    parser.add_argument("--index", type=int, default=0, help="this shard's index (default 0)")
-    parser.add_argument("--config", default=None, help="TOML settings file")
-    settings.add_flags(parser, ShardConfig)
-    args = parser.parse_args(argv)
-    try:
-        section = None
-        if args.config is not None and "server" in settings.read_toml(args.config):
-            section = "server"
-        cfg = settings.load_settings(
-            ShardConfig,
-            file=args.config,
-            section=section,
-            env_prefix="DILOCO_SERVER_",
-            flags=args,
-        )
-        bind_endpoints(cfg, args.index)
-    except (settings.SettingsError, ValueError) as exc:
-        sys.stderr.write(f"error: {exc}\n")
-        return 2
-    daemon.setup_logging(cfg.log_level)
-    stop = threading.Event()
-    daemon.install_signal_handlers(stop)
-    return run_shard(cfg, args.index, None, stop)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -322,7 +322,7 @@ class ShardState:
         """
         early = check_push(self, header)
         if early is not None:
-            return self._count(early)
+            return self.count_outcome(early)
         frag = self.fragments[header["fragment"]]
         size = frag.params.shape[0]
         try:
@@ -352,7 +352,15 @@ class ShardState:
         self._commit(event)
         return Outcome(ACCEPTED, event=event, version=frag.version, merged_version=frag.version + 1)
 
-    def _count(self, outcome: Outcome) -> Outcome:
+    def count_outcome(self, outcome: Outcome) -> Outcome:
+        """Count a refusal (rejected or duplicate) built by `paramserver.server.admission`.
+
+        Args:
+            outcome: any outcome; accepted ones pass through uncounted.
+
+        Returns:
+            The outcome (a rejection rebuilt by `reject`, which counts it).
+        """
         if outcome.status == DUPLICATE:
             self.counters.duplicates += 1
         elif outcome.status == REJECTED:
