@@ -1,7 +1,8 @@
 """codec: tensors <-> bytes for low-communication training.
 
 Quantizes trees of float arrays (raw float32/bfloat16, block-absmax int8 and
-int4 with optional stochastic rounding), carries error-feedback residuals,
+int4 with optional stochastic rounding, sparse top-k at 2 or 4 bits), carries
+error-feedback residuals,
 compresses with zstd and frames the result for ZeroMQ. The wire format is
 specified in `codec.format`.
 
@@ -15,7 +16,7 @@ from .decode import decode
 from .errors import CodecError
 from .format import DEFAULT_MAX_ELEMENTS, FORMAT_VERSION
 from .framing import join, split
-from .schemes import Codec, int4, int8, raw
+from .schemes import Codec, int4, int8, raw, topk
 from .state import ErrorFeedbackState
 from .tree import flatten, unflatten
 
@@ -32,5 +33,6 @@ __all__ = [
     "join",
     "raw",
     "split",
+    "topk",
     "unflatten",
 ]

@@ -6,17 +6,18 @@ tensor in its original dtype and shape. Whatever the input, it returns a tree
 or raises CodecError.
 """
 
-import threading
-from concurrent.futures import ThreadPoolExecutor
-
 import numpy as np
 
 from . import format as fmt
+from . import parallel
 from .compress import gather
 from .errors import CodecError
 from .quant import decode_blocks
+from .sparse import decode_topk
 from .tree import build_tree
 from .workspace import workspace
+
+PIECE_ELEMENTS = 1 << 18  # elements per parallel dequantize job
 
 
 def _views(frames) -> list:
@@ -41,60 +42,77 @@ def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS, threads: int = 
         frames: list of bytes-like (bytes, memoryview, zmq.Frame), header first.
         max_elements: refuse headers declaring more elements than this
             (checked before anything is allocated or decompressed).
-        threads: decompress payload frames on this many threads (0: caller's).
+        threads: decompress payload frames and dequantize on this many
+            threads (0 or 1: the calling thread only).
 
     Returns:
         nested dict of arrays in their encoded dtype and shape (writable,
         C-contiguous).
     """
     try:
+        pool = parallel.pool(parallel.check_threads(threads))
         views = _views(frames)
         header = fmt.parse_header(views[0], len(views) - 1, max_elements)
-        pool = _pool(threads) if threads else None
         # raw tensors are returned as views of the payload; quantized ones only read it
         reuse = header.scheme != "raw"
         payload = gather(views[1:], header.frames, header.zstd, header.total, pool, reuse)
         with np.errstate(all="ignore"):
-            leaves = [(t.path, _tensor(header, t, payload)) for t in header.tensors]
-        return build_tree(leaves)
+            outs, jobs = [], []
+            for t in header.tensors:
+                out, more = _tensor(header, t, payload)
+                outs.append(out)
+                jobs += more
+            parallel.run_all(pool, _run_job, jobs)
+        return build_tree([(t.path, o) for t, o in zip(header.tensors, outs, strict=True)])
     except CodecError:
         raise
     except Exception as e:  # safety net: decode must only ever raise CodecError
         raise CodecError(f"malformed frames ({type(e).__name__}: {e})") from None
 
 
-_pools: dict = {}
-_pools_lock = threading.Lock()
-
-
-def _pool(threads: int) -> ThreadPoolExecutor:
-    """A shared decompression pool per thread count."""
-    if not isinstance(threads, int) or not 0 < threads <= 64:
-        raise CodecError(f"threads must be an int in [0, 64], got {threads!r}")
-    with _pools_lock:
-        if threads not in _pools:
-            _pools[threads] = ThreadPoolExecutor(threads, thread_name_prefix="codec-unzstd")
-        return _pools[threads]
-
-
 def _section(payload: np.ndarray, offset: int, count: int, dtype) -> np.ndarray:
     return payload[offset : offset + count * np.dtype(dtype).itemsize].view(dtype)
 
 
-def _tensor(header, t, payload: np.ndarray) -> np.ndarray:
+def _run_job(fn, *args) -> None:
+    with np.errstate(all="ignore"):  # thread-local: set in the thread that computes
+        fn(*args)
+
+
+def _tensor(header, t, payload: np.ndarray) -> tuple:
+    """A tensor's output array and the jobs that fill it (none when it is done)."""
     dtype = fmt.DTYPES[t.dtype]
     if header.scheme == "raw":
         store = fmt.DTYPES[header.store]
         flat = _section(payload, t.offset, t.size, store)
         if store == dtype:
-            return flat.reshape(t.shape)  # zero-copy: a writable view of the payload
-        return flat.astype(dtype).reshape(t.shape)
-    levels = fmt.LEVELS[header.scheme]
+            return flat.reshape(t.shape), []  # zero-copy: a writable view of the payload
+        return flat.astype(dtype).reshape(t.shape), []
     scales = _section(payload, t.scales_offset, t.blocks, np.float32)
     if t.blocks and not (np.isfinite(scales.max()) and scales.min() >= 0):
         raise CodecError(f"tensor {'/'.join(t.path)!r} has a non-finite or negative block scale")
+    if header.scheme == "topk":
+        section = payload[t.offset : t.offset + t.codes_bytes]
+        try:
+            flat = decode_topk(section, scales, t, header.block, header.keep, header.bits)
+        except ValueError as e:
+            raise CodecError(f"tensor {'/'.join(t.path)!r}: {e}") from None
+        return flat.astype(dtype, copy=False).reshape(t.shape), []
+    levels = fmt.LEVELS[header.scheme]
     code_type = np.uint8 if levels == 7 else np.int8
     codes = _section(payload, t.offset, t.codes_bytes, code_type)
     out = np.empty(t.size, dtype)
-    decode_blocks(codes, scales, out, levels, workspace(header.block))
-    return out.reshape(t.shape)
+    bs = header.block
+    step = 2 if levels == 7 else 1
+    piece = max(bs, (PIECE_ELEMENTS // bs) * bs)
+    jobs = [
+        (_dequantize, codes[a // step : -(-b // step)], scales[a // bs : -(-b // bs)], out[a:b],
+         levels, bs)
+        for a in range(0, t.size, piece)
+        for b in [min(a + piece, t.size)]
+    ]  # fmt: skip
+    return out.reshape(t.shape), jobs
+
+
+def _dequantize(codes, scales, out, levels, block) -> None:
+    decode_blocks(codes, scales, out, levels, workspace(block))

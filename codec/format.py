@@ -1,5 +1,9 @@
 """Wire format of codec frames (the one place it is specified), version 1.
 
+Revision history (all version 1; a reader rejects a scheme it does not know,
+so adding one never changes how existing frames read): int8/int4/raw first;
+then ``topk`` (sparse top-k, keys ``keep`` and ``bits``).
+
 A codec message is a list of frames, ready for ZeroMQ ``send_multipart``:
 
 ``frames[0]``: the header, one msgpack map (string keys; unknown keys are
@@ -7,8 +11,11 @@ ignored by readers)::
 
     magic     "ddcodec"
     version   1                         (FORMAT_VERSION; readers reject others)
-    scheme    "int8" | "int4" | "raw"
-    block     elements per quantization block (int8, int4); 0 for raw
+    scheme    "int8" | "int4" | "raw" | "topk"
+    block     elements per quantization block (int8, int4) or per chunk
+              (topk, at most 65536); 0 for raw
+    keep      topk only: entries kept per full chunk, 1 <= keep <= block
+    bits      topk only: bits per kept value, 2 or 4
     store     "float32" | "bfloat16": the stored element type (raw); nil otherwise
     zstd      true when each payload frame is one zstd frame
     payload   total length in bytes of the (uncompressed) payload
@@ -42,6 +49,24 @@ each section starting at a multiple of 8 bytes (zero padding between). With
   values.
   Value = ``q * (m * float32(1/7))`` in float32.
 - raw: ``n`` elements of ``store`` (little endian).
+- topk: the tensor is cut into ``c = ceil(n / block)`` chunks; chunk ``i``
+  holds ``w_i = min(block, n - i * block)`` elements and keeps
+  ``k_i = ceil(keep * w_i / block)`` of them (integer arithmetic: ``keep`` for
+  a full chunk), ``K = sum k_i`` in all. The section holds, back to back:
+  ``K`` bytes, the low bytes of the offset codes, then ``K`` bytes, their high
+  bytes (uint16 ``d = lo | hi << 8``); then ``ceil(K * bits / 8)`` bytes of
+  value codes; then (from the next multiple of 4 bytes) ``c`` float32 chunk
+  scales ``m``. Entries are listed chunk by chunk, offsets ascending within a
+  chunk; offset codes are gaps: a chunk's first entry sits at chunk-local
+  offset ``d``, each next one ``d + 1`` after the previous (so the offsets are
+  ``cumsum(d + 1) - 1``; readers reject an offset ``>= w_i``). Value codes are
+  packed little end first (bits 2: entry ``4i + j`` in bits ``2j..2j+1`` of
+  byte ``i``; bits 4: entry ``2i`` in the low nibble), unused high bits zero;
+  each is ``s << (bits - 1) | j`` with sign ``s`` and level ``j`` in
+  ``[0, L)``, ``L = 2**(bits - 1)``. Value = ``float32(2j + 1) * (m *
+  float32(1 / (2L)))``, negated when ``s`` is 1; every element not listed is
+  0. Writers keep the ``k_i`` entries of largest magnitude, set ``m`` to the
+  chunk's absmax (0 below 2**-118) and ``j = min(floor(|x| * L / m), L - 1)``.
 
 Decoded values are cast to the tensor's dtype. The last block of a tensor may
 be short. Blocks never span tensors. Writers round ``x * (L / m)`` to the
@@ -71,7 +96,9 @@ MAX_FRAME_RAW = 1 << 26
 DEFAULT_MAX_ELEMENTS = 1 << 31
 MAX_NDIM = 32
 ALIGN = 8
-SCHEMES = ("int8", "int4", "raw")
+SCHEMES = ("int8", "int4", "raw", "topk")
+MAX_CHUNK = 1 << 16  # topk offsets are uint16
+TOPK_BITS = (2, 4)
 LEVELS = {"int8": 127, "int4": 7}
 DTYPES = {
     "float32": np.dtype(np.float32),
@@ -92,7 +119,8 @@ class TensorLayout:
         size: element count.
         offset: byte offset of the section.
         codes_bytes: bytes of codes (quantized) or of stored values (raw).
-        blocks: number of blocks (0 for raw).
+        blocks: number of blocks (0 for raw), chunks for topk.
+        kept: entries a topk section lists (0 for other schemes).
     """
 
     path: tuple
@@ -102,6 +130,7 @@ class TensorLayout:
     offset: int
     codes_bytes: int
     blocks: int
+    kept: int = 0
 
     @property
     def scales_offset(self) -> int:
@@ -114,14 +143,32 @@ class TensorLayout:
         return self.scales_offset + 4 * self.blocks
 
 
-def layout(scheme: str, block: int, store: str | None, specs: list) -> tuple[list, int]:
+def topk_kept(size: int, chunk: int, keep: int) -> int:
+    """Entries a topk section of `size` elements lists.
+
+    Args:
+        size: element count.
+        chunk: elements per chunk.
+        keep: entries kept per full chunk.
+
+    Returns:
+        sum over chunks of ceil(keep * chunk_length / chunk).
+    """
+    full, rem = divmod(size, chunk)
+    return full * keep + -(-keep * rem // chunk)
+
+
+def layout(
+    scheme: str, block: int, store: str | None, specs: list, keep: int = 0, bits: int = 0
+) -> tuple[list, int]:
     """Place tensors in the payload.
 
     Args:
-        scheme: "int8", "int4" or "raw".
-        block: block size (ignored for raw).
+        scheme: "int8", "int4", "raw" or "topk".
+        block: block size, or chunk size for topk (ignored for raw).
         store: stored dtype name for raw.
         specs: (path, shape, dtype name) per tensor, in tree order.
+        keep, bits: topk settings (ignored otherwise).
 
     Returns:
         (list of TensorLayout, total payload bytes).
@@ -131,12 +178,16 @@ def layout(scheme: str, block: int, store: str | None, specs: list) -> tuple[lis
     for path, shape, dtype in specs:
         size = math.prod(shape)
         pos = -(-pos // ALIGN) * ALIGN
+        kept = 0
         if scheme == "raw":
             codes, blocks = size * DTYPES[store].itemsize, 0
+        elif scheme == "topk":
+            kept = topk_kept(size, block, keep)
+            codes, blocks = 2 * kept + -(-kept * bits // 8), -(-size // block)
         else:
             codes = size if scheme == "int8" else (size + 1) // 2
             blocks = -(-size // block)
-        t = TensorLayout(tuple(path), tuple(shape), dtype, size, pos, codes, blocks)
+        t = TensorLayout(tuple(path), tuple(shape), dtype, size, pos, codes, blocks, kept)
         out.append(t)
         pos = t.end
     return out, pos
@@ -155,7 +206,15 @@ def frame_ranges(total: int) -> list[tuple[int, int]]:
 
 
 def pack_header(
-    scheme: str, block: int, store: str | None, zstd: bool, tensors: list, total: int, frames: list
+    scheme: str,
+    block: int,
+    store: str | None,
+    zstd: bool,
+    tensors: list,
+    total: int,
+    frames: list,
+    keep: int = 0,
+    bits: int = 0,
 ) -> bytes:
     """Serialize a header (frame 0).
 
@@ -164,12 +223,15 @@ def pack_header(
         tensors: TensorLayout list.
         total: payload bytes.
         frames: [raw_len, wire_len, check] per payload frame.
+        keep, bits: topk settings (written for topk only).
 
     Returns:
         msgpack bytes.
     """
+    extra = {"keep": keep, "bits": bits} if scheme == "topk" else {}
     return msgpack.packb(
         {
+            **extra,
             "magic": MAGIC,
             "version": FORMAT_VERSION,
             "scheme": scheme,
@@ -192,6 +254,7 @@ class Header:
         tensors: TensorLayout list (recomputed and checked against the offsets).
         total: payload bytes.
         frames: (raw_len, wire_len, check) per payload frame.
+        keep, bits: topk settings (0 otherwise).
     """
 
     scheme: str
@@ -201,6 +264,8 @@ class Header:
     tensors: list
     total: int
     frames: list
+    keep: int = 0
+    bits: int = 0
 
 
 def _need(cond: bool, reason: str) -> None:
@@ -235,9 +300,16 @@ def parse_header(buf, num_payload_frames: int, max_elements: int) -> Header:
         )
     scheme, block, store = obj.get("scheme"), obj.get("block"), obj.get("store")
     _need(scheme in SCHEMES, f"unknown scheme {scheme!r}")
+    keep = bits = 0
     if scheme == "raw":
         _need(store in STORES, f"unknown raw store dtype {store!r}")
         block = 0
+    elif scheme == "topk":
+        _need(_is_int(block) and 1 <= block <= MAX_CHUNK, f"topk chunk size {block!r}")
+        keep, bits = obj.get("keep"), obj.get("bits")
+        _need(_is_int(keep) and 1 <= keep <= block, f"topk keep {keep!r}")
+        _need(_is_int(bits) and bits in TOPK_BITS, f"topk bits {bits!r}")
+        store = None
     else:
         _need(_is_int(block) and 1 <= block <= 1 << 24, f"block size {block!r}")
         _need(scheme != "int4" or block % 2 == 0, "int4 block size must be even")
@@ -245,12 +317,12 @@ def parse_header(buf, num_payload_frames: int, max_elements: int) -> Header:
     zstd = obj.get("zstd")
     _need(isinstance(zstd, bool), "zstd flag")
     specs = _parse_tensors(obj.get("tensors"), max_elements)
-    tensors, total = layout(scheme, block, store, specs)
+    tensors, total = layout(scheme, block, store, specs, keep, bits)
     _need(obj.get("payload") == total, "payload size does not match the tensor shapes")
     for t, entry in zip(tensors, obj["tensors"], strict=True):
         _need(entry[3] == t.offset, f"offset of {'/'.join(t.path)!r} does not match its shape")
     frames = _parse_frames(obj.get("frames"), num_payload_frames, total)
-    return Header(scheme, block, store, zstd, tensors, total, frames)
+    return Header(scheme, block, store, zstd, tensors, total, frames, keep, bits)
 
 
 def _parse_tensors(entries, max_elements: int) -> list:

@@ -1,23 +1,31 @@
-"""The codecs users build: `int8`, `int4`, `raw`, and their encode.
+"""The codecs users build: `int8`, `int4`, `topk`, `raw`, and their encode.
 
 Owns each scheme's settings (validated in the constructors), the encode
 pipeline (walk the tree, check inputs and state, quantize or cast every
-tensor into the payload piece by piece, hand finished pieces to zstd, write
-the header) and error feedback (residual = input + old residual - decoded).
+tensor into the payload in independent pieces, on the codec's thread pool
+when `zstd_threads` > 1, then compress the finished payload's frames on the
+same pool, write the header) and error feedback (residual = input + old
+residual - decoded).
 """
 
+import math
 import threading
 
 import numpy as np
 
 from . import format as fmt
-from .compress import FrameSink, make_pool
+from . import parallel
+from .compress import compress_frames
 from .errors import CodecError
+from .parallel import check_threads, run_all
 from .quant import encode_blocks
 from .rawcast import encode_raw
+from .sparse import encode_topk, piece_elements
 from .state import ErrorFeedbackState, advance, check_state, init_state
 from .tree import leaf_items
 from .workspace import workspace
+
+PIECE_ELEMENTS = 1 << 18  # elements per parallel encode job (int8, int4, raw)
 
 _DTYPE_NAMES = {v: k for k, v in fmt.DTYPES.items()}
 
@@ -36,19 +44,24 @@ def _as_array(path, leaf) -> np.ndarray:
 
 
 class Codec:
-    """One compression scheme with its settings; build with int8/int4/raw.
+    """One compression scheme with its settings; build with int8/int4/topk/raw.
 
     Args:
-        scheme: "int8", "int4" or "raw".
-        block_size: elements per quantization block (quantized schemes).
+        scheme: "int8", "int4", "topk" or "raw".
+        block_size: elements per quantization block (int8, int4) or per chunk (topk).
         zstd_level: zstd level, or None for no compression.
         stochastic: stochastic instead of round-to-nearest rounding.
-        zstd_threads: compression threads (0: compress in the calling thread).
+        zstd_threads: worker threads that quantize pieces and compress frames
+            in parallel (0 or 1: everything in the calling thread).
         seed: seed of the stochastic-rounding generator (None: from the OS).
         store: stored dtype of the raw scheme.
+        keep: topk entries kept per full chunk.
+        bits: topk bits per kept value (2 or 4).
     """
 
-    def __init__(self, scheme, block_size, zstd_level, stochastic, zstd_threads, seed, store):
+    def __init__(
+        self, scheme, block_size, zstd_level, stochastic, zstd_threads, seed, store, keep=0, bits=0
+    ):
         if scheme != "raw":
             if not isinstance(block_size, int) or not 2 <= block_size <= 1 << 20:
                 raise CodecError(f"block_size must be an int in [2, 2**20], got {block_size!r}")
@@ -58,21 +71,27 @@ class Codec:
             not isinstance(zstd_level, int) or not -7 <= zstd_level <= 22
         ):
             raise CodecError(f"zstd_level must be None or an int in [-7, 22], got {zstd_level!r}")
-        if not isinstance(zstd_threads, int) or not 0 <= zstd_threads <= 64:
-            raise CodecError(f"zstd_threads must be an int in [0, 64], got {zstd_threads!r}")
+        check_threads(zstd_threads, "zstd_threads")
         self.scheme = scheme
         self.block_size = block_size if scheme != "raw" else 0
         self.zstd_level = zstd_level
         self.stochastic = bool(stochastic)
         self.zstd_threads = zstd_threads
         self.store = store
+        self.keep, self.bits = keep, bits
+        self.density = keep / block_size if scheme == "topk" else None
         self._rng = np.random.default_rng(seed) if stochastic else None
-        self._pool = make_pool(zstd_threads)
         self._local = threading.local()
 
     def __repr__(self) -> str:
         if self.scheme == "raw":
             return f"codec.raw({self.store!r}, zstd_level={self.zstd_level})"
+        if self.scheme == "topk":
+            return (
+                f"codec.topk(density={self.density!r}, bits={self.bits}, "
+                f"chunk={self.block_size}, zstd_level={self.zstd_level}, "
+                f"zstd_threads={self.zstd_threads})"
+            )
         return (
             f"codec.{self.scheme}(block_size={self.block_size}, zstd_level={self.zstd_level}, "
             f"stochastic={self.stochastic}, zstd_threads={self.zstd_threads})"
@@ -110,75 +129,85 @@ class Codec:
         if state is not None:
             check_state(state, paths, [a.shape for _, a in items])
         specs = [(p, a.shape, _DTYPE_NAMES[a.dtype]) for p, a in items]
-        tensors, total = fmt.layout(self.scheme, self.block_size, self.store, specs)
-        payload = self._payload(total)
-        sink = FrameSink(
-            memoryview(payload).cast("B"), fmt.frame_ranges(total), self.zstd_level, self._pool
+        tensors, total = fmt.layout(
+            self.scheme, self.block_size, self.store, specs, self.keep, self.bits
         )
-        try:
-            with np.errstate(all="ignore"):
-                prev_end = 0
-                for i, (t, (path, arr)) in enumerate(zip(tensors, items, strict=True)):
-                    payload[prev_end : t.offset] = 0
-                    prev_end = t.end
-                    res = None if state is None else state.residuals[i]
-                    new_res = None if state is None else state.spare[i]
-                    self._encode_tensor(t, path, arr.reshape(-1), res, new_res, payload, sink)
-            frames, entries = sink.finish()
-        except BaseException:
-            sink.cancel()
-            raise
+        payload = self._payload(total)
+        jobs, prev_end = [], 0
+        for i, (t, (_, arr)) in enumerate(zip(tensors, items, strict=True)):
+            payload[prev_end : t.offset] = 0
+            payload[t.offset + t.codes_bytes : t.scales_offset] = 0
+            prev_end = t.end
+            res = None if state is None else state.residuals[i]
+            new_res = None if state is None else state.spare[i]
+            x = arr.reshape(-1)
+            jobs += [(i, t, x, res, new_res, payload, a, b) for a, b in self._pieces(t.size)]
+        # stochastic rounding draws from one generator: in order, in this thread
+        executor = None if self.stochastic else parallel.pool(self.zstd_threads)
+        ok = run_all(executor, self._encode_piece, jobs)
+        for job, good in zip(jobs, ok, strict=True):
+            if not good:
+                _raise_non_finite(items[job[0]][0], job[2])
+        frames, entries = compress_frames(
+            memoryview(payload).cast("B"), fmt.frame_ranges(total), self.zstd_level, executor
+        )
         header = fmt.pack_header(
             self.scheme, self.block_size, self.store, self.zstd_level is not None,
-            tensors, total, entries,
+            tensors, total, entries, self.keep, self.bits,
         )  # fmt: skip
         return [header, *frames], (None if state is None else advance(state))
 
     def _payload(self, total: int) -> np.ndarray:
         """Payload buffer: reused when frames are compressed copies, fresh otherwise."""
         if self.zstd_level is None:
-            return np.zeros(total, np.uint8)
+            return np.empty(total, np.uint8)
         buf = getattr(self._local, "payload", None)
         if buf is None or buf.shape[0] < total:
             buf = self._local.payload = np.zeros(max(total, 1), np.uint8)
         return buf[:total]
 
-    def _encode_tensor(self, t, path, x, res, new_res, payload, sink) -> None:
-        start = t.offset
-        payload[t.offset + t.codes_bytes : t.scales_offset] = 0
+    def _pieces(self, n: int) -> list:
+        """Element ranges encoded as independent jobs (block- or chunk-aligned)."""
+        if self.scheme == "topk":
+            piece = piece_elements(self.block_size)
+        else:
+            unit = max(self.block_size, 2)
+            piece = max(unit, (PIECE_ELEMENTS // unit) * unit)
+        return [(a, min(a + piece, n)) for a in range(0, n, piece)]
+
+    def _encode_piece(self, *job) -> bool:
+        with np.errstate(all="ignore"):  # thread-local: set in the thread that computes
+            return self._encode_piece_in(*job)
+
+    def _encode_piece_in(self, i, t, x, res, new_res, payload, a, b) -> bool:
+        r = None if res is None else res[a:b]
+        nr = None if new_res is None else new_res[a:b]
         if self.scheme == "raw":
             store = fmt.DTYPES[self.store]
             out = payload[t.offset : t.offset + t.codes_bytes].view(store)
-            piece = fmt.FRAME_BYTES // store.itemsize
-            step = 1
-        else:
-            levels = fmt.LEVELS[self.scheme]
-            packed = levels == 7
-            codes = payload[t.offset : t.offset + t.codes_bytes]
-            if not packed:
-                codes = codes.view(np.int8)
-            scales = payload[t.scales_offset : t.end].view(np.float32)
-            piece = max(self.block_size, (fmt.FRAME_BYTES // self.block_size) * self.block_size)
-            step = 2 if packed else 1
-            piece *= step
-        ws = workspace(self.block_size or 1)
-        for a in range(0, t.size, piece):
-            b = min(a + piece, t.size)
-            r = None if res is None else res[a:b]
-            nr = None if new_res is None else new_res[a:b]
-            if self.scheme == "raw":
-                ok = encode_raw(x[a:b], r, nr, out[a:b], ws)
-                sink.ready(start + b * out.itemsize)
-            else:
-                bs = self.block_size
-                sc = scales[a // bs : -(-b // bs)]
-                cd = codes[a // step : -(-b // step)]
-                encode_blocks(x[a:b], r, nr, cd, sc, levels, ws, self._rng)
-                ok = bool(np.isfinite(sc.max())) if sc.shape[0] else True
-                sink.ready(start + -(-b // step))
-            if not ok:
-                _raise_non_finite(path, x)
-        sink.ready(t.end)
+            return encode_raw(x[a:b], r, nr, out[a:b], workspace(1))
+        bs = self.block_size
+        scales = payload[t.scales_offset : t.end].view(np.float32)
+        if self.scheme == "topk":
+            k0 = fmt.topk_kept(a, bs, self.keep)
+            k1 = k0 + fmt.topk_kept(b - a, bs, self.keep)
+            lo = payload[t.offset : t.offset + t.kept]
+            hi = payload[t.offset + t.kept : t.offset + 2 * t.kept]
+            codes = payload[t.offset + 2 * t.kept : t.offset + t.codes_bytes]
+            cd = codes[k0 * self.bits // 8 : -(-k1 * self.bits // 8)]
+            sc = scales[a // bs : -(-b // bs)]
+            return encode_topk(
+                x[a:b], r, nr, lo[k0:k1], hi[k0:k1], cd, sc, bs, self.keep, self.bits
+            )
+        levels = fmt.LEVELS[self.scheme]
+        step = 2 if levels == 7 else 1
+        codes = payload[t.offset : t.offset + t.codes_bytes]
+        if step == 1:
+            codes = codes.view(np.int8)
+        sc = scales[a // bs : -(-b // bs)]
+        cd = codes[a // step : -(-b // step)]
+        encode_blocks(x[a:b], r, nr, cd, sc, levels, workspace(bs), self._rng)
+        return bool(np.isfinite(sc.max())) if sc.shape[0] else True
 
 
 def _raise_non_finite(path, x) -> None:
@@ -237,3 +266,44 @@ def raw(dtype="float32", zstd_level=None, zstd_threads=0) -> Codec:
     if dtype not in fmt.STORES:
         raise CodecError(f"raw dtype must be 'float32' or 'bfloat16', got {dtype!r}")
     return Codec("raw", 0, zstd_level, False, zstd_threads, None, dtype)
+
+
+def topk(density=0.02, bits=2, chunk=4096, zstd_level=1, zstd_threads=0) -> Codec:
+    """Sparse top-k codec with error feedback (SparseLoCo-style).
+
+    Per chunk of `chunk` elements, keeps the ceil(density * chunk) entries of
+    largest magnitude (of input + residual), sends their chunk-local offsets
+    (gap-coded uint16, zstd) and their values at `bits` bits (sign + level
+    against the chunk absmax). Everything not sent, quantization error
+    included, stays in the error-feedback state, so the decoded sum over
+    rounds tracks the sum of the inputs; pass a state from `init`, since
+    without it the dropped mass is lost. At density 0.02 and 2 bits a round
+    is about 1/100 of fp32 bytes. Decodes to dense tensors of the encoded
+    dtype (float32 deltas decode to float32), zeros where nothing was sent.
+
+    Args:
+        density: share of entries kept per chunk, in (0, 1].
+        bits: bits per kept value, 2 or 4.
+        chunk: elements per chunk, 1..65536 (offsets are uint16).
+        zstd_level: zstd level, or None to skip zstd (for links faster than
+            the compressor; see `diloco-bench codec` for the break-even).
+        zstd_threads: worker threads (0: the calling thread).
+
+    Returns:
+        Codec.
+    """
+    if (
+        isinstance(density, bool)
+        or not isinstance(density, int | float)
+        or not math.isfinite(density)
+        or not 0 < density <= 1
+    ):
+        raise CodecError(f"topk density must be a number in (0, 1], got {density!r}")
+    if isinstance(bits, bool) or not isinstance(bits, int) or bits not in fmt.TOPK_BITS:
+        raise CodecError(f"topk bits must be 2 or 4, got {bits!r}")
+    if isinstance(chunk, bool) or not isinstance(chunk, int) or not 2 <= chunk <= fmt.MAX_CHUNK:
+        raise CodecError(f"topk chunk must be an int in [2, {fmt.MAX_CHUNK}], got {chunk!r}")
+    keep = min(chunk, max(1, math.ceil(density * chunk)))
+    c = Codec("topk", chunk, zstd_level, False, zstd_threads, None, None, keep, bits)
+    c.density = density
+    return c

@@ -53,3 +53,23 @@ def workspace(block: int) -> Workspace:
     if ws is None:
         ws = cache[block] = Workspace(block)
     return ws
+
+
+def scratch(name: str, n: int, dtype) -> np.ndarray:
+    """This thread's scratch array `name` of at least n elements (first n returned).
+
+    Args:
+        name: buffer name (one buffer per name and thread, grown as needed).
+        n: elements needed.
+        dtype: element type (a name keeps one dtype).
+
+    Returns:
+        array view of n elements (contents undefined).
+    """
+    bufs = getattr(_local, "scratch", None)
+    if bufs is None:
+        bufs = _local.scratch = {}
+    buf = bufs.get(name)
+    if buf is None or buf.shape[0] < n or buf.dtype != dtype:
+        buf = bufs[name] = np.empty(max(n, 1), dtype)
+    return buf[:n]

@@ -16,6 +16,9 @@ SCHEMES = {
     "int8-threads": lambda: codec.int8(zstd_threads=2),
     "int4": lambda: codec.int4(),
     "int4-stochastic": lambda: codec.int4(stochastic=True, seed=0),
+    "topk": lambda: codec.topk(),
+    "topk-4bit-chunk64-nozstd": lambda: codec.topk(density=0.1, bits=4, chunk=64, zstd_level=None),
+    "topk-threads": lambda: codec.topk(density=0.3, chunk=16, zstd_threads=2),
 }
 
 BF16 = np.dtype(ml_dtypes.bfloat16)
@@ -44,8 +47,15 @@ def max_abs_error_bound(c, x_in: np.ndarray) -> np.ndarray:
     if c.scheme == "raw":
         rel_store, abs_store = (0.0, 0.0) if c.store == "float32" else (2.0**-8, 2.0**-133)
         return np.abs(x) * rel_store * 1.01 + abs_store + cast
-    levels = 127 if c.scheme == "int8" else 7
     b = c.block_size
+    if c.scheme == "topk":
+        # an entry is dropped (error |x|) or decoded with its sign to a level in
+        # (0, chunk absmax]: either way within the chunk absmax
+        pad = np.zeros(-(-x.size // b) * b)
+        pad[: x.size] = np.abs(x)
+        absmax = np.repeat(pad.reshape(-1, b).max(axis=1), b)[: x.size]
+        return absmax * (1 + 1e-6) + cast
+    levels = 127 if c.scheme == "int8" else 7
     pad = np.zeros(-(-x.size // b) * b)
     pad[: x.size] = np.abs(x)
     absmax = np.repeat(pad.reshape(-1, b).max(axis=1), b)[: x.size]

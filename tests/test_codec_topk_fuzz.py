@@ -1,0 +1,151 @@
+"""Fuzzing topk frames: damaged or forged messages decode or raise CodecError,
+nothing else; specific damage (offsets outside their chunk, bad settings,
+truncation, bad scales) must raise CodecError."""
+
+import random
+import zlib
+
+import msgpack
+import numpy as np
+import pytest
+
+import codec
+from codec import format as fmt
+
+
+@pytest.fixture
+def small_frames(monkeypatch):
+    monkeypatch.setattr(fmt, "FRAME_BYTES", 128)
+
+
+def messages() -> list[list[bytes]]:
+    rng = np.random.default_rng(0)
+    tree = {
+        "w": rng.standard_normal((40, 30)).astype(np.float32),
+        "b": {"bias": rng.standard_normal(33).astype(np.float16)},
+        "s": np.float32(2.0).reshape(()),
+    }
+    out = []
+    for c in [
+        codec.topk(density=0.1, chunk=64),
+        codec.topk(density=0.2, bits=4, chunk=100, zstd_level=None),
+        codec.topk(density=0.5, chunk=16, zstd_threads=2),
+    ]:
+        frames, _ = c.encode(tree, c.init(tree))
+        assert len(frames) >= 3
+        out.append([bytes(f) for f in frames])
+    return out
+
+
+def decode_or_codec_error(frames) -> bool:
+    try:
+        codec.decode(frames)
+    except codec.CodecError as e:
+        assert str(e)
+        return False
+    return True
+
+
+def test_valid_messages_decode(small_frames):
+    for frames in messages():
+        assert decode_or_codec_error(frames)
+
+
+@pytest.mark.timeout(120)
+def test_mutated_frames_never_raise_anything_but_codec_error(small_frames):
+    rnd = random.Random(4321)
+    msgs = messages()
+    decoded = 0
+    for _ in range(2000):
+        frames = list(rnd.choice(msgs))
+        kind = rnd.randrange(6)
+        i = rnd.randrange(len(frames))
+        f = bytearray(frames[i])
+        if kind == 0 and f:
+            for _ in range(rnd.randint(1, 4)):
+                f[rnd.randrange(len(f))] ^= 1 << rnd.randrange(8)
+            frames[i] = bytes(f)
+        elif kind == 1:
+            frames[i] = bytes(f[: rnd.randrange(len(f) + 1)])
+        elif kind == 2:
+            rnd.shuffle(frames)
+        elif kind == 3:
+            del frames[i]
+        elif kind == 4:
+            frames[i] = rnd.randbytes(rnd.randrange(64))
+        else:
+            frames[i] = bytes(f) + rnd.randbytes(rnd.randint(1, 8))
+        decoded += decode_or_codec_error(frames)
+    assert decoded < 200
+
+
+@pytest.mark.timeout(60)
+def test_header_mutations_never_raise_anything_but_codec_error(small_frames):
+    rnd = random.Random(6)
+    values = [None, -1, 0, 1, 3, 4, 2**16, 2**16 + 1, 2**40, 3.5, "x", [], {"a": 1}, True]
+    msgs = messages()
+    for _ in range(800):
+        frames = list(rnd.choice(msgs))
+        obj = msgpack.unpackb(frames[0])
+        key = rnd.choice(["keep", "bits", "block", "scheme", "payload", *obj])
+        obj[key] = rnd.choice(values + ["int8", "topk"])
+        frames[0] = msgpack.packb(obj)
+        decode_or_codec_error(frames)
+
+
+def _plain(x, **kw):
+    frames, _ = codec.topk(zstd_level=None, **kw).encode({"x": x})
+    return msgpack.unpackb(frames[0]), bytearray(frames[1])
+
+
+def _send(obj, payload):
+    obj["frames"][0][2] = zlib.crc32(payload)
+    return codec.decode([msgpack.packb(obj), bytes(payload)])
+
+
+def test_offset_outside_its_chunk_is_refused():
+    x = np.arange(1, 21, dtype=np.float32)  # chunk 8 keeps 2 (last chunk of 4 keeps 1)
+    obj, payload = _plain(x, density=0.25, chunk=8)
+    assert _send(obj, payload)["x"].shape == (20,)
+    kept = obj["tensors"][0][3] + fmt.topk_kept(20, 8, 2)
+    bad = bytearray(payload)
+    bad[0] = 7  # first gap of chunk 0 is 7: the second entry lands at offset 8
+    with pytest.raises(codec.CodecError, match="outside its chunk"):
+        _send(obj, bad)
+    bad = bytearray(payload)
+    bad[kept] = 255  # high byte of the first gap
+    with pytest.raises(codec.CodecError, match="outside its chunk"):
+        _send(obj, bad)
+    bad = bytearray(payload)
+    bad[4] = 4  # the short last chunk (4 elements) lists offset 4
+    with pytest.raises(codec.CodecError, match="outside its chunk"):
+        _send(obj, bad)
+
+
+def test_bad_scale_and_settings_are_refused():
+    x = np.ones(64, np.float32)
+    obj, payload = _plain(x, density=0.25, chunk=32)
+    scales_at = len(payload) - 8
+    bad = bytearray(payload)
+    bad[scales_at : scales_at + 4] = np.float32(np.inf).tobytes()
+    with pytest.raises(codec.CodecError, match="scale"):
+        _send(obj, bad)
+    bad[scales_at : scales_at + 4] = np.float32(-1).tobytes()
+    with pytest.raises(codec.CodecError, match="scale"):
+        _send(obj, bad)
+    for key, value in [("bits", 3), ("keep", 0), ("keep", 33), ("block", 1 << 17), ("bits", None)]:
+        with pytest.raises(codec.CodecError, match="bad header"):
+            _send({**obj, key: value}, payload)
+    # a different keep changes the layout: the declared payload size no longer fits
+    with pytest.raises(codec.CodecError, match="payload size"):
+        _send({**obj, "keep": 9}, payload)
+
+
+def test_declared_elements_are_bounded_before_allocating():
+    frames, _ = codec.topk().encode({"x": np.ones(5000, np.float32)})
+    with pytest.raises(codec.CodecError, match="max_elements"):
+        codec.decode(frames, max_elements=4999)
+    obj = msgpack.unpackb(frames[0])
+    obj["tensors"][0][1] = [2**40]
+    with pytest.raises(codec.CodecError, match="max_elements"):
+        codec.decode([msgpack.packb(obj), *frames[1:]])
