@@ -12,7 +12,7 @@ import math
 from paramserver.client import ClientConfig
 from worker.exchange import MERGE_RULES
 
-CODECS = ("int8", "int4", "float32", "bfloat16")
+CODECS = ("int8", "int4", "float32", "bfloat16", "topk")
 MODEL_NAMES = ("tiny", "small", "base")  # worker.model.MODEL_CONFIGS defines each (imports JAX)
 
 
@@ -44,8 +44,10 @@ class IslandConfig:
     speed: float = 1.0  # emulated chip speed: 0.5 pads every step to twice its time
     jitter: float = 0.0  # multiplicative step-time noise (0.1 = +-10%), emulated
     dynamic_steps: bool = False  # slow islands run speed * inner_steps per round
-    codec: str = "int8"  # delta encoding: int8 | int4 | float32 | bfloat16
-    block_size: int = 0  # quantization block; 0 = the codec's default
+    codec: str = "int8"  # delta encoding: int8 | int4 | float32 | bfloat16 | topk
+    block_size: int = 0  # quantization block (topk: chunk); 0 = the codec's default
+    topk_density: float = 0.02  # codec topk: share of entries sent per chunk, in (0, 1]
+    topk_bits: int = 2  # codec topk: bits per sent value, 2 or 4
     merge_rule: str = "keep-progress"  # folding a new global version: keep-progress | overwrite
     eval_every: int = 2  # rounds between evaluations of the global parameters (0 = never)
     eval_batches: int = 4  # held-out batches per evaluation
@@ -68,6 +70,10 @@ class IslandConfig:
             raise bad("model", f"must be one of {', '.join(MODEL_NAMES)}")
         if self.codec not in CODECS:
             raise bad("codec", f"must be one of {', '.join(CODECS)}")
+        if not (math.isfinite(self.topk_density) and 0 < self.topk_density <= 1):
+            raise bad("topk_density", "must be a number in (0, 1]")
+        if self.topk_bits not in (2, 4):
+            raise bad("topk_bits", "must be 2 or 4")
         if self.merge_rule not in MERGE_RULES:
             raise bad("merge_rule", f"must be one of {', '.join(MERGE_RULES)}")
         if not self.island or len(self.island) > 128:

@@ -70,6 +70,9 @@ def make_codec(cfg: IslandConfig) -> codec.Codec:
         return codec.int8(**kwargs)
     if cfg.codec == "int4":
         return codec.int4(**kwargs)
+    if cfg.codec == "topk":
+        chunk = {"chunk": cfg.block_size} if cfg.block_size else {}
+        return codec.topk(density=cfg.topk_density, bits=cfg.topk_bits, **chunk)
     return codec.raw(cfg.codec)
 
 

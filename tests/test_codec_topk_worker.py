@@ -1,0 +1,41 @@
+"""Islands select the topk codec with --codec topk, --topk-density and --topk-bits."""
+
+import pytest
+
+import codec
+from worker import cli
+from worker.config import IslandConfig, IslandConfigError
+from worker.island import make_codec
+
+
+def load(argv):
+    return cli._load_config(cli._parser().parse_args(["start", *argv]))
+
+
+def test_flags_select_topk():
+    cfg = load(["--codec", "topk", "--topk-density", "0.05", "--topk-bits", "4"])
+    c = make_codec(cfg)
+    assert isinstance(c, codec.Codec) and c.scheme == "topk"
+    assert (c.density, c.bits, c.block_size) == (0.05, 4, 4096)
+    assert make_codec(IslandConfig(codec="topk", block_size=1024)).block_size == 1024
+    assert IslandConfig().topk_density == 0.02 and IslandConfig().topk_bits == 2
+
+
+@pytest.mark.parametrize(
+    "argv, text",
+    [
+        (["--topk-density", "0"], "topk_density must be a number in \\(0, 1\\], got 0.0"),
+        (["--topk-density", "1.5"], "topk_density.*1.5"),
+        (["--topk-density", "nan"], "topk_density.*nan"),
+        (["--topk-bits", "3"], "topk_bits must be 2 or 4, got 3"),
+    ],
+)
+def test_bad_topk_flags_name_the_value(argv, text):
+    with pytest.raises(ValueError, match=text) as exc:
+        load(["--codec", "topk", *argv])
+    assert str(exc.value).startswith(argv[0] + ":")  # the message names the flag
+
+
+def test_config_validation_names_the_field():
+    with pytest.raises(IslandConfigError, match="topk_bits.*8"):
+        IslandConfig(codec="topk", topk_bits=8)
