@@ -19,7 +19,7 @@ def free_port():
     [
         ({"connect": "localhost:5555"}, r"connect='localhost:5555': give a ZeroMQ endpoint"),
         ({"island": ""}, r"island='': give a string of 1-128"),
-        ({"heartbeat_interval_s": 0}, r"heartbeat_interval_s=0: must be a number > 0"),
+        ({"heartbeat_interval_s": 0}, r"heartbeat_interval_s=0: must be a finite number > 0"),
         ({"ack_timeout_s": float("nan")}, r"ack_timeout_s=nan"),
         ({"liveness": 0}, r"liveness=0: must be an int >= 1"),
         ({"max_unacked": True}, r"max_unacked=True"),

@@ -232,7 +232,7 @@ def test_grace_window_before_and_after_ema():
         ({"quorum": 2.0}, "quorum=2.0"),
         ({"grace_fraction": -1.0}, "grace_fraction=-1.0"),
         ({"grace_min_s": math.nan}, "grace_min_s=nan"),
-        ({"grace_min_s": 5.0, "grace_max_s": 1.0}, "grace_max_s=1.0 < grace_min_s=5.0"),
+        ({"grace_min_s": 5.0, "grace_max_s": 1.0}, "grace_max_s=1.0: must be >= grace_min_s=5.0"),
         ({"ema_alpha": 0.0}, "ema_alpha=0.0"),
         ({"ema_alpha": 1.5}, "ema_alpha=1.5"),
     ],

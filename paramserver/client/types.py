@@ -9,12 +9,12 @@ run one way: client -> client_io -> client_types.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from paramserver.plumbing.validate import Checks
 from paramserver.wire.plan import Plan
 
 
@@ -55,17 +55,9 @@ class ClientConfig:
     curve_server_key_file: str = ""  # with CURVE: the shards' public key (NAME.key)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.connect, str) or not self.connect.startswith(
-            ("tcp://", "ipc://", "inproc://")
-        ):
-            raise ClientConfigError(
-                f"ClientConfig.connect={self.connect!r}: give a ZeroMQ endpoint such as "
-                "tcp://127.0.0.1:5555"
-            )
-        if not isinstance(self.island, str) or not 1 <= len(self.island) <= 128:
-            raise ClientConfigError(
-                f"ClientConfig.island={self.island!r}: give a string of 1-128 characters"
-            )
+        check = Checks("ClientConfig", ClientConfigError)
+        check.endpoint("connect", self.connect)
+        check.island_id("island", self.island)
         for name in (
             "heartbeat_interval_s",
             "ack_timeout_s",
@@ -78,36 +70,27 @@ class ClientConfig:
             "init_grace_s",
             "in_use_wait_s",
         ):
-            value = getattr(self, name)
-            if (
-                isinstance(value, bool)
-                or not isinstance(value, int | float)
-                or not math.isfinite(value)
-                or value <= 0
-            ):
-                raise ClientConfigError(f"ClientConfig.{name}={value!r}: must be a number > 0")
+            check.number(name, getattr(self, name), above=0.0)
         for name in ("liveness", "max_unacked"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ClientConfigError(f"ClientConfig.{name}={value!r}: must be an int >= 1")
-        if self.ack_timeout_cap_s < self.ack_timeout_s:
-            raise ClientConfigError(
-                f"ClientConfig.ack_timeout_cap_s={self.ack_timeout_cap_s!r}: must be >= "
-                f"ack_timeout_s={self.ack_timeout_s}"
-            )
-        for name in ("curve_secret_key_file", "curve_server_key_file"):
-            if not isinstance(getattr(self, name), str):
-                raise ClientConfigError(f"ClientConfig.{name}={getattr(self, name)!r}: give a path")
-        if bool(self.curve_secret_key_file) != bool(self.curve_server_key_file):
-            raise ClientConfigError(
-                "ClientConfig: CURVE needs both curve_secret_key_file (this island's key pair) "
-                "and curve_server_key_file (the shards' public key), or neither"
-            )
-        if self.reconnect_cap_s < self.heartbeat_interval_s:
-            raise ClientConfigError(
-                f"ClientConfig.reconnect_cap_s={self.reconnect_cap_s!r}: must be >= "
-                f"heartbeat_interval_s={self.heartbeat_interval_s}"
-            )
+            check.integer(name, getattr(self, name), 1)
+        check.require(
+            self.ack_timeout_cap_s >= self.ack_timeout_s,
+            "ack_timeout_cap_s",
+            self.ack_timeout_cap_s,
+            f"must be >= ack_timeout_s={self.ack_timeout_s}",
+        )
+        check.together(
+            "curve_secret_key_file",
+            self.curve_secret_key_file,
+            "curve_server_key_file",
+            self.curve_server_key_file,
+        )
+        check.require(
+            self.reconnect_cap_s >= self.heartbeat_interval_s,
+            "reconnect_cap_s",
+            self.reconnect_cap_s,
+            f"must be >= heartbeat_interval_s={self.heartbeat_interval_s}",
+        )
 
 
 @dataclass(frozen=True)

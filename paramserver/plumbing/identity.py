@@ -31,6 +31,8 @@ import tomllib
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 
+from paramserver.wire.protocol import is_island_id
+
 logger = logging.getLogger(__name__)
 
 LOG_EVERY_S = 60.0  # at most one forbidden_island log line per this many seconds
@@ -39,10 +41,6 @@ ACTING_KINDS = frozenset({"hello", "init", "push", "heartbeat", "bye"})  # reque
 
 class AllowMapError(ValueError):
     """The allow map cannot be used; the message names the file and what to change."""
-
-
-def _island_id(value: object) -> bool:
-    return isinstance(value, str) and 1 <= len(value) <= 128
 
 
 def read_allow_map(path: str | Path, stems: Iterable[str]) -> dict[str, frozenset[str]]:
@@ -74,7 +72,7 @@ def read_allow_map(path: str | Path, stems: Iterable[str]) -> dict[str, frozense
                 f"curve_allow_map {path} names key {stem!r}, but the allow directory holds no "
                 f"{stem}.key (keys there: {', '.join(sorted(known)) or 'none'})"
             )
-        if not isinstance(ids, list) or not all(_island_id(i) for i in ids):
+        if not isinstance(ids, list) or not all(is_island_id(i) for i in ids):
             raise AllowMapError(
                 f"curve_allow_map {path}: {stem} = {ids!r}: give a list of island ids, "
                 f'e.g. {stem} = ["{stem}-b"]'

@@ -1,5 +1,8 @@
 """The shard daemon's configuration: one frozen dataclass, validated on construction.
 
+Fields are checked with the shared validators (`paramserver.plumbing.validate`);
+the merge-policy fields take their defaults and rules from `PolicyConfig`.
+
 This module owns `ShardConfig` (every setting of a shard process, with its
 default and meaning) and the port layout of a local cluster. Loading from
 TOML / environment / flags is `paramserver.plumbing.settings`' job.
@@ -7,18 +10,16 @@ TOML / environment / flags is `paramserver.plumbing.settings`' job.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Literal
 
+from paramserver.plumbing.validate import LOG_LEVELS, Checks
 from paramserver.server.downlink import DOWNLINKS
 from paramserver.server.merge import MERGES
-from paramserver.server.policy import GRACE_RULES, MODES, PolicyConfig
+from paramserver.server.policy import PolicyConfig, PolicyError
 from paramserver.server.weighting import WEIGHTINGS
 
 MIB = 1024 * 1024
-
-LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 # Outer lr / momentum used when outer_lr / outer_momentum are left at None.
 # Synchronous and quorum modes: the DiLoCo values (lr 0.7, Nesterov 0.9).
@@ -52,15 +53,14 @@ class ShardConfig:
     shards: int = 1  # number of shard processes in the cluster
     fragments: int = 0  # fragments in the plan; 0 = 2 per shard
     data_dir: str = "runs/server"  # write-ahead logs and checkpoints (shard-<i>/ below it)
-    mode: Literal["sync", "quorum", "async"] = "quorum"  # merge policy (paramserver.server.policy)
-    quorum: int = 2  # quorum mode: distinct live islands needed before the grace window
-    grace_rule: str = (
-        "eq3"  # quorum grace window: eq3 (adaptive) or fraction (paramserver.server.policy)
-    )
-    grace_fraction: float = 0.5  # fraction rule: share of the EMA inter-arrival time
-    grace_gamma: float = 0.5  # eq3 rule: share of the slack spent waiting, in (0, 1)
-    grace_min_s: float = 0.05  # lower clamp of the grace window, seconds
-    grace_max_s: float = 30.0  # upper clamp of the grace window, seconds
+    # merge policy: sync, quorum or async (paramserver.server.policy, which owns these defaults)
+    mode: Literal["sync", "quorum", "async"] = PolicyConfig.mode
+    quorum: int = PolicyConfig.quorum  # quorum mode: distinct live islands before the grace window
+    grace_rule: str = PolicyConfig.grace_rule  # quorum grace window: eq3 (adaptive) or fraction
+    grace_fraction: float = PolicyConfig.grace_fraction  # fraction rule: share of the EMA gap
+    grace_gamma: float = PolicyConfig.grace_gamma  # eq3 rule: share of the slack spent, in (0, 1)
+    grace_min_s: float = PolicyConfig.grace_min_s  # lower clamp of the grace window, seconds
+    grace_max_s: float = PolicyConfig.grace_max_s  # upper clamp of the grace window, seconds
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
     merge: str = "mean"  # combining the islands' deltas: mean or rda (paramserver.server.merge)
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
@@ -91,111 +91,83 @@ class ShardConfig:
     curve_allow_map: str = ""
 
     def __post_init__(self) -> None:
-        _require(
-            isinstance(self.host, str) and self.host.strip() != "",
-            "host",
-            self.host,
-            "give a bind address such as 127.0.0.1 or 0.0.0.0",
-        )
-        _int_at_least("shards", self.shards, 1)
-        _int_at_least("port", self.port, 1)
-        _require(
+        check = Checks("ShardConfig", ConfigError)
+        check.text("host", self.host, "give a bind address such as 127.0.0.1 or 0.0.0.0", False)
+        check.require(self.host.strip() != "", "host", self.host, "give a bind address")
+        check.integer("shards", self.shards, 1)
+        check.integer("port", self.port, 1)
+        check.require(
             self.port + 2 * self.shards - 1 <= 65535,
             "port",
             self.port,
             f"{self.shards} shards need ports port..port+{2 * self.shards - 1} <= 65535; "
             "lower port",
         )
-        _int_at_least("fragments", self.fragments, 0)
-        _require(
+        check.integer("fragments", self.fragments, 0)
+        check.require(
             self.fragments == 0 or self.fragments >= self.shards,
             "fragments",
             self.fragments,
             f"need at least one per shard (shards={self.shards}), or 0 for 2 per shard",
         )
-        _require(
-            isinstance(self.data_dir, str) and self.data_dir != "",
-            "data_dir",
-            self.data_dir,
-            "give a directory path",
-        )
-        _choice("mode", self.mode, MODES)
-        _int_at_least("quorum", self.quorum, 1)
-        for name in ("grace_fraction", "grace_min_s", "grace_max_s"):
-            _number_at_least(name, getattr(self, name), 0.0)
-        _require(
-            self.grace_max_s >= self.grace_min_s,
-            "grace_max_s",
-            self.grace_max_s,
-            f"must be >= grace_min_s={self.grace_min_s}",
-        )
-        _choice("grace_rule", self.grace_rule, GRACE_RULES)
-        _number_at_least("grace_gamma", self.grace_gamma, 0.0)
-        _require(0 < self.grace_gamma < 1, "grace_gamma", self.grace_gamma, "must be in (0, 1)")
-        _choice("weighting", self.weighting, WEIGHTINGS)
-        _choice("merge", self.merge, MERGES)
-        _number_at_least("staleness_exponent", self.staleness_exponent, 0.0)
-        _choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        check.text("data_dir", self.data_dir, "give a directory path", empty=False)
+        try:
+            self.policy()  # the merge-policy rules live with PolicyConfig, written once
+        except PolicyError as exc:
+            raise ConfigError(str(exc).replace("PolicyConfig.", "ShardConfig.", 1)) from None
+        check.choice("weighting", self.weighting, WEIGHTINGS)
+        check.choice("merge", self.merge, MERGES)
+        check.number("staleness_exponent", self.staleness_exponent, low=0.0)
+        check.choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
         if self.outer_lr is not None:
-            _number_at_least("outer_lr", self.outer_lr, 0.0)
-            _require(self.outer_lr > 0, "outer_lr", self.outer_lr, "must be > 0")
+            check.number("outer_lr", self.outer_lr, above=0.0)
         if self.outer_momentum is not None:
-            _number_at_least("outer_momentum", self.outer_momentum, 0.0)
-            _require(self.outer_momentum < 1, "outer_momentum", self.outer_momentum, "must be < 1")
-        _int_at_least("nesterov_delay", self.nesterov_delay, 1)
-        _require(
+            check.number("outer_momentum", self.outer_momentum, low=0.0, below=1.0)
+        check.integer("nesterov_delay", self.nesterov_delay, 1)
+        check.require(
             not (self.outer_optimizer == "sgd" and self.nesterov_delay != 1),
             "nesterov_delay",
             self.nesterov_delay,
             "sgd has no momentum to delay: set 1 or use outer_optimizer=delayed-nesterov",
         )
-        _number_at_least("heartbeat_interval_s", self.heartbeat_interval_s, 0.0)
-        _require(
-            self.heartbeat_interval_s > 0,
-            "heartbeat_interval_s",
-            self.heartbeat_interval_s,
-            "must be > 0",
-        )
-        _int_at_least("liveness", self.liveness, 1)
-        _int_at_least("max_message_bytes", self.max_message_bytes, 4096)
-        _require(
+        check.number("heartbeat_interval_s", self.heartbeat_interval_s, above=0.0)
+        check.integer("liveness", self.liveness, 1)
+        check.integer("max_message_bytes", self.max_message_bytes, 4096)
+        check.require(
             self.max_message_bytes <= 1024 * MIB,
             "max_message_bytes",
             self.max_message_bytes,
             "keep it <= 1 GiB; split the model into more fragments instead",
         )
-        _int_at_least("max_islands", self.max_islands, 1)
-        _int_at_least("max_pending_per_island", self.max_pending_per_island, 1)
-        _int_at_least("dedup_window", self.dedup_window, 1)
-        _number_at_least("clip_norm_multiple", self.clip_norm_multiple, 0.0)
-        _require(
+        check.integer("max_islands", self.max_islands, 1)
+        check.integer("max_pending_per_island", self.max_pending_per_island, 1)
+        check.integer("dedup_window", self.dedup_window, 1)
+        check.number("clip_norm_multiple", self.clip_norm_multiple, low=0.0)
+        check.require(
             self.clip_norm_multiple == 0 or self.clip_norm_multiple >= 1,
             "clip_norm_multiple",
             self.clip_norm_multiple,
             "use 0 (off) or a multiple >= 1 of the median recent norm (e.g. 3)",
         )
-        _int_at_least("checkpoint_every_steps", self.checkpoint_every_steps, 0)
-        _number_at_least("checkpoint_every_s", self.checkpoint_every_s, 0.0)
-        _require(isinstance(self.fsync, bool), "fsync", self.fsync, "must be true or false")
-        _choice("downlink", self.downlink, DOWNLINKS)
-        _choice("log_level", self.log_level, LOG_LEVELS)
-        _int_at_least("metrics_port", self.metrics_port, 0)
-        _require(self.metrics_port <= 65535, "metrics_port", self.metrics_port, "must be <= 65535")
-        _require(
-            isinstance(self.metrics_host, str),
+        check.integer("checkpoint_every_steps", self.checkpoint_every_steps, 0)
+        check.number("checkpoint_every_s", self.checkpoint_every_s, low=0.0)
+        check.boolean("fsync", self.fsync)
+        check.choice("downlink", self.downlink, DOWNLINKS)
+        check.choice("log_level", self.log_level, LOG_LEVELS)
+        check.integer("metrics_port", self.metrics_port, 0, 65535)
+        check.text(
             "metrics_host",
             self.metrics_host,
             "give a bind address such as 127.0.0.1, or leave it empty to use host",
         )
-        for name in ("curve_secret_key_file", "curve_allow_dir", "curve_allow_map"):
-            _require(isinstance(getattr(self, name), str), name, getattr(self, name), "give a path")
-        _require(
-            bool(self.curve_secret_key_file) == bool(self.curve_allow_dir),
-            "curve_allow_dir" if self.curve_secret_key_file else "curve_secret_key_file",
-            self.curve_allow_dir or self.curve_secret_key_file,
-            "CURVE needs both curve_secret_key_file and curve_allow_dir (or neither)",
+        check.together(
+            "curve_secret_key_file",
+            self.curve_secret_key_file,
+            "curve_allow_dir",
+            self.curve_allow_dir,
         )
-        _require(
+        check.text("curve_allow_map", self.curve_allow_map)
+        check.require(
             not self.curve_allow_map or bool(self.curve_allow_dir),
             "curve_allow_map",
             self.curve_allow_map,
@@ -314,33 +286,3 @@ def bind_endpoints(cfg: ShardConfig, index: int) -> tuple[str, str]:
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"
     return f"tcp://{host}:{cfg.port + 2 * index}", f"tcp://{host}:{cfg.port + 2 * index + 1}"
-
-
-def _require(ok: bool, field: str, value: object, what: str) -> None:
-    if not ok:
-        raise ConfigError(f"ShardConfig.{field}={value!r}: {what}")
-
-
-def _int_at_least(field: str, value: object, low: int) -> None:
-    _require(
-        isinstance(value, int) and not isinstance(value, bool) and value >= low,
-        field,
-        value,
-        f"must be an int >= {low}",
-    )
-
-
-def _number_at_least(field: str, value: object, low: float) -> None:
-    _require(
-        isinstance(value, int | float)
-        and not isinstance(value, bool)
-        and math.isfinite(value)
-        and value >= low,
-        field,
-        value,
-        f"must be a finite number >= {low}",
-    )
-
-
-def _choice(field: str, value: object, choices: tuple[str, ...]) -> None:
-    _require(value in choices, field, value, f"choose one of {', '.join(choices)}")

@@ -31,10 +31,11 @@ Grace rules (quorum mode):
 
 from __future__ import annotations
 
-import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
+
+from paramserver.plumbing.validate import Checks, is_finite_number
 
 MODES = ("sync", "quorum", "async")
 GRACE_RULES = ("fraction", "eq3")
@@ -69,35 +70,24 @@ class PolicyConfig:
     ema_alpha: float = 0.3
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise PolicyError(f"mode={self.mode!r} is unknown; choose one of {MODES}")
-        if isinstance(self.quorum, bool) or not isinstance(self.quorum, int) or self.quorum < 1:
-            raise PolicyError(f"quorum={self.quorum!r} must be an int >= 1")
-        if self.grace_rule not in GRACE_RULES:
-            raise PolicyError(
-                f"grace_rule={self.grace_rule!r} is unknown; choose one of {GRACE_RULES}"
-            )
-        if not _finite(self.grace_gamma) or not 0 < self.grace_gamma < 1:
-            raise PolicyError(f"grace_gamma={self.grace_gamma!r} must be in (0, 1)")
+        check = Checks("PolicyConfig", PolicyError)
+        check.choice("mode", self.mode, MODES)
+        check.integer("quorum", self.quorum, 1)
+        check.choice("grace_rule", self.grace_rule, GRACE_RULES)
+        check.number("grace_gamma", self.grace_gamma, above=0.0, below=1.0)
         for name in ("grace_fraction", "grace_min_s", "grace_max_s"):
-            value = getattr(self, name)
-            if not _finite(value) or value < 0:
-                raise PolicyError(f"{name}={value!r} must be a finite number >= 0")
-        if self.grace_max_s < self.grace_min_s:
-            raise PolicyError(
-                f"grace_max_s={self.grace_max_s} < grace_min_s={self.grace_min_s}; "
-                "raise grace_max_s or lower grace_min_s"
-            )
-        if not _finite(self.ema_alpha) or not 0 < self.ema_alpha <= 1:
-            raise PolicyError(f"ema_alpha={self.ema_alpha!r} must be in (0, 1]")
-
-
-def _finite(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+            check.number(name, getattr(self, name), low=0.0)
+        check.require(
+            self.grace_max_s >= self.grace_min_s,
+            "grace_max_s",
+            self.grace_max_s,
+            f"must be >= grace_min_s={self.grace_min_s}: raise it or lower grace_min_s",
+        )
+        check.number("ema_alpha", self.ema_alpha, above=0.0, high=1.0)
 
 
 def _check_time(name: str, value: object) -> float:
-    if not _finite(value):
+    if not is_finite_number(value):
         raise PolicyError(f"{name}={value!r} must be a finite time in seconds")
     return float(value)
 
@@ -138,7 +128,7 @@ def observe(stats: ArrivalStats, now: float, alpha: float = 0.3) -> ArrivalStats
         The updated statistics.
     """
     now = _check_time("now", now)
-    if not _finite(alpha) or not 0 < alpha <= 1:
+    if not is_finite_number(alpha) or not 0 < alpha <= 1:
         raise PolicyError(f"alpha={alpha!r} must be in (0, 1]")
     if stats.last_arrival is None:
         return ArrivalStats(None, now, stats.count + 1)

@@ -254,8 +254,12 @@ def _pos(x: object) -> bool:
     return _is_int(x) and x >= 1
 
 
-def _island(x: object) -> bool:
-    return isinstance(x, str) and 1 <= len(x) <= 128
+ISLAND_ID_MAX = 128  # longest island id, in characters
+
+
+def is_island_id(x: object) -> bool:
+    """Whether `x` is a valid island id: a string of 1-ISLAND_ID_MAX characters."""
+    return isinstance(x, str) and 1 <= len(x) <= ISLAND_ID_MAX
 
 
 def _number(x: object) -> bool:
@@ -268,7 +272,7 @@ def _str_or_nil(x: object) -> bool:
 
 _CHECKS: dict[str, tuple[Callable[[object], bool], str]] = {
     "str": (lambda x: isinstance(x, str), "a string"),
-    "island": (_island, "a string of 1-128 characters"),
+    "island": (is_island_id, f"a string of 1-{ISLAND_ID_MAX} characters"),
     "uint": (_uint, "an int >= 0"),
     "pos": (_pos, "an int >= 1"),
     "int": (_is_int, "an int"),
