@@ -1,18 +1,12 @@
 """Layered settings: defaults <- TOML <- environment <- flags, with errors naming the source."""
 
 import argparse
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Literal
 
 import pytest
 
 from paramserver.plumbing.settings import SettingsError, add_flags, load_settings, setting_keys
-
-
-@dataclass(frozen=True)
-class Inner:
-    mode: Literal["sync", "quorum", "async"] = "quorum"
-    quorum: int = 2  # distinct islands per step
 
 
 @dataclass(frozen=True)
@@ -24,7 +18,8 @@ class Demo:
     # where checkpoints go
     data_dir: str | None = None
     tags: tuple[str, ...] = ()
-    inner: Inner = field(default_factory=Inner)
+    mode: Literal["sync", "quorum", "async"] = "quorum"
+    quorum: int = 2  # distinct islands per step
 
     def __post_init__(self):
         if not 0 < self.port < 65536:
@@ -43,8 +38,8 @@ def test_defaults():
 
 
 def test_precedence_file_env_flags(tmp_path):
-    path = write(tmp_path, 'port = 6000\nrate = 1\nhost = "0.0.0.0"\n[inner]\nmode = "sync"\n')
-    env = {"X_PORT": "7000", "X_VERBOSE": "yes", "X_INNER_QUORUM": "5", "OTHER": "1"}
+    path = write(tmp_path, 'port = 6000\nrate = 1\nhost = "0.0.0.0"\nmode = "sync"\n')
+    env = {"X_PORT": "7000", "X_VERBOSE": "yes", "X_QUORUM": "5", "OTHER": "1"}
     cfg = load_settings(
         Demo, file=path, env=env, env_prefix="X_", flags={"port": "8000", "tags": "a, b"}
     )
@@ -52,14 +47,14 @@ def test_precedence_file_env_flags(tmp_path):
     assert cfg.host == "0.0.0.0"
     assert cfg.rate == 1.0 and isinstance(cfg.rate, float)
     assert cfg.verbose is True
-    assert cfg.inner == Inner(mode="sync", quorum=5)
+    assert (cfg.mode, cfg.quorum) == ("sync", 5)
     assert cfg.tags == ("a", "b")
 
 
 def test_none_and_section(tmp_path):
-    path = write(tmp_path, '[server]\ndata_dir = "/tmp/x"\ninner_quorum = 3\n')
+    path = write(tmp_path, '[server]\ndata_dir = "/tmp/x"\nquorum = 3\n')
     cfg = load_settings(Demo, file=path, section="server")
-    assert cfg.data_dir == "/tmp/x" and cfg.inner.quorum == 3
+    assert cfg.data_dir == "/tmp/x" and cfg.quorum == 3
     cfg = load_settings(
         Demo, file=path, section="server", env={"X_DATA_DIR": "none"}, env_prefix="X_"
     )
@@ -84,7 +79,7 @@ def test_unknown_env_var():
     [
         ({"env": {"X_PORT": "abc"}}, r"env X_PORT: bad value 'abc': expected int"),
         ({"env": {"X_VERBOSE": "maybe"}}, r"env X_VERBOSE: bad value 'maybe': expected bool"),
-        ({"flags": {"inner_mode": "fast"}}, r"--inner-mode: bad value 'fast': expected one of"),
+        ({"flags": {"mode": "fast"}}, r"--mode: bad value 'fast': expected one of"),
         ({"flags": {"rate": "x"}}, r"--rate: bad value 'x': expected float"),
     ],
 )
@@ -120,15 +115,15 @@ def test_settings_error_is_value_error():
 def test_add_flags_only_given_values_and_help():
     parser = argparse.ArgumentParser()
     add_flags(parser, Demo, exclude=("verbose",))
-    ns = parser.parse_args(["--port", "9000", "--inner-mode", "async"])
-    assert vars(ns) == {"port": "9000", "inner_mode": "async"}
-    assert load_settings(Demo, flags=ns) == Demo(port=9000, inner=Inner(mode="async"))
+    ns = parser.parse_args(["--port", "9000", "--mode", "async"])
+    assert vars(ns) == {"port": "9000", "mode": "async"}
+    assert load_settings(Demo, flags=ns) == Demo(port=9000, mode="async")
     text = parser.format_help()
     assert "shard i uses port + 2i" in text
     assert "where checkpoints go" in text
     assert "distinct islands per step" in text
     assert "--verbose" not in text
-    assert setting_keys(Demo)[-2:] == ["inner_mode", "inner_quorum"]
+    assert setting_keys(Demo)[-2:] == ["mode", "quorum"]
 
 
 @dataclass(frozen=True)
@@ -143,3 +138,10 @@ def test_missing_required_setting_is_named():
     assert (
         load_settings(Needs, env={"N_CONNECT": "tcp://h:1"}, env_prefix="N_").connect == "tcp://h:1"
     )
+
+
+def test_a_nested_table_is_an_unknown_setting(tmp_path):
+    # settings are flat: a table other than the one section asked for names no field
+    path = write(tmp_path, 'port = 6000\n[policy]\nmode = "sync"\n')
+    with pytest.raises(SettingsError, match=r"c.toml:policy: unknown setting; valid keys: host"):
+        load_settings(Demo, file=path)

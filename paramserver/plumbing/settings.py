@@ -3,11 +3,11 @@
 This module owns loading a daemon's configuration and nothing else. The same
 loader serves `diloco-server` (prefix ``DILOCO_SERVER_``) and `diloco-worker`.
 
-Keys are the dataclass field names. A field whose type is itself a dataclass
-is a nested section: ``[policy] mode = "sync"`` in TOML, ``DILOCO_SERVER_POLICY_MODE``
-in the environment, ``--policy-mode`` on the command line. Strings from the
-environment and the command line are coerced to the field's type (int, float,
-bool, str, ``Literal`` choices, ``X | None``, ``tuple[X, ...]`` as a comma list).
+Keys are the dataclass field names, flat: ``mode = "sync"`` in TOML (at the top
+or in one named table such as ``[server]``), ``DILOCO_SERVER_MODE`` in the
+environment, ``--mode`` on the command line. Strings from the environment and
+the command line are coerced to the field's type (int, float, bool, str,
+``Literal`` choices, ``X | None``, ``tuple[X, ...]`` as a comma list).
 
 Every problem (unknown key, bad value, a failed ``__post_init__`` check) is a
 `SettingsError` whose one-line message names the source of the value
@@ -47,16 +47,11 @@ class SettingsError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
-    """One settable (possibly nested) field: flat key, path of field names and its type."""
+    """One settable field: its key (the field name), type and help text."""
 
     key: str
-    path: tuple[str, ...]
     type: Any
     help: str
-
-
-def _is_dataclass_type(tp: Any) -> bool:
-    return isinstance(tp, type) and dataclasses.is_dataclass(tp)
 
 
 def _field_comments(cls: type) -> dict[str, str]:
@@ -97,22 +92,15 @@ def _field_comments(cls: type) -> dict[str, str]:
     return out
 
 
-def _leaves(cls: type, prefix: tuple[str, ...] = ()) -> list[_Leaf]:
-    """Every settable field of `cls`, nested dataclasses expanded."""
+def _leaves(cls: type) -> list[_Leaf]:
+    """Every settable field of `cls`."""
     hints = typing.get_type_hints(cls)
     comments = _field_comments(cls)
-    out: list[_Leaf] = []
-    for f in dataclasses.fields(cls):
-        if not f.init:
-            continue
-        tp = hints[f.name]
-        path = (*prefix, f.name)
-        if _is_dataclass_type(tp):
-            out.extend(_leaves(tp, path))
-        else:
-            text = f.metadata.get("help") or comments.get(f.name, "")
-            out.append(_Leaf("_".join(path), path, tp, text))
-    return out
+    return [
+        _Leaf(f.name, hints[f.name], f.metadata.get("help") or comments.get(f.name, ""))
+        for f in dataclasses.fields(cls)
+        if f.init
+    ]
 
 
 def _type_name(tp: Any) -> str:
@@ -218,19 +206,6 @@ def _set(
         ) from None
 
 
-def _walk_toml(
-    table: Mapping[str, Any], prefix: tuple[str, ...], by_path: dict[tuple[str, ...], _Leaf]
-) -> list[tuple[tuple[str, ...], Any]]:
-    out: list[tuple[tuple[str, ...], Any]] = []
-    for name, value in table.items():
-        path = (*prefix, name)
-        if isinstance(value, dict) and path not in by_path:
-            out.extend(_walk_toml(value, path, by_path))
-        else:
-            out.append((path, value))
-    return out
-
-
 def read_toml(path: str | Path, section: str | None = None) -> dict[str, Any]:
     """Read a TOML settings file.
 
@@ -274,7 +249,7 @@ def load_settings(
     """Build a `cls` instance from defaults <- TOML file <- environment <- flags.
 
     Args:
-        cls: a (frozen) dataclass; nested dataclass fields are sections.
+        cls: a (frozen) dataclass of flat fields.
         file: TOML file, or None.
         section: read only this table of the file (e.g. "server"), or None for the whole file.
         env: environment mapping (default: ``os.environ``); only used with `env_prefix`.
@@ -292,21 +267,19 @@ def load_settings(
     """
     leaves = _leaves(cls)
     by_key = {leaf.key: leaf for leaf in leaves}
-    by_path = {leaf.path: leaf for leaf in leaves}
     values: dict[str, tuple[Any, str]] = {}
 
     if file is not None:
         data = read_toml(file, section)
         where = f"{file}:{section}." if section else f"{file}:"
-        for path, raw in _walk_toml(data, (), by_path):
-            leaf = by_path.get(path) or by_key.get("_".join(path))
-            dotted = ".".join(path)
+        for key, raw in data.items():
+            leaf = by_key.get(key)
             if leaf is None:
                 raise SettingsError(
-                    f"{where}{dotted}: unknown setting; valid keys: "
-                    + ", ".join(".".join(lf.path) for lf in leaves)
+                    f"{where}{key}: unknown setting; valid keys: "
+                    + ", ".join(lf.key for lf in leaves)
                 )
-            _set(values, leaf, raw, f"{where}{dotted}", from_string=False)
+            _set(values, leaf, raw, f"{where}{key}", from_string=False)
 
     if env_prefix:
         environ = os.environ if env is None else env
@@ -335,21 +308,17 @@ def load_settings(
             raise SettingsError(f"unknown setting {key!r}")
         values[key] = (raw, "--" + key.replace("_", "-"))
 
-    return _build(cls, (), values)
+    return _build(cls, values)
 
 
-def _build(cls: type, prefix: tuple[str, ...], values: dict[str, tuple[Any, str]]) -> Any:
-    hints = typing.get_type_hints(cls)
+def _build(cls: type, values: dict[str, tuple[Any, str]]) -> Any:
     kwargs: dict[str, Any] = {}
     sources: dict[str, tuple[Any, str]] = {}
     for f in dataclasses.fields(cls):
         if not f.init:
             continue
-        path = (*prefix, f.name)
-        key = "_".join(path)
-        if _is_dataclass_type(hints[f.name]):
-            kwargs[f.name] = _build(hints[f.name], path, values)
-        elif key in values:
+        key = f.name
+        if key in values:
             kwargs[f.name] = values[key][0]
             sources[f.name] = values[key]
         elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
@@ -375,7 +344,7 @@ def add_flags(
     *,
     exclude: tuple[str, ...] = (),
 ) -> None:
-    """Add one ``--field-name`` option per settable field of `cls` (nested: ``--section-field``).
+    """Add one ``--field-name`` option per settable field of `cls`.
 
     Options default to ``argparse.SUPPRESS`` so the parsed Namespace holds only the
     flags that were given, which is what `load_settings(flags=...)` expects. Values
@@ -412,22 +381,18 @@ def _metavar(tp: Any) -> str:
     return "VALUE" if typing.get_origin(tp) else getattr(tp, "__name__", "VALUE").upper()
 
 
-def _defaults(cls: type, prefix: tuple[str, ...] = ()) -> dict[str, Any]:
-    hints = typing.get_type_hints(cls)
+def _defaults(cls: type) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in dataclasses.fields(cls):
-        path = (*prefix, f.name)
-        if _is_dataclass_type(hints[f.name]):
-            out.update(_defaults(hints[f.name], path))
-        elif f.default is not dataclasses.MISSING:
-            out["_".join(path)] = f.default
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
         elif f.default_factory is not dataclasses.MISSING:
-            out["_".join(path)] = f.default_factory()
+            out[f.name] = f.default_factory()
     return out
 
 
 def setting_keys(cls: type) -> list[str]:
-    """The flat keys of every settable field of `cls` (nested joined with "_").
+    """The keys of every settable field of `cls`.
 
     Args:
         cls: a config dataclass.
