@@ -23,6 +23,7 @@ import numpy as np
 
 import codec
 from paramserver.plumbing import probe
+from paramserver.plumbing.curve import ClientKeys, CurveError
 from worker import data as data_lib
 from worker import model as model_lib
 from worker.config import IslandConfig
@@ -74,7 +75,9 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
 
     Args:
         cfg: model and data settings (model, data, data_shards, heldout_fraction,
-            batch_size, seq_len, eval_batches, devices).
+            batch_size, seq_len, eval_batches, devices). With curve_secret_key_file and
+            curve_server_key_file set, every request speaks CURVE and the welcome's hello
+            names `cfg.island` (an id the key may act as; not live elsewhere).
         connect: ROUTER endpoint of any shard (normally shard 0).
         wait_s: how long to wait for every shard's pending deltas to be merged.
 
@@ -90,10 +93,14 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
     """
     if not wait_s >= 0:
         raise ValueError(f"wait_s must be >= 0, got {wait_s!r}")
+    curve, island = None, None
     try:
-        probe.wait_merged(connect, wait_s)
-        _plan, flat, versions = probe.global_params(connect)
-    except probe.ProbeError as exc:
+        if cfg.curve_secret_key_file:  # a CURVE cluster: its hello speaks as this island
+            curve = ClientKeys.load(cfg.curve_secret_key_file, cfg.curve_server_key_file)
+            island = cfg.island
+        probe.wait_merged(connect, wait_s, curve=curve)
+        _plan, flat, versions = probe.global_params(connect, curve=curve, island=island)
+    except (probe.ProbeError, CurveError) as exc:
         raise EvalError(str(exc)) from None
     _check_model(cfg, flat)
     batches = heldout_batches(cfg)

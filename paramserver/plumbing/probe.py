@@ -157,12 +157,20 @@ def cluster_endpoints(
     return _endpoints_of(_welcome(ctx, connect, timeout_s), connect)
 
 
-def _welcome(ctx: zmq.Context, connect: str, timeout_s: float) -> dict[str, Any]:
-    """The welcome of the shard at `connect` (hello, then bye at once)."""
-    hello, bye = {"kind": "hello", "island": _island()}, {"kind": "bye", "island": _island()}
-    welcome, _ = _exchange(ctx, connect, hello, timeout_s, farewell=bye)
+def _welcome(
+    ctx: zmq.Context,
+    connect: str,
+    timeout_s: float,
+    curve: ClientKeys | None = None,
+    island: str | None = None,
+) -> dict[str, Any]:
+    """The welcome of the shard at `connect` (hello as `island`, then bye at once)."""
+    name = island or _island()
+    hello, bye = {"kind": "hello", "island": name}, {"kind": "bye", "island": name}
+    welcome, _ = _exchange(ctx, connect, hello, timeout_s, farewell=bye, curve=curve)
     if welcome["kind"] != "welcome":
-        raise ProbeError(f"{connect} answered hello with {welcome['kind']!r}")
+        detail = f": {welcome.get('reason')} ({welcome.get('detail')})" if "reason" in welcome else ""
+        raise ProbeError(f"{connect} answered hello as {name!r} with {welcome['kind']!r}{detail}")
     return welcome
 
 
@@ -310,11 +318,16 @@ def wait_merged(
 
 
 def _fragment_values(
-    ctx: zmq.Context, router: str, fragment: int, size: int, timeout_s: float
+    ctx: zmq.Context,
+    router: str,
+    fragment: int,
+    size: int,
+    timeout_s: float,
+    curve: ClientKeys | None = None,
 ) -> tuple[int, np.ndarray]:
     """(version, 1-D float32 values) of one fragment, from a snapshot of its owning shard."""
     header = {"kind": "snapshot", "island": _island(), "fragment": fragment}
-    reply, payload = _exchange(ctx, router, header, timeout_s)
+    reply, payload = _exchange(ctx, router, header, timeout_s, curve=curve)
     if reply["kind"] != "snapshot_reply" or reply["fragment"] != fragment:
         raise ProbeError(
             f"{router} answered the snapshot of fragment {fragment} with {reply['kind']!r}"
@@ -334,7 +347,10 @@ def _fragment_values(
 
 
 def global_params(
-    connect: str, timeout_s: float = 5.0
+    connect: str,
+    timeout_s: float = 5.0,
+    curve: ClientKeys | None = None,
+    island: str | None = None,
 ) -> tuple[Plan, dict[str, np.ndarray], dict[int, int]]:
     """The global parameters, read from a snapshot of every fragment on its owning shard.
 
@@ -343,6 +359,9 @@ def global_params(
     Args:
         connect: ROUTER endpoint of any shard (normally shard 0).
         timeout_s: per-request timeout.
+        curve: client keys for a CURVE cluster (None: plain).
+        island: the id the welcome's hello uses (None: a probe id of its own). Under
+            CURVE it must be an id the key may act as, not live elsewhere.
 
     Returns:
         (plan, flat params {leaf path: float32 array of the leaf's shape}, versions
@@ -354,7 +373,7 @@ def global_params(
     """
     ctx = zmq.Context()
     try:
-        welcome = _welcome(ctx, connect, timeout_s)
+        welcome = _welcome(ctx, connect, timeout_s, curve, island)
         if not welcome["initialized"] or welcome.get("plan") is None:
             raise _not_initialized(connect)
         try:
@@ -372,7 +391,7 @@ def global_params(
         for frag in plan.fragments:  # the fragments cover every element exactly once
             router = endpoints[frag.shard][0]
             versions[frag.index], values = _fragment_values(
-                ctx, router, frag.index, frag.size, timeout_s
+                ctx, router, frag.index, frag.size, timeout_s, curve
             )
             plan.scatter(frag.index, values, flat)
         return plan, flat, versions
