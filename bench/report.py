@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import claims, cli, outdir, plots, report_md, runs, scenarios
+from bench import claims, cli, outdir, plots, projection, report_md, runs, scenarios
 from bench.common import emit_json, progress
 from bench.launcher import LaunchError, read_rows
 from bench.wan import Wan, WanError
@@ -81,12 +81,11 @@ def run(args: argparse.Namespace) -> int:
         with Wan(budget.islands, budget.link, force_relay=args.force_relay) as wan, progress() as p:
             link = wan.describe()
             for scenario in chosen:
-                task = p.add_task(f"{scenario.name}: starting", total=budget.tokens)
+                total = scenario.budget_of(budget).tokens
+                task = p.add_task(f"{scenario.name}: starting", total=total)
 
-                def update(tokens: int, note: str, task=task, name=scenario.name) -> None:
-                    p.update(
-                        task, completed=min(tokens, budget.tokens), description=f"{name}: {note}"
-                    )
+                def update(tokens: int, note: str, task=task, name=scenario.name, total=total):
+                    p.update(task, completed=min(tokens, total), description=f"{name}: {note}")
 
                 what = "fp32 gradients" if scenario.method == "ddp" else f"{scenario.codec} deltas"
                 p.console.log(f"{scenario.name}: starting ({scenario.method}, {what})")
@@ -104,6 +103,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     summary = claims.evaluate(records)
     params = _param_count(out)
+    summary["projection"] = projection.project(
+        records, params, claims.ddp_bytes_per_token(records), budget.batch_size * budget.seq_len
+    )
     meta = {
         "command": "diloco-bench report" + (" --quick" if args.quick else "") + f" --out {out}",
         "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),

@@ -94,6 +94,7 @@ def render(
         "codecs": "Delta codecs (quorum, homogeneous islands)",
         "slow": "One island 2x slower",
         "mix": "v6e/v5p-like mix (one island 1.2x slower, 10% step-time jitter)",
+        "comm": "Communication at H = 100 (600 steps per island)",
     }
     for group, title in groups.items():
         names = [n for n, r in records.items() if r["group"] == group]
@@ -132,6 +133,7 @@ def render(
              "uptime"],
             rows,
         )  # fmt: skip
+    lines += _projection_lines(summary.get("projection"))
     lines += [
         "Bytes are counted at the sockets (frame bytes of every message, heartbeats and the "
         "join snapshot included; 'per round' is the steady state after the join). 'DDP bytes / "
@@ -156,3 +158,30 @@ def render(
         "",
     ]
     return "\n".join(lines)
+
+
+def _projection_lines(proj: Mapping[str, Any] | None) -> list[str]:
+    """The bandwidth projection for a 12B model (`bench.projection`), inputs first."""
+    if not proj or not proj.get("rows"):
+        return []
+    inp = proj["inputs"]
+    lines = [
+        "## Projection: bandwidth per island for a 12B-parameter model",
+        "",
+        f"Inputs: {inp['projected_params']:.3g} parameters, one inner step per "
+        f"{inp['step_s']:g} s, bytes per parameter per round measured on this report's model "
+        f"({inp['measured_params']} parameters; up + down, steady state). Formula: "
+        f"{inp['formula']}. For comparison: {inp['seed_figure']}.",
+        "",
+    ]
+    rows = [
+        [r["run"], str(r["codec"]), str(r["H"]), _num(r["bytes_per_param_round"], "{:.4f}"),
+         _num(r["gbit_per_s"], "{:.3f}")]
+        for r in proj["rows"]
+    ]  # fmt: skip
+    ddp = proj.get("ddp")
+    if ddp:
+        rows.append(["ddp", "fp32 gradients", "1 (every step)",
+                     _num(ddp["bytes_per_param_step"], "{:.4f}"), _num(ddp["gbit_per_s"], "{:.1f}")])  # fmt: skip
+    lines += _table(["run", "codec", "H", "bytes / param / round", "Gbit/s per island"], rows)
+    return lines

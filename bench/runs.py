@@ -411,10 +411,12 @@ def run_scenario(
         The run's JSON record.
     """
     link = wan if scenario.wan else None
+    budget = scenario.budget_of(budget)
     run = run_ddp if scenario.method == "ddp" else run_diloco
     raw = run(scenario, budget, link, out / scenario.name, progress)
     record = summarize(scenario, budget, raw)
     record["link"] = link.describe() if link is not None else {"shaping": "none (loopback)"}
+    record["inner_steps"], record["steps_per_island"] = budget.inner_steps, budget.steps_per_island
     (out / f"{scenario.name}.json").write_text(json.dumps(record, indent=2))
     return record
 

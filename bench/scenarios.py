@@ -12,6 +12,7 @@ import dataclasses
 from bench.wan import LinkSpec
 
 METHODS = ("ddp", "sync", "quorum")
+COMM_CODECS = ("int8", "int4", "topk")  # the H=100 runs of the full report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,11 +56,20 @@ class Scenario:
     merge_rule: str = "keep-progress"  # islands folding a new version: keep-progress | overwrite
     island_speeds: tuple[tuple[float, float], ...] = ()  # (speed, jitter) each; () = slow_*
     inner_steps: int = 0  # H of this run (0: the budget's)
+    steps_per_island: int = 0  # inner steps each island trains in this run (0: the budget's)
+
+    def budget_of(self, budget: Budget) -> Budget:
+        """The budget of this run: the shared one with this run's H and steps, if it sets them."""
+        return dataclasses.replace(
+            budget,
+            inner_steps=self.inner_steps or budget.inner_steps,
+            steps_per_island=self.steps_per_island or budget.steps_per_island,
+        )
 
     @property
     def downlink(self) -> str:
-        """Published updates: int8 for quantized deltas, float32 for raw ones."""
-        return "int8" if self.codec in ("int8", "int4") else "float32"
+        """Published updates: int8 for quantized or sparse deltas, float32 for raw ones."""
+        return "int8" if self.codec in ("int8", "int4", "topk") else "float32"
 
     def speeds(self, islands: int) -> list[tuple[float, float]]:
         """(speed, jitter) per island: `island_speeds`, else all full speed but the last."""
@@ -114,4 +124,9 @@ def full(islands: int = 3) -> tuple[Budget, list[Scenario]]:
         Scenario("quorum-slow", "quorum", "slow", slow_speed=0.5),
         Scenario("quorum-slow-uniform", "quorum", "slow", weighting="uniform", slow_speed=0.5),
         Scenario("quorum-mix", "quorum", "mix", slow_speed=0.833, slow_jitter=0.1),
+        # communication at H=100 (Streaming DiLoCo / SparseLoCo territory), equal tokens each
+        *(
+            Scenario(f"h100-{c}", "quorum", "comm", codec=c, inner_steps=100, steps_per_island=600)
+            for c in COMM_CODECS
+        ),
     ]
