@@ -13,6 +13,7 @@ from paramserver.client import ClientConfig
 from worker.exchange import MERGE_RULES
 
 CODECS = ("int8", "int4", "float32", "bfloat16", "topk")
+PARAM_SHARDINGS = ("replicated", "fsdp")  # worker.sharding (imports JAX) implements them
 MODEL_NAMES = ("tiny", "small", "base")  # worker.model.MODEL_CONFIGS defines each (imports JAX)
 
 
@@ -54,6 +55,13 @@ class IslandConfig:
     max_rounds: int = 0  # stop after this many rounds (0 = until stopped)
     start_file: str = ""  # after joining, wait until this file exists (a start barrier); "" = none
     devices: int = 0  # local devices for data parallel inside the island (0 = all)
+    # an island of several processes (jax.distributed; worker.multihost): process 0's
+    # HOST:PORT, the process count and this process's index; ""/0/-1 = from JAX_COORDINATOR_
+    # ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (else one process)
+    coordinator: str = ""
+    num_processes: int = 0
+    process_id: int = -1
+    param_sharding: str = "replicated"  # parameters + AdamW state on the mesh: replicated | fsdp
     cpu: int = -1  # pin the process to this CPU core (-1 = no pinning)
     flush_timeout_s: float = 10.0  # on stop, wait this long for unacked deltas
     join_timeout_s: float = ClientConfig.join_timeout_s  # give up joining after this long
@@ -98,6 +106,8 @@ class IslandConfig:
             ("eval_batches", 1),
             ("max_rounds", 0),
             ("devices", 0),
+            ("num_processes", 0),
+            ("process_id", -1),
             ("block_size", 0),
             ("cpu", -1),
             ("data_shard", -1),
@@ -111,5 +121,7 @@ class IslandConfig:
                 "curve_server_key_file" if self.curve_secret_key_file else "curve_secret_key_file",
                 "must be set together with the other curve_* key file (or neither)",
             )
+        if self.param_sharding not in PARAM_SHARDINGS:
+            raise bad("param_sharding", f"must be one of {', '.join(PARAM_SHARDINGS)}")
         if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
             raise bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")

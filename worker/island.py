@@ -47,6 +47,8 @@ from worker import model as model_lib
 from worker.config import IslandConfig
 from worker.exchange import FragmentSync
 from worker.goodput import goodput, step_rate
+from worker.mirror import Group, topology
+from worker.multihost import GroupSpec, liveness_timeout_s
 from worker.pace import Pacer
 from worker.train import InnerConfig, InnerTrainer
 
@@ -100,14 +102,26 @@ def write_json_atomic(path: Path, obj: Any) -> None:
 class Island:
     """The training loop of one island (state lives here, decisions in worker.exchange)."""
 
-    def __init__(self, cfg: IslandConfig, client_factory: Callable[..., Client] = Client) -> None:
+    def __init__(
+        self,
+        cfg: IslandConfig,
+        client_factory: Callable[..., Client] = Client,
+        group: GroupSpec | None = None,
+    ) -> None:
         """Load data and model; nothing touches the network until `run`.
 
         Args:
             cfg: island settings.
             client_factory: builds the client from a ClientConfig.
+            group: this process's place in a multi-process island (`worker.multihost`,
+                already initialised); None = a one-process island.
         """
         self.cfg = cfg
+        self.liveness_s = liveness_timeout_s(cfg.heartbeat_interval_s)
+        self.group = Group(
+            group or GroupSpec(), cfg.island, self.liveness_s, cfg.heartbeat_interval_s
+        )
+        self.topology: dict[str, Any] = {}
         self.data_dir = Path(cfg.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # before the first jit, so a restart reads the compiled steps back instead of compiling
@@ -153,10 +167,16 @@ class Island:
         self.mode = joined.mode
         self.param_count = sum(frag.size for frag in self.plan.fragments)
         self.flat = {k: np.array(v, dtype=np.float32) for k, v in joined.params.items()}
-        devices = self.cfg.devices or None
-        self.trainer = InnerTrainer(
-            self.model_cfg, self.inner_cfg, codec.unflatten(self.flat), devices=devices
+        self.group.share_join(codec.unflatten(self.flat))  # other processes build their trainer
+        trainer = InnerTrainer(
+            self.model_cfg,
+            self.inner_cfg,
+            codec.unflatten(self.flat),
+            devices=self.cfg.devices or None,
+            param_sharding=self.cfg.param_sharding,
         )
+        self.trainer = self.group.wrap(trainer)  # announces each call to the other processes
+        self.topology = topology(self.group.spec, trainer)
         self.sync = {
             frag.index: FragmentSync.start(self.plan.gather(self.flat, frag.index), version)
             for frag in self.plan.fragments
@@ -268,6 +288,8 @@ class Island:
                 curve_server_key_file=cfg.curve_server_key_file,
             )
         )
+        self.group.watch(lambda line: self._abandon(client, line))
+        exit_code = 1  # what the other processes of the island exit with
         try:
             try:
                 self._join(client, stop)
@@ -275,6 +297,7 @@ class Island:
                 if not stop.is_set():
                     raise
                 logger.info("island %s stopped while joining", cfg.island)
+                exit_code = 0
                 return 0
             self.resending = outbox_file.resend(
                 client, self.outbox_path, cfg.island, self.plan.hash, stop
@@ -313,7 +336,9 @@ class Island:
                 self._record_round(client, losses, adopted, steps, round_start)
             self.state = "stopping"
             self._write_status()
+            exit_code = 0
         finally:
+            self.group.finish(exit_code)
             client.close(flush_timeout_s=cfg.flush_timeout_s)
             if self.resending is not None:  # keep what is unacked, or drop a settled file
                 outbox_file.keep(self.outbox_path, cfg.island, self.plan.hash, client.unacked())
@@ -328,6 +353,15 @@ class Island:
             else:
                 self._write_status()
         return 0
+
+    def _abandon(self, client: Client, line: str) -> None:
+        """Another process of the island is gone (watchdog thread): say bye, keep the unacked."""
+        client.close(flush_timeout_s=min(self.cfg.flush_timeout_s, self.liveness_s))
+        if self.resending is not None:
+            outbox_file.keep(self.outbox_path, self.cfg.island, self.plan.hash, client.unacked())
+        self.state = "failed"
+        self.last["error"] = line
+        self._write_status()
 
     def _wait_for_start(self, stop: threading.Event) -> None:
         """Hold training until `start_file` exists (or stop), so that islands start together."""
@@ -421,6 +455,7 @@ class Island:
             "state": self.state,
             "round": self.round,
             "updated": time.time(),
+            **self.topology,
             **{k: v for k, v in self.last.items() if k not in ("island", "round")},
         }
         if client_stats is not None:

@@ -10,10 +10,13 @@ rounds go on indefinitely and the outer optimizer sets the pace) or a cosine dec
 `final_lr_fraction * lr` over `decay_steps`, constant at that floor afterwards. The step
 count lives in the optimizer state, so it carries across `set_params()`.
 
-Devices: the island may drive several local devices. Parameters and optimizer state are
-replicated over a 1-D mesh ("data") and each batch is split along its first axis; XLA
-inserts the gradient all-reduce. The default is every device of JAX's default backend,
-so the same code runs on CPU, GPU or TPU.
+Devices: the island may drive several devices, of one process or (after
+`jax.distributed.initialize`, see `worker.multihost`) of several. They form a 1-D mesh
+("data"); each batch is split along its first axis, every process placing only the rows
+of its own devices. Parameters and AdamW state are replicated over the mesh, or with
+``param_sharding="fsdp"`` cut over it (`worker.sharding`); XLA inserts the gradient
+all-reduce and the gathers. The default is every device of JAX's default backend, so the
+same code runs on CPU, GPU or TPU.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from collections.abc import Sequence
 import jax
 import numpy as np
 import optax
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from worker import model
+from worker import sharding as sharding_lib
 from worker.config import IslandConfig
 
 logger = logging.getLogger(__name__)
@@ -156,6 +161,7 @@ class InnerTrainer:
         inner_cfg: InnerConfig,
         params: dict,
         devices: Sequence[jax.Device] | int | None = None,
+        param_sharding: str = "replicated",
     ) -> None:
         """Place parameters on the devices and initialise the optimizer.
 
@@ -164,19 +170,29 @@ class InnerTrainer:
             inner_cfg: inner optimizer settings.
             params: initial parameter tree (numpy or jax); copied, not consumed.
             devices: None for every default-backend device, an int for the first n of
-                them, or an explicit list of devices.
+                them, or an explicit list of devices (in a multi-process island: all
+                processes' devices, the same list everywhere).
+            param_sharding: "replicated" or "fsdp" (`worker.sharding`).
         """
         self.model_cfg = model_cfg
         self.inner_cfg = inner_cfg
         self.devices = _resolve_devices(devices)
-        mesh = Mesh(np.asarray(self.devices), ("data",))
+        self.param_sharding = param_sharding
+        self.mesh = mesh = Mesh(np.asarray(self.devices), (sharding_lib.AXIS,))
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._batch_sharding = NamedSharding(mesh, PartitionSpec("data"))
+        self._batch_sharding = NamedSharding(mesh, PartitionSpec(sharding_lib.AXIS))
         self._tx = make_inner_optimizer(inner_cfg)
         self._treedef = jax.tree_util.tree_structure(params)
         self._shapes = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(params)]
+        self._leaf_shardings = jax.tree_util.tree_leaves(
+            sharding_lib.tree_shardings(params, mesh, param_sharding)
+        )
         self._params = self._place(params)
-        self._opt_state = jax.device_put(self._tx.init(self._params), self._replicated)
+        p_shard = jax.tree_util.tree_unflatten(self._treedef, self._leaf_shardings)
+        o_shard = sharding_lib.tree_shardings(
+            jax.eval_shape(self._tx.init, self._params), mesh, param_sharding
+        )
+        self._opt_state = jax.jit(self._tx.init, out_shardings=o_shard)(self._params)
         self._steps_done = 0
         self._tokens_done = 0
 
@@ -188,20 +204,21 @@ class InnerTrainer:
         rep, shard = self._replicated, self._batch_sharding
         self._train_step = jax.jit(
             train_step,
-            in_shardings=(rep, rep, shard),
-            out_shardings=(rep, rep, rep),
+            in_shardings=(p_shard, o_shard, shard),
+            out_shardings=(p_shard, o_shard, rep),
             donate_argnums=(0, 1),
         )
         self._eval_step = jax.jit(
             lambda params, tokens_BxT1: model.loss_fn(params, tokens_BxT1, model_cfg),
-            in_shardings=(rep, shard),
+            in_shardings=(p_shard, shard),
             out_shardings=rep,
         )
         logger.info(
-            "inner trainer: %d params on %d device(s) (%s)",
+            "inner trainer: %d params on %d device(s) (%s), %s",
             model.count_params(params),
             len(self.devices),
             self.devices[0].platform,
+            param_sharding,
         )
 
     def _place(self, tree: dict) -> dict:
@@ -214,9 +231,13 @@ class InnerTrainer:
         for leaf, shape in zip(leaves, self._shapes, strict=True):
             if np.shape(leaf) != shape:
                 raise InnerConfigError(f"parameter of shape {np.shape(leaf)} != expected {shape}")
-        # A fresh float32 host copy, so donation never frees a buffer the caller still holds.
+        # A fresh float32 host copy, so donation never frees a buffer the caller still holds;
+        # each process places only the slices of its own devices.
         host = [np.array(leaf, dtype=np.float32, copy=True) for leaf in leaves]
-        placed = jax.device_put(host, self._replicated)
+        placed = [
+            jax.make_array_from_callback(h.shape, s, lambda index, h=h: h[index])
+            for h, s in zip(host, self._leaf_shardings, strict=True)
+        ]
         return jax.tree_util.tree_unflatten(self._treedef, placed)
 
     def _put_batch(self, tokens_BxT1: np.ndarray) -> jax.Array:
@@ -227,7 +248,8 @@ class InnerTrainer:
             raise InnerConfigError(
                 f"batch size {shape[0]} is not divisible by the {len(self.devices)} device(s)"
             )
-        return jax.device_put(np.asarray(tokens_BxT1, dtype=np.int32), self._batch_sharding)
+        host = np.asarray(tokens_BxT1, dtype=np.int32)
+        return jax.make_array_from_callback(host.shape, self._batch_sharding, lambda i: host[i])
 
     def step(self, tokens_BxT1: np.ndarray) -> float:
         """One AdamW step on one batch.
@@ -310,14 +332,25 @@ class InnerTrainer:
         self._params = self._place(tree)
 
     def numpy_params(self) -> dict:
-        """A host snapshot of the parameters.
+        """A host snapshot of the parameters (gathered from every device).
+
+        In a multi-process island with sharded parameters this is a collective:
+        every process must call it at the same point.
 
         Returns:
             Nested dict of float32 numpy arrays, owned by the caller.
         """
-        return jax.tree_util.tree_map(
-            lambda x: np.array(x, dtype=np.float32, copy=True), self._params
-        )
+
+        def to_host(x: jax.Array) -> np.ndarray:
+            if not (x.is_fully_addressable or x.is_fully_replicated):
+                x = multihost_utils.process_allgather(x, tiled=True)
+            return np.array(x, dtype=np.float32, copy=True)
+
+        return jax.tree_util.tree_map(to_host, self._params)
+
+    def bytes_per_device(self) -> dict[str, int]:
+        """Bytes of parameters plus optimizer state held on each of this process's devices."""
+        return sharding_lib.bytes_per_device(self._params, self._opt_state)
 
     @property
     def steps_done(self) -> int:

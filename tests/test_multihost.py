@@ -1,0 +1,127 @@
+"""The pure rules of multi-process islands: who is in the group, the fsdp layout, liveness."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec
+
+from worker import mirror, multihost, sharding
+from worker.config import IslandConfig, IslandConfigError
+from worker.multihost import GroupError, GroupSpec, resolve_group
+
+pytestmark = pytest.mark.timeout(60)
+
+ENV = {"JAX_COORDINATOR_ADDRESS": "10.0.0.1:1234", "JAX_NUM_PROCESSES": "4", "JAX_PROCESS_ID": "2"}
+
+
+def test_group_comes_from_jax_variables_when_no_setting_is_given():
+    assert resolve_group("", 0, -1, ENV) == GroupSpec("10.0.0.1:1234", 4, 2)
+
+
+def test_settings_win_over_jax_variables():
+    assert resolve_group("h:9", 2, 1, ENV) == GroupSpec("h:9", 2, 1)
+    assert resolve_group("", 0, 3, ENV) == GroupSpec("10.0.0.1:1234", 4, 3)
+
+
+def test_no_setting_and_no_variable_is_one_process():
+    spec = resolve_group("", 0, -1, {})
+    assert spec == GroupSpec("", 1, 0) and not spec.multi and spec.leader
+
+
+@pytest.mark.parametrize(
+    ("coordinator", "count", "index", "env", "says"),
+    [
+        ("", 2, 0, {}, "--coordinator HOST:PORT"),
+        ("h:1", 2, 2, {}, "process_id must be in [0, 1]"),
+        ("", 0, -1, {"JAX_NUM_PROCESSES": "two"}, "JAX_NUM_PROCESSES must be an integer"),
+    ],
+)
+def test_bad_groups_say_what_to_change(coordinator, count, index, env, says):
+    with pytest.raises(GroupError, match=said(says)):
+        resolve_group(coordinator, count, index, env)
+
+
+def said(text: str) -> str:
+    import re
+
+    return re.escape(text)
+
+
+def test_island_config_checks_the_new_fields():
+    assert IslandConfig(param_sharding="fsdp").param_sharding == "fsdp"
+    with pytest.raises(IslandConfigError, match="param_sharding must be one of replicated, fsdp"):
+        IslandConfig(param_sharding="zero3")
+    with pytest.raises(IslandConfigError, match="process_id must be >= -1"):
+        IslandConfig(process_id=-2)
+
+
+@pytest.mark.parametrize(
+    ("shape", "devices", "spec"),
+    [
+        ((256, 64), 4, PartitionSpec("data")),  # largest divisible dim: 256
+        ((64, 256), 4, PartitionSpec(None, "data")),
+        ((2, 64, 192), 4, PartitionSpec(None, None, "data")),
+        ((64, 6), 4, PartitionSpec("data")),  # 6 is not divisible, 64 is
+        ((3, 5), 4, PartitionSpec()),  # nothing divisible: replicated
+        ((), 4, PartitionSpec()),  # a scalar (AdamW's count)
+        ((256, 64), 1, PartitionSpec()),
+        ((8, 8), 4, PartitionSpec("data")),  # equal sizes: the first
+    ],
+)
+def test_fsdp_cuts_the_largest_divisible_dimension(shape, devices, spec):
+    assert sharding.fsdp_spec(shape, devices) == spec
+
+
+def test_replicated_layout_never_cuts():
+    assert sharding.leaf_spec((256, 64), 4, "replicated") == PartitionSpec()
+    with pytest.raises(ValueError, match="param sharding must be one of"):
+        sharding.leaf_spec((4,), 4, "zero3")
+
+
+def test_a_process_is_gone_once_silent_for_longer_than_the_liveness_timeout():
+    last = {1: 10.0, 2: 7.9, 3: 8.0}
+    assert multihost.silent_processes(10.0, last, 2.0) == [2]
+    assert multihost.silent_processes(12.5, last, 2.0) == [1, 2, 3]
+    assert multihost.silent_processes(9.9, last, 2.0) == []
+
+
+def test_liveness_timeout_is_the_clients_rule():
+    assert multihost.liveness_timeout_s(0.5) == pytest.approx(2.5)
+
+
+def test_the_gone_line_names_the_missing_process():
+    line = multihost.gone_line("isl", [1], 2, 2.5)
+    assert line.startswith("island isl: process 1 of 2 is gone (no heartbeat for 2.5 s)")
+    assert "coordinator" in multihost.gone_line("isl", [0], 3, 5.0)
+    assert "\n" not in line
+
+
+def test_header_is_fixed_size_and_carries_the_arguments():
+    words = mirror.header(mirror.OP_EVAL, 4, 8, 33, 1)
+    assert words.dtype == np.int32 and words.tolist() == [mirror.OP_EVAL, 4, 8, 33, 1, 0]
+    with pytest.raises(ValueError):
+        mirror.header(mirror.OP_STOP, 1, 2, 3, 4, 5, 6)
+
+
+class _Device:
+    def __init__(self, process_index: int) -> None:
+        self.process_index, self.platform = process_index, "cpu"
+
+
+def test_mesh_info_shows_processes_devices_and_the_per_device_batch():
+    devices = [_Device(0), _Device(0), _Device(1), _Device(1)]
+    info = multihost.mesh_info(GroupSpec("h:1", 2, 1), devices, 16, "fsdp")
+    assert info["processes"] == {"count": 2, "index": 1, "coordinator": "h:1"}
+    assert info["mesh"]["devices"] == 4 and info["mesh"]["local_devices"] == 2
+    assert info["mesh"]["per_device_batch"] == 4 and info["mesh"]["param_sharding"] == "fsdp"
+
+
+def test_a_one_process_group_is_plain_calls():
+    group = mirror.Group(GroupSpec(), "isl", 5.0, 1.0)
+    trainer = object()
+    assert group.wrap(trainer) is trainer
+    group.share_join({"w": np.zeros(2)})  # no collective, no error
+    group.watch(lambda line: None)
+    assert group.watchdog is None
+    group.finish(0)
