@@ -1,10 +1,11 @@
 """The client library an island uses to join the cluster, push deltas and receive updates.
 
-This module owns the public API, `Client`, and re-exports its types
-(`ClientConfig`, `JoinResult`, `Update`, `ClientError`, `ClientConfigError`,
-defined in `paramserver.client.types`). All network I/O runs in one background
-thread (`paramserver.client.io_thread`) that owns every socket; the API hands it commands
-through a thread-safe queue plus an inproc wake-up, so `push` and
+This module owns the public API, `Client`; its types (`ClientConfig`,
+`JoinResult`, `Update`, `ClientError`, `ClientConfigError`, `PushRequest`)
+live in `paramserver.client.types`, and the package `paramserver.client`
+exports both. All network I/O runs in one background thread
+(`paramserver.client.io_thread`) that owns every socket; the API hands it
+commands through a thread-safe queue plus an inproc wake-up, so `push` and
 `poll_updates` never wait on the network. `push` blocks only for
 back-pressure, when `max_unacked` deltas are outstanding; `join` and `push`
 take a `stop` event that ends their waits at once (an island's SIGTERM).
@@ -35,7 +36,6 @@ import numpy as np
 from paramserver.client.io_thread import IOThread
 from paramserver.client.types import (
     ClientConfig,
-    ClientConfigError,
     ClientError,
     JoinResult,
     PushRequest,
@@ -43,15 +43,7 @@ from paramserver.client.types import (
 )
 from paramserver.wire.plan import Plan
 
-__all__ = [
-    "Client",
-    "ClientConfig",
-    "ClientConfigError",
-    "ClientError",
-    "JoinResult",
-    "PushRequest",
-    "Update",
-]
+__all__ = ["Client"]
 
 _INSTANCES = itertools.count()
 _STOP_POLL_S = 0.05  # how often a wait with a `stop` event looks at it
