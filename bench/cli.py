@@ -61,8 +61,10 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
     for name, (module_name, summary) in discover().items():
-        sp = sub.add_parser(name, help=summary, description=summary)
-        if name == chosen:
+        # island_memory is also island-memory: a module name cannot hold a hyphen
+        aliases = [name.replace("_", "-")] if "_" in name else []
+        sp = sub.add_parser(name, aliases=aliases, help=summary, description=summary)
+        if chosen in (name, *aliases):
             module = importlib.import_module(module_name)
             module.add_arguments(sp)
             sp.set_defaults(_module=module)
