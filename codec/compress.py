@@ -59,8 +59,8 @@ def compress_frames(payload, ranges, level, executor) -> tuple[list, list]:
         payload: memoryview of the whole payload.
         ranges: (start, stop) byte range of each frame.
         level: zstd level, or None to send pieces uncompressed (crc32 checked).
-        executor: ThreadPoolExecutor (one zstd compressor per worker thread)
-            or None for the calling thread.
+        executor: parallel.Pool (one zstd compressor per thread) or None for
+            the calling thread.
 
     Returns:
         (frames, header entries [raw_len, wire_len, check]).
@@ -80,7 +80,7 @@ def gather(frames, entries, zstd: bool, total: int, pool=None, reuse: bool = Fal
         entries: (raw_len, wire_len, check) per frame from the header.
         zstd: whether frames are zstd frames.
         total: payload bytes (sum of raw_len, already checked).
-        pool: ThreadPoolExecutor to decompress frames in parallel, or None.
+        pool: parallel.Pool to decompress frames in parallel, or None.
         reuse: assemble into this thread's scratch buffer (valid until the
             thread's next gather) instead of fresh memory.
 

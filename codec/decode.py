@@ -47,7 +47,9 @@ def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS, threads: int = 
 
     Returns:
         nested dict of arrays in their encoded dtype and shape (writable,
-        C-contiguous).
+        C-contiguous). The arrays of one message are views into one buffer
+        (one allocation, whose fresh pages cost far less than one per
+        tensor), which lives as long as any of them does.
     """
     try:
         pool = parallel.pool(parallel.check_threads(threads))
@@ -58,8 +60,9 @@ def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS, threads: int = 
         payload = gather(views[1:], header.frames, header.zstd, header.total, pool, reuse)
         with np.errstate(all="ignore"):
             outs, jobs = [], []
+            arena = _Arena(header)
             for t in header.tensors:
-                out, more = _tensor(header, t, payload)
+                out, more = _tensor(header, t, payload, arena)
                 outs.append(out)
                 jobs += more
             parallel.run_all(pool, _run_job, jobs)
@@ -79,7 +82,28 @@ def _run_job(fn, *args) -> None:
         fn(*args)
 
 
-def _tensor(header, t, payload: np.ndarray) -> tuple:
+class _Arena:
+    """One output buffer for every decoded (non-raw) tensor of a message."""
+
+    ALIGN = 64
+
+    def __init__(self, header):
+        sizes = [] if header.scheme == "raw" else [self._span(t) for t in header.tensors]
+        self._buf = np.empty(sum(sizes), np.uint8)
+        self._pos = 0
+
+    def _span(self, t) -> int:
+        return -(-t.size * fmt.DTYPES[t.dtype].itemsize // self.ALIGN) * self.ALIGN
+
+    def take(self, t) -> np.ndarray:
+        """The next tensor's 1-D output array (contents undefined)."""
+        dtype = fmt.DTYPES[t.dtype]
+        a = self._pos
+        self._pos += self._span(t)
+        return self._buf[a : a + t.size * dtype.itemsize].view(dtype)
+
+
+def _tensor(header, t, payload: np.ndarray, arena: _Arena) -> tuple:
     """A tensor's output array and the jobs that fill it (none when it is done)."""
     dtype = fmt.DTYPES[t.dtype]
     if header.scheme == "raw":
@@ -93,15 +117,16 @@ def _tensor(header, t, payload: np.ndarray) -> tuple:
         raise CodecError(f"tensor {'/'.join(t.path)!r} has a non-finite or negative block scale")
     if header.scheme == "topk":
         section = payload[t.offset : t.offset + t.codes_bytes]
+        out = arena.take(t)
         try:
-            flat = decode_topk(section, scales, t, header.block, header.keep, header.bits)
+            decode_topk(section, scales, t, header.block, header.keep, header.bits, out)
         except ValueError as e:
             raise CodecError(f"tensor {'/'.join(t.path)!r}: {e}") from None
-        return flat.astype(dtype, copy=False).reshape(t.shape), []
+        return out.reshape(t.shape), []
     levels = fmt.LEVELS[header.scheme]
     code_type = np.uint8 if levels == 7 else np.int8
     codes = _section(payload, t.offset, t.codes_bytes, code_type)
-    out = np.empty(t.size, dtype)
+    out = arena.take(t)
     bs = header.block
     step = 2 if levels == 7 else 1
     piece = max(bs, (PIECE_ELEMENTS // bs) * bs)

@@ -142,14 +142,14 @@ class Codec:
             new_res = None if state is None else state.spare[i]
             x = arr.reshape(-1)
             jobs += [(i, t, x, res, new_res, payload, a, b) for a, b in self._pieces(t.size)]
+        workers = parallel.pool(self.zstd_threads)
         # stochastic rounding draws from one generator: in order, in this thread
-        executor = None if self.stochastic else parallel.pool(self.zstd_threads)
-        ok = run_all(executor, self._encode_piece, jobs)
+        ok = run_all(None if self.stochastic else workers, self._encode_piece, jobs)
         for job, good in zip(jobs, ok, strict=True):
             if not good:
                 _raise_non_finite(items[job[0]][0], job[2])
         frames, entries = compress_frames(
-            memoryview(payload).cast("B"), fmt.frame_ranges(total), self.zstd_level, executor
+            memoryview(payload).cast("B"), fmt.frame_ranges(total), self.zstd_level, workers
         )
         header = fmt.pack_header(
             self.scheme, self.block_size, self.store, self.zstd_level is not None,

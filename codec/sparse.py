@@ -187,22 +187,22 @@ def _unpack(data: np.ndarray, bits: int, count: int) -> np.ndarray:
     return grid.ravel()[:count]
 
 
-def decode_topk(section: np.ndarray, scales: np.ndarray, t, chunk, keep, bits) -> np.ndarray:
-    """Dense float32 values of one topk tensor section.
+def decode_topk(section: np.ndarray, scales: np.ndarray, t, chunk, keep, bits, out) -> None:
+    """Dense values of one topk tensor section.
 
     Args:
         section: uint8 codes part of the section (2K offset bytes, then codes).
         scales: float32 chunk absmax values (already checked finite, >= 0).
         t: the TensorLayout (size, kept).
         chunk, keep, bits: scheme settings from the header.
-
-    Returns:
-        float32 [t.size]; raises ValueError on an offset outside its chunk.
+        out: 1-D output of t.size elements (float32 written directly, other
+            dtypes get the float32 values cast); raises ValueError on an
+            offset outside its chunk.
     """
     n, kept = t.size, t.kept
-    out = np.zeros(n, F32)
+    out[:] = 0
     if not kept:
-        return out
+        return
     gap = section[kept : 2 * kept].astype(np.int64)
     np.left_shift(gap, 8, out=gap)
     np.bitwise_or(gap, section[:kept], out=gap)
@@ -225,4 +225,3 @@ def decode_topk(section: np.ndarray, scales: np.ndarray, t, chunk, keep, bits) -
     j = code & np.uint8(levels - 1)
     neg = (code >> np.uint8(bits - 1)).astype(np.bool_)
     out[pos] = _values(j, neg, step)
-    return out
