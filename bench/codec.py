@@ -13,11 +13,25 @@ fp32 input next to numpy memcpy measured in the same run at the same size
 (real deltas: timed on the parameter tree with each tensor's deltas of all
 rounds stacked along a new leading axis, so that the data outgrows the caches
 as a larger model's would; synthetic: on the large tensor, while the
-accumulated error uses 1M-element synthetic rounds).
+accumulated error uses 1M-element synthetic rounds). Encode and decode run on
+`--threads` threads (default: the machine's cores, at most 4); memcpy is one
+thread, as numpy does it.
+
+`topk` (density 0.02, 2 bits) is the sparse scheme: its ratio is against fp32
+bytes of one round, its per-round error is that of one round without error
+feedback, and its accumulated errors compare the sum of what was decoded over
+all rounds with the true sum, with and without error feedback.
+
+`zstd_break_even` (per data set) says when `zstd_level=None` pays: the link
+speed above which sending uncompressed frames is faster than compressing them,
+``bytes saved / extra seconds``, once counting the encoder's compression alone
+and once with the receiver's decompression too (end to end), from the
+encode/decode timings of the scheme with and without zstd in the same run.
 JSON on stdout, progress on stderr.
 """
 
 import argparse
+import os
 import platform
 import sys
 
@@ -33,8 +47,14 @@ SCHEMES = {
     "int8": lambda t: codec.int8(zstd_threads=t),
     "int8+stochastic": lambda t: codec.int8(stochastic=True, seed=0, zstd_threads=t),
     "int8-block1024": lambda t: codec.int8(block_size=1024, zstd_threads=t),
+    "int8-nozstd": lambda t: codec.int8(zstd_level=None, zstd_threads=t),
     "int4": lambda t: codec.int4(zstd_threads=t),
+    "topk": lambda t: codec.topk(zstd_threads=t),
+    "topk-nozstd": lambda t: codec.topk(zstd_level=None, zstd_threads=t),
+    "topk-4bit": lambda t: codec.topk(bits=4, zstd_threads=t),
 }
+# scheme with zstd -> the same scheme without, for the break-even link speed
+ZSTD_PAIRS = {"int8": "int8-nozstd", "topk": "topk-nozstd"}
 # Targets on real deltas (scheme -> metric -> (comparison, bound)).
 TARGETS = {
     "int8": {
@@ -60,7 +80,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-real", action="store_true", help="skip the real-delta part")
     parser.add_argument("--model", default="tiny", help="worker.model config for real deltas")
     parser.add_argument("--steps", type=int, default=None, help="AdamW steps per real round")
-    parser.add_argument("--threads", type=int, default=0, help="zstd threads (0: one thread)")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=min(os.cpu_count() or 1, 4),
+        help="encode/decode threads (0 or 1: one thread; default: cores, at most 4)",
+    )
     parser.add_argument("--repeats", type=int, default=None, help="timed repeats")
 
 
@@ -135,7 +160,13 @@ def _accumulated(c, rounds: list[dict], feedback: bool) -> float:
 
 
 def measure_scheme(
-    make, rounds: list[dict], acc_rounds: list[dict], speed_tree: dict, repeats: int, memcpy: dict
+    make,
+    rounds: list[dict],
+    acc_rounds: list[dict],
+    speed_tree: dict,
+    repeats: int,
+    memcpy: dict,
+    threads: int = 0,
 ) -> dict:
     """All figures of one scheme on one data set.
 
@@ -146,6 +177,7 @@ def measure_scheme(
         speed_tree: tree timed for encode/decode throughput.
         repeats: timed repeats for throughput.
         memcpy: memcpy gbps() at the size of speed_tree.
+        threads: decode threads (the codec from `make` has its own).
 
     Returns:
         dict of figures.
@@ -165,8 +197,9 @@ def measure_scheme(
 
     speed_bytes = 4 * _elements(speed_tree)
     enc = gbps(speed_bytes, timed(encode, repeats))
-    dec = gbps(speed_bytes, timed(lambda: codec.decode(box["frames"]), repeats))
+    dec = gbps(speed_bytes, timed(lambda: codec.decode(box["frames"], threads=threads), repeats))
     return {
+        "speed_wire_bytes": sum(len(f) for f in box["frames"]),
         "ratio": float(np.mean(ratios)),
         "rel_l2_per_round": float(np.mean(errors)),
         "rel_l2_per_round_max": float(np.max(errors)),
@@ -201,9 +234,16 @@ def measure_dataset(
     for name, make in SCHEMES.items():
         p.update(task, description=f"{label}: {name}")
         schemes[name] = measure_scheme(
-            lambda m=make: m(args.threads), rounds, acc_rounds, speed_tree, args.repeats, memcpy
+            lambda m=make: m(args.threads),
+            rounds,
+            acc_rounds,
+            speed_tree,
+            args.repeats,
+            memcpy,
+            args.threads,
         )
         p.advance(task)
+    speed_bytes = 4 * _elements(speed_tree)
     return {
         "elements": _elements(rounds[0]),
         "accumulation_rounds": len(acc_rounds),
@@ -212,6 +252,45 @@ def measure_dataset(
         "speed_tensors": len(codec.flatten(speed_tree)),
         "memcpy_gbps": memcpy,
         "schemes": schemes,
+        "zstd_break_even": {
+            name: break_even(schemes[name], schemes[plain], speed_bytes)
+            for name, plain in ZSTD_PAIRS.items()
+            if name in schemes and plain in schemes
+        },
+    }
+
+
+def break_even(zstd: dict, plain: dict, speed_bytes: int) -> dict:
+    """Link speed above which skipping zstd is faster, from one run's figures.
+
+    Args:
+        zstd: measure_scheme() figures of the scheme with zstd.
+        plain: the same scheme with zstd_level=None.
+        speed_bytes: fp32 bytes of the timed tree.
+
+    Returns:
+        bytes saved, extra seconds, and the break-even in Gbit/s (encode
+        only, and end to end with decompression); None where zstd took no
+        extra time (it then pays at any link speed).
+    """
+
+    def seconds(figures, key):
+        return speed_bytes / (figures[key]["median"] * 1e9)
+
+    saved = plain["speed_wire_bytes"] - zstd["speed_wire_bytes"]
+    extra_enc = seconds(zstd, "encode_gbps") - seconds(plain, "encode_gbps")
+    extra_dec = seconds(zstd, "decode_gbps") - seconds(plain, "decode_gbps")
+
+    def gbit(extra):
+        return 8 * saved / extra / 1e9 if extra > 0 else None
+
+    return {
+        "bytes_saved": saved,
+        "bytes_saved_fraction": saved / plain["speed_wire_bytes"],
+        "extra_encode_s": extra_enc,
+        "extra_decode_s": extra_dec,
+        "break_even_gbit_s_encode_only": gbit(extra_enc),
+        "break_even_gbit_s_end_to_end": gbit(extra_enc + extra_dec),
     }
 
 

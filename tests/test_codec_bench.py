@@ -37,3 +37,8 @@ def test_codec_bench_quick_synthetic_prints_json(capsys):
     int8 = schemes["int8"]
     assert int8["accumulated_rel_error_ef"] < int8["accumulated_rel_error_no_ef"]
     assert int8["encode_gbps"]["median"] > 0 and int8["encode_over_memcpy"] > 0
+    topk = schemes["topk"]
+    assert topk["ratio"] > 50 and topk["ratio"] > schemes["topk-nozstd"]["ratio"]
+    assert topk["accumulated_rel_error_ef"] < topk["accumulated_rel_error_no_ef"]
+    even = synth["zstd_break_even"]["int8"]
+    assert even["bytes_saved"] > 0 and "break_even_gbit_s_end_to_end" in even
