@@ -3,6 +3,8 @@
     diloco-worker start --connect tcp://HOST:PORT --island NAME [--speed F]
                         [--model tiny|small|base] [--config FILE] [--detach --data-dir D]
                         [--compile-cache-dir DIR|off]  (default: D/jax-cache)
+                        [--coordinator HOST:PORT --num-processes N --process-id I]
+                        [--param-sharding replicated|fsdp] [--dry-run]
     diloco-worker stop --data-dir D
     diloco-worker status --data-dir D [--json]
     diloco-worker eval --connect tcp://HOST:PORT [--wait-s 120] [--json]
@@ -13,6 +15,11 @@
 once every island has stopped, it waits until no shard holds a pending delta,
 reads the global parameters from the shards and evaluates them once on the
 common held-out set; run it with the islands' model and data settings.
+
+An island of several processes (worker.multihost; JAX_COORDINATOR_ADDRESS,
+JAX_NUM_PROCESSES and JAX_PROCESS_ID serve when the flags are not given): every
+process runs `start` with its own --data-dir; process 0 alone talks to the shards.
+`--dry-run` joins the process group, prints the mesh and the per-device batch, exits.
 
 Settings: defaults <- TOML file (--config; keys at top level or under [worker])
 <- environment (DILOCO_WORKER_<FIELD>) <- flags. Every IslandConfig field is a flag.
@@ -45,6 +52,11 @@ def _parser() -> argparse.ArgumentParser:
     start.add_argument("--config", help="TOML file with island settings ([worker] or top level)")
     start.add_argument(
         "--detach", action="store_true", help="run in the background; return once it has joined"
+    )
+    start.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="join the island's process group, print the mesh and the per-device batch, exit",
     )
     settings.add_flags(start, IslandConfig)
     stop = sub.add_parser("stop", help="SIGTERM the island of a data dir and wait for it")
@@ -119,21 +131,44 @@ def _start(args: argparse.Namespace, argv: list[str]) -> int:
         )
         print(f"island {cfg.island} running (pid {pid}), data dir {data_dir}")
         return 0
-    return _run_foreground(cfg)
+    return _run_foreground(cfg, dry_run=args.dry_run)
 
 
-def _run_foreground(cfg: IslandConfig) -> int:
+def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:
+    from worker import multihost  # no JAX yet: the process group must start first
+
+    spec = multihost.resolve_group(cfg.coordinator, cfg.num_processes, cfg.process_id, os.environ)
+    if spec.multi and cfg.devices:
+        raise ValueError(
+            f"devices must be 0 (every device of every process) in an island of "
+            f"{spec.num_processes} processes, got {cfg.devices}"
+        )
+    if spec.multi:
+        multihost.initialize(spec, multihost.liveness_timeout_s(cfg.heartbeat_interval_s))
+    goodbye_s = max(10.0, multihost.liveness_timeout_s(cfg.heartbeat_interval_s))
+    if dry_run:
+        print(multihost.dry_run_text(cfg, spec), flush=True)
+        multihost.leave(spec, 0, goodbye_s)
+        return 0
     from worker.island import Island  # imports JAX: only when an island really starts
+    from worker.mirror import run_follower
 
     data_dir = Path(cfg.data_dir)
     stop = daemon.enter_foreground(data_dir, cfg.log_level)
     try:
         if cfg.cpu >= 0 and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {cfg.cpu % os.cpu_count()})
-        island = Island(cfg)
-        return island.run(stop, on_ready=lambda: daemon.notify_ready({"island": cfg.island}))
+        island = Island(cfg, group=spec)
+        ready = {"island": cfg.island, "process": spec.process_id}
+        if not spec.leader:  # follows process 0; never opens a socket to the shards
+            daemon.notify_ready(ready)
+            code = run_follower(island, stop)
+        else:
+            code = island.run(stop, on_ready=lambda: daemon.notify_ready(ready))
     finally:
         daemon.release_pid_file(daemon.pid_path(data_dir))
+    multihost.leave(spec, code, goodbye_s)  # the others exit here; process 0 waits for them
+    return code
 
 
 def _status(args: argparse.Namespace) -> int:
@@ -167,6 +202,15 @@ def _status(args: argparse.Namespace) -> int:
         if key in status:
             value = status[key]
             print(f"{key:>15}: {value:.4f}" if isinstance(value, float) else f"{key:>15}: {value}")
+    if "processes" in status:
+        procs, mesh = status["processes"], status["mesh"]
+        coordinator = f" (coordinator {procs['coordinator']})" if procs["coordinator"] else ""
+        print(f"{'processes':>15}: process {procs['index']} of {procs['count']}{coordinator}")
+        print(
+            f"{'mesh':>15}: {mesh['devices']} device(s) on axis {mesh['axis']}, "
+            f"{mesh['local_devices']} here ({mesh['platform']}), {mesh['param_sharding']}, "
+            f"batch {mesh['global_batch']} = {mesh['per_device_batch']:g} per device"
+        )
     return 0
 
 

@@ -341,3 +341,47 @@ def dry_run_text(cfg, spec: GroupSpec) -> str:
         f"{cfg.param_sharding} parameters, global batch {cfg.batch_size} = {split}"
     )
     return line + "\n" + json.dumps(info, sort_keys=True)
+
+
+BYE_KEY = "diloco/bye/"
+
+
+def leave(spec: GroupSpec, code: int, timeout_s: float) -> None:
+    """End this process's part in the group without tripping JAX's shutdown.
+
+    Process 0 hosts the coordination service: if it exits first, another
+    process's own shutdown call fails and JAX aborts it. So every other process
+    leaves a note and ends at once (no shutdown call), and process 0 waits, up
+    to `timeout_s`, for every note before it exits.
+
+    Args:
+        spec: the group (nothing happens for one process).
+        code: the exit status of a process other than 0.
+        timeout_s: how long process 0 waits for the others' notes.
+    """
+    if not spec.multi:
+        return
+    from jax._src import distributed
+
+    client = distributed.global_state.client
+    if not spec.leader:
+        try:
+            client.key_value_set(f"{BYE_KEY}{spec.process_id}", str(code))
+        finally:
+            logging.shutdown()
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout_s
+    waiting = set(range(1, spec.num_processes))
+    while waiting and time.monotonic() < deadline:
+        for p in sorted(waiting):
+            try:
+                client.key_value_try_get(f"{BYE_KEY}{p}")
+                waiting.discard(p)
+            except Exception:  # not there yet
+                pass
+        if waiting:
+            time.sleep(0.05)
+    if waiting:
+        logger.warning("processes %s did not say bye within %.1f s", sorted(waiting), timeout_s)
