@@ -14,7 +14,9 @@
 `eval` is the final evaluation of a run (DESIGN.md, "What counts as useful work"):
 once every island has stopped, it waits until no shard holds a pending delta,
 reads the global parameters from the shards and evaluates them once on the
-common held-out set; run it with the islands' model and data settings.
+common held-out set; run it with the islands' model and data settings. On a
+CURVE cluster give an island's keys (--curve-secret-key-file,
+--curve-server-key-file) and its --island: the probe says hello as that id.
 
 An island of several processes (worker.multihost; JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES and JAX_PROCESS_ID serve when the flags are not given): every
