@@ -331,7 +331,13 @@ def run(args: argparse.Namespace) -> int:
     warmup = 10 if quick else 100
     result = {
         "command": " ".join(sys.argv),
-        "machine": {"python": platform.python_version(), "numpy": np.__version__},
+        "machine": {
+            "python": platform.python_version(),
+            "numpy": np.__version__,
+            "cpus": os.cpu_count(),
+            # other work on the machine slows every figure here, memcpy included
+            "loadavg_1m_start": os.getloadavg()[0],
+        },
         "threads": args.threads,
         "datasets": {},
     }
@@ -353,6 +359,7 @@ def run(args: argparse.Namespace) -> int:
         small = synthetic_rounds(min(args.elements, 1 << 20), args.rounds, seed=2)
         p.advance(task)
         result["datasets"]["synthetic"] = measure_dataset("synthetic", big, small, big[0], args, p)
+    result["machine"]["loadavg_1m_end"] = os.getloadavg()[0]
     emit_json(result)
     return 0
 

@@ -17,7 +17,9 @@ ignored by readers)::
     keep      topk only: entries kept per full chunk, 1 <= keep <= block
     bits      topk only: bits per kept value, 2 or 4
     store     "float32" | "bfloat16": the stored element type (raw); nil otherwise
-    zstd      true when each payload frame is one zstd frame
+    zstd      true when each payload frame is one zstd frame (writers skip
+              zstd with zstd_level=None, for links faster than the
+              compressor: see the codec package docstring)
     payload   total length in bytes of the (uncompressed) payload
     tensors   list of [path, shape, dtype, offset]:
                 path   list of str, the keys from the tree root to the leaf
@@ -60,7 +62,7 @@ each section starting at a multiple of 8 bytes (zero padding between). With
   chunk; offset codes are gaps: a chunk's first entry sits at chunk-local
   offset ``d``, each next one ``d + 1`` after the previous (so the offsets are
   ``cumsum(d + 1) - 1``; readers reject an offset ``>= w_i``). Value codes are
-  packed little end first (bits 2: entry ``4i + j`` in bits ``2j..2j+1`` of
+  packed little end first (bits 2: entry ``4i + r`` in bits ``2r..2r+1`` of
   byte ``i``; bits 4: entry ``2i`` in the low nibble), unused high bits zero;
   each is ``s << (bits - 1) | j`` with sign ``s`` and level ``j`` in
   ``[0, L)``, ``L = 2**(bits - 1)``. Value = ``float32(2j + 1) * (m *
