@@ -24,10 +24,10 @@ def test_flags_select_topk():
 @pytest.mark.parametrize(
     "argv, text",
     [
-        (["--topk-density", "0"], "topk_density must be a number in \\(0, 1\\], got 0.0"),
+        (["--topk-density", "0"], "topk_density=0.0: must be a finite number > 0 and <= 1"),
         (["--topk-density", "1.5"], "topk_density.*1.5"),
         (["--topk-density", "nan"], "topk_density.*nan"),
-        (["--topk-bits", "3"], "topk_bits must be 2 or 4, got 3"),
+        (["--topk-bits", "3"], "topk_bits=3: must be one of 2, 4"),
     ],
 )
 def test_bad_topk_flags_name_the_value(argv, text):

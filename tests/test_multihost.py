@@ -50,9 +50,11 @@ def said(text: str) -> str:
 
 def test_island_config_checks_the_new_fields():
     assert IslandConfig(param_sharding="fsdp").param_sharding == "fsdp"
-    with pytest.raises(IslandConfigError, match="param_sharding must be one of replicated, fsdp"):
+    with pytest.raises(
+        IslandConfigError, match="param_sharding='zero3': must be one of replicated, fsdp"
+    ):
         IslandConfig(param_sharding="zero3")
-    with pytest.raises(IslandConfigError, match="process_id must be >= -1"):
+    with pytest.raises(IslandConfigError, match="process_id=-2: must be an int >= -1"):
         IslandConfig(process_id=-2)
 
 

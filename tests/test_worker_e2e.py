@@ -114,10 +114,10 @@ def test_killed_island_rejoins_and_the_other_keeps_advancing(cluster):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (("--model", "huge"), "model must be one of tiny, small, base"),
-        (("--speed", "0"), "speed must be a finite number > 0"),
+        (("--model", "huge"), "model='huge': must be one of tiny, small, base"),
+        (("--speed", "0"), "speed=0.0: must be a finite number > 0"),
         (("--speed", "fast"), "--speed"),
-        (("--merge-rule", "average"), "merge_rule must be one of"),
+        (("--merge-rule", "average"), "merge_rule='average': must be one of"),
     ],
 )
 def test_bad_config_is_one_clear_line(tmp_path, flags, message):

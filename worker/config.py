@@ -7,9 +7,9 @@ Loaded by `diloco-worker` as defaults <- TOML file (`--config`) <- environment
 from __future__ import annotations
 
 import dataclasses
-import math
 
-from paramserver.client import ClientConfig
+from paramserver.client import ClientConfig, ClientConfigError
+from paramserver.plumbing.validate import Checks
 from worker.exchange import MERGE_RULES
 
 CODECS = ("int8", "int4", "float32", "bfloat16", "topk")
@@ -50,6 +50,10 @@ class IslandConfig:
     topk_density: float = 0.02  # codec topk: share of entries sent per chunk, in (0, 1]
     topk_bits: int = 2  # codec topk: bits per sent value, 2 or 4
     merge_rule: str = "keep-progress"  # folding a new global version: keep-progress | overwrite
+    # push fragment p of P at inner step floor(p * H / P) of each round, each with its own delta
+    # since its own last push, instead of all at the round's end: the peak rate at the island's
+    # link falls by about P (worker.streaming); a cluster of mode sync is refused
+    streaming: bool = False
     eval_every: int = 2  # rounds between evaluations of the global parameters (0 = never)
     eval_batches: int = 4  # held-out batches per evaluation
     max_rounds: int = 0  # stop after this many rounds (0 = until stopped)
@@ -71,31 +75,21 @@ class IslandConfig:
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
 
     def __post_init__(self) -> None:
-        def bad(field: str, rule: str) -> IslandConfigError:
-            return IslandConfigError(f"{field} {rule}, got {getattr(self, field)!r}")
-
-        if self.model not in MODEL_NAMES:
-            raise bad("model", f"must be one of {', '.join(MODEL_NAMES)}")
-        if self.codec not in CODECS:
-            raise bad("codec", f"must be one of {', '.join(CODECS)}")
-        if not (math.isfinite(self.topk_density) and 0 < self.topk_density <= 1):
-            raise bad("topk_density", "must be a number in (0, 1]")
-        if self.topk_bits not in (2, 4):
-            raise bad("topk_bits", "must be 2 or 4")
-        if self.merge_rule not in MERGE_RULES:
-            raise bad("merge_rule", f"must be one of {', '.join(MERGE_RULES)}")
-        if not self.island or len(self.island) > 128:
-            raise bad("island", "must be 1-128 characters")
-        if not self.connect.startswith(("tcp://", "ipc://", "inproc://")):
-            raise bad("connect", "must be a ZeroMQ endpoint such as tcp://127.0.0.1:5555")
-        for field in ("speed", "lr", "flush_timeout_s", "join_timeout_s", "heartbeat_interval_s"):
-            value = getattr(self, field)
-            if not math.isfinite(value) or value <= 0:
-                raise bad(field, "must be a finite number > 0")
-        if not 0 <= self.jitter < 1:
-            raise bad("jitter", "must be in [0, 1)")
-        if not 0 < self.heldout_fraction < 0.5:
-            raise bad("heldout_fraction", "must be in (0, 0.5)")
+        check = Checks("IslandConfig", IslandConfigError)
+        try:  # the connection's rules (endpoint, island id, timeouts, CURVE pair) are the client's
+            self.client_config()
+        except ClientConfigError as exc:
+            raise IslandConfigError(str(exc).replace("ClientConfig.", "IslandConfig.", 1)) from None
+        check.choice("model", self.model, MODEL_NAMES)
+        check.choice("codec", self.codec, CODECS)
+        check.number("topk_density", self.topk_density, above=0.0, high=1.0)
+        check.choice("topk_bits", self.topk_bits, (2, 4))
+        check.choice("merge_rule", self.merge_rule, MERGE_RULES)
+        check.choice("param_sharding", self.param_sharding, PARAM_SHARDINGS)
+        for field in ("speed", "lr", "flush_timeout_s"):
+            check.number(field, getattr(self, field), above=0.0)
+        check.number("jitter", self.jitter, low=0.0, below=1.0)
+        check.number("heldout_fraction", self.heldout_fraction, above=0.0, below=0.5)
         for field, low in (
             ("inner_steps", 1),
             ("batch_size", 1),
@@ -111,17 +105,31 @@ class IslandConfig:
             ("block_size", 0),
             ("cpu", -1),
             ("data_shard", -1),
+            ("seed", 0),
         ):
-            if getattr(self, field) < low:
-                raise bad(field, f"must be >= {low}")
-        if self.data_shard >= self.data_shards:
-            raise bad("data_shard", f"must be < data_shards ({self.data_shards})")
-        if bool(self.curve_secret_key_file) != bool(self.curve_server_key_file):
-            raise bad(
-                "curve_server_key_file" if self.curve_secret_key_file else "curve_secret_key_file",
-                "must be set together with the other curve_* key file (or neither)",
-            )
-        if self.param_sharding not in PARAM_SHARDINGS:
-            raise bad("param_sharding", f"must be one of {', '.join(PARAM_SHARDINGS)}")
-        if self.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
-            raise bad("log_level", "must be DEBUG, INFO, WARNING or ERROR")
+            check.integer(field, getattr(self, field), low)
+        check.require(
+            self.data_shard < self.data_shards,
+            "data_shard",
+            self.data_shard,
+            f"must be < data_shards ({self.data_shards})",
+        )
+        check.log_level("log_level", self.log_level)
+
+    def client_config(self) -> ClientConfig:
+        """This island's connection settings (the client's own defaults for the rest).
+
+        Returns:
+            The ClientConfig the island's `Client` uses.
+
+        Raises:
+            ClientConfigError: a connection setting is invalid.
+        """
+        return ClientConfig(
+            connect=self.connect,
+            island=self.island,
+            heartbeat_interval_s=self.heartbeat_interval_s,
+            join_timeout_s=self.join_timeout_s,
+            curve_secret_key_file=self.curve_secret_key_file,
+            curve_server_key_file=self.curve_server_key_file,
+        )

@@ -8,7 +8,9 @@ island waits after each push until the shards published versions that include
 its round, then adopts them and starts the next round: the slowest island
 paces everyone, and that wait shows as lost goodput. The train and eval steps
 are compiled before the start barrier, so compile time is neither padded by
-`--speed` nor charged to the first round.
+`--speed` nor charged to the first round. With `--streaming true` each
+fragment is pushed at its own inner step of the round instead of all at its
+end (`worker.streaming`), and the unsent work is pushed when the island stops.
 
 Goodput (`worker.goodput`): tokens the shards credited to this island (each
 delta's tokens times its staleness factor) over the tokens it could have
@@ -40,7 +42,7 @@ import jax
 import numpy as np
 
 import codec
-from paramserver.client import Client, ClientConfig, ClientError
+from paramserver.client import Client, ClientError
 from worker import compile_cache, outbox_file
 from worker import data as data_lib
 from worker import model as model_lib
@@ -50,6 +52,7 @@ from worker.goodput import goodput, step_rate
 from worker.mirror import Group, topology
 from worker.multihost import GroupSpec, liveness_timeout_s
 from worker.pace import Pacer
+from worker.streaming import check_streaming_mode, due_fragments, flush_fragments
 from worker.train import InnerConfig, InnerTrainer
 
 logger = logging.getLogger(__name__)
@@ -165,6 +168,7 @@ class Island:
         joined = client.join(flat0, stop=stop)
         self.plan = joined.plan
         self.mode = joined.mode
+        check_streaming_mode(self.cfg.streaming, self.mode)  # refuses a sync cluster
         self.param_count = sum(frag.size for frag in self.plan.fragments)
         self.flat = {k: np.array(v, dtype=np.float32) for k, v in joined.params.items()}
         self.group.share_join(codec.unflatten(self.flat))  # other processes build their trainer
@@ -186,6 +190,7 @@ class Island:
             frag.index: self.codec.init({"delta": np.zeros(frag.size, np.float32)})
             for frag in self.plan.fragments
         }
+        self.unsent = {frag.index: 0 for frag in self.plan.fragments}  # steps since its push
         logger.info(
             "island %s joined: %d fragments, versions %s, mode %s",
             self.cfg.island,
@@ -218,19 +223,18 @@ class Island:
         self.trainer.set_params(codec.unflatten(local))
         return len(updates)
 
-    def _push_round(self, client: Client, steps: int, stop: threading.Event) -> None:
+    def _push_round(self, client: Client, fragments: list[int], stop: threading.Event) -> None:
+        """Push each fragment's work since its own last push (one gather, every process)."""
         self._settle_resent(client, stop)
         local = self._local_flat()
-        tokens = steps * self.cfg.batch_size * self.cfg.seq_len
-        for frag in self.plan.fragments:
-            sync = self.sync[frag.index]
-            values = self.plan.gather(local, frag.index)
-            delta = sync.take(values)  # only the work not sent yet
-            frames, self.ef_state[frag.index] = self.codec.encode(
-                {"delta": delta}, self.ef_state[frag.index]
-            )
-            round_id = self.round_base + self.round
-            client.push(frag.index, round_id, sync.base_version, tokens, steps, frames, stop=stop)
+        round_id = self.round_base + self.round
+        for index in fragments:
+            sync = self.sync[index]
+            delta = sync.take(self.plan.gather(local, index))  # only the work not sent yet
+            frames, self.ef_state[index] = self.codec.encode({"delta": delta}, self.ef_state[index])
+            steps, self.unsent[index] = self.unsent[index], 0
+            tokens = steps * self.cfg.batch_size * self.cfg.seq_len
+            client.push(index, round_id, sync.base_version, tokens, steps, frames, stop=stop)
 
     def _settle_resent(self, client: Client, stop: threading.Event) -> None:
         """Before the first new round: wait until the re-sent deltas are resolved, drop the file.
@@ -278,16 +282,7 @@ class Island:
             0 after a clean stop (unacked deltas flushed within the bound).
         """
         cfg = self.cfg
-        client = self.client_factory(
-            ClientConfig(
-                connect=cfg.connect,
-                island=cfg.island,
-                heartbeat_interval_s=cfg.heartbeat_interval_s,
-                join_timeout_s=cfg.join_timeout_s,
-                curve_secret_key_file=cfg.curve_secret_key_file,
-                curve_server_key_file=cfg.curve_server_key_file,
-            )
-        )
+        client = self.client_factory(cfg.client_config())
         self.group.watch(lambda line: self._abandon(client, line))
         exit_code = 1  # what the other processes of the island exit with
         try:
@@ -324,16 +319,24 @@ class Island:
                     self.step_times.append(time.monotonic() - t0)
                     del self.step_times[:-256]
                     steps += 1
+                    self.unsent = {index: n + 1 for index, n in self.unsent.items()}
+                    if cfg.streaming and (
+                        due := due_fragments(steps, steps_per_round, len(self.unsent))
+                    ):
+                        self._push_round(client, due, stop)
                     adopted += self._fold_updates(client)
                 if steps == 0:
                     break
                 client.report_step_time(float(np.median(self.step_times[-steps_per_round:])))
-                self._push_round(client, steps, stop)
+                if not cfg.streaming:
+                    self._push_round(client, sorted(self.sync), stop)
                 if self.mode == "sync":
                     self._wait_for_merge(client, self.round_base + self.round, stop)
                     adopted += self._fold_updates(client)
                 self.round += 1
                 self._record_round(client, losses, adopted, steps, round_start)
+            if cfg.streaming and (rest := flush_fragments(self.unsent)):
+                self._push_round(client, rest, stop)  # under a round id no push used yet
             self.state = "stopping"
             self._write_status()
             exit_code = 0

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import math
 import time
 from collections.abc import Sequence
 
@@ -33,6 +32,7 @@ import optax
 from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from paramserver.plumbing.validate import Checks
 from worker import model
 from worker import sharding as sharding_lib
 from worker.config import IslandConfig
@@ -66,29 +66,17 @@ class InnerConfig:
     seq_len: int = IslandConfig.seq_len  # context length T (windows hold T+1 bytes)
 
     def __post_init__(self) -> None:
-        def bad(field: str, rule: str) -> InnerConfigError:
-            return InnerConfigError(f"InnerConfig.{field} {rule}, got {getattr(self, field)!r}")
-
-        for field in ("lr", "weight_decay", "final_lr_fraction", "grad_clip", "eps"):
-            value = getattr(self, field)
-            if not isinstance(value, int | float) or not math.isfinite(value) or value < 0:
-                raise bad(field, "must be a finite number >= 0")
-        if self.lr <= 0:
-            raise bad("lr", "must be > 0")
-        if self.final_lr_fraction > 1:
-            raise bad("final_lr_fraction", "must be in [0, 1]")
+        check = Checks("InnerConfig", InnerConfigError)
+        check.number("lr", self.lr, above=0.0)
+        for field in ("weight_decay", "grad_clip", "eps"):
+            check.number(field, getattr(self, field), low=0.0)
+        check.number("final_lr_fraction", self.final_lr_fraction, low=0.0, high=1.0)
         for field in ("b1", "b2"):
-            value = getattr(self, field)
-            if not isinstance(value, int | float) or not 0 <= value < 1:
-                raise bad(field, "must be in [0, 1)")
+            check.number(field, getattr(self, field), low=0.0, below=1.0)
         for field, minimum in (("warmup_steps", 0), ("decay_steps", 1), ("batch_size", 1)):
-            value = getattr(self, field)
-            if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-                raise bad(field, f"must be an int >= {minimum}")
-        if not isinstance(self.seq_len, int) or isinstance(self.seq_len, bool) or self.seq_len < 1:
-            raise bad("seq_len", "must be an int >= 1")
-        if self.decay not in _DECAYS:
-            raise bad("decay", f"must be one of {_DECAYS}")
+            check.integer(field, getattr(self, field), minimum)
+        check.integer("seq_len", self.seq_len, 1)
+        check.choice("decay", self.decay, _DECAYS)
 
 
 def make_schedule(cfg: InnerConfig) -> optax.Schedule:
