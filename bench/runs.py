@@ -149,6 +149,11 @@ def run_diloco(
                     (
                         *common_flags(budget, i),
                         *("--codec", scenario.codec, "--jitter", str(jitter)),
+                        *(
+                            ("--topk-density", str(scenario.topk_density))
+                            if scenario.topk_density
+                            else ()
+                        ),
                         *("--merge-rule", scenario.merge_rule),
                         *("--flush-timeout-s", "5", "--start-file", str(start_file)),
                         *("--max-rounds", str(max_rounds)),

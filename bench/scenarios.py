@@ -54,6 +54,7 @@ class Scenario:
     grace_rule: str = "eq3"  # quorum grace window: eq3 | fraction (paramserver.server.policy)
     merge: str = "mean"  # combining island deltas on the server: mean | rda
     merge_rule: str = "keep-progress"  # islands folding a new version: keep-progress | overwrite
+    topk_density: float = 0.0  # codec topk: share of entries sent (0: the worker's default)
     island_speeds: tuple[tuple[float, float], ...] = ()  # (speed, jitter) each; () = slow_*
     inner_steps: int = 0  # H of this run (0: the budget's)
     steps_per_island: int = 0  # inner steps each island trains in this run (0: the budget's)
@@ -129,4 +130,10 @@ def full(islands: int = 3) -> tuple[Budget, list[Scenario]]:
             Scenario(f"h100-{c}", "quorum", "comm", codec=c, inner_steps=100, steps_per_island=600)
             for c in COMM_CODECS
         ),
-    ]
+        # what the topk loss miss depends on: a denser top-k, and islands that restart each
+        # round from the global model (the unsent rest stays in error feedback only)
+        Scenario("h100-topk-d10", "quorum", "comm", codec="topk", inner_steps=100,
+                 steps_per_island=600, topk_density=0.1),
+        Scenario("h100-topk-overwrite", "quorum", "comm", codec="topk", inner_steps=100,
+                 steps_per_island=600, merge_rule="overwrite"),
+    ]  # fmt: skip

@@ -66,7 +66,7 @@ def test_topk_claim_met_and_missed():
 def test_full_report_has_the_h100_runs_with_their_own_budget():
     budget, scenarios = full(3)
     comm = {s.name: s for s in scenarios if s.group == "comm"}
-    assert set(comm) == {"h100-int8", "h100-int4", "h100-topk"}
+    assert {"h100-int8", "h100-int4", "h100-topk"} <= set(comm)
     own = comm["h100-topk"].budget_of(budget)
     assert (own.inner_steps, own.steps_per_island, own.islands) == (100, 600, 3)
     assert comm["h100-topk"].downlink == "int8"
