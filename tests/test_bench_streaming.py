@@ -1,0 +1,71 @@
+"""`diloco-bench streaming`: the window arithmetic (hand-computed) and a quick end-to-end run."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.streaming import peak_to_average, steady_end, window_bytes
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.mark.timeout(10)
+def test_buckets_fall_into_the_window_they_start_in():
+    # 0.5 s buckets: bucket k starts at k / 2 s; windows [1, 2) and [2, 3)
+    buckets = {"1": 100, "2": 5, "3": 7, "4": 3, "5": 4, "6": 50}
+    assert window_bytes(buckets, 0.5, 1.0, 3.0) == [12, 7]
+    # a partial last window: [1, 2), [2, 2.5); the bucket starting at 2.5 is outside
+    assert window_bytes(buckets, 0.5, 1.0, 2.5) == [12, 3]
+    with pytest.raises(ValueError):
+        window_bytes(buckets, 0.5, 2.0, 2.0)
+
+
+@pytest.mark.timeout(10)
+def test_peak_to_average_hand_values():
+    burst = peak_to_average([0, 400, 0, 0], 4.0)
+    assert (burst["peak_bps"], burst["avg_bps"], burst["peak_to_avg"]) == (400.0, 100.0, 4.0)
+    assert peak_to_average([100, 100, 100, 100], 4.0)["peak_to_avg"] == 1.0
+    # 2 s windows: peak 600 B / 2 s = 300 B/s against 900 B / 6 s = 150 B/s
+    assert peak_to_average([600, 300, 0], 6.0, window_s=2.0)["peak_to_avg"] == 2.0
+    assert peak_to_average([0, 0], 2.0)["peak_to_avg"] is None
+
+
+@pytest.mark.timeout(10)
+def test_steady_span_ends_in_the_middle_of_the_last_round():
+    rows = [
+        {"round": 1, "wall": 10.0, "loss": 3.0},
+        {"round": 2, "wall": 13.0, "loss": 2.9},
+        {"round": 2, "wall": 14.0, "final": True},
+    ]
+    assert steady_end(rows) == 11.5
+    assert steady_end(rows[:1]) is None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_bench_streaming_flattens_the_burst():
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.cli", "streaming", "--quick"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=880,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout)
+    for key in ("settings", "runs", "peak_to_avg", "whole_run_peak_to_avg", "final_eval_loss",
+                "loss_relative_difference", "equal_tokens", "targets"):  # fmt: skip
+        assert key in result, key
+    assert set(result["runs"]) == {"baseline", "streaming"}
+    for run in result["runs"].values():
+        assert run["final_eval_loss"] is not None, run.get("final_eval_error")
+        assert run["bytes_up"] > 0
+    assert result["equal_tokens"]
+    ratios = result["peak_to_avg"]
+    # the baseline pushes a whole round at once: its peak stands out; streaming spreads it
+    assert ratios["streaming"] < ratios["baseline"], ratios
