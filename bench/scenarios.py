@@ -136,4 +136,7 @@ def full(islands: int = 3) -> tuple[Budget, list[Scenario]]:
                  steps_per_island=600, topk_density=0.1),
         Scenario("h100-topk-overwrite", "quorum", "comm", codec="topk", inner_steps=100,
                  steps_per_island=600, merge_rule="overwrite"),
+        # the same tokens in 60 rounds of H=10: error feedback needs ~1/density rounds
+        Scenario("h10-int8", "quorum", "comm", codec="int8", inner_steps=10, steps_per_island=600),
+        Scenario("h10-topk", "quorum", "comm", codec="topk", inner_steps=10, steps_per_island=600),
     ]  # fmt: skip
