@@ -13,15 +13,17 @@ specified in `codec.format`.
 
 Speed: `zstd_threads=N` (encode) and `decode(frames, threads=N)` spread the
 quantize/dequantize pieces and the 1 MiB zstd frames over N threads (the
-caller plus N - 1 pool threads, one zstd object per thread). zstd buys 13-20%
+caller plus N - 1 pool threads, one zstd object per thread). zstd buys 3-20%
 fewer int8 bytes (4.05x -> 3.92x of fp32 on real deltas without it) at the
-cost of compressing and decompressing; `zstd_level=None` skips it, which is
-faster end to end on links above the break-even ``bytes saved / (extra
-encode + decode seconds)``: about 0.6 Gbit/s for int8 on real deltas on a
-2-core machine (0.9 Gbit/s counting the encoder alone; `diloco-bench codec`
-measures it in every run as `zstd_break_even`). For topk, zstd halves the
-bytes (offsets compress well), so keep it unless the link is faster than
-the same order of Gbit/s.
+cost of compressing and decompressing (level 1 runs at ~0.75 GB/s of int8
+codes per core on a 2-core test machine); `zstd_level=None` skips it, which
+is faster end to end on links above the break-even ``bytes saved / (extra
+encode + decode seconds)``: measured 0.5-0.65 Gbit/s for int8 on real deltas
+there (0.7-1.0 Gbit/s counting the encoder alone; 0.9 end to end on
+synthetic data). `diloco-bench codec` measures it in every run
+(`zstd_break_even`). For topk, zstd halves the bytes (the offset planes
+compress well) and its timings there were too small to separate from noise:
+keep zstd for topk on WAN links.
 """
 
 from .decode import decode
