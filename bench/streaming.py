@@ -56,8 +56,8 @@ class Settings:
 
     islands: int = 2
     fragments: int = 8
-    inner_steps: int = 160
-    rounds: int = 6
+    inner_steps: int = 400  # rounds of about P seconds here: the baseline's burst is about P
+    rounds: int = 4
     batch_size: int = 8
     seq_len: int = 64
     model: str = "tiny"
@@ -65,7 +65,8 @@ class Settings:
     eval_batches: int = 8
 
 
-QUICK = Settings(fragments=4, inner_steps=40, rounds=4, eval_batches=4)
+# rounds must span a few 1 s windows (about 100 x 25 ms here) or no burst shows in them
+QUICK = Settings(fragments=4, inner_steps=100, rounds=3, eval_batches=4)
 
 
 def window_bytes(
@@ -302,11 +303,13 @@ def compare(s: Settings, out: Path, progress=lambda line: None) -> dict[str, Any
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `diloco-bench streaming`."""
-    parser.add_argument("--quick", action="store_true", help="small and fast (P=4, H=40, 4 rounds)")
+    parser.add_argument(
+        "--quick", action="store_true", help="small and fast (P=4, H=100, 3 rounds)"
+    )
     parser.add_argument("--out", help="keep the runs here (a new or earlier bench output dir)")
     parser.add_argument("--fragments", type=int, help="P, fragments of the plan (8; quick 4)")
-    parser.add_argument("--inner-steps", type=int, help="H (160; quick 40)")
-    parser.add_argument("--rounds", type=int, help="rounds per island, >= 2 (6; quick 4)")
+    parser.add_argument("--inner-steps", type=int, help="H (400; quick 100)")
+    parser.add_argument("--rounds", type=int, help="rounds per island, >= 2 (4; quick 3)")
     parser.add_argument("--islands", type=int, help="islands (2)")
 
 
