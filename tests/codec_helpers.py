@@ -63,3 +63,57 @@ def max_abs_error_bound(c, x_in: np.ndarray) -> np.ndarray:
     quant = factor * absmax / levels * (1 + 1e-5) + absmax * 1e-6
     quant = np.where(absmax < TINY, absmax, quant)
     return quant + cast
+
+
+def fuzz_tree() -> dict:
+    """A small tree of mixed dtypes and shapes (a matrix, a nested float16 vector, a scalar)."""
+    rng = np.random.default_rng(0)
+    return {
+        "w": rng.standard_normal((40, 30)).astype(np.float32),
+        "b": {"bias": rng.standard_normal(33).astype(np.float16)},
+        "s": np.float32(2.0).reshape(()),
+    }
+
+
+def decode_or_codec_error(frames, **kw) -> bool:
+    """True when decode succeeded; any exception other than CodecError fails."""
+    try:
+        codec.decode(frames, **kw)
+    except codec.CodecError as e:
+        assert str(e)
+        return False
+    return True
+
+
+def mutate(rnd, frames: list[bytes]) -> list[bytes]:
+    """One random damage to a message: flip bits, truncate, reorder, drop, duplicate,
+    replace a frame with random bytes, or append garbage to one.
+
+    Args:
+        rnd: a random.Random.
+        frames: the message (not modified).
+
+    Returns:
+        The damaged copy.
+    """
+    frames = list(frames)
+    kind = rnd.randrange(7)
+    i = rnd.randrange(len(frames))
+    f = bytearray(frames[i])
+    if kind == 0 and f:  # flip bits
+        for _ in range(rnd.randint(1, 4)):
+            f[rnd.randrange(len(f))] ^= 1 << rnd.randrange(8)
+        frames[i] = bytes(f)
+    elif kind == 1:  # truncate
+        frames[i] = bytes(f[: rnd.randrange(len(f) + 1)])
+    elif kind == 2:  # reorder
+        rnd.shuffle(frames)
+    elif kind == 3:  # drop
+        del frames[i]
+    elif kind == 4:  # duplicate
+        frames.insert(i, frames[i])
+    elif kind == 5:  # random bytes in place of a frame
+        frames[i] = rnd.randbytes(rnd.randrange(64))
+    else:  # append garbage to a frame
+        frames[i] = bytes(f) + rnd.randbytes(rnd.randint(1, 8))
+    return frames

@@ -7,6 +7,7 @@ import msgpack
 import numpy as np
 import pytest
 import zstandard
+from codec_helpers import decode_or_codec_error, fuzz_tree, mutate
 
 import codec
 from codec import format as fmt
@@ -19,12 +20,7 @@ def small_frames(monkeypatch):
 
 
 def messages() -> list[list[bytes]]:
-    rng = np.random.default_rng(0)
-    tree = {
-        "w": rng.standard_normal((40, 30)).astype(np.float32),
-        "b": {"bias": rng.standard_normal(33).astype(np.float16)},
-        "s": np.float32(2.0).reshape(()),
-    }
+    tree = fuzz_tree()
     out = []
     for c in [
         codec.int8(block_size=64),
@@ -37,16 +33,6 @@ def messages() -> list[list[bytes]]:
         assert len(frames) >= 3
         out.append([bytes(f) for f in frames])
     return out
-
-
-def decode_or_codec_error(frames, **kw) -> bool:
-    """True when decode succeeded; any exception other than CodecError fails."""
-    try:
-        codec.decode(frames, **kw)
-    except codec.CodecError as e:
-        assert str(e)
-        return False
-    return True
 
 
 def repack(header: bytes, **changes) -> bytes:
@@ -66,26 +52,7 @@ def test_mutated_frames_never_raise_anything_but_codec_error(small_frames):
     msgs = messages()
     decoded = 0
     for _ in range(2500):
-        frames = list(rnd.choice(msgs))
-        kind = rnd.randrange(7)
-        i = rnd.randrange(len(frames))
-        f = bytearray(frames[i])
-        if kind == 0 and f:  # flip bytes
-            for _ in range(rnd.randint(1, 4)):
-                f[rnd.randrange(len(f))] ^= 1 << rnd.randrange(8)
-            frames[i] = bytes(f)
-        elif kind == 1:  # truncate
-            frames[i] = bytes(f[: rnd.randrange(len(f) + 1)])
-        elif kind == 2:  # reorder
-            rnd.shuffle(frames)
-        elif kind == 3:  # drop
-            del frames[i]
-        elif kind == 4:  # duplicate
-            frames.insert(i, frames[i])
-        elif kind == 5:  # random bytes in place of a frame
-            frames[i] = rnd.randbytes(rnd.randrange(64))
-        else:  # append garbage to a frame
-            frames[i] = bytes(f) + rnd.randbytes(rnd.randint(1, 8))
+        frames = mutate(rnd, rnd.choice(msgs))
         decoded += decode_or_codec_error(frames)
     assert decoded < 250  # almost all damage is detected
 
