@@ -26,13 +26,12 @@ import asyncio
 import contextlib
 import json
 import math
-import signal
 import sys
 import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.children.relay import RelayError, parse_pair
+from bench.children.relay import RelayError, parse_pair, serve_pairs
 
 CHUNK = 64 * 1024
 
@@ -83,34 +82,14 @@ async def _pipe(
 
 
 async def _serve(pairs: list[tuple[str, int, str, int]], count: Counter) -> None:
-    async def handler(reader, writer, link: str, thost: str, tport: int) -> None:
-        try:
-            treader, twriter = await asyncio.open_connection(thost, tport)
-        except OSError:
-            writer.close()
-            return
-        await asyncio.gather(
-            _pipe(reader, twriter, count, link, "up"), _pipe(treader, writer, count, link, "down")
-        )
-
-    servers = []
-    for lhost, lport, thost, tport in pairs:
+    for _lhost, lport, _thost, _tport in pairs:
         count.links.setdefault(str(lport), {"up": defaultdict(int), "down": defaultdict(int)})
-        servers.append(
-            await asyncio.start_server(
-                lambda r, w, link=str(lport), h=thost, p=tport: handler(r, w, link, h, p),
-                lhost,
-                lport,
-            )
-        )
-    print("ready", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
-    for server in servers:
-        server.close()
+    await serve_pairs(
+        pairs,
+        lambda r, w, tr, tw, lport: asyncio.gather(
+            _pipe(r, tw, count, str(lport), "up"), _pipe(tr, w, count, str(lport), "down")
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

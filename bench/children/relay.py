@@ -21,6 +21,8 @@ import contextlib
 import signal
 import sys
 import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 CHUNK = 16 * 1024
 QUEUE_CHUNKS = 64
@@ -110,22 +112,42 @@ async def _pipe(
             writer.close()
 
 
-async def _serve(pairs: list[tuple[str, int, str, int]], delay_s: float, rate: float) -> None:
-    async def handler(reader, writer, thost: str, tport: int) -> None:
+async def serve_pairs(
+    pairs: list[tuple[str, int, str, int]],
+    join: Callable[
+        [
+            asyncio.StreamReader,
+            asyncio.StreamWriter,
+            asyncio.StreamReader,
+            asyncio.StreamWriter,
+            int,
+        ],
+        Awaitable[Any],
+    ],
+) -> None:
+    """Listen on every LHOST:LPORT and join each connection to its THOST:TPORT until SIGTERM.
+
+    Prints "ready" once listening. A connection whose target refuses is closed.
+
+    Args:
+        pairs: (lhost, lport, thost, tport) each.
+        join: awaited with (reader, writer, target reader, target writer, lport) to move
+            the bytes both ways.
+    """
+
+    async def handler(reader, writer, lport: int, thost: str, tport: int) -> None:
         try:
             treader, twriter = await asyncio.open_connection(thost, tport)
         except OSError:
             writer.close()
             return
-        await asyncio.gather(
-            _pipe(reader, twriter, delay_s, rate), _pipe(treader, writer, delay_s, rate)
-        )
+        await join(reader, writer, treader, twriter, lport)
 
     servers = []
     for lhost, lport, thost, tport in pairs:
         servers.append(
             await asyncio.start_server(
-                lambda r, w, h=thost, p=tport: handler(r, w, h, p), lhost, lport
+                lambda r, w, lp=lport, h=thost, p=tport: handler(r, w, lp, h, p), lhost, lport
             )
         )
     print("ready", flush=True)
@@ -136,6 +158,15 @@ async def _serve(pairs: list[tuple[str, int, str, int]], delay_s: float, rate: f
     await stop.wait()
     for server in servers:
         server.close()
+
+
+async def _serve(pairs: list[tuple[str, int, str, int]], delay_s: float, rate: float) -> None:
+    await serve_pairs(
+        pairs,
+        lambda r, w, tr, tw, _lport: asyncio.gather(
+            _pipe(r, tw, delay_s, rate), _pipe(tr, w, delay_s, rate)
+        ),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
