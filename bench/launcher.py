@@ -124,6 +124,7 @@ class LocalCluster:
         self.port = free_base_port(2 * shards, host)
         self.server_dir = self.out_dir / "server"
         self.islands: dict[str, Path] = {}
+        self.island_cpus: dict[str, int] = {}  # the core each island is pinned to, for good
         self.cluster_file: Path | None = None
 
     @property
@@ -231,14 +232,7 @@ class LocalCluster:
         """
         procs = []
         for i, spec in enumerate(specs):
-            data_dir = self.island_dir(spec.name)
-            self.islands[spec.name] = data_dir
-            argv = [
-                *spec.prefix, sys.executable, "-m", "worker.cli", "start", "--detach",
-                "--connect", self.connect, "--island", spec.name,
-                "--speed", str(spec.speed), "--data-dir", str(data_dir),
-                "--cpu", str(i), *spec.extra,
-            ]  # fmt: skip
+            argv = self.island_argv(spec)
             procs.append(
                 (
                     spec.name,
@@ -252,6 +246,28 @@ class LocalCluster:
                 self._wait_started(procs[0], timeout_s)
         for item in procs[1:]:
             self._wait_started(item, timeout_s)
+
+    def island_argv(self, spec: IslandSpec) -> list[str]:
+        """The `diloco-worker start --detach` command of an island (and its data dir's record).
+
+        An island keeps the core it was first given across restarts: a restarted
+        island pinned to another island's core would halve both.
+
+        Args:
+            spec: the island.
+
+        Returns:
+            argv; `--cpu` is the island's own core (the n-th island started: core n).
+        """
+        data_dir = self.island_dir(spec.name)
+        self.islands[spec.name] = data_dir
+        cpu = self.island_cpus.setdefault(spec.name, len(self.island_cpus))
+        return [
+            *spec.prefix, sys.executable, "-m", "worker.cli", "start", "--detach",
+            "--connect", self.connect, "--island", spec.name,
+            "--speed", str(spec.speed), "--data-dir", str(data_dir),
+            "--cpu", str(cpu), *spec.extra,
+        ]  # fmt: skip
 
     @staticmethod
     def _wait_started(item: tuple[str, subprocess.Popen], timeout_s: float) -> None:
