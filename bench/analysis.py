@@ -178,7 +178,11 @@ def bytes_per_token(rows: Rows) -> float:
 
 
 def uptime(
-    timeline: Sequence[tuple[float, int]], window_s: float, start: float, end: float
+    timeline: Sequence[tuple[float, int]],
+    window_s: float,
+    start: float,
+    end: float,
+    exclude: Sequence[tuple[float, float]] = (),
 ) -> float | None:
     """Share of time windows in which at least one fragment version advanced.
 
@@ -189,9 +193,11 @@ def uptime(
         window_s: window length (e.g. the nominal round time).
         start: first window's start (seconds, same clock as the timeline).
         end: windows end at or before this.
+        exclude: (from, to) intervals; a window overlapping one is not counted
+            (e.g. a shard's outage, to judge uptime under island faults alone).
 
     Returns:
-        Share in [0, 1], or None when no whole window fits or nothing was sampled.
+        Share in [0, 1], or None when no whole (counted) window fits.
     """
     if window_s <= 0 or not timeline:
         raise ValueError(f"uptime needs window_s > 0 and samples, got {window_s} and {timeline!r}")
@@ -204,11 +210,11 @@ def uptime(
         i = bisect.bisect_right(times, t)
         return timeline[i - 1][1] if i else timeline[0][1]
 
-    advanced = sum(
-        version_at(start + (k + 1) * window_s) > version_at(start + k * window_s)
-        for k in range(count)
-    )
-    return advanced / count
+    windows = [(start + k * window_s, start + (k + 1) * window_s) for k in range(count)]
+    counted = [(a, b) for a, b in windows if not any(a < e and b > s for s, e in exclude)]
+    if not counted:
+        return None
+    return sum(version_at(b) > version_at(a) for a, b in counted) / len(counted)
 
 
 def mean(values: Sequence[float]) -> float | None:

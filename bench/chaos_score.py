@@ -68,6 +68,16 @@ def summarize(
             {**f.to_json(), "fired": fired, "recovery_s": None if rec is None else round(rec, 3)}
         )
     up = uptime(raw["timeline"], window_s, t0, end) if raw["timeline"] else None
+    # a shard's outage (kill to its first step after the restart) stops its fragments by
+    # design; uptime under the island and link faults is judged outside those spans
+    outages = [
+        (t0 + r["at_s"], t0 + r["at_s"] + r["duration_s"] + (r["recovery_s"] or 0.0))
+        for r in recovery
+        if r["kind"] == "kill_shard"
+    ]
+    up_islands = (
+        uptime(raw["timeline"], window_s, t0, end, exclude=outages) if raw["timeline"] else None
+    )
     capacity = setup.duration_s * sum(
         fl.training_rate(_round_samples(rows)) or 0.0 for rows in raw["rows"].values()
     )
@@ -75,6 +85,7 @@ def summarize(
         "goodput": goodput(useful, capacity),
         "capacity_tokens": capacity,
         "uptime": up,
+        "uptime_outside_shard_outages": up_islands,
         "deltas_acked": len(acked),
         "deltas_applied": applied,
         "deltas_acked_delivered": len(delivered),

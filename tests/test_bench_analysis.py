@@ -79,6 +79,17 @@ def test_uptime_counts_windows_in_which_a_version_advanced():
         analysis.uptime(timeline, 0.0, 0.0, 8.0)
 
 
+def test_uptime_outside_excluded_spans():
+    # windows [0,2) [2,4) [4,6) [6,8) advanced: yes, no, no, yes. Excluding (2.5, 5) drops
+    # [2,4) and [4,6): 2 of 2. Excluding (2.5, 3) drops [2,4) only: 2 of 3 (it still falls).
+    # (1, 2) drops [0,2) but not [2,4), which starts where it ends: 1 of 3.
+    timeline = [(0.0, 0), (1.0, 1), (2.0, 2), (7.0, 3)]
+    assert analysis.uptime(timeline, 2.0, 0.0, 8.0, exclude=[(2.5, 5.0)]) == 1.0
+    assert analysis.uptime(timeline, 2.0, 0.0, 8.0, exclude=[(2.5, 3.0)]) == pytest.approx(2 / 3)
+    assert analysis.uptime(timeline, 2.0, 0.0, 8.0, exclude=[(1.0, 2.0)]) == pytest.approx(1 / 3)
+    assert analysis.uptime(timeline, 2.0, 0.0, 8.0, exclude=[(-1.0, 9.0)]) is None
+
+
 def record(method, finals, islands, curve=(), **extra):
     return {
         "method": method,
