@@ -38,6 +38,28 @@ def free_port_pair() -> int:
     raise AssertionError("no free port pair")
 
 
+def shard_argv(data_dir: Path, port: int, *flags: str) -> list[str]:
+    """The command that runs shard 0 of a one-shard cluster the way the supervisor runs it.
+
+    Args:
+        data_dir: the cluster's data dir.
+        port: ROUTER port (PUB on port + 1).
+        flags: `diloco-server start` flags as pairs (``"--mode", "async"``).
+
+    Returns:
+        argv of ``python -m paramserver.server.cli shard --index 0 --settings-json ...``.
+    """
+    given = {
+        flags[i].removeprefix("--").replace("-", "_"): flags[i + 1] for i in range(0, len(flags), 2)
+    }
+    given.update(port=str(port), data_dir=str(data_dir))
+    cfg = load_settings(ShardConfig, flags=given)
+    return [
+        sys.executable, "-m", "paramserver.server.cli", "shard", "--index", "0",
+        "--settings-json", json.dumps(asdict(cfg)),
+    ]  # fmt: skip
+
+
 class ShardProcess:
     """Shard 0 of a one-shard cluster on 127.0.0.1; its output is kept in `output`.
 
@@ -51,16 +73,7 @@ class ShardProcess:
         self.port = free_port_pair()
         self.router = f"tcp://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
-        given = {
-            flags[i].removeprefix("--").replace("-", "_"): flags[i + 1]
-            for i in range(0, len(flags), 2)
-        }
-        given.update(port=str(self.port), data_dir=str(data_dir))
-        cfg = load_settings(ShardConfig, flags=given)
-        argv = [
-            sys.executable, "-m", "paramserver.server.cli", "shard", "--index", "0",
-            "--settings-json", json.dumps(asdict(cfg)),
-        ]  # fmt: skip
+        argv = shard_argv(data_dir, self.port, *flags)
         self.proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
         )

@@ -4,7 +4,6 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 import zmq
 from conftest import Peer, free_port
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
+from shard_process import shard_argv
 
 import codec
 from paramserver.server.config import ShardConfig
@@ -196,33 +196,16 @@ def test_a_stopped_shard_checkpoints_and_restarts_with_the_same_state(start_shar
 
 
 def spawn_shard(port, data_dir):
-    cmd = [
-        sys.executable,
-        "-m",
-        "paramserver.server.shard",
-        "--port",
-        str(port),
-        "--data-dir",
-        str(data_dir),
-        "--mode",
-        "sync",
-        "--outer-optimizer",  # explicit: every step (one island each) takes Nesterov
-        "nesterov",
-        "--outer-lr",
-        "0.7",
-        "--outer-momentum",
-        "0.9",
-        "--downlink",  # exact fp32 state, so a plain optimizer replay is the reference
-        "float32",
-        "--checkpoint-every-steps",
-        "4",
-        "--heartbeat-interval-s",
-        "5",
-        "--liveness",
-        "100",
-        "--log-level",
-        "WARNING",
-    ]
+    cmd = shard_argv(
+        data_dir,
+        port,
+        *("--mode", "sync"),
+        # explicit: every step (one island each) takes Nesterov
+        *("--outer-optimizer", "nesterov", "--outer-lr", "0.7", "--outer-momentum", "0.9"),
+        # exact fp32 state, so a plain optimizer replay is the reference
+        *("--downlink", "float32", "--checkpoint-every-steps", "4"),
+        *("--heartbeat-interval-s", "5", "--liveness", "100", "--log-level", "WARNING"),
+    )
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu"}
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
 
