@@ -169,7 +169,9 @@ def _welcome(
     hello, bye = {"kind": "hello", "island": name}, {"kind": "bye", "island": name}
     welcome, _ = _exchange(ctx, connect, hello, timeout_s, farewell=bye, curve=curve)
     if welcome["kind"] != "welcome":
-        detail = f": {welcome.get('reason')} ({welcome.get('detail')})" if "reason" in welcome else ""
+        detail = (
+            f": {welcome.get('reason')} ({welcome.get('detail')})" if "reason" in welcome else ""
+        )
         raise ProbeError(f"{connect} answered hello as {name!r} with {welcome['kind']!r}{detail}")
     return welcome
 
