@@ -77,9 +77,21 @@ def shard_status(shard: ShardProcess) -> dict:
             peer.close()
 
 
-def run_island(tmp: Path, name: str, processes: int, devices: int, *args: str) -> dict:
-    """One fresh sync-mode shard and one island of `processes` x `devices`; 3 rounds."""
-    shard = ShardProcess(tmp / f"{name}-shard", "--mode", "sync")
+def run_island(
+    tmp: Path,
+    name: str,
+    processes: int,
+    devices: int,
+    *args: str,
+    shard_flags: tuple[str, ...] = ("--mode", "sync"),
+    rounds: int = ROUNDS,
+) -> dict:
+    """One fresh shard (`shard_flags`) and one island of `processes` x `devices` for `rounds`.
+
+    Every process must exit 0. Returns the shard's versions, process 0's loss rows and
+    evals, every process's output and status.
+    """
+    shard = ShardProcess(tmp / f"{name}-shard", *shard_flags)
     try:
         with zmq.Context() as ctx:
             shard.wait_ready(ctx)
@@ -90,13 +102,13 @@ def run_island(tmp: Path, name: str, processes: int, devices: int, *args: str) -
                 shard.router,
                 devices,
                 "--max-rounds",
-                str(ROUNDS),
+                str(rounds),
                 *args,
                 group=(coordinator, processes, i) if processes > 1 else None,
             )  # fmt: skip
             for i in range(processes)
         ]
-        results = finish(procs, 300)
+        results = finish(procs, 400)
         for code, text in results:
             assert code == 0, text[-3000:]
         versions = shard_status(shard)["versions"]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import threading
 
 import pytest
@@ -193,38 +192,16 @@ def test_a_streaming_island_refuses_a_sync_cluster(tmp_path):
 @pytest.mark.timeout(600)
 def test_a_two_process_streaming_island_pushes_through_the_announced_gather(tmp_path):
     """Each streaming push gathers the parameters through the call process 0 announces."""
-    import zmq
-    from conftest import free_port
-    from shard_process import ShardProcess
-    from test_multihost_island import finish, metrics, shard_status, start_process
+    from test_multihost_island import metrics, run_island
 
-    shard = ShardProcess(tmp_path / "shard", "--mode", "async", "--fragments", "4")
-    try:
-        with zmq.Context() as ctx:
-            shard.wait_ready(ctx)
-        coordinator = f"127.0.0.1:{free_port()}"
-        procs = [
-            start_process(
-                tmp_path / f"p{i}",
-                shard.router,
-                2,
-                "--max-rounds",
-                "3",
-                "--streaming",
-                "true",
-                group=(coordinator, 2, i),
-            )  # fmt: skip
-            for i in range(2)
-        ]
-        results = finish(procs, 400)
-        for code, text in results:
-            assert code == 0, text[-3000:]
-        versions = shard_status(shard)["versions"]
-    finally:
-        shard.stop()
+    run = run_island(
+        tmp_path, "s", 2, 2, "--streaming", "true",
+        shard_flags=("--mode", "async", "--fragments", "4"), rounds=3,
+    )  # fmt: skip
+    versions = run["versions"]
     # H = 4, P = 4: one fragment per step; 3 rounds, then fragments 1..3 flushed
     assert len(versions) == 4 and all(int(v) >= 3 for v in versions.values()), versions
-    final = [r for r in metrics(tmp_path / "p0") if r.get("final")][-1]
+    final = [r for r in metrics(tmp_path / "s-p0") if r.get("final")][-1]
     assert final["pushes"] == 3 * 4 + 3 and final["acked"] == final["pushes"], final
-    follower = json.loads((tmp_path / "p1" / "status.json").read_text())
+    follower = run["status"][1]
     assert follower["state"] == "stopped" and "client" not in follower
