@@ -145,13 +145,18 @@ def _run_island(cfg: IslandConfig) -> list[tuple[int, int, int, int]]:
     return made[0].pushes
 
 
-@pytest.mark.timeout(180)
-def test_a_streaming_island_pushes_each_fragment_at_its_step_and_flushes_at_the_end(tmp_path):
+def _pushes_on_a_4_fragment_shard(tmp_path, streaming: bool) -> list:
+    """The pushes of one island run against a fresh async shard with 4 fragments."""
     cluster = Cluster(tmp_path, shards=1, mode="async", fragments=4)
     try:
-        pushes = _run_island(_island_cfg(tmp_path, cluster.connect, streaming=True))
+        return _run_island(_island_cfg(tmp_path, cluster.connect, streaming=streaming))
     finally:
         cluster.stop()
+
+
+@pytest.mark.timeout(180)
+def test_a_streaming_island_pushes_each_fragment_at_its_step_and_flushes_at_the_end(tmp_path):
+    pushes = _pushes_on_a_4_fragment_shard(tmp_path, streaming=True)
     tokens_per_step = 2 * 16
     base = pushes[0][1]
     # H = 8, P = 4: offsets 0, 2, 4, 6; round 0, round 1, then the flush (a new round id)
@@ -168,11 +173,7 @@ def test_a_streaming_island_pushes_each_fragment_at_its_step_and_flushes_at_the_
 
 @pytest.mark.timeout(180)
 def test_without_streaming_every_fragment_is_pushed_at_the_round_end(tmp_path):
-    cluster = Cluster(tmp_path, shards=1, mode="async", fragments=4)
-    try:
-        pushes = _run_island(_island_cfg(tmp_path, cluster.connect, streaming=False))
-    finally:
-        cluster.stop()
+    pushes = _pushes_on_a_4_fragment_shard(tmp_path, streaming=False)
     base = pushes[0][1]
     expected = [(f, r, 8) for r in (0, 1) for f in range(4)]
     assert [(f, r - base, s) for f, r, s, _ in pushes] == expected
