@@ -11,9 +11,9 @@ Event-sourced: every change that must survive a crash is one of three events,
 - `AcceptEvent`: one validated delta joins a fragment's pending set;
 - `StepEvent`: one outer step of a fragment merging exactly the listed keys.
 
-`initialize`, `submit_delta` and `step` validate, build the event, hand it
-to the `journal` (the write-ahead log; if it raises, nothing is applied) and
-`apply` it; they return the event. Replaying the same events
+`initialize`, `submit_delta` and `step` validate, build the event and
+`apply` it; they return the event, which the caller (`paramserver.server.core`)
+hands to the write-ahead log. Replaying the same events
 through `apply` on a fresh state gives the same parameters bit for bit (the
 write-ahead log's recovery). Rejected requests never reach `apply`, so they
 never touch parameters. Island registry, rejection counts and byte counters
@@ -23,14 +23,15 @@ Parameters and optimizer state live in JAX and a step updates them in place
 (donated buffers), except when a numpy view handed out by `snapshot` still
 exists: JAX then keeps the old buffer, so such a view never changes.
 
-Clock: `now` is wall-clock seconds (time.time()), because arrival times are
-persisted with pending deltas and must mean the same after a restart.
+Clock: `now` is wall-clock seconds (the caller's time.time()), because
+arrival times are persisted with pending deltas and must mean the same after a
+restart. The state reads no clock: the duration of a step (for the eq3 grace
+window) comes from the `timer` it is given (none: 0).
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -40,11 +41,21 @@ import numpy as np
 import optax
 
 import codec
-from paramserver.server import robust
-from paramserver.server.admission import check_push
+from paramserver.server import outcomes, robust
 from paramserver.server.config import ShardConfig
+from paramserver.server.counters import Counters
 from paramserver.server.downlink import Downlink
+from paramserver.server.events import (
+    AcceptEvent,
+    Contribution,
+    Event,
+    InitEvent,
+    StateError,
+    StepEvent,
+)
+from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
 from paramserver.server.merge import merge_pending
+from paramserver.server.outcomes import Outcome
 from paramserver.server.outer import (
     DonatingStep,
     FragmentOptimizer,
@@ -59,23 +70,10 @@ from paramserver.server.policy import (
     pace_report,
     quorum_time,
 )
-from paramserver.server.records import (
-    AcceptEvent,
-    Contribution,
-    Counters,
-    DedupEntry,
-    Event,
-    FragmentState,
-    InitEvent,
-    Outcome,
-    StateError,
-    StepEvent,
-    StepUpdate,
-)
 from paramserver.server.weighting import island_shares, make_weighting
 from paramserver.wire import liveness, protocol
 from paramserver.wire.plan import Plan, PlanError
-from paramserver.wire.protocol import ACCEPTED, DUPLICATE, REJECTED
+from paramserver.wire.protocol import ACCEPTED
 
 logger = logging.getLogger(__name__)
 
@@ -83,12 +81,16 @@ logger = logging.getLogger(__name__)
 class ShardState:
     """Everything one shard knows; see the module docstring for the event rules."""
 
-    def __init__(self, cfg: ShardConfig, index: int) -> None:
+    def __init__(
+        self, cfg: ShardConfig, index: int, timer: Callable[[], float] | None = None
+    ) -> None:
         """Create an empty (uninitialized) shard state.
 
         Args:
             cfg: cluster settings (policy, weighting, outer optimizer, limits).
             index: this shard's index in [0, cfg.shards).
+            timer: a monotonic clock (seconds) timing each outer step for the
+                grace window (e.g. time.perf_counter); None counts steps as 0 s.
         """
         if not 0 <= index < cfg.shards:
             raise StateError(f"shard index {index} out of range: the config has {cfg.shards}")
@@ -109,9 +111,7 @@ class ShardState:
         # a step that merges one island's work when the quorum collapsed: plain SGD
         self._single = DonatingStep(optax.sgd(lr)) if (lr := cfg.single_island_outer_lr) else None
         self.downlink = Downlink(cfg.downlink)
-        # called with each live event before it is applied (the write-ahead log's append);
-        # an exception from it propagates and the event is not applied
-        self.journal: Callable[[Event], None] | None = None
+        self.timer = timer
 
     # ----- queries -------------------------------------------------------------
 
@@ -249,8 +249,7 @@ class ShardState:
         Returns:
             Outcome(rejected, reason, detail).
         """
-        self.counters.count_rejection(reason)
-        return Outcome(REJECTED, reason, detail)
+        return outcomes.count(self.counters, outcomes.refused(reason, detail))
 
     def initialize(self, plan_wire: Any, payload: Sequence[Any]) -> Outcome:
         """Take the plan and initial values from the first island to `init`.
@@ -264,9 +263,6 @@ class ShardState:
             accepted with an InitEvent, or rejected (already_initialized,
             malformed, plan_mismatch, codec_error, unknown_fragment, bad_shape,
             bad_dtype, non_finite), counted.
-
-        Raises:
-            Whatever `journal` raises; the event is then not applied.
         """
         if self.initialized:
             return self.reject(
@@ -300,7 +296,14 @@ class ShardState:
                 return self.reject(problem[0], f"fragment {index}: {problem[1]}")
             values[index] = tree[str(index)]
         event = InitEvent(plan.to_wire(), values)
-        self._commit(event)
+        self.apply(event)
+        logger.info(
+            "shard %d initialized: plan %s, fragments %s",
+            self.index,
+            plan.hash[:12],
+            sorted(values),
+            extra={"shard": self.index, "plan_hash": plan.hash, "fragments": sorted(values)},
+        )
         return Outcome(ACCEPTED, event=event)
 
     def submit_delta(
@@ -316,13 +319,18 @@ class ShardState:
         Returns:
             accepted (with its AcceptEvent), duplicate, or rejected with a
             reason; counted. Parameters are never touched here.
-
-        Raises:
-            Whatever `journal` raises; the event is then not applied.
         """
-        early = check_push(self, header)
+        key = (header["island"], header["fragment"])
+        early = outcomes.check_push(
+            header,
+            self.plan,
+            self.fragments.get(header["fragment"]),
+            header["island"] in self.last_seen,
+            self.dedup.get(key),
+            self.cfg,
+        )
         if early is not None:
-            return self.count_outcome(early)
+            return outcomes.count(self.counters, early)
         frag = self.fragments[header["fragment"]]
         size = frag.params.shape[0]
         try:
@@ -349,23 +357,8 @@ class ShardState:
             delta=delta,
         )
         event = AcceptEvent(contribution, tuple(payload))
-        self._commit(event)
+        self.apply(event)
         return Outcome(ACCEPTED, event=event, version=frag.version, merged_version=frag.version + 1)
-
-    def count_outcome(self, outcome: Outcome) -> Outcome:
-        """Count a refusal (rejected or duplicate) built by `paramserver.server.admission`.
-
-        Args:
-            outcome: any outcome; accepted ones pass through uncounted.
-
-        Returns:
-            The outcome (a rejection rebuilt by `reject`, which counts it).
-        """
-        if outcome.status == DUPLICATE:
-            self.counters.duplicates += 1
-        elif outcome.status == REJECTED:
-            return self.reject(outcome.reason, outcome.detail)
-        return outcome
 
     # ----- steps ----------------------------------------------------------------
 
@@ -400,30 +393,26 @@ class ShardState:
 
         Returns:
             (the applied StepEvent, the StepUpdate to publish).
-
-        Raises:
-            Whatever `journal` raises; the event is then not applied.
         """
         frag = self.fragments.get(fragment)
         if frag is None or not frag.pending:
             raise StateError(f"fragment {fragment} has nothing to step")
         quorum_s = quorum_time(frag.waiting(), self.live(now), self.policy)
         event = StepEvent(fragment, tuple((c.island, c.round) for c in frag.pending), float(now))
-        started = time.perf_counter()
-        update = self._commit(event)
+        started = self.timer() if self.timer else 0.0
+        update = self.apply(event)
         assert update is not None
-        frag.stats = observe_step(
-            frag.stats, quorum_s, time.perf_counter() - started, self.policy.ema_alpha
-        )
+        took = self.timer() - started if self.timer else 0.0
+        frag.stats = observe_step(frag.stats, quorum_s, took, self.policy.ema_alpha)
+        where = {"shard": self.index, "fragment": fragment, "version": update.version}
+        merged = len(event.keys)
+        logger.info(
+            "outer step shard=%d fragment=%d version=%d merged=%d", *where.values(), merged,
+            extra={**where, "merged": merged, "coefficients": update.coefficients},
+        )  # fmt: skip
         return event, update
 
     # ----- the one mutation path --------------------------------------------------
-
-    def _commit(self, event: Event) -> StepUpdate | None:
-        """Journal a live event, then apply it (a journal error leaves the state as it was)."""
-        if self.journal is not None:
-            self.journal(event)
-        return self.apply(event)
 
     def apply(self, event: Event) -> StepUpdate | None:
         """Apply an event (live or replayed from the log).
@@ -461,13 +450,6 @@ class ShardState:
             params = np.array(event.values[index], dtype=np.float32)
             opt_state = self.optimizer.init(params)
             self.fragments[index] = FragmentState(jnp.asarray(params), opt_state)
-        logger.info(
-            "shard %d initialized: plan %s, fragments %s",
-            self.index,
-            plan.hash[:12],
-            sorted(owned),
-            extra={"shard": self.index, "plan_hash": plan.hash, "fragments": sorted(owned)},
-        )
 
     def _apply_accept(self, c: Contribution) -> None:
         frag = self.fragments.get(c.fragment)
@@ -553,11 +535,7 @@ class ShardState:
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]
         frag.version += 1
-        islands = {x.island: round(x.coefficient, 4) for x in shares}
-        where = {"shard": self.index, "fragment": event.fragment, "version": frag.version}
-        logger.info(
-            "outer step shard=%d fragment=%d version=%d merged=%d", *where.values(),
-            len(merged_in), extra={**where, "merged": len(merged_in), "coefficients": islands},
-        )  # fmt: skip
         credited = {x.island: self.counters.credited[x.island] for x in shares}
-        return StepUpdate(event.fragment, frag.version, np.asarray(frag.params), frames, credited)
+        coefficients = {x.island: round(x.coefficient, 4) for x in shares}
+        values = np.asarray(frag.params)
+        return StepUpdate(event.fragment, frag.version, values, frames, credited, coefficients)
