@@ -6,13 +6,17 @@ and the order of I/O. Every decision is the core's (`paramserver.server.core`);
 the files are `paramserver.server.storage`'s. One loop turn:
 
     1. poll the ROUTER until the core's next wake-up (or a stop check);
-    2. hand every queued request (up to a batch) to `core.handle`, then
-       `core.on_tick` (due outer steps, heartbeat), collecting their effects;
-    3. `make_durable`: append the batch's events to the log and fsync ONCE;
-       if that fails the core gets the state rebuilt from disk and says what
-       to send instead (`core.storage_failed`: storage_error refusals);
-    4. send what `core.release` packs (replies, then publishes);
-    5. checkpoint when the core says it is due.
+    2. `run_batch`: hand every queued request (up to a batch) to
+       `core.handle`, then `core.on_tick` (due outer steps, heartbeat),
+       collecting their effects; `make_durable`: append the batch's events
+       to the log and fsync ONCE (if that fails the core gets the state
+       rebuilt from disk and says what to send instead: `core.storage_failed`,
+       storage_error refusals); `core.release` packs what to send;
+    3. send it (replies, then publishes);
+    4. `maybe_checkpoint`: checkpoint when the core says it is due.
+
+`run_batch` and `maybe_checkpoint` hold no sockets, so the simulation tests
+drive a core and a real data directory through them with a fake clock.
 
 On stop: answer what is queued, checkpoint, close the sockets.
 """
@@ -61,6 +65,41 @@ def make_durable(core: ShardCore, storage: ShardStorage, effects: Effects) -> Ef
     except StorageError as exc:
         return core.storage_failed(effects, str(exc), storage.reload())
     return effects
+
+
+def run_batch(
+    core: ShardCore, storage: ShardStorage, requests: list[Request], now: float, tick: bool = True
+) -> list[tuple[bytes | None, list[Any]]]:
+    """Handle a batch of requests (and a tick), make it durable, and pack what to send.
+
+    Args:
+        core: the shard's core.
+        storage: the shard's data directory.
+        requests: the requests received this turn, in order.
+        now: wall-clock seconds.
+        tick: also step due fragments and heartbeat (False while draining at stop).
+
+    Returns:
+        [(conn, frames)] to send in order, conn None for the PUB.
+    """
+    effects = Effects()
+    for request in requests:
+        effects.extend(core.handle(now, request))
+    if tick:
+        effects.extend(core.on_tick(now))
+    return core.release(make_durable(core, storage, effects), now)
+
+
+def maybe_checkpoint(core: ShardCore, storage: ShardStorage, now: float) -> None:
+    """Write a checkpoint when the core says one is due (after the batch's messages went out).
+
+    Args:
+        core: the shard's core.
+        storage: the shard's data directory.
+        now: wall-clock seconds.
+    """
+    if core.checkpoint_due(now):
+        core.checkpoint_done(now, storage.checkpoint(core.state, now))
 
 
 class ShardServer:
@@ -176,24 +215,21 @@ class ShardServer:
         now = time.time()
         timeout = min(STOP_CHECK_S, core.next_wake(now) - now) if tick else 0
         timeout_ms = max(0, int(timeout * 1000) + 1) if tick else 0
-        effects = Effects()
-        handled = 0
-        while (handled < BATCH or not tick) and router.poll(timeout_ms if handled == 0 else 0):
+        requests: list[Request] = []
+        while (len(requests) < BATCH or not tick) and router.poll(
+            timeout_ms if not requests else 0
+        ):
             frames = router.recv_multipart(copy=False)
             user_id = _user_id(frames[1]) if len(frames) > 1 else None
-            request = Request(bytes(frames[0]), frames[1:], user_id)
-            effects.extend(core.handle(time.time(), request))
-            handled += 1
+            requests.append(Request(bytes(frames[0]), frames[1:], user_id))
         now = time.time()
-        if tick:
-            effects.extend(core.on_tick(now))
-        for conn, message in core.release(make_durable(core, storage, effects), now):
+        for conn, message in run_batch(core, storage, requests, now, tick):
             if conn is None:
                 self._pub.send_multipart(message, copy=False)
             else:
                 router.send_multipart([conn, *message], copy=False)
-        if tick and core.checkpoint_due(now):
-            core.checkpoint_done(now, storage.checkpoint(core.state, now))
+        if tick:
+            maybe_checkpoint(core, storage, now)
 
 
 def _user_id(frame: Any) -> str | None:
