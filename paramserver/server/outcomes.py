@@ -5,22 +5,26 @@ checks of a push (`check_push`: plan, fragment, island, dedup window, base
 version, per-island pending bound), the size limit of any request
 (`oversize`), the refusals of a snapshot request (`snapshot_refusal`), the
 answer to an island the shard does not know on that connection
-(`unknown_island`), how an outcome is counted (`count`) and the reply header
+(`unknown_island`), the payload checks of `init` and `push` (`read_init`,
+`read_delta`), how an outcome is counted (`count`) and the reply header
 it becomes (`render`: an `ack` for a push, else `rejected`). The rules take
 plain values, so they import nothing of the shard's state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
+import codec
 from paramserver.server.counters import Counters
 from paramserver.server.events import Event
 from paramserver.server.fragment import DedupEntry, FragmentState
 from paramserver.wire import protocol
-from paramserver.wire.plan import Plan
+from paramserver.wire.plan import Plan, PlanError
 from paramserver.wire.protocol import DUPLICATE, REJECTED
 
 
@@ -100,6 +104,76 @@ def render(request: Mapping[str, Any] | None, outcome: Outcome, version: int) ->
             **detail,
         )
     return protocol.reply_header(request, "rejected", reason=outcome.reason, detail=outcome.detail)
+
+
+def read_init(
+    plan_wire: Any, payload: Sequence[Any], cfg: Any, shard: int
+) -> tuple[Plan, dict[int, np.ndarray]] | Outcome:
+    """The plan and this shard's initial values of an `init`, or why they are refused.
+
+    Args:
+        plan_wire: the wire plan (Plan.to_wire()).
+        payload: codec frames of the tree {"<fragment>": 1-D float32 vector}
+            with exactly this shard's fragments.
+        cfg: the shard's config (shards, num_fragments).
+        shard: the shard's index.
+
+    Returns:
+        (plan, fragment -> values), or a rejected outcome (malformed,
+        plan_mismatch, codec_error, unknown_fragment, bad_shape, bad_dtype,
+        non_finite), not yet counted.
+    """
+    try:
+        plan = Plan.from_wire(plan_wire)
+    except PlanError as exc:
+        return refused("malformed", f"bad wire plan: {exc}")
+    if plan.num_shards != cfg.shards or plan.num_fragments != cfg.num_fragments:
+        return refused(
+            "plan_mismatch",
+            f"plan has {plan.num_shards} shards / {plan.num_fragments} fragments; "
+            f"the cluster runs {cfg.shards} / {cfg.num_fragments}",
+        )
+    owned = {f.index: f.size for f in plan.fragments_of(shard)}
+    try:
+        tree = codec.decode(payload, max_elements=sum(owned.values()))
+    except codec.CodecError as exc:
+        return refused("codec_error", str(exc))
+    keys = sorted(str(k) for k in tree)
+    if keys != sorted(str(i) for i in owned):
+        return refused(
+            "unknown_fragment",
+            f"init payload has fragments {keys}; shard {shard} owns {sorted(owned)}",
+        )
+    values: dict[int, np.ndarray] = {}
+    for index, size in owned.items():
+        problem = protocol.vector_problem(tree[str(index)], size)
+        if problem:
+            return refused(problem[0], f"fragment {index}: {problem[1]}")
+        values[index] = tree[str(index)]
+    return plan, values
+
+
+def read_delta(payload: Sequence[Any], size: int) -> np.ndarray | Outcome:
+    """The delta of a push's payload, or why it is refused.
+
+    Args:
+        payload: codec frames of the tree {"delta": 1-D vector}.
+        size: the fragment's size.
+
+    Returns:
+        The 1-D float32 delta, or a rejected outcome (codec_error, bad_shape,
+        bad_dtype, non_finite), not yet counted.
+    """
+    try:
+        tree = codec.decode(payload, max_elements=size)
+    except codec.CodecError as exc:
+        return refused("codec_error", str(exc))
+    if not isinstance(tree, Mapping) or set(tree) != {"delta"}:
+        keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
+        return refused("bad_shape", f"payload must be the tree {{'delta': vec}}, got {keys}")
+    delta = tree["delta"]
+    problem = protocol.vector_problem(delta, size)
+    return refused(*problem) if problem else delta
 
 
 def oversize(size: int, limit: int) -> Outcome | None:

@@ -32,7 +32,8 @@ import zmq
 
 from paramserver.plumbing.curve import CurveServer
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
-from paramserver.server.core import Effects, Request, ShardCore
+from paramserver.server.core import ShardCore
+from paramserver.server.effects import Effects, Request
 from paramserver.server.state import ShardState
 from paramserver.server.storage.data_dir import ShardStorage, StorageError
 

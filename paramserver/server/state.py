@@ -27,6 +27,11 @@ Clock: `now` is wall-clock seconds (the caller's time.time()), because
 arrival times are persisted with pending deltas and must mean the same after a
 restart. The state reads no clock: the duration of a step (for the eq3 grace
 window) comes from the `timer` it is given (none: 0).
+
+Why over 400 lines: one class whose live rules (`initialize`, `submit_delta`,
+`step`) and replay (`apply`) must stay side by side, so that a change to one is
+seen next to the other; the refusal rules (`outcomes`), the step's arithmetic
+(`fragment_step`) and the on-disk forms (`storage/`) already live elsewhere.
 """
 
 from __future__ import annotations
@@ -38,13 +43,10 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-import codec
 from paramserver.server import outcomes, robust
 from paramserver.server.config import ShardConfig
 from paramserver.server.counters import Counters
-from paramserver.server.downlink import Downlink
 from paramserver.server.events import (
     AcceptEvent,
     Contribution,
@@ -54,14 +56,8 @@ from paramserver.server.events import (
     StepEvent,
 )
 from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
-from paramserver.server.merge import merge_pending
+from paramserver.server.fragment_step import FragmentStepper
 from paramserver.server.outcomes import Outcome
-from paramserver.server.outer import (
-    DonatingStep,
-    FragmentOptimizer,
-    aligned_float32,
-    make_outer_optimizer,
-)
 from paramserver.server.policy import (
     IslandPace,
     decide,
@@ -70,9 +66,8 @@ from paramserver.server.policy import (
     pace_report,
     quorum_time,
 )
-from paramserver.server.weighting import island_shares, make_weighting
-from paramserver.wire import liveness, protocol
-from paramserver.wire.plan import Plan, PlanError
+from paramserver.wire import liveness
+from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import ACCEPTED
 
 logger = logging.getLogger(__name__)
@@ -97,20 +92,14 @@ class ShardState:
         self.cfg = cfg
         self.index = index
         self.policy = cfg.policy()
-        self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent)
-        outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
-        self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
+        self.stepper = FragmentStepper(cfg)
+        self.optimizer = self.stepper.optimizer  # the outer optimizer's state <-> arrays
         self.plan: Plan | None = None
         self.fragments: dict[int, FragmentState] = {}
         self.dedup: dict[tuple[str, int], DedupEntry] = {}
         self.last_seen: dict[str, float] = {}
         self.paces: dict[str, IslandPace] = {}  # reported step times (eq3 grace window)
         self.counters = Counters()
-        self._merge_buffers: dict[int, np.ndarray] = {}
-        self._step = self.optimizer.donating  # the one outer step (paramserver.server.outer)
-        # a step that merges one island's work when the quorum collapsed: plain SGD
-        self._single = DonatingStep(optax.sgd(lr)) if (lr := cfg.single_island_outer_lr) else None
-        self.downlink = Downlink(cfg.downlink)
         self.timer = timer
 
     # ----- queries -------------------------------------------------------------
@@ -268,33 +257,10 @@ class ShardState:
             return self.reject(
                 "already_initialized", "this shard has parameters; request a snapshot"
             )
-        try:
-            plan = Plan.from_wire(plan_wire)
-        except PlanError as exc:
-            return self.reject("malformed", f"bad wire plan: {exc}")
-        if plan.num_shards != self.cfg.shards or plan.num_fragments != self.cfg.num_fragments:
-            return self.reject(
-                "plan_mismatch",
-                f"plan has {plan.num_shards} shards / {plan.num_fragments} fragments; "
-                f"the cluster runs {self.cfg.shards} / {self.cfg.num_fragments}",
-            )
-        owned = {f.index: f.size for f in plan.fragments_of(self.index)}
-        try:
-            tree = codec.decode(payload, max_elements=sum(owned.values()))
-        except codec.CodecError as exc:
-            return self.reject("codec_error", str(exc))
-        keys = sorted(str(k) for k in tree)
-        if keys != sorted(str(i) for i in owned):
-            return self.reject(
-                "unknown_fragment",
-                f"init payload has fragments {keys}; shard {self.index} owns {sorted(owned)}",
-            )
-        values: dict[int, np.ndarray] = {}
-        for index, size in owned.items():
-            problem = protocol.vector_problem(tree[str(index)], size)
-            if problem:
-                return self.reject(problem[0], f"fragment {index}: {problem[1]}")
-            values[index] = tree[str(index)]
+        read = outcomes.read_init(plan_wire, payload, self.cfg, self.index)
+        if isinstance(read, Outcome):
+            return outcomes.count(self.counters, read)
+        plan, values = read
         event = InitEvent(plan.to_wire(), values)
         self.apply(event)
         logger.info(
@@ -332,20 +298,9 @@ class ShardState:
         if early is not None:
             return outcomes.count(self.counters, early)
         frag = self.fragments[header["fragment"]]
-        size = frag.params.shape[0]
-        try:
-            tree = codec.decode(payload, max_elements=size)
-        except codec.CodecError as exc:
-            return self.reject("codec_error", str(exc))
-        if not isinstance(tree, Mapping) or set(tree) != {"delta"}:
-            keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
-            return self.reject(
-                "bad_shape", f"payload must be the tree {{'delta': vec}}, got {keys}"
-            )
-        delta = tree["delta"]
-        problem = protocol.vector_problem(delta, size)
-        if problem:
-            return self.reject(*problem)
+        delta = outcomes.read_delta(payload, frag.params.shape[0])
+        if isinstance(delta, Outcome):
+            return outcomes.count(self.counters, delta)
         contribution = Contribution(
             island=header["island"],
             round=header["round"],
@@ -498,35 +453,7 @@ class ShardState:
             raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
         if not merged_in:
             raise StateError(f"step event for fragment {event.fragment} merges nothing")
-        shares = island_shares(self.weighting, merged_in, frag.version)
-        if event.fragment not in self._merge_buffers:  # reused: no fresh pages per step
-            self._merge_buffers[event.fragment] = aligned_float32(frag.params.shape[0])
-        buf = self._merge_buffers[event.fragment]
-        merged = merge_pending(
-            self.cfg.merge,
-            [(c.island, c.delta) for c in merged_in],
-            {x.island: x.coefficient for x in shares},
-            self.plan.fragments[event.fragment],
-            out=buf,
-        )
-        frames = None
-        if self._single is not None and len(shares) == 1:
-            step, opt_state = self._single, self._single.tx.init(frag.params)
-        else:
-            step, opt_state = self._step, frag.opt_state
-        if self.downlink.compressed:
-            updates, opt_state = step.updates(frag.params, opt_state, merged)
-            if frag.residual is None:
-                frag.residual = np.zeros(frag.params.shape[0], np.float32)
-            new_params, frames, frag.residual = self.downlink.publish(
-                np.asarray(frag.params), np.asarray(updates), frag.residual
-            )
-            frag.params = jnp.asarray(new_params)
-            frames = tuple(frames)
-        else:
-            frag.params, opt_state = step(frag.params, opt_state, merged)
-        if step is self._step:
-            frag.opt_state = opt_state
+        shares, frames = self.stepper.step(frag, merged_in, self.plan.fragments[event.fragment])
         share_of_model = frag.params.shape[0] / self.plan.total_size
         self.counters.add_step(
             [frag.version - c.base_version for c in merged_in],
