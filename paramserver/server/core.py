@@ -97,16 +97,14 @@ class ShardCore:
         Returns:
             Its effects (to be made durable, then sent).
         """
-        out = Effects()
         size = protocol.message_bytes(request.frames)
         self.state.counters.bytes_in += size
         try:
             header, payload = protocol.unpack(request.frames)
         except protocol.ProtocolError as exc:
-            self.state.reject(exc.reason, exc.detail)
-            header = protocol.reply_header(exc.header, "rejected", reason=exc.reason)
-            out.replies.append(Reply(request.conn, {**header, "detail": exc.detail}, [], None))
-            return out
+            refusal = self.state.reject(exc.reason, exc.detail)
+            header = outcomes.render_rejected(exc.header, refusal)
+            return Effects(replies=[Reply(request.conn, header, [], None)])
         island, kind = header.get("island"), header["kind"]
         if self.guard is not None and isinstance(island, str):
             refusal = self.guard.refusal(request.user_id, island, kind, now)

@@ -103,6 +103,19 @@ def render(request: Mapping[str, Any] | None, outcome: Outcome, version: int) ->
             merged_version=outcome.merged_version,
             **detail,
         )
+    return render_rejected(request, outcome)
+
+
+def render_rejected(request: Mapping[str, Any] | None, outcome: Outcome) -> dict[str, Any]:
+    """The `rejected` reply header of a refusal (of any request, a push that did not parse too).
+
+    Args:
+        request: the request header, or what could be read of it (None: nothing).
+        outcome: the refusal.
+
+    Returns:
+        The reply header (echoing the request's `id`).
+    """
     return protocol.reply_header(request, "rejected", reason=outcome.reason, detail=outcome.detail)
 
 
