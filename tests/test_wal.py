@@ -116,3 +116,17 @@ def test_another_format_version_says_so(tmp_path):
     path.write_bytes(head + struct.pack("<I", zlib.crc32(head)))
     with pytest.raises(WalError, match="log format 7"):
         read_all(path)
+
+
+def test_rollback_cuts_off_every_record_since_the_last_sync(tmp_path):
+    log = WriteAheadLog(tmp_path / "wal-0.log", fsync=False)
+    log.append({"n": 0}, [b"kept"])
+    log.sync()
+    synced = log.size
+    log.append({"n": 1}, [b"a batch"])
+    log.append({"n": 2}, [b"that failed"])
+    log.rollback()
+    assert log.size == synced and (tmp_path / "wal-0.log").stat().st_size == synced
+    log.append({"n": 3}, [b"next batch"])
+    log.close()
+    assert [r.header["n"] for r in LogReader(tmp_path / "wal-0.log")] == [0, 3]
