@@ -140,7 +140,7 @@ def test_snapshot_pieces_and_updates_published_meanwhile_are_replayed_in_order()
     )
     sim.perform(sim.core.start_join(sim.now, small_flat(0)))
     sim.run(0.2)
-    assert sim.core.state == "syncing" and len(sim.held) == 1  # fragment 1's snapshot (seq 0)
+    assert sim.core.state == "joining" and len(sim.held) == 1  # fragment 1's snapshot (seq 0)
     new = np.arange(sim.core.plan.fragments[1].size, dtype=np.float32)
     sim.publish(shard, 1, new)  # seq 1: buffered while the snapshot is incomplete
     sim.run(0.1)

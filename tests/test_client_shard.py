@@ -29,11 +29,8 @@ def client():
 
 
 def snapshot(peer, fragment):
-    reply, payload = peer.request({"kind": "snapshot", "island": "peer", "fragment": fragment})
-    assert reply["kind"] == "snapshot_reply", reply
-    import codec
-
-    return reply["version"], codec.decode(payload)["values"]
+    reply, values = peer.snapshot(fragment)
+    return reply["version"], values
 
 
 @pytest.mark.parametrize("shards", [1, 2])

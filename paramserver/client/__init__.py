@@ -4,8 +4,10 @@ The public import path is this package: `from paramserver.client import Client,
 ClientConfig`. Its modules: `api` (the `Client` API), `types` (config,
 errors, results), `core` (`ClientCore`, the sans-I/O protocol state: join,
 ledger, replica, acks, re-sends), `effects` (what the core asks the I/O loop to
-do), `joining` (the join's handshake states), `welcome` (checks of a shard's
-welcome), `ledger` (the one ledger of pending deltas), `ack_timer` (the
+do), `joining` (a join in progress) and `handshake` (its states up to an
+initialised cluster), `welcome` (checks of a shard's welcome), `shards` (the
+shards' state, links and requests in flight), `ledger` (the one ledger of
+pending deltas), `ack_timer` (the
 adaptive re-send timeout), `replica` (applying published versions),
 `progress` (counters and what the API reads), `io_thread` (the one thread that
 owns the sockets and moves bytes), `links` (the sockets). Nothing here imports

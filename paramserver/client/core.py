@@ -8,9 +8,9 @@ clock: the I/O thread (`paramserver.client.io_thread`) only moves bytes and
 calls `on_message`, `on_tick`, `push` and `on_sent`, under one lock that also
 guards the API's reads. `ClientCore` holds:
 
-- the join: `start_join`, then the handshake's states
-  (`paramserver.client.joining`), then a snapshot of every fragment
-  (subscribe first, Clone pattern); `join_outcome` says how it ended;
+- the join: `start_join`, then the handshake's states and a snapshot of
+  every fragment (`paramserver.client.joining`); `join_outcome` says how it
+  ended;
 - the one ledger of pending deltas (`paramserver.client.ledger`), sent,
   re-sent after the adaptive ack timeout, deferred or resolved by acks;
 - the replica and each shard's update stream (`paramserver.client.replica`),
@@ -19,26 +19,27 @@ guards the API's reads. `ClientCore` holds:
   DEALER and a hello; its welcome re-sends that shard's deltas);
 - close: wait (bounded) for acks of shards that are up, then bye.
 
-The module is longer than 400 lines because these share one state (the
-shards, their links and the requests in flight); the rules themselves live in
-the ledger, the replica, the handshake and `paramserver.client.welcome`.
+Over 400 lines on purpose: the reply, ack, update and timer handlers share
+one state (the shards, their links, the requests in flight); the decisions
+they apply live in the ledger, the replica, the handshake and
+`paramserver.client.welcome`.
+
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 import codec
 from paramserver.client.effects import Effect, Send
-from paramserver.client.joining import FIRST, Ask, Handshake
+from paramserver.client.joining import Join
 from paramserver.client.ledger import Key, Ledger, StorageWarning, requests_of
 from paramserver.client.progress import Progress
-from paramserver.client.replica import Resync, ShardFeed, published_update
+from paramserver.client.replica import Resync, published_update
 from paramserver.client.shards import Shards, ShardState
 from paramserver.client.types import ClientConfig, ClientError, JoinResult, PushRequest
 from paramserver.client.welcome import check_rewelcome, welcome_limit
@@ -48,17 +49,6 @@ from paramserver.wire.plan import Plan
 from paramserver.wire.snapshot import snapshot_values
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class _JoinCall:
-    """A join request in flight: re-sent (hello only, it is idempotent) until answered."""
-
-    shard: ShardState
-    name: int  # the handshake's name of the shard (`FIRST` before the first welcome)
-    kind: str
-    frames: list[Any]
-    resend_at: float
 
 
 class ClientCore:
@@ -83,13 +73,11 @@ class ClientCore:
         # The island's typical inner-step time (s), sent in pushes and heartbeats as
         # `t_step` for the shards' adaptive grace window; None: not reported.
         self.step_time_s: float | None = None
-        self.state = "idle"  # idle -> handshake -> syncing -> joined; closed at the end
+        self.state = "idle"  # idle -> joining -> joined -> closed (a failed join: idle again)
         self.join_outcome: JoinResult | ClientError | None = None
         self.dropped: list[PushRequest] = []  # what close left unacked
-        self._handshake: Handshake | None = None
-        self._mode = "quorum"
+        self._join: Join | None = None  # the join in progress
         self._net = Shards(cfg.island, session)
-        self._join_calls: dict[int, _JoinCall] = {}
         self._storage_warning = StorageWarning()
         self._close_at: float | None = None
         # The PUB stream heartbeats at the server's interval: judge its silence by
@@ -122,14 +110,14 @@ class ClientCore:
     # -- the join -------------------------------------------------------------------------
 
     def start_join(self, now: float, flat: Mapping[str, np.ndarray]) -> list[Effect]:
-        """Start joining the cluster: hello to the configured shard.
+        """Start joining the cluster (`paramserver.client.joining`): hello to the configured shard.
 
         Args:
             now: current time.
             flat: path -> this island's parameters (see `Client.join`).
 
         Returns:
-            Effects to perform.
+            Effects to perform; `join_outcome` is set when the join ended.
 
         Raises:
             ClientError: joined already, a join in progress, or unusable
@@ -137,111 +125,36 @@ class ClientCore:
         """
         if self.state != "idle":
             raise ClientError(f"join: this client is {self.state}; a client joins once")
-        self._handshake = Handshake(self.cfg, flat, now)
+        self._join = Join(self.cfg, flat, now, self._net, self.progress)
         self.join_outcome = None
-        first = ShardState(FIRST, self.cfg.connect, "")
-        self._net.all = [first]
-        self._net.open(first, "dealer")
-        self.state = "handshake"
-        self._ask(self._handshake.start(now), now)
+        self.state = "joining"
+        self._after_join_step()
         return self._net.flush()
 
     def stop_join(self) -> list[Effect]:
         """Give up a join in progress (the API's `stop` event); no-op otherwise."""
-        if self.state in ("handshake", "syncing"):
-            self._fail_join(ClientError("join: stopped before it finished"))
+        if self._join is not None:
+            self._join.fail(ClientError("join: stopped before it finished"))
+            self._after_join_step()
         return self._net.flush()
 
-    def _ask(self, asks: list[Ask], now: float) -> None:
-        for ask in asks:
-            shard = self._net.all[0] if ask.shard == FIRST else self._net.all[ask.shard]
-            rid = self._net.new_id()
-            header = {"kind": ask.kind, "id": rid, **ask.fields}
-            frames = self._net.send(shard, header, ask.payload)
-            resend_at = now + self.cfg.ack_timeout_s
-            self._join_calls[rid] = _JoinCall(shard, ask.shard, ask.kind, frames, resend_at)
-
-    def _join_step(self, now: float, shard_name: int | None, header: dict | None) -> None:
-        """Feed the handshake one reply (or a tick); open shards and start syncing as it says."""
-        hs = self._handshake
-        try:
-            asks = hs.on_tick(now) if header is None else hs.on_reply(now, shard_name, header)
-            if hs.cluster is not None and self.plan is None:
-                self._adopt()
-            self._ask(asks, now)
-            if hs.done:
-                self._start_sync(now)
-        except ClientError as exc:
-            self._fail_join(exc)
-        except Exception as exc:  # a bug must not leave the join hanging
-            logger.exception("join failed")
-            self._fail_join(ClientError(f"join failed: {exc}"))
-
-    def _adopt(self) -> None:
-        """The first welcome was read: a DEALER to every shard, the cluster's settings."""
-        cluster = self._handshake.cluster
-        first, shards = self._net.all[0], []
-        for i, (router, pub) in enumerate(cluster.endpoints):
-            if i == cluster.shard:
-                first.index, first.pub = i, pub
-                shards.append(first)
-            else:
-                shard = ShardState(i, router, pub)
-                self._net.open(shard, "dealer")
-                shards.append(shard)
-        self._net.all = shards
-        self.plan = cluster.plan
-        self.progress.num_fragments = cluster.plan.num_fragments
-        self._pub_interval_s, self._pub_liveness = cluster.pub_interval_s, cluster.pub_liveness
-        self._mode = cluster.mode
-        if cluster.max_message_bytes is not None:
-            self.max_message_bytes = cluster.max_message_bytes
-
-    def _start_sync(self, now: float) -> None:
-        """The cluster is initialised: subscribe to every shard, then snapshot it."""
-        self._join_calls.clear()
-        self.state = "syncing"
-        for shard in self._net.all:
-            self._net.open(shard, "sub")  # Clone pattern: subscribe before the snapshot
-            fragments = tuple(f.index for f in self.plan.fragments_of(shard.index))
-            shard.feed = ShardFeed(shard.index, fragments, self.progress.replica)
-            shard.heard = shard.sub_heard = now
-            self._resync(shard, now, count=False)
-        self._finish_sync(now)
-
-    def _sync_tick(self, now: float) -> None:
-        missing = [s.index for s in self._net.all if s.feed.syncing]
-        if now > self._handshake.deadline:
-            self._fail_join(
-                ClientError(
-                    f"join: snapshots of shard(s) {missing} not received within "
-                    f"{self.cfg.join_timeout_s:g}s"
-                )
-            )
+    def _after_join_step(self) -> None:
+        """Take what the join learnt: the cluster's settings, and how it ended."""
+        join = self._join
+        if join.cluster is not None and self.plan is None:
+            cluster = join.cluster
+            self.plan = cluster.plan
+            self.progress.num_fragments = cluster.plan.num_fragments
+            self._pub_interval_s, self._pub_liveness = cluster.pub_interval_s, cluster.pub_liveness
+            if cluster.max_message_bytes is not None:
+                self.max_message_bytes = cluster.max_message_bytes
+        if join.outcome is None:
             return
-        for shard in self._net.all:  # e.g. a shard the winner of an init race has not reached
-            if shard.feed.syncing and now - shard.feed.sync_started > self.cfg.snapshot_timeout_s:
-                self._resync(shard, now, count=False)
-
-    def _finish_sync(self, now: float) -> None:
-        if self.state != "syncing" or any(s.feed.syncing for s in self._net.all):
+        self.join_outcome, self._join = join.outcome, None
+        if isinstance(self.join_outcome, JoinResult):
+            self.state = "joined"
             return
-        plan, replica = self.plan, self.progress.replica
-        params = {leaf.path: np.zeros(leaf.shape, dtype=np.float32) for leaf in plan.leaves}
-        for index, state in replica.items():
-            plan.scatter(index, state.values, params)
-        versions = {index: state.version for index, state in sorted(replica.items())}
-        for shard in self._net.all:
-            shard.heard = shard.sub_heard = shard.next_heartbeat = now
-        logger.info("island %s joined: versions %s", self.cfg.island, versions)
-        self.join_outcome = JoinResult(plan, params, versions, self._mode)
-        self.state = "joined"
-
-    def _fail_join(self, exc: ClientError) -> None:
-        self.join_outcome = exc
         self._net.close_all()
-        self._join_calls.clear()
-        self._net.requests.clear()
         self.plan = None
         self.state = "idle"
 
@@ -280,7 +193,9 @@ class ClientCore:
         except (protocol.ProtocolError, codec.CodecError) as exc:
             self.progress.add(bad_messages=1)
             logger.warning("shard %d sent an unusable %s message: %s", shard.index, role, exc)
-        self._finish_sync(now)
+        if self._join is not None:
+            self._join.check_synced(now)
+            self._after_join_step()
         return self._net.flush()
 
     def _on_reply(self, now: float, shard: ShardState, frames: list) -> None:
@@ -291,9 +206,9 @@ class ClientCore:
             return
         if kind == "heartbeat" and "credited" in header:
             self.progress.credit(shard.index, header["credited"])
-        call = self._join_calls.pop(rid, None)
-        if call is not None:
-            self._join_step(now, call.name, header)
+        if self._join is not None and self._join.owns(rid):
+            self._join.on_reply(now, rid, header)
+            self._after_join_step()
             return
         if kind == "rejected" and header["reason"] == "unknown_island" and self.joined:
             # The shard forgot us (restart, or we were silent too long): hello again;
@@ -402,8 +317,7 @@ class ClientCore:
             return
         if count:
             self.progress.add(resyncs=1)
-        for fragment in shard.feed.begin_sync(now):
-            self._net.request(shard, "snapshot", fragment, fragment=fragment)
+        self._net.request_snapshots(shard, now)
 
     # -- pushes -------------------------------------------------------------------------
 
@@ -480,15 +394,9 @@ class ClientCore:
         Returns:
             Effects to perform.
         """
-        if self.state == "handshake":
-            for call in self._join_calls.values():
-                if call.kind == "hello" and now > call.resend_at:  # hello is idempotent
-                    self._net.send_frames(call.shard, call.frames)
-                    call.resend_at = now + self.cfg.ack_timeout_s
-            self._join_step(now, None, None)
-        elif self.state == "syncing":
-            self._sync_tick(now)
-            self._finish_sync(now)
+        if self._join is not None:
+            self._join.on_tick(now)
+            self._after_join_step()
         elif self.joined:
             self._timers(now)
         if self._close_at is not None and self.state != "closed":
@@ -548,8 +456,9 @@ class ClientCore:
             Effects to perform; `closed` says when it finished (at once when
             nothing is pending).
         """
-        if self.state in ("handshake", "syncing"):
-            self._fail_join(ClientError("join: the client was closed"))
+        if self._join is not None:
+            self._join.fail(ClientError("join: the client was closed"))
+            self._after_join_step()
         self._close_at = now + max(0.0, flush_timeout_s)
         self._maybe_finish_close(now)
         return self._net.flush()

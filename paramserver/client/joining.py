@@ -1,303 +1,184 @@
-"""An island's join handshake as states: hello, the cluster's map, plan check, init.
+"""One join in progress, as the client's core drives it: the handshake's requests, then snapshots.
 
-This module owns the rules of the first part of `Client.join`, with no I/O and
-no clock: `Handshake` takes the time and the shards' replies as arguments and
-returns the requests to send (`Ask`), so the client's core
-(`paramserver.client.core`) drives it from its own message and tick handlers
-(no nested event loop). The core sends each `Ask`, re-sends an unanswered
-hello, and routes the reply back by shard; once `done`, it subscribes to every
-shard and snapshots its fragments (the join's last phase, the same re-sync
-it uses later).
-
-The states:
-- "first": hello to the configured shard; its welcome gives the cluster map
-  and this island's plan (`welcome.read_welcome`); the core then opens a
-  DEALER to every other shard (`cluster` is set);
-- "hellos": hello to every other shard; each welcome says whether that shard
-  is initialised, and with which plan;
-- "init": initialise what is not, in index order (below);
-- "done": the cluster is known and initialised.
-
-A hello answered `island_in_use` (a restarted island's old connection is
-still live) is asked again every `RETRY_S` for up to `in_use_wait_s`, then
-fails: the old connection falls silent within two heartbeats, a second
-running island with the same id stays refused.
-
-Initialisation: the island that initialises shard 0 (the first joiner; a
-lost race for it is fine, the winner's values count) initialises every other
-shard with its own values, in index order. A shard still uninitialised
-`init_grace_s` after another island took shard 0 (that island died half-way)
-is initialised by the joining island with its own values, so that a
-half-initialised cluster can always be joined. While it waits, the island
-asks that shard (hello) every `RETRY_S`.
+This module owns, with no I/O and no clock, the join of `ClientCore.start_join`
+(`paramserver.client.core`): `Join` sends what the handshake
+(`paramserver.client.handshake`) asks on the shards' links (`Shards`),
+re-sends an unanswered hello every `ack_timeout_s` (hello is idempotent),
+routes each reply back to the handshake, opens a DEALER to every shard once
+the first welcome named them, and, once the cluster is initialised,
+subscribes to every shard and snapshots its fragments (Clone pattern:
+subscribe first). `outcome` is the `JoinResult`, or the `ClientError` that
+ended the join (at `join_timeout_s` at the latest).
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
-import codec
-from paramserver.client.types import ClientConfig, ClientError
-from paramserver.client.welcome import (
-    Cluster,
-    leaves_of,
-    read_welcome,
-    shard_initialized,
-)
-from paramserver.wire.plan import Plan
+from paramserver.client.handshake import FIRST, Ask, Handshake
+from paramserver.client.progress import Progress
+from paramserver.client.replica import ShardFeed
+from paramserver.client.shards import Shards, ShardState
+from paramserver.client.types import ClientConfig, ClientError, JoinResult
+from paramserver.client.welcome import Cluster
 
 logger = logging.getLogger(__name__)
 
-FIRST = -1
-"""The shard index of the configured shard before its welcome says which it is."""
 
-RETRY_S = 0.2  # a hello refused for now (id in use, shard awaiting its init) is asked again
-_RAW = codec.raw("float32")
+@dataclass
+class _Call:
+    """A join request in flight: re-sent (hello only) until answered."""
 
-
-@dataclass(frozen=True)
-class Ask:
-    """A request the join wants sent to one shard (the core adds `id` and `island`)."""
-
-    shard: int
-    kind: str  # "hello" or "init"
-    payload: list[Any] = field(default_factory=list)
-    fields: dict[str, Any] = field(default_factory=dict)
+    shard: ShardState
+    name: int  # the handshake's name of the shard (`FIRST` before the first welcome)
+    kind: str
+    frames: list[Any]
+    resend_at: float
 
 
-class Handshake:
-    """The join's states up to a known, initialised cluster (see the module docstring)."""
+class Join:
+    """The join of one client (see the module docstring)."""
 
-    def __init__(self, cfg: ClientConfig, flat: Mapping[str, np.ndarray], now: float) -> None:
-        """Check the parameters (before anything is sent) and start in state "first".
+    def __init__(
+        self,
+        cfg: ClientConfig,
+        flat: Mapping[str, np.ndarray],
+        now: float,
+        net: Shards,
+        progress: Progress,
+    ) -> None:
+        """Check the parameters, open a DEALER to the configured shard and say hello.
 
         Args:
-            cfg: client settings (island, timeouts).
-            flat: path -> this island's parameters (initial values of an empty cluster).
-            now: when the join starts; it must finish by now + join_timeout_s.
+            cfg: client settings.
+            flat: path -> this island's parameters (see `Client.join`).
+            now: when the join starts.
+            net: the core's shards and links (emptied and refilled here).
+            progress: the core's bookkeeping (its replica is filled by the snapshots).
 
         Raises:
             ClientError: the parameters cannot be planned (nothing was sent).
         """
         self.cfg = cfg
-        self._flat = flat
-        self._leaves = leaves_of(flat)
-        self.deadline = now + cfg.join_timeout_s
-        self.state = "first"
-        self.cluster: Cluster | None = None
-        self._initialized: dict[int, bool] = {}
-        self._waiting: dict[int, str] = {}  # shard -> kind of its unanswered request
-        self._in_use_until: dict[int, float] = {}  # shard -> give up on island_in_use then
-        self._retry_at: dict[int, float] = {}  # shard -> hello again then
-        self._order: list[int] = []  # init: the shards still to initialise, in index order
-        self._ours = True  # init: shard 0 was ours, so the others are
-        self._grace_until = 0.0  # init: another island's init of the current shard is awaited
-        self._lost = False  # init: the current shard's init lost a race (checking its plan)
+        self._handshake = Handshake(cfg, flat, now)
+        self._net = net
+        self._progress = progress
+        self._calls: dict[int, _Call] = {}
+        self.cluster: Cluster | None = None  # once the first welcome was read
+        self.syncing = False
+        self.outcome: JoinResult | ClientError | None = None
+        first = ShardState(FIRST, cfg.connect, "")
+        net.all = [first]
+        net.open(first, "dealer")
+        self._ask(self._handshake.start(now), now)
 
-    @property
-    def done(self) -> bool:
-        """True once every shard is known to be initialised with this island's plan."""
-        return self.state == "done"
+    def owns(self, rid: Any) -> bool:
+        """Whether a reply with id `rid` answers one of the join's requests."""
+        return rid in self._calls
 
-    @property
-    def plan(self) -> Plan | None:
-        """This island's plan, once the first welcome was read."""
-        return None if self.cluster is None else self.cluster.plan
+    def on_reply(self, now: float, rid: int, header: dict) -> None:
+        """Take the reply to one of the join's requests (`owns(rid)`)."""
+        call = self._calls.pop(rid)
+        self._step(now, lambda: self._handshake.on_reply(now, call.name, header))
 
-    def start(self, now: float) -> list[Ask]:
-        """The first request: hello to the configured shard.
+    def on_tick(self, now: float) -> None:
+        """Time passed: re-send unanswered hellos, time out, re-snapshot a stuck shard."""
+        if self.syncing:
+            self._sync_tick(now)
+            return
+        for call in self._calls.values():
+            if call.kind == "hello" and now > call.resend_at:
+                self._net.send_frames(call.shard, call.frames)
+                call.resend_at = now + self.cfg.ack_timeout_s
+        self._step(now, lambda: self._handshake.on_tick(now))
 
-        Args:
-            now: current time.
+    def fail(self, exc: ClientError) -> None:
+        """End the join with `exc` (the core closes the links)."""
+        self.outcome = exc
 
-        Returns:
-            The requests to send.
-        """
-        logger.info(
-            "island %s: waiting for the server at %s (join timeout %gs)",
-            self.cfg.island,
-            self.cfg.connect,
-            self.cfg.join_timeout_s,
-        )
-        return [self._hello(FIRST, now, fresh=True)]
+    def _step(self, now: float, advance: Any) -> None:
+        try:
+            asks = advance()
+            if self._handshake.cluster is not None and self.cluster is None:
+                self._adopt(self._handshake.cluster)
+            self._ask(asks, now)
+            if self._handshake.done:
+                self._start_sync(now)
+        except ClientError as exc:
+            self.fail(exc)
+        except Exception as exc:  # a bug must not leave the join hanging
+            logger.exception("join failed")
+            self.fail(ClientError(f"join failed: {exc}"))
 
-    def waiting_on(self) -> dict[int, str]:
-        """Shard -> kind of request whose reply the join waits for (for timeout messages)."""
-        return dict(self._waiting)
+    def _ask(self, asks: list[Ask], now: float) -> None:
+        net = self._net
+        for ask in asks:
+            shard = net.all[0] if ask.shard == FIRST else net.all[ask.shard]
+            rid = net.new_id()
+            frames = net.send(shard, {"kind": ask.kind, "id": rid, **ask.fields}, ask.payload)
+            resend_at = now + self.cfg.ack_timeout_s
+            self._calls[rid] = _Call(shard, ask.shard, ask.kind, frames, resend_at)
 
-    # -- replies --------------------------------------------------------------------------
+    def _adopt(self, cluster: Cluster) -> None:
+        """The first welcome was read: a DEALER to every shard (the first one keeps its own)."""
+        self.cluster = cluster
+        first, shards = self._net.all[0], []
+        for i, (router, pub) in enumerate(cluster.endpoints):
+            if i == cluster.shard:
+                first.index, first.pub = i, pub
+                shards.append(first)
+            else:
+                shard = ShardState(i, router, pub)
+                self._net.open(shard, "dealer")
+                shards.append(shard)
+        self._net.all = shards
 
-    def on_reply(self, now: float, shard: int, header: dict) -> list[Ask]:
-        """Take the reply to the join's request to `shard`.
+    def _start_sync(self, now: float) -> None:
+        """The cluster is initialised: subscribe to every shard, then snapshot it."""
+        self._calls.clear()
+        self.syncing = True
+        plan = self.cluster.plan
+        for shard in self._net.all:
+            self._net.open(shard, "sub")  # Clone pattern: subscribe before the snapshot
+            fragments = tuple(f.index for f in plan.fragments_of(shard.index))
+            shard.feed = ShardFeed(shard.index, fragments, self._progress.replica)
+            shard.heard = shard.sub_heard = now
+            self._net.request_snapshots(shard, now)
+        self.check_synced(now)
 
-        Args:
-            now: when it arrived.
-            shard: the shard it came from (`FIRST` before the first welcome).
-            header: the reply header.
-
-        Returns:
-            The requests to send next.
-
-        Raises:
-            ClientError: a refusal, a plan mismatch, or an id in use for too long.
-        """
-        kind = self._waiting.pop(shard, None)
-        if kind == "init":
-            return self._on_init_reply(now, shard, header)
-        if kind != "hello":
-            return []
-        if header["kind"] == "rejected" and header.get("reason") == "island_in_use":
-            if now >= self._in_use_until[shard]:
-                router = self.cfg.connect if self.cluster is None else self._router(shard)
-                raise ClientError(
-                    f"join: island id {self.cfg.island!r} is in use by another running island "
-                    f"(shard at {router}: {header.get('detail')}); give each island its own id "
-                    "or stop the other one"
+    def _sync_tick(self, now: float) -> None:
+        shards = self._net.all
+        if now > self._handshake.deadline:
+            missing = [s.index for s in shards if s.feed.syncing]
+            self.fail(
+                ClientError(
+                    f"join: snapshots of shard(s) {missing} not received within "
+                    f"{self.cfg.join_timeout_s:g}s"
                 )
-            self._pause(shard, now)
-            return []
-        self._in_use_until.pop(shard, None)
-        welcome = _expect(header, "welcome", "hello")
-        if self.state == "first":
-            return self._on_first_welcome(now, welcome)
-        if self.state == "hellos":
-            self._initialized[shard] = shard_initialized(welcome, self.plan, shard)
-            return self._after_hellos(now) if not self._waiting and not self._retry_at else []
-        return self._on_init_welcome(now, shard, welcome)
-
-    def on_tick(self, now: float) -> list[Ask]:
-        """Time passed: hello again where a pause ended; fail past the deadline.
-
-        Args:
-            now: current time.
-
-        Returns:
-            The requests to send.
-
-        Raises:
-            ClientError: the join did not finish by its deadline.
-        """
-        if now > self.deadline and not self.done:
-            shard, kind = next(iter(self._waiting.items()), (FIRST, "hello"))
-            router = self.cfg.connect if self.cluster is None else self._router(shard)
-            raise ClientError(
-                f"join: no {kind} reply from shard at {router} within "
-                f"{self.cfg.join_timeout_s:g}s; is the server running?"
             )
-        asks = []
-        for shard, at in list(self._retry_at.items()):
-            if now >= at:
-                del self._retry_at[shard]
-                asks.append(self._hello(shard, now, fresh=False))
-        return asks
+            return
+        for shard in shards:  # e.g. a shard the winner of an init race has not reached
+            if shard.feed.syncing and now - shard.feed.sync_started > self.cfg.snapshot_timeout_s:
+                self._net.request_snapshots(shard, now)
+        self.check_synced(now)
 
-    # -- states ---------------------------------------------------------------------------
-
-    def _on_first_welcome(self, now: float, welcome: dict) -> list[Ask]:
-        self.cluster = cluster = read_welcome(welcome, self.cfg, self._leaves)
-        self._initialized = {cluster.shard: cluster.initialized}
-        self.state = "hellos"
-        others = [i for i in range(cluster.plan.num_shards) if i != cluster.shard]
-        if not others:
-            return self._after_hellos(now)
-        return [self._hello(i, now, fresh=True) for i in others]
-
-    def _after_hellos(self, now: float) -> list[Ask]:
-        plan = self.plan
-        logger.info(
-            "island %s: cluster of %d shards, %d fragments, initialized %s, plan %s",
-            self.cfg.island,
-            plan.num_shards,
-            plan.num_fragments,
-            [i for i in sorted(self._initialized) if self._initialized[i]],
-            plan.hash,
-        )
-        self._order = [i for i in sorted(self._initialized) if not self._initialized[i]]
-        self._ours = not self._initialized[0]  # shard 0 is ours: then so are the others
-        self._grace_until = now + self.cfg.init_grace_s
-        self.state = "init"
-        return self._next_init(now)
-
-    def _next_init(self, now: float) -> list[Ask]:
-        """Initialise (or await) the first shard of `_order`; "done" when none is left."""
-        self._lost = False
-        if not self._order:
-            self.state = "done"
-            return []
-        shard = self._order[0]
-        if self._ours:
-            return [self._init(shard)]
-        return [self._hello(shard, now, fresh=True)]  # has the other island initialised it?
-
-    def _on_init_welcome(self, now: float, shard: int, welcome: dict) -> list[Ask]:
-        """A welcome during init: after a lost race, or while awaiting another island's init."""
-        initialized = shard_initialized(welcome, self.plan, shard)
-        if self._lost:  # checked the winner's plan: the next shard
-            if shard == 0:  # lost the race for shard 0: the winner initialises the rest
-                self._ours, self._grace_until = False, now + self.cfg.init_grace_s
-            self._order.pop(0)
-            return self._next_init(now)
-        if initialized:
-            self._order.pop(0)
-            return self._next_init(now)
-        if now < min(self._grace_until, self.deadline):
-            self._pause(shard, now)
-            return []
-        logger.warning(
-            "shard %d is still not initialised %.1fs after another island initialised "
-            "shard 0 (it stopped half-way?): island %s initialises it with its own values",
-            shard,
-            self.cfg.init_grace_s,
-            self.cfg.island,
-        )
-        return [self._init(shard)]
-
-    def _on_init_reply(self, now: float, shard: int, header: dict) -> list[Ask]:
-        if header["kind"] == "init_ok":
-            logger.info("island %s initialized shard %d", self.cfg.island, shard)
-            self._order.pop(0)
-            return self._next_init(now)
-        reason = header.get("reason")
-        if reason == "already_initialized":
-            logger.info("shard %d already initialized by another island", shard)
-            self._lost = True
-            return [self._hello(shard, now, fresh=True)]
-        if reason == "plan_mismatch":
-            raise ClientError(f"join: plan mismatch: {header.get('detail')}")
-        raise ClientError(f"join: shard {shard} refused init: {reason}: {header.get('detail')}")
-
-    # -- requests -------------------------------------------------------------------------
-
-    def _hello(self, shard: int, now: float, fresh: bool) -> Ask:
-        """Ask `shard` hello; `fresh`: a new hello (the island_in_use wait starts again)."""
-        if fresh or shard not in self._in_use_until:
-            self._in_use_until[shard] = min(self.deadline, now + self.cfg.in_use_wait_s)
-        self._waiting[shard] = "hello"
-        return Ask(shard, "hello")
-
-    def _init(self, shard: int) -> Ask:
-        plan = self.plan
-        tree = {str(f.index): plan.gather(self._flat, f.index) for f in plan.fragments_of(shard)}
-        frames, _ = _RAW.encode(tree, None)
-        self._waiting[shard] = "init"
-        return Ask(shard, "init", list(frames), {"plan": plan.to_wire()})
-
-    def _pause(self, shard: int, now: float) -> None:
-        self._retry_at[shard] = now + RETRY_S
-
-    def _router(self, shard: int) -> str:
-        if shard == FIRST or self.cluster is None:
-            return self.cfg.connect
-        return self.cluster.endpoints[shard][0]
-
-
-def _expect(header: dict, kind: str, what: str) -> dict:
-    """The reply `header` when it is of `kind`; otherwise a ClientError naming the refusal."""
-    if header["kind"] != kind:
-        raise ClientError(f"join: {what} refused: {header.get('reason')}: {header.get('detail')}")
-    return header
+    def check_synced(self, now: float) -> None:
+        """Once every snapshot arrived: the parameters from the replica are the outcome."""
+        if not self.syncing or self.outcome is not None:
+            return
+        if any(s.feed.syncing for s in self._net.all):
+            return
+        plan, replica = self.cluster.plan, self._progress.replica
+        params = {leaf.path: np.zeros(leaf.shape, dtype=np.float32) for leaf in plan.leaves}
+        for index, state in replica.items():
+            plan.scatter(index, state.values, params)
+        versions = {index: state.version for index, state in sorted(replica.items())}
+        for shard in self._net.all:
+            shard.heard = shard.sub_heard = shard.next_heartbeat = now
+        logger.info("island %s joined: versions %s", self.cfg.island, versions)
+        self.outcome = JoinResult(plan, params, versions, self.cluster.mode)

@@ -113,6 +113,11 @@ class Shards:
         self.requests[rid] = (kind, shard.index, about)
         self.send(shard, {"kind": kind, "id": rid, **fields})
 
+    def request_snapshots(self, shard: ShardState, now: float) -> None:
+        """Start (or restart) a snapshot of every fragment of `shard` (its feed must exist)."""
+        for fragment in shard.feed.begin_sync(now):
+            self.request(shard, "snapshot", fragment, fragment=fragment)
+
     def forget_requests(self, shard: int) -> None:
         """Drop the tracked requests to `shard` (its DEALER was replaced)."""
         for rid in [r for r, (_, s, _) in self.requests.items() if s == shard]:
