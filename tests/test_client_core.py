@@ -342,3 +342,26 @@ def test_close_does_not_wait_for_a_shard_that_is_down():
     assert sim.core.stats()["shards_down"] == 1
     sim.perform(sim.core.begin_close(sim.now, 3600.0))
     assert sim.core.closed and len(sim.core.dropped) == 1
+
+
+# -- the core decides without I/O ---------------------------------------------------------
+
+DECIDING = (
+    "core", "joining", "handshake", "welcome", "ledger", "ack_timer", "replica", "shards",
+    "effects", "progress", "types",
+)  # fmt: skip
+
+
+@pytest.mark.parametrize("module", DECIDING)
+def test_the_client_modules_that_decide_import_no_sockets_threads_or_clock(module):
+    import ast
+    from pathlib import Path
+
+    path = Path(__file__).parents[1] / "paramserver" / "client" / f"{module}.py"
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module.split(".")[0])
+    assert not names & {"zmq", "threading", "time", "queue", "socket"}, (module, names)

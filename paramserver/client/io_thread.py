@@ -114,7 +114,9 @@ class IOThread(threading.Thread):
 
     def _iteration(self) -> None:
         """Poll once, hand what arrived to the core, run commands and the core's timers."""
-        timeout_ms = int(self._tick_s * 1000) if self.core.has_links else 1000
+        with self.lock:
+            active = self.core.has_links
+        timeout_ms = int(self._tick_s * 1000) if active else 1000
         for link in self._links.poll(timeout_ms):
             for _ in range(_MAX_BATCH):
                 frames = self._links.recv(link)
