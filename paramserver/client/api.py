@@ -206,7 +206,7 @@ class Client:
                 )
             if self._io.failure is not None:
                 raise ClientError(f"client I/O thread failed: {self._io.failure}")
-            effects = self._core.push(time.monotonic(), request)
+            effects = self._core.push(time.monotonic(), request)  # raises once closed
         self._io.submit(("effects", effects, None))
 
     def _check_size(self, request: PushRequest) -> None:

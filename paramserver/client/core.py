@@ -331,7 +331,12 @@ class ClientCore:
         Returns:
             Effects to perform (none when that round of the fragment is still
             pending: the push is ignored, with a warning).
+
+        Raises:
+            ClientError: not joined (closed, or the join failed).
         """
+        if not self.joined:
+            raise ClientError(f"push: the client is {self.state}, not joined; create a new Client")
         key = (request.fragment, request.round)
         self.progress.add(pushes=1)
         if key in self.ledger:

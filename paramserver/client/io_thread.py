@@ -18,7 +18,7 @@ import queue
 import secrets
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -149,12 +149,16 @@ class IOThread(threading.Thread):
             elif isinstance(effect, Close):
                 self._links.close(effect.link)
 
-    def _run_commands(self) -> None:
+    def _queued(self) -> Iterator[tuple[str, Any, Future | None]]:
+        """The commands queued so far, taken off the queue one by one."""
         while True:
             try:
-                name, arg, future = self._commands.get_nowait()
+                yield self._commands.get_nowait()
             except queue.Empty:
                 return
+
+    def _run_commands(self) -> None:
+        for name, arg, future in self._queued():
             if name == "effects":
                 with self.lock:
                     self.perform(arg)
@@ -194,11 +198,7 @@ class IOThread(threading.Thread):
         error = ClientError(f"client I/O thread failed: {exc}")
         if self._join is not None and not self._join.done():
             self._join.set_exception(error)
-        while True:
-            try:
-                name, _arg, future = self._commands.get_nowait()
-            except queue.Empty:
-                break
+        for name, _arg, future in self._queued():
             if name == "close":
                 self._closing = future
             elif future is not None and not future.done():

@@ -5,7 +5,7 @@ map and the plan this island computes from it (`read_welcome`), whether a
 shard is initialised with that plan (`shard_initialized`), the size limit it
 announces (`welcome_limit`), the welcome of a shard said hello to again after
 a reconnect (`check_rewelcome`), and the error message of a plan mismatch.
-The join's states (`paramserver.client.joining`) and the client's core
+The join's handshake (`paramserver.client.handshake`) and the client's core
 (`paramserver.client.core`) call them.
 """
 
