@@ -155,6 +155,24 @@ def test_snapshot_pieces_and_updates_published_meanwhile_are_replayed_in_order()
     np.testing.assert_array_equal(sim.core.progress.replica[1].values, new + values)
 
 
+def test_a_lost_snapshot_piece_is_asked_again_after_snapshot_timeout():
+    sim = make_sim(fragments=2, initialized_with=small_flat(0), snapshot_timeout_s=2.0)
+    lost = []
+
+    def drop_one(direction, header):
+        if header["kind"] == "snapshot_reply" and header["fragment"] == 1 and not lost:
+            lost.append(header)
+            return "drop"
+        return "deliver"
+
+    sim.fault = drop_one
+    result = sim.join(small_flat(0))
+    assert isinstance(result, JoinResult) and lost
+    asked = [t for t, h in zip(sim.sent_at, sim.sent, strict=True) if h["kind"] == "snapshot"]
+    assert len(asked) == 4  # both fragments, twice: a re-sync asks for the whole shard
+    assert asked[2] - asked[0] > 2.0
+
+
 # -- pushes: loss, duplication, reordering, re-send timing --------------------------------
 
 
