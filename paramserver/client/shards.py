@@ -16,6 +16,7 @@ from typing import Any
 from paramserver.client.effects import Close, Effect, Open, Role, Send
 from paramserver.client.replica import ShardFeed
 from paramserver.wire import protocol
+from paramserver.wire.snapshot import snapshot_request
 
 
 @dataclass
@@ -116,7 +117,9 @@ class Shards:
     def request_snapshots(self, shard: ShardState, now: float) -> None:
         """Start (or restart) a snapshot of every fragment of `shard` (its feed must exist)."""
         for fragment in shard.feed.begin_sync(now):
-            self.request(shard, "snapshot", fragment, fragment=fragment)
+            rid = self.new_id()
+            self.requests[rid] = ("snapshot", shard.index, fragment)
+            self.send(shard, snapshot_request(self.island, fragment, rid))
 
     def forget_requests(self, shard: int) -> None:
         """Drop the tracked requests to `shard` (its DEALER was replaced)."""
