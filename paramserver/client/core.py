@@ -386,8 +386,6 @@ class ClientCore:
         entry = self.ledger.get(key)
         self._net.send_frames(self._net.all[entry.shard], entry.frames, key)
 
-    # -- requests and links -------------------------------------------------------------
-
     # -- timers ---------------------------------------------------------------------------
 
     def on_tick(self, now: float) -> list[Effect]:
