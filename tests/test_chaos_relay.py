@@ -19,7 +19,7 @@ import codec
 from bench.children.chaos_relay import Relay
 from bench.faults import Fault
 from paramserver.client import Client, ClientConfig
-from paramserver.client.outbox import DECODE_RETRIES
+from paramserver.client.ledger import DECODE_RETRIES
 from paramserver.server.config import ShardConfig
 from paramserver.server.shard import ShardServer
 
