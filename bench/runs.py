@@ -19,18 +19,18 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import analysis
-from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port, read_rows
+from bench import analysis, child
+from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 from bench.scenarios import Budget, Scenario
 from bench.wan import Wan
 from paramserver.plumbing import daemon, probe
+from worker import progress as progress_files
 
 POLL_S = 0.5
 Progress = Callable[[int, str], None]
@@ -231,17 +231,12 @@ def run_ddp(
     bind_port = free_base_port(2, "127.0.0.1")
     hub = wan.hub if wan is not None else "127.0.0.1"
     connect_port = bind_port + 1 if wan is not None else bind_port
-    reducer = subprocess.Popen(
-        [sys.executable, "-m", "bench.children.ddp_reducer", "--bind", f"tcp://127.0.0.1:{bind_port}",
-         "--world", str(budget.islands)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    ranks: list[subprocess.Popen] = []
+    reducer_argv = child.module_argv("bench.children.ddp_reducer", "--bind",
+                                     f"tcp://127.0.0.1:{bind_port}", "--world", str(budget.islands))  # fmt: skip
+    ranks: list[child.Child] = []
     relay = wan.relay({bind_port + 1: bind_port}) if wan is not None else contextlib.nullcontext()
     try:
-        if (reducer.stdout.readline().strip() if reducer.stdout else "") != "ready":
-            raise LaunchError(f"ddp reducer did not start: {reducer.stderr.read().strip()[-200:]}")
-        with relay:
+        with child.running(reducer_argv, "ddp reducer", grace_s=10.0), relay:
             progress(0, "starting ranks")
             per_step = ("--inner-steps", "1", "--max-rounds", str(budget.steps_per_island),
                         "--eval-every", str(budget.inner_steps))  # fmt: skip
@@ -258,13 +253,11 @@ def run_ddp(
                     # on the WAN a step takes seconds: one row per step, eval every H steps
                     *(per_step if wan is not None else ()),
                 ]  # fmt: skip
-                ranks.append(
-                    subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                )
+                ranks.append(child.start(argv, f"ddp rank {i}", ready_timeout_s=None))
             cap = scenario.wall_cap_s or budget.wall_cap_s
             started = None
-            while any(r.poll() is None for r in ranks):
-                rows = [read_rows(out / "islands" / n / "metrics.jsonl") for n in names]
+            while any(r.proc.poll() is None for r in ranks):
+                rows = [progress_files.read_rows(out / "islands" / n) for n in names]
                 tokens = sum(rs[-1].get("tokens", 0) for rs in rows if rs)
                 progress(tokens, "training")
                 if started is None and any(r.get("round", 0) >= 1 for r in rows[0]):
@@ -274,34 +267,20 @@ def run_ddp(
                 time.sleep(POLL_S)
             stopped_at = time.time()
             for r in ranks:
-                if r.poll() is None:
-                    r.send_signal(signal.SIGTERM)
-            for r in ranks:
-                try:
-                    r.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    r.kill()
-                    r.wait()
-            failed = [r for r in ranks if r.returncode not in (0, -signal.SIGTERM)]
+                r.terminate()
+            codes = [r.wait_or_kill(30.0) for r in ranks]
+            failed = [
+                r for r, code in zip(ranks, codes, strict=True) if code not in (0, -signal.SIGTERM)
+            ]
             if failed:
-                err = (
-                    failed[0].stderr.read().decode().strip().splitlines()
-                    if failed[0].stderr
-                    else []
+                raise LaunchError(
+                    f"ddp rank failed: {failed[0].error_tail() or failed[0].proc.returncode}"
                 )
-                raise LaunchError(f"ddp rank failed: {err[-1] if err else failed[0].returncode}")
     finally:
         for r in ranks:
-            if r.poll() is None:
-                r.kill()
-                r.wait()
-        reducer.terminate()
-        try:
-            reducer.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            reducer.kill()
+            r.stop(0.0)  # what an error left running is killed
     return {
-        "rows": {n: read_rows(out / "islands" / n / "metrics.jsonl") for n in names},
+        "rows": {n: progress_files.read_rows(out / "islands" / n) for n in names},
         "timeline": [],
         "stopped_at": stopped_at,
         "server": {},

@@ -1,5 +1,6 @@
 """The codec benchmark and the diloco-bench dispatcher, on a tiny synthetic run."""
 
+import importlib
 import json
 
 import pytest
@@ -7,11 +8,31 @@ import pytest
 from bench import cli
 
 
-def test_dispatcher_discovers_modules_defining_add_arguments_and_run():
-    commands = cli.discover()
-    assert commands["codec"][0] == "bench.codec"
-    assert commands["codec"][1].startswith("Codec benchmark")
-    assert "common" not in commands and "cli" not in commands
+def test_dispatcher_table_names_modules_that_define_add_arguments_and_run():
+    assert cli.COMMANDS["codec"] == (
+        "bench.codec",
+        "Codec benchmark: ratio, error, error feedback and throughput of every scheme.",
+    )
+    for name, (module_name, summary) in cli.COMMANDS.items():
+        module = importlib.import_module(module_name)
+        assert callable(module.add_arguments) and callable(module.run), name
+        assert summary, name
+
+
+def test_help_lists_every_subcommand_and_the_hyphenated_aliases_run(capsys):
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    for name in cli.COMMANDS:
+        assert name in out
+    assert "island-memory" in out
+    for spelling in ("island-memory", "island_memory"):
+        args = cli.build_parser([spelling, "--help"])
+        with pytest.raises(SystemExit) as exc:
+            args.parse_args([spelling, "--help"])
+        assert exc.value.code == 0
+        assert "--devices" in capsys.readouterr().out
 
 
 def test_unknown_subcommand_exits_with_usage(capsys):

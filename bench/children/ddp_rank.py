@@ -12,7 +12,7 @@ parameters and apply the same updates, so they stay identical.
 
 Every `diloco-worker` setting is accepted and means the same thing (model, data
 shard, batch, lr, speed, ...); a "round" is `inner_steps` synchronous steps, and
-each round appends one row to ``<data_dir>/metrics.jsonl`` in the islands'
+each round appends one row to the data dir's metrics file (`worker.progress`) in the islands'
 schema (loss, tokens, bytes_sent / bytes_received counted at this rank's socket,
 eval_global on rank 0). The rank stops after `max_rounds` rounds or on SIGTERM.
 """
@@ -20,7 +20,6 @@ eval_global on rank 0). The rank stops after `max_rounds` rounds or on SIGTERM.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -33,7 +32,9 @@ import msgpack
 import numpy as np
 import zmq
 
+from bench.child import stop_on_signals
 from paramserver.plumbing import daemon, settings
+from worker import progress
 from worker.config import IslandConfig
 
 logger = logging.getLogger(__name__)
@@ -213,7 +214,6 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
     logger.info("ddp rank %d: warm-up (compile) took %.2f s", rank, compile_s)
     pacer = Pacer(cfg.speed, cfg.jitter, seed)
     link = ReducerLink(cfg.connect, rank)
-    metrics_path = data_dir / "metrics.jsonl"
     started = time.monotonic()
     busy_s = 0.0
     steps = 0
@@ -241,8 +241,7 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
             "step_s": float(np.median(step_times)) if step_times else None,
             **row,
         }
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        progress.append_row(data_dir, row)
 
     try:
         if rank == 0 and cfg.eval_every:
@@ -310,8 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     daemon.setup_logging(cfg.log_level, Path(cfg.data_dir) / "ddp.log")
     if cfg.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cfg.cpu % os.cpu_count()})
-    stop = threading.Event()
-    daemon.install_signal_handlers(stop)
+    stop = stop_on_signals()
     try:
         return run_rank(cfg, args.rank, args.world, stop)
     except DdpError as exc:
