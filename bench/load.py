@@ -160,6 +160,30 @@ def percentile(values: list[float], q: float) -> float | None:
     return float(np.percentile(values, q)) if values else None
 
 
+def rates(pushes: int, elapsed_s: float, fsync_before: float, fsync_after: float) -> dict:
+    """The load test's rates: pushes per second, fsyncs per second, and their ratio.
+
+    Args:
+        pushes: pushes acked in the measured window.
+        elapsed_s: its length.
+        fsync_before: fsyncs per second measured before the window.
+        fsync_after: and after it.
+
+    Returns:
+        {"pushes_per_s", "fsync_per_s" (the mean of before and after),
+        "pushes_per_fsync"}; the push figures are None for an empty window.
+    """
+    fsync_per_s = (fsync_before + fsync_after) / 2
+    pushes_per_s = pushes / elapsed_s if elapsed_s > 0 else None
+    return {
+        "pushes_per_s": None if pushes_per_s is None else round(pushes_per_s, 1),
+        "fsync_per_s": round(fsync_per_s, 1),
+        "pushes_per_fsync": None
+        if pushes_per_s is None or fsync_per_s <= 0
+        else round(pushes_per_s / fsync_per_s, 3),
+    }
+
+
 class RssSampler(threading.Thread):
     """Samples the RSS of a set of processes until stopped; keeps the peak per process."""
 
@@ -298,8 +322,7 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
             sampler.join(5.0)
         server = cluster.server_status()
     accepted = sum(s.get("accepted", 0) for s in server.get("shards", []))
-    fsync_per_s = (fsync_before + fsync_after) / 2
-    pushes_per_s = expected / elapsed if elapsed > 0 else None
+    measured = rates(expected, elapsed, fsync_before, fsync_after)
     peak_mb = max(sampler.peak.values(), default=0) / 2**20
     timed_out = acked < expected and not errors
     checks = {
@@ -324,11 +347,11 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
         "ack_timeout_s": _spread([s["ack_timeout_s"] for s in stats]),
         "dropped_at_close": dropped,
         "elapsed_s": round(elapsed, 3),
-        "pushes_per_s": None if pushes_per_s is None else round(pushes_per_s, 1),
+        "pushes_per_s": measured["pushes_per_s"],
         "fsync_write_bytes": record,
-        "fsync_per_s": round(fsync_per_s, 1),
+        "fsync_per_s": measured["fsync_per_s"],
         "fsync_per_s_before_after": [round(fsync_before, 1), round(fsync_after, 1)],
-        "pushes_per_fsync": None if pushes_per_s is None else round(pushes_per_s / fsync_per_s, 3),
+        "pushes_per_fsync": measured["pushes_per_fsync"],
         "cpu_cores_busy": cores,
         "ack_latency_p50_ms": _ms(percentile(latencies, 50)),
         "ack_latency_p99_ms": _ms(percentile(latencies, 99)),
