@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import child, cli, fidelity_claims, fidelity_plan, fidelity_report, outdir, runs
+from bench import child, cli, fidelity_claims, fidelity_plan, fidelity_report, outdir, plots, runs
 from bench.common import emit_json, progress
 from bench.launcher import LaunchError
 
@@ -142,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     report = {**meta, "claims": claims, "scenarios": list(entries.values())}
     (out / "fidelity.json").write_text(json.dumps(report, indent=2))
     (out / "fidelity.md").write_text(fidelity_report.render(meta, claims, entries))
-    fidelity_report.write_plots(groups, entries, out)
+    plots.write_fidelity_plots(groups, entries, out)
     print(f"wrote {out / 'fidelity.md'}", file=sys.stderr)
     scenarios = [{k: v for k, v in e.items() if k != "eval_curves"} for e in entries.values()]
     emit_json({**report, "scenarios": scenarios})  # the curves are in fidelity.json
