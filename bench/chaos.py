@@ -23,6 +23,9 @@ island and link faults leave),
 `deltas_applied` (the shards' durable accepted count: merged or pending),
 `final_eval_loss` (held-out loss of the final global parameters), recovery
 time per fault, and the faults that fired. Exit 1 if acked != applied.
+
+(About 420 lines: the harness's fault injection, its version sampler and its
+two runs share the `ChaosRun` state; the scoring is apart, in `bench.chaos_score`.)
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ island, weighting against plain averaging. Each claim comes back with its
 target, the measured value and whether it was met; a claim whose runs were not
 made (e.g. in --quick) says so instead of guessing.
 
-Records are what `bench.runs.summarize` returns, keyed by scenario name.
+Records are what `bench.run_record.summarize` returns, keyed by scenario name.
 DDP's loss trajectory does not depend on the link (every rank applies the same
 mean gradient), so its time to target on the WAN is measured when its capped
 WAN run got there, and otherwise extrapolated from the loopback run's tokens

@@ -8,13 +8,19 @@ import sys
 
 import pytest
 
-from bench.load import percentile, rates
+from bench.load_meters import milliseconds, percentile, rates, spread
 
 
 def test_percentile():
     assert percentile([], 50) is None
     assert percentile([1.0, 2.0, 3.0], 50) == 2.0
     assert percentile([0.0, 10.0], 99) == pytest.approx(9.9)
+
+
+def test_spread_and_milliseconds_by_hand():
+    assert spread([3.0, 1.0, 2.0, 10.0]) == {"min": 1.0, "p50": 2.5, "max": 10.0}
+    assert spread([]) is None
+    assert milliseconds(0.0123456) == 12.35 and milliseconds(None) is None
 
 
 def test_rates_by_hand():
