@@ -3,7 +3,9 @@
 Used by the demo and the benchmark harness. Every daemon is a separate process
 started through its own CLI with `--detach`, so what runs here is exactly what a
 user runs; this module only picks ports, lays out data directories and makes
-sure everything it started is stopped again.
+sure everything it started is stopped again. The harnesses' own helper
+processes (relays, the meter, DDP ranks) start and stop through `bench.child`;
+the islands' progress files are read through `worker.progress`.
 """
 
 from __future__ import annotations
