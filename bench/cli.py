@@ -15,52 +15,22 @@ import sys
 
 from bench.outdir import OutDirError
 
+# one line per subcommand: name -> (module, help)
+# fmt: off
 COMMANDS: dict[str, tuple[str, str]] = {
-    "async_outer": (
-        "bench.async_outer",
-        "Outer lr / momentum sweep for fully asynchronous merging (picks the mode=async defaults).",
-    ),
-    "chaos": (
-        "bench.chaos",
-        "Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed.",
-    ),
-    "codec": (
-        "bench.codec",
-        "Codec benchmark: ratio, error, error feedback and throughput of every scheme.",
-    ),
-    "demo": (
-        "bench.demo",
-        "The main job: a local cluster (2 shards, 3 islands, one at half speed) training on the embedded corpus.",
-    ),
-    "fidelity": (
-        "bench.fidelity",
-        "Reproduce Decoupled DiLoCo's quorum table and DiLoCo's parity with DDP, with real daemons.",
-    ),
-    "island_memory": (
-        "bench.island_memory",
-        "Bytes of parameters + AdamW state per device of an island, replicated against fsdp.",
-    ),
-    "load": (
-        "bench.load",
-        "Load test: many lightweight simulated islands (client only, random int8 deltas) against N shards.",
-    ),
-    "report": (
-        "bench.report",
-        "Benchmarks that reproduce the seed's claims: DDP vs synchronous DiLoCo vs this system on WAN links.",
-    ),
-    "restart": (
-        "bench.restart",
-        "Restart-to-first-step of an island, cold and warm JAX compilation cache.",
-    ),
-    "server": (
-        "bench.server",
-        "Shard throughput: merge + outer step vs decode, push->ack round trips, checkpoint and restart.",
-    ),
-    "streaming": (
-        "bench.streaming",
-        "Streaming fragments against round-end pushes: peak/average bytes per second at the island's socket, and loss.",
-    ),
+    "async_outer": ("bench.async_outer", "Outer lr / momentum sweep for fully asynchronous merging (picks the mode=async defaults)."),
+    "chaos": ("bench.chaos", "Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed."),
+    "codec": ("bench.codec", "Codec benchmark: ratio, error, error feedback and throughput of every scheme."),
+    "demo": ("bench.demo", "The main job: a local cluster (2 shards, 3 islands, one at half speed) training on the embedded corpus."),
+    "fidelity": ("bench.fidelity", "Reproduce Decoupled DiLoCo's quorum table and DiLoCo's parity with DDP, with real daemons."),
+    "island_memory": ("bench.island_memory", "Bytes of parameters + AdamW state per device of an island, replicated against fsdp."),
+    "load": ("bench.load", "Load test: many lightweight simulated islands (client only, random int8 deltas) against N shards."),
+    "report": ("bench.report", "Benchmarks that reproduce the seed's claims: DDP vs synchronous DiLoCo vs this system on WAN links."),
+    "restart": ("bench.restart", "Restart-to-first-step of an island, cold and warm JAX compilation cache."),
+    "server": ("bench.server", "Shard throughput: merge + outer step vs decode, push->ack round trips, checkpoint and restart."),
+    "streaming": ("bench.streaming", "Streaming fragments against round-end pushes: peak/average bytes per second at the island's socket, and loss."),
 }
+# fmt: on
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:

@@ -16,7 +16,7 @@ def test_dispatcher_table_names_modules_that_define_add_arguments_and_run():
     for name, (module_name, summary) in cli.COMMANDS.items():
         module = importlib.import_module(module_name)
         assert callable(module.add_arguments) and callable(module.run), name
-        assert summary, name
+        assert summary == module.__doc__.strip().splitlines()[0], name  # the two agree
 
 
 def test_help_lists_every_subcommand_and_the_hyphenated_aliases_run(capsys):
