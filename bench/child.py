@@ -24,7 +24,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -125,7 +125,6 @@ def start(
     *,
     ready_timeout_s: float | None = 60.0,
     log: Path | None = None,
-    env: Mapping[str, str] | None = None,
 ) -> Child:
     """Start a helper and, unless `ready_timeout_s` is None, wait for its ``ready`` line.
 
@@ -136,7 +135,6 @@ def start(
             watches the process's own output instead).
         log: a file for its stderr (and, without a handshake, its stdout), truncated
             first (default: stderr to a temporary file, stdout to /dev/null).
-        env: its environment (default: this process's).
 
     Returns:
         The running child.
@@ -157,7 +155,6 @@ def start(
         stdout=out,
         stderr=err,
         text=ready_timeout_s is not None,
-        env=None if env is None else dict(env),
     )
     child = Child(proc, what, err)
     if ready_timeout_s is not None:
