@@ -130,6 +130,31 @@ def time_to_first_step(
     }
 
 
+def summarize(model: str, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The restart figures from the three runs: seconds to first step and warm / cold.
+
+    Args:
+        model: the island's model.
+        results: "cold", "warm" and "uncached" -> `time_to_first_step` of that run.
+
+    Returns:
+        {"model", "cold_s", "warm_s", "uncached_s", "ratio", "target_ratio",
+        "target_met" (ratio <= 1/3), "runs"}.
+    """
+    cold, warm = results["cold"]["first_step_s"], results["warm"]["first_step_s"]
+    ratio = warm / cold
+    return {
+        "model": model,
+        "cold_s": cold,
+        "warm_s": warm,
+        "uncached_s": results["uncached"]["first_step_s"],
+        "ratio": round(ratio, 3),
+        "target_ratio": round(TARGET_RATIO, 3),
+        "target_met": ratio <= TARGET_RATIO,
+        "runs": results,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Measure cold, warm and uncached restarts.
 
@@ -158,19 +183,10 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # the island and the server are stopped by then
         print("diloco-bench restart: interrupted", file=sys.stderr)
         return 130
-    cold, warm = results["cold"]["first_step_s"], results["warm"]["first_step_s"]
-    ratio = warm / cold
     summary = {
-        "model": args.model,
-        "cold_s": cold,
-        "warm_s": warm,
-        "uncached_s": results["uncached"]["first_step_s"],
-        "ratio": round(ratio, 3),
-        "target_ratio": round(TARGET_RATIO, 3),
-        "target_met": ratio <= TARGET_RATIO,
+        **summarize(args.model, results),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
-        "runs": results,
     }
     (out / "restart.json").write_text(json.dumps(summary, indent=2) + "\n")
     emit_json(summary)

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from client_helpers import Cluster
 
-from bench.restart import _log_phases
+from bench.restart import _log_phases, summarize
 from worker import compile_cache, progress
 
 FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0")
@@ -72,3 +72,13 @@ def test_the_restart_bench_reads_the_phases_from_an_island_log(tmp_path):
     started = datetime.datetime(2026, 11, 30, 17, 0, 1).timestamp()
     assert _log_phases(log, started) == {"import_s": 1.5, "compile_s": 6.25}
     assert _log_phases(tmp_path / "none.log", started) == {"import_s": None, "compile_s": None}
+
+
+def test_the_restart_figures_by_hand():
+    runs = {"cold": {"first_step_s": 9.0}, "warm": {"first_step_s": 2.7},
+            "uncached": {"first_step_s": 8.0}}  # fmt: skip
+    fast = summarize("tiny", runs)  # 2.7 / 9 = 0.3 <= 1/3: met
+    assert (fast["cold_s"], fast["warm_s"], fast["uncached_s"]) == (9.0, 2.7, 8.0)
+    assert (fast["ratio"], fast["target_ratio"], fast["target_met"]) == (0.3, 0.333, True)
+    slow = summarize("tiny", {**runs, "warm": {"first_step_s": 4.5}})  # 4.5 / 9 = 0.5: missed
+    assert (slow["ratio"], slow["target_met"]) == (0.5, False)
