@@ -22,6 +22,7 @@ from paramserver.client import Client, ClientConfig
 from paramserver.client.ledger import DECODE_RETRIES
 from paramserver.server.config import ShardConfig
 from paramserver.server.shard import ShardServer
+from worker import progress
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -108,8 +109,6 @@ def test_a_duplicated_push_is_applied_once(relayed):
 
 def _island_goodput(front, data_dir):
     """Run a real tiny Island through the relay for 2 rounds; return its final metrics row."""
-    import json
-
     from worker.config import IslandConfig
     from worker.island import Island
 
@@ -120,8 +119,7 @@ def _island_goodput(front, data_dir):
     )  # fmt: skip
     island = Island(cfg)
     assert island.run(threading.Event()) == 0
-    rows = [json.loads(line) for line in (data_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows[-1]
+    return progress.read_rows(data_dir)[-1]
 
 
 @pytest.mark.slow
