@@ -14,6 +14,7 @@ from worker.exchange import MERGE_RULES
 
 CODECS = ("int8", "int4", "float32", "bfloat16", "topk")
 PARAM_SHARDINGS = ("replicated", "fsdp")  # worker.sharding (imports JAX) implements them
+DATA_DTYPES = ("uint16", "uint32")  # id types of a flat .bin token file (worker.data)
 MODEL_NAMES = ("tiny", "small", "base")  # worker.model.MODEL_CONFIGS defines each (imports JAX)
 
 
@@ -33,7 +34,12 @@ class IslandConfig:
     compile_cache_dir: str = ""
     model: str = "tiny"  # named model config: tiny | small | base
     seed: int = 0  # model init seed (used only if this island initialises the cluster)
-    data: str = ""  # text file or directory of text files; "" = the embedded corpus
+    # text file or directory of text files (bytes); a token file: FILE.bin (flat ids of
+    # --data-dtype, nanoGPT layout) or FILE.npy (1-D integer array), memory-mapped; "" = the
+    # embedded corpus
+    data: str = ""
+    data_dtype: str = "uint16"  # token ids of a .bin --data file: uint16 | uint32
+    vocab_size: int = 256  # model vocabulary: 256 = bytes; a token file needs max id + 1 or more
     data_shard: int = -1  # this island's data shard; -1 = derived from the island id
     data_shards: int = 8  # number of disjoint training shards the corpus is cut into
     heldout_fraction: float = 0.05  # share of the corpus kept for evaluation (all islands)
@@ -82,6 +88,8 @@ class IslandConfig:
             raise IslandConfigError(str(exc).replace("ClientConfig.", "IslandConfig.", 1)) from None
         check.choice("model", self.model, MODEL_NAMES)
         check.choice("codec", self.codec, CODECS)
+        check.choice("data_dtype", self.data_dtype, DATA_DTYPES)
+        check.integer("vocab_size", self.vocab_size, 2, 2**31 - 1)  # ids travel as int32
         check.number("topk_density", self.topk_density, above=0.0, high=1.0)
         check.choice("topk_bits", self.topk_bits, (2, 4))
         check.choice("merge_rule", self.merge_rule, MERGE_RULES)
