@@ -13,7 +13,7 @@ from paramserver.plumbing.validate import Checks
 from worker.exchange import MERGE_RULES
 
 CODECS = ("int8", "int4", "float32", "bfloat16", "topk")
-PARAM_SHARDINGS = ("replicated", "fsdp")  # worker.sharding (imports JAX) implements them
+PARAM_SHARDINGS = ("replicated", "fsdp")  # worker.device_layout (imports JAX) implements them
 DATA_DTYPES = ("uint16", "uint32")  # id types of a flat .bin token file (worker.data)
 MODEL_NAMES = ("tiny", "small", "base")  # worker.model.MODEL_CONFIGS defines each (imports JAX)
 
@@ -58,14 +58,14 @@ class IslandConfig:
     merge_rule: str = "keep-progress"  # folding a new global version: keep-progress | overwrite
     # push fragment p of P at inner step floor(p * H / P) of each round, each with its own delta
     # since its own last push, instead of all at the round's end: the peak rate at the island's
-    # link falls by about P (worker.streaming); a cluster of mode sync is refused
+    # link falls by about P (worker.push_schedule); a cluster of mode sync is refused
     streaming: bool = False
     eval_every: int = 2  # rounds between evaluations of the global parameters (0 = never)
     eval_batches: int = 4  # held-out batches per evaluation
     max_rounds: int = 0  # stop after this many rounds (0 = until stopped)
     start_file: str = ""  # after joining, wait until this file exists (a start barrier); "" = none
     devices: int = 0  # local devices for data parallel inside the island (0 = all)
-    # an island of several processes (jax.distributed; worker.multihost): process 0's
+    # an island of several processes (jax.distributed; worker.process_group): process 0's
     # HOST:PORT, the process count and this process's index; ""/0/-1 = from JAX_COORDINATOR_
     # ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (else one process)
     coordinator: str = ""
@@ -76,6 +76,7 @@ class IslandConfig:
     flush_timeout_s: float = 10.0  # on stop, wait this long for unacked deltas
     join_timeout_s: float = ClientConfig.join_timeout_s  # give up joining after this long
     heartbeat_interval_s: float = ClientConfig.heartbeat_interval_s  # period to every shard
+    max_unacked: int = ClientConfig.max_unacked  # deltas outstanding before a push blocks
     curve_secret_key_file: str = ""  # CURVE: this island's NAME.key_secret; "" = no CURVE
     curve_server_key_file: str = ""  # CURVE: the shards' public key file (server.key)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
@@ -138,6 +139,7 @@ class IslandConfig:
             island=self.island,
             heartbeat_interval_s=self.heartbeat_interval_s,
             join_timeout_s=self.join_timeout_s,
+            max_unacked=self.max_unacked,
             curve_secret_key_file=self.curve_secret_key_file,
             curve_server_key_file=self.curve_server_key_file,
         )
