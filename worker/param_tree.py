@@ -87,7 +87,7 @@ class TreeLayout:
         names, shapes, dtypes, shardings = [], [], [], []
         for path, leaf in pairs:
             name = leaf_name(path)
-            if not isinstance(leaf, jax.Array | np.ndarray):
+            if not isinstance(leaf, jax.Array | np.ndarray | np.generic):
                 raise TreeError(
                     f"params leaf {name!r} is a {type(leaf).__name__}, not an array: "
                     "keep only the parameters' arrays in the tree"

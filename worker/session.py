@@ -243,22 +243,18 @@ class Session:
         tokens = _check_tokens(tokens)
         leaves = self.layout.leaves(params)
         self.clock.step_started(time.monotonic())
-        self.steps, self.tokens, self.in_round = (
-            self.steps + 1,
-            self.tokens + tokens,
-            self.in_round + 1,
-        )
+        in_round = self.in_round + 1
+        round_end = in_round == self.inner_steps
+        if self.cfg.streaming:
+            due = due_fragments(in_round, self.inner_steps, len(self.syncs))
+        else:
+            due = sorted(self.syncs) if round_end else []
+        host = self._host(leaves) if due else None  # the one host copy (nothing counted yet)
+        self.steps, self.tokens, self.in_round = self.steps + 1, self.tokens + tokens, in_round
         for index in self.syncs:
             self.unsent_steps[index] += 1
             self.unsent_tokens[index] += tokens
-        round_end = self.in_round == self.inner_steps
-        if self.cfg.streaming:
-            due = due_fragments(self.in_round, self.inner_steps, len(self.syncs))
-        else:
-            due = sorted(self.syncs) if round_end else []
-        host = None
         if due:
-            host = self._host(leaves)
             self._push(due, host, self.round_base + self.round)
         if round_end and self.client is not None:
             self.client.report_step_time(self.clock.median_step_s(self.inner_steps))
