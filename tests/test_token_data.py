@@ -178,3 +178,18 @@ def test_a_view_of_joined_ranges_splits_like_its_array():
     want_train, want_held = data.split_corpus(train.to_array(), 2, 1)
     np.testing.assert_array_equal(again_train.to_array(), want_train)
     np.testing.assert_array_equal(again_held.to_array(), want_held)
+
+
+def test_the_island_cli_refuses_a_bad_token_file_in_one_line(tmp_path):
+    bad = tmp_path / "odd.bin"
+    bad.write_bytes(b"\0" * 2049)
+    proc = subprocess.run(
+        [sys.executable, "-m", "worker.cli", "start", "--connect", "tcp://127.0.0.1:9",
+         "--island", "x", "--data", str(bad), "--data-dir", str(tmp_path / "d"),
+         "--join-timeout-s", "1"],
+        capture_output=True, text=True, timeout=100,
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert str(bad) in last and "not a multiple of 2" in last and "--data-dtype" in last
