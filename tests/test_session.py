@@ -15,9 +15,9 @@ import pytest
 from client_helpers import Cluster
 
 import worker
-from worker import progress
 from paramserver.client import ClientError
 from paramserver.plumbing import probe
+from worker import progress
 from worker.config import IslandConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -193,8 +193,9 @@ def test_a_server_that_is_down_at_join_is_one_line_after_the_join_timeout():
 
 def test_two_sessions_with_one_island_id_in_one_process_are_refused(cluster):
     params = mlp.init_mlp()
-    with worker.join(cluster.connect, island="a", params=params, inner_steps=1, **FAST):
-        with pytest.raises(RuntimeError, match="'a' already has an open session"):
-            worker.join(cluster.connect, island="a", params=params, inner_steps=1, **FAST)
+    first = worker.join(cluster.connect, island="a", params=params, inner_steps=1, **FAST)
+    with pytest.raises(RuntimeError, match="'a' already has an open session"):
+        worker.join(cluster.connect, island="a", params=params, inner_steps=1, **FAST)
+    first.close()
     with worker.join(cluster.connect, island="a", params=params, inner_steps=1, **FAST) as s:
         assert s.version == 0  # closed sessions free their id
