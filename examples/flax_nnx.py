@@ -11,8 +11,6 @@ Needs flax: pip install 'decoupled-diloco[examples]'.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 
 try:
@@ -27,7 +25,7 @@ except ImportError:  # flax is an optional extra
 import jax
 import numpy as np
 import optax
-from local_server import add_cluster_flags, cluster, global_model
+from local_server import cluster, example_parser, global_model, print_summary
 
 import worker
 
@@ -69,12 +67,7 @@ def train_step(state, opt_state, x, labels):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100, help="inner steps")
-    parser.add_argument("--inner-steps", type=int, default=10, help="steps per round (H)")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_cluster_flags(parser)
-    args = parser.parse_args()
+    args = example_parser(__doc__, steps=100).parse_args()
     initial = float(loss_fn(INIT_STATE, *HELDOUT))
     rng = np.random.default_rng(1)
     with cluster(args) as (connect, out):
@@ -93,13 +86,13 @@ def main() -> None:
         model = nnx.merge(GRAPHDEF, params)  # back to a module, e.g. to serve it
         final = float(loss_fn(nnx.state(model, nnx.Param), *HELDOUT))
         accuracy = float((model(HELDOUT[0]).argmax(-1) == HELDOUT[1]).mean())
-    summary = {"initial_loss": initial, "global_loss": final, "global_accuracy": accuracy,
-               "global_version": version}  # fmt: skip
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"global model: held-out loss {initial:.4f} at start -> {final:.4f}, "
-              f"accuracy {accuracy:.2f} (version {version})")  # fmt: skip
+    print_summary(
+        {"initial_loss": initial, "global_loss": final, "global_accuracy": accuracy,
+         "global_version": version},
+        args.json,
+        f"global model: held-out loss {initial:.4f} at start -> {final:.4f}, "
+        f"accuracy {accuracy:.2f} (version {version})",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

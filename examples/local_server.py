@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import signal
 import subprocess
 import sys
@@ -28,6 +29,29 @@ from bench.launcher import free_base_port
 from paramserver.plumbing import probe
 
 SERVER_CLI = [sys.executable, "-m", "paramserver.server.cli"]  # = diloco-server
+
+
+def example_parser(doc: str, steps: int) -> argparse.ArgumentParser:
+    """The flags every example takes: its size (--steps, --inner-steps), --json, its cluster.
+
+    Args:
+        doc: the example's docstring (its first paragraph is the description).
+        steps: the default number of inner steps.
+
+    Returns:
+        The parser (an example may add flags of its own).
+    """
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=steps, help="inner steps per island")
+    parser.add_argument("--inner-steps", type=int, default=10, help="steps per round (H)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_cluster_flags(parser)
+    return parser
+
+
+def print_summary(summary: dict[str, Any], as_json: bool, text: str) -> None:
+    """The example's last line: `summary` as JSON (--json, what the tests read), else `text`."""
+    print(json.dumps(summary) if as_json else text, flush=True)
 
 
 def add_cluster_flags(parser: argparse.ArgumentParser) -> None:

@@ -12,7 +12,6 @@ a third session joins, starts from the global model, and prints its held-out los
 from __future__ import annotations
 
 import argparse
-import json
 import threading
 from typing import Any
 
@@ -20,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from local_server import add_cluster_flags, cluster, global_model
+from local_server import cluster, example_parser, global_model, print_summary
 
 import worker
 
@@ -87,12 +86,7 @@ def run_island(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=100, help="inner steps per island")
-    parser.add_argument("--inner-steps", type=int, default=10, help="steps per round (H)")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_cluster_flags(parser)
-    args = parser.parse_args()
+    args = example_parser(__doc__, steps=100).parse_args()
     initial = heldout_loss(init_mlp(0))
     with cluster(args) as (connect, out):
         results: dict[str, Any] = {}
@@ -121,12 +115,11 @@ def main() -> None:
                   f"{result['train_loss']:.4f}, {result['pushes']} pushes", flush=True)  # fmt: skip
         params, version = global_model(connect, like=init_mlp(0))  # a later island's start
         final = heldout_loss(params)
-    summary = {"initial_loss": initial, "global_loss": final, "global_version": version}
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"global model: held-out loss {initial:.4f} at start -> {final:.4f} "
-              f"(version {version})")  # fmt: skip
+    print_summary(
+        {"initial_loss": initial, "global_loss": final, "global_version": version},
+        args.json,
+        f"global model: held-out loss {initial:.4f} at start -> {final:.4f} (version {version})",
+    )
 
 
 if __name__ == "__main__":

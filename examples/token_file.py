@@ -13,12 +13,10 @@ uint16 --vocab-size VOCAB` reads: memory-mapped, one held-out split for all isla
 
 from __future__ import annotations
 
-import argparse
-import json
 from pathlib import Path
 
 import numpy as np
-from local_server import add_cluster_flags, cluster, global_model
+from local_server import cluster, example_parser, global_model, print_summary
 
 import worker
 from worker import data, model
@@ -43,12 +41,8 @@ def write_token_file(path: Path, tokens: int, seed: int = 0) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=60, help="inner steps")
-    parser.add_argument("--inner-steps", type=int, default=10, help="steps per round (H)")
+    parser = example_parser(__doc__, steps=60)
     parser.add_argument("--tokens", type=int, default=100_000, help="tokens in the file")
-    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
-    add_cluster_flags(parser)
     args = parser.parse_args()
     with cluster(args) as (connect, out):
         path = write_token_file(out / "tokens.bin", args.tokens)
@@ -58,7 +52,7 @@ def main() -> None:
         own = data.island_data(cfg)  # memory-mapped; its shard and the common held-out set
         model_cfg = model.model_config("tiny", cfg.vocab_size)
         init = model.init_params(model_cfg, seed=0)
-        inner = InnerConfig(batch_size=BATCH, seq_len=SEQ_LEN, warmup_steps=10)
+        inner = InnerConfig(batch_size=BATCH, seq_len=SEQ_LEN, lr=1e-2, warmup_steps=10)
         with worker.join(connect, island=cfg.island, params=init, inner_steps=args.inner_steps,
                          data_dir=cfg.data_dir) as session:  # fmt: skip
             trainer = InnerTrainer(model_cfg, inner, session.params)
@@ -73,13 +67,13 @@ def main() -> None:
               f"vocab {VOCAB}), last train loss {loss:.3f}, {pushes} pushes", flush=True)  # fmt: skip
         params, version = global_model(connect, like=init)
         final = trainer.evaluate(own.eval_set, params=params)
-    summary = {"initial_loss": initial, "global_loss": final, "global_version": version,
-               "uniform_loss": float(np.log(VOCAB))}  # fmt: skip
-    if args.json:
-        print(json.dumps(summary))
-    else:
-        print(f"global model: held-out loss {initial:.3f} at start -> {final:.3f} nats/token "
-              f"(version {version}; uniform = {np.log(VOCAB):.3f})")  # fmt: skip
+    print_summary(
+        {"initial_loss": initial, "global_loss": final, "global_version": version,
+         "uniform_loss": float(np.log(VOCAB))},
+        args.json,
+        f"global model: held-out loss {initial:.3f} at start -> {final:.3f} nats/token "
+        f"(version {version}; uniform = {np.log(VOCAB):.3f})",
+    )  # fmt: skip
 
 
 if __name__ == "__main__":

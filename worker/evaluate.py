@@ -40,19 +40,6 @@ class EvalModelError(ValueError):
     """The cluster holds parameters of another model than the one asked for."""
 
 
-def heldout_batches(cfg: IslandConfig) -> list[np.ndarray]:
-    """The common held-out evaluation batches, exactly as an island builds them.
-
-    Args:
-        cfg: settings (data, data_dtype, vocab_size, data_shards, heldout_fraction,
-            batch_size, seq_len, eval_batches); the island's data shard does not matter.
-
-    Returns:
-        `cfg.eval_batches` int32 arrays [batch_size, seq_len + 1].
-    """
-    return data_lib.heldout_set(cfg)
-
-
 def _check_model(cfg: IslandConfig, flat: dict[str, np.ndarray]) -> None:
     """Raise EvalModelError unless `flat` has the leaves of model `cfg.model`."""
     model_cfg = model_lib.model_config(cfg.model, cfg.vocab_size)
@@ -101,7 +88,7 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
     except (probe.ProbeError, CurveError) as exc:
         raise EvalError(str(exc)) from None
     _check_model(cfg, flat)
-    batches = heldout_batches(cfg)
+    batches = data_lib.heldout_set(cfg)  # exactly as every island builds them
     inner = InnerConfig(batch_size=cfg.batch_size, seq_len=cfg.seq_len)
     params = codec.unflatten(flat)
     trainer = InnerTrainer(
