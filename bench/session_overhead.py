@@ -1,6 +1,6 @@
 """What the public island API costs: `Session.step` per call between pushes and per round.
 
-Two loops train against a fresh local 2-shard cluster (real daemons, 127.0.0.1):
+Two loops train, each against a fresh local 2-shard cluster (real daemons, 127.0.0.1):
 
 - a user's plain-JAX MLP (its own optax step, not our model), and
 - the daemon's loop: our transformer's `InnerTrainer` (`--model`) driving the
@@ -150,14 +150,12 @@ def run(args: argparse.Namespace) -> int:
         0.
     """
     out = outdir.claim(Path(args.out), "session_overhead")
-    with LocalCluster(out / "cluster", shards=2) as cluster:
-        cluster.start_server()
-        result = {
-            "mlp": _measure_mlp(cluster.connect, args),
-            f"daemon_loop_{args.model}": _measure_daemon_loop(cluster.connect, args),
-            "inner_steps": args.inner_steps,
-            "rounds": args.rounds,
-        }
+    result: dict[str, Any] = {"inner_steps": args.inner_steps, "rounds": args.rounds}
+    loops = {"mlp": _measure_mlp, f"daemon_loop_{args.model}": _measure_daemon_loop}
+    for name, measure in loops.items():  # a fresh cluster each: they train other models
+        with LocalCluster(out / name, shards=2) as cluster:
+            cluster.start_server()
+            result[name] = measure(cluster.connect, args)
     (out / "session_overhead.json").write_text(json.dumps(result, indent=2))
     print(json.dumps(result, sort_keys=True))
     return 0

@@ -120,23 +120,23 @@ class TreeLayout:
         Raises:
             TreeError: the structure, a shape or a dtype differs (naming the path).
         """
-        pairs, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        leaves, treedef = jax.tree_util.tree_flatten(tree)  # cheaper than with paths
         if treedef != self.treedef:
+            pairs, _ = jax.tree_util.tree_flatten_with_path(tree)
             where = _first_other_name(self.names, [leaf_name(p) for p, _ in pairs])
             raise TreeError(
                 f"params tree differs from the session's at {where}: expected structure "
                 f"{self.treedef}, got {treedef}"
             )
-        leaves = []
-        for (path, leaf), shape, dtype in zip(pairs, self.shapes, self.dtypes, strict=True):
-            got_shape = tuple(int(d) for d in np.shape(leaf))
-            got_dtype = getattr(leaf, "dtype", None)
+        for name, leaf, shape, dtype in zip(
+            self.names, leaves, self.shapes, self.dtypes, strict=True
+        ):
+            got_shape, got_dtype = np.shape(leaf), getattr(leaf, "dtype", None)
             if got_shape != shape or got_dtype != dtype:
                 raise TreeError(
-                    f"params leaf {leaf_name(path)!r} is {got_dtype}{list(got_shape)}, "
+                    f"params leaf {name!r} is {got_dtype}{list(got_shape)}, "
                     f"the session's is {dtype}{list(shape)}"
                 )
-            leaves.append(leaf)
         return leaves
 
     def first_difference(self, leaves: list[Any]) -> str | None:
