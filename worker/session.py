@@ -150,6 +150,8 @@ class Session:
         try:
             self._open(params, client_factory)
         except BaseException:
+            if self.client is not None:
+                self.client.close(flush_timeout_s=0.0)
             self._release()
             raise
 
@@ -165,7 +167,6 @@ class Session:
             try:
                 joined = self.client.join(self._join_values(host), stop=self.stop)
             except ClientError as exc:
-                self.client.close(flush_timeout_s=0.0)
                 if self.group.multi:
                     self.group.share_join(None)
                 raise cluster_difference(exc, cfg, self.layout) from None
@@ -197,7 +198,7 @@ class Session:
         # each run's rounds from its start time so a restarted island never reuses one.
         self.round_base = int(time.time()) * 1_000_000
         self.clock = RoundClock(time.monotonic())
-        self.stopping = False
+        self._leader_stop = False  # process 0's stop as of the last step (multi-process)
         # Deltas of a previous run pushed again and not resolved yet; None until the outbox
         # file was read: only then may it be rewritten.
         self.resending: int | None = None
@@ -297,7 +298,9 @@ class Session:
                 for u in self.client.poll_updates()
                 if u.version > self.syncs[u.fragment].base_version
             ]
-        updates, self.stopping = self.group.share_updates(updates, self.stop.is_set(), self.sizes)
+        updates, self._leader_stop = self.group.share_updates(
+            updates, self.stop.is_set(), self.sizes
+        )
         if not updates:
             return params
         if host is None:
@@ -349,6 +352,11 @@ class Session:
         for index, sync in self.syncs.items():  # the fragments cover every element
             self.plan.scatter(index, sync.base, flat)
         return self.layout.build(flat, place=False)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the loop should end: `stop` is set (on process 0, as of the last step)."""
+        return self._leader_stop if self.group.multi else self.stop.is_set()
 
     @property
     def version(self) -> int:
