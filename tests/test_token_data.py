@@ -193,3 +193,33 @@ def test_the_island_cli_refuses_a_bad_token_file_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
     last = proc.stderr.strip().splitlines()[-1]
     assert str(bad) in last and "not a multiple of 2" in last and "--data-dtype" in last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(480)
+def test_a_daemon_island_learns_a_token_file_and_evaluates_it_with_its_vocabulary(tmp_path):
+    from worker_helpers import wait_for
+
+    from bench.launcher import IslandSpec, LocalCluster
+
+    vocab, rng = 512, np.random.default_rng(0)
+    successors = rng.integers(0, vocab, size=(vocab, 2))  # a language of two next ids per id
+    ids = np.zeros(40_000, np.uint16)
+    for i, pick in enumerate(rng.integers(0, 2, size=len(ids) - 1), start=1):
+        ids[i] = successors[ids[i - 1], pick]
+    path = tmp_path / "train.bin"
+    ids.tofile(path)
+    flags = ("--data", str(path), "--vocab-size", str(vocab), "--data-shards", "1",
+             "--inner-steps", "10", "--max-rounds", "4", "--batch-size", "8", "--seq-len", "32",
+             "--eval-every", "1", "--lr", "0.01", "--warmup-steps", "10")  # fmt: skip
+    with LocalCluster(tmp_path / "run", shards=2, server_args=("--mode", "async")) as cluster:
+        cluster.start_server()
+        cluster.start_islands([IslandSpec("tokens", 1.0, flags)])
+        wait_for(
+            lambda: cluster.island_status("tokens").get("state") == "stopped",
+            400,
+            "the island to finish its rounds",
+        )
+        evals = [r["eval_global"] for r in cluster.island_metrics("tokens") if "eval_global" in r]
+    assert abs(evals[0] - np.log(vocab)) < 0.3, evals  # a fresh model: ~uniform over 512 ids
+    assert evals[-1] < evals[0] - 1.0, evals
