@@ -158,7 +158,8 @@ def split_tokens(
     segments (the same for every island); the remaining tokens, in order, are cut into
     `num_islands` contiguous shards of equal size (+-1 token), and island `island_index`
     gets shard `island_index`. Shards are disjoint from each other and from held-out.
-    Nothing is copied: both parts are views of `data`.
+    A memory-mapped corpus is never copied (both parts are views of the file); an
+    in-memory one is (each part one contiguous array).
 
     Args:
         data: the corpus: bytes, a 1-D integer array (e.g. from `load_tokens`) or Tokens.
@@ -167,7 +168,7 @@ def split_tokens(
         heldout_fraction: share of the corpus held out, in (0, 0.5].
 
     Returns:
-        (train_shard, heldout) as Tokens views.
+        (train_shard, heldout) as Tokens.
     """
     corpus = _as_tokens(data, "data")
     num_islands = _check_int("num_islands", num_islands, 1)
@@ -199,7 +200,12 @@ def split_tokens(
         if last > first:
             shard_ranges.append((first, last))
         seen += b - a
-    return corpus.select(shard_ranges), corpus.select(heldout_ranges)
+    parts = corpus.select(shard_ranges), corpus.select(heldout_ranges)
+    if isinstance(corpus.base, np.memmap):
+        return parts
+    # In memory anyway (text): contiguous copies, which sample fastest.
+    train, heldout = (Tokens(p.to_array(), [(0, len(p))]) for p in parts)
+    return train, heldout
 
 
 def split_corpus(

@@ -139,6 +139,8 @@ class Tokens:
         Returns:
             An array of `index`'s shape and the base's dtype (a copy; the base is untouched).
         """
+        if len(self._starts) == 1:  # one range: a shift
+            return self.base[index + self._starts[0]]
         piece = np.searchsorted(self._offsets, index, side="right") - 1
         return self.base[index - self._offsets[piece] + self._starts[piece]]
 
