@@ -25,6 +25,10 @@ A session runs in any thread and installs no signal handler; `stop` (a
 `threading.Event`) ends its waits. Multi-process islands: every process calls
 `join` and `step` at the same points with its own shards; process 0 alone
 opens sockets and `worker.leader_sync` shares its decisions.
+
+(Over 400 lines: `Session` is the API's one class; its decisions live in
+`worker.exchange`, `worker.push_schedule`, `worker.session_stats` and
+`worker.leader_sync`, what remains is its state and documented methods.)
 """
 
 from __future__ import annotations
