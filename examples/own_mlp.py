@@ -75,7 +75,7 @@ def run_island(
         opt_state = OPTIMIZER.init(params)
         loss = float("nan")
         for _ in range(args.steps):
-            if stop.is_set():  # Ctrl-C in the main thread
+            if session.stopping:  # `stop` was set (Ctrl-C in the main thread)
                 break
             x, y = batch(rng)
             params, opt_state, loss = train_step(params, opt_state, x, y)
