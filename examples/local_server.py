@@ -7,8 +7,9 @@
 `cluster(args)` does exactly that around an example (or uses the server of
 `--connect`, starting nothing), and stops what it started also on an error,
 Ctrl-C or SIGTERM. `global_model` reads the cluster's model at the end, the
-way any later island starts: by joining. Without `--out` every file goes to a temporary directory
-that the example creates and removes; a given `--out` is never deleted.
+way any later island starts: by joining. Without `--out` every file goes to a
+temporary directory that the example creates and removes; a given `--out` is
+never deleted.
 """
 
 from __future__ import annotations
@@ -76,12 +77,11 @@ def _run(argv: list[str], what: str) -> None:
 
 
 def _stop(server_dir: Path) -> None:
-    if server_dir.exists():  # a start that failed half-way may have left shards running
-        proc = subprocess.run(
-            [*SERVER_CLI, "stop", "--data-dir", str(server_dir)], capture_output=True, timeout=300
-        )
-        if proc.returncode != 0:
-            print(f"diloco-server stop --data-dir {server_dir} failed", file=sys.stderr)
+    proc = subprocess.run(
+        [*SERVER_CLI, "stop", "--data-dir", str(server_dir)], capture_output=True, timeout=300
+    )
+    if proc.returncode != 0:
+        print(f"diloco-server stop --data-dir {server_dir} failed", file=sys.stderr)
 
 
 def _sigterm_exits(_signum: int, _frame: object) -> None:
@@ -114,8 +114,12 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
             *SERVER_CLI, "start", "--shards", str(args.shards), "--port", str(port),
             "--mode", args.mode, "--data-dir", str(server_dir),
         ]  # fmt: skip
-        stack.callback(_stop, server_dir)
-        _run([*argv, "--detach"], "diloco-server start")
+        try:
+            _run([*argv, "--detach"], "diloco-server start")  # a failed start leaves nothing
+        except KeyboardInterrupt:  # Ctrl-C while it starts: it may be up already
+            _stop(server_dir)
+            raise
+        stack.callback(_stop, server_dir)  # only what this example started
         print(f"server: {args.shards} shards at tcp://127.0.0.1:{port} ({args.mode})", flush=True)
         yield f"tcp://127.0.0.1:{port}", out
 
