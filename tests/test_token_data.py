@@ -223,3 +223,12 @@ def test_a_daemon_island_learns_a_token_file_and_evaluates_it_with_its_vocabular
         evals = [r["eval_global"] for r in cluster.island_metrics("tokens") if "eval_global" in r]
     assert abs(evals[0] - np.log(vocab)) < 0.3, evals  # a fresh model: ~uniform over 512 ids
     assert evals[-1] < evals[0] - 1.0, evals
+
+
+def test_a_directory_of_token_files_is_refused_rather_than_read_as_text(tmp_path):
+    np.arange(5000, dtype=np.uint16).tofile(tmp_path / "train.bin")
+    (tmp_path / "notes.txt").write_text("x" * 2000)
+    with pytest.raises(data.DataError, match="holds token files \\(train.bin\\).*one token file"):
+        data.load_tokens(tmp_path)
+    (tmp_path / "train.bin").unlink()
+    assert data.load_tokens(tmp_path).tobytes() == b"x" * 2000  # text directories as before

@@ -47,6 +47,15 @@ def default_corpus() -> bytes:
     return gzip.decompress(resource.read_bytes())
 
 
+def _files_in(directory: Path) -> list[Path]:
+    """The regular, non-hidden files under `directory`, recursively, in sorted path order."""
+    return sorted(
+        p
+        for p in directory.rglob("*")
+        if p.is_file() and not any(part.startswith(".") for part in p.relative_to(directory).parts)
+    )
+
+
 def _read_text_file(path: Path) -> bytes:
     raw = path.read_bytes()
     return gzip.decompress(raw) if path.suffix == ".gz" else raw
@@ -73,11 +82,7 @@ def load_corpus(path: str | Path | None = None) -> bytes:
     if path.is_file():
         data = _read_text_file(path)
     elif path.is_dir():
-        files = sorted(
-            p
-            for p in path.rglob("*")
-            if p.is_file() and not any(part.startswith(".") for part in p.relative_to(path).parts)
-        )
+        files = _files_in(path)
         if not files:
             raise DataError(f"corpus directory {str(path)!r} contains no files")
         data = b"\n".join(_read_text_file(p) for p in files)
@@ -90,6 +95,17 @@ def load_corpus(path: str | Path | None = None) -> bytes:
     return data
 
 
+def _refuse_token_files_in(directory: Path) -> None:
+    """A directory is read as text: one holding token files (e.g. nanoGPT's) is a mistake."""
+    found = [str(p.relative_to(directory)) for p in _files_in(directory) if is_token_file(p)]
+    if found:
+        raise DataError(
+            f"corpus directory {str(directory)!r} holds token files ({', '.join(found[:3])}"
+            f"{', ...' if len(found) > 3 else ''}), which a directory would read as text: "
+            "pass one token file as --data"
+        )
+
+
 def load_tokens(
     path: str | Path | None = None, dtype: str = "uint16", vocab_size: int = BYTE_VOCAB
 ) -> np.ndarray:
@@ -98,7 +114,8 @@ def load_tokens(
     Args:
         path: None for the embedded corpus; a ".bin" file of flat `dtype` ids (nanoGPT
             layout, no header) or a ".npy" 1-D integer array, both memory-mapped; anything
-            else is text as `load_corpus` reads it (bytes, ids < 256).
+            else is text as `load_corpus` reads it (bytes, ids < 256), but a directory
+            that holds ".bin" or ".npy" files is refused.
         dtype: the id type of a ".bin" file, one of DATA_DTYPES (a ".npy" holds its own).
         vocab_size: the model's vocabulary; every id must be below it.
 
@@ -119,6 +136,8 @@ def load_tokens(
             )
         source = repr(str(path))
     else:
+        if path is not None and Path(path).is_dir():
+            _refuse_token_files_in(Path(path))
         tokens = np.frombuffer(load_corpus(path), dtype=np.uint8)
         source = "the embedded corpus" if path is None else repr(str(path))
         if vocab_size >= BYTE_VOCAB:  # every byte fits: no scan needed
