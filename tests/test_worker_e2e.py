@@ -76,6 +76,7 @@ def test_two_islands_one_slow_train_below_unigram_entropy_and_a_wrong_model_is_r
     )  # fmt: skip
     assert proc.returncode == 1
     assert "plan mismatch" in proc.stderr
+    assert "here, float32[256, 64] in the cluster's model" in proc.stderr  # the first leaf
     assert "Traceback" not in proc.stderr
 
 

@@ -114,6 +114,6 @@ def cluster_difference(exc: ClientError, cfg: IslandConfig, layout: TreeLayout) 
     if where is None:
         return exc  # the same leaves: the cluster was cut into other shards or fragments
     return ClientError(
-        f"join: params do not match the cluster's model: {where}; "
+        f"join: plan mismatch: params do not match the cluster's model: {where}; "
         "join with the model the cluster trains (or start a fresh cluster)"
     )
