@@ -17,7 +17,7 @@ from client_helpers import Cluster
 import worker
 from paramserver.client import ClientError
 from paramserver.plumbing import probe
-from worker import progress
+from worker import outbox, progress
 from worker.config import IslandConfigError
 
 pytestmark = pytest.mark.timeout(120)
@@ -199,3 +199,49 @@ def test_two_sessions_with_one_island_id_in_one_process_are_refused(cluster):
     first.close()
     with worker.join(cluster.connect, island="a", params=params, inner_steps=1, **FAST) as s:
         assert s.version == 0  # closed sessions free their id
+
+
+def test_in_a_sync_cluster_the_rounds_last_step_returns_the_merged_round(tmp_path):
+    sync = Cluster(tmp_path / "sync", shards=2, mode="sync")
+    try:
+        params = mlp.init_mlp(0)
+        with worker.join(sync.connect, island="a", params=params, inner_steps=3, **FAST) as s:
+            p = s.params
+            fragments = len(s.syncs)
+            assert s.step(p, tokens=1) is p and s.step(p, tokens=1) is p
+            moved = jax.tree_util.tree_map(lambda x: x - 0.5, p)
+            merged = s.step(moved, tokens=1)  # pushes, then waits for the merge
+            assert s.version == fragments  # every fragment's round-1 version is in
+            assert merged is not moved
+            assert not np.array_equal(
+                np.asarray(merged["layers"][0].w), np.asarray(p["layers"][0].w)
+            )
+    finally:
+        sync.stop()
+
+
+def test_unacked_deltas_are_kept_in_the_data_dir_and_sent_by_the_next_session(cluster, tmp_path):
+    params = mlp.init_mlp(0)
+    data_dir = tmp_path / "island"
+    s = worker.join(cluster.connect, island="a", params=params, inner_steps=2, data_dir=data_dir,
+                    **{**FAST, "flush_timeout_s": 0.5})  # fmt: skip
+    p = s.params
+    before = cluster_params(cluster.connect)
+    cluster.stop()  # the server goes away before the round is pushed
+    moved = jax.tree_util.tree_map(lambda x: x - 0.25, p)
+    s.step(moved, tokens=1)
+    s.step(moved, tokens=1)
+    s.close()
+    saved = outbox.load(data_dir / outbox.OUTBOX_FILE)
+    assert saved is not None and saved.island == "a" and len(saved.deltas) == len(s.syncs)
+    for i in range(len(cluster.servers)):
+        cluster.start(i)  # same ports, same data dir
+    with worker.join(cluster.connect, island="a", params=params, inner_steps=2, data_dir=data_dir,
+                     **FAST) as again:  # fmt: skip
+        assert again.resending == len(saved.deltas)
+        q = again.params
+        again.step(q, tokens=1)
+        again.step(q, tokens=1)  # the first new push waits until the re-sent ones are resolved
+        assert not (data_dir / outbox.OUTBOX_FILE).exists()
+    after = cluster_params(cluster.connect)
+    assert not np.array_equal(before["layers/0/w"], after["layers/0/w"])  # the kept round landed
