@@ -131,11 +131,11 @@ class TreeLayout:
         for name, leaf, shape, dtype in zip(
             self.names, leaves, self.shapes, self.dtypes, strict=True
         ):
-            got_shape, got_dtype = np.shape(leaf), getattr(leaf, "dtype", None)
+            got_shape, got_dtype = getattr(leaf, "shape", None), getattr(leaf, "dtype", None)
             if got_shape != shape or got_dtype != dtype:
+                got = f"{got_dtype}{list(got_shape)}" if got_shape is not None else repr(leaf)
                 raise TreeError(
-                    f"params leaf {name!r} is {got_dtype}{list(got_shape)}, "
-                    f"the session's is {dtype}{list(shape)}"
+                    f"params leaf {name!r} is {got}, the session's is {dtype}{list(shape)}"
                 )
         return leaves
 
