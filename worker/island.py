@@ -153,6 +153,11 @@ class Island:
                 return 0
             try:
                 self._train(session, stop, on_ready)
+            except Exception as exc:
+                if watchdog is not None and type(exc).__name__ == "JaxRuntimeError":
+                    session.group.broken = True  # no more collectives, not even at close
+                    self._await_watchdog(watchdog, exc)
+                raise
             finally:
                 self.state = "stopping"
                 self._write_status()
@@ -250,6 +255,19 @@ class Island:
 
             threading.Thread(target=leave_on_stop, name="follower-stop", daemon=True).start()
         return watchdog
+
+    def _await_watchdog(self, watchdog: Watchdog, exc: Exception) -> None:
+        """A collective failed (another process is gone): let the watchdog name it and exit.
+
+        Raises:
+            RuntimeError: the watchdog did not end the process within twice the liveness timeout.
+        """
+        logger.warning("island %s: a collective failed: %s", self.cfg.island, exc)
+        watchdog.fired.wait(2 * self.liveness_s + self.cfg.heartbeat_interval_s)
+        watchdog.join(2 * self.liveness_s)  # it ends the process once it has fired
+        raise RuntimeError(
+            f"island {self.cfg.island}: a collective of the island's processes failed: {exc}"
+        ) from exc
 
     def _abandon(self, line: str) -> None:
         """Another process of the island is gone (watchdog thread): say bye, keep the unacked."""
