@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "load": ("bench.load", "Load test: many lightweight simulated islands (client only, random int8 deltas) against N shards."),
     "report": ("bench.report", "Benchmarks that reproduce the seed's claims: DDP vs synchronous DiLoCo vs this system on WAN links."),
     "restart": ("bench.restart", "Restart-to-first-step of an island, cold and warm JAX compilation cache."),
+    "session_overhead": ("bench.session_overhead", "What the public island API costs: `Session.step` per call between pushes and per round."),
     "server": ("bench.server", "Shard throughput: merge + outer step vs decode, push->ack round trips, checkpoint and restart."),
     "streaming": ("bench.streaming", "Streaming fragments against round-end pushes: peak/average bytes per second at the island's socket, and loss."),
 }

@@ -5,7 +5,7 @@ import pytest
 import codec
 from worker import cli
 from worker.config import IslandConfig, IslandConfigError
-from worker.island import make_codec
+from worker.session_config import make_codec
 
 
 def load(argv):

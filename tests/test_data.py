@@ -95,9 +95,11 @@ def test_split_rejects_bad_arguments(args, word):
         data.split_corpus(b"x" * 2000, *args)
 
 
-def test_split_rejects_non_byte_data():
-    with pytest.raises(data.DataError, match="uint8"):
-        data.split_corpus(np.zeros(5000, np.int64), 1, 0)
+def test_split_rejects_data_that_is_not_token_ids():
+    with pytest.raises(data.DataError, match="integer array.*float32"):
+        data.split_corpus(np.zeros(5000, np.float32), 1, 0)
+    with pytest.raises(data.DataError, match="integer array.*shape \\(50, 100\\)"):
+        data.split_corpus(np.zeros((50, 100), np.uint16), 1, 0)
 
 
 def test_sampler_is_deterministic_from_seed_and_cuts_real_windows(random_corpus):
@@ -150,7 +152,7 @@ def test_sampler_rejects_bad_arguments(kwargs, word):
 def test_eval_batches_reject_bad_arguments():
     with pytest.raises(data.DataError, match="count"):
         data.eval_batches(b"y" * 50, 2, 8, 0)
-    with pytest.raises(data.DataError, match="heldout has 5 bytes"):
+    with pytest.raises(data.DataError, match="heldout has 5 tokens"):
         data.eval_batches(b"y" * 5, 2, 8, 1)
 
 

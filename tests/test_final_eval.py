@@ -248,3 +248,23 @@ def test_cli_eval_errors_are_one_line_and_non_zero(cluster, client):
     proc = run_eval("--connect", c.connect, "--wait-s", "5", *EVAL_FLAGS)
     assert proc.returncode == 2, proc.stderr
     assert "not those of model 'tiny'" in proc.stderr and "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(180)
+def test_cli_eval_reads_a_token_file_with_the_vocabulary_the_islands_trained(
+    cluster, client, tmp_path
+):
+    vocab = 512
+    path = tmp_path / "tokens.bin"
+    np.random.default_rng(0).integers(0, vocab, 20_000).astype(np.uint16).tofile(path)
+    params = model_lib.init_params(model_lib.model_config("tiny", vocab), 0)
+    c = cluster(1)
+    client(c.connect, "a").join(codec.flatten(jax.tree_util.tree_map(np.asarray, params)))
+    flags = ("--connect", c.connect, "--wait-s", "10", *EVAL_FLAGS, "--data", str(path))
+    proc = run_eval(*flags, "--json", "--vocab-size", str(vocab))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert abs(result["eval_loss"] - math.log(vocab)) < 0.2  # a fresh model: ~uniform over 512
+    wrong = run_eval(*flags)  # the default vocabulary, 256: another model than the cluster's
+    assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
+    assert "with vocab 256" in wrong.stderr and "--vocab-size" in wrong.stderr

@@ -6,9 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from worker import mirror, multihost, sharding
+from paramserver.client import Update
+from worker import device_layout, process_group
 from worker.config import IslandConfig, IslandConfigError
-from worker.multihost import GroupError, GroupSpec, resolve_group
+from worker.leader_sync import LeaderSync
+from worker.process_group import GroupError, GroupSpec, resolve_group
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -72,38 +74,31 @@ def test_island_config_checks_the_new_fields():
     ],
 )
 def test_fsdp_cuts_the_largest_divisible_dimension(shape, devices, spec):
-    assert sharding.fsdp_spec(shape, devices) == spec
+    assert device_layout.fsdp_spec(shape, devices) == spec
 
 
 def test_replicated_layout_never_cuts():
-    assert sharding.leaf_spec((256, 64), 4, "replicated") == PartitionSpec()
+    assert device_layout.leaf_spec((256, 64), 4, "replicated") == PartitionSpec()
     with pytest.raises(ValueError, match="param sharding must be one of"):
-        sharding.leaf_spec((4,), 4, "zero3")
+        device_layout.leaf_spec((4,), 4, "zero3")
 
 
 def test_a_process_is_gone_once_silent_for_longer_than_the_liveness_timeout():
     last = {1: 10.0, 2: 7.9, 3: 8.0}
-    assert multihost.silent_processes(10.0, last, 2.0) == [2]
-    assert multihost.silent_processes(12.5, last, 2.0) == [1, 2, 3]
-    assert multihost.silent_processes(9.9, last, 2.0) == []
+    assert process_group.silent_processes(10.0, last, 2.0) == [2]
+    assert process_group.silent_processes(12.5, last, 2.0) == [1, 2, 3]
+    assert process_group.silent_processes(9.9, last, 2.0) == []
 
 
 def test_liveness_timeout_is_the_clients_rule():
-    assert multihost.liveness_timeout_s(0.5) == pytest.approx(2.5)
+    assert process_group.liveness_timeout_s(0.5) == pytest.approx(2.5)
 
 
 def test_the_gone_line_names_the_missing_process():
-    line = multihost.gone_line("isl", [1], 2, 2.5)
+    line = process_group.gone_line("isl", [1], 2, 2.5)
     assert line.startswith("island isl: process 1 of 2 is gone (no heartbeat for 2.5 s)")
-    assert "coordinator" in multihost.gone_line("isl", [0], 3, 5.0)
+    assert "coordinator" in process_group.gone_line("isl", [0], 3, 5.0)
     assert "\n" not in line
-
-
-def test_header_is_fixed_size_and_carries_the_arguments():
-    words = mirror.header(mirror.OP_EVAL, 4, 8, 33, 1)
-    assert words.dtype == np.int32 and words.tolist() == [mirror.OP_EVAL, 4, 8, 33, 1, 0]
-    with pytest.raises(ValueError):
-        mirror.header(mirror.OP_STOP, 1, 2, 3, 4, 5, 6)
 
 
 class _Device:
@@ -113,17 +108,15 @@ class _Device:
 
 def test_mesh_info_shows_processes_devices_and_the_per_device_batch():
     devices = [_Device(0), _Device(0), _Device(1), _Device(1)]
-    info = multihost.mesh_info(GroupSpec("h:1", 2, 1), devices, 16, "fsdp")
+    info = process_group.mesh_info(GroupSpec("h:1", 2, 1), devices, 16, "fsdp")
     assert info["processes"] == {"count": 2, "index": 1, "coordinator": "h:1"}
     assert info["mesh"]["devices"] == 4 and info["mesh"]["local_devices"] == 2
     assert info["mesh"]["per_device_batch"] == 4 and info["mesh"]["param_sharding"] == "fsdp"
 
 
-def test_a_one_process_group_is_plain_calls():
-    group = mirror.Group(GroupSpec(), "isl", 5.0, 1.0)
-    trainer = object()
-    assert group.wrap(trainer) is trainer
-    group.share_join({"w": np.zeros(2)})  # no collective, no error
-    group.watch(lambda line: None)
-    assert group.watchdog is None
-    group.finish(0)
+def test_a_one_process_island_shares_decisions_without_collectives():
+    sync = LeaderSync(multi=False, leader=True)
+    update = Update(1, 7, np.ones(3, np.float32))
+    assert sync.share_updates([update], True, [2, 3]) == ([update], True)
+    leaves = [np.zeros(2)]
+    assert sync.gather(leaves) is leaves

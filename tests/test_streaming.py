@@ -9,7 +9,7 @@ from client_helpers import Cluster
 
 from paramserver.client import Client
 from worker.config import IslandConfig
-from worker.streaming import (
+from worker.push_schedule import (
     StreamingError,
     check_streaming_mode,
     due_fragments,

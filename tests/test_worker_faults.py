@@ -15,7 +15,7 @@ from client_helpers import Cluster
 from conftest import free_port
 from worker_helpers import wait_for
 
-from worker import outbox_file, progress
+from worker import outbox, progress
 
 FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0")
 
@@ -70,7 +70,7 @@ def test_an_island_stops_in_seconds_without_its_server_and_resends_its_deltas_at
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    saved = outbox_file.load(data_dir / outbox_file.OUTBOX_FILE)
+    saved = outbox.load(data_dir / outbox.OUTBOX_FILE)
     assert saved is not None and saved.island == "isl"
     kept = len(saved.deltas)
     assert kept >= 16  # the blocked round's deltas too: queued past the limit once stopped
@@ -86,7 +86,7 @@ def test_an_island_stops_in_seconds_without_its_server_and_resends_its_deltas_at
     finally:
         cluster.stop()
         log.close()
-    assert not (data_dir / outbox_file.OUTBOX_FILE).exists()  # removed once resolved
+    assert not (data_dir / outbox.OUTBOX_FILE).exists()  # removed once resolved
     final = progress.read_rows(data_dir)[-1]
     fragments = cluster.cfg.num_fragments
     assert final["final"] and final["rejected"] == 0

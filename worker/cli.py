@@ -18,7 +18,7 @@ common held-out set; run it with the islands' model and data settings. On a
 CURVE cluster give an island's keys (--curve-secret-key-file,
 --curve-server-key-file) and its --island: the probe says hello as that id.
 
-An island of several processes (worker.multihost; JAX_COORDINATOR_ADDRESS,
+An island of several processes (worker.process_group; JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES and JAX_PROCESS_ID serve when the flags are not given): every
 process runs `start` with its own --data-dir; process 0 alone talks to the shards.
 `--dry-run` joins the process group, prints the mesh and the per-device batch, exits.
@@ -39,6 +39,7 @@ from pathlib import Path
 
 from paramserver.client import ClientError
 from paramserver.plumbing import daemon, settings
+from worker import progress
 from worker.config import IslandConfig
 
 ENV_PREFIX = "DILOCO_WORKER_"
@@ -137,23 +138,24 @@ def _start(args: argparse.Namespace, argv: list[str]) -> int:
 
 
 def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:
-    from worker import multihost  # no JAX yet: the process group must start first
+    from worker import process_group  # no JAX yet: the process group must start first
 
-    spec = multihost.resolve_group(cfg.coordinator, cfg.num_processes, cfg.process_id, os.environ)
+    spec = process_group.resolve_group(
+        cfg.coordinator, cfg.num_processes, cfg.process_id, os.environ
+    )
     if spec.multi and cfg.devices:
         raise ValueError(
             f"devices must be 0 (every device of every process) in an island of "
             f"{spec.num_processes} processes, got {cfg.devices}"
         )
     if spec.multi:
-        multihost.initialize(spec, multihost.liveness_timeout_s(cfg.heartbeat_interval_s))
-    goodbye_s = max(10.0, multihost.liveness_timeout_s(cfg.heartbeat_interval_s))
+        process_group.initialize(spec, process_group.liveness_timeout_s(cfg.heartbeat_interval_s))
+    goodbye_s = max(10.0, process_group.liveness_timeout_s(cfg.heartbeat_interval_s))
     if dry_run:
-        print(multihost.dry_run_text(cfg, spec), flush=True)
-        multihost.leave(spec, 0, goodbye_s)
+        print(process_group.dry_run_text(cfg, spec), flush=True)
+        process_group.leave(spec, 0, goodbye_s)
         return 0
     from worker.island import Island  # imports JAX: only when an island really starts
-    from worker.mirror import run_follower
 
     data_dir = Path(cfg.data_dir)
     stop = daemon.enter_foreground(data_dir, cfg.log_level)
@@ -162,26 +164,24 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:
             os.sched_setaffinity(0, {cfg.cpu % os.cpu_count()})
         island = Island(cfg, group=spec)
         ready = {"island": cfg.island, "process": spec.process_id}
-        if not spec.leader:  # follows process 0; never opens a socket to the shards
-            daemon.notify_ready(ready)
-            code = run_follower(island, stop)
-        else:
-            code = island.run(stop, on_ready=lambda: daemon.notify_ready(ready))
+        notify = lambda: daemon.notify_ready(ready)  # noqa: E731
+        if not spec.leader:  # runs the same loop; only process 0 opens sockets to the shards
+            notify()
+        code = island.run(stop, on_ready=notify if spec.leader else None)
     finally:
         daemon.release_pid_file(daemon.pid_path(data_dir))
-    multihost.leave(spec, code, goodbye_s)  # the others exit here; process 0 waits for them
+    process_group.leave(spec, code, goodbye_s)  # the others exit here; process 0 waits for them
     return code
 
 
 def _status(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
-    path = data_dir / "status.json"
     pid = daemon.running_pid(daemon.pid_path(data_dir))
-    if not path.exists():
+    status = progress.read_status(data_dir)
+    if status is None:
         raise daemon.DaemonError(
             f"no island status in {data_dir}: start one with diloco-worker start"
         )
-    status = json.loads(path.read_text())
     status["running"] = pid is not None
     if args.json:
         print(json.dumps(status, indent=2))

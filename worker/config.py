@@ -13,7 +13,8 @@ from paramserver.plumbing.validate import Checks
 from worker.exchange import MERGE_RULES
 
 CODECS = ("int8", "int4", "float32", "bfloat16", "topk")
-PARAM_SHARDINGS = ("replicated", "fsdp")  # worker.sharding (imports JAX) implements them
+PARAM_SHARDINGS = ("replicated", "fsdp")  # worker.device_layout (imports JAX) implements them
+DATA_DTYPES = ("uint16", "uint32")  # id types of a flat .bin token file (worker.data)
 MODEL_NAMES = ("tiny", "small", "base")  # worker.model.MODEL_CONFIGS defines each (imports JAX)
 
 
@@ -33,7 +34,12 @@ class IslandConfig:
     compile_cache_dir: str = ""
     model: str = "tiny"  # named model config: tiny | small | base
     seed: int = 0  # model init seed (used only if this island initialises the cluster)
-    data: str = ""  # text file or directory of text files; "" = the embedded corpus
+    # text file or directory of text files (bytes); a token file: FILE.bin (flat ids of
+    # --data-dtype, nanoGPT layout) or FILE.npy (1-D integer array), memory-mapped; "" = the
+    # embedded corpus
+    data: str = ""
+    data_dtype: str = "uint16"  # token ids of a .bin --data file: uint16 | uint32
+    vocab_size: int = 256  # model vocabulary: 256 = bytes; a token file needs max id + 1 or more
     data_shard: int = -1  # this island's data shard; -1 = derived from the island id
     data_shards: int = 8  # number of disjoint training shards the corpus is cut into
     heldout_fraction: float = 0.05  # share of the corpus kept for evaluation (all islands)
@@ -52,14 +58,14 @@ class IslandConfig:
     merge_rule: str = "keep-progress"  # folding a new global version: keep-progress | overwrite
     # push fragment p of P at inner step floor(p * H / P) of each round, each with its own delta
     # since its own last push, instead of all at the round's end: the peak rate at the island's
-    # link falls by about P (worker.streaming); a cluster of mode sync is refused
+    # link falls by about P (worker.push_schedule); a cluster of mode sync is refused
     streaming: bool = False
     eval_every: int = 2  # rounds between evaluations of the global parameters (0 = never)
     eval_batches: int = 4  # held-out batches per evaluation
     max_rounds: int = 0  # stop after this many rounds (0 = until stopped)
     start_file: str = ""  # after joining, wait until this file exists (a start barrier); "" = none
     devices: int = 0  # local devices for data parallel inside the island (0 = all)
-    # an island of several processes (jax.distributed; worker.multihost): process 0's
+    # an island of several processes (jax.distributed; worker.process_group): process 0's
     # HOST:PORT, the process count and this process's index; ""/0/-1 = from JAX_COORDINATOR_
     # ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (else one process)
     coordinator: str = ""
@@ -70,6 +76,7 @@ class IslandConfig:
     flush_timeout_s: float = 10.0  # on stop, wait this long for unacked deltas
     join_timeout_s: float = ClientConfig.join_timeout_s  # give up joining after this long
     heartbeat_interval_s: float = ClientConfig.heartbeat_interval_s  # period to every shard
+    max_unacked: int = ClientConfig.max_unacked  # deltas outstanding before a push blocks
     curve_secret_key_file: str = ""  # CURVE: this island's NAME.key_secret; "" = no CURVE
     curve_server_key_file: str = ""  # CURVE: the shards' public key file (server.key)
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
@@ -82,6 +89,8 @@ class IslandConfig:
             raise IslandConfigError(str(exc).replace("ClientConfig.", "IslandConfig.", 1)) from None
         check.choice("model", self.model, MODEL_NAMES)
         check.choice("codec", self.codec, CODECS)
+        check.choice("data_dtype", self.data_dtype, DATA_DTYPES)
+        check.integer("vocab_size", self.vocab_size, 2, 2**31 - 1)  # ids travel as int32
         check.number("topk_density", self.topk_density, above=0.0, high=1.0)
         check.choice("topk_bits", self.topk_bits, (2, 4))
         check.choice("merge_rule", self.merge_rule, MERGE_RULES)
@@ -130,6 +139,7 @@ class IslandConfig:
             island=self.island,
             heartbeat_interval_s=self.heartbeat_interval_s,
             join_timeout_s=self.join_timeout_s,
+            max_unacked=self.max_unacked,
             curve_secret_key_file=self.curve_secret_key_file,
             curve_server_key_file=self.curve_server_key_file,
         )

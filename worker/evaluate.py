@@ -40,33 +40,18 @@ class EvalModelError(ValueError):
     """The cluster holds parameters of another model than the one asked for."""
 
 
-def heldout_batches(cfg: IslandConfig) -> list[np.ndarray]:
-    """The common held-out evaluation batches, exactly as an island builds them.
-
-    Args:
-        cfg: settings (data, data_shards, heldout_fraction, batch_size, seq_len,
-            eval_batches); the island's data shard does not matter.
-
-    Returns:
-        `cfg.eval_batches` int32 arrays [batch_size, seq_len + 1].
-    """
-    corpus = data_lib.load_corpus(cfg.data or None)
-    _train, heldout = data_lib.split_corpus(corpus, cfg.data_shards, 0, cfg.heldout_fraction)
-    return data_lib.eval_batches(heldout, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
-
-
 def _check_model(cfg: IslandConfig, flat: dict[str, np.ndarray]) -> None:
     """Raise EvalModelError unless `flat` has the leaves of model `cfg.model`."""
-    model_cfg = model_lib.MODEL_CONFIGS[cfg.model]
+    model_cfg = model_lib.model_config(cfg.model, cfg.vocab_size)
     shapes = jax.eval_shape(lambda: model_lib.init_params(model_cfg, 0))
     want = {k: tuple(v.shape) for k, v in codec.flatten(shapes).items()}
     have = {k: tuple(v.shape) for k, v in flat.items()}
     if want != have:
         diff = sorted(set(want.items()) ^ set(have.items()))[:3]
         raise EvalModelError(
-            f"the cluster's parameters are not those of model {cfg.model!r} "
-            f"({len(have)} leaves vs {len(want)}; first differences {diff}): "
-            "pass the --model the islands trained"
+            f"the cluster's parameters are not those of model {cfg.model!r} with vocab "
+            f"{cfg.vocab_size} ({len(have)} leaves vs {len(want)}; first differences {diff}): "
+            "pass the --model and --vocab-size the islands trained"
         )
 
 
@@ -74,8 +59,8 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
     """Wait until merged, read the global parameters from the shards, evaluate them once.
 
     Args:
-        cfg: model and data settings (model, data, data_shards, heldout_fraction,
-            batch_size, seq_len, eval_batches, devices). With curve_secret_key_file and
+        cfg: model and data settings (model, vocab_size, data, data_dtype, data_shards,
+            heldout_fraction, batch_size, seq_len, eval_batches, devices). With curve_secret_key_file and
             curve_server_key_file set, every request speaks CURVE and the welcome's hello
             names `cfg.island` (an id the key may act as; not live elsewhere).
         connect: ROUTER endpoint of any shard (normally shard 0).
@@ -103,11 +88,14 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
     except (probe.ProbeError, CurveError) as exc:
         raise EvalError(str(exc)) from None
     _check_model(cfg, flat)
-    batches = heldout_batches(cfg)
+    batches = data_lib.heldout_set(cfg)  # exactly as every island builds them
     inner = InnerConfig(batch_size=cfg.batch_size, seq_len=cfg.seq_len)
     params = codec.unflatten(flat)
     trainer = InnerTrainer(
-        model_lib.MODEL_CONFIGS[cfg.model], inner, params, devices=cfg.devices or None
+        model_lib.model_config(cfg.model, cfg.vocab_size),
+        inner,
+        params,
+        devices=cfg.devices or None,
     )
     loss = trainer.evaluate(batches)
     result: dict[str, Any] = {

@@ -1,35 +1,28 @@
-"""One island: join the cluster, train H inner steps per round, push deltas, fold in new versions.
+"""The island daemon's loop: our transformer and text data, trained through `worker.Session`.
 
-Pushes go to the client's background I/O thread (which blocks `push` only
-when its bounded buffer of unacked deltas is full), and published versions are
-picked up between steps with a non-blocking poll and folded in with the rule
-of `worker.exchange`. In a cluster of mode "sync" (synchronous DiLoCo) the
-island waits after each push until the shards published versions that include
-its round, then adopts them and starts the next round: the slowest island
-paces everyone, and that wait shows as lost goodput. The train and eval steps
-are compiled before the start barrier, so compile time is neither padded by
-`--speed` nor charged to the first round. With `--streaming true` each
-fragment is pushed at its own inner step of the round instead of all at its
-end (`worker.streaming`), and the unsent work is pushed when the island stops.
+`diloco-worker start` is a user of the public API (`worker.session`): it
+builds the model's parameters, joins with them (`Session`), trains with its
+`InnerTrainer` and calls `Session.step` after every inner step, as any user's
+loop does; the session pushes, folds and waits (sync mode), keeps goodput and
+writes ``metrics.jsonl``. What stays here is the daemon's own: the data and
+model, the emulated speed (`--speed`, `--jitter`: `worker.pace`), the compile
+warm-up before the start barrier (so compile time is neither padded nor
+charged to round 1), the evaluations it adds to the metrics rows,
+``status.json`` (rewritten atomically, `worker.progress`), and in a
+multi-process island the liveness watchdog (`worker.process_group`).
 
-Goodput (`worker.goodput`): tokens the shards credited to this island (each
-delta's tokens times its staleness factor) over the tokens it could have
-trained since the start at its measured step rate.
+Every process of a multi-process island runs this same loop with its own
+copy of the data (each draws the same global batch and places its own rows);
+process 0 alone talks to the shards and the session shares its decisions
+(`worker.leader_sync`), so every process stops after the same step.
 
-Progress goes to ``<data_dir>/metrics.jsonl`` (one JSON object per round) and
-``<data_dir>/status.json`` (rewritten atomically), which `diloco-worker status`
-and the demo's live display read.
-
-Stopping: every wait (join, a push under back-pressure, the sync-mode merge,
-the start barrier) ends when the stop event is set (SIGTERM). Deltas still
-unacked then are written to ``<data_dir>/outbox.bin`` and pushed again, with
-their round ids, when the island starts again with the same data dir
-(`worker.outbox_file`); new rounds wait until those are resolved.
+Stopping: every wait ends when the stop event is set (SIGTERM); the session's
+close then pushes the partial round and keeps what stays unacked in
+``<data_dir>/outbox.bin`` (`worker.outbox`) for the next start.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -38,47 +31,19 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import jax
 import numpy as np
 
-import codec
 from paramserver.client import Client, ClientError
-from worker import compile_cache, outbox_file
+from worker import compile_cache, progress
 from worker import data as data_lib
 from worker import model as model_lib
 from worker.config import IslandConfig
-from worker.exchange import FragmentSync
-from worker.goodput import goodput, step_rate
-from worker.mirror import Group, topology
-from worker.multihost import GroupSpec, liveness_timeout_s
 from worker.pace import Pacer
-from worker.streaming import check_streaming_mode, due_fragments, flush_fragments
+from worker.process_group import GroupSpec, Watchdog, liveness_timeout_s, mesh_info
+from worker.session import Session
 from worker.train import InnerConfig, InnerTrainer
 
 logger = logging.getLogger(__name__)
-
-STATUS_FILE = "status.json"
-METRICS_FILE = "metrics.jsonl"
-
-
-def make_codec(cfg: IslandConfig) -> codec.Codec:
-    """The delta codec an island config asks for.
-
-    Args:
-        cfg: island settings (`codec`, `block_size`).
-
-    Returns:
-        A codec object with init/encode.
-    """
-    kwargs = {"block_size": cfg.block_size} if cfg.block_size else {}
-    if cfg.codec == "int8":
-        return codec.int8(**kwargs)
-    if cfg.codec == "int4":
-        return codec.int4(**kwargs)
-    if cfg.codec == "topk":
-        chunk = {"chunk": cfg.block_size} if cfg.block_size else {}
-        return codec.topk(density=cfg.topk_density, bits=cfg.topk_bits, **chunk)
-    return codec.raw(cfg.codec)
 
 
 def inner_steps_for(cfg: IslandConfig) -> int:
@@ -95,15 +60,8 @@ def inner_steps_for(cfg: IslandConfig) -> int:
     return cfg.inner_steps
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    """Replace `path` with `obj` as JSON so that readers never see a torn file."""
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj))
-    os.replace(tmp, path)
-
-
 class Island:
-    """The training loop of one island (state lives here, decisions in worker.exchange)."""
+    """The daemon's training loop of one island (process) around a `Session`."""
 
     def __init__(
         self,
@@ -116,20 +74,18 @@ class Island:
         Args:
             cfg: island settings.
             client_factory: builds the client from a ClientConfig.
-            group: this process's place in a multi-process island (`worker.multihost`,
-                already initialised); None = a one-process island.
+            group: this process's place in a multi-process island (already
+                initialised); None = a one-process island.
         """
         self.cfg = cfg
+        self.spec = group or GroupSpec()
         self.liveness_s = liveness_timeout_s(cfg.heartbeat_interval_s)
-        self.group = Group(
-            group or GroupSpec(), cfg.island, self.liveness_s, cfg.heartbeat_interval_s
-        )
         self.topology: dict[str, Any] = {}
         self.data_dir = Path(cfg.data_dir)
         self.data_dir.mkdir(parents=True, exist_ok=True)
         # before the first jit, so a restart reads the compiled steps back instead of compiling
         self.compile_cache = compile_cache.enable(cfg.compile_cache_dir, self.data_dir)
-        self.model_cfg = model_lib.MODEL_CONFIGS[cfg.model]
+        self.model_cfg = model_lib.model_config(cfg.model, cfg.vocab_size)
         own = data_lib.island_data(cfg)  # its shard of the corpus, and the common held-out set
         self.sampler, self.eval_set, seed = own.sampler, own.eval_set, own.seed
         self.inner_cfg = InnerConfig(
@@ -139,229 +95,184 @@ class Island:
             seq_len=cfg.seq_len,
         )
         self.pacer = Pacer(cfg.speed, cfg.jitter, seed)
-        self.codec = make_codec(cfg)
         self.client_factory = client_factory
-        self.metrics_path = self.data_dir / METRICS_FILE
-        self.status_path = self.data_dir / STATUS_FILE
-        self.outbox_path = self.data_dir / outbox_file.OUTBOX_FILE
-        # Deltas of a previous run pushed again and not resolved yet; None until the
-        # outbox file was read (after the join): only then may the file be rewritten.
-        self.resending: int | None = None
         self.state = "starting"
-        self.round = 0
-        # Round ids are the idempotency key (island, round, fragment) on the shards: start
-        # each process's rounds from its start time so a restarted island never reuses one.
-        self.round_base = int(time.time()) * 1_000_000
-        self.started = time.monotonic()
-        self.step_times: list[float] = []  # recent step durations, padding included
-        self.wait_s = 0.0  # time spent waiting for merges (sync mode)
-        self.mode = "quorum"
         self.last: dict[str, Any] = {}
+        self.session: Session | None = None
+        self.losses: list[float] = []
 
-    # -- set-up ---------------------------------------------------------------
+    # -- the loop -------------------------------------------------------------
 
-    def _join(self, client: Client, stop: threading.Event) -> None:
-        params0 = model_lib.init_params(self.model_cfg, self.cfg.seed)
-        flat0 = codec.flatten(jax.tree_util.tree_map(np.asarray, params0))
-        self.state = "joining"
+    def _join(self, stop: threading.Event) -> Session:
+        self.state = "joining" if self.spec.leader else "following"
         self._write_status()
-        joined = client.join(flat0, stop=stop)
-        self.plan = joined.plan
-        self.mode = joined.mode
-        check_streaming_mode(self.cfg.streaming, self.mode)  # refuses a sync cluster
-        self.param_count = sum(frag.size for frag in self.plan.fragments)
-        self.flat = {k: np.array(v, dtype=np.float32) for k, v in joined.params.items()}
-        self.group.share_join(codec.unflatten(self.flat))  # other processes build their trainer
-        trainer = InnerTrainer(
+        session = Session(
+            self.cfg,
+            model_lib.init_params(self.model_cfg, self.cfg.seed),
+            stop=stop,
+            inner_steps=inner_steps_for(self.cfg),
+            client_factory=self.client_factory,
+            row_fields=self._row_fields,
+            row_tags={"speed": self.cfg.speed},
+        )
+        self.session = session
+        self.trainer = InnerTrainer(
             self.model_cfg,
             self.inner_cfg,
-            codec.unflatten(self.flat),
+            session.params,
             devices=self.cfg.devices or None,
             param_sharding=self.cfg.param_sharding,
         )
-        self.trainer = self.group.wrap(trainer)  # announces each call to the other processes
-        self.topology = topology(self.group.spec, trainer)
-        self.sync = {
-            frag.index: FragmentSync.start(self.plan.gather(self.flat, frag.index), version)
-            for frag in self.plan.fragments
-            for version in [joined.versions[frag.index]]
-        }
-        self.ef_state = {
-            frag.index: self.codec.init({"delta": np.zeros(frag.size, np.float32)})
-            for frag in self.plan.fragments
-        }
-        self.unsent = {frag.index: 0 for frag in self.plan.fragments}  # steps since its push
-        logger.info(
-            "island %s joined: %d fragments, versions %s, mode %s",
-            self.cfg.island,
-            len(self.plan.fragments),
-            joined.versions,
-            self.mode,
+        self.topology = mesh_info(
+            self.spec, self.trainer.devices, self.cfg.batch_size, self.cfg.param_sharding
         )
         self.state = "compiling"
         self._write_status()
         self.trainer.warmup()  # logs its compile time
-
-    # -- the loop -------------------------------------------------------------
-
-    def _local_flat(self) -> dict[str, np.ndarray]:
-        return codec.flatten(self.trainer.numpy_params())
-
-    def _fold_updates(self, client: Client) -> int:
-        """Adopt every newer global version the client received; returns how many."""
-        updates = [
-            u for u in client.poll_updates() if u.version > self.sync[u.fragment].base_version
-        ]
-        if not updates:
-            return 0
-        local = self._local_flat()
-        for update in updates:
-            sync = self.sync[update.fragment]
-            current = self.plan.gather(local, update.fragment)
-            new_local = sync.adopt(current, update.values, update.version, self.cfg.merge_rule)
-            self.plan.scatter(update.fragment, new_local, local)
-        self.trainer.set_params(codec.unflatten(local))
-        return len(updates)
-
-    def _push_round(self, client: Client, fragments: list[int], stop: threading.Event) -> None:
-        """Push each fragment's work since its own last push (one gather, every process)."""
-        self._settle_resent(client, stop)
-        local = self._local_flat()
-        round_id = self.round_base + self.round
-        for index in fragments:
-            sync = self.sync[index]
-            delta = sync.take(self.plan.gather(local, index))  # only the work not sent yet
-            frames, self.ef_state[index] = self.codec.encode({"delta": delta}, self.ef_state[index])
-            steps, self.unsent[index] = self.unsent[index], 0
-            tokens = steps * self.cfg.batch_size * self.cfg.seq_len
-            client.push(index, round_id, sync.base_version, tokens, steps, frames, stop=stop)
-
-    def _settle_resent(self, client: Client, stop: threading.Event) -> None:
-        """Before the first new round: wait until the re-sent deltas are resolved, drop the file.
-
-        (A shard refuses a round far below the newest it saw from this island, so
-        the previous run's deltas must land first.)
-        """
-        if not self.resending:
-            return
-        while client.stats()["pending"] and not stop.is_set():
-            stop.wait(0.01)
-        if stop.is_set():
-            return  # the file stays; close() rewrites it with what is still unacked
-        logger.info(
-            "island %s: the %d re-sent deltas are resolved", self.cfg.island, self.resending
-        )
-        outbox_file.save(self.outbox_path, self.cfg.island, self.plan.hash, [])
-        self.resending = 0
-
-    def _global_eval(self) -> dict[str, Any]:
-        """Held-out loss of the newest adopted global parameters, labelled with their versions."""
-        flat = {k: np.empty_like(v) for k, v in self.flat.items()}  # fragments cover every element
-        for index, sync in self.sync.items():
-            self.plan.scatter(index, sync.base, flat)
-        return {
-            "eval_global": self.trainer.evaluate(self.eval_set, params=codec.unflatten(flat)),
-            "eval_versions": sum(sync.base_version for sync in self.sync.values()),
-        }
-
-    def _wait_for_merge(self, client: Client, round_id: int, stop: threading.Event) -> None:
-        """Sync mode: block until the shards published versions that include `round_id`."""
-        t0 = time.monotonic()
-        while not stop.is_set() and not client.round_merged(round_id):
-            stop.wait(0.005)
-        self.wait_s += time.monotonic() - t0
+        return session
 
     def run(self, stop: threading.Event, on_ready: Callable[[], None] | None = None) -> int:
-        """Train until `stop` is set or `max_rounds` rounds are done.
+        """Train until `stop` is set (process 0's, in a multi-process island) or `max_rounds`.
 
         Args:
             stop: set by the signal handler (SIGTERM) or the caller.
             on_ready: called once the island has joined and starts training.
 
         Returns:
-            0 after a clean stop (unacked deltas flushed within the bound).
+            0 after a clean stop.
         """
         cfg = self.cfg
-        client = self.client_factory(cfg.client_config())
-        self.group.watch(lambda line: self._abandon(client, line))
-        exit_code = 1  # what the other processes of the island exit with
+        watchdog = self._watch(stop)
         try:
             try:
-                self._join(client, stop)
+                session = self._join(stop)
             except ClientError:
                 if not stop.is_set():
                     raise
                 logger.info("island %s stopped while joining", cfg.island)
-                exit_code = 0
                 return 0
-            self.resending = outbox_file.resend(
-                client, self.outbox_path, cfg.island, self.plan.hash, stop
-            )
-            self.started = time.monotonic()
-            self.state = "training"
-            if cfg.eval_every:
-                self._append_metrics({"round": 0, "steps": 0, "tokens": 0, **self._global_eval()})
-            self._write_status()
-            if on_ready is not None:
-                on_ready()
-            if cfg.start_file:
-                self._wait_for_start(stop)
-            steps_per_round = inner_steps_for(cfg)
-            while not stop.is_set() and (cfg.max_rounds == 0 or self.round < cfg.max_rounds):
-                losses, adopted, steps = [], 0, 0
-                round_start = time.monotonic()
-                for _ in range(steps_per_round):
-                    if stop.is_set():
-                        break
-                    t0 = time.monotonic()
-                    losses.append(self.trainer.step(self.sampler.next()))
-                    self.pacer.pad(time.monotonic() - t0)
-                    self.step_times.append(time.monotonic() - t0)
-                    del self.step_times[:-256]
-                    steps += 1
-                    self.unsent = {index: n + 1 for index, n in self.unsent.items()}
-                    if cfg.streaming and (
-                        due := due_fragments(steps, steps_per_round, len(self.unsent))
-                    ):
-                        self._push_round(client, due, stop)
-                    adopted += self._fold_updates(client)
-                if steps == 0:
-                    break
-                client.report_step_time(float(np.median(self.step_times[-steps_per_round:])))
-                if not cfg.streaming:
-                    self._push_round(client, sorted(self.sync), stop)
-                if self.mode == "sync":
-                    self._wait_for_merge(client, self.round_base + self.round, stop)
-                    adopted += self._fold_updates(client)
-                self.round += 1
-                self._record_round(client, losses, adopted, steps, round_start)
-            if cfg.streaming and (rest := flush_fragments(self.unsent)):
-                self._push_round(client, rest, stop)  # under a round id no push used yet
-            self.state = "stopping"
-            self._write_status()
-            exit_code = 0
-        finally:
-            self.group.finish(exit_code)
-            client.close(flush_timeout_s=cfg.flush_timeout_s)
-            if self.resending is not None:  # keep what is unacked, or drop a settled file
-                outbox_file.keep(self.outbox_path, cfg.island, self.plan.hash, client.unacked())
-            self.state = "stopped"
-            if self.round:
-                # final counters, after the flush: the last round's acks are in
-                stats = client.stats()
-                self._append_metrics(
-                    {**self._stats_fields(stats), "round": self.round, "final": True}
-                )
-                self._write_status(client_stats=stats)
-            else:
+            try:
+                self._train(session, stop, on_ready)
+            except Exception as exc:
+                if watchdog is not None and type(exc).__name__ == "JaxRuntimeError":
+                    session.group.broken = True  # no more collectives, not even at close
+                    self._await_watchdog(watchdog, exc)
+                raise
+            finally:
+                self.state = "stopping"
                 self._write_status()
+                session.close(self.trainer.params)
+            self.state = "stopped"
+            self.last.update(session.last_row)
+            self._write_status(client_stats=session.stats or None)
+        finally:
+            if watchdog is not None:
+                watchdog.stop()
         return 0
 
-    def _abandon(self, client: Client, line: str) -> None:
+    def _train(
+        self, session: Session, stop: threading.Event, on_ready: Callable[[], None] | None
+    ) -> None:
+        cfg, trainer = self.cfg, self.trainer
+        self.state = "training"
+        session.mark_start()
+        if cfg.eval_every:
+            session.log_row({"round": 0, "steps": 0, "tokens": 0, **self._global_eval()})
+        self._write_status()
+        if on_ready is not None:
+            on_ready()
+        if cfg.start_file and self.spec.leader:
+            self._wait_for_start(stop)
+            session.mark_start()
+        tokens = cfg.batch_size * cfg.seq_len
+        while not session.stopping and (cfg.max_rounds == 0 or session.round < cfg.max_rounds):
+            t0 = time.monotonic()
+            self.losses.append(trainer.step(self.sampler.next()))
+            self.pacer.pad(time.monotonic() - t0)
+            params, done = trainer.params, session.round
+            new = session.step(params, tokens=tokens)
+            if new is not params:
+                trainer.set_params(new)
+            if session.round != done:
+                self._round_done(session)
+
+    def _round_done(self, session: Session) -> None:
+        row = session.last_row
+        logger.info(
+            "round %d loss %.3f eval %s tokens/s %.0f lag %d sent %d B received %d B",
+            row["round"],
+            row["loss"],
+            f"{row['eval_global']:.3f}" if "eval_global" in row else "-",
+            self.cfg.batch_size
+            * self.cfg.seq_len
+            * session.inner_steps
+            / max(row["round_s"], 1e-9),
+            row["version_lag"],
+            row["bytes_sent"],
+            row["bytes_received"],
+        )
+        self._write_status(client_stats=session.stats or None)
+
+    def _row_fields(self, round_number: int) -> dict[str, Any]:
+        """The daemon's fields of a round's metrics row: speed, loss, the global eval."""
+        row: dict[str, Any] = {"loss": float(np.mean(self.losses))}
+        self.losses = []
+        if self.cfg.eval_every and round_number % self.cfg.eval_every == 0:
+            row.update(self._global_eval())
+        return row
+
+    def _global_eval(self) -> dict[str, Any]:
+        """Held-out loss of the newest adopted global parameters, labelled with their versions."""
+        assert self.session is not None
+        return {
+            "eval_global": self.trainer.evaluate(
+                self.eval_set, params=self.session.global_params()
+            ),
+            "eval_versions": self.session.version,
+        }
+
+    def _watch(self, stop: threading.Event) -> Watchdog | None:
+        """Multi-process: start the liveness watchdog; another process's SIGTERM leaves at once."""
+        if not self.spec.multi:
+            return None
+        watchdog = Watchdog(
+            self.cfg.island,
+            self.spec,
+            self.liveness_s,
+            self.cfg.heartbeat_interval_s,
+            self._abandon,
+        )
+        watchdog.start()
+        if not self.spec.leader:
+
+            def leave_on_stop() -> None:  # stop an island through process 0
+                stop.wait()
+                logger.warning(
+                    "island %s: process %d stopped", self.cfg.island, self.spec.process_id
+                )
+                logging.shutdown()
+                os._exit(0)
+
+            threading.Thread(target=leave_on_stop, name="follower-stop", daemon=True).start()
+        return watchdog
+
+    def _await_watchdog(self, watchdog: Watchdog, exc: Exception) -> None:
+        """A collective failed (another process is gone): let the watchdog name it and exit.
+
+        Raises:
+            RuntimeError: the watchdog did not end the process within twice the liveness timeout.
+        """
+        logger.warning("island %s: a collective failed: %s", self.cfg.island, exc)
+        watchdog.fired.wait(2 * self.liveness_s + self.cfg.heartbeat_interval_s)
+        watchdog.join(2 * self.liveness_s)  # it ends the process once it has fired
+        raise RuntimeError(
+            f"island {self.cfg.island}: a collective of the island's processes failed: {exc}"
+        ) from exc
+
+    def _abandon(self, line: str) -> None:
         """Another process of the island is gone (watchdog thread): say bye, keep the unacked."""
-        client.close(flush_timeout_s=min(self.cfg.flush_timeout_s, self.liveness_s))
-        if self.resending is not None:
-            outbox_file.keep(self.outbox_path, self.cfg.island, self.plan.hash, client.unacked())
+        if self.session is not None:
+            self.session.abandon(min(self.cfg.flush_timeout_s, self.liveness_s))
         self.state = "failed"
         self.last["error"] = line
         self._write_status()
@@ -374,93 +285,23 @@ class Island:
         while not stop.is_set() and not start_file.exists():
             stop.wait(0.05)
         self.state = "training"
-        self.started = time.monotonic()
         self._write_status()
 
     # -- reporting ------------------------------------------------------------
 
-    def _record_round(
-        self, client: Client, losses: list[float], adopted: int, steps: int, round_start: float
-    ) -> None:
-        cfg = self.cfg
-        stats = client.stats()
-        row: dict[str, Any] = {
-            "round": self.round,
-            "loss": float(np.mean(losses)),
-            "round_s": round(time.monotonic() - round_start, 3),
-            "versions_adopted": adopted,
-            **self._stats_fields(stats),
-        }
-        if cfg.eval_every and self.round % cfg.eval_every == 0:
-            row.update(self._global_eval())
-        row = self._append_metrics(row)
-        logger.info(
-            "round %d loss %.3f eval %s tokens/s %.0f lag %d sent %d B received %d B",
-            self.round,
-            row["loss"],
-            f"{row['eval_global']:.3f}" if "eval_global" in row else "-",
-            steps * cfg.batch_size * cfg.seq_len / max(row["round_s"], 1e-9),
-            row["version_lag"],
-            row["bytes_sent"],
-            row["bytes_received"],
-        )
-        self._write_status(client_stats=stats)
-
-    def _append_metrics(self, row: dict[str, Any]) -> dict[str, Any]:
-        """Add the common fields to a metrics row, append it to metrics.jsonl; returns it."""
-        row = {
-            "island": self.cfg.island,
-            "speed": self.cfg.speed,
-            "params": self.param_count,
-            "time_s": round(time.monotonic() - self.started, 3),
-            "wall": time.time(),
-            **row,
-        }
-        with self.metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
-        self.last = row
-        return row
-
-    def _stats_fields(self, stats: dict[str, Any]) -> dict[str, Any]:
-        """The client counters a metrics row carries, and the goodput they imply.
-
-        Goodput = tokens the shards credited to this island (staleness-weighted,
-        as of their latest heartbeat replies and published steps) / (wall time
-        since the start x the island's median step rate); see `worker.goodput`.
-        """
-        wall = time.monotonic() - self.started
-        tokens_per_step = self.cfg.batch_size * self.cfg.seq_len
-        rate = step_rate(self.step_times, tokens_per_step)
-        capacity = wall * rate if rate else 0.0
-        credited = float(stats.get("credited_tokens", 0.0))
-        pushes = stats.get("pushes", 0)
-        acked = stats.get("acked", 0)
-        return {
-            "steps": self.trainer.steps_done,
-            "tokens": self.trainer.tokens_done,
-            "version_lag": max(0, stats.get("version_lag", 0)),
-            "bytes_sent": stats.get("bytes_sent", 0),
-            "bytes_received": stats.get("bytes_received", 0),
-            "pushes": pushes,
-            "acked": acked,
-            "rejected": sum(stats.get("rejected", {}).values()),
-            "pending": stats.get("pending", 0),
-            "credited_tokens": round(credited, 1),
-            "capacity_tokens": round(capacity, 1),
-            "wait_s": round(self.wait_s, 3),
-            "goodput": goodput(credited, capacity) or 0.0,
-        }
-
     def _write_status(self, client_stats: dict[str, Any] | None = None) -> None:
+        session = self.session
+        if session is not None and session.last_row:
+            self.last.update(session.last_row)
         status = {
             "island": self.cfg.island,
             "pid": os.getpid(),
             "state": self.state,
-            "round": self.round,
+            "round": session.round if session is not None else 0,
             "updated": time.time(),
             **self.topology,
             **{k: v for k, v in self.last.items() if k not in ("island", "round")},
         }
         if client_stats is not None:
             status["client"] = client_stats
-        write_json_atomic(self.status_path, status)
+        progress.write_status(self.data_dir, status)

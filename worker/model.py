@@ -1,4 +1,4 @@
-"""The island's language model: a byte-level, decoder-only transformer in pure JAX.
+"""The island's language model: a decoder-only transformer over bytes or tokens, in pure JAX.
 
 This module owns the model configuration, the parameter tree (its names, shapes and
 initialisation) and the forward pass / loss. Nothing here knows about optimizers,
@@ -8,10 +8,10 @@ Why pure JAX rather than Flax NNX: it needs no extra dependency, and the paramet
 a plain nested dict of arrays, which is exactly the tree the codec flattens to "a/b"
 names and the parameter server's sharding plan splits. Keys never contain "/".
 
-Architecture: vocab 256 (raw bytes), pre-LayerNorm blocks with causal multi-head
-attention and a GELU MLP, rotary position embeddings (no learned positions, so any
-sequence length works), a final LayerNorm and an untied output head; no biases in the
-linear layers. The per-layer weights are stacked along a leading layer axis and the
+Architecture: vocab 256 (raw bytes) unless token data sets another (`model_config`),
+pre-LayerNorm blocks with causal multi-head attention and a GELU MLP, rotary position
+embeddings (no learned positions, so any sequence length works), a final LayerNorm and
+an untied output head; no biases in the linear layers. The per-layer weights are stacked along a leading layer axis and the
 blocks run under `jax.lax.scan`, so compile time does not grow with depth.
 
 Parameter tree (L layers, D model width, F MLP width, V vocab):
@@ -54,7 +54,7 @@ class ModelConfig:
     n_layers: int = 2  # number of transformer blocks L
     n_heads: int = 4  # attention heads; d_model / n_heads must be an even integer (rotary)
     d_ff: int = 256  # MLP hidden width F
-    vocab_size: int = VOCAB_SIZE  # byte-level vocabulary V
+    vocab_size: int = VOCAB_SIZE  # vocabulary V: 256 bytes, or a token file's
 
     def __post_init__(self) -> None:
         for name in ("d_model", "n_layers", "n_heads", "d_ff", "vocab_size"):
@@ -83,6 +83,24 @@ MODEL_CONFIGS: dict[str, ModelConfig] = {
     "small": ModelConfig(d_model=128, n_layers=4, n_heads=4, d_ff=512),
     "base": ModelConfig(d_model=256, n_layers=8, n_heads=8, d_ff=1024),
 }
+
+
+def model_config(name: str, vocab_size: int = VOCAB_SIZE) -> ModelConfig:
+    """A named shape with the vocabulary of the island's data (`IslandConfig.vocab_size`).
+
+    Args:
+        name: a key of MODEL_CONFIGS.
+        vocab_size: V; the default (bytes) gives MODEL_CONFIGS[name] itself.
+
+    Returns:
+        The ModelConfig (equal to MODEL_CONFIGS[name] at V = 256, so text runs are unchanged).
+
+    Raises:
+        ModelConfigError: an unknown name or a bad vocab_size.
+    """
+    if name not in MODEL_CONFIGS:
+        raise ModelConfigError(f"model {name!r} must be one of {', '.join(MODEL_CONFIGS)}")
+    return dataclasses.replace(MODEL_CONFIGS[name], vocab_size=vocab_size)
 
 
 def init_params(cfg: ModelConfig, seed: int) -> dict:

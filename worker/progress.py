@@ -1,14 +1,19 @@
-"""An island's progress files: one home for their names and their format.
+"""An island's progress files: the one home of their names and format.
 
-An island's data dir holds ``metrics.jsonl`` (one JSON object per line, one
-line per round, appended) and ``status.json`` (one JSON object, replaced
-atomically on every change). Whatever writes or reads them (the island, the
-DDP baseline rank, the bench harnesses, the tests) goes through this module.
+Two files in an island's data directory:
+
+- ``metrics.jsonl``: one JSON object per line, appended (one per round, the
+  round-0 evaluation and a final row); a reader tolerates a torn last line
+  (the writer may be in the middle of appending it).
+- ``status.json``: one JSON object, rewritten atomically (a temporary file,
+  then `os.replace`), so a reader never sees a torn file.
+
+Written by `worker.session.Session` (metrics) and the island daemon (status);
+read by `diloco-worker status`, the bench and the demo. Imports no JAX.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from pathlib import Path
@@ -19,89 +24,109 @@ STATUS_FILE = "status.json"
 
 
 def metrics_path(data_dir: str | Path) -> Path:
-    """The metrics file of a data dir.
+    """The metrics file of a data directory.
 
     Args:
         data_dir: the island's data directory.
 
     Returns:
-        ``data_dir / "metrics.jsonl"``.
+        ``<data_dir>/metrics.jsonl``.
     """
     return Path(data_dir) / METRICS_FILE
 
 
 def status_path(data_dir: str | Path) -> Path:
-    """The status file of a data dir.
+    """The status file of a data directory.
 
     Args:
         data_dir: the island's data directory.
 
     Returns:
-        ``data_dir / "status.json"``.
+        ``<data_dir>/status.json``.
     """
     return Path(data_dir) / STATUS_FILE
 
 
 def append_row(data_dir: str | Path, row: dict[str, Any]) -> None:
-    """Append one metrics row (one JSON line) to the data dir's metrics file.
+    """Append one metrics row (one JSON line) to the data directory's metrics file.
 
     Args:
         data_dir: the island's data directory (must exist).
-        row: JSON-serialisable fields of the row.
+        row: a JSON-serialisable mapping.
     """
     with metrics_path(data_dir).open("a") as f:
         f.write(json.dumps(row) + "\n")
 
 
 def read_rows(data_dir: str | Path) -> list[dict[str, Any]]:
-    """Every metrics row of a data dir, oldest first.
-
-    A line that is not a JSON object (a torn last line of a writer that is
-    still appending, or was killed mid-write) is skipped.
+    """Every complete metrics row of a data directory, in file order.
 
     Args:
         data_dir: the island's data directory.
 
     Returns:
-        One dict per complete line; [] when there is no metrics file yet.
+        The rows; [] when there is no file. A last line that does not parse
+        (a row being written) is left out; a bad line before it raises.
+
+    Raises:
+        ValueError: a line other than the last is not a JSON object.
     """
     try:
-        text = metrics_path(data_dir).read_text()
+        lines = metrics_path(data_dir).read_text().splitlines()
     except FileNotFoundError:
         return []
     rows = []
-    for line in text.splitlines():
-        with contextlib.suppress(ValueError):
+    for number, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
             row = json.loads(line)
-            if isinstance(row, dict):
-                rows.append(row)
+        except json.JSONDecodeError:
+            if number == len(lines):
+                break  # torn: the writer is appending it
+            raise ValueError(
+                f"{metrics_path(data_dir)} line {number} is not JSON: {line[:80]!r}"
+            ) from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{metrics_path(data_dir)} line {number} is not a JSON object")
+        rows.append(row)
     return rows
 
 
 def write_status(data_dir: str | Path, status: dict[str, Any]) -> None:
-    """Replace the data dir's status file atomically (a reader sees the old or the new one).
+    """Replace the data directory's status file atomically.
 
     Args:
         data_dir: the island's data directory (must exist).
-        status: JSON-serialisable fields.
+        status: a JSON-serialisable mapping.
     """
     path = status_path(data_dir)
-    tmp = path.with_name(path.name + ".tmp")
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_text(json.dumps(status))
     os.replace(tmp, path)
 
 
 def read_status(data_dir: str | Path) -> dict[str, Any] | None:
-    """The data dir's latest status.
+    """The data directory's status, or None when there is none.
 
     Args:
         data_dir: the island's data directory.
 
     Returns:
-        The status dict, or None when there is none yet (or it is unreadable).
+        The status mapping, or None when the file is absent.
+
+    Raises:
+        ValueError: the file is not a JSON object.
     """
+    path = status_path(data_dir)
     try:
-        status = json.loads(status_path(data_dir).read_text())
-    except (OSError, ValueError):
+        text = path.read_text()
+    except FileNotFoundError:
         return None
-    return status if isinstance(status, dict) else None
+    try:
+        status = json.loads(text)
+    except json.JSONDecodeError:
+        raise ValueError(f"{path} is not JSON") from None
+    if not isinstance(status, dict):
+        raise ValueError(f"{path} is not a JSON object")
+    return status

@@ -11,10 +11,10 @@ rounds go on indefinitely and the outer optimizer sets the pace) or a cosine dec
 count lives in the optimizer state, so it carries across `set_params()`.
 
 Devices: the island may drive several devices, of one process or (after
-`jax.distributed.initialize`, see `worker.multihost`) of several. They form a 1-D mesh
+`jax.distributed.initialize`, see `worker.process_group`) of several. They form a 1-D mesh
 ("data"); each batch is split along its first axis, every process placing only the rows
 of its own devices. Parameters and AdamW state are replicated over the mesh, or with
-``param_sharding="fsdp"`` cut over it (`worker.sharding`); XLA inserts the gradient
+``param_sharding="fsdp"`` cut over it (`worker.device_layout`); XLA inserts the gradient
 all-reduce and the gathers. The default is every device of JAX's default backend, so the
 same code runs on CPU, GPU or TPU.
 """
@@ -33,8 +33,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from paramserver.plumbing.validate import Checks
-from worker import model
-from worker import sharding as sharding_lib
+from worker import device_layout, model
 from worker.config import IslandConfig
 
 logger = logging.getLogger(__name__)
@@ -160,24 +159,24 @@ class InnerTrainer:
             devices: None for every default-backend device, an int for the first n of
                 them, or an explicit list of devices (in a multi-process island: all
                 processes' devices, the same list everywhere).
-            param_sharding: "replicated" or "fsdp" (`worker.sharding`).
+            param_sharding: "replicated" or "fsdp" (`worker.device_layout`).
         """
         self.model_cfg = model_cfg
         self.inner_cfg = inner_cfg
         self.devices = _resolve_devices(devices)
         self.param_sharding = param_sharding
-        self.mesh = mesh = Mesh(np.asarray(self.devices), (sharding_lib.AXIS,))
+        self.mesh = mesh = Mesh(np.asarray(self.devices), (device_layout.AXIS,))
         self._replicated = NamedSharding(mesh, PartitionSpec())
-        self._batch_sharding = NamedSharding(mesh, PartitionSpec(sharding_lib.AXIS))
+        self._batch_sharding = NamedSharding(mesh, PartitionSpec(device_layout.AXIS))
         self._tx = make_inner_optimizer(inner_cfg)
         self._treedef = jax.tree_util.tree_structure(params)
         self._shapes = [np.shape(leaf) for leaf in jax.tree_util.tree_leaves(params)]
         self._leaf_shardings = jax.tree_util.tree_leaves(
-            sharding_lib.tree_shardings(params, mesh, param_sharding)
+            device_layout.tree_shardings(params, mesh, param_sharding)
         )
         self._params = self._place(params)
         p_shard = jax.tree_util.tree_unflatten(self._treedef, self._leaf_shardings)
-        o_shard = sharding_lib.tree_shardings(
+        o_shard = device_layout.tree_shardings(
             jax.eval_shape(self._tx.init, self._params), mesh, param_sharding
         )
         self._opt_state = jax.jit(self._tx.init, out_shardings=o_shard)(self._params)
@@ -338,7 +337,7 @@ class InnerTrainer:
 
     def bytes_per_device(self) -> dict[str, int]:
         """Bytes of parameters plus optimizer state held on each of this process's devices."""
-        return sharding_lib.bytes_per_device(self._params, self._opt_state)
+        return device_layout.bytes_per_device(self._params, self._opt_state)
 
     @property
     def steps_done(self) -> int:

@@ -2,7 +2,7 @@
 
 An island may run on JAX's multi-controller runtime: N processes, each with its
 own devices, call `jax.distributed.initialize` and see one mesh of every
-device. Process 0 alone talks to the parameter server; `worker.mirror` keeps
+device. Process 0 alone talks to the parameter server; `worker.leader_sync` keeps
 the other processes' parameters identical to its own through JAX collectives.
 
 Who belongs to the group comes from the island's settings (`coordinator`,

@@ -1,0 +1,161 @@
+"""What the public island API costs: `Session.step` per call between pushes and per round.
+
+Two loops train, each against a fresh local 2-shard cluster (real daemons, 127.0.0.1):
+
+- a user's plain-JAX MLP (its own optax step, not our model), and
+- the daemon's loop: our transformer's `InnerTrainer` (`--model`) driving the
+  same `Session` the daemon drives.
+
+For each it times the model's own inner step (the baseline, measured in the
+same run), the `Session.step` calls that neither push nor fold (the per-call
+overhead, target < 1% of the step) and the calls that end a round (the
+exchange: one host copy, encode, push). Prints one JSON object: medians in
+microseconds and the overheads as ratios of the step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench import outdir
+from bench.launcher import LocalCluster
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `diloco-bench session_overhead`."""
+    parser.add_argument("--rounds", type=int, default=4, help="rounds per loop (default 4)")
+    parser.add_argument("--inner-steps", type=int, default=50, help="steps per round (50)")
+    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
+    parser.add_argument("--batch", type=int, default=256, help="MLP batch (default 256)")
+    parser.add_argument("--model", default="tiny", help="the daemon's model (default tiny)")
+    parser.add_argument(
+        "--out",
+        default="runs/session-overhead",
+        help="output directory (default runs/session-overhead): new, empty or a bench's",
+    )
+
+
+def _mlp(hidden: int, batch: int):
+    """A user's MLP: params, a jitted optax step and a batch maker."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    key = jax.random.PRNGKey(0)
+    k1, k2 = jax.random.split(key)
+    params = {
+        "w1": jax.random.normal(k1, (256, hidden)) / 16.0,
+        "w2": jax.random.normal(k2, (hidden, 256)) / np.sqrt(hidden),
+    }
+    tx = optax.adam(1e-3)
+
+    @jax.jit
+    def step(params, opt_state, x):
+        def loss(p):
+            return jnp.mean((jnp.tanh(x @ p["w1"]) @ p["w2"] - x) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(params)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state, value
+
+    rng = np.random.default_rng(0)
+    return params, tx, step, lambda: rng.normal(size=(batch, 256)).astype(np.float32)
+
+
+def _summary(step_s: list[float], call_s: list[float], push_s: list[float]) -> dict[str, Any]:
+    step, call, push = (float(np.median(v)) for v in (step_s, call_s, push_s))
+    return {
+        "step_us": round(step * 1e6, 1),
+        "call_us": round(call * 1e6, 1),
+        "round_call_us": round(push * 1e6, 1),
+        "call_over_step": round(call / step, 5),
+        "round_over_step": round(push / step, 3),
+        "calls_timed": len(call_s),
+        "rounds_timed": len(push_s),
+    }
+
+
+def _timed_loop(session, steps: int, train, read, adopt) -> dict[str, Any]:
+    """Run `steps` inner steps; time each train step and each `Session.step` call."""
+    import jax
+
+    step_s, call_s, push_s = [], [], []
+    for k in range(1, steps + 1):
+        t0 = time.perf_counter()
+        train()
+        jax.block_until_ready(read())
+        t1 = time.perf_counter()
+        out = session.step(read(), tokens=1)
+        t2 = time.perf_counter()
+        adopt(out)
+        step_s.append(t1 - t0)
+        (push_s if k % session.inner_steps == 0 else call_s).append(t2 - t1)
+    return _summary(step_s[5:], call_s[5:], push_s[1:] or push_s)
+
+
+def _measure_mlp(connect: str, args: argparse.Namespace) -> dict[str, Any]:
+    import worker
+
+    params, tx, step, batch = _mlp(args.hidden, args.batch)
+    with worker.join(connect, island="mlp", params=params, inner_steps=args.inner_steps) as s:
+        state = {"params": s.params}
+        state["opt"] = tx.init(state["params"])
+
+        def train() -> None:
+            state["params"], state["opt"], _ = step(state["params"], state["opt"], batch())
+
+        def adopt(out) -> None:
+            state["params"] = out
+
+        return _timed_loop(s, args.rounds * args.inner_steps, train, lambda: state["params"], adopt)
+
+
+def _measure_daemon_loop(connect: str, args: argparse.Namespace) -> dict[str, Any]:
+    from worker import data, model
+    from worker.session import Session
+    from worker.session_config import session_config
+    from worker.train import InnerConfig, InnerTrainer
+
+    model_cfg = model.model_config(args.model)
+    inner = InnerConfig(batch_size=16, seq_len=128)
+    sampler = data.BatchSampler(data.default_corpus(), 16, 128, seed=0)
+    cfg = session_config(connect, "daemon", args.inner_steps, None, {})
+    with Session(cfg, model.init_params(model_cfg, 0)) as s:
+        trainer = InnerTrainer(model_cfg, inner, s.params)
+        trainer.warmup()
+
+        def train() -> None:
+            trainer.step(sampler.next())
+
+        def adopt(out) -> None:
+            if out is not trainer.params:
+                trainer.set_params(out)
+
+        return _timed_loop(s, args.rounds * args.inner_steps, train, lambda: trainer.params, adopt)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Measure both loops and print the JSON.
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        0.
+    """
+    out = outdir.claim(Path(args.out), "session_overhead")
+    result: dict[str, Any] = {"inner_steps": args.inner_steps, "rounds": args.rounds}
+    loops = {"mlp": _measure_mlp, f"daemon_loop_{args.model}": _measure_daemon_loop}
+    for name, measure in loops.items():  # a fresh cluster each: they train other models
+        with LocalCluster(out / name, shards=2) as cluster:
+            cluster.start_server()
+            result[name] = measure(cluster.connect, args)
+    (out / "session_overhead.json").write_text(json.dumps(result, indent=2))
+    print(json.dumps(result, sort_keys=True))
+    return 0

@@ -1,0 +1,140 @@
+"""A local parameter server for the examples, started and stopped as a user would by hand.
+
+    diloco-server start --shards 2 --port PORT --data-dir DIR/server --detach
+    ...                                  # the example's islands train against it
+    diloco-server stop --data-dir DIR/server
+
+`cluster(args)` does exactly that around an example (or uses the server of
+`--connect`, starting nothing), and stops what it started also on an error,
+Ctrl-C or SIGTERM. `global_model` reads the cluster's model at the end, the
+way any later island starts: by joining. Without `--out` every file goes to a
+temporary directory that the example creates and removes; a given `--out` is
+never deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import worker
+from bench.launcher import free_base_port
+from paramserver.plumbing import probe
+
+SERVER_CLI = [sys.executable, "-m", "paramserver.server.cli"]  # = diloco-server
+
+
+def example_parser(doc: str, steps: int) -> argparse.ArgumentParser:
+    """The flags every example takes: its size (--steps, --inner-steps), --json, its cluster.
+
+    Args:
+        doc: the example's docstring (its first paragraph is the description).
+        steps: the default number of inner steps.
+
+    Returns:
+        The parser (an example may add flags of its own).
+    """
+    parser = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=steps, help="inner steps per island")
+    parser.add_argument("--inner-steps", type=int, default=10, help="steps per round (H)")
+    parser.add_argument("--json", action="store_true", help="print the summary as JSON")
+    add_cluster_flags(parser)
+    return parser
+
+
+def print_summary(summary: dict[str, Any], as_json: bool, text: str) -> None:
+    """The example's last line: `summary` as JSON (--json, what the tests read), else `text`."""
+    print(json.dumps(summary) if as_json else text, flush=True)
+
+
+def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
+    """The flags every example takes for its cluster: --connect, --shards, --port, --out."""
+    parser.add_argument(
+        "--connect", default="", help="a running server's endpoint; default: start a local one"
+    )
+    parser.add_argument("--shards", type=int, default=2, help="shards of the local server")
+    parser.add_argument("--port", type=int, default=0, help="its base port (0: a free one)")
+    parser.add_argument("--mode", default="async", help="its merge mode: sync | quorum | async")
+    parser.add_argument(
+        "--out", default="", help="directory for the server's and islands' files (kept); "
+        "default: a temporary one, removed at the end",
+    )  # fmt: skip
+
+
+def _run(argv: list[str], what: str) -> None:
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()
+        raise SystemExit(f"{what} failed: {tail[-1] if tail else proc.returncode}")
+
+
+def _stop(server_dir: Path) -> None:
+    proc = subprocess.run(
+        [*SERVER_CLI, "stop", "--data-dir", str(server_dir)], capture_output=True, timeout=300
+    )
+    if proc.returncode != 0:
+        print(f"diloco-server stop --data-dir {server_dir} failed", file=sys.stderr)
+
+
+def _sigterm_exits(_signum: int, _frame: object) -> None:
+    raise SystemExit(143)  # unwinds like Ctrl-C, so the server is stopped
+
+
+@contextlib.contextmanager
+def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
+    """A server to train against and a directory for the islands' files.
+
+    Args:
+        args: parsed `add_cluster_flags` flags.
+
+    Yields:
+        (connect endpoint, work directory).
+    """
+    signal.signal(signal.SIGTERM, _sigterm_exits)
+    with contextlib.ExitStack() as stack:
+        if args.out:
+            out = Path(args.out)
+            out.mkdir(parents=True, exist_ok=True)
+        else:
+            out = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="diloco-example-")))
+        if args.connect:
+            yield args.connect, out
+            return
+        port = args.port or free_base_port(2 * args.shards)
+        server_dir = out / "server"
+        argv = [
+            *SERVER_CLI, "start", "--shards", str(args.shards), "--port", str(port),
+            "--mode", args.mode, "--data-dir", str(server_dir),
+        ]  # fmt: skip
+        try:
+            _run([*argv, "--detach"], "diloco-server start")  # a failed start leaves nothing
+        except KeyboardInterrupt:  # Ctrl-C while it starts: it may be up already
+            _stop(server_dir)
+            raise
+        stack.callback(_stop, server_dir)  # only what this example started
+        print(f"server: {args.shards} shards at tcp://127.0.0.1:{port} ({args.mode})", flush=True)
+        yield f"tcp://127.0.0.1:{port}", out
+
+
+def global_model(connect: str, like: Any, wait_s: float = 60.0) -> tuple[Any, int]:
+    """The cluster's global model once every acked delta is merged (after the islands closed).
+
+    Args:
+        connect: the server's endpoint.
+        like: a params tree of the cluster's model (its values are not used).
+        wait_s: how long to wait for the shards to merge what they acked.
+
+    Returns:
+        (the global params as `like`'s tree type, the global version).
+    """
+    probe.wait_merged(connect, timeout_s=wait_s)
+    with worker.join(connect, island="reader", params=like, inner_steps=1) as reader:
+        return reader.params, reader.version

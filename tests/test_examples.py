@@ -1,0 +1,100 @@
+"""Every script of examples/ runs on a small setting against a live local server it starts."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from paramserver.plumbing import daemon
+
+EXAMPLES = Path(__file__).resolve().parent.parent / "examples"
+RUN_TIMEOUT_S = 240  # a 2-shard server starts in seconds, far longer on a loaded 2-core box
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT_S + 60)]
+
+
+def _server_stopped(out: Path) -> bool:
+    return daemon.running_pid(daemon.pid_path(out / "server")) is None
+
+
+def run_example(name: str, out: Path, *flags: str) -> tuple[dict, str]:
+    """Run examples/NAME with --json --out OUT; return its summary and its whole output."""
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / name), "--json", "--out", str(out), *flags],
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert _server_stopped(out), "the example left its server running"
+    return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
+
+
+def test_own_mlp_two_islands_halve_the_global_loss(tmp_path):
+    summary, output = run_example("own_mlp.py", tmp_path, "--steps", "60")
+    assert "island a: 60 steps" in output and "island b: 60 steps" in output
+    assert summary["global_loss"] < summary["initial_loss"] / 2, summary
+    assert summary["global_version"] > 0
+    assert (tmp_path / "a" / "metrics.jsonl").exists()  # the kept --out holds both islands' rows
+    assert (tmp_path / "b" / "metrics.jsonl").exists()
+
+
+def test_flax_nnx_model_trains_through_split_and_merge(tmp_path):
+    if importlib.util.find_spec("flax") is None:
+        if os.environ.get("CI") == "true":  # ./dev installs the examples extra: CI runs this
+            pytest.fail("flax is missing in CI: ./dev installs '.[dev,metrics,examples]'")
+        pytest.skip("flax is not installed (pip install 'decoupled-diloco[examples]')")
+    summary, output = run_example("flax_nnx.py", tmp_path, "--steps", "60")
+    assert "island nnx: 60 steps" in output
+    assert summary["global_loss"] < summary["initial_loss"] / 2, summary
+    assert summary["global_accuracy"] > 0.8, summary
+
+
+def test_flax_nnx_without_flax_says_so_and_exits_cleanly(tmp_path):
+    blocker = tmp_path / "no_flax"
+    blocker.mkdir()
+    (blocker / "flax.py").write_text("raise ImportError('flax hidden for this test')\n")
+    env = {**os.environ, "PYTHONPATH": str(blocker)}
+    proc = subprocess.run(
+        [sys.executable, str(EXAMPLES / "flax_nnx.py"), "--out", str(tmp_path / "out")],
+        capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "skipped: flax is not installed" in proc.stdout
+    assert "pip install 'decoupled-diloco[examples]'" in proc.stdout
+    assert not (tmp_path / "out").exists()  # nothing started, nothing written
+
+
+def test_token_file_trains_our_transformer_on_a_bin_it_wrote(tmp_path):
+    summary, output = run_example("token_file.py", tmp_path, "--steps", "40", "--tokens", "50000")
+    assert "tokens.bin (50000 uint16 ids, vocab 512)" in output
+    assert (tmp_path / "tokens.bin").stat().st_size == 2 * 50_000
+    assert abs(summary["initial_loss"] - summary["uniform_loss"]) < 0.3, summary
+    assert summary["global_loss"] < summary["initial_loss"] - 1.0, summary
+
+
+def test_ctrl_c_stops_the_islands_and_the_server_it_started(tmp_path):
+    proc = subprocess.Popen(
+        [sys.executable, "-u", str(EXAMPLES / "own_mlp.py"), "--out", str(tmp_path),
+         "--steps", "100000"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + RUN_TIMEOUT_S
+        while not (tmp_path / "a" / "metrics.jsonl").exists():  # the islands are training
+            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+            time.sleep(0.2)
+        assert not _server_stopped(tmp_path)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode != 0 and "KeyboardInterrupt" in out
+    assert _server_stopped(tmp_path)

@@ -1,0 +1,494 @@
+"""`worker.join` and `Session`: any JAX training loop as an island of the cluster.
+
+    with worker.join("tcp://127.0.0.1:5555", island="a", params=params,
+                     inner_steps=100, data_dir="runs/a") as session:
+        params = session.params
+        for batch in batches:
+            params, opt_state, loss = train_step(params, opt_state, batch)
+            params = session.step(params, tokens=batch_tokens)
+
+`join` names the tree's leaves (`worker.param_tree`), joins the cluster
+(initialising a fresh one with `params`), re-sends what a previous run left
+in ``<data_dir>/outbox.bin`` (`worker.outbox`) and hands out the global model
+placed like `params`. `Session.step` counts inner steps; when a fragment's
+delta is due (every `inner_steps` calls, or per fragment at its own step with
+streaming: `worker.push_schedule`) it copies the parameters to the host once,
+pushes each due fragment's work since its last push (`worker.exchange`,
+encoded with error feedback), and folds in every newer published version with
+the merge rule. A call that neither pushes nor folds touches no parameter: it
+only checks the tree's structure and asks the client, without blocking,
+whether a version arrived. In a sync cluster the round's last call waits
+until the round is merged. `close` pushes the partial round, flushes, keeps
+what stays unacked in the data dir and says bye.
+
+A session runs in any thread and installs no signal handler; `stop` (a
+`threading.Event`) ends its waits. Multi-process islands: every process calls
+`join` and `step` at the same points with its own shards; process 0 alone
+opens sockets and `worker.leader_sync` shares its decisions.
+
+(Over 400 lines: `Session` is the API's one class; its decisions live in
+`worker.exchange`, `worker.push_schedule`, `worker.session_stats` and
+`worker.leader_sync`, what remains is its state and documented methods.)
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from paramserver.client import Client, ClientError, JoinResult, Update
+from worker import compile_cache, outbox, progress
+from worker.config import IslandConfig
+from worker.exchange import FragmentSync
+from worker.leader_sync import LeaderSync
+from worker.param_tree import TreeError, TreeLayout
+from worker.push_schedule import check_streaming_mode, due_fragments, flush_fragments
+from worker.session_config import make_codec, session_config
+from worker.session_stats import RoundClock, cluster_difference
+
+logger = logging.getLogger(__name__)
+
+_open_islands: set[str] = set()
+_open_lock = threading.Lock()
+
+
+def join(
+    connect: str,
+    *,
+    island: str,
+    params: Any,
+    inner_steps: int,
+    data_dir: str | Path | None = None,
+    stop: threading.Event | None = None,
+    **settings: Any,
+) -> Session:
+    """Join the cluster as an island that trains `params` with the caller's own loop.
+
+    Args:
+        connect: ROUTER endpoint of any shard, e.g. "tcp://127.0.0.1:5555".
+        island: the island id (stable across restarts of the same island).
+        params: a pytree of floating arrays; it initialises a fresh cluster and
+            must match the model of one that already holds one.
+        inner_steps: `step` calls per round (a push every `inner_steps` calls).
+        data_dir: where ``metrics.jsonl``, the outbox of unacked deltas and the
+            compile cache go; None = nowhere (unacked deltas are then dropped at close).
+        stop: an event that, once set, ends every wait of the session.
+        **settings: island options of the exchange (`worker.session_config.SESSION_SETTINGS`:
+            codec, block_size, topk_density, topk_bits, streaming, merge_rule,
+            max_unacked, flush_timeout_s, join_timeout_s, heartbeat_interval_s, the
+            CURVE key files, compile_cache_dir), validated as `IslandConfig` does.
+
+    Returns:
+        An open Session (a context manager).
+
+    Raises:
+        ValueError: a bad setting, `inner_steps` or params tree (naming the leaf).
+        RuntimeError: this process already has an open session with this island id.
+        ClientError: the cluster did not answer within the join timeout, or its
+            model differs from `params` (naming the first differing leaf).
+    """
+    cfg = session_config(connect, island, inner_steps, data_dir, settings)
+    return Session(cfg, params, stop=stop)
+
+
+def _check_tokens(tokens: Any) -> int:
+    if isinstance(tokens, bool) or not isinstance(tokens, int | np.integer) or tokens < 1:
+        raise ValueError(
+            f"tokens must be an int >= 1 (the tokens this inner step trained), got {tokens!r}"
+        )
+    return int(tokens)
+
+
+class Session:
+    """One island's membership of the cluster, driven by the caller's training loop."""
+
+    def __init__(
+        self,
+        cfg: IslandConfig,
+        params: Any,
+        *,
+        stop: threading.Event | None = None,
+        inner_steps: int | None = None,
+        client_factory: Callable[..., Client] = Client,
+        row_fields: Callable[[int], dict[str, Any]] | None = None,
+        row_tags: dict[str, Any] | None = None,
+    ) -> None:
+        """Join the cluster (see `join`, which validates the settings first).
+
+        Args:
+            cfg: the island's settings (`IslandConfig`; a session uses the exchange's).
+            params: the pytree to train (see `join`).
+            stop: ends every wait once set.
+            inner_steps: steps per round; None = `cfg.inner_steps`.
+            client_factory: builds the client from a ClientConfig.
+            row_fields: called at the end of each round with its number; its fields
+                are added to that round's metrics row (the daemon adds its loss and eval).
+            row_tags: fields added to every metrics row (the daemon's speed).
+        """
+        self.cfg = cfg
+        self.layout = TreeLayout.of(params)
+        self.inner_steps = inner_steps or cfg.inner_steps
+        self.stop = stop or threading.Event()
+        self.row_fields = row_fields
+        self.row_tags = dict(row_tags or {})
+        self.data_dir = Path(cfg.data_dir) if cfg.data_dir else None
+        self.group = LeaderSync(jax.process_count() > 1, jax.process_index() == 0)
+        self.island = cfg.island
+        with _open_lock:
+            if cfg.island in _open_islands:
+                raise RuntimeError(
+                    f"island {cfg.island!r} already has an open session in this process: "
+                    "close it first, or join with another island id"
+                )
+            _open_islands.add(cfg.island)
+        self.closed = False
+        self.last_row: dict[str, Any] = {}
+        self.client: Client | None = None
+        try:
+            self._open(params, client_factory)
+        except BaseException:
+            if self.client is not None:
+                self.client.close(flush_timeout_s=0.0)
+            self._release()
+            raise
+
+    def _open(self, params: Any, client_factory: Callable[..., Client]) -> None:
+        cfg = self.cfg
+        if self.data_dir is not None:
+            self.data_dir.mkdir(parents=True, exist_ok=True)
+            compile_cache.enable(cfg.compile_cache_dir, self.data_dir)
+        host = self.layout.to_host(self.group.gather(self.layout.leaves(params)))
+        joined: JoinResult | None = None
+        if self.group.leader:
+            self.client = client_factory(cfg.client_config())
+            try:
+                joined = self.client.join(self._join_values(host), stop=self.stop)
+            except ClientError as exc:
+                if self.group.multi:
+                    self.group.share_join(None)
+                raise cluster_difference(exc, cfg, self.layout) from None
+        joined = self.group.share_join(joined)
+        check_streaming_mode(cfg.streaming, joined.mode)
+        self.plan, self.mode = joined.plan, joined.mode
+        self.sizes = [frag.size for frag in self.plan.fragments]
+        flat = {k: np.asarray(v, np.float32) for k, v in joined.params.items()}
+        self.syncs = {
+            frag.index: FragmentSync.start(self.plan.gather(flat, frag.index), version)
+            for frag in self.plan.fragments
+            for version in [joined.versions[frag.index]]
+        }
+        self.codec = make_codec(cfg)
+        self.ef_state = {
+            frag.index: self.codec.init({"delta": np.zeros(frag.size, np.float32)})
+            for frag in self.plan.fragments
+        }
+        self.unsent_steps = dict.fromkeys(self.syncs, 0)
+        self.unsent_tokens = dict.fromkeys(self.syncs, 0)
+        self.params = self.layout.build(flat)
+        self._latest = self.params
+        self.round = 0
+        self.in_round = 0  # step calls of the current round
+        self.pushed_in_round = False
+        self.steps = self.tokens = 0
+        self.adopted = 0
+        # Round ids are the idempotency key (island, round, fragment) on the shards: start
+        # each run's rounds from its start time so a restarted island never reuses one.
+        self.round_base = int(time.time()) * 1_000_000
+        self.clock = RoundClock(time.monotonic())
+        self._leader_stop = False  # process 0's stop as of the last step (multi-process)
+        # Deltas of a previous run pushed again and not resolved yet; None until the outbox
+        # file was read: only then may it be rewritten.
+        self.resending: int | None = None
+        if self.client is not None and self.data_dir is not None:
+            self.resending = outbox.resend(
+                self.client, self._outbox_path(), cfg.island, self.plan.hash, self.stop
+            )
+        logger.info(
+            "island %s joined: %d fragments, versions %s, mode %s",
+            cfg.island,
+            len(self.plan.fragments),
+            joined.versions,
+            self.mode,
+        )
+
+    def _join_values(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return {
+            n: host[n].astype(d) for n, d in zip(self.layout.names, self.layout.dtypes, strict=True)
+        }
+
+    def _outbox_path(self) -> Path:
+        assert self.data_dir is not None
+        return self.data_dir / outbox.OUTBOX_FILE
+
+    # -- the step -------------------------------------------------------------------
+
+    def step(self, params: Any, *, tokens: int) -> Any:
+        """Count one inner step; push when a delta is due, fold in new global versions.
+
+        Args:
+            params: the parameters after the inner step (the session's tree layout).
+            tokens: tokens this inner step trained (an int >= 1).
+
+        Returns:
+            The parameters to continue from: `params` itself when nothing was folded
+            in, else a new tree placed like it.
+
+        Raises:
+            ValueError: another tree structure, shape or dtype (naming the leaf), or bad tokens.
+            RuntimeError: the session is closed.
+        """
+        self._check_open()
+        tokens = _check_tokens(tokens)
+        leaves = self.layout.leaves(params)
+        self.clock.step_started(time.monotonic())
+        in_round = self.in_round + 1
+        round_end = in_round == self.inner_steps
+        if self.cfg.streaming:
+            due = due_fragments(in_round, self.inner_steps, len(self.syncs))
+        else:
+            due = sorted(self.syncs) if round_end else []
+        host = self._host(leaves) if due else None  # the one host copy (nothing counted yet)
+        self.steps, self.tokens, self.in_round = self.steps + 1, self.tokens + tokens, in_round
+        for index in self.syncs:
+            self.unsent_steps[index] += 1
+            self.unsent_tokens[index] += tokens
+        if due:
+            self._push(due, host, self.round_base + self.round)
+        if round_end and self.client is not None:
+            self.client.report_step_time(self.clock.median_step_s(self.inner_steps))
+            if self.mode == "sync":
+                self._wait_for_merge(self.round_base + self.round)
+        out = self._fold(leaves, host, params)
+        self._latest = out
+        if round_end:
+            self.round += 1
+            self.in_round, self.pushed_in_round = 0, False
+            self._round_row()
+        self.clock.step_ended(time.monotonic())
+        return out
+
+    def _host(self, leaves: list[Any]) -> dict[str, np.ndarray]:
+        return self.layout.to_host(self.group.gather(leaves))
+
+    def _push(self, fragments: list[int], host: dict[str, np.ndarray], round_id: int) -> None:
+        """Push each fragment's work since its own last push (every process moves its anchor)."""
+        self._settle_resent()
+        for index in fragments:
+            sync = self.syncs[index]
+            delta = sync.take(self.plan.gather(host, index))  # only the work not sent yet
+            steps, self.unsent_steps[index] = self.unsent_steps[index], 0
+            tokens, self.unsent_tokens[index] = self.unsent_tokens[index], 0
+            if self.client is None:
+                continue
+            frames, self.ef_state[index] = self.codec.encode({"delta": delta}, self.ef_state[index])
+            self.client.push(
+                index, round_id, sync.base_version, tokens, steps, frames, stop=self.stop
+            )
+        self.pushed_in_round = True
+
+    def _fold(self, leaves: list[Any], host: dict[str, np.ndarray] | None, params: Any) -> Any:
+        """Adopt every newer version (the same ones on every process); returns the params."""
+        updates: list[Update] = []
+        if self.client is not None:
+            updates = [
+                u
+                for u in self.client.poll_updates()
+                if u.version > self.syncs[u.fragment].base_version
+            ]
+        updates, self._leader_stop = self.group.share_updates(
+            updates, self.stop.is_set(), self.sizes
+        )
+        if not updates:
+            return params
+        if host is None:
+            host = self._host(leaves)
+        for update in updates:
+            sync = self.syncs[update.fragment]
+            current = self.plan.gather(host, update.fragment)
+            new_local = sync.adopt(current, update.values, update.version, self.cfg.merge_rule)
+            self.plan.scatter(update.fragment, new_local, host)
+        self.adopted += len(updates)
+        return self.layout.build(host)
+
+    def _wait_for_merge(self, round_id: int) -> None:
+        """Sync mode: block until the shards published versions that include `round_id`."""
+        assert self.client is not None
+        t0 = time.monotonic()
+        while not self.stop.is_set() and not self.client.round_merged(round_id):
+            self.stop.wait(0.005)
+        self.clock.waited(time.monotonic() - t0)
+
+    def _settle_resent(self) -> None:
+        """Before the first new round: wait until the re-sent deltas are resolved, drop the file.
+
+        (A shard refuses a round far below the newest it saw from this island, so the
+        previous run's deltas must land first.)
+        """
+        if not self.resending or self.client is None:
+            return
+        while self.client.stats()["pending"] and not self.stop.is_set():
+            self.stop.wait(0.01)
+        if self.stop.is_set():
+            return  # the file stays; close() rewrites it with what is still unacked
+        logger.info("island %s: the %d re-sent deltas are resolved", self.island, self.resending)
+        outbox.save(self._outbox_path(), self.island, self.plan.hash, [])
+        self.resending = 0
+
+    # -- what the caller reads ------------------------------------------------------
+
+    def global_params(self) -> Any:
+        """The newest global parameters this session adopted, as the session's tree type.
+
+        Returns:
+            The tree with numpy leaves of the original dtypes (on every process).
+        """
+        flat = {
+            n: np.empty(s, np.float32)
+            for n, s in zip(self.layout.names, self.layout.shapes, strict=True)
+        }
+        for index, sync in self.syncs.items():  # the fragments cover every element
+            self.plan.scatter(index, sync.base, flat)
+        return self.layout.build(flat, place=False)
+
+    @property
+    def stopping(self) -> bool:
+        """Whether the loop should end: `stop` is set (on process 0, as of the last step)."""
+        return self._leader_stop if self.group.multi else self.stop.is_set()
+
+    @property
+    def version(self) -> int:
+        """Sum over fragments of the newest global version adopted."""
+        return sum(sync.base_version for sync in self.syncs.values())
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        """The client's counters (bytes_sent, bytes_received, pushes, acked, pending, ...).
+
+        Returns:
+            The dict of `Client.stats` on process 0, {} on the other processes.
+        """
+        return self.client.stats() if self.client is not None else {}
+
+    @property
+    def goodput(self) -> float | None:
+        """Tokens the shards credited to this island over those it could have trained."""
+        return self.stats_fields()["goodput"] if self.steps else None
+
+    def mark_start(self) -> None:
+        """Count time (goodput, metrics) from now, e.g. after a start barrier."""
+        self.clock = RoundClock(time.monotonic())
+
+    def log_row(self, row: dict[str, Any]) -> dict[str, Any]:
+        """Append a metrics row with the session's common fields (process 0, with a data dir).
+
+        Args:
+            row: the row's own fields.
+
+        Returns:
+            The row as written (common fields first).
+        """
+        full = {
+            "island": self.island,
+            "params": sum(self.sizes),
+            **self.row_tags,
+            "time_s": round(time.monotonic() - self.clock.started, 3),
+            "wall": time.time(),
+            **row,
+        }
+        if self.data_dir is not None and self.group.leader:
+            progress.append_row(self.data_dir, full)
+        self.last_row = full
+        return full
+
+    def stats_fields(self) -> dict[str, Any]:
+        """The counters a metrics row carries and the goodput they imply."""
+        return self.clock.fields(self.stats, self.tokens, self.steps, time.monotonic())
+
+    def _round_row(self) -> None:
+        extra = self.row_fields(self.round) if self.row_fields is not None else {}
+        self.log_row(
+            {
+                "round": self.round,
+                "round_s": self.clock.round_done(time.monotonic()),
+                "versions_adopted": self.adopted,
+                **self.stats_fields(),
+                **extra,
+            }
+        )
+        self.adopted = 0
+
+    # -- the end --------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError(f"island {self.island!r}: step() after close(); join again")
+
+    def close(self, params: Any = None) -> None:
+        """Push the partial round, flush, keep what stays unacked in the data dir, say bye.
+
+        Args:
+            params: the latest parameters if the loop trained after its last `step`
+                (default: what the last `step` returned). Every process calls `close`.
+        """
+        if self.closed:
+            return
+        try:
+            latest = self._latest if params is None else params
+            rest = flush_fragments(self.unsent_steps)
+            if rest and not self.group.broken:
+                round_id = self.round_base + self.round + int(self.pushed_in_round)
+                try:
+                    self._push(rest, self._host(self.layout.leaves(latest)), round_id)
+                except RuntimeError as exc:  # e.g. its buffers were donated since
+                    logger.warning("island %s: partial round not pushed: %s", self.island, exc)
+        finally:
+            self.closed = True
+            self._finish(self.cfg.flush_timeout_s)
+
+    def abandon(self, flush_timeout_s: float) -> None:
+        """Close from another thread without collectives (another process is gone).
+
+        Args:
+            flush_timeout_s: how long to wait for unacked deltas.
+        """
+        self.group.broken = True
+        self.closed = True
+        self._finish(flush_timeout_s)
+
+    def _finish(self, flush_timeout_s: float) -> None:
+        try:
+            if self.client is not None:
+                self.client.close(flush_timeout_s=flush_timeout_s)
+                unacked = self.client.unacked()
+                if self.resending is not None:
+                    outbox.keep(self._outbox_path(), self.island, self.plan.hash, unacked)
+                elif unacked:
+                    logger.warning(
+                        "island %s closed with %d unacked deltas and no data_dir to keep them",
+                        self.island,
+                        len(unacked),
+                    )
+                if self.steps:
+                    self.log_row({**self.stats_fields(), "round": self.round, "final": True})
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        with _open_lock:
+            _open_islands.discard(self.island)
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+__all__ = ["Session", "TreeError", "join"]
