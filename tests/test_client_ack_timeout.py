@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import Peer
+from conftest import Peer, wait_for
 from shard_helpers import delta_frames, small_flat
 from shard_process import ShardProcess
 
@@ -27,13 +27,6 @@ WAIT_S = 30.0
 WARM_UP = 3  # rounds the timer may need to back off and take its first samples
 ROUNDS = 9
 STOPS_S = (0.7, 0.9, 0.6)  # how long the shard is stopped around round r: STOPS_S[r % 3]
-
-
-def _poll(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
 
 
 def test_acks_later_than_the_initial_timeout_stop_being_re_sent_once_measured(tmp_path, zmq_ctx):
@@ -63,7 +56,7 @@ def test_acks_later_than_the_initial_timeout_stop_being_re_sent_once_measured(tm
                     time.sleep(STOPS_S[r % 3])
                 finally:
                     os.kill(proc.pid, signal.SIGCONT)
-                _poll(lambda r=r: client.stats()["acked"] >= r + 1, f"the ack of round {r}")
+                wait_for(lambda r=r: client.stats()["acked"] >= r + 1, f"ack {r}", timeout_s=WAIT_S)
                 resent_after.append(client.stats()["resent"])
             warm_up = resent_after[WARM_UP - 1]
             assert resent_after[-1] == warm_up, (
@@ -75,7 +68,11 @@ def test_acks_later_than_the_initial_timeout_stop_being_re_sent_once_measured(tm
             assert stats["ack_timeout_s"] > max(STOPS_S)  # learned: above the latency
             # every re-send was needless (the shard had the first copy): the shard says
             # `duplicate` to each, and the client counts them as they arrive
-            _poll(lambda: client.stats()["spurious_resends"] == warm_up, "the duplicates")
+            wait_for(
+                lambda: client.stats()["spurious_resends"] == warm_up,
+                "the duplicates",
+                timeout_s=WAIT_S,
+            )
         probe = Peer(zmq_ctx, shard.router, "probe")
         try:
             status = probe.status()

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from client_helpers import Cluster
+from conftest import Cluster
 
 from bench.restart import _log_phases, _stop
 from worker import compile_cache

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import free_base_port
+from conftest import free_port
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -45,7 +45,7 @@ def cluster(tmp_path):
     def start(downlink: str) -> str:
         data_dir = tmp_path / f"server-{downlink}"
         data_dirs.append(data_dir)
-        port = free_base_port(4)
+        port = free_port(4)
         proc = server_cli(
             "start", "--detach", "--shards", "2", "--fragments", "4",
             "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from client_helpers import Cluster
+from conftest import Cluster
 
 from paramserver.client import Client
 from worker.config import IslandConfig
