@@ -36,9 +36,12 @@ WAIT_S = 20.0  # default bound of wait_for
 
 
 def wait_for(
-    predicate: Callable[[], Any], what: str = "the condition", *, timeout_s: float = WAIT_S,
+    predicate: Callable[[], Any],
+    what: str = "the condition",
+    *,
+    timeout_s: float = WAIT_S,
     poll_s: float = 0.02,
-) -> Any:  # fmt: skip
+) -> Any:
     """Poll `predicate` until it returns a truthy value; fail the test after `timeout_s`.
 
     Args:

@@ -17,7 +17,7 @@ from shard_process import ShardProcess
 from paramserver.client import Client, ClientConfig
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(60)
 def test_a_push_refused_with_storage_error_is_kept_and_accepted_once_writes_succeed(
     tmp_path, zmq_ctx
 ):
@@ -35,13 +35,13 @@ def test_a_push_refused_with_storage_error_is_kept_and_accepted_once_writes_succ
         client.push(0, 1, res.versions[0], 100, 5, delta_frames(delta))
         # refused, re-sent after the back-off, refused again: kept all along
         wait_for(
-            lambda: client.stats()["deferred"] >= 2, "two storage_error refusals", timeout_s=60
+            lambda: client.stats()["deferred"] >= 2, "two storage_error refusals", timeout_s=30
         )
         stats = client.stats()
         assert (stats["acked"], stats["pending"], stats["rejected"]) == (0, 1, {})
         resource.prlimit(shard.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, hard))
         wait_for(
-            lambda: client.stats()["acked"] == 1, "the ack once the log can grow", timeout_s=60
+            lambda: client.stats()["acked"] == 1, "the ack once the log can grow", timeout_s=30
         )
         stats = client.stats()
         assert stats["pending"] == 0 and stats["rejected"] == {} and stats["duplicates"] == 0

@@ -45,7 +45,7 @@ def run_eval(*args: str) -> subprocess.CompletedProcess:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=50,
     )
 
 
@@ -139,7 +139,8 @@ def test_an_unreachable_shard_is_a_probe_error():
 # -- worker.evaluate / diloco-worker eval --------------------------------------------
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_cli_eval_json_against_a_live_cluster_equals_the_in_process_evaluation(cluster, client):
     from worker.evaluate import evaluate_global
 

@@ -25,7 +25,7 @@ from shard_helpers import delta_frames, push_header, small_flat
 import codec
 from paramserver.client import Client, ClientConfig
 
-pytestmark = pytest.mark.timeout(180)
+pytestmark = pytest.mark.timeout(60)
 
 SLOW_HB = {"heartbeat_interval_s": 5.0, "liveness": 20}
 MAX_BYTES = 65_536

@@ -25,7 +25,7 @@ from paramserver.server.durable import Durability
 from paramserver.server.shard import storage_refusal
 from paramserver.server.wal import LogReader, WriteAheadLog
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(60)
 
 CFG = ShardConfig(mode="async", fsync=True, checkpoint_every_steps=0, checkpoint_every_s=0)
 
@@ -60,7 +60,7 @@ def test_a_log_that_cannot_grow_refuses_pushes_keeps_serving_and_recovers(tmp_pa
             return p.request(push_header(plan, "a", rnd, 0, base_version=0), delta_frames(vec))[0]
 
         assert push(1)["outcome"] == "accepted"
-        wait_for(lambda: p.status()["versions"]["0"] == 1, "the step of round 1", timeout_s=90)
+        wait_for(lambda: p.status()["versions"]["0"] == 1, "the step of round 1", timeout_s=30)
         good = wal.stat().st_size
         # room for part of a record: the write is cut short, then fails (EFBIG)
         _limit_file_size(proc.pid, good + 100)
@@ -82,7 +82,7 @@ def test_a_log_that_cannot_grow_refuses_pushes_keeps_serving_and_recovers(tmp_pa
 
         _limit_file_size(proc.pid, resource.RLIM_INFINITY)
         assert push(2)["outcome"] == "accepted"
-        wait_for(lambda: p.status()["versions"]["0"] == 2, "the step of round 2", timeout_s=90)
+        wait_for(lambda: p.status()["versions"]["0"] == 2, "the step of round 2", timeout_s=30)
         # stopping while the disk is full: the final checkpoint fails, the log has it all
         _limit_file_size(proc.pid, wal.stat().st_size)
     finally:
@@ -117,7 +117,7 @@ except OSError as exc:
     print(exc.errno, log.size, log.broken)
 log.close()
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
 

@@ -41,6 +41,7 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("diloco-worker:")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_island_stops_in_seconds_without_its_server_and_resends_its_deltas_at_restart(
     tmp_path,
