@@ -56,7 +56,11 @@ def test_acks_later_than_the_initial_timeout_stop_being_re_sent_once_measured(tm
                     time.sleep(STOPS_S[r % 3])
                 finally:
                     os.kill(proc.pid, signal.SIGCONT)
-                wait_for(lambda r=r: client.stats()["acked"] >= r + 1, f"ack {r}", timeout_s=WAIT_S)
+                wait_for(
+                    lambda r=r: client.stats()["acked"] >= r + 1,
+                    f"the ack of round {r}",
+                    timeout_s=WAIT_S,
+                )
                 resent_after.append(client.stats()["resent"])
             warm_up = resent_after[WARM_UP - 1]
             assert resent_after[-1] == warm_up, (

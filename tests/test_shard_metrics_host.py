@@ -37,6 +37,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=90, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net/tcp")
 def test_metrics_listen_on_the_shards_host_only(tmp_path):
     data_dir = tmp_path / "server"
