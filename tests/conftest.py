@@ -12,10 +12,15 @@ Everything binds to 127.0.0.1 (random ports) and sets linger 0. The one home of:
   temporary data dir; stopped (and checked to have stopped) at teardown.
 - `cluster(shards, **overrides)` / `Cluster`: N shards in threads on fixed free ports
   that advertise what they bind, restartable on the same ports and data dir.
+
+It imports `jax_cache` first: one JAX compilation cache for the session (removed after).
 """
 
 from __future__ import annotations
 
+import jax_cache  # first: its environment must be set before anything imports JAX
+
+# isort: split
 import itertools
 import socket
 import threading
@@ -89,6 +94,11 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End of the session: remove the JAX compilation cache made for it."""
+    jax_cache.remove_made()
 
 
 @pytest.fixture
