@@ -23,6 +23,9 @@ island and link faults leave),
 `deltas_applied` (the shards' durable accepted count: merged or pending),
 `final_eval_loss` (held-out loss of the final global parameters), recovery
 time per fault, and the faults that fired. Exit 1 if acked != applied.
+
+(About 420 lines: the harness's fault injection, its version sampler and its
+two runs share the `ChaosRun` state; the scoring is apart, in `bench.chaos_score`.)
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ from typing import Any
 
 import zmq
 
-from bench import chaos_score, outdir
+from bench import chaos_score, child, outdir
 from bench import faults as fl
 from bench.common import emit_json
 from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
@@ -172,7 +175,7 @@ class ChaosRun:
         self.t0_file = self.out / "t0"  # the measured window's start, for the relay
         self.events: list[dict[str, Any]] = []
         self._restarts: list[threading.Thread] = []
-        self._relay: subprocess.Popen | None = None
+        self._relay: child.Child | None = None
 
     # -- processes -----------------------------------------------------------------
 
@@ -203,19 +206,11 @@ class ChaosRun:
                 "--pair",
                 f"tcp://127.0.0.1:{self.relay_base + i}=tcp://127.0.0.1:{self.bind_base + 2 * i}",
             ]
-        self._relay = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-        line = self._relay.stdout.readline().strip() if self._relay.stdout else ""
-        if line != "ready":
-            raise LaunchError(f"chaos relay did not start (said {line!r})")
+        self._relay = child.start(argv, "chaos relay")
 
     def _stop_relay(self) -> None:
-        if self._relay is not None and self._relay.poll() is None:
-            self._relay.send_signal(signal.SIGTERM)
-            try:
-                self._relay.wait(30)
-            except subprocess.TimeoutExpired:
-                self._relay.kill()
-                self._relay.wait()
+        if self._relay is not None:
+            self._relay.stop(30.0)
 
     # -- faults ----------------------------------------------------------------------
 

@@ -6,7 +6,7 @@ island, weighting against plain averaging. Each claim comes back with its
 target, the measured value and whether it was met; a claim whose runs were not
 made (e.g. in --quick) says so instead of guessing.
 
-Records are what `bench.runs.summarize` returns, keyed by scenario name.
+Records are what `bench.run_record.summarize` returns, keyed by scenario name.
 DDP's loss trajectory does not depend on the link (every rank applies the same
 mean gradient), so its time to target on the WAN is measured when its capped
 WAN run got there, and otherwise extrapolated from the loopback run's tokens
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from bench import analysis
+from bench import analysis, render
 
 Records = Mapping[str, Mapping[str, Any]]
 DILOCO_METHODS = ("sync", "quorum")
@@ -134,14 +134,6 @@ def time_to_target(records: Records, target: float) -> dict[str, dict[str, Any]]
     return out
 
 
-def _claim(name: str, target: str, measured: Any, met: bool | None, note: str = "") -> dict:
-    return {"claim": name, "target": target, "measured": measured, "met": met, "note": note}
-
-
-def _rel(a: float | None, b: float | None) -> float | None:
-    return None if a is None or b is None or b == 0 else (a - b) / b
-
-
 def evaluate(records: Records) -> dict[str, Any]:
     """Every comparison of the report.
 
@@ -161,7 +153,7 @@ def evaluate(records: Records) -> dict[str, Any]:
     for name, rec in records.items():
         row: dict[str, Any] = {
             "eval_final": rec.get("eval_final"),
-            "loss_vs_ddp": _rel(rec.get("eval_final"), ddp_final),
+            "loss_vs_ddp": render.rel(rec.get("eval_final"), ddp_final),
             "time_to_target_s": ttt.get(name, {}).get("seconds"),
             "time_to_target_extrapolated": ttt.get(name, {}).get("extrapolated", False),
             "goodput": {n: i["goodput"] for n, i in rec["islands"].items()},
@@ -175,7 +167,7 @@ def evaluate(records: Records) -> dict[str, Any]:
     if q and "ddp_over_this" in q:
         ratio, loss = q["ddp_over_this"], q["loss_vs_ddp"]
         claims.append(
-            _claim(
+            render.claim(
                 "bytes vs DDP at equal tokens (quorum, int8), eval loss within 1%",
                 ">= 1000x fewer, loss diff within 1%",
                 {"ddp_over_this": ratio, "steady_state": q["ddp_over_this_steady"],
@@ -186,7 +178,7 @@ def evaluate(records: Records) -> dict[str, Any]:
     if q and wan and wan["seconds"] and q["time_to_target_s"]:
         speedup = wan["seconds"] / q["time_to_target_s"]
         claims.append(
-            _claim(
+            render.claim(
                 "time to target loss vs DDP on the WAN link",
                 ">= 20x faster",
                 {"speedup": speedup, "ddp_wan_s": wan["seconds"], "quorum_s": q["time_to_target_s"]},
@@ -198,7 +190,7 @@ def evaluate(records: Records) -> dict[str, Any]:
     if slow:
         gp = [g for g in slow["goodput"].values() if g is not None]
         claims.append(
-            _claim(
+            render.claim(
                 "goodput with one island 2x slower (quorum)",
                 ">= 95% on every island",
                 {"quorum_slow": slow["goodput"],
@@ -208,7 +200,7 @@ def evaluate(records: Records) -> dict[str, Any]:
         )  # fmt: skip
     if q and q["loss_vs_ddp"] is not None:
         claims.append(
-            _claim(
+            render.claim(
                 "final eval loss vs DDP (quorum, equal tokens)",
                 "within 2%",
                 q["loss_vs_ddp"],
@@ -218,7 +210,7 @@ def evaluate(records: Records) -> dict[str, Any]:
     uniform = runs.get("quorum-slow-uniform")
     if slow and uniform and slow["eval_final"] is not None and uniform["eval_final"] is not None:
         claims.append(
-            _claim(
+            render.claim(
                 "token x staleness weighting vs plain averaging (2x-slower island)",
                 "final loss <= plain averaging's",
                 {"weighted": slow["eval_final"], "uniform": uniform["eval_final"]},
@@ -235,20 +227,20 @@ def _comm_claims(runs: Mapping[str, Mapping[str, Any]]) -> list[dict]:
     if not topk or "ddp_over_this" not in topk:
         return []
     ratio = topk["ddp_over_this"]
-    loss = _rel(topk["eval_final"], int8["eval_final"]) if int8 else None
+    loss = render.rel(topk["eval_final"], int8["eval_final"]) if int8 else None
     measured = {
         "ddp_over_this": ratio,
         "steady_state": topk["ddp_over_this_steady"],
         "loss_vs_int8_h100": loss,
         "int8_h100_ddp_over_this": int8.get("ddp_over_this") if int8 else None,
         "int4_h100_ddp_over_this": int4.get("ddp_over_this") if int4 else None,
-        "int4_h100_loss_vs_int8": _rel(int4["eval_final"], int8["eval_final"])
+        "int4_h100_loss_vs_int8": render.rel(int4["eval_final"], int8["eval_final"])
         if int4 and int8
         else None,
     }
     met = bool(ratio and ratio >= 1000 and loss is not None and loss <= 0.01)
     return [
-        _claim(
+        render.claim(
             "bytes vs DDP at equal tokens (topk, H=100), eval loss within 1% of int8 at H=100",
             ">= 1000x fewer over the run, loss <= int8's + 1%",
             measured,

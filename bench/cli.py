@@ -1,49 +1,36 @@
 """`diloco-bench`: one command, one subcommand per bench module.
 
-Owns the dispatcher. A module of the `bench` package becomes a subcommand
-(named after the module) by defining two top-level functions::
-
-    def add_arguments(parser: argparse.ArgumentParser) -> None: ...
-    def run(args: argparse.Namespace) -> int: ...
-
-The first line of its module docstring is the subcommand's help. Modules are
-found by reading their source (no import), and only the chosen one is
-imported, so a heavy subcommand never slows the others down. An output
-directory a subcommand refuses (`bench.outdir.OutDirError`) ends it here with
-one line on stderr and exit status 2.
+`COMMANDS` lists the subcommands: name -> (module, one-line help). Each module
+defines ``add_arguments(parser)`` and ``run(args) -> int``; only the chosen one
+is imported, so a heavy subcommand never slows the others down. A name with an
+underscore is also accepted with a hyphen (`island_memory`, `island-memory`).
+Adding a subcommand is one entry here. An output directory a subcommand
+refuses (`bench.outdir.OutDirError`) ends it here with one line on stderr and
+exit status 2.
 """
 
 import argparse
-import ast
 import importlib
 import sys
-from pathlib import Path
 
 from bench.outdir import OutDirError
 
-PACKAGE_DIR = Path(__file__).resolve().parent
-REQUIRED = {"add_arguments", "run"}
-
-
-def discover() -> dict[str, tuple[str, str]]:
-    """Find the subcommands.
-
-    Returns:
-        name -> (module path, one-line help), sorted by name.
-    """
-    found = {}
-    for path in sorted(PACKAGE_DIR.glob("*.py")):
-        if path.stem.startswith("_") or path.stem == "cli":
-            continue
-        try:
-            tree = ast.parse(path.read_text(), filename=str(path))
-        except (OSError, SyntaxError):
-            continue
-        names = {n.name for n in tree.body if isinstance(n, ast.FunctionDef)}
-        if names >= REQUIRED:
-            doc = (ast.get_docstring(tree) or "").strip().splitlines()
-            found[path.stem] = (f"bench.{path.stem}", doc[0] if doc else "")
-    return found
+# one line per subcommand: name -> (module, help)
+# fmt: off
+COMMANDS: dict[str, tuple[str, str]] = {
+    "async_outer": ("bench.async_outer", "Outer lr / momentum sweep for fully asynchronous merging (picks the mode=async defaults)."),
+    "chaos": ("bench.chaos", "Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed."),
+    "codec": ("bench.codec", "Codec benchmark: ratio, error, error feedback and throughput of every scheme."),
+    "demo": ("bench.demo", "The main job: a local cluster (2 shards, 3 islands, one at half speed) training on the embedded corpus."),
+    "fidelity": ("bench.fidelity", "Reproduce Decoupled DiLoCo's quorum table and DiLoCo's parity with DDP, with real daemons."),
+    "island_memory": ("bench.island_memory", "Bytes of parameters + AdamW state per device of an island, replicated against fsdp."),
+    "load": ("bench.load", "Load test: many lightweight simulated islands (client only, random int8 deltas) against N shards."),
+    "report": ("bench.report", "Benchmarks that reproduce the seed's claims: DDP vs synchronous DiLoCo vs this system on WAN links."),
+    "restart": ("bench.restart", "Restart-to-first-step of an island, cold and warm JAX compilation cache."),
+    "server": ("bench.server", "Shard throughput: merge + outer step vs decode, push->ack round trips, checkpoint and restart."),
+    "streaming": ("bench.streaming", "Streaming fragments against round-end pushes: peak/average bytes per second at the island's socket, and loss."),
+}
+# fmt: on
 
 
 def build_parser(argv: list[str]) -> argparse.ArgumentParser:
@@ -60,8 +47,7 @@ def build_parser(argv: list[str]) -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     chosen = next((a for a in argv if not a.startswith("-")), None)
-    for name, (module_name, summary) in discover().items():
-        # island_memory is also island-memory: a module name cannot hold a hyphen
+    for name, (module_name, summary) in COMMANDS.items():
         aliases = [name.replace("_", "-")] if "_" in name else []
         sp = sub.add_parser(name, aliases=aliases, help=summary, description=summary)
         if chosen in (name, *aliases):

@@ -30,7 +30,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import analysis, cli, outdir
+from bench import analysis, cli, outdir, plots
 from bench.common import human_bytes
 from bench.launcher import IslandSpec, LaunchError, LocalCluster
 from worker.data import default_corpus, unigram_entropy
@@ -256,38 +256,7 @@ def summarize(
 
 def plot(cluster: LocalCluster, names: list[str], path: Path) -> None:
     """Write a PNG: train loss per island and global eval loss against wall-clock time."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(8, 5))
-    t0 = min((r["wall"] for n in names for r in cluster.island_metrics(n)), default=0.0)
-    evals = []
-    for name in names:
-        rs = [r for r in cluster.island_metrics(name) if "loss" in r]
-        ax.plot(
-            [r["wall"] - t0 for r in rs],
-            [r["loss"] for r in rs],
-            label=f"{name} (train)",
-            alpha=0.7,
-        )
-        evals += [
-            (r["wall"] - t0, r["eval_global"])
-            for r in cluster.island_metrics(name)
-            if "eval_global" in r
-        ]
-    if evals:
-        evals.sort()
-        ax.plot(*zip(*evals, strict=True), "k.-", label="global params (held-out eval)")
-    ax.axhline(UNIGRAM_NATS, color="grey", ls="--", lw=1, label="unigram entropy")
-    ax.set_xlabel("wall-clock time (s)")
-    ax.set_ylabel("loss (nats/byte)")
-    ax.set_title("decoupled-diloco demo: islands training through the sharded parameter server")
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plots.write_demo_plot({n: cluster.island_metrics(n) for n in names}, UNIGRAM_NATS, path)
 
 
 def run(args: argparse.Namespace) -> int:

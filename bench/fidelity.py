@@ -26,13 +26,12 @@ import dataclasses
 import datetime
 import json
 import shutil
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import cli, fidelity_claims, fidelity_plan, fidelity_report, outdir, runs
+from bench import child, cli, fidelity_claims, fidelity_plan, fidelity_report, outdir, plots, runs
 from bench.common import emit_json, progress
 from bench.launcher import LaunchError
 
@@ -50,10 +49,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(an interrupted run of the same plan)")  # fmt: skip
     parser.add_argument("--out", default="runs/fidelity",
                         help="output directory (new, empty, or one this command made)")  # fmt: skip
-
-
-def _terminate(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds the launchers: every daemon is stopped
 
 
 def _select(groups: list, only: str) -> list:
@@ -88,7 +83,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"diloco-bench fidelity: {exc}", file=sys.stderr)
         return 2
     out = outdir.claim(Path(args.out), "fidelity", keep=args.resume)
-    signal.signal(signal.SIGTERM, _terminate)
+    child.sigterm_unwinds()  # every daemon is stopped
     seeds = list(range(seeds_n))
     started = time.monotonic()
     entries: dict[str, dict] = {}
@@ -147,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
     report = {**meta, "claims": claims, "scenarios": list(entries.values())}
     (out / "fidelity.json").write_text(json.dumps(report, indent=2))
     (out / "fidelity.md").write_text(fidelity_report.render(meta, claims, entries))
-    fidelity_report.write_plots(groups, entries, out)
+    plots.write_fidelity_plots(groups, entries, out)
     print(f"wrote {out / 'fidelity.md'}", file=sys.stderr)
     scenarios = [{k: v for k, v in e.items() if k != "eval_curves"} for e in entries.values()]
     emit_json({**report, "scenarios": scenarios})  # the curves are in fidelity.json

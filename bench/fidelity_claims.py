@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench import analysis
+from bench import analysis, render
 
 Record = Mapping[str, Any]
 
@@ -77,23 +77,15 @@ def _loss(entries: Mapping[str, dict], name: str) -> float | None:
     return (entries.get(name) or {}).get("final_eval_loss")
 
 
-def _rel(value: float | None, ref: float | None) -> float | None:
-    return None if value is None or ref is None else (value - ref) / ref
-
-
-def _claim(claim: str, target: str, measured: Any, met: bool | None, note: str = "") -> dict:
-    return {"claim": claim, "target": target, "measured": measured, "met": met, "note": note}
-
-
 def _pair(entries: Mapping[str, dict], ours: str, ref: str, within: float, claim: str) -> dict:
-    rel = _rel(_loss(entries, ours), _loss(entries, ref))
+    rel = render.rel(_loss(entries, ours), _loss(entries, ref))
     measured = (
         None
         if rel is None
         else f"{ours} {_loss(entries, ours):.4f} vs {ref} "
         + (f"{_loss(entries, ref):.4f} ({rel:+.2%})")
     )
-    return _claim(claim, f"loss <= {ref} x (1 + {within:.1%})", measured,
+    return render.claim(claim, f"loss <= {ref} x (1 + {within:.1%})", measured,
                   None if rel is None else rel <= within)  # fmt: skip
 
 
@@ -111,9 +103,9 @@ def evaluate(entries: Mapping[str, dict]) -> list[dict]:
         _loss(entries, "ddp_a"),
         {n: _loss(entries, n) for n in entries if n.startswith("sync_h")},
     )
-    rels = {n: _rel(v, ddp) for n, v in syncs.items() if v is not None}
+    rels = {n: render.rel(v, ddp) for n, v in syncs.items() if v is not None}
     best = min(rels, key=rels.get) if rels and ddp is not None else None  # type: ignore[arg-type]
-    claims.append(_claim(
+    claims.append(render.claim(
         "synchronous DiLoCo within 2% of DDP's eval loss at equal tokens (group A)",
         "best H: loss <= DDP x 1.02",
         None if best is None else f"DDP {ddp:.4f}; " + ", ".join(
@@ -130,7 +122,7 @@ def evaluate(entries: Mapping[str, dict]) -> list[dict]:
         met = k1g["goodput"] >= 0.99 and kall["goodput"] < k1g["goodput"]
     else:
         measured, met = None, None
-    claims.append(_claim("K=1 + grace at goodput >= 99% while K=all's shows the waiting",
+    claims.append(render.claim("K=1 + grace at goodput >= 99% while K=all's shows the waiting",
                          "k1_grace goodput >= 99% > k_all goodput", measured, met,
                          "goodput = credited (staleness-weighted) tokens / capacity"))  # fmt: skip
     k1 = entries.get("k1")
@@ -142,7 +134,7 @@ def evaluate(entries: Mapping[str, dict]) -> list[dict]:
         measured, met = f"k1 - k1_grace = {gain:+.4f}, seed spread {spread:.4f}", gain > spread
     else:
         measured, met = None, None
-    claims.append(_claim("K=1 + grace better than K=1 by more than the seed spread",
+    claims.append(render.claim("K=1 + grace better than K=1 by more than the seed spread",
                          "loss(k1) - loss(k1_grace) > spread", measured, met))  # fmt: skip
     claims.append(
         _pair(

@@ -3,7 +3,9 @@
 Used by the demo and the benchmark harness. Every daemon is a separate process
 started through its own CLI with `--detach`, so what runs here is exactly what a
 user runs; this module only picks ports, lays out data directories and makes
-sure everything it started is stopped again.
+sure everything it started is stopped again. The harnesses' own helper
+processes (relays, the meter, DDP ranks) start and stop through `bench.child`;
+the islands' progress files are read through `worker.progress`.
 """
 
 from __future__ import annotations
@@ -20,12 +22,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from bench import child
+from bench.child import LaunchError
 from paramserver.plumbing import daemon, probe
 from paramserver.plumbing.clusterfile import ShardAddress, render_cluster_file
-
-
-class LaunchError(RuntimeError):
-    """A daemon of the local cluster could not be started; the message says which and why."""
+from worker import progress
 
 
 def free_base_port(
@@ -58,24 +59,6 @@ def free_base_port(
             for s in socks:
                 s.close()
     raise LaunchError(f"no {count} consecutive free ports found on {host}")
-
-
-def read_rows(path: Path) -> list[dict[str, Any]]:
-    """The rows of a metrics.jsonl (missing file: none; a torn last line is skipped).
-
-    Args:
-        path: the file.
-
-    Returns:
-        One dict per line.
-    """
-    if not path.exists():
-        return []
-    rows = []
-    for line in path.read_text().splitlines():
-        with contextlib.suppress(ValueError):
-            rows.append(json.loads(line))
-    return rows
 
 
 @dataclasses.dataclass(frozen=True)
@@ -230,21 +213,15 @@ class LocalCluster:
             specs: the islands.
             timeout_s: bound on the whole start.
         """
-        procs = []
+        started = []
         for i, spec in enumerate(specs):
-            argv = self.island_argv(spec)
-            procs.append(
-                (
-                    spec.name,
-                    subprocess.Popen(
-                        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-                    ),
-                )
+            started.append(
+                child.start(self.island_argv(spec), f"island {spec.name}", ready_timeout_s=None)
             )
             if i == 0:
                 # the first island initialises the cluster; let it do so before the others join
-                self._wait_started(procs[0], timeout_s)
-        for item in procs[1:]:
+                self._wait_started(started[0], timeout_s)
+        for item in started[1:]:
             self._wait_started(item, timeout_s)
 
     def island_argv(self, spec: IslandSpec) -> list[str]:
@@ -270,15 +247,15 @@ class LocalCluster:
         ]  # fmt: skip
 
     @staticmethod
-    def _wait_started(item: tuple[str, subprocess.Popen], timeout_s: float) -> None:
-        name, proc = item
+    def _wait_started(started: child.Child, timeout_s: float) -> None:
+        """Wait for a `diloco-worker start --detach` to return (its island has joined)."""
         try:
-            _out, err = proc.communicate(timeout=timeout_s)
+            started.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired as exc:
-            proc.kill()
-            raise LaunchError(f"island {name} did not start within {timeout_s:g}s") from exc
-        if proc.returncode != 0:
-            raise LaunchError(f"island {name} failed to start: {err.strip().splitlines()[-1:]}")
+            started.stop(5.0)
+            raise LaunchError(f"{started.what} did not start within {timeout_s:g}s") from exc
+        if started.proc.returncode != 0:
+            raise LaunchError(f"{started.what} failed to start: {started.error_tail()}")
 
     def stop_island(self, name: str, timeout_s: float = 60.0) -> None:
         """SIGTERM one island and wait for it to flush and exit."""
@@ -287,14 +264,11 @@ class LocalCluster:
 
     def island_status(self, name: str) -> dict[str, Any]:
         """The island's latest status.json (empty before it wrote one)."""
-        try:
-            return json.loads((self.islands[name] / "status.json").read_text())
-        except (OSError, ValueError):
-            return {}
+        return progress.read_status(self.islands[name]) or {}
 
     def island_metrics(self, name: str) -> list[dict[str, Any]]:
         """Every per-round metrics row the island wrote."""
-        return read_rows(self.islands[name] / "metrics.jsonl")
+        return progress.read_rows(self.islands[name])
 
     def server_status(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """Status of every shard, as `diloco-server status --json` shows it ({} if none answers)."""

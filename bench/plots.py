@@ -1,32 +1,62 @@
-"""PNG plots of a report (matplotlib, Agg backend): loss vs wall-clock and tokens, bytes, goodput.
+"""Every PNG of the bench (matplotlib, Agg backend): the report's, the fidelity run's, the demo's.
 
-This module owns drawing only; every number comes from the run records and
-`bench.claims.evaluate`.
+This module owns drawing only; every number comes from the run records,
+`bench.claims.evaluate` or `bench.fidelity_claims`. `figure` is the one way a
+plot is made and saved.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import contextlib
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 PLOTS = ("loss_vs_wallclock.png", "loss_vs_tokens.png", "bytes_per_round.png", "goodput.png")
 
 
-def _pyplot():
+@contextlib.contextmanager
+def figure(path: Path, cols: int = 1, size: tuple[float, float] = (9, 5.5)) -> Iterator[Any]:
+    """A figure for the body of a `with`; saved to `path` (110 dpi) and closed on the way out.
+
+    Args:
+        path: the PNG to write.
+        cols: axes side by side.
+        size: inches.
+
+    Yields:
+        The axes (one, or a sequence of `cols`).
+    """
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    return plt
+    fig, axes = plt.subplots(1, cols, figsize=size)
+    try:
+        yield axes
+        fig.tight_layout()
+        fig.savefig(path, dpi=110)
+    finally:
+        plt.close(fig)
 
 
-def _curves(ax, records: Mapping[str, Mapping[str, Any]], x: int, names: list[str]) -> None:
-    for name in names:
-        curve = records[name].get("eval_curve", [])
-        if curve:
-            ax.plot([p[x] for p in curve], [p[2] for p in curve], ".-", label=name, alpha=0.85)
+def curves(ax: Any, named: Mapping[str, Sequence[Sequence[float]]], x: int, y: int = 2) -> None:
+    """One line per name, x and y taken from the points' columns (e.g. eval curves).
+
+    Args:
+        ax: the axes.
+        named: label -> points (tuples such as (seconds, tokens, loss)).
+        x: the column on the x axis.
+        y: the column on the y axis.
+    """
+    for name, points in named.items():
+        if points:
+            ax.plot([p[x] for p in points], [p[y] for p in points], ".-", label=name, alpha=0.85)
+
+
+def _eval_curves(records: Mapping[str, Mapping[str, Any]], names: list[str]) -> dict[str, list]:
+    return {n: records[n].get("eval_curve", []) for n in names}
 
 
 def write_plots(
@@ -46,13 +76,27 @@ def write_plots(
     Returns:
         The paths written.
     """
-    plt = _pyplot()
     names = list(records)
     paths = [out / p for p in PLOTS]
     target = summary.get("target_loss")
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    _curves(ax, records, 0, [n for n in names if n != "ddp"])
+    with figure(paths[0]) as ax:
+        _wallclock(ax, records, names, ddp_wan_tokens_per_s, target)
+    with figure(paths[1]) as ax:
+        curves(ax, _eval_curves(records, [n for n in names if n != "ddp-wan"]), 1)
+        ax.set_xlabel("tokens trained by the whole cluster")
+        ax.set_ylabel("held-out loss of the global parameters (nats/byte)")
+        ax.set_title("loss against tokens (same model, data, seeds, budget)")
+        ax.legend(fontsize=7)
+    with figure(paths[2]) as ax:
+        _bytes_per_round(ax, records, names)
+    with figure(paths[3]) as ax:
+        _goodput(ax, records, summary, names)
+    return paths
+
+
+def _wallclock(ax, records, names, ddp_wan_tokens_per_s, target) -> None:
+    curves(ax, _eval_curves(records, [n for n in names if n != "ddp"]), 0)
     ddp = records.get("ddp", {}).get("eval_curve", [])
     if ddp and ddp_wan_tokens_per_s:
         ax.plot(
@@ -66,21 +110,9 @@ def write_plots(
     ax.set_ylabel("held-out loss of the global parameters (nats/byte)")
     ax.set_title("loss against wall-clock time")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    _curves(ax, records, 1, [n for n in names if n != "ddp-wan"])
-    ax.set_xlabel("tokens trained by the whole cluster")
-    ax.set_ylabel("held-out loss of the global parameters (nats/byte)")
-    ax.set_title("loss against tokens (same model, data, seeds, budget)")
-    ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+def _bytes_per_round(ax, records, names) -> None:
     labels, up, down = [], [], []
     for name in names:
         islands = list(records[name]["islands"].values())
@@ -104,11 +136,9 @@ def write_plots(
     ax.set_ylabel("bytes per island per round (H inner steps), counted at the sockets")
     ax.set_title("bytes on the wire per round")
     ax.legend()
-    fig.tight_layout()
-    fig.savefig(paths[2], dpi=110)
-    plt.close(fig)
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
+
+def _goodput(ax, records, summary, names) -> None:
     bars, heights = [], []
     for name in names:
         for island, value in summary["runs"][name]["goodput"].items():
@@ -121,7 +151,76 @@ def write_plots(
     ax.set_ylabel("goodput (% of the island's capacity that entered the model)")
     ax.set_ylim(0, 105)
     ax.set_title("goodput per island")
-    fig.tight_layout()
-    fig.savefig(paths[3], dpi=110)
-    plt.close(fig)
+
+
+def write_fidelity_plots(
+    groups: Sequence[Any], entries: Mapping[str, dict], out: Path
+) -> list[Path]:
+    """Loss against tokens per group, and goodput/loss bars of each quorum table.
+
+    Args:
+        groups: the fidelity_plan groups that ran.
+        entries: scenario name -> `bench.fidelity_claims.summarize` output.
+        out: directory.
+
+    Returns:
+        The paths written.
+    """
+    paths = []
+    for group in groups:
+        names = [s.name for s in group.scenarios if s.name in entries]
+        if not names:
+            continue
+        path = out / f"loss_vs_tokens_{group.name}.png"
+        with figure(path) as ax:
+            curves(ax, {n: (entries[n]["eval_curves"] or [[]])[0] for n in names}, 1)
+            ax.set(xlabel="tokens trained (cluster)", ylabel="held-out loss (seed 0)",
+                   title=f"group {group.name}: {group.title}")  # fmt: skip
+            ax.legend(fontsize=7)
+            ax.grid(alpha=0.3)
+        paths.append(path)
+        table = [n for n in names if entries[n]["goodput"] is not None]
+        if group.name == "A" or not table:
+            continue
+        path = out / f"quorum_table_{group.name}.png"
+        with figure(path, cols=2, size=(12, 5)) as (left, right):
+            left.bar(table, [entries[n]["goodput"] for n in table], color="tab:green")
+            left.set(ylabel="goodput (credited / capacity)", ylim=(0, 1.05), title="goodput")
+            right.bar(table, [entries[n]["final_eval_loss"] or 0 for n in table], color="tab:blue")
+            losses = [entries[n]["final_eval_loss"] for n in table if entries[n]["final_eval_loss"]]
+            if losses:
+                right.set_ylim(min(losses) * 0.97, max(losses) * 1.02)
+            right.set(ylabel="final eval loss", title="loss")
+            for ax in (left, right):
+                ax.tick_params(axis="x", rotation=60, labelsize=7)
+            left.figure.suptitle(f"quorum table, group {group.name}: {group.title}")
+        paths.append(path)
     return paths
+
+
+def write_demo_plot(
+    rows: Mapping[str, Sequence[Mapping[str, Any]]], floor: float, path: Path
+) -> None:
+    """The demo's PNG: train loss per island and global eval loss against wall-clock time.
+
+    Args:
+        rows: island name -> its metrics rows.
+        floor: the unigram entropy of the corpus (a dashed line).
+        path: the PNG.
+    """
+    t0 = min((r["wall"] for rs in rows.values() for r in rs), default=0.0)
+    train = {
+        f"{name} (train)": [(r["wall"] - t0, r["loss"]) for r in rs if "loss" in r]
+        for name, rs in rows.items()
+    }
+    evals = sorted((r["wall"] - t0, r["eval_global"]) for rs in rows.values() for r in rs
+                   if "eval_global" in r)  # fmt: skip
+    with figure(path, size=(8, 5)) as ax:
+        curves(ax, train, 0, 1)
+        if evals:
+            ax.plot(*zip(*evals, strict=True), "k.-", label="global params (held-out eval)")
+        ax.axhline(floor, color="grey", ls="--", lw=1, label="unigram entropy")
+        ax.set_xlabel("wall-clock time (s)")
+        ax.set_ylabel("loss (nats/byte)")
+        ax.set_title("decoupled-diloco demo: islands training through the sharded parameter server")
+        ax.legend()

@@ -45,7 +45,7 @@ def run_bytes_per_param_round(record: Mapping[str, Any], params: int) -> float |
     """Mean bytes per parameter per round of a DiLoCo run's islands (up + down, join excluded).
 
     Args:
-        record: a run record (`bench.runs.summarize`).
+        record: a run record (`bench.run_record.summarize`).
         params: the model's parameter count.
 
     Returns:

@@ -18,16 +18,16 @@ import datetime
 import json
 import os
 import platform
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import claims, cli, outdir, plots, projection, report_md, runs, scenarios
+from bench import child, claims, cli, outdir, plots, projection, report_md, runs, scenarios
 from bench.common import emit_json, progress
-from bench.launcher import LaunchError, read_rows
+from bench.launcher import LaunchError
 from bench.wan import Wan, WanError
+from worker import progress as progress_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -55,10 +55,6 @@ def _machine() -> str:
     )
 
 
-def _terminate(signum: int, _frame: Any) -> None:
-    raise SystemExit(128 + signum)  # unwinds the `with` blocks: daemons and namespaces go away
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the report; returns the exit code."""
     budget, chosen = scenarios.quick() if args.quick else scenarios.full(args.islands)
@@ -74,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         chosen = [s for s in chosen if s.name in wanted]
     out = outdir.claim(Path(args.out), "report")
     (out / "runs").mkdir()
-    signal.signal(signal.SIGTERM, _terminate)
+    child.sigterm_unwinds()  # daemons and namespaces go away
     started = time.monotonic()
     records: dict[str, dict[str, Any]] = {}
     try:
@@ -129,8 +125,8 @@ def _loss(value: float | None) -> str:
 
 
 def _param_count(out: Path) -> int | None:
-    for path in sorted((out / "runs").glob("*/islands/*/metrics.jsonl")):
-        for row in read_rows(path):
+    for path in sorted((out / "runs").glob(f"*/islands/*/{progress_files.METRICS_FILE}")):
+        for row in progress_files.read_rows(path.parent):
             if "params" in row:
                 return row["params"]
     return None

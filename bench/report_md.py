@@ -1,7 +1,7 @@
 """The markdown text of a report: setup, claims, and one table per scenario group.
 
-This module owns formatting only; numbers come from the run records and
-`bench.claims.evaluate`.
+This module owns the report's text only (tables through `bench.render`); numbers
+come from the run records and `bench.claims.evaluate`.
 """
 
 from __future__ import annotations
@@ -10,36 +10,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from bench.common import human_bytes
-
-
-def _num(value: Any, fmt: str = "{:.3f}") -> str:
-    if value is None:
-        return "-"
-    if isinstance(value, bool):
-        return "yes" if value else "no"
-    return fmt.format(value)
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{100 * value:.1f}%"
-
-
-def _table(header: list[str], rows: list[list[str]]) -> list[str]:
-    rows = [[cell.replace("|", "\\|") for cell in row] for row in rows]
-    return [
-        "| " + " | ".join(header) + " |",
-        "|" + "|".join("---" for _ in header) + "|",
-        *("| " + " | ".join(r) + " |" for r in rows),
-        "",
-    ]
-
-
-def _measured(value: Any) -> str:
-    if isinstance(value, dict):
-        return ", ".join(f"{k}: {_measured(v)}" for k, v in value.items())
-    if isinstance(value, float):
-        return f"{value:.4g}"
-    return str(value)
+from bench.render import claims_table, num, pct, table
 
 
 def render(
@@ -76,16 +47,10 @@ def render(
         "## Claims",
         "",
     ]
-    lines += _table(
-        ["claim", "target", "measured", "met", "note"],
-        [
-            [c["claim"], c["target"], _measured(c["measured"]), _num(c["met"]), c["note"]]
-            for c in summary["claims"]
-        ],
-    )
+    lines += claims_table(summary["claims"])
     target = summary.get("target_loss")
     lines += [
-        f"Target loss for time-to-target: {_num(target)} nats/byte (the worst final loss of "
+        f"Target loss for time-to-target: {num(target)} nats/byte (the worst final loss of "
         "ddp, sync and quorum, so each of them reaches it).",
         "",
     ]
@@ -109,25 +74,25 @@ def render(
             islands = list(rec["islands"].values())
             up = sum(i["up_per_round"] for i in islands) / len(islands)
             down = sum(i["down_per_round"] for i in islands) / len(islands)
-            goodput = " / ".join(_pct(g) for g in s["goodput"].values())
+            goodput = " / ".join(pct(g) for g in s["goodput"].values())
             rows.append(
                 [
                     n,
                     rec["codec"],
-                    _num(rec["duration_s"], "{:.0f}"),
+                    num(rec["duration_s"], "{:.0f}"),
                     str(rec["tokens_total"]),
-                    f"{_num(rec['eval_initial'])} -> {_num(rec['eval_final'])}",
-                    _pct(s["loss_vs_ddp"]),
-                    _num(s["time_to_target_s"], "{:.0f}")
+                    f"{num(rec['eval_initial'])} -> {num(rec['eval_final'])}",
+                    pct(s["loss_vs_ddp"]),
+                    num(s["time_to_target_s"], "{:.0f}")
                     + (" (extrap.)" if s["time_to_target_extrapolated"] else ""),
                     f"{human_bytes(up)} / {human_bytes(down)}",
                     human_bytes(s.get("bytes_per_island")),
-                    _num(s.get("ddp_over_this"), "{:.0f}x"),
+                    num(s.get("ddp_over_this"), "{:.0f}x"),
                     goodput,
-                    _pct(s["uptime"]),
+                    pct(s["uptime"]),
                 ]
             )
-        lines += _table(
+        lines += table(
             ["run", "codec", "time (s)", "tokens", "eval loss", "vs DDP", "time to target (s)",
              "up / down per round", "bytes per island", "DDP bytes / these", "goodput per island",
              "uptime"],
@@ -175,13 +140,13 @@ def _projection_lines(proj: Mapping[str, Any] | None) -> list[str]:
         "",
     ]
     rows = [
-        [r["run"], str(r["codec"]), str(r["H"]), _num(r["bytes_per_param_round"], "{:.4f}"),
-         _num(r["gbit_per_s"], "{:.3f}")]
+        [r["run"], str(r["codec"]), str(r["H"]), num(r["bytes_per_param_round"], "{:.4f}"),
+         num(r["gbit_per_s"], "{:.3f}")]
         for r in proj["rows"]
     ]  # fmt: skip
     ddp = proj.get("ddp")
     if ddp:
         rows.append(["ddp", "fp32 gradients", "1 (every step)",
-                     _num(ddp["bytes_per_param_step"], "{:.4f}"), _num(ddp["gbit_per_s"], "{:.1f}")])  # fmt: skip
-    lines += _table(["run", "codec", "H", "bytes / param / round", "Gbit/s per island"], rows)
+                     num(ddp["bytes_per_param_step"], "{:.4f}"), num(ddp["gbit_per_s"], "{:.1f}")])  # fmt: skip
+    lines += table(["run", "codec", "H", "bytes / param / round", "Gbit/s per island"], rows)
     return lines

@@ -11,7 +11,7 @@ other, each stopped with SIGTERM after its first training step:
 - uncached: a restart with `--compile-cache-dir off` (what a restart cost
   before the cache: the cluster is already initialised, as for warm).
 
-Each is timed from the process start (`Popen`) to the `wall` stamp of its
+Each is timed from the process start (`bench.child.start`) to the `wall` stamp of its
 first metrics row, which the island writes right after its first step (one
 inner step per round, no eval). The island's log gives two phases: the first
 log line (Python and JAX imported) and its compile (warm-up) time. The OS file
@@ -24,22 +24,20 @@ writes it to `<out>/restart.json`.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench import cli, outdir
+from bench import child, cli, outdir
 from bench.common import emit_json
-from bench.launcher import LaunchError, LocalCluster, read_rows
-from worker import compile_cache
+from bench.launcher import LaunchError, LocalCluster
+from worker import compile_cache, progress
 
 ISLAND = "restart-0"
 TARGET_RATIO = 1 / 3
@@ -88,23 +86,6 @@ def _log_phases(log: Path, started_wall: float) -> dict[str, float | None]:
     }
 
 
-def _stop(proc: subprocess.Popen) -> int:
-    """SIGTERM the island (if still running) and wait for it; SIGKILL after 60 s.
-
-    Args:
-        proc: the island process.
-
-    Returns:
-        Its exit code.
-    """
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        return proc.wait(timeout=60)
-    proc.kill()
-    return proc.wait()
-
-
 def time_to_first_step(
     cluster: LocalCluster, data_dir: Path, log: Path, flags: tuple[str, ...], timeout_s: float
 ) -> dict[str, Any]:
@@ -123,24 +104,22 @@ def time_to_first_step(
     Raises:
         LaunchError: the island exited first, or took longer than `timeout_s`.
     """
-    metrics = data_dir / "metrics.jsonl"
-    seen = len(read_rows(metrics))
+    seen = len(progress.read_rows(data_dir))
     argv = [sys.executable, "-m", "worker.cli", "start", "--connect", cluster.connect,
             "--island", ISLAND, "--data-dir", str(data_dir), "--inner-steps", "1",
             "--eval-every", "0", *flags]  # fmt: skip
-    with log.open("w") as sink:
-        started = time.time()
-        proc = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT)
+    started = time.time()
+    island = child.start(argv, "island", ready_timeout_s=None, log=log)
     try:
         deadline = time.monotonic() + timeout_s
-        while not (rows := [r for r in read_rows(metrics)[seen:] if "loss" in r]):
-            if proc.poll() is not None:
-                raise LaunchError(f"the island exited with code {proc.returncode}; see {log}")
+        while not (rows := [r for r in progress.read_rows(data_dir)[seen:] if "loss" in r]):
+            if (code := island.proc.poll()) is not None:
+                raise LaunchError(f"the island exited with code {code}; see {log}")
             if time.monotonic() > deadline:
                 raise LaunchError(f"no first step within {timeout_s:g}s; see {log}")
             time.sleep(0.05)
     finally:
-        code = _stop(proc)  # also when the wait failed or was interrupted
+        code = island.stop(60.0)  # also when the wait failed or was interrupted
     if code != 0:
         raise LaunchError(f"the island exited with code {code} after SIGTERM; see {log}")
     cache = compile_cache.resolve("", data_dir)
@@ -148,6 +127,31 @@ def time_to_first_step(
         "first_step_s": round(rows[0]["wall"] - started, 3),
         **_log_phases(log, started),
         "cache_entries": len(compile_cache.entries(cache)),
+    }
+
+
+def summarize(model: str, results: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """The restart figures from the three runs: seconds to first step and warm / cold.
+
+    Args:
+        model: the island's model.
+        results: "cold", "warm" and "uncached" -> `time_to_first_step` of that run.
+
+    Returns:
+        {"model", "cold_s", "warm_s", "uncached_s", "ratio", "target_ratio",
+        "target_met" (ratio <= 1/3), "runs"}.
+    """
+    cold, warm = results["cold"]["first_step_s"], results["warm"]["first_step_s"]
+    ratio = warm / cold
+    return {
+        "model": model,
+        "cold_s": cold,
+        "warm_s": warm,
+        "uncached_s": results["uncached"]["first_step_s"],
+        "ratio": round(ratio, 3),
+        "target_ratio": round(TARGET_RATIO, 3),
+        "target_met": ratio <= TARGET_RATIO,
+        "runs": results,
     }
 
 
@@ -179,19 +183,10 @@ def run(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # the island and the server are stopped by then
         print("diloco-bench restart: interrupted", file=sys.stderr)
         return 130
-    cold, warm = results["cold"]["first_step_s"], results["warm"]["first_step_s"]
-    ratio = warm / cold
     summary = {
-        "model": args.model,
-        "cold_s": cold,
-        "warm_s": warm,
-        "uncached_s": results["uncached"]["first_step_s"],
-        "ratio": round(ratio, 3),
-        "target_ratio": round(TARGET_RATIO, 3),
-        "target_met": ratio <= TARGET_RATIO,
+        **summarize(args.model, results),
         "load_avg_1m": round(os.getloadavg()[0], 2),
         "cpus": os.cpu_count(),
-        "runs": results,
     }
     (out / "restart.json").write_text(json.dumps(summary, indent=2) + "\n")
     emit_json(summary)

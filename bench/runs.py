@@ -19,18 +19,18 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from bench import analysis
-from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port, read_rows
+from bench import child, run_record
+from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 from bench.scenarios import Budget, Scenario
 from bench.wan import Wan
 from paramserver.plumbing import daemon, probe
+from worker import progress as progress_files
 
 POLL_S = 0.5
 Progress = Callable[[int, str], None]
@@ -117,7 +117,7 @@ def run_diloco(
         progress: called with (cluster tokens so far, note).
 
     Returns:
-        Raw material for `summarize`: rows per island, timeline, stop time, server status.
+        Raw material for `bench.run_record.summarize`: rows per island, timeline, stop time, server status.
     """
     hub = wan.hub if wan is not None else "127.0.0.1"
     cluster = LocalCluster(out, shards=budget.shards)
@@ -224,24 +224,19 @@ def run_ddp(
         progress: called with (cluster tokens so far, note).
 
     Returns:
-        Raw material for `summarize`.
+        Raw material for `bench.run_record.summarize`.
     """
     out.mkdir(parents=True, exist_ok=True)
     names = island_names(budget.islands)
     bind_port = free_base_port(2, "127.0.0.1")
     hub = wan.hub if wan is not None else "127.0.0.1"
     connect_port = bind_port + 1 if wan is not None else bind_port
-    reducer = subprocess.Popen(
-        [sys.executable, "-m", "bench.children.ddp_reducer", "--bind", f"tcp://127.0.0.1:{bind_port}",
-         "--world", str(budget.islands)],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-    )  # fmt: skip
-    ranks: list[subprocess.Popen] = []
+    reducer_argv = child.module_argv("bench.children.ddp_reducer", "--bind",
+                                     f"tcp://127.0.0.1:{bind_port}", "--world", str(budget.islands))  # fmt: skip
+    ranks: list[child.Child] = []
     relay = wan.relay({bind_port + 1: bind_port}) if wan is not None else contextlib.nullcontext()
     try:
-        if (reducer.stdout.readline().strip() if reducer.stdout else "") != "ready":
-            raise LaunchError(f"ddp reducer did not start: {reducer.stderr.read().strip()[-200:]}")
-        with relay:
+        with child.running(reducer_argv, "ddp reducer", grace_s=10.0), relay:
             progress(0, "starting ranks")
             per_step = ("--inner-steps", "1", "--max-rounds", str(budget.steps_per_island),
                         "--eval-every", str(budget.inner_steps))  # fmt: skip
@@ -258,13 +253,11 @@ def run_ddp(
                     # on the WAN a step takes seconds: one row per step, eval every H steps
                     *(per_step if wan is not None else ()),
                 ]  # fmt: skip
-                ranks.append(
-                    subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-                )
+                ranks.append(child.start(argv, f"ddp rank {i}", ready_timeout_s=None))
             cap = scenario.wall_cap_s or budget.wall_cap_s
             started = None
-            while any(r.poll() is None for r in ranks):
-                rows = [read_rows(out / "islands" / n / "metrics.jsonl") for n in names]
+            while any(r.proc.poll() is None for r in ranks):
+                rows = [progress_files.read_rows(out / "islands" / n) for n in names]
                 tokens = sum(rs[-1].get("tokens", 0) for rs in rows if rs)
                 progress(tokens, "training")
                 if started is None and any(r.get("round", 0) >= 1 for r in rows[0]):
@@ -274,130 +267,24 @@ def run_ddp(
                 time.sleep(POLL_S)
             stopped_at = time.time()
             for r in ranks:
-                if r.poll() is None:
-                    r.send_signal(signal.SIGTERM)
-            for r in ranks:
-                try:
-                    r.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    r.kill()
-                    r.wait()
-            failed = [r for r in ranks if r.returncode not in (0, -signal.SIGTERM)]
+                r.terminate()
+            codes = [r.wait_or_kill(30.0) for r in ranks]
+            failed = [
+                r for r, code in zip(ranks, codes, strict=True) if code not in (0, -signal.SIGTERM)
+            ]
             if failed:
-                err = (
-                    failed[0].stderr.read().decode().strip().splitlines()
-                    if failed[0].stderr
-                    else []
+                raise LaunchError(
+                    f"ddp rank failed: {failed[0].error_tail() or failed[0].proc.returncode}"
                 )
-                raise LaunchError(f"ddp rank failed: {err[-1] if err else failed[0].returncode}")
     finally:
         for r in ranks:
-            if r.poll() is None:
-                r.kill()
-                r.wait()
-        reducer.terminate()
-        try:
-            reducer.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            reducer.kill()
+            r.stop(0.0)  # what an error left running is killed
     return {
-        "rows": {n: read_rows(out / "islands" / n / "metrics.jsonl") for n in names},
+        "rows": {n: progress_files.read_rows(out / "islands" / n) for n in names},
         "timeline": [],
         "stopped_at": stopped_at,
         "server": {},
     }
-
-
-def summarize(scenario: Scenario, budget: Budget, raw: dict[str, Any]) -> dict[str, Any]:
-    """The run's JSON record from its raw material.
-
-    Args:
-        scenario: the run.
-        budget: shared settings.
-        raw: what `run_diloco` / `run_ddp` returned.
-
-    Returns:
-        JSON-ready dict: per-island bytes and goodput, eval curve, uptime, final loss.
-    """
-    rows = raw["rows"]
-    t0 = analysis.start_time(rows)
-    curve = analysis.eval_curve(rows)
-    final = raw.get("final_eval") or {}
-    server = raw.get("server") or {}
-    credited = analysis.credited_tokens(server)
-    islands = {}
-    for (name, rs), (speed, jitter) in zip(
-        rows.items(), scenario.speeds(budget.islands), strict=True
-    ):
-        last_goodput = next((r["goodput"] for r in reversed(rs) if "goodput" in r), None)
-        if name in credited:  # the shards' word after the final merges
-            last_goodput = analysis.final_goodput(rs, credited[name])
-        islands[name] = {
-            "speed": speed,
-            "jitter": jitter,
-            **analysis.island_bytes(rs),
-            "bytes_per_token": analysis.bytes_per_token(rs),
-            "goodput": last_goodput,
-            "final_train_loss": next((r["loss"] for r in reversed(rs) if "loss" in r), None),
-            "round_s_median": _median([r["round_s"] for r in rs if "round_s" in r]),
-            "step_s": next((r["step_s"] for r in reversed(rs) if r.get("step_s")), None),
-            "wait_s": next((r["wait_s"] for r in reversed(rs) if "wait_s" in r), 0.0),
-        }
-    timeline = [(w - t0, v) for w, v in raw["timeline"]]
-    stopped = raw["stopped_at"] - t0
-    tokens_total = sum(i["tokens"] for i in islands.values())
-    if "eval_loss" in final:  # the final point: every acked delta merged, all tokens in
-        curve.append((stopped, tokens_total, float(final["eval_loss"])))
-    record: dict[str, Any] = {
-        "name": scenario.name,
-        "method": scenario.method,
-        "group": scenario.group,
-        "codec": scenario.codec if scenario.method != "ddp" else "float32 gradients",
-        "downlink": scenario.downlink if scenario.method != "ddp" else "float32 mean gradient",
-        "weighting": scenario.weighting if scenario.method == "quorum" else None,
-        "wan": scenario.wan,
-        "duration_s": stopped,
-        "tokens_total": tokens_total,
-        "eval_initial": curve[0][2] if curve else None,
-        "eval_final": curve[-1][2] if curve else None,
-        "eval_final_versions": final.get("version_sum"),
-        "final_eval_error": final.get("error"),
-        "eval_curve": [list(p) for p in curve],
-        "islands": islands,
-        "timeline": [list(p) for p in timeline],
-    }
-    speeds = dict(zip(rows, scenario.speeds(budget.islands), strict=True))
-    window = _median(
-        [
-            r["round_s"]
-            for n, rs in rows.items()
-            if speeds[n][0] == 1.0
-            for r in rs
-            if "round_s" in r
-        ]
-    )
-    if timeline and window:
-        base = timeline[0][1]
-        first = next((t for t, v in timeline if v > base), None)
-        record["uptime_window_s"] = window
-        record["uptime"] = (
-            analysis.uptime(timeline, window, first, stopped) if first is not None else 0.0
-        )
-    if server.get("shards"):
-        shards = [s for s in server["shards"] if "error" not in s]
-        record["server"] = {
-            "accepted": sum(s.get("accepted", 0) for s in shards),
-            "rejected": sum(sum(s.get("rejected", {}).values()) for s in shards),
-            "outer_steps": sum(s.get("steps", 0) for s in shards),
-            "staleness_histogram": dict(
-                sorted(
-                    analysis.sum_counts([s.get("staleness_histogram", {}) for s in shards]).items(),
-                    key=lambda kv: int(kv[0]),
-                )
-            ),
-            "credited_tokens": credited,
-        }
-    return record
 
 
 def run_scenario(
@@ -419,16 +306,8 @@ def run_scenario(
     budget = scenario.budget_of(budget)
     run = run_ddp if scenario.method == "ddp" else run_diloco
     raw = run(scenario, budget, link, out / scenario.name, progress)
-    record = summarize(scenario, budget, raw)
+    record = run_record.summarize(scenario, budget, raw)
     record["link"] = link.describe() if link is not None else {"shaping": "none (loopback)"}
     record["inner_steps"], record["steps_per_island"] = budget.inner_steps, budget.steps_per_island
     (out / f"{scenario.name}.json").write_text(json.dumps(record, indent=2))
     return record
-
-
-def _median(values: list[float]) -> float | None:
-    values = sorted(v for v in values if v is not None)
-    if not values:
-        return None
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2

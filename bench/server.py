@@ -36,10 +36,10 @@ import codec
 from bench import cli
 from bench.common import emit_json, gbps, progress, timed
 from paramserver.server.config import ShardConfig
-from paramserver.server.durable import Durability
-from paramserver.server.records import AcceptEvent, Contribution
+from paramserver.server.events import AcceptEvent, Contribution
 from paramserver.server.shard import ShardServer
 from paramserver.server.state import ShardState
+from paramserver.server.storage.data_dir import ShardStorage
 from paramserver.wire import protocol
 from paramserver.wire.plan import leaf_specs, make_plan
 
@@ -76,16 +76,16 @@ def _initialized_state(cfg: ShardConfig, flat: dict[str, np.ndarray]):
     return state, plan, out.event
 
 
-def measure_merge_step(args, data_dir: str, p) -> tuple[dict, ShardState, Durability]:
+def measure_merge_step(args, data_dir: str, p) -> tuple[dict, ShardState, ShardStorage]:
     """Decode vs merge+step throughput on a --params shard; returns the state for later steps."""
     cfg = ShardConfig(
         fragments=args.fragments, mode="async", data_dir=data_dir, checkpoint_every_steps=0
     )
     task = p.add_task("merge + outer step", total=2 * args.repeats + 3)
     state, plan, init_event = _initialized_state(cfg, _flat(args.params, 0))
-    durable = Durability(cfg, 0)
+    durable = ShardStorage(cfg, 0)
     durable.recover()
-    durable.append(init_event)
+    durable.append([init_event])
     rng = np.random.default_rng(1)
     int8 = codec.int8()
     deltas = {}  # fragment -> list of (frames, decoded)
@@ -231,7 +231,6 @@ def measure_checkpoint_and_restart(args, state, durable, data_dir, p) -> dict:
     task = p.add_task("checkpoint + restart", total=args.repeats + 1)
     write_s, size = [], 0
     for _ in range(args.repeats):
-        durable._events_since = max(durable._events_since, 1)  # force a write each time
         durable.checkpoint(state, time.time())
         write_s.append(durable.last_checkpoint_s)
         size = durable.last_checkpoint_bytes

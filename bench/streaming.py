@@ -32,8 +32,6 @@ import contextlib
 import dataclasses
 import json
 import math
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -41,7 +39,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from bench import outdir
+from bench import child, outdir
 from bench.common import emit_json
 from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 
@@ -136,25 +134,11 @@ def _model_flags(s: Settings) -> list[str]:
             "--eval-batches", str(s.eval_batches), "--seed", str(s.seed)]  # fmt: skip
 
 
-def _start_meter(pairs: dict[int, int], out: Path) -> subprocess.Popen:
+def _meter_argv(pairs: dict[int, int], out: Path) -> list[str]:
     argv = [sys.executable, "-m", "bench.children.meter", "--out", str(out)]
     for listen, target in pairs.items():
         argv += ["--pair", f"127.0.0.1:{listen}=127.0.0.1:{target}"]
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    if (proc.stdout.readline().strip() if proc.stdout else "") != "ready":
-        proc.kill()
-        raise LaunchError(f"meter relay did not start: {proc.stderr.read().strip()[-300:]}")
-    return proc
-
-
-def _stop_meter(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+    return argv
 
 
 def run_once(s: Settings, streaming: bool, out: Path, timeout_s: float = 900.0) -> dict[str, Any]:
@@ -183,7 +167,10 @@ def run_once(s: Settings, streaming: bool, out: Path, timeout_s: float = 900.0) 
     meter = None
     try:
         cluster.start_server()
-        meter = _start_meter({relay_base + i: shard_router for i in range(s.islands)}, counts_file)
+        meter_argv = _meter_argv(
+            {relay_base + i: shard_router for i in range(s.islands)}, counts_file
+        )
+        meter = child.start(meter_argv, "meter relay")
         specs = [
             IslandSpec(
                 name,
@@ -220,11 +207,11 @@ def run_once(s: Settings, streaming: bool, out: Path, timeout_s: float = 900.0) 
             if time.monotonic() > deadline:
                 raise LaunchError(f"islands did not finish {s.rounds} rounds in {timeout_s:g}s")
             time.sleep(0.2)
-        _stop_meter(meter)
+        meter.stop(30.0)
         final = cluster.final_eval(_model_flags(s))
     finally:
         if meter is not None:
-            _stop_meter(meter)
+            meter.stop(30.0)  # a no-op when it already stopped
         cluster.stop()
     counts = json.loads(counts_file.read_text())
     islands = {}

@@ -28,6 +28,8 @@ import sys
 from collections.abc import Iterator
 from typing import Any
 
+from bench import child
+
 logger = logging.getLogger(__name__)
 
 
@@ -190,17 +192,11 @@ class Wan:
         argv += ["--rate-mbit", str(self.relay_rate_mbit)]
         for listen, target in targets.items():
             argv += ["--pair", f"{self.hub}:{listen}=127.0.0.1:{target}"]
-        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         try:
-            line = proc.stdout.readline().strip() if proc.stdout else ""
-            if line != "ready":
-                err = proc.stderr.read().strip().splitlines() if proc.stderr else []
-                raise WanError(f"relay did not start: {err[-1] if err else line!r}")
+            relay = child.start(argv, "relay")
+        except child.LaunchError as exc:
+            raise WanError(str(exc)) from None
+        try:
             yield
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            relay.stop(10.0)

@@ -11,6 +11,9 @@ specified in `codec.format`.
     frames, state = c.encode(tree, state)
     tree2 = codec.decode(frames)
 
+`c.encode_decoded(tree, state)` (int8, int4) also returns what `decode` gives
+for the frames, bit for bit, without decoding them (the shard's downlink).
+
 Speed: `zstd_threads=N` (encode) and `decode(frames, threads=N)` spread the
 quantize/dequantize pieces and the 1 MiB zstd frames over N threads (the
 caller plus N - 1 pool threads, one zstd object per thread). zstd buys 3-20%

@@ -18,11 +18,11 @@ from . import parallel
 from .compress import compress_frames
 from .errors import CodecError
 from .parallel import check_threads, run_all
-from .quant import encode_blocks
+from .quant import decode_blocks, encode_blocks
 from .rawcast import encode_raw
 from .sparse import encode_topk, piece_elements
 from .state import ErrorFeedbackState, advance, check_state, init_state
-from .tree import leaf_items
+from .tree import build_tree, leaf_items
 from .workspace import workspace
 
 PIECE_ELEMENTS = 1 << 18  # elements per parallel encode job (int8, int4, raw)
@@ -124,6 +124,42 @@ class Codec:
             (bytes-like, for zmq send_multipart); new_state is None when
             state was None.
         """
+        frames, new_state, _ = self._encode(tree, state)
+        return frames, new_state
+
+    def encode_decoded(self, tree, state=None) -> tuple[list, ErrorFeedbackState | None, dict]:
+        """Encode a tree and also return what `decode` gives for the frames, without decoding them.
+
+        The values are rebuilt from the codes and block scales still in memory
+        (no decompression, no header parsing), bit for bit equal to
+        `codec.decode(frames)`. Block schemes only (int8, int4).
+
+        Args:
+            tree: as for `encode`.
+            state: as for `encode`.
+
+        Returns:
+            (frames, new_state, decoded): as `encode`, plus the decoded tree.
+
+        Raises:
+            CodecError: a raw or topk codec, or what `encode` raises.
+        """
+        if self.scheme not in fmt.LEVELS:
+            raise CodecError(f"encode_decoded takes int8 or int4, not {self.scheme}")
+        frames, new_state, (paths, tensors, payload) = self._encode(tree, state)
+        levels, bs = fmt.LEVELS[self.scheme], self.block_size
+        code_type = np.uint8 if levels == 7 else np.int8
+        leaves = []
+        for path, t in zip(paths, tensors, strict=True):
+            codes = payload[t.offset : t.offset + t.codes_bytes].view(code_type)
+            scales = payload[t.scales_offset : t.end].view(np.float32)
+            out = np.empty(t.size, fmt.DTYPES[t.dtype])
+            decode_blocks(codes, scales, out, levels, workspace(bs))
+            leaves.append((path, out.reshape(t.shape)))
+        return frames, new_state, build_tree(leaves)
+
+    def _encode(self, tree, state) -> tuple[list, ErrorFeedbackState | None, tuple]:
+        """encode, plus (paths, tensor layouts, uncompressed payload) for `encode_decoded`."""
         items = [(p, _as_array(p, leaf)) for p, leaf in leaf_items(tree)]
         paths = [p for p, _ in items]
         if state is not None:
@@ -155,7 +191,8 @@ class Codec:
             self.scheme, self.block_size, self.store, self.zstd_level is not None,
             tensors, total, entries, self.keep, self.bits,
         )  # fmt: skip
-        return [header, *frames], (None if state is None else advance(state))
+        new_state = None if state is None else advance(state)
+        return [header, *frames], new_state, (paths, tensors, payload)
 
     def _payload(self, total: int) -> np.ndarray:
         """Payload buffer: reused when frames are compressed copies, fresh otherwise."""

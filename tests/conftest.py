@@ -35,6 +35,7 @@ import zmq
 from paramserver.server.config import ShardConfig
 from paramserver.server.shard import ShardServer
 from paramserver.wire import protocol
+from paramserver.wire.snapshot import snapshot_request, snapshot_values
 
 REPLY_TIMEOUT_S = 10.0
 WAIT_S = 20.0  # default bound of wait_for
@@ -154,6 +155,12 @@ class Peer:
         reply, _ = self.request({"kind": "hello", "island": self.island})
         assert reply["kind"] == "welcome", reply
         return reply
+
+    def snapshot(self, fragment: int, size: int | None = None) -> tuple[dict[str, Any], Any]:
+        """Snapshot one fragment as the client does (`wire.snapshot`): (reply header, values)."""
+        reply, payload = self.request(snapshot_request(self.island, fragment))
+        assert reply["kind"] == "snapshot_reply", reply
+        return reply, snapshot_values(reply, payload, size)
 
     def status(self) -> dict[str, Any]:
         """The shard's status dict."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -58,13 +59,34 @@ def test_quick_bench_streaming_flattens_the_burst():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     result = json.loads(done.stdout)
-    for key in ("settings", "runs", "peak_to_avg", "whole_run_peak_to_avg", "final_eval_loss",
-                "loss_relative_difference", "equal_tokens", "targets"):  # fmt: skip
-        assert key in result, key
+    assert result["settings"] == {
+        "islands": 2, "fragments": 4, "inner_steps": 100, "rounds": 3, "batch_size": 8,
+        "seq_len": 64, "model": "tiny", "seed": 0, "eval_batches": 4,
+    }  # fmt: skip
+    assert result["window_s"] == 1.0
     assert set(result["runs"]) == {"baseline", "streaming"}
-    for run in result["runs"].values():
+    for label, run in result["runs"].items():
         assert run["final_eval_loss"] is not None, run.get("final_eval_error")
-        assert run["bytes_up"] > 0
+        assert result["final_eval_loss"][label] == run["final_eval_loss"]
+        # 3 rounds x 100 steps x 8 x 64 tokens per island, two islands
+        assert [i["tokens"] for i in run["islands"].values()] == [153600, 153600]
+        assert run["tokens"] == 2 * 153600
+        # the run's bytes are what its islands' links carried up, each island some
+        assert run["bytes_up"] == sum(i["bytes_up_total"] for i in run["islands"].values())
+        assert all(i["bytes_up_total"] > 0 for i in run["islands"].values())
+        # n = ceil(D) windows over D seconds: the fullest holds >= total / n, so
+        # peak / average >= D / ceil(D) (1 for a whole number of windows)
+        for island in run["islands"].values():
+            for span in (island["steady"], island["whole_run"]):
+                floor = span["seconds"] / math.ceil(span["seconds"])
+                assert span["peak_to_avg"] >= floor - 1e-3, span
+        assert run["peak_to_avg"] == max(
+            i["steady"]["peak_to_avg"] for i in run["islands"].values()
+        )
+        assert result["peak_to_avg"][label] == run["peak_to_avg"]
+    base, stream = result["final_eval_loss"]["baseline"], result["final_eval_loss"]["streaming"]
+    assert result["loss_relative_difference"] == pytest.approx((stream - base) / base, abs=1e-5)
+    assert result["targets"]["loss_met"] == (abs(result["loss_relative_difference"]) <= 0.01)
     assert result["equal_tokens"]
     ratios = result["peak_to_avg"]
     # the baseline pushes a whole round at once: its peak stands out; streaming spreads it

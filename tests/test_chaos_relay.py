@@ -19,9 +19,10 @@ import codec
 from bench.children.chaos_relay import Relay
 from bench.faults import Fault
 from paramserver.client import Client, ClientConfig
-from paramserver.client.outbox import DECODE_RETRIES
+from paramserver.client.ledger import DECODE_RETRIES
 from paramserver.server.config import ShardConfig
 from paramserver.server.shard import ShardServer
+from worker import progress
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -99,8 +100,6 @@ def test_a_duplicated_push_is_applied_once(relayed):
 
 def _island_goodput(front, data_dir):
     """Run a real tiny Island through the relay for 2 rounds; return its final metrics row."""
-    import json
-
     from worker.config import IslandConfig
     from worker.island import Island
 
@@ -111,8 +110,7 @@ def _island_goodput(front, data_dir):
     )  # fmt: skip
     island = Island(cfg)
     assert island.run(threading.Event()) == 0
-    rows = [json.loads(line) for line in (data_dir / "metrics.jsonl").read_text().splitlines()]
-    return rows[-1]
+    return progress.read_rows(data_dir)[-1]
 
 
 @pytest.mark.slow

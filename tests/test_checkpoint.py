@@ -1,9 +1,13 @@
-"""paramserver.server.checkpoint: round trip, atomic replace, corruption and version checks."""
+"""paramserver.server.storage.checkpoint_file: round trip, atomic replace, corruption and version checks."""
 
 import numpy as np
 import pytest
 
-from paramserver.server.checkpoint import CheckpointError, read_checkpoint, write_checkpoint
+from paramserver.server.storage.checkpoint_file import (
+    CheckpointError,
+    read_checkpoint,
+    write_checkpoint,
+)
 
 ARRAYS = {
     "params/0": np.linspace(-1, 1, 1001, dtype=np.float32),

@@ -7,7 +7,6 @@ cluster, an oversize push, an island id already in use.
 from __future__ import annotations
 
 import threading
-import time
 
 import numpy as np
 import pytest
@@ -25,11 +24,8 @@ def client():
 
 
 def snapshot(peer, fragment):
-    reply, payload = peer.request({"kind": "snapshot", "island": "peer", "fragment": fragment})
-    assert reply["kind"] == "snapshot_reply", reply
-    import codec
-
-    return reply["version"], codec.decode(payload)["values"]
+    reply, values = peer.snapshot(fragment)
+    return reply["version"], values
 
 
 @pytest.mark.parametrize("shards", [1, 2])
@@ -252,16 +248,14 @@ def test_concurrent_first_joins_agree_on_one_initializer(cluster, client):
 
 
 def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
-    """Run fn in a thread; the dict gets "result" or "error" and "elapsed"."""
+    """Run fn in a thread; the dict gets "result" or "error"."""
     out: dict = {}
 
     def body():
-        t0 = time.monotonic()
         try:
             out["result"] = fn(*args, **kwargs)
         except Exception as exc:
             out["error"] = exc
-        out["elapsed"] = time.monotonic() - t0
 
     thread = threading.Thread(target=body, daemon=True)
     thread.start()
@@ -271,8 +265,8 @@ def in_thread(fn, *args, **kwargs) -> tuple[threading.Thread, dict]:
 @pytest.mark.timeout(60)
 def test_a_stopped_push_returns_at_once_and_close_hands_back_every_unacked_delta(cluster, client):
     c = cluster(1)
-    # a long push timeout: only the stop event can end the wait for a slot in time
-    a = client(c.connect, "a", max_unacked=1, push_timeout_s=30.0, ack_timeout_s=0.2)
+    # a push timeout far beyond the test's: only the stop event can end the wait for a slot
+    a = client(c.connect, "a", max_unacked=1, push_timeout_s=3600.0, ack_timeout_s=0.2)
     res = a.join(small_flat(0))
     c.stop_shard(0)  # the server is gone
     size = res.plan.fragments[0].size
@@ -283,12 +277,10 @@ def test_a_stopped_push_returns_at_once_and_close_hands_back_every_unacked_delta
     thread.join(0.3)
     assert thread.is_alive(), "push did not wait for a free slot"
     stop.set()
-    thread.join(5.0)
+    thread.join(WAIT_S)
     assert not thread.is_alive() and "error" not in out, out
-    assert out["elapsed"] < 1.5  # the stop ended the wait, not push_timeout_s
-    t0 = time.monotonic()
-    assert a.close(flush_timeout_s=WAIT_S) == 2
-    assert time.monotonic() - t0 < 10.0  # the flush gives up once its shard is down
+    # a flush timeout far beyond the test's: the flush gives up because its shard is down
+    assert a.close(flush_timeout_s=3600.0) == 2
     kept = a.unacked()
     assert [(d.fragment, d.round, d.base_version, d.tokens, d.steps) for d in kept] == [
         (0, 1, res.versions[0], 100, 5),
@@ -311,17 +303,17 @@ def test_a_stopped_push_returns_at_once_and_close_hands_back_every_unacked_delta
 @pytest.mark.timeout(60)
 def test_join_gives_up_at_once_when_its_stop_event_is_set():
     port = free_port()  # nothing listens here
-    a = Client(ClientConfig(connect=f"tcp://127.0.0.1:{port}", island="a", join_timeout_s=30))
+    # a join timeout far beyond the test's: only the stop event can end the join in time
+    a = Client(ClientConfig(connect=f"tcp://127.0.0.1:{port}", island="a", join_timeout_s=3600))
     try:
         stop = threading.Event()
         thread, out = in_thread(a.join, small_flat(0), stop=stop)
         thread.join(0.3)
         assert thread.is_alive(), "join did not wait for the server"
         stop.set()
-        thread.join(5.0)
+        thread.join(WAIT_S)
         assert isinstance(out.get("error"), ClientError), out
         assert "stopped" in str(out["error"])
-        assert out["elapsed"] < 2.0
     finally:
         a.close(flush_timeout_s=0.1)
 
@@ -408,11 +400,11 @@ def test_a_restarted_island_gets_its_id_back_once_the_old_connection_is_silent(
     # restarted island's join asks again instead of failing at once.
     shard = start_shard(heartbeat_interval_s=0.5, liveness=20)
     peer(shard.router, "a").hello()
-    t0 = time.monotonic()
-    restarted = client(shard.router, "a", heartbeat_interval_s=0.5, in_use_wait_s=10.0)
+    # without the wait the join fails at once (the id is in use); the wait's timing is
+    # test_client_core's (a fake clock)
+    restarted = client(shard.router, "a", heartbeat_interval_s=0.5, in_use_wait_s=30.0)
     res = restarted.join(small_flat(0))
     assert res.versions  # joined
-    assert 0.5 < time.monotonic() - t0 < 10.0  # it waited for the old connection's silence
     # a second live island with the same id is still refused, after the wait
     third = client(shard.router, "a", heartbeat_interval_s=0.5, in_use_wait_s=1.0)
     with pytest.raises(ClientError, match="in use by another running island"):

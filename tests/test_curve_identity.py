@@ -15,7 +15,6 @@ import json
 import logging
 import subprocess
 import sys
-import time
 import urllib.request
 from typing import Any
 
@@ -278,10 +277,10 @@ def test_status_speaks_curve_and_names_curve_when_it_cannot(tmp_path, keys):
             (only,) = json.loads(proc.stdout)["shards"]
             assert only["shard"] == 0 and only["endpoint"] == shard.router
 
-        started = time.monotonic()
-        plain = _status_cli("--connect", shard.router, "--timeout", "30")
+        # a --timeout far beyond the CLI's own (CLI_TIMEOUT_S): only the failed handshake
+        # can end the wait in time
+        plain = _status_cli("--connect", shard.router, "--timeout", "3600")
         assert plain.returncode == 1, (plain.stdout, plain.stderr)
-        assert time.monotonic() - started < 25  # the failed handshake ends the wait at once
         (line,) = plain.stderr.strip().splitlines()
         assert "speaks CURVE" in line and "--curve-secret-key-file" in line, line
         assert "--curve-server-key-file" in line
@@ -306,10 +305,9 @@ def test_a_curve_probe_of_a_plain_shard_says_so_at_once(start_shard, keys, zmq_c
 
     shard = start_shard()
     curve = ClientKeys.load(keys["isl"], keys["server_pub"])
-    started = time.monotonic()
+    # a timeout far beyond the test's (120 s): only the failed handshake ends the wait
     with pytest.raises(probe.ProbeError, match="CURVE"):
-        probe.shard_status(zmq_ctx, shard.router, timeout_s=30, curve=curve)
-    assert time.monotonic() - started < 25
+        probe.shard_status(zmq_ctx, shard.router, timeout_s=3600, curve=curve)
     assert probe.shard_status(zmq_ctx, shard.router, timeout_s=10)["shard"] == 0
 
 

@@ -8,7 +8,6 @@ coordination service and gloo collectives on loopback.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -20,6 +19,8 @@ import pytest
 import zmq
 from conftest import Peer, free_port, wait_for
 from shard_process import ShardProcess
+
+from worker import progress
 
 ROUNDS = 3
 TRAIN = (
@@ -63,8 +64,7 @@ def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, s
 
 
 def metrics(data_dir: Path) -> list[dict]:
-    path = data_dir / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+    return progress.read_rows(data_dir)
 
 
 def shard_status(shard: ShardProcess) -> dict:
@@ -119,9 +119,7 @@ def run_island(
         "rows": [r for r in rows if "loss" in r and not r.get("final")],
         "evals": [r["eval_global"] for r in rows if "eval_global" in r],
         "outputs": [text for _, text in results],
-        "status": [
-            json.loads((tmp / f"{name}-p{i}" / "status.json").read_text()) for i in range(processes)
-        ],
+        "status": [progress.read_status(tmp / f"{name}-p{i}") for i in range(processes)],
     }
 
 
@@ -184,7 +182,7 @@ def test_dry_run_prints_the_mesh_and_the_per_device_batch_of_every_process(tmp_p
             text
         )
         assert "global batch 8 = 2 per device" in text
-        assert not (tmp_path / f"p{i}" / "status.json").exists()  # nothing trained, no status
+        assert not progress.status_path(tmp_path / f"p{i}").exists()  # nothing trained, no status
 
 
 @pytest.mark.slow
@@ -216,7 +214,7 @@ def test_kill_9_of_process_1_stops_process_0_with_one_line_and_the_shard_sees_it
             "the shard to see it leave",
             timeout_s=30,
         )
-        status = json.loads((tmp_path / "p0" / "status.json").read_text())
+        status = progress.read_status(tmp_path / "p0")
         assert status["state"] == "failed" and "process 1 of 2" in status["error"]
     finally:
         for proc in procs:

@@ -13,6 +13,7 @@ import pytest
 
 from bench import cli, outdir
 from bench.outdir import MARKER, OutDirError, claim
+from worker import progress
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -44,7 +45,7 @@ def test_marked_dir_is_cleared_of_an_earlier_runs_output_and_kept(tmp_path):
     out = claim(tmp_path / "out", "demo")
     (out / "summary.json").write_text("{}")
     (out / "runs" / "quorum" / "islands").mkdir(parents=True)
-    (out / "runs" / "quorum" / "islands" / "metrics.jsonl").write_text("x\n")
+    progress.metrics_path(out / "runs" / "quorum" / "islands").write_text("x\n")
     inode = out.stat().st_ino
     assert claim(out, "chaos") == out
     assert out.stat().st_ino == inode

@@ -16,8 +16,27 @@ def test_bench_server_reports_every_measurement(capsys):
     assert cli.main(["server", *args]) == 0
     result = json.loads(capsys.readouterr().out)
     merge = result["merge_step"]
-    assert merge["decode_gbps"]["median"] > 0 and merge["merge_step_gbps"]["median"] > 0
-    assert result["checkpoint"]["checkpoint_bytes"] > 65536 * 4
-    assert result["checkpoint"]["restart_to_serving_s"] > 0
-    for key in ("round_trip", "round_trip_no_fsync"):
-        assert result[key]["pushes"] == 5 and result[key]["round_trips_per_s_median"] > 0
+    assert (merge["params"], merge["deltas_per_step"]) == (65536, 2)
+    for figure in (merge["decode_gbps"], merge["merge_step_gbps"]):
+        assert figure["best"] >= figure["median"] > 0  # the fastest call is at least the median
+    assert merge["target_ratio"] == 0.5
+    assert merge["meets_target"] == (merge["ratio_median"] >= 0.5)
+    down = merge["int8_downlink"]
+    assert down["float32_bytes_per_step"] == 65536 * 4
+    # int8 + scales + zstd: about a byte per parameter, far below float32, above a bit each
+    assert 65536 / 8 < down["published_bytes_per_step"] < 65536 * 2
+    checkpoint = result["checkpoint"]
+    # float32 parameters and Nesterov momentum at least, plus a little metadata
+    assert 2 * 65536 * 4 <= checkpoint["checkpoint_bytes"] < 4 * 65536 * 4 + 65536
+    assert checkpoint["fsync"] is True and checkpoint["restart_to_serving_s"] > 0
+    for key, fsync in (("round_trip", True), ("round_trip_no_fsync", False)):
+        trip = result[key]
+        assert (trip["pushes"], trip["fsync"], trip["mode"], trip["delta_params"]) == (
+            5, fsync, "async", 4096,
+        )  # fmt: skip
+        assert 4096 / 4 < trip["delta_wire_bytes"] < 4096 * 2  # int8: about a byte each
+        # one figure, two units: the median rate is 1 / the median round trip
+        assert trip["round_trips_per_s_median"] * trip["round_trip_ms"]["median"] == (
+            pytest.approx(1000.0)
+        )
+        assert trip["round_trip_ms"]["p90"] >= trip["round_trip_ms"]["median"] > 0

@@ -10,8 +10,8 @@ from shard_helpers import delta_frames, init_payload, plan_for, push_header, sma
 import codec
 from paramserver.server.config import ShardConfig
 from paramserver.server.downlink import Downlink, DownlinkError
-from paramserver.server.durable import export_state, restore_state
 from paramserver.server.state import ShardState
+from paramserver.server.storage.checkpoint_content import export_state, restore_state
 from paramserver.wire import protocol
 
 T0 = 1_000_000.0

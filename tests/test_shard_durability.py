@@ -15,9 +15,10 @@ from shard_process import shard_argv
 
 import codec
 from paramserver.server.config import ShardConfig
-from paramserver.server.durable import Durability, DurabilityError
 from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
 from paramserver.server.state import ShardState
+from paramserver.server.storage.data_dir import ShardStorage
+from paramserver.server.storage.recovery import DurabilityError
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_000_000.0
@@ -29,9 +30,13 @@ def cfg_for(tmp_path, **kw):
 
 
 def drive(durable, state, plan, pushes, start=1):
-    """Accept pushes (island, fragment) in order, stepping after each; log every event."""
+    """Accept pushes (island, fragment) in order, stepping after each; log every event.
+
+    Checkpoints after every `checkpoint_every_steps` steps of the storage's config.
+    """
     flat = small_flat()
     now = T0
+    steps = 0
     for k, (island, fragment) in enumerate(pushes, start=start):
         now += 0.01
         state.hello(island, now)
@@ -39,22 +44,25 @@ def drive(durable, state, plan, pushes, start=1):
         h = push_header(plan, island, k, fragment, state.versions()[fragment])
         out = state.submit_delta(h, delta_frames(v.astype(np.float32) * 0.01), now)
         assert out.status == "accepted", out
-        durable.append(out.event)
+        durable.append([out.event])
         if k % 3:  # leave some deltas pending across the checkpoint / restart
             for f in state.due_fragments(now)[0]:
-                durable.append(state.step(f, now)[0])
+                durable.append([state.step(f, now)[0]])
+                steps += 1
         durable.sync()
-        durable.maybe_checkpoint(state, now)
+        every = durable.cfg.checkpoint_every_steps
+        if every and steps >= every and durable.checkpoint(state, now):
+            steps = 0
     del flat
 
 
 def new_initialized(cfg):
-    durable = Durability(cfg, 0)
+    durable = ShardStorage(cfg, 0)
     state = durable.recover()
     flat = small_flat()
     plan = plan_for(flat, cfg.shards, cfg.num_fragments)
     out = state.initialize(plan.to_wire(), init_payload(plan, flat))
-    durable.append(out.event)
+    durable.append([out.event])
     return durable, state, plan
 
 
@@ -85,7 +93,7 @@ def test_recovery_from_the_log_alone(tmp_path):
     durable.close()
     stale = durable.dir / ".checkpoint-1.ckpt.tmp-99999"  # a checkpoint write cut short
     stale.write_bytes(b"half")
-    again = Durability(cfg, 0)
+    again = ShardStorage(cfg, 0)
     assert_same(state, again.recover())
     assert again.replayed > len(PUSHES)
     assert not stale.exists()
@@ -99,7 +107,7 @@ def test_recovery_from_checkpoint_plus_log_and_pruning(tmp_path):
     durable.close()
     files = sorted(p.name for p in durable.dir.iterdir())
     assert len([f for f in files if f.endswith(".ckpt")]) == 2, files
-    again = Durability(cfg, 0)
+    again = ShardStorage(cfg, 0)
     recovered = again.recover()
     assert_same(state, recovered)
     assert again.replayed < 2 * len(PUSHES)  # most of it came from the checkpoint
@@ -123,15 +131,15 @@ def test_a_corrupted_newest_checkpoint_falls_back_to_the_previous_one(tmp_path, 
     data = bytearray(newest.read_bytes())
     data[len(data) // 2] ^= 0xFF
     newest.write_bytes(bytes(data))
-    again = Durability(cfg, 0)
-    with caplog.at_level(logging.ERROR, logger="paramserver.server.durable"):
+    again = ShardStorage(cfg, 0)
+    with caplog.at_level(logging.ERROR, logger="paramserver.server.storage.recovery"):
         recovered = again.recover()
     assert f"checkpoint {newest.name} is unusable" in caplog.text
     assert_same(state, recovered)
     assert (newest.parent / (newest.name + ".corrupt")).exists()
     again.close()
     # the fresh checkpoint written after the fallback is good on its own
-    third = Durability(cfg, 0)
+    third = ShardStorage(cfg, 0)
     assert_same(state, third.recover())
     assert third.replayed == 0
     third.close()
@@ -146,8 +154,8 @@ def test_a_torn_log_tail_is_reported_and_dropped(tmp_path, caplog):
     complete = log.stat().st_size
     with open(log, "ab") as f:
         f.write(b"\x40\x00\x00\x00partial")  # a record whose body never made it
-    again = Durability(cfg, 0)
-    with caplog.at_level(logging.WARNING, logger="paramserver.server.wal"):
+    again = ShardStorage(cfg, 0)
+    with caplog.at_level(logging.WARNING, logger="paramserver.server.storage.log_file"):
         recovered = again.recover()
     assert f"torn tail at byte {complete}" in caplog.text
     assert_same(state, recovered)
@@ -161,7 +169,7 @@ def test_a_data_dir_of_another_cluster_shape_is_refused(tmp_path):
     drive(durable, state, plan, PUSHES[:2])
     durable.close()
     with pytest.raises(DurabilityError, match="checkpoint is for shard/shards/fragments"):
-        Durability(replace(cfg, fragments=4), 0).recover()
+        ShardStorage(replace(cfg, fragments=4), 0).recover()
 
 
 def test_a_stopped_shard_checkpoints_and_restarts_with_the_same_state(start_shard, peer):

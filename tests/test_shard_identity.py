@@ -65,8 +65,7 @@ def test_a_silent_connection_loses_its_id_to_the_next_hello(start_shard, peer):
     new = peer(shard.router, "a")  # a reconnect: new socket, same id; the old one is closed
     _refused(new.request({"kind": "hello", "island": "a"})[0])
     old.close()
-    started = time.monotonic()
-    deadline = started + 10.0
+    deadline = time.monotonic() + 10.0
     while True:  # what a client does: heartbeat; on unknown_island, say hello
         reply, _ = new.request({"kind": "heartbeat", "island": "a"})
         if reply["kind"] == "rejected" and reply["reason"] == "unknown_island":
@@ -74,8 +73,7 @@ def test_a_silent_connection_loses_its_id_to_the_next_hello(start_shard, peer):
         _refused(reply)
         assert time.monotonic() < deadline, "the old connection's binding never expired"
         time.sleep(0.05)
-    assert new.hello()["kind"] == "welcome"
-    assert time.monotonic() - started < 5.0
+    assert new.hello()["kind"] == "welcome"  # when exactly: tests/test_shard_core_sim.py
     zeros = delta_frames(np.zeros(plan.fragments[0].size, np.float32))
     ack, _ = new.request(push_header(plan, "a", 1, 0), zeros)
     assert ack["outcome"] == "accepted"

@@ -21,9 +21,8 @@ from shard_helpers import delta_frames, init_payload, plan_for, push_header, sma
 from shard_process import ShardProcess
 
 from paramserver.server.config import ShardConfig
-from paramserver.server.durable import Durability
-from paramserver.server.shard import storage_refusal
-from paramserver.server.wal import LogReader, WriteAheadLog
+from paramserver.server.storage.data_dir import ShardStorage
+from paramserver.server.storage.log_file import LogReader, WriteAheadLog
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -95,7 +94,7 @@ def test_a_log_that_cannot_grow_refuses_pushes_keeps_serving_and_recovers(tmp_pa
     left = sorted(f.name for f in wal.parent.iterdir())
     assert left == ["daemon.log", "wal-0.log"]  # no checkpoint, no tmp
     # acked => logged: a restart replays rounds 1 and 2 (never 3), with no corrupt record
-    state = Durability(replace(CFG, data_dir=str(tmp_path / "server")), 0).recover()
+    state = ShardStorage(replace(CFG, data_dir=str(tmp_path / "server")), 0).recover()
     assert state.versions() == {0: 2, 1: 0}
     assert state.counters.accepted == 2
     assert state.dedup[("a", 0)].rounds == {1, 2}
@@ -105,7 +104,7 @@ def _append_until_it_fails(path: Path, limit: int) -> str:
     """Run in a child: append 100-byte records under a file-size limit; report sizes."""
     code = f"""
 import resource
-from paramserver.server.wal import WriteAheadLog
+from paramserver.server.storage.log_file import WriteAheadLog
 log = WriteAheadLog({str(path)!r})
 log.append({{"n": 0}}, [b"x" * 100])
 log.sync()
@@ -135,37 +134,3 @@ def test_a_failed_append_leaves_no_partial_record(tmp_path):
     reader = LogReader(path)
     assert [r.header["n"] for r in reader] == list(range(len(records) + 1))
     assert reader.torn_at is None
-
-
-def test_a_failed_sync_takes_back_every_reply_that_promised_durability():
-    versions = {0: 4}
-    accepted = {"kind": "ack", "id": 3, "round": 7, "fragment": 0, "outcome": "accepted",
-                "reason": None, "version": 5, "merged_version": 6}  # fmt: skip
-    refusal = storage_refusal(accepted, "disk gone", versions)
-    assert refusal == {**accepted, "outcome": "rejected", "reason": "storage_error",
-                       "detail": "disk gone", "version": 4, "merged_version": None}  # fmt: skip
-    assert storage_refusal({**accepted, "outcome": "duplicate"}, "x", versions)["reason"] == (
-        "storage_error"
-    )
-    init = storage_refusal({"kind": "init_ok", "id": 9, "versions": {}}, "x", versions)
-    assert init == {"kind": "rejected", "reason": "storage_error", "detail": "x", "id": 9}
-    rejected = {**accepted, "outcome": "rejected", "reason": "bad_shape"}
-    for reply in (rejected, {"kind": "heartbeat", "shard": 0, "seq": 1}):
-        assert storage_refusal(reply, "x", versions) is None
-
-
-def test_reload_rebuilds_the_synced_state_and_keeps_the_islands_and_request_counters(tmp_path):
-    from test_shard_durability import PUSHES, assert_same, cfg_for, drive, new_initialized
-
-    cfg = cfg_for(tmp_path)
-    durable, state, plan = new_initialized(cfg)
-    drive(durable, state, plan, PUSHES)
-    state.reject("bad_shape", "x")
-    state.reject("unknown_island", "say hello")
-    rebuilt = durable.reload(state)
-    assert rebuilt is not state
-    assert_same(rebuilt, state)
-    assert rebuilt.last_seen == state.last_seen and rebuilt.paces == state.paces
-    assert rebuilt.counters.rejected == {"bad_shape": 1}
-    assert rebuilt.counters.hello_requests == 1
-    durable.close()

@@ -1,4 +1,4 @@
-"""paramserver.server.wal: record round trip, torn tails at every cut, mid-log corruption, headers."""
+"""paramserver.server.storage.log_file: record round trip, torn tails at every cut, mid-log corruption, headers."""
 
 import logging
 import os
@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from paramserver.server.wal import LogReader, WalError, WriteAheadLog
+from paramserver.server.storage.log_file import LogReader, WalError, WriteAheadLog
 
 
 def write_records(path, count=3, fsync=False):
@@ -55,7 +55,7 @@ def test_a_torn_tail_at_every_cut_is_dropped_with_a_warning_and_can_be_truncated
     for cut in range(last + 1, len(full)):
         path.write_bytes(full[:cut])
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="paramserver.server.wal"):
+        with caplog.at_level(logging.WARNING, logger="paramserver.server.storage.log_file"):
             reader, records = read_all(path)
         assert len(records) == 2, cut
         assert reader.torn_at == last and reader.end_offset == last
@@ -116,3 +116,17 @@ def test_another_format_version_says_so(tmp_path):
     path.write_bytes(head + struct.pack("<I", zlib.crc32(head)))
     with pytest.raises(WalError, match="log format 7"):
         read_all(path)
+
+
+def test_rollback_cuts_off_every_record_since_the_last_sync(tmp_path):
+    log = WriteAheadLog(tmp_path / "wal-0.log", fsync=False)
+    log.append({"n": 0}, [b"kept"])
+    log.sync()
+    synced = log.size
+    log.append({"n": 1}, [b"a batch"])
+    log.append({"n": 2}, [b"that failed"])
+    log.rollback()
+    assert log.size == synced and (tmp_path / "wal-0.log").stat().st_size == synced
+    log.append({"n": 3}, [b"next batch"])
+    log.close()
+    assert [r.header["n"] for r in LogReader(tmp_path / "wal-0.log")] == [0, 3]

@@ -77,19 +77,16 @@ def test_ddp_warmup_changes_nothing_and_compiles_every_step(batches):
     opt_state = tx.init(params)
     grad_step = ddp.make_grad_step(TINY)
     apply_step = ddp.make_apply_step(tx, params)
-    eval_step = jax.jit(lambda p, t: model.loss_fn(p, t, TINY))
     params0, opt0 = host(params), host(opt_state)
 
     t0 = time.monotonic()
-    seconds = ddp.warmup(
-        grad_step, apply_step, eval_step, params, opt_state, INNER.batch_size, INNER.seq_len
-    )
+    seconds = ddp.warmup(grad_step, apply_step, params, opt_state, INNER.batch_size, INNER.seq_len)
     assert 0 < seconds <= time.monotonic() - t0  # its own duration, in seconds
     assert_same(host(params), params0)  # not donated, not changed
     assert_same(host(opt_state), opt0)
-    compiled = [f._cache_size() for f in (grad_step, apply_step, eval_step)]
+    compiled = [f._cache_size() for f in (grad_step, apply_step)]
+    assert min(compiled) >= 1
     for batch in batches:
         _loss, grad_P = grad_step(params, batch)
         params, opt_state = apply_step(params, opt_state, np.asarray(grad_P))
-    eval_step(params, batches[0])
-    assert [f._cache_size() for f in (grad_step, apply_step, eval_step)] == compiled
+    assert [f._cache_size() for f in (grad_step, apply_step)] == compiled

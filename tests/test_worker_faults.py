@@ -3,7 +3,6 @@ dir, nobody listening. Real worker processes; real shards in threads; real socke
 
 from __future__ import annotations
 
-import json
 import signal
 import subprocess
 import sys
@@ -14,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import Cluster, free_port, wait_for
 
-from worker import outbox_file
+from worker import outbox_file, progress
 
 FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0")
 
@@ -24,10 +23,7 @@ def worker_cmd(*args: str) -> list[str]:
 
 
 def island_status(data_dir: Path) -> dict:
-    try:
-        return json.loads((data_dir / "status.json").read_text())
-    except (OSError, ValueError):
-        return {}
+    return progress.read_status(data_dir) or {}
 
 
 def counted(cluster: Cluster) -> int:
@@ -92,7 +88,7 @@ def test_an_island_stops_in_seconds_without_its_server_and_resends_its_deltas_at
         cluster.stop()
         log.close()
     assert not (data_dir / outbox_file.OUTBOX_FILE).exists()  # removed once resolved
-    final = json.loads((data_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    final = progress.read_rows(data_dir)[-1]
     fragments = cluster.cfg.num_fragments
     assert final["final"] and final["rejected"] == 0
     assert final["pushes"] == final["acked"] == kept + fragments  # the kept ones, one round

@@ -6,5 +6,9 @@
 - `ddp_reducer`: the all-reduce of the data-parallel baseline (`bench.runs`).
 - `ddp_rank`: one rank of the data-parallel baseline (`bench.runs`).
 
+- `meter`: a relay that counts the bytes of each link per time bucket (`bench.streaming`).
+
+Each stops on SIGTERM / SIGINT and the servers among them print ``ready`` once
+they listen; both through `bench.child`, which also starts and stops them.
 None of them is a `diloco-bench` subcommand.
 """

@@ -29,7 +29,6 @@ import heapq
 import itertools
 import json
 import random
-import signal
 import sys
 import threading
 import time
@@ -39,6 +38,7 @@ from typing import Any
 import msgpack
 import zmq
 
+from bench.child import say_ready, stop_on_signals
 from bench.faults import RELAY_KINDS, Fault, active
 
 POLL_MS = 20
@@ -272,10 +272,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"chaos_relay: {exc}", file=sys.stderr)
         return 2
     relay = Relay(pairs, faults, Path(args.start_file), args.seed)
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    print("ready", flush=True)
+    stop = stop_on_signals()
+    say_ready()
     try:
         relay.serve(stop)
     finally:

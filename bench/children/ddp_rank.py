@@ -4,15 +4,20 @@ What a user would run instead of DiLoCo. Each step a rank computes loss and
 gradients on its own batch, sends the whole fp32 gradient (one flat vector) to
 a reducer over ZeroMQ (`bench.children.ddp_reducer`), waits for the mean of every rank's
 gradient and applies the same AdamW update as an island's inner optimizer
-(`worker.train.make_inner_optimizer`). All ranks start from the same seeded
-parameters and apply the same updates, so they stay identical.
+(`worker.train.make_inner_optimizer` of the island's `InnerConfig`, on the
+gradient of `worker.model.loss_fn`). All ranks start from the same seeded
+parameters and apply the same updates, so they stay identical. Rank 0
+evaluates with `worker.train.InnerTrainer.evaluate`, the held-out loss
+`diloco-worker eval` computes for the islands' global model. (The step itself
+cannot be an `InnerTrainer.step`: DDP applies the mean of every rank's
+gradient, not its own.)
 
     python -m bench.children.ddp_rank --connect tcp://HOST:PORT --rank R --world N --island NAME
                          --data-dir D [--inner-steps 50 --max-rounds 10 ...]
 
 Every `diloco-worker` setting is accepted and means the same thing (model, data
 shard, batch, lr, speed, ...); a "round" is `inner_steps` synchronous steps, and
-each round appends one row to ``<data_dir>/metrics.jsonl`` in the islands'
+each round appends one row to the data dir's metrics file (`worker.progress`) in the islands'
 schema (loss, tokens, bytes_sent / bytes_received counted at this rank's socket,
 eval_global on rank 0). The rank stops after `max_rounds` rounds or on SIGTERM.
 """
@@ -20,7 +25,6 @@ eval_global on rank 0). The rank stops after `max_rounds` rounds or on SIGTERM.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import sys
@@ -33,7 +37,9 @@ import msgpack
 import numpy as np
 import zmq
 
+from bench.child import stop_on_signals
 from paramserver.plumbing import daemon, settings
+from worker import progress
 from worker.config import IslandConfig
 
 logger = logging.getLogger(__name__)
@@ -90,17 +96,16 @@ def make_apply_step(tx, params):
     return jax.jit(apply_step, donate_argnums=(0, 1))
 
 
-def warmup(grad_step, apply_step, eval_step, params, opt_state, batch_size: int, seq_len: int):
-    """Compile the grad, apply and eval steps before anything is timed; no state changes.
+def warmup(grad_step, apply_step, params, opt_state, batch_size: int, seq_len: int):
+    """Compile the grad and apply steps before anything is timed; no state changes.
 
     Runs grad + apply twice on device copies of `params` / `opt_state` (apply donates
     them; the second round takes the first round's outputs, the signature of every
-    later step) with a zero batch and a zero gradient, and the eval step once.
+    later step) with a zero batch and a zero gradient.
 
     Args:
         grad_step: from `make_grad_step`.
         apply_step: from `make_apply_step`.
-        eval_step: jitted ``(params, tokens_BxT1) -> loss``.
         params: the rank's parameter tree (not consumed).
         opt_state: its optimizer state (not consumed).
         batch_size: B of every batch.
@@ -118,7 +123,6 @@ def warmup(grad_step, apply_step, eval_step, params, opt_state, batch_size: int,
         _loss, grad_P = grad_step(p, zeros_BxT1)
         p, s = apply_step(p, s, np.zeros_like(np.asarray(grad_P)))
     jax.block_until_ready((p, s))
-    jax.block_until_ready(eval_step(params, zeros_BxT1))
     return time.monotonic() - t0
 
 
@@ -184,13 +188,12 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
     Returns:
         0 after a clean stop.
     """
-    import jax
 
     from worker import compile_cache
     from worker import data as data_lib
     from worker import model as model_lib
     from worker.pace import Pacer
-    from worker.train import InnerConfig, make_inner_optimizer
+    from worker.train import InnerConfig, InnerTrainer, make_inner_optimizer
 
     data_dir = Path(cfg.data_dir)
     compile_cache.enable(cfg.compile_cache_dir, data_dir)  # before the first jit, as an island
@@ -206,14 +209,12 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
     opt_state = tx.init(params)
     grad_step = make_grad_step(model_cfg)
     apply_step = make_apply_step(tx, params)
-    eval_step = jax.jit(lambda p, t: model_lib.loss_fn(p, t, model_cfg))
-    compile_s = warmup(
-        grad_step, apply_step, eval_step, params, opt_state, cfg.batch_size, cfg.seq_len
-    )
+    # rank 0's evaluator: the islands' eval step, on the parameters it is given
+    evaluator = InnerTrainer(model_cfg, inner, params, devices=1) if rank == 0 else None
+    compile_s = warmup(grad_step, apply_step, params, opt_state, cfg.batch_size, cfg.seq_len)
     logger.info("ddp rank %d: warm-up (compile) took %.2f s", rank, compile_s)
     pacer = Pacer(cfg.speed, cfg.jitter, seed)
     link = ReducerLink(cfg.connect, rank)
-    metrics_path = data_dir / "metrics.jsonl"
     started = time.monotonic()
     busy_s = 0.0
     steps = 0
@@ -222,7 +223,7 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
 
     def evaluate() -> float:
         if steps not in evaluated:
-            evaluated[steps] = float(np.mean([float(eval_step(params, b)) for b in eval_set]))
+            evaluated[steps] = evaluator.evaluate(eval_set, params=params)
         return evaluated[steps]
 
     def append(row: dict[str, Any]) -> None:
@@ -241,8 +242,7 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
             "step_s": float(np.median(step_times)) if step_times else None,
             **row,
         }
-        with metrics_path.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+        progress.append_row(data_dir, row)
 
     try:
         if rank == 0 and cfg.eval_every:
@@ -310,8 +310,7 @@ def main(argv: list[str] | None = None) -> int:
     daemon.setup_logging(cfg.log_level, Path(cfg.data_dir) / "ddp.log")
     if cfg.cpu >= 0 and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {cfg.cpu % os.cpu_count()})
-    stop = threading.Event()
-    daemon.install_signal_handlers(stop)
+    stop = stop_on_signals()
     try:
         return run_rank(cfg, args.rank, args.world, stop)
     except DdpError as exc:

@@ -13,13 +13,14 @@ Prints ``ready`` on stdout once bound; runs until SIGTERM / SIGINT.
 from __future__ import annotations
 
 import argparse
-import signal
 import sys
 import threading
 
 import msgpack
 import numpy as np
 import zmq
+
+from bench.child import say_ready, stop_on_signals
 
 POLL_MS = 200
 
@@ -86,7 +87,7 @@ def serve(bind: str, world: int, stop: threading.Event) -> int:
     sock = ctx.socket(zmq.ROUTER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.bind(bind)
-    print("ready", flush=True)
+    say_ready()
     pending = StepMean(world)
     try:
         while not stop.is_set():
@@ -117,9 +118,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.world < 1:
         print(f"ddp_reducer: --world must be >= 1, got {args.world}", file=sys.stderr)
         return 2
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    stop = stop_on_signals()
     try:
         return serve(args.bind, args.world, stop)
     except ReduceError as exc:

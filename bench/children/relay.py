@@ -18,11 +18,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
+
+from bench.child import say_ready, stop_on_signals
 
 CHUNK = 16 * 1024
 QUEUE_CHUNKS = 64
@@ -143,6 +144,7 @@ async def serve_pairs(
             return
         await join(reader, writer, treader, twriter, lport)
 
+    stop = stop_on_signals()
     servers = []
     for lhost, lport, thost, tport in pairs:
         servers.append(
@@ -150,12 +152,8 @@ async def serve_pairs(
                 lambda r, w, lp=lport, h=thost, p=tport: handler(r, w, lp, h, p), lhost, lport
             )
         )
-    print("ready", flush=True)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await stop.wait()
+    say_ready()
+    await asyncio.to_thread(stop.wait)
     for server in servers:
         server.close()
 

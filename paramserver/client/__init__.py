@@ -1,15 +1,20 @@
 """The client side: what an island uses to join, push deltas and receive updates.
 
 The public import path is this package: `from paramserver.client import Client,
-ClientConfig`. Its modules: `core` (the `Client` API), `types` (config,
-errors, results), `io_thread` (the one thread that owns the sockets), `join`
-(the join conversation), `links`/`shared` (sockets and counters), `outbox`
-(the pure ledger of unacked pushes), `ack_timer` (the adaptive re-send timeout),
-`replica`/`decode` (applying published versions), `unacked` (what is handed back
-on close). Nothing here imports `paramserver.server`.
+ClientConfig`. Its modules: `api` (the `Client` API), `types` (config,
+errors, results), `core` (`ClientCore`, the sans-I/O protocol state: join,
+ledger, replica, acks, re-sends), `effects` (what the core asks the I/O loop to
+do), `joining` (a join in progress) and `handshake` (its states up to an
+initialised cluster), `welcome` (checks of a shard's welcome), `shards` (the
+shards' state, links and requests in flight), `ledger` (the one ledger of
+pending deltas), `ack_timer` (the
+adaptive re-send timeout), `replica` (applying published versions),
+`progress` (counters and what the API reads), `io_thread` (the one thread that
+owns the sockets and moves bytes), `links` (the sockets). Nothing here imports
+`paramserver.server`.
 """
 
-from paramserver.client.core import Client
+from paramserver.client.api import Client
 from paramserver.client.types import (
     ClientConfig,
     ClientConfigError,

@@ -3,7 +3,7 @@
 This module owns how long an island waits for a shard's ack before it sends a
 delta again. `AckTimer` is an immutable value: it takes measured ack latencies
 (`sample`) and timeouts (`timed_out`) and returns a new timer; `timeout_s`
-says how long to wait. The ledger (`paramserver.client.outbox`) keeps one and feeds it;
+says how long to wait. The ledger (`paramserver.client.ledger`) keeps one and feeds it;
 nothing here reads a clock.
 
 The rules (RFC 6298, with its constants alpha = 1/8, beta = 1/4, K = 4):

@@ -1,355 +1,480 @@
-"""The client library an island uses to join the cluster, push deltas and receive updates.
+"""The client's sans-I/O core: join, ledger, replica, acks and re-sends, with no sockets.
 
-This module owns the public API, `Client`; its types (`ClientConfig`,
-`JoinResult`, `Update`, `ClientError`, `ClientConfigError`, `PushRequest`)
-live in `paramserver.client.types`, and the package `paramserver.client`
-exports both. All network I/O runs in one background thread
-(`paramserver.client.io_thread`) that owns every socket; the API hands it
-commands through a thread-safe queue plus an inproc wake-up, so `push` and
-`poll_updates` never wait on the network. `push` blocks only for
-back-pressure, when `max_unacked` deltas are outstanding; `join` and `push`
-take a `stop` event that ends their waits at once (an island's SIGTERM).
-`close` hands the deltas it could not deliver to `unacked`, so that the
-caller can keep them (e.g. in a file) and push them again later.
+This module owns the island side of the wire protocol (docs/protocol.md) as
+one object that takes the time and the messages as arguments and returns
+what to do (`paramserver.client.effects`: open, close, send on numbered
+links), in the h11 pattern. It imports neither zmq, threading nor the
+clock: the I/O thread (`paramserver.client.io_thread`) only moves bytes and
+calls `on_message`, `on_tick`, `push` and `on_sent`, under one lock that also
+guards the API's reads. `ClientCore` holds:
 
-    client = Client(ClientConfig(connect="tcp://127.0.0.1:5555", island="a"))
-    res = client.join(flat_params)        # plan, params, versions
-    client.push(fragment, round, base_version, tokens, steps, frames)
-    for update in client.poll_updates(): ...
-    client.close()
-    kept = client.unacked()               # PushRequest(fragment, round, ...) each
+- the join: `start_join`, then the handshake's states and a snapshot of
+  every fragment (`paramserver.client.joining`); `join_outcome` says how it
+  ended;
+- the one ledger of pending deltas (`paramserver.client.ledger`), sent,
+  re-sent after the adaptive ack timeout, deferred or resolved by acks;
+- the replica and each shard's update stream (`paramserver.client.replica`),
+  re-snapshotted on a gap or a silent stream;
+- heartbeats, and Paranoid Pirate reconnects of a silent shard (a fresh
+  DEALER and a hello; its welcome re-sends that shard's deltas);
+- close: wait (bounded) for acks of shards that are up, then bye.
+
+Over 400 lines on purpose: the reply, ack, update and timer handlers share
+one state (the shards, their links, the requests in flight); the decisions
+they apply live in the ledger, the replica, the handshake and
+`paramserver.client.welcome`.
+
 """
 
 from __future__ import annotations
 
-import itertools
-import math
-import threading
-import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
+import logging
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from paramserver.client.io_thread import IOThread
-from paramserver.client.types import (
-    ClientConfig,
-    ClientError,
-    JoinResult,
-    PushRequest,
-    Update,
-)
+import codec
+from paramserver.client.effects import Effect, Send
+from paramserver.client.joining import Join
+from paramserver.client.ledger import Key, Ledger, StorageWarning, requests_of
+from paramserver.client.progress import Progress
+from paramserver.client.replica import Resync, published_update
+from paramserver.client.shards import Shards, ShardState
+from paramserver.client.types import ClientConfig, ClientError, JoinResult, PushRequest
+from paramserver.client.welcome import check_rewelcome, welcome_limit
+from paramserver.wire import protocol
+from paramserver.wire.liveness import is_silent, next_backoff
 from paramserver.wire.plan import Plan
+from paramserver.wire.snapshot import snapshot_values
 
-__all__ = ["Client"]
-
-_INSTANCES = itertools.count()
-_STOP_POLL_S = 0.05  # how often a wait with a `stop` event looks at it
-_HEADER_BYTES = 512  # a push header's size on the wire is at most this (island id <= 128)
+logger = logging.getLogger(__name__)
 
 
-def _uint(name: str, value: object, low: int = 0) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
-        raise ClientError(f"push: {name}={value!r} must be an int >= {low}")
-    return int(value)
+class ClientCore:
+    """One island's protocol state (see the module docstring); callers serialise the calls."""
 
-
-def _check_params(flat_params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
-    if not isinstance(flat_params, Mapping) or not flat_params:
-        raise ClientError("join: pass a non-empty mapping of parameter name -> float array")
-    flat = {}
-    for name, value in flat_params.items():
-        arr = np.asarray(value)
-        if not (arr.dtype.kind == "f" or "float" in arr.dtype.name):
-            raise ClientError(
-                f"join: cannot use these parameters: {name!r} has dtype {arr.dtype}; "
-                "only float parameters are synchronised"
-            )
-        flat[name] = arr
-    return flat
-
-
-class Client:
-    """An island's connection to every shard (see the module docstring)."""
-
-    def __init__(self, cfg: ClientConfig) -> None:
-        """Create the client and its I/O thread (nothing is sent before `join`).
+    def __init__(self, cfg: ClientConfig, session: str) -> None:
+        """Create an idle core (nothing is sent before `start_join`).
 
         Args:
-            cfg: connection settings.
+            cfg: client settings.
+            session: a token drawn once per client and sent in every hello, so that
+                a shard lets this client's reconnect take its island id over at once.
         """
-        if not isinstance(cfg, ClientConfig):
-            raise ClientError(f"Client needs a ClientConfig, got {type(cfg).__name__}")
         self.cfg = cfg
-        self._slots = threading.Condition()
-        self._outstanding = 0
-        self._plan: Plan | None = None
-        self._joined = False
-        self._closed = False
-        self._unacked: list[PushRequest] = []
-        self._io = IOThread(cfg, f"inproc://client-wake-{next(_INSTANCES)}", self._release)
-        self._io.start()
+        self.session = session
+        self.progress = Progress()
+        self.ledger = Ledger(cfg.ack_timeout_s, cfg.ack_timeout_cap_s, cfg.ack_timeout_floor_s)
+        self.plan: Plan | None = None
+        # The shards' size limit once a welcome says (a bigger push would be dropped
+        # with the connection, not answered): checked by `Client.push`.
+        self.max_message_bytes: int | None = None
+        # The island's typical inner-step time (s), sent in pushes and heartbeats as
+        # `t_step` for the shards' adaptive grace window; None: not reported.
+        self.step_time_s: float | None = None
+        self.state = "idle"  # idle -> joining -> joined -> closed (a failed join: idle again)
+        self.join_outcome: JoinResult | ClientError | None = None
+        self.dropped: list[PushRequest] = []  # what close left unacked
+        self._join: Join | None = None  # the join in progress
+        self._net = Shards(cfg.island, session)
+        self._storage_warning = StorageWarning()
+        self._close_at: float | None = None
+        # The PUB stream heartbeats at the server's interval: judge its silence by
+        # the slower of the server's and our own settings (set from the welcome).
+        self._pub_interval_s = cfg.heartbeat_interval_s
+        self._pub_liveness = cfg.liveness
 
-    # -- back-pressure ---------------------------------------------------------------
+    # -- queries (the API, under the I/O thread's lock) --------------------------------
 
-    def _release(self, count: int = 1) -> None:
-        """Called by the I/O thread when deltas are resolved (acked, rejected or dropped)."""
-        with self._slots:
-            self._outstanding = max(0, self._outstanding - count)
-            self._slots.notify_all()
+    @property
+    def joined(self) -> bool:
+        """True once the join returned its result (until close)."""
+        return self.state == "joined"
 
-    def _check_alive(self) -> None:
-        if self._closed:
-            raise ClientError("client is closed; create a new Client")
-        if self._io.failure is not None:
-            raise ClientError(f"client I/O thread failed: {self._io.failure}")
+    @property
+    def closed(self) -> bool:
+        """True once close finished: every link is closed, `dropped` holds what was left."""
+        return self.state == "closed"
 
-    # -- public API --------------------------------------------------------------------
-
-    def join(
-        self, flat_params: Mapping[str, np.ndarray], stop: threading.Event | None = None
-    ) -> JoinResult:
-        """Join the cluster: learn its map, initialise it if empty, fetch every fragment.
-
-        Args:
-            flat_params: path -> array (float dtypes); the first joiner of an empty
-                cluster provides the initial values (and so does a later joiner for
-                shards its initialiser left uninitialised for `init_grace_s`); other
-                joiners' values are only used for their shapes.
-            stop: when set, the join gives up at once (ClientError "stopped").
-
-        Returns:
-            JoinResult(plan, params as float32 arrays, versions per fragment).
-
-        Raises:
-            ClientError: no answer in time, plan mismatch with the cluster, the
-                island id in use by another running island, a shard refused the
-                join, or `stop` was set.
-        """
-        self._check_alive()
-        if self._joined:
-            raise ClientError("join() was already called on this client")
-        flat = _check_params(flat_params)
-        future: Future = Future()
-        self._io.submit(("join", flat, future))
-        deadline = time.monotonic() + self.cfg.join_timeout_s + 10.0
-        try:
-            while stop is not None and not future.done() and time.monotonic() < deadline:
-                if stop.wait(_STOP_POLL_S):
-                    self._io.stop_join.set()
-                    break
-            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
-        except FutureTimeout:
-            raise ClientError(
-                f"join: no result within {self.cfg.join_timeout_s:g}s; is the server at "
-                f"{self.cfg.connect} running?"
-            ) from None
-        self._plan = result.plan
-        self._joined = True
-        return result
-
-    def push(
-        self,
-        fragment: int,
-        round: int,
-        base_version: int,
-        tokens: int,
-        steps: int,
-        frames: Sequence[Any],
-        stop: threading.Event | None = None,
-    ) -> None:
-        """Queue one delta for its shard; it is kept and re-sent until acked.
-
-        Blocks only while `max_unacked` deltas are outstanding, and never once
-        `stop` is set: the delta is then queued at once, past the limit, so that
-        `close` hands it to `unacked` with the others rather than losing it.
-
-        Args:
-            fragment: fragment index.
-            round: the island's round (monotone; with island and fragment the
-                idempotency key).
-            base_version: the fragment version the delta was computed from.
-            tokens: tokens trained since that version (>= 1).
-            steps: inner steps since that version (>= 1).
-            frames: codec frames of {"delta": 1-D vector of the fragment's size};
-                not modified afterwards by the caller.
-            stop: an event (e.g. the island's SIGTERM) that ends the wait for a slot.
-
-        Raises:
-            ClientError: not joined, a bad argument, a delta larger than the
-                shards accept (never queued), or no free slot within `push_timeout_s`.
-        """
-        self._check_alive()
-        if not self._joined or self._plan is None:
-            raise ClientError("push: call join() first")
-        fragment = _uint("fragment", fragment)
-        if fragment >= self._plan.num_fragments:
-            raise ClientError(
-                f"push: fragment={fragment} out of range: the plan has "
-                f"{self._plan.num_fragments} fragments"
-            )
-        request = PushRequest(
-            fragment,
-            _uint("round", round),
-            _uint("base_version", base_version),
-            _uint("tokens", tokens, 1),
-            _uint("steps", steps, 1),
-            list(frames),
-        )
-        if not request.frames:
-            raise ClientError("push: frames is empty; pass the frames a codec's encode returned")
-        self._check_size(request)
-        with self._slots:
-            ok = self._wait_for_slot(stop)
-            if not ok:
-                raise ClientError(
-                    f"push: {self._outstanding} deltas still unacked after "
-                    f"{self.cfg.push_timeout_s:g}s; is the server reachable?"
-                )
-            self._check_alive()
-            self._outstanding += 1
-        self._io.submit(("push", request, None))
-
-    def _check_size(self, request: PushRequest) -> None:
-        """Refuse a push larger than the shards accept (their welcome says the limit)."""
-        limit = self._io.max_message_bytes
-        if limit is None:
-            return
-        size = sum(memoryview(f).nbytes for f in request.frames) + _HEADER_BYTES
-        if size > limit:
-            raise ClientError(
-                f"push: the delta of fragment {request.fragment} (round {request.round}) is "
-                f"{size} bytes with its header, over the shards' max_message_bytes={limit}; "
-                "use more fragments or a stronger codec (int8/int4)"
-            )
-
-    def _wait_for_slot(self, stop: threading.Event | None) -> bool:
-        """With `_slots` held: wait until a push may be queued (back-pressure, or stop set).
-
-        Returns:
-            False when no slot freed within `push_timeout_s`.
-        """
-
-        def ready() -> bool:
-            return (
-                self._outstanding < self.cfg.max_unacked
-                or self._io.failure is not None
-                or (stop is not None and stop.is_set())
-            )
-
-        if stop is None:
-            return self._slots.wait_for(ready, timeout=self.cfg.push_timeout_s)
-        deadline = time.monotonic() + self.cfg.push_timeout_s
-        while not ready():
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            self._slots.wait(min(left, _STOP_POLL_S))
-        return True
-
-    def report_step_time(self, seconds: float) -> None:
-        """Tell the shards this island's typical inner-step time (padding included).
-
-        Sent as `t_step` with every later push and heartbeat; the shards' adaptive
-        grace window (`--grace-rule eq3`) uses it.
-
-        Args:
-            seconds: a finite time > 0.
-
-        Raises:
-            ClientError: not a finite positive number.
-        """
-        if isinstance(seconds, bool) or not isinstance(seconds, int | float | np.floating):
-            raise ClientError(f"report_step_time: seconds={seconds!r} must be a number")
-        if not math.isfinite(seconds) or seconds <= 0:
-            raise ClientError(f"report_step_time: seconds={seconds!r} must be finite and > 0")
-        self._io.step_time_s = float(seconds)
-
-    def poll_updates(self) -> list[Update]:
-        """The newest update of each fragment that changed since the last call.
-
-        Returns:
-            Updates in fragment order (values: full 1-D float32, bit-exact replica).
-        """
-        self._check_alive()
-        return self._io.shared.take_updates()
-
-    def round_merged(self, round: int) -> bool:
-        """Whether the global parameters this client holds include all of `round`'s deltas.
-
-        Args:
-            round: a round id passed to `push` for every fragment.
-
-        Returns:
-            True once each fragment's delta of that round is acked and a version
-            that merged it has arrived (rejected deltas count as resolved), so
-            `poll_updates` hands out parameters that include the round.
-        """
-        self._check_alive()
-        return self._io.shared.round_merged(round)
+    @property
+    def has_links(self) -> bool:
+        """Whether any link is open (an idle core needs no ticks)."""
+        return self._net.has_links
 
     def stats(self) -> dict[str, Any]:
-        """Counters of this client.
+        """The stats dict of `Client.stats`."""
+        out = self.progress.stats(sum(1 for s in self._net.all if not s.up))
+        return {**out, "ack_timeout_s": self.ledger.timer.base_s, "pending": len(self.ledger)}
 
-        Returns:
-            dict with bytes_sent, bytes_received (sums of frame lengths at the
-            sockets), pushes, acked (duplicates included), duplicates, rejected
-            (reason -> count), resent, spurious_resends (re-sends of deltas an
-            earlier send had delivered), ack_timeout_s (the current adaptive
-            re-send timeout), pending, snapshots, updates_applied,
-            version_lag, reconnects, resyncs, shards_down, credited_tokens
-            (tokens of this island that entered the model, each delta's tokens x
-            its staleness factor, as the shards last said in heartbeat replies).
-        """
-        out = self._io.stats()
-        with self._slots:
-            out["pending"] = self._outstanding
-        return out
+    # -- the join -------------------------------------------------------------------------
 
-    def ack_latencies(self) -> list[float]:
-        """Ack latencies of the deltas acked since the last call (for load measurements).
-
-        Returns:
-            Seconds from `push` to its ack, one per acked delta (the newest
-            100,000 at most are kept between calls).
-        """
-        return self._io.shared.take_ack_latencies()
-
-    def close(self, flush_timeout_s: float = 5.0) -> int:
-        """Wait up to `flush_timeout_s` for unacked deltas, say bye, close every socket.
-
-        The wait ends early when every shard that holds an unacked delta is
-        down. The deltas left unacked are kept for `unacked`.
+    def start_join(self, now: float, flat: Mapping[str, np.ndarray]) -> list[Effect]:
+        """Start joining the cluster (`paramserver.client.joining`): hello to the configured shard.
 
         Args:
-            flush_timeout_s: how long to wait for outstanding acks.
+            now: current time.
+            flat: path -> this island's parameters (see `Client.join`).
 
         Returns:
-            Deltas dropped unacked.
-        """
-        if self._closed:
-            return 0
-        self._closed = True
-        self._unacked = self._io.shutdown(flush_timeout_s)
-        with self._slots:
-            self._outstanding = 0
-            self._slots.notify_all()
-        return len(self._unacked)
+            Effects to perform; `join_outcome` is set when the join ended.
 
-    def unacked(self) -> list[PushRequest]:
-        """The deltas `close` gave up on, to keep and push again later (same round ids).
+        Raises:
+            ClientError: joined already, a join in progress, or unusable
+                parameters (nothing is sent then).
+        """
+        if self.state != "idle":
+            raise ClientError(f"join: this client is {self.state}; a client joins once")
+        self._join = Join(self.cfg, flat, now, self._net, self.progress)
+        self.join_outcome = None
+        self.state = "joining"
+        self._after_join_step()
+        return self._net.flush()
+
+    def stop_join(self) -> list[Effect]:
+        """Give up a join in progress (the API's `stop` event); no-op otherwise."""
+        if self._join is not None:
+            self._join.fail(ClientError("join: stopped before it finished"))
+            self._after_join_step()
+        return self._net.flush()
+
+    def _after_join_step(self) -> None:
+        """Take what the join learnt: the cluster's settings, and how it ended."""
+        join = self._join
+        if join.cluster is not None and self.plan is None:
+            cluster = join.cluster
+            self.plan = cluster.plan
+            self.progress.num_fragments = cluster.plan.num_fragments
+            self._pub_interval_s, self._pub_liveness = cluster.pub_interval_s, cluster.pub_liveness
+            if cluster.max_message_bytes is not None:
+                self.max_message_bytes = cluster.max_message_bytes
+        if join.outcome is None:
+            return
+        self.join_outcome, self._join = join.outcome, None
+        if isinstance(self.join_outcome, JoinResult):
+            self.state = "joined"
+            return
+        self._net.close_all()
+        self.plan = None
+        self.state = "idle"
+
+    # -- messages ------------------------------------------------------------------------
+
+    def on_message(self, now: float, link: int, frames: list[Any]) -> list[Effect]:
+        """Take one message that arrived on `link`.
+
+        Args:
+            now: when it arrived.
+            link: the link it came in on (one already closed is ignored).
+            frames: its frames.
 
         Returns:
-            PushRequest(fragment, round, base_version, tokens, steps, frames as
-            bytes) per delta, in push order; empty before `close`. The shards'
-            (island, round, fragment) dedup makes pushing one again safe.
+            Effects to perform.
+
+        Raises:
+            ClientError: a shard that was joined lost its state or changed its plan
+                (the client cannot go on).
         """
-        return list(self._unacked)
+        owner = self._net.owner(link)
+        if owner is None:
+            return []
+        role, shard = owner
+        self.progress.add(bytes_received=protocol.message_bytes(frames))
+        try:
+            if role == "dealer":
+                shard.heard = now
+                self._on_reply(now, shard, frames)
+            else:
+                shard.sub_heard = now
+                self._on_published(now, shard, frames)
+        except Resync as why:
+            logger.info("re-snapshot shard %d: %s", shard.index, why)
+            self._resync(shard, now)
+        except (protocol.ProtocolError, codec.CodecError) as exc:
+            self.progress.add(bad_messages=1)
+            logger.warning("shard %d sent an unusable %s message: %s", shard.index, role, exc)
+        if self._join is not None:
+            self._join.check_synced(now)
+            self._after_join_step()
+        return self._net.flush()
 
-    def __enter__(self) -> Client:
-        return self
+    def _on_reply(self, now: float, shard: ShardState, frames: list) -> None:
+        header, payload = protocol.unpack(frames, protocol.REPLY)
+        kind, rid = header["kind"], header.get("id")
+        if kind == "ack":
+            self._on_ack(now, shard, header)
+            return
+        if kind == "heartbeat" and "credited" in header:
+            self.progress.credit(shard.index, header["credited"])
+        if self._join is not None and self._join.owns(rid):
+            self._join.on_reply(now, rid, header)
+            self._after_join_step()
+            return
+        if kind == "rejected" and header["reason"] == "unknown_island" and self.joined:
+            # The shard forgot us (restart, or we were silent too long): hello again;
+            # its welcome re-sends our pending deltas and re-snapshots.
+            self._net.requests.pop(rid, None)
+            self._net.request(shard, "hello")
+            return
+        request = self._net.requests.pop(rid, None)
+        if request is None:
+            return  # a reply to a request from before a reconnect
+        what, _, fragment = request
+        if kind == "rejected":
+            logger.warning(
+                "shard %d refused %s: %s: %s", shard.index, what, header["reason"], header["detail"]
+            )
+            if what == "snapshot" and shard.feed is not None:
+                # Try again after one ack timeout rather than at the snapshot timeout.
+                shard.feed.sync_started = min(
+                    shard.feed.sync_started,
+                    now - self.cfg.snapshot_timeout_s + self.cfg.ack_timeout_s,
+                )
+            return
+        if what == "snapshot" and kind == "snapshot_reply":
+            self._on_snapshot(shard, header, payload)
+        elif what == "hello" and kind == "welcome":
+            self._on_rewelcome(now, shard, header)
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def _on_snapshot(self, shard: ShardState, header: dict, payload: list) -> None:
+        fragment = header["fragment"]
+        known = self.plan is not None and fragment < self.plan.num_fragments
+        values = snapshot_values(
+            header, payload, self.plan.fragments[fragment].size if known else None
+        )
+        self.progress.add(snapshots=1)
+        self.progress.note_version(fragment, header["version"])
+        changed = shard.feed.on_snapshot(fragment, header["version"], header["seq"], values)
+        self._publish(changed)
+
+    def _on_rewelcome(self, now: float, shard: ShardState, welcome: dict) -> None:
+        """A shard answered the hello of a reconnect: re-send its deltas and re-snapshot."""
+        check_rewelcome(welcome, self.plan, shard.index)
+        limit = welcome_limit(welcome)
+        if limit is not None:
+            self.max_message_bytes = limit
+        if not shard.up:
+            logger.info("shard %d is back", shard.index)
+        shard.up, shard.attempt = True, 0
+        for key in self.ledger.on_rejoin(shard.index):
+            self._send_push(key)
+        self._resync(shard, now)
+
+    def _on_ack(self, now: float, shard: ShardState, header: dict) -> None:
+        key = (header["fragment"], header["round"])
+        self.progress.note_version(header["fragment"], header["version"])
+        if self.ledger.spurious(key, header["outcome"]):
+            self.progress.add(spurious_resends=1)
+        entry = self.ledger.get(key)
+        if entry is None:
+            return  # ack of a re-send whose first copy was already acked
+        decision = self.ledger.on_ack(key, header["outcome"], header.get("reason"), now)
+        if decision == "rejoin":
+            self._net.request(shard, "hello")  # the shard forgot us; the delta stays pending
+        elif decision == "defer":
+            # the shard's buffer for us is full (or its disk failed): the delta is re-sent
+            # once the fragment steps (its buffer empties), or on the ack back-off; a full
+            # buffer becomes back-pressure, not lost work
+            self.progress.add(deferred=1)
+            self._storage_warning.note(shard.index, header, now)
+        elif decision == "resend":  # corrupted in transit (codec_error): again, at once
+            self._send_push(key)
+        else:
+            self.progress.record_ack(header, now - entry.queued_at)
+            if header["outcome"] not in (protocol.ACCEPTED, protocol.DUPLICATE):
+                logger.warning(
+                    "delta island=%s fragment=%d round=%d rejected: %s",
+                    self.cfg.island,
+                    key[0],
+                    key[1],
+                    header.get("reason"),
+                )
+
+    def _on_published(self, now: float, shard: ShardState, frames: list) -> None:
+        header, payload = protocol.unpack(frames, protocol.PUB)
+        if shard.feed is None or header["shard"] != shard.index:
+            return
+        if header["kind"] == "heartbeat":
+            shard.feed.on_heartbeat(header["seq"])
+            return
+        item = published_update(header, payload, self.plan)
+        self.progress.note_version(item.fragment, header["version"])
+        credit = header.get("credited", {}).get(self.cfg.island)
+        if credit is not None:
+            self.progress.credit(shard.index, credit)
+        self._publish(shard.feed.on_update(item))
+        # The fragment stepped, so the shard has room again: re-send what it deferred.
+        for key in self.ledger.on_step(item.fragment):
+            self._send_push(key)
+
+    def _publish(self, fragments: list[int]) -> None:
+        """Hand changed fragments to `poll_updates` (after join; join returns them itself)."""
+        if fragments and self.joined:
+            self.progress.publish(fragments)
+
+    def _resync(self, shard: ShardState, now: float, count: bool = True) -> None:
+        if shard.feed is None:
+            return
+        if count:
+            self.progress.add(resyncs=1)
+        self._net.request_snapshots(shard, now)
+
+    # -- pushes -------------------------------------------------------------------------
+
+    def push(self, now: float, request: PushRequest) -> list[Effect]:
+        """Keep a delta in the ledger and send it to its shard (if that shard is up).
+
+        Args:
+            now: when it was pushed (its ack latency counts from here).
+            request: the delta, checked by `Client.push`; the core is joined.
+
+        Returns:
+            Effects to perform (none when that round of the fragment is still
+            pending: the push is ignored, with a warning).
+
+        Raises:
+            ClientError: not joined (closed, or the join failed).
+        """
+        if not self.joined:
+            raise ClientError(f"push: the client is {self.state}, not joined; create a new Client")
+        key = (request.fragment, request.round)
+        self.progress.add(pushes=1)
+        if key in self.ledger:
+            logger.warning(
+                "push of fragment %d round %d ignored: that round is still pending", *key
+            )
+            return []
+        shard = self._net.all[self.plan.fragments[request.fragment].shard]
+        header = {
+            "kind": "push",
+            "island": self.cfg.island,
+            "round": request.round,
+            "fragment": request.fragment,
+            "base_version": request.base_version,
+            "tokens": request.tokens,
+            "steps": request.steps,
+            "plan_hash": self.plan.hash,
+            **self._step_time_field(),
+        }
+        frames = protocol.pack(header, request.frames)
+        self.ledger.add(key, shard.index, frames, protocol.message_bytes(frames), now)
+        if shard.up:
+            self._send_push(key)
+        return self._net.flush()
+
+    def on_sent(self, send: Send, went_out: bool, now: float) -> None:
+        """The I/O loop performed `send`: count it, and tell the ledger about a push.
+
+        Args:
+            send: the effect performed.
+            went_out: False when the socket's queue was full (or the link closed).
+            now: when it was tried.
+        """
+        if went_out:
+            self.progress.add(bytes_sent=protocol.message_bytes(send.frames))
+        if send.key is None or send.key not in self.ledger:
+            return
+        if went_out:
+            self.progress.add(resent=int(self.ledger.sent(send.key, now)))
+        else:
+            self.ledger.blocked(send.key, now)  # queue full: try again after the back-off
+
+    def _step_time_field(self) -> dict[str, float]:
+        return {} if self.step_time_s is None else {"t_step": self.step_time_s}
+
+    def _send_push(self, key: Key) -> None:
+        entry = self.ledger.get(key)
+        self._net.send_frames(self._net.all[entry.shard], entry.frames, key)
+
+    # -- timers ---------------------------------------------------------------------------
+
+    def on_tick(self, now: float) -> list[Effect]:
+        """Time passed: join timeouts and re-sends, heartbeats, reconnects, re-sends, close.
+
+        Args:
+            now: current time (call it at least every heartbeat_interval_s / 4).
+
+        Returns:
+            Effects to perform.
+        """
+        if self._join is not None:
+            self._join.on_tick(now)
+            self._after_join_step()
+        elif self.joined:
+            self._timers(now)
+        if self._close_at is not None and self.state != "closed":
+            self._maybe_finish_close(now)
+        return self._net.flush()
+
+    def _timers(self, now: float) -> None:
+        cfg = self.cfg
+        for shard in self._net.all:
+            if is_silent(now, shard.heard, cfg.heartbeat_interval_s, cfg.liveness):
+                if now >= shard.next_reconnect:
+                    self._reconnect(shard, now)
+            elif now >= shard.next_heartbeat:
+                self._net.send(shard, {"kind": "heartbeat", **self._step_time_field()})
+                shard.next_heartbeat = now + cfg.heartbeat_interval_s
+            feed = shard.feed
+            if feed.syncing:
+                if now - feed.sync_started > cfg.snapshot_timeout_s:
+                    logger.info("shard %d: snapshot timed out; asking again", shard.index)
+                    self._resync(shard, now)
+            elif shard.up and is_silent(
+                now, shard.sub_heard, self._pub_interval_s, self._pub_liveness
+            ):
+                logger.info("shard %d: update stream silent; re-snapshot", shard.index)
+                shard.sub_heard = now
+                self._resync(shard, now)
+        up = {shard.index for shard in self._net.all if shard.up}
+        for key in self.ledger.due(now, up):
+            self._send_push(key)
+
+    def _reconnect(self, shard: ShardState, now: float) -> None:
+        """Paranoid Pirate: a silent shard gets a fresh DEALER and a new hello."""
+        if shard.up:
+            logger.warning(
+                "shard %d silent for %.1fs: reconnecting", shard.index, now - shard.heard
+            )
+        shard.up = False
+        self._net.forget_requests(shard.index)
+        self._net.open(shard, "dealer")
+        self._net.request(shard, "hello")
+        shard.next_reconnect = now + next_backoff(
+            shard.attempt, self.cfg.heartbeat_interval_s, self.cfg.reconnect_cap_s
+        )
+        shard.attempt += 1
+        self.progress.add(reconnects=1)
+
+    # -- close ----------------------------------------------------------------------------
+
+    def begin_close(self, now: float, flush_timeout_s: float) -> list[Effect]:
+        """Close: wait up to `flush_timeout_s` for acks (while a shard holding one is up), bye.
+
+        Args:
+            now: current time.
+            flush_timeout_s: the longest wait for outstanding acks.
+
+        Returns:
+            Effects to perform; `closed` says when it finished (at once when
+            nothing is pending).
+        """
+        if self._join is not None:
+            self._join.fail(ClientError("join: the client was closed"))
+            self._after_join_step()
+        self._close_at = now + max(0.0, flush_timeout_s)
+        self._maybe_finish_close(now)
+        return self._net.flush()
+
+    def _maybe_finish_close(self, now: float) -> None:
+        up = {shard.index for shard in self._net.all if shard.up}
+        if self.ledger and now < self._close_at and self.ledger.shards() & up:
+            return  # a shard that is up holds deltas: wait (bounded) for their acks
+        if self.ledger:
+            logger.warning("closing with %d deltas unacked", len(self.ledger))
+        for shard in self._net.all:
+            if shard.up and shard.dealer is not None:
+                self._net.send(shard, {"kind": "bye"})
+        self._net.close_all()
+        self.dropped = requests_of(self.ledger.drop_all())
+        self.state = "closed"

@@ -1,46 +1,27 @@
-"""The client's sockets: a wake-up pair, one DEALER and one SUB per shard, one poller.
+"""The client's sockets: a wake-up pair and one socket per link (a shard's DEALER or SUB).
 
 This module owns the ZeroMQ side of one island's connection and no protocol:
 the context, the CURVE keys, connecting with linger 0 and a capped reconnect
 interval, the poller, non-blocking sends and reads, and closing everything.
-What the messages mean is `paramserver.client.io_thread`'s job; only `wake` and
-`close_wake` may be called from another thread than the I/O thread.
+Sockets are named by the link numbers the client's core picks
+(`paramserver.client.effects`); what the messages mean is the core's job. Only
+`wake` and `close_wake` may be called from another thread than the I/O thread.
 """
 
 from __future__ import annotations
 
 import contextlib
 import threading
-from dataclasses import dataclass
 from typing import Any
 
 import zmq
 
-from paramserver.client.replica import ShardFeed
 from paramserver.client.types import ClientConfig, ClientError
 from paramserver.plumbing import curve
 
 
-@dataclass
-class ShardLink:
-    """Connection state of one shard."""
-
-    index: int
-    router: str
-    pub: str
-    dealer: zmq.Socket | None = None
-    sub: zmq.Socket | None = None
-    heard: float = 0.0  # last message on the DEALER
-    sub_heard: float = 0.0  # last message on the SUB
-    up: bool = True
-    attempt: int = 0  # reconnects since the shard was last heard
-    next_reconnect: float = 0.0
-    next_heartbeat: float = 0.0
-    feed: ShardFeed | None = None
-
-
 class Links:
-    """Every socket of one client, and the shards they reach (`shards`, in index order)."""
+    """Every socket of one client, by link number."""
 
     def __init__(self, cfg: ClientConfig, wake_endpoint: str) -> None:
         """Load the CURVE keys and create the context and the wake-up pair.
@@ -70,8 +51,8 @@ class Links:
         self._wake_lock = threading.Lock()
         self._poller = zmq.Poller()
         self._poller.register(self._wake_rx, zmq.POLLIN)
-        self._sockets: dict[zmq.Socket, tuple[str, ShardLink]] = {}
-        self.shards: list[ShardLink] = []
+        self._sockets: dict[int, zmq.Socket] = {}  # link -> socket
+        self._links: dict[zmq.Socket, int] = {}  # socket -> link
 
     # -- any thread ---------------------------------------------------------------------
 
@@ -94,79 +75,24 @@ class Links:
 
     # -- the I/O thread ---------------------------------------------------------------------
 
-    def poll(self, timeout_ms: int) -> list[zmq.Socket]:
+    def poll(self, timeout_ms: int) -> list[int]:
         """Wait up to `timeout_ms` for messages; wake-ups are drained here.
 
         Returns:
-            The shard sockets with messages to read.
+            The links with messages to read.
         """
         ready = []
         for sock, _ in self._poller.poll(timeout_ms):
             if sock is self._wake_rx:
                 self._drain_wake()
-            else:
-                ready.append(sock)
+            elif sock in self._links:
+                ready.append(self._links[sock])
         return ready
 
-    def owner(self, sock: zmq.Socket) -> tuple[str, ShardLink] | None:
-        """("dealer" or "sub", its shard) for a socket still in use, else None (replaced)."""
-        return self._sockets.get(sock)
-
-    def open_dealer(self, shard: ShardLink) -> None:
-        """Give `shard` a fresh DEALER to its ROUTER (the old one, if any, is closed)."""
-        self._drop(shard.dealer)
-        shard.dealer = self._connect(zmq.DEALER, shard.router, "dealer", shard)
-
-    def open_sub(self, shard: ShardLink) -> None:
-        """Give `shard` a fresh SUB to its PUB (the old one, if any, is closed)."""
-        self._drop(shard.sub)
-        shard.sub = self._connect(zmq.SUB, shard.pub, "sub", shard)
-
-    def send(self, shard: ShardLink, frames: list[Any]) -> bool:
-        """Send one message on a shard's DEALER without blocking.
-
-        Returns:
-            False when it did not go out (no DEALER, or its queue is full).
-        """
-        if shard.dealer is None:
-            return False
-        try:
-            shard.dealer.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return False
-        return True
-
-    def recv(self, sock: zmq.Socket) -> list[Any] | None:
-        """One waiting message of `sock` (zero-copy frames), or None when there is none."""
-        try:
-            return sock.recv_multipart(zmq.NOBLOCK, copy=False)
-        except zmq.Again:
-            return None
-
-    def close_shards(self) -> None:
-        """Close every shard socket and forget the shards."""
-        for shard in self.shards:
-            self._drop(shard.dealer)
-            self._drop(shard.sub)
-            shard.dealer = shard.sub = None
-        for sock in list(self._sockets):
-            self._drop(sock)
-        self.shards = []
-
-    def close(self) -> None:
-        """Close every socket the I/O thread uses (the shards' and the wake-up receiver)."""
-        self.close_shards()
-        self._wake_rx.close(linger=0)
-
-    def _drain_wake(self) -> None:
-        while True:
-            try:
-                self._wake_rx.recv(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-
-    def _connect(self, kind: int, endpoint: str, role: str, shard: ShardLink) -> zmq.Socket:
-        """A polled socket of `kind` to `endpoint`: linger 0, CURVE if set, capped reconnect."""
+    def open(self, link: int, role: str, endpoint: str) -> None:
+        """Open link `link`: a DEALER ("dealer") or a subscribe-all SUB ("sub") to `endpoint`."""
+        self.close(link)
+        kind = zmq.DEALER if role == "dealer" else zmq.SUB
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
         if self._curve is not None:
@@ -176,14 +102,57 @@ class Links:
         if kind == zmq.SUB:
             sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.connect(endpoint)
-        self._sockets[sock] = (role, shard)
+        self._sockets[link] = sock
+        self._links[sock] = link
         self._poller.register(sock, zmq.POLLIN)
-        return sock
 
-    def _drop(self, sock: zmq.Socket | None) -> None:
+    def is_open(self, link: int) -> bool:
+        """Whether link `link` has a socket."""
+        return link in self._sockets
+
+    def send(self, link: int, frames: list[Any]) -> bool:
+        """Send one message on a link without blocking.
+
+        Returns:
+            False when it did not go out (no such link, or its queue is full).
+        """
+        sock = self._sockets.get(link)
+        if sock is None:
+            return False
+        try:
+            sock.send_multipart(frames, flags=zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return False
+        return True
+
+    def recv(self, link: int) -> list[Any] | None:
+        """One waiting message of a link (zero-copy frames), or None when there is none."""
+        sock = self._sockets.get(link)
+        if sock is None:
+            return None
+        try:
+            return sock.recv_multipart(zmq.NOBLOCK, copy=False)
+        except zmq.Again:
+            return None
+
+    def close(self, link: int) -> None:
+        """Close link `link` (linger 0), if it is open."""
+        sock = self._sockets.pop(link, None)
         if sock is None:
             return
-        if sock in self._sockets:
-            del self._sockets[sock]
-            self._poller.unregister(sock)
+        del self._links[sock]
+        self._poller.unregister(sock)
         sock.close(linger=0)
+
+    def close_all(self) -> None:
+        """Close every socket the I/O thread uses (the links' and the wake-up receiver)."""
+        for link in list(self._sockets):
+            self.close(link)
+        self._wake_rx.close(linger=0)
+
+    def _drain_wake(self) -> None:
+        while True:
+            try:
+                self._wake_rx.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return

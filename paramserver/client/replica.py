@@ -2,8 +2,9 @@
 
 This module owns, with no sockets: the per-fragment (version, fp32 values)
 replica, `apply_update` (the one function that turns a published update into
-the new values, so replicas stay bit-exact with the shard), and `ShardFeed`,
-which follows one shard's sequenced update stream: it buffers updates while
+the new values, so replicas stay bit-exact with the shard), `published_update`
+(what an `update` message must hold to be applied), and `ShardFeed`, which
+follows one shard's sequenced update stream: it buffers updates while
 snapshots are in flight, replays the ones newer than each snapshot, and asks
 for a re-snapshot when a sequence number is missing or out of order.
 """
@@ -15,7 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from paramserver.wire.protocol import UPDATE_FULL, UPDATE_INCREMENT
+from paramserver.wire.plan import Plan
+from paramserver.wire.protocol import UPDATE_FULL, UPDATE_INCREMENT, ProtocolError
+from paramserver.wire.snapshot import fragment_vector
 
 logger = logging.getLogger(__name__)
 
@@ -206,3 +209,30 @@ class ShardFeed:
 
 class Resync(Exception):
     """The feed lost track of its shard's stream: snapshot its fragments again."""
+
+
+def published_update(header: dict, payload: list, plan: Plan | None) -> Published:
+    """A published update, decoded.
+
+    Args:
+        header: the update header (seq, fragment, version, mode).
+        payload: its codec frames, {"values": 1-D vector}.
+        plan: the island's plan (None: shapes not checked).
+
+    Returns:
+        The update, its values 1-D float32.
+
+    Raises:
+        Resync: a fragment the plan does not have, or values of another size.
+        ProtocolError: no values, not 1-D, or an unknown mode.
+        CodecError: the frames cannot be decoded.
+    """
+    fragment = header["fragment"]
+    values = fragment_vector(payload)
+    if plan is not None and (
+        fragment >= plan.num_fragments or values.shape != (plan.fragments[fragment].size,)
+    ):
+        raise Resync(f"update of fragment {fragment} with shape {values.shape}")
+    if header["mode"] not in MODES:
+        raise ProtocolError("malformed", f"update mode {header['mode']!r}")
+    return Published(header["seq"], fragment, header["version"], header["mode"], values)

@@ -3,8 +3,7 @@
 This module owns `ClientConfig` (with its validation), `ClientError`,
 `ClientConfigError`, `JoinResult`, `Update` and `PushRequest` (a delta). Users import
 them from `paramserver.client`, which re-exports them; the client's other
-modules (`client_io` and its helpers) import them from here, so the imports
-run one way: client -> client_io -> client_types.
+modules import them from here (this module imports none of them).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ import codec
 from paramserver.plumbing.curve import ClientKeys, HandshakeWatch
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan, PlanError
+from paramserver.wire.snapshot import snapshot_request, snapshot_values
 
 logger = logging.getLogger(__name__)
 
@@ -327,24 +328,23 @@ def _fragment_values(
     timeout_s: float,
     curve: ClientKeys | None = None,
 ) -> tuple[int, np.ndarray]:
-    """(version, 1-D float32 values) of one fragment, from a snapshot of its owning shard."""
-    header = {"kind": "snapshot", "island": _island(), "fragment": fragment}
+    """(version, 1-D float32 values) of one fragment, from a snapshot of its owning shard.
+
+    The request and the checks of its reply are the ones the island's client
+    makes when it joins (`paramserver.wire.snapshot`).
+    """
+    header = snapshot_request(_island(), fragment)
     reply, payload = _exchange(ctx, router, header, timeout_s, curve=curve)
     if reply["kind"] != "snapshot_reply" or reply["fragment"] != fragment:
         raise ProbeError(
             f"{router} answered the snapshot of fragment {fragment} with {reply['kind']!r}"
         )
     try:
-        tree = codec.decode(payload)
-    except codec.CodecError as exc:
+        values = snapshot_values(reply, payload, size)
+    except (protocol.ProtocolError, codec.CodecError) as exc:
         raise ProbeError(
-            f"{router} sent an undecodable snapshot of fragment {fragment}: {exc}"
+            f"{router} sent an unusable snapshot of fragment {fragment}: {exc}"
         ) from None
-    values = np.asarray(tree.get("values", np.empty(0)), dtype=np.float32)
-    if values.shape != (size,):
-        raise ProbeError(
-            f"{router} sent fragment {fragment} with shape {values.shape}; the plan says ({size},)"
-        )
     return int(reply["version"]), values
 
 

@@ -1,5 +1,6 @@
-"""The shard side: the shard daemon (`shard`, `serve`, `supervisor`, `cli`), its
-state and rules (`state`, `admission`, `binding`), the merge and outer step
-(`policy`, `weighting`, `merge`, `robust`, `outer`), durability (`durable`,
-`wal`, `log_records`, `records`, `checkpoint`), the downlink and metrics.
-Imports the wire and the plumbing; never the client."""
+"""The shard side: the pure shard core (`core`: requests -> `effects`) over its state and
+rules (`state`, `outcomes`, `binding`, `events`, `fragment`, `counters`), the merge
+and outer step (`policy`, `weighting`, `fragment_step`, `merge`, `robust`, `outer`,
+`downlink`), persistence (`storage/`), and the daemon around them (`shard`: the I/O
+loop, `serve`, `supervisor`, `cli`) and metrics. Imports the wire and the plumbing;
+never the client."""

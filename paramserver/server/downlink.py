@@ -6,7 +6,8 @@ bit while the shard publishes int8 instead of float32:
     target    = outer update + residual          (float32)
     frames    = int8 encoding of target          (no codec error feedback:
                                                   the residual here IS the feedback)
-    decoded   = codec.decode(frames)             (what every replica decodes)
+    decoded   = what codec.decode(frames) gives  (what every replica decodes; the
+                                                  encoder returns it: Codec.encode_decoded)
     params    = params + decoded                 (float32 add, numpy, as a replica does)
     residual  = target - decoded                 (carried into the next update)
 
@@ -69,8 +70,8 @@ class Downlink:
         if self._codec is None:
             raise DownlinkError("the float32 downlink publishes full values, not deltas")
         target = np.add(update, residual, dtype=np.float32)
-        frames, _ = self._codec.encode({"values": target})
-        decoded = codec.decode(frames)["values"]
+        frames, _, decoded_tree = self._codec.encode_decoded({"values": target})
+        decoded = decoded_tree["values"]
         new_params = np.add(params, decoded, dtype=np.float32)
         new_residual = np.subtract(target, decoded, dtype=np.float32)
         return new_params, frames, new_residual

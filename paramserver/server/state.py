@@ -11,9 +11,9 @@ Event-sourced: every change that must survive a crash is one of three events,
 - `AcceptEvent`: one validated delta joins a fragment's pending set;
 - `StepEvent`: one outer step of a fragment merging exactly the listed keys.
 
-`initialize`, `submit_delta` and `step` validate, build the event, hand it
-to the `journal` (the write-ahead log; if it raises, nothing is applied) and
-`apply` it; they return the event. Replaying the same events
+`initialize`, `submit_delta` and `step` validate, build the event and
+`apply` it; they return the event, which the caller (`paramserver.server.core`)
+hands to the write-ahead log. Replaying the same events
 through `apply` on a fresh state gives the same parameters bit for bit (the
 write-ahead log's recovery). Rejected requests never reach `apply`, so they
 never touch parameters. Island registry, rejection counts and byte counters
@@ -23,34 +23,41 @@ Parameters and optimizer state live in JAX and a step updates them in place
 (donated buffers), except when a numpy view handed out by `snapshot` still
 exists: JAX then keeps the old buffer, so such a view never changes.
 
-Clock: `now` is wall-clock seconds (time.time()), because arrival times are
-persisted with pending deltas and must mean the same after a restart.
+Clock: `now` is wall-clock seconds (the caller's time.time()), because
+arrival times are persisted with pending deltas and must mean the same after a
+restart. The state reads no clock: the duration of a step (for the eq3 grace
+window) comes from the `timer` it is given (none: 0).
+
+Why over 400 lines: one class whose live rules (`initialize`, `submit_delta`,
+`step`) and replay (`apply`) must stay side by side, so that a change to one is
+seen next to the other; the refusal rules (`outcomes`), the step's arithmetic
+(`fragment_step`) and the on-disk forms (`storage/`) already live elsewhere.
 """
 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-import optax
 
-import codec
-from paramserver.server import robust
-from paramserver.server.admission import check_push
+from paramserver.server import outcomes, robust
 from paramserver.server.config import ShardConfig
-from paramserver.server.downlink import Downlink
-from paramserver.server.merge import merge_pending
-from paramserver.server.outer import (
-    DonatingStep,
-    FragmentOptimizer,
-    aligned_float32,
-    make_outer_optimizer,
+from paramserver.server.counters import Counters
+from paramserver.server.events import (
+    AcceptEvent,
+    Contribution,
+    Event,
+    InitEvent,
+    StateError,
+    StepEvent,
 )
+from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
+from paramserver.server.fragment_step import FragmentStepper
+from paramserver.server.outcomes import Outcome
 from paramserver.server.policy import (
     IslandPace,
     decide,
@@ -59,23 +66,9 @@ from paramserver.server.policy import (
     pace_report,
     quorum_time,
 )
-from paramserver.server.records import (
-    AcceptEvent,
-    Contribution,
-    Counters,
-    DedupEntry,
-    Event,
-    FragmentState,
-    InitEvent,
-    Outcome,
-    StateError,
-    StepEvent,
-    StepUpdate,
-)
-from paramserver.server.weighting import island_shares, make_weighting
-from paramserver.wire import liveness, protocol
-from paramserver.wire.plan import Plan, PlanError
-from paramserver.wire.protocol import ACCEPTED, DUPLICATE, REJECTED
+from paramserver.wire import liveness
+from paramserver.wire.plan import Plan
+from paramserver.wire.protocol import ACCEPTED
 
 logger = logging.getLogger(__name__)
 
@@ -83,35 +76,31 @@ logger = logging.getLogger(__name__)
 class ShardState:
     """Everything one shard knows; see the module docstring for the event rules."""
 
-    def __init__(self, cfg: ShardConfig, index: int) -> None:
+    def __init__(
+        self, cfg: ShardConfig, index: int, timer: Callable[[], float] | None = None
+    ) -> None:
         """Create an empty (uninitialized) shard state.
 
         Args:
             cfg: cluster settings (policy, weighting, outer optimizer, limits).
             index: this shard's index in [0, cfg.shards).
+            timer: a monotonic clock (seconds) timing each outer step for the
+                grace window (e.g. time.perf_counter); None counts steps as 0 s.
         """
         if not 0 <= index < cfg.shards:
             raise StateError(f"shard index {index} out of range: the config has {cfg.shards}")
         self.cfg = cfg
         self.index = index
         self.policy = cfg.policy()
-        self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent)
-        outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
-        self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
+        self.stepper = FragmentStepper(cfg)
+        self.optimizer = self.stepper.optimizer  # the outer optimizer's state <-> arrays
         self.plan: Plan | None = None
         self.fragments: dict[int, FragmentState] = {}
         self.dedup: dict[tuple[str, int], DedupEntry] = {}
         self.last_seen: dict[str, float] = {}
         self.paces: dict[str, IslandPace] = {}  # reported step times (eq3 grace window)
         self.counters = Counters()
-        self._merge_buffers: dict[int, np.ndarray] = {}
-        self._step = self.optimizer.donating  # the one outer step (paramserver.server.outer)
-        # a step that merges one island's work when the quorum collapsed: plain SGD
-        self._single = DonatingStep(optax.sgd(lr)) if (lr := cfg.single_island_outer_lr) else None
-        self.downlink = Downlink(cfg.downlink)
-        # called with each live event before it is applied (the write-ahead log's append);
-        # an exception from it propagates and the event is not applied
-        self.journal: Callable[[Event], None] | None = None
+        self.timer = timer
 
     # ----- queries -------------------------------------------------------------
 
@@ -249,8 +238,7 @@ class ShardState:
         Returns:
             Outcome(rejected, reason, detail).
         """
-        self.counters.count_rejection(reason)
-        return Outcome(REJECTED, reason, detail)
+        return outcomes.count(self.counters, outcomes.refused(reason, detail))
 
     def initialize(self, plan_wire: Any, payload: Sequence[Any]) -> Outcome:
         """Take the plan and initial values from the first island to `init`.
@@ -264,43 +252,24 @@ class ShardState:
             accepted with an InitEvent, or rejected (already_initialized,
             malformed, plan_mismatch, codec_error, unknown_fragment, bad_shape,
             bad_dtype, non_finite), counted.
-
-        Raises:
-            Whatever `journal` raises; the event is then not applied.
         """
         if self.initialized:
             return self.reject(
                 "already_initialized", "this shard has parameters; request a snapshot"
             )
-        try:
-            plan = Plan.from_wire(plan_wire)
-        except PlanError as exc:
-            return self.reject("malformed", f"bad wire plan: {exc}")
-        if plan.num_shards != self.cfg.shards or plan.num_fragments != self.cfg.num_fragments:
-            return self.reject(
-                "plan_mismatch",
-                f"plan has {plan.num_shards} shards / {plan.num_fragments} fragments; "
-                f"the cluster runs {self.cfg.shards} / {self.cfg.num_fragments}",
-            )
-        owned = {f.index: f.size for f in plan.fragments_of(self.index)}
-        try:
-            tree = codec.decode(payload, max_elements=sum(owned.values()))
-        except codec.CodecError as exc:
-            return self.reject("codec_error", str(exc))
-        keys = sorted(str(k) for k in tree)
-        if keys != sorted(str(i) for i in owned):
-            return self.reject(
-                "unknown_fragment",
-                f"init payload has fragments {keys}; shard {self.index} owns {sorted(owned)}",
-            )
-        values: dict[int, np.ndarray] = {}
-        for index, size in owned.items():
-            problem = protocol.vector_problem(tree[str(index)], size)
-            if problem:
-                return self.reject(problem[0], f"fragment {index}: {problem[1]}")
-            values[index] = tree[str(index)]
+        read = outcomes.read_init(plan_wire, payload, self.cfg, self.index)
+        if isinstance(read, Outcome):
+            return outcomes.count(self.counters, read)
+        plan, values = read
         event = InitEvent(plan.to_wire(), values)
-        self._commit(event)
+        self.apply(event)
+        logger.info(
+            "shard %d initialized: plan %s, fragments %s",
+            self.index,
+            plan.hash[:12],
+            sorted(values),
+            extra={"shard": self.index, "plan_hash": plan.hash, "fragments": sorted(values)},
+        )
         return Outcome(ACCEPTED, event=event)
 
     def submit_delta(
@@ -316,28 +285,22 @@ class ShardState:
         Returns:
             accepted (with its AcceptEvent), duplicate, or rejected with a
             reason; counted. Parameters are never touched here.
-
-        Raises:
-            Whatever `journal` raises; the event is then not applied.
         """
-        early = check_push(self, header)
+        key = (header["island"], header["fragment"])
+        early = outcomes.check_push(
+            header,
+            self.plan,
+            self.fragments.get(header["fragment"]),
+            header["island"] in self.last_seen,
+            self.dedup.get(key),
+            self.cfg,
+        )
         if early is not None:
-            return self.count_outcome(early)
+            return outcomes.count(self.counters, early)
         frag = self.fragments[header["fragment"]]
-        size = frag.params.shape[0]
-        try:
-            tree = codec.decode(payload, max_elements=size)
-        except codec.CodecError as exc:
-            return self.reject("codec_error", str(exc))
-        if not isinstance(tree, Mapping) or set(tree) != {"delta"}:
-            keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
-            return self.reject(
-                "bad_shape", f"payload must be the tree {{'delta': vec}}, got {keys}"
-            )
-        delta = tree["delta"]
-        problem = protocol.vector_problem(delta, size)
-        if problem:
-            return self.reject(*problem)
+        delta = outcomes.read_delta(payload, frag.params.shape[0])
+        if isinstance(delta, Outcome):
+            return outcomes.count(self.counters, delta)
         contribution = Contribution(
             island=header["island"],
             round=header["round"],
@@ -349,23 +312,8 @@ class ShardState:
             delta=delta,
         )
         event = AcceptEvent(contribution, tuple(payload))
-        self._commit(event)
+        self.apply(event)
         return Outcome(ACCEPTED, event=event, version=frag.version, merged_version=frag.version + 1)
-
-    def count_outcome(self, outcome: Outcome) -> Outcome:
-        """Count a refusal (rejected or duplicate) built by `paramserver.server.admission`.
-
-        Args:
-            outcome: any outcome; accepted ones pass through uncounted.
-
-        Returns:
-            The outcome (a rejection rebuilt by `reject`, which counts it).
-        """
-        if outcome.status == DUPLICATE:
-            self.counters.duplicates += 1
-        elif outcome.status == REJECTED:
-            return self.reject(outcome.reason, outcome.detail)
-        return outcome
 
     # ----- steps ----------------------------------------------------------------
 
@@ -400,30 +348,26 @@ class ShardState:
 
         Returns:
             (the applied StepEvent, the StepUpdate to publish).
-
-        Raises:
-            Whatever `journal` raises; the event is then not applied.
         """
         frag = self.fragments.get(fragment)
         if frag is None or not frag.pending:
             raise StateError(f"fragment {fragment} has nothing to step")
         quorum_s = quorum_time(frag.waiting(), self.live(now), self.policy)
         event = StepEvent(fragment, tuple((c.island, c.round) for c in frag.pending), float(now))
-        started = time.perf_counter()
-        update = self._commit(event)
+        started = self.timer() if self.timer else 0.0
+        update = self.apply(event)
         assert update is not None
-        frag.stats = observe_step(
-            frag.stats, quorum_s, time.perf_counter() - started, self.policy.ema_alpha
-        )
+        took = self.timer() - started if self.timer else 0.0
+        frag.stats = observe_step(frag.stats, quorum_s, took, self.policy.ema_alpha)
+        where = {"shard": self.index, "fragment": fragment, "version": update.version}
+        merged = len(event.keys)
+        logger.info(
+            "outer step shard=%d fragment=%d version=%d merged=%d", *where.values(), merged,
+            extra={**where, "merged": merged, "coefficients": update.coefficients},
+        )  # fmt: skip
         return event, update
 
     # ----- the one mutation path --------------------------------------------------
-
-    def _commit(self, event: Event) -> StepUpdate | None:
-        """Journal a live event, then apply it (a journal error leaves the state as it was)."""
-        if self.journal is not None:
-            self.journal(event)
-        return self.apply(event)
 
     def apply(self, event: Event) -> StepUpdate | None:
         """Apply an event (live or replayed from the log).
@@ -461,13 +405,6 @@ class ShardState:
             params = np.array(event.values[index], dtype=np.float32)
             opt_state = self.optimizer.init(params)
             self.fragments[index] = FragmentState(jnp.asarray(params), opt_state)
-        logger.info(
-            "shard %d initialized: plan %s, fragments %s",
-            self.index,
-            plan.hash[:12],
-            sorted(owned),
-            extra={"shard": self.index, "plan_hash": plan.hash, "fragments": sorted(owned)},
-        )
 
     def _apply_accept(self, c: Contribution) -> None:
         frag = self.fragments.get(c.fragment)
@@ -516,35 +453,7 @@ class ShardState:
             raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
         if not merged_in:
             raise StateError(f"step event for fragment {event.fragment} merges nothing")
-        shares = island_shares(self.weighting, merged_in, frag.version)
-        if event.fragment not in self._merge_buffers:  # reused: no fresh pages per step
-            self._merge_buffers[event.fragment] = aligned_float32(frag.params.shape[0])
-        buf = self._merge_buffers[event.fragment]
-        merged = merge_pending(
-            self.cfg.merge,
-            [(c.island, c.delta) for c in merged_in],
-            {x.island: x.coefficient for x in shares},
-            self.plan.fragments[event.fragment],
-            out=buf,
-        )
-        frames = None
-        if self._single is not None and len(shares) == 1:
-            step, opt_state = self._single, self._single.tx.init(frag.params)
-        else:
-            step, opt_state = self._step, frag.opt_state
-        if self.downlink.compressed:
-            updates, opt_state = step.updates(frag.params, opt_state, merged)
-            if frag.residual is None:
-                frag.residual = np.zeros(frag.params.shape[0], np.float32)
-            new_params, frames, frag.residual = self.downlink.publish(
-                np.asarray(frag.params), np.asarray(updates), frag.residual
-            )
-            frag.params = jnp.asarray(new_params)
-            frames = tuple(frames)
-        else:
-            frag.params, opt_state = step(frag.params, opt_state, merged)
-        if step is self._step:
-            frag.opt_state = opt_state
+        shares, frames = self.stepper.step(frag, merged_in, self.plan.fragments[event.fragment])
         share_of_model = frag.params.shape[0] / self.plan.total_size
         self.counters.add_step(
             [frag.version - c.base_version for c in merged_in],
@@ -553,11 +462,7 @@ class ShardState:
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]
         frag.version += 1
-        islands = {x.island: round(x.coefficient, 4) for x in shares}
-        where = {"shard": self.index, "fragment": event.fragment, "version": frag.version}
-        logger.info(
-            "outer step shard=%d fragment=%d version=%d merged=%d", *where.values(),
-            len(merged_in), extra={**where, "merged": len(merged_in), "coefficients": islands},
-        )  # fmt: skip
         credited = {x.island: self.counters.credited[x.island] for x in shares}
-        return StepUpdate(event.fragment, frag.version, np.asarray(frag.params), frames, credited)
+        coefficients = {x.island: round(x.coefficient, 4) for x in shares}
+        values = np.asarray(frag.params)
+        return StepUpdate(event.fragment, frag.version, values, frames, credited, coefficients)

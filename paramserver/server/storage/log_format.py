@@ -1,7 +1,7 @@
 """The write-ahead log's records of a shard's events: `event_to_record` and `record_to_event`.
 
 This module owns what the records of a shard's log mean (the framing is
-`paramserver.server.wal`'s, the events `paramserver.server.records`').
+`paramserver.server.storage.log_file`'s, the events `paramserver.server.events`').
 
 Log records (msgpack header + raw payload):
 
@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 
 import codec
-from paramserver.server.records import AcceptEvent, Contribution, Event, InitEvent, StepEvent
-from paramserver.server.wal import Record, WalError
+from paramserver.server.events import AcceptEvent, Contribution, Event, InitEvent, StepEvent
+from paramserver.server.storage.log_file import Record, WalError
 
 
 def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:

@@ -1,7 +1,7 @@
 """Atomic checkpoint files: a msgpack metadata map plus named numpy arrays, checksummed.
 
 This module owns the checkpoint file format and how one is written safely;
-what goes into a shard's checkpoint is `paramserver.server.durable`'s job.
+what goes into a shard's checkpoint is `paramserver.server.storage.checkpoint_content`'s job.
 
 File format (integers little endian):
 
@@ -31,7 +31,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from paramserver.server.wal import fsync_dir
+from paramserver.server.storage.log_file import fsync_dir
 
 CHECKPOINT_MAGIC = b"DDCKPT\x00\x00"
 CHECKPOINT_FORMAT_VERSION = 1

@@ -1,11 +1,14 @@
-"""The client's outbox: which unacked deltas to send, keep, re-send or forget, with no sockets.
+"""The client's one ledger of pending deltas: which to send, keep, re-send or forget.
 
-This module owns the island side's delivery rules for pushed deltas. `Outbox`
-is a ledger of pending deltas keyed (fragment, round); its methods take the
-time (`now`, monotonic seconds) and the shards' answers as arguments and
-return what to do, so the rules are unit-tested without a network. The I/O
-thread (`paramserver.client.io_thread`) keeps the sockets, sends what the ledger
-names, and reports back with `sent` / `blocked`.
+This module owns the island side's delivery rules for pushed deltas. `Ledger`
+holds every delta pushed and not yet resolved, keyed (fragment, round): it is
+the only record of "pending" (back-pressure counts its length). Its methods
+take the time (`now`, monotonic seconds) and the shards' answers as arguments
+and return what to do, so the rules are unit-tested without a network. The
+client's core (`paramserver.client.core`) sends what the ledger names and
+reports back with `sent` / `blocked`; `requests_of` turns what is left at
+close back into `PushRequest`s (`Client.unacked`), and `StorageWarning` rate-
+limits the warning about a shard whose disk refuses deltas.
 
 The rules:
 - a delta is kept, with its frames, until its shard resolves it;
@@ -35,12 +38,17 @@ The rules:
 
 from __future__ import annotations
 
-from collections.abc import Container
+import logging
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from paramserver.client.ack_timer import AckTimer
+from paramserver.client.types import PushRequest
+from paramserver.wire import protocol
 from paramserver.wire.protocol import DUPLICATE, REJECTED
+
+logger = logging.getLogger(__name__)
 
 Key = tuple[int, int]
 """(fragment, round): with the island, the idempotency key of a delta."""
@@ -49,6 +57,7 @@ Decision = Literal["done", "resend", "defer", "rejoin"]
 """What to do after an ack: forget the delta (resolved), send it again now, keep it
 until its fragment steps, or keep it and say hello to the shard again."""
 
+STORAGE_WARNING_EVERY_S = 60.0  # one warning per shard per minute while its disk fails
 _MAX_RESENT_KEPT = 1024  # re-sent deltas whose first copy's latency waits for a duplicate
 
 RETRYABLE_REASONS = frozenset({"too_many_pending", "storage_error"})
@@ -76,7 +85,7 @@ class Entry:
     deferred: bool = False  # refused for now (RETRYABLE_REASONS): re-sent when its fragment steps
 
 
-class Outbox:
+class Ledger:
     """The pending deltas of one client, in the order they were pushed."""
 
     def __init__(
@@ -181,7 +190,7 @@ class Outbox:
         """
         entry = self._entries.get(key)
         if entry is None:
-            raise KeyError(f"delta {key} is not pending; check `key in outbox` before on_ack")
+            raise KeyError(f"delta {key} is not pending; check `key in ledger` before on_ack")
         if entry.sends == 1 and entry.attempt == 0:  # Karn: the ack answers the only copy
             self.timer = self.timer.sample(now - entry.sent_at)
         if outcome == REJECTED:
@@ -298,3 +307,61 @@ class Outbox:
         dropped = [entry.frames for entry in self._entries.values()]
         self._entries.clear()
         return dropped
+
+
+def requests_of(messages: Sequence[Sequence[Any]]) -> list[PushRequest]:
+    """The deltas of packed push messages, with their frames copied to bytes.
+
+    Args:
+        messages: push messages as `protocol.pack` built them ([header, *codec frames]).
+
+    Returns:
+        One `PushRequest` per message, in the same order.
+    """
+    out = []
+    for frames in messages:
+        header, payload = protocol.unpack(frames, protocol.REQUEST)
+        out.append(
+            PushRequest(
+                header["fragment"],
+                header["round"],
+                header["base_version"],
+                header["tokens"],
+                header["steps"],
+                [memoryview(frame).tobytes() for frame in payload],
+            )
+        )
+    return out
+
+
+class StorageWarning:
+    """Logs a shard's `storage_error` refusals at most once per `STORAGE_WARNING_EVERY_S`."""
+
+    def __init__(self) -> None:
+        """Start with no warning given."""
+        self._last: dict[int, float] = {}
+
+    def note(self, shard: int, ack: dict, now: float) -> bool:
+        """Look at an ack that kept its delta for later; warn if it says storage_error.
+
+        Args:
+            shard: the shard's index.
+            ack: the ack header (reason, detail).
+            now: monotonic time.
+
+        Returns:
+            Whether a warning was logged.
+        """
+        if ack.get("reason") != "storage_error":
+            return False
+        last = self._last.get(shard)
+        if last is not None and now - last < STORAGE_WARNING_EVERY_S:
+            return False
+        self._last[shard] = now
+        logger.warning(
+            "shard %d cannot store deltas (storage_error: %s); they are kept and re-sent "
+            "after the back-off",
+            shard,
+            ack.get("detail", "no detail"),
+        )
+        return True

@@ -1,7 +1,7 @@
 """An append-only write-ahead log file: framed, checksummed records; replay that stops at a torn tail.
 
 This module owns the on-disk format of one log segment and nothing about what
-the records mean (`paramserver.server.durable` maps shard events to records).
+the records mean (`paramserver.server.storage.log_format` maps shard events to records).
 
 File format (all integers little endian):
 
@@ -168,6 +168,15 @@ class WriteAheadLog:
             raise
         self._dirty = False
         self.synced = self.size
+
+    def rollback(self) -> None:
+        """Cut off every record appended since the last good sync (a batch that failed).
+
+        Leaves `broken` set when the cut fails (the next append retries it).
+        """
+        self._dirty = False
+        self._cut_after_failure(self.synced)
+        self.size = self.synced
 
     def _cut(self, length: int) -> None:
         """Cut the file to `length` bytes and append from there (durable with the next sync)."""

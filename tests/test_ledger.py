@@ -1,8 +1,8 @@
-"""The client's outbox ledger: ack decisions, re-send timing and deferrals, with explicit time."""
+"""The client's ledger: ack decisions, re-send timing and deferrals, with explicit time."""
 
 import pytest
 
-from paramserver.client.outbox import DECODE_RETRIES, Outbox
+from paramserver.client.ledger import DECODE_RETRIES, Ledger
 
 ACK_S, CAP_S = 1.0, 4.0  # first re-send after 1 s, doubling, at most every 4 s
 T0 = 10.0  # when `ledger` pushes and sends (an ack at T0 is a 0 s sample: the floor, 1 s)
@@ -10,8 +10,8 @@ KEY = (0, 7)  # (fragment, round)
 
 
 def ledger(*keys, shard=0, now=10.0):
-    """An outbox holding `keys` (default KEY), all of `shard`, pushed and sent at `now`."""
-    box = Outbox(ACK_S, CAP_S)
+    """A ledger holding `keys` (default KEY), all of `shard`, pushed and sent at `now`."""
+    box = Ledger(ACK_S, CAP_S)
     for key in keys or (KEY,):
         assert box.add(key, shard, [b"frames"], 6, now)
         assert box.sent(key, now) is False  # the first send is not a re-send
@@ -76,7 +76,7 @@ def test_unknown_island_and_deferral_do_not_use_up_decode_retries():
 def test_on_ack_of_a_key_not_pending_says_to_check_first():
     box = ledger()
     assert box.on_ack(KEY, "accepted", None, T0) == "done"
-    with pytest.raises(KeyError, match="check `key in outbox`"):
+    with pytest.raises(KeyError, match="check `key in ledger`"):
         box.on_ack(KEY, "duplicate", None, T0)
 
 
@@ -119,7 +119,7 @@ def test_resend_schedule_doubles_from_each_send_up_to_the_cap():
 
 @pytest.mark.timeout(10)
 def test_a_blocked_send_waits_the_same_back_off_and_is_not_a_send():
-    box = Outbox(ACK_S, CAP_S)
+    box = Ledger(ACK_S, CAP_S)
     assert box.add(KEY, 0, [b"f"], 1, now=10.0)
     box.blocked(KEY, 10.5)  # the socket's queue was full
     assert box.get(KEY).sends == 0
@@ -232,7 +232,7 @@ def sent_at(box, key, now, shard=0):
 
 @pytest.mark.timeout(10)
 def test_the_timeout_follows_the_measured_ack_latency():
-    box = Outbox(5.0, 60.0, 1.0)
+    box = Ledger(5.0, 60.0, 1.0)
     sent_at(box, (0, 1), 0.0)
     assert box.on_ack((0, 1), "accepted", None, 2.0) == "done"  # 2 s: SRTT 2, RTTVAR 1
     assert box.timer.base_s == 6.0
@@ -243,7 +243,7 @@ def test_the_timeout_follows_the_measured_ack_latency():
 
 @pytest.mark.timeout(10)
 def test_a_steady_short_latency_lowers_the_timeout_to_the_floor_not_below():
-    box = Outbox(5.0, 60.0, 1.0)
+    box = Ledger(5.0, 60.0, 1.0)
     for r in range(20):
         sent_at(box, (0, r), 10.0 * r)
         box.on_ack((0, r), "accepted", None, 10.0 * r + 0.01)
@@ -256,7 +256,7 @@ def test_a_steady_short_latency_lowers_the_timeout_to_the_floor_not_below():
 @pytest.mark.timeout(10)
 def test_the_floor_is_never_above_the_initial_timeout():
     for floor in (None, 1.0, 0.2):
-        box = Outbox(0.2, 0.4, floor)
+        box = Ledger(0.2, 0.4, floor)
         sent_at(box, KEY, 10.0)
         box.on_ack(KEY, "accepted", None, 10.0)  # a 0 s sample
         assert box.timer.base_s == 0.2
@@ -264,7 +264,7 @@ def test_the_floor_is_never_above_the_initial_timeout():
 
 @pytest.mark.timeout(10)
 def test_karn_the_ack_of_a_re_sent_delta_is_not_a_sample_and_the_back_off_stays():
-    box = Outbox(1.0, 8.0)
+    box = Ledger(1.0, 8.0)
     sent_at(box, (0, 1), 10.0)
     assert box.due(11.0, up={0}) == [(0, 1)]
     assert box.sent((0, 1), 11.0) is True
@@ -278,7 +278,7 @@ def test_karn_the_ack_of_a_re_sent_delta_is_not_a_sample_and_the_back_off_stays(
 
 @pytest.mark.timeout(10)
 def test_a_delta_that_timed_out_but_could_not_be_re_sent_is_not_a_sample():
-    box = Outbox(1.0, 8.0)
+    box = Ledger(1.0, 8.0)
     sent_at(box, KEY, 10.0)
     assert box.due(11.0, up={0}) == [KEY]
     box.blocked(KEY, 11.0)  # the re-send did not go out; the ack is for the first copy,
@@ -367,14 +367,14 @@ def simulate(box, latency_s: float, pushes: int) -> tuple[int, int]:
 def test_acks_slower_than_the_initial_timeout_are_re_sent_until_measured_then_never():
     # 0.8 s acks, initial timeout 0.5 s: the first delta is re-sent (needlessly), which
     # backs the timer off to 1 s; the second is measured; no later delta is re-sent
-    box = Outbox(0.5, 10.0, 0.25)
+    box = Ledger(0.5, 10.0, 0.25)
     assert simulate(box, 0.8, pushes=20) == (1, 1)
     assert box.timer.backoff == 0 and 0.8 < box.timer.base_s < 2.5
 
 
 @pytest.mark.timeout(10)
 def test_a_needless_re_send_teaches_the_timer_the_first_copy_s_latency():
-    box = Outbox(1.0, 60.0)
+    box = Ledger(1.0, 60.0)
     sent_at(box, (0, 1), 0.0)
     box.on_ack((0, 1), "accepted", None, 0.5)  # a valid sample: SRTT 0.5, RTTVAR 0.25
     assert box.timer.base_s == 1.5

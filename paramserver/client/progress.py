@@ -1,17 +1,16 @@
-"""What a client's API reads from its I/O thread: counters, replica, updates, acks, credit.
+"""What a client's API reads of its core: counters, replica, fresh updates, acks, credit.
 
-This module owns the state that both the I/O thread (`paramserver.client.io_thread`,
-the only writer) and the API threads (`paramserver.client`) touch, and the one
-lock around it: the counters of `Client.stats`, the newest version heard of
-per fragment, the updates `poll_updates` has not taken, ack latencies, the
-version that will include each acked delta (for `round_merged`) and the
-tokens each shard credited. The replica itself (`replica`) is written by the
-shards' feeds in the I/O thread without the lock; readers copy it in one step.
+This module owns, with no lock and no I/O, the bookkeeping that `Client.stats`,
+`poll_updates`, `round_merged` and `ack_latencies` report: the counters, the
+newest version heard of per fragment, the updates `poll_updates` has not
+taken, ack latencies, the version that will include each acked delta (for
+`round_merged`) and the tokens each shard credited. The replica (`replica`) is
+the one the shards' feeds fill. `Progress` belongs to the client's core
+(`paramserver.client.core`); the I/O thread's lock guards both.
 """
 
 from __future__ import annotations
 
-import threading
 from collections import Counter, deque
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -46,12 +45,11 @@ class Counters:
 _COUNTS = frozenset(f.name for f in fields(Counters)) - {"rejected"}
 
 
-class Shared:
-    """The lock-guarded state between a client's I/O thread and its API."""
+class Progress:
+    """The bookkeeping of one client's core (callers hold the core's lock)."""
 
     def __init__(self) -> None:
         """Start empty: no plan, no replica, every counter at zero."""
-        self._lock = threading.Lock()
         self._counters = Counters()
         self.replica: dict[int, ReplicaFragment] = {}
         self.num_fragments: int | None = None  # the plan's, once joined
@@ -62,7 +60,7 @@ class Shared:
         self._merge_targets: dict[int, dict[int, int | None]] = {}
         self._credited: dict[int, float] = {}  # shard -> tokens of ours that entered the model
 
-    # -- the I/O thread ---------------------------------------------------------------------
+    # -- written by the core ------------------------------------------------------------------
 
     def add(self, **amounts: int) -> None:
         """Add to counters.
@@ -74,14 +72,12 @@ class Shared:
         unknown = set(amounts) - _COUNTS
         if unknown:
             raise ValueError(f"no counter named {sorted(unknown)}; see Counters")
-        with self._lock:
-            for name, amount in amounts.items():
-                setattr(self._counters, name, getattr(self._counters, name) + amount)
+        for name, amount in amounts.items():
+            setattr(self._counters, name, getattr(self._counters, name) + amount)
 
     def note_version(self, fragment: int, version: int) -> None:
         """A shard named `version` of `fragment` (ack, snapshot or update): track the newest."""
-        with self._lock:
-            self._known[fragment] = max(self._known.get(fragment, 0), version)
+        self._known[fragment] = max(self._known.get(fragment, 0), version)
 
     def record_ack(self, ack: dict, latency_s: float) -> None:
         """Count a delta's final ack and remember which version will include it.
@@ -96,32 +92,29 @@ class Shared:
             target = None
         elif target is None:  # a shard that does not say: a step merges all pending
             target = ack["version"] + (ack["outcome"] == "accepted")
-        with self._lock:
-            self._merge_targets.setdefault(ack["round"], {})[ack["fragment"]] = target
-            while len(self._merge_targets) > _MAX_MERGE_ROUNDS:
-                del self._merge_targets[min(self._merge_targets)]
-            if ack["outcome"] in ("accepted", "duplicate"):
-                self._counters.acked += 1
-                self._ack_latencies.append(latency_s)
-                self._counters.duplicates += ack["outcome"] == "duplicate"
-            else:
-                self._counters.rejected[ack.get("reason") or "unknown"] += 1
+        self._merge_targets.setdefault(ack["round"], {})[ack["fragment"]] = target
+        while len(self._merge_targets) > _MAX_MERGE_ROUNDS:
+            del self._merge_targets[min(self._merge_targets)]
+        if ack["outcome"] in ("accepted", "duplicate"):
+            self._counters.acked += 1
+            self._ack_latencies.append(latency_s)
+            self._counters.duplicates += ack["outcome"] == "duplicate"
+        else:
+            self._counters.rejected[ack.get("reason") or "unknown"] += 1
 
     def credit(self, shard: int, credited: object) -> None:
         """A shard's cumulative credit of this island's tokens (ignored unless a number)."""
         if isinstance(credited, int | float) and not isinstance(credited, bool):
-            with self._lock:
-                self._credited[shard] = max(self._credited.get(shard, 0.0), float(credited))
+            self._credited[shard] = max(self._credited.get(shard, 0.0), float(credited))
 
     def publish(self, fragments: list[int]) -> None:
         """Hand the replica's current values of changed fragments to `take_updates`."""
-        with self._lock:
-            for f in fragments:
-                state = self.replica[f]
-                self._updates[f] = Update(f, state.version, state.values.copy())
-                self._counters.updates_applied += 1
+        for f in fragments:
+            state = self.replica[f]
+            self._updates[f] = Update(f, state.version, state.values.copy())
+            self._counters.updates_applied += 1
 
-    # -- the API --------------------------------------------------------------------------
+    # -- read by the API ------------------------------------------------------------------------
 
     def take_updates(self) -> list[Update]:
         """Pop the newest update of every fragment that changed.
@@ -129,8 +122,7 @@ class Shared:
         Returns:
             Updates sorted by fragment.
         """
-        with self._lock:
-            updates, self._updates = self._updates, {}
+        updates, self._updates = self._updates, {}
         return [updates[k] for k in sorted(updates)]
 
     def take_ack_latencies(self) -> list[float]:
@@ -139,9 +131,8 @@ class Shared:
         Returns:
             Seconds from `push` to the ack (accepted or duplicate), one per delta.
         """
-        with self._lock:
-            out = list(self._ack_latencies)
-            self._ack_latencies.clear()
+        out = list(self._ack_latencies)
+        self._ack_latencies.clear()
         return out
 
     def round_merged(self, round: int) -> bool:
@@ -155,46 +146,44 @@ class Shared:
             the replica holds a version that includes it (a rejected delta
             never will: it counts as resolved).
         """
-        with self._lock:
-            targets = self._merge_targets.get(round)
-            if self.num_fragments is None or targets is None:
-                return False
-            if len(targets) < self.num_fragments:
-                return False
-            return all(
-                target is None or (f in self.replica and self.replica[f].version >= target)
-                for f, target in targets.items()
-            )
+        targets = self._merge_targets.get(round)
+        if self.num_fragments is None or targets is None:
+            return False
+        if len(targets) < self.num_fragments:
+            return False
+        return all(
+            target is None or (f in self.replica and self.replica[f].version >= target)
+            for f, target in targets.items()
+        )
 
     def stats(self, shards_down: int) -> dict[str, Any]:
         """A copy of the counters plus derived values.
 
         Args:
-            shards_down: shards the I/O thread counts as down.
+            shards_down: shards the core counts as down.
 
         Returns:
             The stats dict of `Client.stats` (without `pending`).
         """
-        with self._lock:
-            c = self._counters
-            replica = list(self.replica.items())  # one C-level copy; the dict may grow
-            lag = max((self._known.get(f, s.version) - s.version for f, s in replica), default=0)
-            return {
-                "bytes_sent": c.bytes_sent,
-                "bytes_received": c.bytes_received,
-                "pushes": c.pushes,
-                "acked": c.acked,
-                "duplicates": c.duplicates,
-                "rejected": dict(c.rejected),
-                "resent": c.resent,
-                "spurious_resends": c.spurious_resends,
-                "snapshots": c.snapshots,
-                "updates_applied": c.updates_applied,
-                "version_lag": max(0, lag),
-                "reconnects": c.reconnects,
-                "resyncs": c.resyncs,
-                "bad_messages": c.bad_messages,
-                "deferred": c.deferred,
-                "shards_down": shards_down,
-                "credited_tokens": sum(self._credited.values()),
-            }
+        c = self._counters
+        replica = list(self.replica.items())  # one C-level copy; the dict may grow
+        lag = max((self._known.get(f, s.version) - s.version for f, s in replica), default=0)
+        return {
+            "bytes_sent": c.bytes_sent,
+            "bytes_received": c.bytes_received,
+            "pushes": c.pushes,
+            "acked": c.acked,
+            "duplicates": c.duplicates,
+            "rejected": dict(c.rejected),
+            "resent": c.resent,
+            "spurious_resends": c.spurious_resends,
+            "snapshots": c.snapshots,
+            "updates_applied": c.updates_applied,
+            "version_lag": max(0, lag),
+            "reconnects": c.reconnects,
+            "resyncs": c.resyncs,
+            "bad_messages": c.bad_messages,
+            "deferred": c.deferred,
+            "shards_down": shards_down,
+            "credited_tokens": sum(self._credited.values()),
+        }

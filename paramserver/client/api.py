@@ -1,0 +1,352 @@
+"""The client library an island uses to join the cluster, push deltas and receive updates.
+
+This module owns the public API, `Client`; its types (`ClientConfig`,
+`JoinResult`, `Update`, `ClientError`, `ClientConfigError`, `PushRequest`)
+live in `paramserver.client.types`, and the package `paramserver.client`
+exports both. All network I/O runs in one background thread
+(`paramserver.client.io_thread`) that owns every socket; the API hands it
+commands through a thread-safe queue plus an inproc wake-up, so `push` and
+`poll_updates` never wait on the network. The protocol state is the
+sans-I/O core (`paramserver.client.core`); the API calls it under the I/O
+thread's lock (`push` puts the delta in the core's one ledger and hands the
+sends to the thread). `push` blocks only for back-pressure, when
+`max_unacked` deltas are pending in that ledger; `join` and `push`
+take a `stop` event that ends their waits at once (an island's SIGTERM).
+`close` hands the deltas it could not deliver to `unacked`, so that the
+caller can keep them (e.g. in a file) and push them again later.
+
+    client = Client(ClientConfig(connect="tcp://127.0.0.1:5555", island="a"))
+    res = client.join(flat_params)        # plan, params, versions
+    client.push(fragment, round, base_version, tokens, steps, frames)
+    for update in client.poll_updates(): ...
+    client.close()
+    kept = client.unacked()               # PushRequest(fragment, round, ...) each
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import Any
+
+import numpy as np
+
+from paramserver.client.io_thread import IOThread
+from paramserver.client.types import (
+    ClientConfig,
+    ClientError,
+    JoinResult,
+    PushRequest,
+    Update,
+)
+from paramserver.wire.plan import Plan
+
+__all__ = ["Client"]
+
+_INSTANCES = itertools.count()
+_STOP_POLL_S = 0.05  # how often a wait with a `stop` event looks at it
+_HEADER_BYTES = 512  # a push header's size on the wire is at most this (island id <= 128)
+
+
+def _uint(name: str, value: object, low: int = 0) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
+        raise ClientError(f"push: {name}={value!r} must be an int >= {low}")
+    return int(value)
+
+
+def _check_params(flat_params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if not isinstance(flat_params, Mapping) or not flat_params:
+        raise ClientError("join: pass a non-empty mapping of parameter name -> float array")
+    flat = {}
+    for name, value in flat_params.items():
+        arr = np.asarray(value)
+        if not (arr.dtype.kind == "f" or "float" in arr.dtype.name):
+            raise ClientError(
+                f"join: cannot use these parameters: {name!r} has dtype {arr.dtype}; "
+                "only float parameters are synchronised"
+            )
+        flat[name] = arr
+    return flat
+
+
+class Client:
+    """An island's connection to every shard (see the module docstring)."""
+
+    def __init__(self, cfg: ClientConfig) -> None:
+        """Create the client and its I/O thread (nothing is sent before `join`).
+
+        Args:
+            cfg: connection settings.
+        """
+        if not isinstance(cfg, ClientConfig):
+            raise ClientError(f"Client needs a ClientConfig, got {type(cfg).__name__}")
+        self.cfg = cfg
+        self._plan: Plan | None = None
+        self._joined = False
+        self._closed = False
+        self._unacked: list[PushRequest] = []
+        self._io = IOThread(cfg, f"inproc://client-wake-{next(_INSTANCES)}")
+        self._lock = self._io.lock  # guards the core (and the thread's `failure`)
+        self._core = self._io.core
+        self._io.start()
+
+    def _check_alive(self) -> None:
+        if self._closed:
+            raise ClientError("client is closed; create a new Client")
+        with self._lock:
+            failure = self._io.failure
+        if failure is not None:
+            raise ClientError(f"client I/O thread failed: {failure}")
+
+    # -- public API --------------------------------------------------------------------
+
+    def join(
+        self, flat_params: Mapping[str, np.ndarray], stop: threading.Event | None = None
+    ) -> JoinResult:
+        """Join the cluster: learn its map, initialise it if empty, fetch every fragment.
+
+        Args:
+            flat_params: path -> array (float dtypes); the first joiner of an empty
+                cluster provides the initial values (and so does a later joiner for
+                shards its initialiser left uninitialised for `init_grace_s`); other
+                joiners' values are only used for their shapes.
+            stop: when set, the join gives up at once (ClientError "stopped").
+
+        Returns:
+            JoinResult(plan, params as float32 arrays, versions per fragment).
+
+        Raises:
+            ClientError: no answer in time, plan mismatch with the cluster, the
+                island id in use by another running island, a shard refused the
+                join, or `stop` was set.
+        """
+        self._check_alive()
+        if self._joined:
+            raise ClientError("join() was already called on this client")
+        flat = _check_params(flat_params)
+        future: Future = Future()
+        self._io.submit(("join", flat, future))
+        deadline = time.monotonic() + self.cfg.join_timeout_s + 10.0
+        try:
+            while stop is not None and not future.done() and time.monotonic() < deadline:
+                if stop.wait(_STOP_POLL_S):
+                    self._io.stop_join.set()
+                    break
+            result = future.result(timeout=max(0.0, deadline - time.monotonic()))
+        except FutureTimeout:
+            raise ClientError(
+                f"join: no result within {self.cfg.join_timeout_s:g}s; is the server at "
+                f"{self.cfg.connect} running?"
+            ) from None
+        self._plan = result.plan
+        self._joined = True
+        return result
+
+    def push(
+        self,
+        fragment: int,
+        round: int,
+        base_version: int,
+        tokens: int,
+        steps: int,
+        frames: Sequence[Any],
+        stop: threading.Event | None = None,
+    ) -> None:
+        """Queue one delta for its shard; it is kept and re-sent until acked.
+
+        Blocks only while `max_unacked` deltas are outstanding, and never once
+        `stop` is set: the delta is then queued at once, past the limit, so that
+        `close` hands it to `unacked` with the others rather than losing it.
+
+        Args:
+            fragment: fragment index.
+            round: the island's round (monotone; with island and fragment the
+                idempotency key).
+            base_version: the fragment version the delta was computed from.
+            tokens: tokens trained since that version (>= 1).
+            steps: inner steps since that version (>= 1).
+            frames: codec frames of {"delta": 1-D vector of the fragment's size};
+                not modified afterwards by the caller.
+            stop: an event (e.g. the island's SIGTERM) that ends the wait for a slot.
+
+        Raises:
+            ClientError: not joined, a bad argument, a delta larger than the
+                shards accept (never queued), or no free slot within `push_timeout_s`.
+        """
+        self._check_alive()
+        if not self._joined or self._plan is None:
+            raise ClientError("push: call join() first")
+        fragment = _uint("fragment", fragment)
+        if fragment >= self._plan.num_fragments:
+            raise ClientError(
+                f"push: fragment={fragment} out of range: the plan has "
+                f"{self._plan.num_fragments} fragments"
+            )
+        request = PushRequest(
+            fragment,
+            _uint("round", round),
+            _uint("base_version", base_version),
+            _uint("tokens", tokens, 1),
+            _uint("steps", steps, 1),
+            list(frames),
+        )
+        if not request.frames:
+            raise ClientError("push: frames is empty; pass the frames a codec's encode returned")
+        self._check_size(request)
+        with self._lock:
+            if not self._wait_for_slot(stop):
+                raise ClientError(
+                    f"push: {len(self._core.ledger)} deltas still unacked after "
+                    f"{self.cfg.push_timeout_s:g}s; is the server reachable?"
+                )
+            if self._io.failure is not None:
+                raise ClientError(f"client I/O thread failed: {self._io.failure}")
+            effects = self._core.push(time.monotonic(), request)  # raises once closed
+        self._io.submit(("effects", effects, None))
+
+    def _check_size(self, request: PushRequest) -> None:
+        """Refuse a push larger than the shards accept (their welcome says the limit)."""
+        with self._lock:
+            limit = self._core.max_message_bytes
+        if limit is None:
+            return
+        size = sum(memoryview(f).nbytes for f in request.frames) + _HEADER_BYTES
+        if size > limit:
+            raise ClientError(
+                f"push: the delta of fragment {request.fragment} (round {request.round}) is "
+                f"{size} bytes with its header, over the shards' max_message_bytes={limit}; "
+                "use more fragments or a stronger codec (int8/int4)"
+            )
+
+    def _wait_for_slot(self, stop: threading.Event | None) -> bool:
+        """With the lock held: wait until a push may be queued (back-pressure, or stop set).
+
+        Returns:
+            False when no slot freed within `push_timeout_s`.
+        """
+
+        def ready() -> bool:
+            return (
+                len(self._core.ledger) < self.cfg.max_unacked
+                or self._io.failure is not None
+                or (stop is not None and stop.is_set())
+            )
+
+        if stop is None:
+            return self._lock.wait_for(ready, timeout=self.cfg.push_timeout_s)
+        deadline = time.monotonic() + self.cfg.push_timeout_s
+        while not ready():
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            self._lock.wait(min(left, _STOP_POLL_S))
+        return True
+
+    def report_step_time(self, seconds: float) -> None:
+        """Tell the shards this island's typical inner-step time (padding included).
+
+        Sent as `t_step` with every later push and heartbeat; the shards' adaptive
+        grace window (`--grace-rule eq3`) uses it.
+
+        Args:
+            seconds: a finite time > 0.
+
+        Raises:
+            ClientError: not a finite positive number.
+        """
+        if isinstance(seconds, bool) or not isinstance(seconds, int | float | np.floating):
+            raise ClientError(f"report_step_time: seconds={seconds!r} must be a number")
+        if not math.isfinite(seconds) or seconds <= 0:
+            raise ClientError(f"report_step_time: seconds={seconds!r} must be finite and > 0")
+        with self._lock:
+            self._core.step_time_s = float(seconds)
+
+    def poll_updates(self) -> list[Update]:
+        """The newest update of each fragment that changed since the last call.
+
+        Returns:
+            Updates in fragment order (values: full 1-D float32, bit-exact replica).
+        """
+        self._check_alive()
+        with self._lock:
+            return self._core.progress.take_updates()
+
+    def round_merged(self, round: int) -> bool:
+        """Whether the global parameters this client holds include all of `round`'s deltas.
+
+        Args:
+            round: a round id passed to `push` for every fragment.
+
+        Returns:
+            True once each fragment's delta of that round is acked and a version
+            that merged it has arrived (rejected deltas count as resolved), so
+            `poll_updates` hands out parameters that include the round.
+        """
+        self._check_alive()
+        with self._lock:
+            return self._core.progress.round_merged(round)
+
+    def stats(self) -> dict[str, Any]:
+        """Counters of this client.
+
+        Returns:
+            dict with bytes_sent, bytes_received (sums of frame lengths at the
+            sockets), pushes, acked (duplicates included), duplicates, rejected
+            (reason -> count), resent, spurious_resends (re-sends of deltas an
+            earlier send had delivered), ack_timeout_s (the current adaptive
+            re-send timeout), pending, snapshots, updates_applied,
+            version_lag, reconnects, resyncs, shards_down, credited_tokens
+            (tokens of this island that entered the model, each delta's tokens x
+            its staleness factor, as the shards last said in heartbeat replies).
+        """
+        with self._lock:
+            return self._core.stats()
+
+    def ack_latencies(self) -> list[float]:
+        """Ack latencies of the deltas acked since the last call (for load measurements).
+
+        Returns:
+            Seconds from `push` to its ack, one per acked delta (the newest
+            100,000 at most are kept between calls).
+        """
+        with self._lock:
+            return self._core.progress.take_ack_latencies()
+
+    def close(self, flush_timeout_s: float = 5.0) -> int:
+        """Wait up to `flush_timeout_s` for unacked deltas, say bye, close every socket.
+
+        The wait ends early when every shard that holds an unacked delta is
+        down. The deltas left unacked are kept for `unacked`.
+
+        Args:
+            flush_timeout_s: how long to wait for outstanding acks.
+
+        Returns:
+            Deltas dropped unacked.
+        """
+        if self._closed:
+            return 0
+        self._closed = True
+        self._unacked = self._io.shutdown(flush_timeout_s)
+        return len(self._unacked)
+
+    def unacked(self) -> list[PushRequest]:
+        """The deltas `close` gave up on, to keep and push again later (same round ids).
+
+        Returns:
+            PushRequest(fragment, round, base_version, tokens, steps, frames as
+            bytes) per delta, in push order; empty before `close`. The shards'
+            (island, round, fragment) dedup makes pushing one again safe.
+        """
+        return list(self._unacked)
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -1,0 +1,355 @@
+"""The shard's protocol logic without I/O (the sans-I/O pattern of h11): requests in, effects out.
+
+`ShardCore.handle(now, request)` takes one request as it came off the ROUTER
+and returns `Effects`: the events to append to the write-ahead log, the
+replies and the publishes. `on_tick(now)` steps the fragments the merge
+policy says are due and heartbeats an idle PUB; `next_wake(now)` says when to
+tick again; `checkpoint_due(now)` when to write a checkpoint. Nothing here
+reads a clock, a socket or a file: `now` (wall-clock seconds) is an argument,
+so a simulation drives the core with a fake clock.
+
+The one rule of durability: nothing in a batch's effects is sent before its
+events are appended and fsynced once (`paramserver.server.shard.make_durable`).
+When that fails, `storage_failed` takes the state rebuilt from disk and
+returns what to send instead: every reply that promised durability (an
+`accepted` or `duplicate` ack, `init_ok`) becomes a `storage_error` refusal,
+and the batch's updates are dropped unpublished. `release` then numbers the
+publishes (`seq`), packs every message and counts the bytes sent.
+
+Island ids are bound to connections (`paramserver.server.binding`) and, under
+CURVE, to the keys that may use them (the guard, `paramserver.plumbing.identity`).
+Snapshots, status and heartbeats need no disk, so they are served through
+storage faults.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import codec
+from paramserver.plumbing.identity import IslandGuard
+from paramserver.server import binding, outcomes
+from paramserver.server.config import ShardConfig
+from paramserver.server.effects import Effects, Publish, Reply, Request
+from paramserver.server.events import StepEvent
+from paramserver.server.outcomes import Outcome
+from paramserver.server.state import ShardState
+from paramserver.wire import protocol
+from paramserver.wire.protocol import ACCEPTED, REJECTED
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINT_RETRY_S = 10.0  # a failed checkpoint is tried again after this long
+# Requests that act as an island, refused from a connection the island is not bound to.
+_BOUND_KINDS = ("push", "heartbeat", "bye")
+# The state's counters of requests (not of durable events): kept across a rebuild from disk.
+_REQUEST_COUNTERS = ("duplicates", "rejected", "bytes_in", "bytes_out", "hello_requests")
+
+
+class ShardCore:
+    """One shard's protocol logic: requests and ticks in, effects out; see the module docstring."""
+
+    def __init__(
+        self,
+        cfg: ShardConfig,
+        index: int,
+        state: ShardState,
+        endpoints: list[tuple[str, str]],
+        now: float,
+        guard: IslandGuard | None = None,
+        replayed: int = 0,
+    ) -> None:
+        """Wrap a (recovered) state.
+
+        Args:
+            cfg: cluster settings.
+            index: this shard's index.
+            state: the state recovered from the data dir (or a fresh one).
+            endpoints: connect addresses [(router, pub), ...] of every shard (for `welcome`).
+            now: wall-clock seconds at start (checkpoint and heartbeat clocks start here).
+            guard: under CURVE, which key may act as which island.
+            replayed: log records replayed at recovery (they count toward a checkpoint).
+        """
+        self.cfg = cfg
+        self.index = index
+        self.state = state
+        self.endpoints = endpoints
+        self.guard = guard
+        self.seq = 0  # of the last message published
+        self.bindings = binding.Bindings(cfg.heartbeat_interval_s, cfg.liveness)
+        self._raw32 = codec.raw("float32")  # one per core: encoders keep work buffers
+        self._last_pub = now
+        self._records_since = replayed  # durable events since the last checkpoint
+        self._steps_since = 0
+        self._last_checkpoint = now
+        self._checkpoint_retry_at = now
+
+    # ----- requests ----------------------------------------------------------------
+
+    def handle(self, now: float, request: Request) -> Effects:
+        """Answer one request.
+
+        Args:
+            now: wall-clock seconds.
+            request: the connection and frames as received.
+
+        Returns:
+            Its effects (to be made durable, then sent).
+        """
+        size = protocol.message_bytes(request.frames)
+        self.state.counters.bytes_in += size
+        try:
+            header, payload = protocol.unpack(request.frames)
+        except protocol.ProtocolError as exc:
+            refusal = self.state.reject(exc.reason, exc.detail)
+            header = outcomes.render_rejected(exc.header, refusal)
+            return Effects(replies=[Reply(request.conn, header, [], None)])
+        island, kind = header.get("island"), header["kind"]
+        if self.guard is not None and isinstance(island, str):
+            refusal = self.guard.refusal(request.user_id, island, kind, now)
+            if refusal is not None:  # before the binding: it neither refreshes nor takes the id
+                return self._answer(request, header, self.state.reject("forbidden_island", refusal))
+        known = True
+        if isinstance(island, str) and kind != "hello":
+            verdict = self.bindings.verdict(island, request.conn, now)
+            if verdict == binding.IN_USE and kind in _BOUND_KINDS:
+                detail = self.bindings.in_use_detail(island, now)
+                return self._answer(request, header, self.state.reject("island_in_use", detail))
+            known = verdict == binding.OWN and self.state.touch(island, now, header)
+        too_big = outcomes.oversize(size, self.cfg.max_message_bytes)
+        if too_big is not None:
+            return self._answer(request, header, outcomes.count(self.state.counters, too_big))
+        try:
+            return getattr(self, f"_on_{kind}")(request, header, payload, now, known)
+        except Exception as exc:  # a bug must not take the shard down; it is counted
+            logger.exception("shard %d: error handling %s", self.index, kind)
+            outcome = self.state.reject("internal_error", f"{type(exc).__name__}: {exc}")
+            return self._answer(request, header, outcome)
+
+    def _reply(self, request: Request, header: dict, kind: str, payload=(), **fields) -> Effects:
+        reply = protocol.reply_header(header, kind, **fields)
+        return Effects(replies=[Reply(request.conn, reply, list(payload), header)])
+
+    def _answer(self, request: Request, header: dict, outcome: Outcome) -> Effects:
+        """Reply with an outcome (`ack` for a push, else `rejected`); log its event if any."""
+        version = self.state.versions().get(header.get("fragment"), 0)
+        reply = Reply(request.conn, outcomes.render(header, outcome, version), [], header)
+        records = [outcome.event] if outcome.event is not None else []
+        return Effects(records=records, replies=[reply])
+
+    def _on_hello(self, request: Request, header: dict, payload, now: float, known: bool):
+        island, session = header["island"], header.get("session")
+        if not self.bindings.may_bind(island, request.conn, session, now):
+            detail = self.bindings.in_use_detail(island, now)
+            return self._answer(request, header, self.state.reject("island_in_use", detail))
+        outcome = self.state.hello(island, now)
+        if outcome.status == REJECTED:
+            return self._answer(request, header, outcome)
+        self.bindings.bind(island, binding.Binding(request.conn, session, now))
+        if len(self.bindings) > len(self.state.last_seen):
+            self.bindings.prune(self.state.last_seen)
+        plan = self.state.plan
+        fields: dict[str, Any] = {
+            "shard": self.index,
+            "num_shards": self.cfg.shards,
+            "num_fragments": self.cfg.num_fragments,
+            "endpoints": [list(e) for e in self.endpoints],
+            "initialized": plan is not None,
+            "plan_hash": plan.hash if plan else None,
+            "heartbeat_interval_s": self.cfg.heartbeat_interval_s,
+            "liveness": self.cfg.liveness,
+            "seq": self.seq,
+            "mode": self.cfg.mode,
+            "max_message_bytes": self.cfg.max_message_bytes,
+        }
+        if plan is not None:
+            fields["plan"] = plan.to_wire()
+        return self._reply(request, header, "welcome", **fields)
+
+    def _on_init(self, request: Request, header: dict, payload, now: float, known: bool):
+        outcome = self.state.initialize(header["plan"], payload)
+        if outcome.status != ACCEPTED:
+            return self._answer(request, header, outcome)
+        versions = protocol.versions_to_wire(self.state.versions())
+        out = self._reply(request, header, "init_ok", versions=versions)
+        out.records.append(outcome.event)
+        return out
+
+    def _on_snapshot(self, request: Request, header: dict, payload, now: float, known: bool):
+        fragment = header["fragment"]
+        refusal = outcomes.snapshot_refusal(
+            self.state.initialized, fragment in self.state.fragments, fragment, self.index
+        )
+        if refusal is not None:
+            return self._answer(request, header, outcomes.count(self.state.counters, refusal))
+        version, values = self.state.snapshot(fragment)
+        frames, _ = self._raw32.encode({"values": values})
+        return self._reply(
+            request, header, "snapshot_reply", frames, fragment=fragment, version=version,
+            seq=self.seq,
+        )  # fmt: skip
+
+    def _on_push(self, request: Request, header: dict, payload, now: float, known: bool):
+        if not known:
+            outcome = outcomes.count(self.state.counters, outcomes.unknown_island(header["island"]))
+        else:
+            outcome = self.state.submit_delta(header, payload, now)
+        return self._answer(request, header, outcome)
+
+    def _on_heartbeat(self, request: Request, header: dict, payload, now: float, known: bool):
+        if not known:
+            refusal = outcomes.unknown_island(header["island"])
+            return self._answer(request, header, outcomes.count(self.state.counters, refusal))
+        credited = self.state.counters.credited.get(header["island"], 0.0)
+        return self._reply(
+            request, header, "heartbeat", shard=self.index, seq=self.seq, credited=credited
+        )
+
+    def _on_status(self, request: Request, header: dict, payload, now: float, known: bool):
+        status = self.state.status(now)
+        status["seq"] = self.seq
+        status["endpoints"] = [list(e) for e in self.endpoints]  # the cluster map, without hello
+        return self._reply(request, header, "status_reply", status=status)
+
+    def _on_bye(self, request: Request, header: dict, payload, now: float, known: bool):
+        if known:  # a bye from a connection that lost the id to another changes nothing
+            self.state.bye(header["island"])
+            self.bindings.forget(header["island"])
+        return self._reply(request, header, "bye_ok")
+
+    # ----- time ------------------------------------------------------------------------
+
+    def on_tick(self, now: float) -> Effects:
+        """Step every fragment the merge policy says is due; heartbeat an idle PUB.
+
+        Args:
+            now: wall-clock seconds.
+
+        Returns:
+            The steps' events and updates, or a heartbeat.
+        """
+        out = Effects()
+        due, _ = self.state.due_fragments(now)
+        for fragment in due:
+            event, update = self.state.step(fragment, now)
+            out.records.append(event)
+            if update.frames is None:
+                mode = protocol.UPDATE_FULL
+                frames, _ = self._raw32.encode({"values": update.values})
+            else:
+                mode, frames = protocol.UPDATE_INCREMENT, list(update.frames)
+            header = {
+                "kind": "update",
+                "shard": self.index,
+                "fragment": update.fragment,
+                "version": update.version,
+                "mode": mode,
+                "credited": update.credited,
+            }
+            out.publishes.append(Publish(header, frames))
+        if not out.publishes and now - self._last_pub >= self.cfg.heartbeat_interval_s:
+            out.publishes.append(Publish({"kind": "heartbeat", "shard": self.index}))
+        return out
+
+    def next_wake(self, now: float) -> float:
+        """When to tick next: the merge policy's next wake-up or the next heartbeat.
+
+        Args:
+            now: wall-clock seconds.
+
+        Returns:
+            Wall-clock seconds (may be <= now: tick at once).
+        """
+        _, wake = self.state.due_fragments(now)
+        heartbeat = self._last_pub + self.cfg.heartbeat_interval_s
+        return heartbeat if wake is None else min(wake, heartbeat)
+
+    # ----- durability ----------------------------------------------------------------
+
+    def storage_failed(self, effects: Effects, error: str, rebuilt: ShardState) -> Effects:
+        """Take back a batch that did not become durable.
+
+        Args:
+            effects: the batch's effects (none of it sent).
+            error: what failed (one line).
+            rebuilt: the state rebuilt from disk (the checkpoint plus the synced log).
+
+        Returns:
+            What to send instead: replies that promised durability become
+            `storage_error` refusals (counted), updates are dropped, nothing
+            is appended.
+        """
+        old = self.state
+        rebuilt.last_seen, rebuilt.paces = old.last_seen, old.paces
+        for name in _REQUEST_COUNTERS:
+            setattr(rebuilt.counters, name, getattr(old.counters, name))
+        self.state = rebuilt
+        detail = f"{error}: not durable; send it again"
+        replies = []
+        for reply in effects.replies:
+            if reply.promises_durability:
+                refusal = self.state.reject("storage_error", detail)
+                version = self.state.versions().get(reply.header.get("fragment"), 0)
+                header = outcomes.render(reply.request, refusal, version)
+                reply = Reply(reply.conn, header, [], reply.request)
+            replies.append(reply)
+        return Effects([], replies, [p for p in effects.publishes if not p.is_update])
+
+    def release(self, effects: Effects, now: float) -> list[tuple[bytes | None, list[Any]]]:
+        """The messages of a durable batch, packed: replies first, then the numbered publishes.
+
+        Args:
+            effects: a batch whose records are on disk (or that had none).
+            now: wall-clock seconds.
+
+        Returns:
+            [(conn, frames)] with conn None for the PUB; the bytes are counted.
+        """
+        self._records_since += len(effects.records)
+        self._steps_since += sum(isinstance(e, StepEvent) for e in effects.records)
+        messages: list[tuple[bytes | None, list[Any]]] = []
+        for reply in effects.replies:
+            messages.append((reply.conn, protocol.pack(reply.header, reply.payload)))
+        for publish in effects.publishes:
+            if publish.is_update:
+                self.seq += 1
+            header = {**publish.header, "seq": self.seq}
+            messages.append((None, protocol.pack(header, publish.payload)))
+            self._last_pub = now
+        self.state.counters.bytes_out += sum(protocol.message_bytes(f) for _, f in messages)
+        return messages
+
+    @property
+    def unsaved(self) -> bool:
+        """Whether durable events happened since the last checkpoint."""
+        return self._records_since > 0
+
+    def checkpoint_due(self, now: float) -> bool:
+        """Whether to checkpoint now: every checkpoint_every_steps steps or checkpoint_every_s.
+
+        Args:
+            now: wall-clock seconds.
+
+        Returns:
+            True when due (and not waiting to retry a failed one).
+        """
+        every_steps, every_s = self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_s
+        if now < self._checkpoint_retry_at or not self.state.initialized:
+            return False
+        by_steps = every_steps and self._steps_since >= every_steps
+        by_time = every_s and self.unsaved and now - self._last_checkpoint >= every_s
+        return bool(by_steps or by_time)
+
+    def checkpoint_done(self, now: float, written: bool) -> None:
+        """Record a checkpoint attempt.
+
+        Args:
+            now: wall-clock seconds.
+            written: whether it was written (False: try again after CHECKPOINT_RETRY_S).
+        """
+        if written:
+            self._records_since = self._steps_since = 0
+            self._last_checkpoint = now
+        else:
+            self._checkpoint_retry_at = now + CHECKPOINT_RETRY_S

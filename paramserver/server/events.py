@@ -1,0 +1,70 @@
+"""What a shard's history is made of: the events its write-ahead log holds.
+
+Plain data: `paramserver.server.state` builds and applies them,
+`paramserver.server.storage.log_format` gives their on-disk records. Replaying
+the same events through `ShardState.apply` on a fresh state gives the same
+parameters bit for bit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+
+class StateError(RuntimeError):
+    """An event that cannot be applied (a corrupted or foreign log), or misuse of the state."""
+
+
+@dataclass(frozen=True)
+class Contribution:
+    """One accepted delta waiting to be merged into its fragment."""
+
+    island: str
+    round: int
+    fragment: int
+    base_version: int
+    tokens: int
+    steps: int
+    arrived: float  # wall-clock seconds
+    delta: np.ndarray  # 1-D float32, the fragment's size
+
+    @property
+    def key(self) -> tuple[str, int, int]:
+        """The idempotency key (island, round, fragment)."""
+        return (self.island, self.round, self.fragment)
+
+
+@dataclass(frozen=True)
+class InitEvent:
+    """The shard got its plan and initial values (fragment -> 1-D float32)."""
+
+    plan_wire: dict
+    values: dict[int, np.ndarray]
+
+
+@dataclass(frozen=True)
+class AcceptEvent:
+    """A delta was accepted into its fragment's pending set.
+
+    `frames` are the codec frames the delta was decoded from, when known: the
+    log keeps those (compressed) bytes instead of the float32 delta, and
+    decoding is deterministic, so replay gets the same delta bit for bit.
+    """
+
+    contribution: Contribution
+    frames: tuple[Any, ...] | None = None
+
+
+@dataclass(frozen=True)
+class StepEvent:
+    """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round))."""
+
+    fragment: int
+    keys: tuple[tuple[str, int], ...]
+    at: float
+
+
+Event = InitEvent | AcceptEvent | StepEvent

@@ -1,0 +1,297 @@
+"""What a shard answers a request: the refusal rules, how an outcome is counted and rendered.
+
+This module owns every refusal from its rule to its reply: the header-only
+checks of a push (`check_push`: plan, fragment, island, dedup window, base
+version, per-island pending bound), the size limit of any request
+(`oversize`), the refusals of a snapshot request (`snapshot_refusal`), the
+answer to an island the shard does not know on that connection
+(`unknown_island`), the payload checks of `init` and `push` (`read_init`,
+`read_delta`), how an outcome is counted (`count`) and the reply header
+it becomes (`render`: an `ack` for a push, else `rejected`). The rules take
+plain values, so they import nothing of the shard's state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import codec
+from paramserver.server.counters import Counters
+from paramserver.server.events import Event
+from paramserver.server.fragment import DedupEntry, FragmentState
+from paramserver.wire import protocol
+from paramserver.wire.plan import Plan, PlanError
+from paramserver.wire.protocol import DUPLICATE, REJECTED
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """The answer to a request: status accepted / duplicate / rejected, reason and detail.
+
+    `event` is the applied event when the request changed durable state.
+    `version` is the fragment's version after the request (pushes), else 0.
+    `merged_version` (pushes accepted or duplicate) is the first version of the
+    fragment that includes the delta: a step merges every pending delta, so a
+    delta still pending is in the next version.
+    """
+
+    status: str
+    reason: str | None = None
+    detail: str = ""
+    event: Event | None = None
+    version: int = 0
+    merged_version: int | None = None
+
+
+def refused(reason: str, detail: str) -> Outcome:
+    """A rejected outcome (not yet counted: see `count`).
+
+    Args:
+        reason: one of paramserver.wire.protocol.REASONS.
+        detail: human-readable explanation.
+
+    Returns:
+        Outcome(rejected, reason, detail).
+    """
+    return Outcome(REJECTED, reason, detail)
+
+
+def count(counters: Counters, outcome: Outcome) -> Outcome:
+    """Count a refusal: a duplicate, `unknown_island` as a hello request, the rest by reason.
+
+    Args:
+        counters: the shard's counters (changed in place).
+        outcome: any outcome; accepted ones pass uncounted.
+
+    Returns:
+        The outcome.
+    """
+    if outcome.status == DUPLICATE:
+        counters.duplicates += 1
+    elif outcome.status == REJECTED and outcome.reason == "unknown_island":
+        counters.hello_requests += 1
+    elif outcome.status == REJECTED:
+        counters.rejected[outcome.reason] = counters.rejected.get(outcome.reason, 0) + 1
+    return outcome
+
+
+def render(request: Mapping[str, Any] | None, outcome: Outcome, version: int) -> dict[str, Any]:
+    """The reply header of an outcome: `ack` for a push, else `rejected`.
+
+    Args:
+        request: the request header (None when it could not be parsed).
+        outcome: the request's outcome.
+        version: the fragment's current version (a push's ack when the outcome has none).
+
+    Returns:
+        The reply header (echoing the request's `id`).
+    """
+    if request is not None and request.get("kind") == "push":
+        detail = {"detail": outcome.detail} if outcome.status == REJECTED else {}
+        return protocol.reply_header(
+            request,
+            "ack",
+            round=request["round"],
+            fragment=request["fragment"],
+            outcome=outcome.status,
+            reason=outcome.reason,
+            version=outcome.version or version,
+            merged_version=outcome.merged_version,
+            **detail,
+        )
+    return render_rejected(request, outcome)
+
+
+def render_rejected(request: Mapping[str, Any] | None, outcome: Outcome) -> dict[str, Any]:
+    """The `rejected` reply header of a refusal (of any request, a push that did not parse too).
+
+    Args:
+        request: the request header, or what could be read of it (None: nothing).
+        outcome: the refusal.
+
+    Returns:
+        The reply header (echoing the request's `id`).
+    """
+    return protocol.reply_header(request, "rejected", reason=outcome.reason, detail=outcome.detail)
+
+
+def read_init(
+    plan_wire: Any, payload: Sequence[Any], cfg: Any, shard: int
+) -> tuple[Plan, dict[int, np.ndarray]] | Outcome:
+    """The plan and this shard's initial values of an `init`, or why they are refused.
+
+    Args:
+        plan_wire: the wire plan (Plan.to_wire()).
+        payload: codec frames of the tree {"<fragment>": 1-D float32 vector}
+            with exactly this shard's fragments.
+        cfg: the shard's config (shards, num_fragments).
+        shard: the shard's index.
+
+    Returns:
+        (plan, fragment -> values), or a rejected outcome (malformed,
+        plan_mismatch, codec_error, unknown_fragment, bad_shape, bad_dtype,
+        non_finite), not yet counted.
+    """
+    try:
+        plan = Plan.from_wire(plan_wire)
+    except PlanError as exc:
+        return refused("malformed", f"bad wire plan: {exc}")
+    if plan.num_shards != cfg.shards or plan.num_fragments != cfg.num_fragments:
+        return refused(
+            "plan_mismatch",
+            f"plan has {plan.num_shards} shards / {plan.num_fragments} fragments; "
+            f"the cluster runs {cfg.shards} / {cfg.num_fragments}",
+        )
+    owned = {f.index: f.size for f in plan.fragments_of(shard)}
+    try:
+        tree = codec.decode(payload, max_elements=sum(owned.values()))
+    except codec.CodecError as exc:
+        return refused("codec_error", str(exc))
+    keys = sorted(str(k) for k in tree)
+    if keys != sorted(str(i) for i in owned):
+        return refused(
+            "unknown_fragment",
+            f"init payload has fragments {keys}; shard {shard} owns {sorted(owned)}",
+        )
+    values: dict[int, np.ndarray] = {}
+    for index, size in owned.items():
+        problem = protocol.vector_problem(tree[str(index)], size)
+        if problem:
+            return refused(problem[0], f"fragment {index}: {problem[1]}")
+        values[index] = tree[str(index)]
+    return plan, values
+
+
+def read_delta(payload: Sequence[Any], size: int) -> np.ndarray | Outcome:
+    """The delta of a push's payload, or why it is refused.
+
+    Args:
+        payload: codec frames of the tree {"delta": 1-D vector}.
+        size: the fragment's size.
+
+    Returns:
+        The 1-D float32 delta, or a rejected outcome (codec_error, bad_shape,
+        bad_dtype, non_finite), not yet counted.
+    """
+    try:
+        tree = codec.decode(payload, max_elements=size)
+    except codec.CodecError as exc:
+        return refused("codec_error", str(exc))
+    if not isinstance(tree, Mapping) or set(tree) != {"delta"}:
+        keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
+        return refused("bad_shape", f"payload must be the tree {{'delta': vec}}, got {keys}")
+    delta = tree["delta"]
+    problem = protocol.vector_problem(delta, size)
+    return refused(*problem) if problem else delta
+
+
+def oversize(size: int, limit: int) -> Outcome | None:
+    """The refusal of a request larger than the shard accepts.
+
+    Args:
+        size: the request's size in bytes, all frames.
+        limit: the shard's max_message_bytes.
+
+    Returns:
+        A rejected `oversize` outcome, or None when the request fits.
+    """
+    if size <= limit:
+        return None
+    return refused("oversize", f"{size} bytes; max_message_bytes={limit}")
+
+
+def snapshot_refusal(initialized: bool, owned: bool, fragment: int, shard: int) -> Outcome | None:
+    """Why a snapshot of `fragment` cannot be served, if it cannot.
+
+    Args:
+        initialized: whether the shard has its parameters.
+        owned: whether the shard owns `fragment`.
+        fragment: the requested fragment.
+        shard: the shard's index.
+
+    Returns:
+        `not_initialized` or `unknown_fragment` (rejected), or None to serve it.
+    """
+    if not initialized:
+        return refused("not_initialized", "no parameters yet: init first")
+    if not owned:
+        return refused("unknown_fragment", f"fragment {fragment} is not on shard {shard}")
+    return None
+
+
+def unknown_island(island: str) -> Outcome:
+    """The answer to a push or heartbeat of an island not known on its connection.
+
+    Args:
+        island: the island id the request names.
+
+    Returns:
+        A rejected `unknown_island` outcome asking it to say hello again.
+    """
+    detail = f"island {island!r} is not known here (or its connection changed): say hello again"
+    return refused("unknown_island", detail)
+
+
+def check_push(
+    header: Mapping[str, Any],
+    plan: Plan | None,
+    frag: FragmentState | None,
+    known: bool,
+    entry: DedupEntry | None,
+    limits: Any,
+) -> Outcome | None:
+    """Header-only checks of a push, in order; counts nothing.
+
+    Args:
+        header: a push header that passed protocol.unpack.
+        plan: the shard's plan (None before init).
+        frag: the pushed fragment's state, None when the shard does not own it.
+        known: whether the island said hello.
+        entry: the dedup entry of (island, fragment), if any.
+        limits: the shard's config (dedup_window, max_pending_per_island).
+
+    Returns:
+        None when the push may proceed to payload checks; else the duplicate
+        or rejected outcome (not yet counted).
+    """
+    if plan is None:
+        return refused("not_initialized", "no parameters yet: init first")
+    fragment, island, rnd = header["fragment"], header["island"], header["round"]
+    if header["plan_hash"] != plan.hash:
+        return refused("plan_mismatch", f"plan hash {header['plan_hash']!r} != {plan.hash!r}")
+    if frag is None:
+        return refused("unknown_fragment", f"fragment {fragment} is not owned by this shard")
+    if not known:
+        return unknown_island(island)
+    if entry is not None:
+        if rnd in entry.rounds:
+            still_pending = any(c.island == island and c.round == rnd for c in frag.pending)
+            return Outcome(
+                DUPLICATE,
+                None,
+                "already accepted",
+                version=frag.version,
+                merged_version=frag.version + 1 if still_pending else frag.version,
+            )
+        if rnd < entry.newest - limits.dedup_window:
+            return refused(
+                "replayed_round",
+                f"round {rnd} is older than the dedup window "
+                f"(newest {entry.newest}, window {limits.dedup_window})",
+            )
+    if header["base_version"] > frag.version:
+        return refused(
+            "future_base_version",
+            f"base_version {header['base_version']} > current version {frag.version}",
+        )
+    mine = sum(1 for c in frag.pending if c.island == island)
+    if mine >= limits.max_pending_per_island:
+        return refused(
+            "too_many_pending",
+            f"{mine} deltas of {island!r} already pending on fragment {fragment}",
+        )
+    return None
