@@ -261,9 +261,10 @@ class Cluster:
         self.cfg = ShardConfig(
             data_dir=str(tmp_path / "server"), fsync=False, shards=shards, **settings
         )
+        base = free_port(2 * shards)  # one range: no two endpoints of the cluster collide
         self.endpoints = [
-            (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-            for _ in range(shards)
+            (f"tcp://127.0.0.1:{base + 2 * i}", f"tcp://127.0.0.1:{base + 2 * i + 1}")
+            for i in range(shards)
         ]
         self.shards: list[RunningShard | None] = [None] * shards
         for i in range(shards):

@@ -16,7 +16,8 @@ def curve_shard(
     tmp_path: Path, server_secret: str, allow_dir: str, allow_map: str = ""
 ) -> RunningShard:
     """A CURVE shard (async, no fsync) whose welcome lists its real ports (islands reach its PUB)."""
-    router, pub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    base = free_port(2)
+    router, pub = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
     cfg = ShardConfig(
         data_dir=str(tmp_path / "server"),
         fsync=False,

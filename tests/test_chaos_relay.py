@@ -33,7 +33,8 @@ def relayed(tmp_path):
     made = []
 
     def make(faults):
-        router, pub, front = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+        base = free_port(3)  # three distinct ports
+        router, pub, front = (f"tcp://127.0.0.1:{base + i}" for i in range(3))
         cfg = ShardConfig(
             data_dir=str(tmp_path / "server"),
             fsync=False,
