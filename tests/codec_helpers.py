@@ -1,4 +1,4 @@
-"""Shared helpers of the codec tests: the scheme table and error bounds."""
+"""Shared helpers of the codec tests: the scheme table, error bounds, checked decode, damage."""
 
 import ml_dtypes
 import numpy as np
@@ -79,14 +79,48 @@ def fuzz_tree() -> dict:
     }
 
 
-def decode_or_codec_error(frames, **kw) -> bool:
-    """True when decode succeeded; any exception other than CodecError fails."""
+DECODED_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), BF16)
+
+
+def checked_decode(frames, c=None, like=None, **kw) -> dict | None:
+    """Decode `frames` and check what came back; None when the codec refused them.
+
+    A refusal must be a CodecError with a message (any other exception fails the
+    test). A result must be a tree of arrays in a dtype the codec writes, with
+    finite values; given the input it encoded (`like`, encoded by `c`), it must
+    have the input's paths, shapes and dtypes and lie within the codec's error
+    bound of it.
+
+    Args:
+        frames: the message to decode.
+        c: the codec that encoded `like` (needed with `like`).
+        like: the tree whose clean encoding `frames` is, or None for damaged input.
+        kw: passed to `codec.decode` (max_elements, threads).
+
+    Returns:
+        The decoded tree, or None when decode raised CodecError.
+    """
     try:
-        codec.decode(frames, **kw)
+        tree = codec.decode(frames, **kw)
     except codec.CodecError as e:
-        assert str(e)
-        return False
-    return True
+        assert str(e), "a CodecError without a message"
+        return None
+    leaves = codec.flatten(tree)
+    for path, out in leaves.items():
+        assert isinstance(out, np.ndarray), (path, type(out))
+        assert out.dtype in DECODED_DTYPES, (path, out.dtype)
+        assert np.isfinite(out.astype(np.float64)).all(), f"{path}: non-finite values decoded"
+    if like is not None:
+        want = codec.flatten(like)
+        assert sorted(leaves) == sorted(want)
+        for path, x in want.items():
+            x = np.asarray(x)
+            out = leaves[path]
+            assert (out.shape, out.dtype) == (x.shape, x.dtype), path
+            err = np.abs(out.astype(np.float64).ravel() - x.astype(np.float64).ravel())
+            bound = max_abs_error_bound(c, x)
+            assert (err <= bound).all(), f"{path}: error {err.max()} over the bound"
+    return tree
 
 
 def mutate(rnd, frames: list[bytes]) -> list[bytes]:

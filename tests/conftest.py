@@ -1,20 +1,30 @@
-"""Shared fixtures: ZeroMQ contexts that fail on leaked sockets, free ports, raw test peers, shards.
+"""Shared test plumbing: polling, free ports, ZeroMQ contexts, raw test peers, shards in threads.
 
-Everything binds to 127.0.0.1 (random ports) and sets linger 0.
+Everything binds to 127.0.0.1 (random ports) and sets linger 0. The one home of:
 
+- `wait_for(predicate, what)`: poll until the predicate is truthy; fail after a timeout.
+- `free_port(count=1)`: the first of `count` consecutive TCP ports free a moment ago.
 - `zmq_ctx`: a fresh context; the test fails if it leaves a socket open.
-- `free_port()`: a TCP port on 127.0.0.1 that was free a moment ago.
 - `peer(endpoint)`: a raw DEALER speaking `paramserver.wire.protocol` (no client
   library), for sending good and bad messages to a shard.
-- `start_shard(**overrides)`: a ShardServer in a thread with random ports and a
+- `RunningShard`: one ShardServer serving in a thread (the only code that runs one).
+- `start_shard(**overrides)`: a shard in a thread on ports the OS picks, with a
   temporary data dir; stopped (and checked to have stopped) at teardown.
+- `cluster(shards, **overrides)` / `Cluster`: N shards in threads on fixed free ports
+  that advertise what they bind, restartable on the same ports and data dir.
+
+It imports `jax_cache` first: one JAX compilation cache for the session (removed after).
 """
 
 from __future__ import annotations
 
+import jax_cache  # first: its environment must be set before anything imports JAX
+
+# isort: split
 import itertools
 import socket
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
@@ -28,34 +38,68 @@ from paramserver.wire import protocol
 from paramserver.wire.snapshot import snapshot_request, snapshot_values
 
 REPLY_TIMEOUT_S = 10.0
+WAIT_S = 20.0  # default bound of wait_for
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that the OS reported free (may race; prefer binding to *)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def wait_for(
+    predicate: Callable[[], Any],
+    what: str = "the condition",
+    *,
+    timeout_s: float = WAIT_S,
+    poll_s: float = 0.02,
+) -> Any:
+    """Poll `predicate` until it returns a truthy value; fail the test after `timeout_s`.
+
+    Args:
+        predicate: called every `poll_s` seconds (and once more at the deadline).
+        what: what is awaited, for the failure message.
+        timeout_s: how long to wait.
+        poll_s: pause between calls.
+
+    Returns:
+        The predicate's first truthy value.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        value = predicate()
+        if value:
+            return value
+        assert time.monotonic() < deadline, f"timed out after {timeout_s:g} s waiting for {what}"
+        time.sleep(poll_s)
 
 
-def free_base_port(count: int) -> int:
-    """A base port with `count` consecutive ports on 127.0.0.1 free a moment ago (may race)."""
-    for _ in range(50):
+def free_port(count: int = 1) -> int:
+    """The first of `count` consecutive TCP ports on 127.0.0.1 that were free a moment ago.
+
+    May race with other processes: prefer binding to port * where the code allows it.
+
+    Args:
+        count: how many consecutive ports are needed (a shard binds ROUTER P, PUB P + 1).
+
+    Returns:
+        The first port P (P .. P + count - 1 were free).
+    """
+    for _ in range(100):
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             base = s.getsockname()[1]
-        if base + count > 65535:
-            continue
-        ok = True
-        for port in range(base, base + count):
-            with socket.socket() as s:
-                try:
-                    s.bind(("127.0.0.1", port))
-                except OSError:
-                    ok = False
-                    break
-        if ok:
+        if base + count <= 65536 and all(_bindable(p) for p in range(base, base + count)):
             return base
-    raise AssertionError("no free port range")
+    raise AssertionError(f"no {count} consecutive free ports")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """End of the session: remove the JAX compilation cache made for it."""
+    jax_cache.remove_made()
 
 
 @pytest.fixture
@@ -201,3 +245,65 @@ def start_shard(tmp_path) -> Iterator[Callable[..., RunningShard]]:
     for shard in running:
         if shard.thread.is_alive():
             shard.stop()
+
+
+class Cluster:
+    """N shards serving in threads, with the endpoints they advertise matching their binds.
+
+    Args:
+        tmp_path: the data dir is tmp_path / "server".
+        shards: how many shards.
+        overrides: ShardConfig fields (default: async, heartbeats every 0.2 s, no fsync).
+    """
+
+    def __init__(self, tmp_path, shards: int = 1, **overrides: Any) -> None:
+        settings = {"mode": "async", "heartbeat_interval_s": 0.2, **overrides}
+        self.cfg = ShardConfig(
+            data_dir=str(tmp_path / "server"), fsync=False, shards=shards, **settings
+        )
+        base = free_port(2 * shards)  # one range: no two endpoints of the cluster collide
+        self.endpoints = [
+            (f"tcp://127.0.0.1:{base + 2 * i}", f"tcp://127.0.0.1:{base + 2 * i + 1}")
+            for i in range(shards)
+        ]
+        self.shards: list[RunningShard | None] = [None] * shards
+        for i in range(shards):
+            self.start(i)
+
+    def start(self, i: int) -> None:
+        """Start (or restart, on the same ports and data dir) shard i."""
+        router, pub = self.endpoints[i]
+        server = ShardServer(self.cfg, i, self.endpoints, router_bind=router, pub_bind=pub)
+        self.shards[i] = RunningShard(server)
+
+    @property
+    def servers(self) -> list[ShardServer]:
+        """The ShardServer of each shard (its latest start)."""
+        return [shard.server for shard in self.shards]
+
+    def stop_shard(self, i: int) -> None:
+        self.shards[i].stop()
+
+    @property
+    def connect(self) -> str:
+        return self.endpoints[0][0]
+
+    def stop(self) -> None:
+        """Stop every shard still serving."""
+        for shard in self.shards:
+            if shard is not None:
+                shard.stop()
+
+
+@pytest.fixture
+def cluster(tmp_path) -> Iterator[Callable[..., Cluster]]:
+    """Factory: cluster(shards=1, **overrides) -> Cluster; every one is stopped at teardown."""
+    made: list[Cluster] = []
+
+    def make(shards: int = 1, **overrides: Any) -> Cluster:
+        made.append(Cluster(tmp_path, shards, **overrides))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.stop()

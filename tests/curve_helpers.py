@@ -1,12 +1,8 @@
-"""Helpers of the CURVE tests: a live CURVE shard on real ports, and polling."""
+"""Helpers of the CURVE tests: a live CURVE shard on real ports."""
 
 from __future__ import annotations
 
-import socket
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from conftest import RunningShard, free_port
 
@@ -20,7 +16,8 @@ def curve_shard(
     tmp_path: Path, server_secret: str, allow_dir: str, allow_map: str = ""
 ) -> RunningShard:
     """A CURVE shard (async, no fsync) whose welcome lists its real ports (islands reach its PUB)."""
-    router, pub = (f"tcp://127.0.0.1:{free_port()}" for _ in range(2))
+    base = free_port(2)
+    router, pub = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
     cfg = ShardConfig(
         data_dir=str(tmp_path / "server"),
         fsync=False,
@@ -31,32 +28,3 @@ def curve_shard(
         **SLOW_HB,
     )
     return RunningShard(ShardServer(cfg, 0, [(router, pub)], router, pub))
-
-
-def wait_for(predicate: Callable[[], Any], timeout_s: float = 20.0) -> Any:
-    """Poll `predicate` until it returns a truthy value (returned); fail after `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout_s}s")
-
-
-def free_port_pair() -> int:
-    """A port P on 127.0.0.1 with P and P + 1 free a moment ago (a shard's ROUTER and PUB)."""
-    for _ in range(50):
-        port = free_port()
-        if port < 65535 and _free(port + 1):
-            return port
-    raise AssertionError("no two consecutive free ports")
-
-
-def _free(port: int) -> bool:
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import threading
@@ -15,27 +14,10 @@ from dataclasses import asdict
 from pathlib import Path
 
 import zmq
-from conftest import Peer
+from conftest import Peer, free_port
 
 from paramserver.plumbing.settings import load_settings
 from paramserver.server.config import ShardConfig
-
-
-def free_port_pair() -> int:
-    """A port P with P and P + 1 free a moment ago (a shard binds ROUTER P, PUB P + 1)."""
-    for _ in range(100):
-        with socket.socket() as first:
-            first.bind(("127.0.0.1", 0))
-            port = first.getsockname()[1]
-            if port >= 65535:
-                continue
-            with socket.socket() as second:
-                try:
-                    second.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-        return port
-    raise AssertionError("no free port pair")
 
 
 def shard_argv(data_dir: Path, port: int, *flags: str) -> list[str]:
@@ -70,7 +52,7 @@ class ShardProcess:
     """
 
     def __init__(self, data_dir: Path, *flags: str) -> None:
-        self.port = free_port_pair()
+        self.port = free_port(2)
         self.router = f"tcp://127.0.0.1:{self.port}"
         env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
         argv = shard_argv(data_dir, self.port, *flags)

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import RunningShard, free_port
+from conftest import RunningShard, free_port, wait_for
 from shard_helpers import small_flat
 
 import codec
@@ -33,7 +33,8 @@ def relayed(tmp_path):
     made = []
 
     def make(faults):
-        router, pub, front = (f"tcp://127.0.0.1:{free_port()}" for _ in range(3))
+        base = free_port(3)  # three distinct ports
+        router, pub, front = (f"tcp://127.0.0.1:{base + i}" for i in range(3))
         cfg = ShardConfig(
             data_dir=str(tmp_path / "server"),
             fsync=False,
@@ -59,21 +60,12 @@ def relayed(tmp_path):
         shard.stop()
 
 
-def _wait(predicate, timeout_s=30.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.02)
-    raise AssertionError(f"condition not met within {timeout_s}s")
-
-
 def _push_one(front):
     client = Client(ClientConfig(connect=front, island="a", heartbeat_interval_s=5.0, liveness=20))
     plan = client.join(small_flat()).plan
     frames, _ = codec.int8().encode({"delta": np.full(plan.fragments[0].size, 0.1, np.float32)})
     client.push(0, 1, 0, 100, 1, frames)
-    _wait(lambda: client.stats()["pending"] == 0)
+    wait_for(lambda: client.stats()["pending"] == 0, "no pending push", timeout_s=30)
     return client
 
 
@@ -96,7 +88,7 @@ def test_a_duplicated_push_is_applied_once(relayed):
     shard, relay, front = relayed([Fault("duplicate", "a", 0.0, 1e9, prob=1.0)])
     client = _push_one(front)
     try:
-        _wait(lambda: shard.server.state.counters.duplicates == 1)
+        wait_for(lambda: shard.server.state.counters.duplicates == 1, "a duplicate", timeout_s=30)
         counters = shard.server.state.counters
         assert counters.accepted == 1 and counters.duplicates == 1
         assert client.stats()["acked"] == 1

@@ -1,17 +1,10 @@
 """Client API without a server: config validation, misuse errors, join timeout, clean close."""
 
-import socket
-
 import numpy as np
 import pytest
+from conftest import free_port
 
 from paramserver.client import Client, ClientConfig, ClientError
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.mark.parametrize(

@@ -10,17 +10,12 @@ import threading
 
 import numpy as np
 import pytest
-from client_helpers import WAIT_S, clients, clusters, wait_for
-from conftest import free_port
+from client_helpers import clients
+from conftest import WAIT_S, free_port, wait_for
 from shard_helpers import delta_frames, init_payload, nan_frames, plan_for, small_flat
 
 from paramserver.client import Client, ClientConfig, ClientError
 from paramserver.wire import protocol
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    yield from clusters(tmp_path)
 
 
 @pytest.fixture

@@ -7,24 +7,17 @@ makes appends to its write-ahead log fail, then is lifted.
 from __future__ import annotations
 
 import resource
-import time
 
 import numpy as np
 import pytest
+from conftest import wait_for
 from shard_helpers import delta_frames, small_flat
 from shard_process import ShardProcess
 
 from paramserver.client import Client, ClientConfig
 
 
-def wait_for(predicate, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
-
-
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(60)
 def test_a_push_refused_with_storage_error_is_kept_and_accepted_once_writes_succeed(
     tmp_path, zmq_ctx
 ):
@@ -41,11 +34,15 @@ def test_a_push_refused_with_storage_error_is_kept_and_accepted_once_writes_succ
         delta = np.full(res.plan.fragments[0].size, 0.01, np.float32)
         client.push(0, 1, res.versions[0], 100, 5, delta_frames(delta))
         # refused, re-sent after the back-off, refused again: kept all along
-        wait_for(lambda: client.stats()["deferred"] >= 2, "two storage_error refusals")
+        wait_for(
+            lambda: client.stats()["deferred"] >= 2, "two storage_error refusals", timeout_s=30
+        )
         stats = client.stats()
         assert (stats["acked"], stats["pending"], stats["rejected"]) == (0, 1, {})
         resource.prlimit(shard.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, hard))
-        wait_for(lambda: client.stats()["acked"] == 1, "the ack once the log can grow")
+        wait_for(
+            lambda: client.stats()["acked"] == 1, "the ack once the log can grow", timeout_s=30
+        )
         stats = client.stats()
         assert stats["pending"] == 0 and stats["rejected"] == {} and stats["duplicates"] == 0
     finally:

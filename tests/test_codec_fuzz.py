@@ -1,5 +1,7 @@
-"""Fuzzing `codec.decode`: random and mutated frames may decode or raise
-CodecError, nothing else; specific damage must raise CodecError."""
+"""Fuzzing `codec.decode` with one table of codecs (dense and topk) through one set of
+checks: a valid message decodes within the codec's error bound; damaged, forged or
+random frames are refused with CodecError (nothing else) or decode to a checked tree of
+finite arrays; specific damage must raise CodecError."""
 
 import random
 
@@ -7,32 +9,40 @@ import msgpack
 import numpy as np
 import pytest
 import zstandard
-from codec_helpers import decode_or_codec_error, fuzz_tree, mutate
+from codec_helpers import checked_decode, fuzz_tree, mutate
 
 import codec
 from codec import format as fmt
 
+# One row per codec variant; every fuzz test below runs over all of them.
+FUZZ_CODECS = {
+    "int8-b64": lambda: codec.int8(block_size=64),
+    "int8-nozstd": lambda: codec.int8(zstd_level=None),
+    "int4-b16": lambda: codec.int4(block_size=16),
+    "raw-fp32": lambda: codec.raw("float32"),
+    "raw-bf16-zstd3": lambda: codec.raw("bfloat16", zstd_level=3),
+    "topk-d0.1-chunk64": lambda: codec.topk(density=0.1, chunk=64),
+    "topk-4bit-chunk100-nozstd": lambda: codec.topk(
+        density=0.2, bits=4, chunk=100, zstd_level=None
+    ),
+    "topk-d0.5-chunk16-threads": lambda: codec.topk(density=0.5, chunk=16, zstd_threads=2),
+}
+MUTATIONS = 500  # per codec
+HEADER_MUTATIONS = 300  # per codec
+# values a forged header field may take (topk's settings and schemes among them)
+HEADER_VALUES = [None, -1, 0, 1, 2, 3, 4, 2**16, 2**16 + 1, 2**40, 2**64 - 1, 3.5, "x", b"x"]
+HEADER_VALUES += ["int8", "topk", [], [1, 2], {"a": 1}, True]
 
-@pytest.fixture
-def small_frames(monkeypatch):
-    """Small frame size, so small messages already span several payload frames."""
-    monkeypatch.setattr(fmt, "FRAME_BYTES", 256)
 
-
-def messages() -> list[list[bytes]]:
+@pytest.fixture(params=sorted(FUZZ_CODECS))
+def encoded(request, monkeypatch):
+    """(codec, tree, frames): the fuzz tree encoded with small frames (several payload frames)."""
+    monkeypatch.setattr(fmt, "FRAME_BYTES", 128)
+    c = FUZZ_CODECS[request.param]()
     tree = fuzz_tree()
-    out = []
-    for c in [
-        codec.int8(block_size=64),
-        codec.int8(zstd_level=None),
-        codec.int4(block_size=16),
-        codec.raw("float32"),
-        codec.raw("bfloat16", zstd_level=3),
-    ]:
-        frames, _ = c.encode(tree)
-        assert len(frames) >= 3
-        out.append([bytes(f) for f in frames])
-    return out
+    frames, _ = c.encode(tree, c.init(tree))
+    assert len(frames) >= 3
+    return c, tree, [bytes(f) for f in frames]
 
 
 def repack(header: bytes, **changes) -> bytes:
@@ -41,70 +51,82 @@ def repack(header: bytes, **changes) -> bytes:
     return msgpack.packb(obj)
 
 
-def test_valid_messages_decode(small_frames):
-    for frames in messages():
-        assert decode_or_codec_error(frames)
+def forge_header(rnd: random.Random, header: bytes) -> bytes:
+    """The header with one field (or one entry of a tensor or frame record) replaced."""
+    obj = msgpack.unpackb(header)
+    key = rnd.choice([*obj, "keep", "bits", "block", "scheme", "payload"])
+    if key in ("tensors", "frames") and obj[key] and rnd.random() < 0.7:
+        entry = rnd.choice(obj[key])
+        extra = [[2**40], [-1], ["a", 1]] if key == "tensors" else []
+        entry[rnd.randrange(len(entry))] = rnd.choice(HEADER_VALUES + extra)
+    else:
+        obj[key] = rnd.choice(HEADER_VALUES)
+    return msgpack.packb(obj)
 
 
-@pytest.mark.timeout(120)
-def test_mutated_frames_never_raise_anything_but_codec_error(small_frames):
-    rnd = random.Random(1234)
-    msgs = messages()
-    decoded = 0
-    for _ in range(2500):
-        frames = mutate(rnd, rnd.choice(msgs))
-        decoded += decode_or_codec_error(frames)
-    assert decoded < 250  # almost all damage is detected
+def assert_same_tree(got: dict, want: dict) -> None:
+    got, want = codec.flatten(got), codec.flatten(want)
+    assert sorted(got) == sorted(want)
+    for path, x in want.items():
+        assert got[path].dtype == x.dtype and np.array_equal(got[path], x), path
+
+
+def test_valid_messages_decode_within_the_error_bound(encoded):
+    c, tree, frames = encoded
+    assert checked_decode(frames, c, tree) is not None
 
 
 @pytest.mark.timeout(60)
-def test_random_frames_never_raise_anything_but_codec_error():
+def test_mutated_frames_are_refused_or_decode_to_the_clean_message(encoded):
+    c, tree, frames = encoded
+    clean = checked_decode(frames, c, tree)
+    rnd = random.Random(f"mutate {c!r}")
+    decoded = 0
+    for _ in range(MUTATIONS):
+        damaged = mutate(rnd, frames)
+        got = checked_decode(damaged)
+        if got is not None:
+            decoded += 1
+            if damaged[0] == frames[0]:  # the payload is checksummed: only itself decodes
+                assert_same_tree(got, clean)
+    assert decoded < MUTATIONS // 10  # almost all damage is detected
+
+
+@pytest.mark.timeout(60)
+def test_forged_header_fields_are_refused_or_decode_to_finite_arrays(encoded):
+    c, _, frames = encoded
+    rnd = random.Random(f"header {c!r}")
+    for _ in range(HEADER_MUTATIONS):
+        checked_decode([forge_header(rnd, frames[0]), *frames[1:]])
+
+
+@pytest.mark.timeout(60)
+def test_random_frames_are_refused_with_codec_error():
     rnd = random.Random(99)
     for _ in range(1000):
         frames = [rnd.randbytes(rnd.randrange(40)) for _ in range(rnd.randrange(4))]
         if rnd.random() < 0.5 and frames:
             frames[0] = msgpack.packb({"magic": "ddcodec", "version": 1, **{"x": rnd.random()}})
-        assert not decode_or_codec_error(frames)
+        assert checked_decode(frames) is None
 
 
-@pytest.mark.timeout(60)
-def test_header_field_mutations_never_raise_anything_but_codec_error(small_frames):
-    rnd = random.Random(5)
-    values = [None, -1, 0, 1, 2**40, 2**64 - 1, 3.5, "x", b"x", [], [1, 2], {"a": 1}, True]
-    msgs = messages()[:3]
-    for _ in range(800):
-        frames = list(rnd.choice(msgs))
-        obj = msgpack.unpackb(frames[0])
-        key = rnd.choice(list(obj))
-        if key == "tensors" and obj[key] and rnd.random() < 0.7:
-            entry = rnd.choice(obj[key])
-            entry[rnd.randrange(4)] = rnd.choice(values + [[2**40], [-1], ["a", 1]])
-        elif key == "frames" and obj[key] and rnd.random() < 0.7:
-            entry = rnd.choice(obj[key])
-            entry[rnd.randrange(3)] = rnd.choice(values)
-        else:
-            obj[key] = rnd.choice(values)
-        frames[0] = msgpack.packb(obj)
-        decode_or_codec_error(frames)
-
-
-def test_specific_damage_is_detected(small_frames):
-    for frames in messages():
-        header = frames[0]
-        for bad in [
-            frames[:-1],  # dropped frame
-            [frames[0], *frames[1:][::-1]],  # reordered payload
-            [*frames[:-1], frames[-1][:-1]],  # truncated frame
-            [frames[0], frames[1], *frames[1:]],  # duplicated frame
-            [frames[1], frames[0], *frames[2:]],  # header not first
-            [],
-            "not frames",
-        ]:
-            assert not decode_or_codec_error(bad)
-        with pytest.raises(codec.CodecError, match="version"):
-            codec.decode([repack(header, version=2), *frames[1:]])
-        # unknown header fields are ignored
-        assert decode_or_codec_error([repack(header, future_field=[1, 2]), *frames[1:]])
+def test_specific_damage_is_detected(encoded):
+    c, tree, frames = encoded
+    header = frames[0]
+    for bad in [
+        frames[:-1],  # dropped frame
+        [frames[0], *frames[1:][::-1]],  # reordered payload
+        [*frames[:-1], frames[-1][:-1]],  # truncated frame
+        [frames[0], frames[1], *frames[1:]],  # duplicated frame
+        [frames[1], frames[0], *frames[2:]],  # header not first
+        [],
+        "not frames",
+    ]:
+        assert checked_decode(bad) is None
+    with pytest.raises(codec.CodecError, match="version"):
+        codec.decode([repack(header, version=2), *frames[1:]])
+    # unknown header fields are ignored
+    assert checked_decode([repack(header, future_field=[1, 2]), *frames[1:]], c, tree) is not None
 
 
 def test_huge_declared_sizes_are_refused_before_allocating():

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from client_helpers import Cluster
+from conftest import Cluster
 
 from bench.restart import _log_phases, summarize
 from worker import compile_cache, progress

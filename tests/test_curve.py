@@ -17,7 +17,8 @@ import sys
 import numpy as np
 import pytest
 import zmq
-from curve_helpers import curve_shard, wait_for
+from conftest import wait_for
+from curve_helpers import curve_shard
 from shard_helpers import small_flat
 
 import codec
@@ -109,8 +110,10 @@ def test_only_allow_listed_islands_reach_the_shard(tmp_path, keys, caplog, zmq_c
         size = plan.fragments[0].size
         frames, _ = codec.int8().encode({"delta": np.full(size, 0.1, np.float32)})
         good.push(0, 1, 0, 100, 1, frames)
-        wait_for(lambda: good.stats()["acked"] == 1)
-        updates = wait_for(good.poll_updates)  # the PUB stream authenticated the subscriber
+        wait_for(lambda: good.stats()["acked"] == 1, "the ack")
+        updates = wait_for(
+            good.poll_updates, "an update"
+        )  # the PUB stream authenticated the subscriber
         assert updates[0].fragment == 0 and updates[0].version == 1
 
         # a key that is not on the allow list: refused by ZAP, logged, never joins
@@ -118,7 +121,7 @@ def test_only_allow_listed_islands_reach_the_shard(tmp_path, keys, caplog, zmq_c
         with pytest.raises(ClientError, match="no hello reply"):
             stranger.join(small_flat())
         stranger.close(0)
-        wait_for(lambda: "not in the allow list" in caplog.text)
+        wait_for(lambda: "not in the allow list" in caplog.text, "the allow-list log line")
 
         # no key at all: the handshake fails before ZAP; the monitor logs it
         caplog.clear()
@@ -126,7 +129,7 @@ def test_only_allow_listed_islands_reach_the_shard(tmp_path, keys, caplog, zmq_c
         with pytest.raises(ClientError, match="no hello reply"):
             plain.join(small_flat())
         plain.close(0)
-        wait_for(lambda: "failed the CURVE handshake" in caplog.text)
+        wait_for(lambda: "failed the CURVE handshake" in caplog.text, "the handshake log line")
 
         # a raw peer without a key gets no answer either
         raw = zmq_ctx.socket(zmq.DEALER)

@@ -21,8 +21,8 @@ from typing import Any
 import numpy as np
 import pytest
 import zmq
-from conftest import REPLY_TIMEOUT_S, RunningShard, free_port
-from curve_helpers import SLOW_HB, curve_shard, free_port_pair, wait_for
+from conftest import REPLY_TIMEOUT_S, RunningShard, free_port, wait_for
+from curve_helpers import SLOW_HB, curve_shard
 from shard_helpers import delta_frames, push_header, small_flat
 
 from paramserver.client import Client, ClientConfig, ClientError
@@ -338,7 +338,7 @@ def test_metrics_report_up_under_curve(tmp_path, keys):
 @pytest.mark.slow
 def test_detached_curve_cluster_status_and_metrics(tmp_path, keys):
     """Real daemons: the supervisor's metrics and `status` both get through CURVE."""
-    data_dir, port, metrics_port = tmp_path / "server", free_port_pair(), free_port()
+    data_dir, port, metrics_port = tmp_path / "server", free_port(2), free_port()
     start = [
         sys.executable, "-m", "paramserver.server.cli", "start", "--detach", "--shards", "1",
         "--port", str(port), "--data-dir", str(data_dir), "--fsync", "false",

@@ -16,6 +16,7 @@ from worker import progress
 from worker.config import IslandConfig
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("eval_every", [0, 2])
 def test_rank0_writes_a_final_row_with_eval_global_that_ends_the_eval_curve(tmp_path, eval_every):

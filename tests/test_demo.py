@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import wait_for
 
 from bench import demo
 from paramserver.plumbing import daemon
@@ -58,16 +59,21 @@ class DemoRun:
             time.sleep(0.1)
 
     def wait_line(self, predicate, timeout_s: float) -> int:
-        """Index of the first stderr line matching `predicate`; fails the test after timeout."""
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
+        """Index of the first stderr line matching `predicate`; fails the test if the demo
+        exits first or after `timeout_s`."""
+
+        def first() -> tuple[int] | None:
             for i, (_t, line) in enumerate(list(self.lines)):
                 if predicate(line):
-                    return i
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.1)
-        pytest.fail(f"no such line; stderr so far:\n{self.text()}")
+                    return (i,)
+            assert self.proc.poll() is None, "the demo exited first"
+            return None
+
+        try:
+            (index,) = wait_for(first, "a matching stderr line", timeout_s=timeout_s, poll_s=0.1)
+        except AssertionError as e:
+            pytest.fail(f"{e}; stderr so far:\n{self.text()}")
+        return index
 
     def finish(self, timeout_s: float) -> int:
         code = self.proc.wait(timeout=timeout_s)

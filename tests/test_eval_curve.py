@@ -6,35 +6,17 @@ from __future__ import annotations
 
 import json
 import math
-import subprocess
-import sys
-from pathlib import Path
 
-import jax
-import numpy as np
 import pytest
 from curve_helpers import SLOW_HB, curve_shard
+from test_final_eval import EVAL_FLAGS, run_eval, tiny_flat
 
-import codec
 from paramserver.client import Client, ClientConfig
 from paramserver.plumbing.curve import write_keypair
-from worker import model as model_lib
-
-ROOT = Path(__file__).resolve().parent.parent
-EVAL_FLAGS = ("--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2")
 
 
-def run_eval(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "worker.cli", "eval", *args, *EVAL_FLAGS],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-
-
-@pytest.mark.timeout(180)
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_eval_speaks_curve_with_the_islands_keys(tmp_path):
     server_pub, server_secret = write_keypair(tmp_path / "server", "server")
     allow = tmp_path / "allow"
@@ -52,18 +34,17 @@ def test_eval_speaks_curve_with_the_islands_keys(tmp_path):
             **SLOW_HB,
         )
         client = Client(cfg)
-        params = model_lib.init_params(model_lib.MODEL_CONFIGS["tiny"], 0)
-        client.join(codec.flatten(jax.tree_util.tree_map(np.asarray, params)))
+        client.join(tiny_flat())
         client.close(flush_timeout_s=1.0)  # says bye: the id is free for eval's hello
 
         keys = ("--curve-secret-key-file", str(secret), "--curve-server-key-file", str(server_pub))
-        proc = run_eval("--connect", shard.router, "--island", "isl", "--json", *keys)
+        proc = run_eval("--connect", shard.router, "--island", "isl", "--json", *keys, *EVAL_FLAGS)
         assert proc.returncode == 0, proc.stderr[-2000:]
         result = json.loads(proc.stdout.strip().splitlines()[-1])
         assert math.isfinite(result["eval_loss"]) and 4.0 < result["eval_loss"] < 7.0  # ~ln 256
         assert result["pending"] == 0
 
-        plain = run_eval("--connect", shard.router, "--island", "isl", "--wait-s", "2")
+        plain = run_eval("--connect", shard.router, "--island", "isl", "--wait-s", "2", *EVAL_FLAGS)
         assert plain.returncode != 0
         lines = plain.stderr.strip().splitlines()
         assert len(lines) == 1 and lines[0].startswith("diloco-worker eval:"), plain.stderr

@@ -11,94 +11,27 @@ import math
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 import pytest
-from conftest import free_port
+from client_helpers import clients
+from conftest import WAIT_S, free_port, wait_for
 from shard_helpers import delta_frames, small_flat
 
 import codec
-from paramserver.client import Client, ClientConfig
 from paramserver.plumbing import probe
-from paramserver.server.config import ShardConfig
-from paramserver.server.shard import ShardServer
 from worker import model as model_lib
 from worker.config import IslandConfig
 
-WAIT_S = 20.0
 ROOT = Path(__file__).resolve().parent.parent
 EVAL_FLAGS = ("--model", "tiny", "--batch-size", "4", "--seq-len", "32", "--eval-batches", "2")
 
 
-class Cluster:
-    """N shards serving in threads; the endpoints they advertise match their binds."""
-
-    def __init__(self, tmp_path: Path, shards: int, **overrides) -> None:
-        settings = {"mode": "async", "heartbeat_interval_s": 0.2, **overrides}
-        cfg = ShardConfig(data_dir=str(tmp_path / "server"), fsync=False, shards=shards, **settings)
-        self.endpoints = [
-            (f"tcp://127.0.0.1:{free_port()}", f"tcp://127.0.0.1:{free_port()}")
-            for _ in range(shards)
-        ]
-        self.stops, self.threads = [], []
-        for i, (router, pub) in enumerate(self.endpoints):
-            server = ShardServer(cfg, i, self.endpoints, router_bind=router, pub_bind=pub)
-            stop = threading.Event()
-            thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
-            thread.start()
-            self.stops.append(stop)
-            self.threads.append(thread)
-            assert server.ready.wait(WAIT_S), "shard did not start"
-
-    @property
-    def connect(self) -> str:
-        return self.endpoints[0][0]
-
-    def stop(self) -> None:
-        for stop in self.stops:
-            stop.set()
-        for thread in self.threads:
-            thread.join(WAIT_S)
-            assert not thread.is_alive()
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    made: list[Cluster] = []
-
-    def make(shards: int = 2, **overrides) -> Cluster:
-        made.append(Cluster(tmp_path, shards, **overrides))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.stop()
-
-
 @pytest.fixture
 def client():
-    made: list[Client] = []
-
-    def make(connect: str, island: str) -> Client:
-        cfg = ClientConfig(
-            connect=connect, island=island, heartbeat_interval_s=0.2, join_timeout_s=WAIT_S
-        )
-        made.append(Client(cfg))
-        return made[-1]
-
-    yield make
-    for c in made:
-        c.close(flush_timeout_s=1.0)
-
-
-def wait_for(predicate, what: str) -> None:
-    deadline = time.monotonic() + WAIT_S
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.01)
+    yield from clients()
 
 
 def tiny_flat() -> dict[str, np.ndarray]:
@@ -112,7 +45,7 @@ def run_eval(*args: str) -> subprocess.CompletedProcess:
         cwd=ROOT,
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=50,
     )
 
 
@@ -206,7 +139,8 @@ def test_an_unreachable_shard_is_a_probe_error():
 # -- worker.evaluate / diloco-worker eval --------------------------------------------
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_cli_eval_json_against_a_live_cluster_equals_the_in_process_evaluation(cluster, client):
     from worker.evaluate import evaluate_global
 

@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 import zmq
-from conftest import Peer, free_port
+from conftest import Peer, free_port, wait_for
 from shard_process import ShardProcess
-from worker_helpers import wait_for
 
 from worker import progress
 
@@ -198,7 +197,9 @@ def test_kill_9_of_process_1_stops_process_0_with_one_line_and_the_shard_sees_it
             start_process(tmp_path / f"p{i}", shard.router, 2, group=(coordinator, 2, i))
             for i in range(2)
         ]
-        wait_for(lambda: len(metrics(tmp_path / "p0")) >= 2, 240, "the island to train a round")
+        wait_for(
+            lambda: len(metrics(tmp_path / "p0")) >= 2, "the island to train a round", timeout_s=240
+        )
         assert shard_status(shard)["islands_live"] == ["isl"]
         procs[1].send_signal(signal.SIGKILL)
         killed = time.monotonic()
@@ -208,7 +209,11 @@ def test_kill_9_of_process_1_stops_process_0_with_one_line_and_the_shard_sees_it
         assert code != 0, text[-3000:]
         assert "process 1 of 2 is gone" in text, text[-3000:]
         assert took < 3 * LIVENESS_S + 10, took  # liveness + a flush bounded by it, no hang
-        wait_for(lambda: shard_status(shard)["islands_live"] == [], 30, "the shard to see it leave")
+        wait_for(
+            lambda: shard_status(shard)["islands_live"] == [],
+            "the shard to see it leave",
+            timeout_s=30,
+        )
         status = progress.read_status(tmp_path / "p0")
         assert status["state"] == "failed" and "process 1 of 2" in status["error"]
     finally:

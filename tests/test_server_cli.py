@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import free_base_port
+from conftest import free_port, wait_for
 from shard_helpers import delta_frames, small_flat
 
 from paramserver.client import Client, ClientConfig
@@ -89,7 +89,7 @@ def test_bad_environment_value_names_the_variable():
 
 
 def test_status_with_nobody_listening_fails_clearly():
-    port = free_base_port(1)
+    port = free_port()
     proc = run_cli("status", "--connect", f"tcp://127.0.0.1:{port}", "--timeout", "0.5")
     assert_one_line_error(proc, 1, f"tcp://127.0.0.1:{port}", "within 0.5s", "running")
 
@@ -125,8 +125,8 @@ def test_bad_cluster_file(tmp_path):
 @pytest.mark.slow
 def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
     data_dir = tmp_path / "server"
-    port = free_base_port(4)
-    metrics_port = free_base_port(1)
+    port = free_port(4)
+    metrics_port = free_port()
     stop_after(data_dir)
     proc = run_cli(
         "start",
@@ -159,10 +159,7 @@ def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
         res = client.join(small_flat(0))
         size = res.plan.fragments[0].size
         client.push(0, 0, 0, 100, 10, delta_frames(np.full(size, 0.01, np.float32)))
-        deadline = time.monotonic() + 30
-        while client.stats()["acked"] < 1:
-            assert time.monotonic() < deadline, "no ack"
-            time.sleep(0.02)
+        wait_for(lambda: client.stats()["acked"] >= 1, "the ack", timeout_s=30)
 
         status = run_cli("status", "--connect", connect, "--json")
         assert status.returncode == 0, status.stderr
@@ -199,7 +196,7 @@ def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
 @pytest.mark.slow
 def test_foreground_sigterm_drains_and_exits_0(tmp_path):
     data_dir = tmp_path / "server"
-    port = free_base_port(2)
+    port = free_port(2)
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     env["DILOCO_SERVER_FSYNC"] = "false"
     proc = subprocess.Popen(
@@ -233,7 +230,7 @@ def test_foreground_sigterm_drains_and_exits_0(tmp_path):
 @pytest.mark.slow
 def test_cluster_file_shards_start_and_stop(tmp_path, stop_after):
     data_dir = tmp_path / "server"
-    port = free_base_port(4)
+    port = free_port(4)
     cluster = tmp_path / "cluster.toml"
     cluster.write_text(
         f'[server]\ndata_dir = "{data_dir}"\nfsync = false\nmode = "async"\n'
@@ -287,8 +284,8 @@ def test_metrics_endpoint_serves_shard_counters(start_shard):
     from paramserver.server.metrics import serve_metrics
 
     shard = start_shard()
-    dead = f"tcp://127.0.0.1:{free_base_port(1)}"
-    server = serve_metrics(free_base_port(1), [shard.router, dead], host="127.0.0.1")
+    dead = f"tcp://127.0.0.1:{free_port()}"
+    server = serve_metrics(free_port(), [shard.router, dead], host="127.0.0.1")
     try:
         url = f"http://127.0.0.1:{server.server_port}/metrics"
         with urllib.request.urlopen(url, timeout=30) as response:
@@ -333,7 +330,7 @@ def test_client_resends_to_a_frozen_shard_and_the_shard_dedups(tmp_path, stop_af
     """SIGSTOP the shard process: the client re-sends on ack timeout; after SIGCONT the
     shard sees every copy, applies one and acks the rest as duplicates."""
     data_dir = tmp_path / "server"
-    port = free_base_port(2)
+    port = free_port(2)
     stop_after(data_dir)
     started = run_cli(
         "start", "--detach", "--port", str(port), "--data-dir", str(data_dir),
@@ -349,17 +346,11 @@ def test_client_resends_to_a_frozen_shard_and_the_shard_dedups(tmp_path, stop_af
         try:
             frames = delta_frames(np.full(res.plan.fragments[0].size, 0.1, np.float32))
             client.push(0, 0, 0, 100, 10, frames)
-            deadline = time.monotonic() + 30
-            while client.stats()["resent"] < 2:
-                assert time.monotonic() < deadline, client.stats()
-                time.sleep(0.02)
+            wait_for(lambda: client.stats()["resent"] >= 2, "two re-sends", timeout_s=30)
             assert client.stats()["acked"] == 0
         finally:
             os.kill(shard_pid, signal.SIGCONT)
-        deadline = time.monotonic() + 30
-        while client.stats()["acked"] < 1:
-            assert time.monotonic() < deadline, client.stats()
-            time.sleep(0.02)
+        wait_for(lambda: client.stats()["acked"] >= 1, "the ack after SIGCONT", timeout_s=30)
         status = run_cli("status", "--connect", connect, "--json")
         (shard,) = json.loads(status.stdout)["shards"]
         assert shard["accepted"] == 1 and shard["duplicates"] >= 1

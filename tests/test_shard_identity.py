@@ -3,10 +3,9 @@
 Raw DEALER peers on 127.0.0.1 against a real shard; every wait polls with a deadline.
 """
 
-import time
-
 import numpy as np
 import pytest
+from conftest import wait_for
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 pytestmark = pytest.mark.timeout(60)
@@ -65,14 +64,15 @@ def test_a_silent_connection_loses_its_id_to_the_next_hello(start_shard, peer):
     new = peer(shard.router, "a")  # a reconnect: new socket, same id; the old one is closed
     _refused(new.request({"kind": "hello", "island": "a"})[0])
     old.close()
-    deadline = time.monotonic() + 10.0
-    while True:  # what a client does: heartbeat; on unknown_island, say hello
+
+    def forgotten() -> bool:  # what a client does: heartbeat; on unknown_island, say hello
         reply, _ = new.request({"kind": "heartbeat", "island": "a"})
         if reply["kind"] == "rejected" and reply["reason"] == "unknown_island":
-            break
+            return True
         _refused(reply)
-        assert time.monotonic() < deadline, "the old connection's binding never expired"
-        time.sleep(0.05)
+        return False
+
+    wait_for(forgotten, "the old connection's binding to expire", timeout_s=10.0, poll_s=0.05)
     assert new.hello()["kind"] == "welcome"  # when exactly: tests/test_shard_core_sim.py
     zeros = delta_frames(np.zeros(plan.fragments[0].size, np.float32))
     ack, _ = new.request(push_header(plan, "a", 1, 0), zeros)
@@ -98,14 +98,15 @@ def test_a_dead_islands_id_may_be_taken_over(start_shard, peer):
     shard = start_shard(heartbeat_interval_s=0.1, liveness=1)  # dead after 0.1 s of silence
     peer(shard.router, "a").hello()
     taker = peer(shard.router, "a")
-    deadline = time.monotonic() + 10.0
-    while True:
+
+    def welcomed() -> bool:
         reply, _ = taker.request({"kind": "hello", "island": "a"})
         if reply["kind"] == "welcome":
-            break
+            return True
         _refused(reply)
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
+        return False
+
+    wait_for(welcomed, "the dead island's id to be taken over", timeout_s=10.0, poll_s=0.05)
     assert taker.status()["islands_live"] == ["a"]
 
 

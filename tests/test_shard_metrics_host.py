@@ -5,11 +5,10 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import time
 import urllib.request
 
 import pytest
-from conftest import free_port
+from conftest import free_port, wait_for
 
 from paramserver.server.config import ShardConfig
 
@@ -38,6 +37,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(argv, capture_output=True, text=True, timeout=90, env=env)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net/tcp")
 def test_metrics_listen_on_the_shards_host_only(tmp_path):
     data_dir = tmp_path / "server"
@@ -48,10 +48,7 @@ def test_metrics_listen_on_the_shards_host_only(tmp_path):
     )  # fmt: skip
     try:
         assert started.returncode == 0, started.stderr
-        deadline = time.monotonic() + 60
-        while not _listening(metrics_port):
-            assert time.monotonic() < deadline, "the metrics port never listened"
-            time.sleep(0.05)
+        wait_for(lambda: _listening(metrics_port), "the metrics port to listen", timeout_s=60)
         assert _listening(metrics_port) == {"0100007F"}  # 127.0.0.1, not 0.0.0.0 / ::
         url = f"http://127.0.0.1:{metrics_port}/metrics"
         with urllib.request.urlopen(url, timeout=30) as response:

@@ -11,13 +11,12 @@ from __future__ import annotations
 import resource
 import subprocess
 import sys
-import time
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Peer
+from conftest import Peer, wait_for
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 from shard_process import ShardProcess
 
@@ -25,17 +24,9 @@ from paramserver.server.config import ShardConfig
 from paramserver.server.storage.data_dir import ShardStorage
 from paramserver.server.storage.log_file import LogReader, WriteAheadLog
 
-pytestmark = pytest.mark.timeout(240)
+pytestmark = pytest.mark.timeout(60)
 
 CFG = ShardConfig(mode="async", fsync=True, checkpoint_every_steps=0, checkpoint_every_s=0)
-
-
-def _poll(predicate, what: str, timeout_s: float = 90.0):
-    deadline = time.monotonic() + timeout_s
-    while not (value := predicate()):
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-    return value
 
 
 def _limit_file_size(pid: int, size: int) -> None:
@@ -68,7 +59,7 @@ def test_a_log_that_cannot_grow_refuses_pushes_keeps_serving_and_recovers(tmp_pa
             return p.request(push_header(plan, "a", rnd, 0, base_version=0), delta_frames(vec))[0]
 
         assert push(1)["outcome"] == "accepted"
-        _poll(lambda: p.status()["versions"]["0"] == 1, "the step of round 1")
+        wait_for(lambda: p.status()["versions"]["0"] == 1, "the step of round 1", timeout_s=30)
         good = wal.stat().st_size
         # room for part of a record: the write is cut short, then fails (EFBIG)
         _limit_file_size(proc.pid, good + 100)
@@ -90,7 +81,7 @@ def test_a_log_that_cannot_grow_refuses_pushes_keeps_serving_and_recovers(tmp_pa
 
         _limit_file_size(proc.pid, resource.RLIM_INFINITY)
         assert push(2)["outcome"] == "accepted"
-        _poll(lambda: p.status()["versions"]["0"] == 2, "the step of round 2")
+        wait_for(lambda: p.status()["versions"]["0"] == 2, "the step of round 2", timeout_s=30)
         # stopping while the disk is full: the final checkpoint fails, the log has it all
         _limit_file_size(proc.pid, wal.stat().st_size)
     finally:
@@ -125,7 +116,7 @@ except OSError as exc:
     print(exc.errno, log.size, log.broken)
 log.close()
 """
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=50)
     assert done.returncode == 0, done.stderr
     return done.stdout.split()
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from client_helpers import Cluster
+from conftest import Cluster
 
 from paramserver.client import Client
 from worker.config import IslandConfig
@@ -154,7 +154,8 @@ def _pushes_on_a_4_fragment_shard(tmp_path, streaming: bool) -> list:
         cluster.stop()
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_a_streaming_island_pushes_each_fragment_at_its_step_and_flushes_at_the_end(tmp_path):
     pushes = _pushes_on_a_4_fragment_shard(tmp_path, streaming=True)
     tokens_per_step = 2 * 16
@@ -171,7 +172,8 @@ def test_a_streaming_island_pushes_each_fragment_at_its_step_and_flushes_at_the_
         assert sum(s for f, _, s, _ in pushes if f == fragment) == 16
 
 
-@pytest.mark.timeout(180)
+@pytest.mark.slow
+@pytest.mark.timeout(120)
 def test_without_streaming_every_fragment_is_pushed_at_the_round_end(tmp_path):
     pushes = _pushes_on_a_4_fragment_shard(tmp_path, streaming=False)
     base = pushes[0][1]

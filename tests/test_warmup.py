@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import jax
 import numpy as np
 import pytest
@@ -39,8 +41,9 @@ def test_trainer_warmup_changes_no_state_and_the_next_steps_are_identical(batche
     cold.step(batches[0])
     params0, opt0 = host(warm.params), host(warm._opt_state)
 
+    t0 = time.monotonic()
     seconds = warm.warmup()
-    assert seconds > 0
+    assert 0 < seconds <= time.monotonic() - t0  # its own duration, in seconds
     assert_same(host(warm.params), params0)
     assert_same(host(warm._opt_state), opt0)
     assert (warm.steps_done, warm.tokens_done) == (1, INNER.batch_size * INNER.seq_len)
@@ -74,18 +77,16 @@ def test_ddp_warmup_changes_nothing_and_compiles_every_step(batches):
     opt_state = tx.init(params)
     grad_step = ddp.make_grad_step(TINY)
     apply_step = ddp.make_apply_step(tx, params)
-    eval_step = jax.jit(lambda p, t: model.loss_fn(p, t, TINY))
     params0, opt0 = host(params), host(opt_state)
 
-    seconds = ddp.warmup(
-        grad_step, apply_step, eval_step, params, opt_state, INNER.batch_size, INNER.seq_len
-    )
-    assert seconds > 0
+    t0 = time.monotonic()
+    seconds = ddp.warmup(grad_step, apply_step, params, opt_state, INNER.batch_size, INNER.seq_len)
+    assert 0 < seconds <= time.monotonic() - t0  # its own duration, in seconds
     assert_same(host(params), params0)  # not donated, not changed
     assert_same(host(opt_state), opt0)
-    compiled = [f._cache_size() for f in (grad_step, apply_step, eval_step)]
+    compiled = [f._cache_size() for f in (grad_step, apply_step)]
+    assert min(compiled) >= 1
     for batch in batches:
         _loss, grad_P = grad_step(params, batch)
         params, opt_state = apply_step(params, opt_state, np.asarray(grad_P))
-    eval_step(params, batches[0])
-    assert [f._cache_size() for f in (grad_step, apply_step, eval_step)] == compiled
+    assert [f._cache_size() for f in (grad_step, apply_step)] == compiled

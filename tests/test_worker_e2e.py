@@ -11,7 +11,7 @@ import subprocess
 import sys
 
 import pytest
-from worker_helpers import wait_for
+from conftest import wait_for
 
 from bench.launcher import IslandSpec, LocalCluster
 from paramserver.plumbing import daemon
@@ -51,8 +51,8 @@ def test_two_islands_one_slow_train_below_unigram_entropy_and_a_wrong_model_is_r
     for name in ("fast", "slow"):
         wait_for(
             lambda n=name: cluster.island_status(n).get("state") == "stopped",
-            420,
             f"island {name} to finish its rounds",
+            timeout_s=420,
         )
     evals = [
         r["eval_global"]
@@ -85,7 +85,9 @@ def test_two_islands_one_slow_train_below_unigram_entropy_and_a_wrong_model_is_r
 def test_killed_island_rejoins_and_the_other_keeps_advancing(cluster):
     flags = ("--inner-steps", "5", "--heartbeat-interval-s", "0.5", *TINY_FAST)
     cluster.start_islands([IslandSpec("a", 1.0, flags), IslandSpec("b", 1.0, flags)])
-    wait_for(lambda: cluster.island_status("b").get("round", 0) >= 2, 300, "island b's rounds")
+    wait_for(
+        lambda: cluster.island_status("b").get("round", 0) >= 2, "island b's rounds", timeout_s=300
+    )
     pid = daemon.running_pid(daemon.pid_path(cluster.island_dir("b")))
     assert pid
     os.kill(pid, signal.SIGKILL)
@@ -93,8 +95,8 @@ def test_killed_island_rejoins_and_the_other_keeps_advancing(cluster):
     killed_at = versions_total(cluster)
     wait_for(
         lambda: versions_total(cluster) >= killed_at + 4,
-        300,
         "versions to advance with island b dead",
+        timeout_s=300,
     )
     rounds_before = len(cluster.island_metrics("b"))
     # same id, same data dir: the stale pid file is detected and replaced
@@ -104,8 +106,8 @@ def test_killed_island_rejoins_and_the_other_keeps_advancing(cluster):
             cluster.island_status("b").get("acked", 0) > 0
             and len(cluster.island_metrics("b")) > rounds_before + 1
         ),
-        300,
         "restarted island b to contribute again",
+        timeout_s=300,
     )
     log = (cluster.island_dir("b") / "daemon.log").read_text()
     assert log.count("joined") >= 2
@@ -149,7 +151,9 @@ def test_sync_mode_paces_the_fast_island_and_its_wait_is_lost_goodput(tmp_path):
             worst_lead = max(worst_lead, fast.get("round", 0) - slow.get("round", 0))
             return fast.get("state") == "stopped" and slow.get("state") == "stopped"
 
-        wait_for(finished, 480, "both islands to finish 5 synchronous rounds", poll_s=0.05)
+        wait_for(
+            finished, "both islands to finish 5 synchronous rounds", timeout_s=480, poll_s=0.05
+        )
         fast_rows = [r for r in c.island_metrics("fast") if r.get("round", 0) >= 1]
         slow_rows = [r for r in c.island_metrics("slow") if r.get("round", 0) >= 1]
         status = c.server_status()

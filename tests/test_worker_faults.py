@@ -11,9 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
-from client_helpers import Cluster
-from conftest import free_port
-from worker_helpers import wait_for
+from conftest import Cluster, free_port, wait_for
 
 from worker import outbox, progress
 
@@ -39,6 +37,7 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if line.startswith("diloco-worker:")]
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_an_island_stops_in_seconds_without_its_server_and_resends_its_deltas_at_restart(
     tmp_path,
@@ -51,7 +50,9 @@ def test_an_island_stops_in_seconds_without_its_server_and_resends_its_deltas_at
     args = (*args, "--flush-timeout-s", "1")
     proc = subprocess.Popen(worker_cmd(*args), stdout=log, stderr=log)
     try:
-        wait_for(lambda: island_status(data_dir).get("acked", 0) > 0, 180, "the first acks")
+        wait_for(
+            lambda: island_status(data_dir).get("acked", 0) > 0, "the first acks", timeout_s=180
+        )
         cluster.stop_shard(0)  # the server is gone
         before = counted(cluster)
         gone = island_status(data_dir).get("round", 0)
@@ -61,7 +62,7 @@ def test_an_island_stops_in_seconds_without_its_server_and_resends_its_deltas_at
             full = status.get("pending", 0) > 16 - cluster.cfg.num_fragments
             return status.get("round", 0) > gone and full
 
-        wait_for(blocked, 60, "a full buffer of unacked deltas", poll_s=0.05)
+        wait_for(blocked, "a full buffer of unacked deltas", timeout_s=60, poll_s=0.05)
         t0 = time.monotonic()
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
