@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import mlp_helpers as mlp
 import numpy as np
 import pytest
-from client_helpers import Cluster
+from conftest import Cluster
 
 import worker
 from paramserver.client import ClientError

@@ -6,7 +6,7 @@ from __future__ import annotations
 import threading
 
 import pytest
-from client_helpers import Cluster
+from conftest import Cluster
 
 import worker
 from paramserver.client import Client

@@ -15,8 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from client_helpers import Cluster
-from conftest import free_port
+from conftest import Cluster, free_port
 
 HERE = Path(__file__).resolve().parent
 

@@ -198,7 +198,7 @@ def test_the_island_cli_refuses_a_bad_token_file_in_one_line(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(480)
 def test_a_daemon_island_learns_a_token_file_and_evaluates_it_with_its_vocabulary(tmp_path):
-    from worker_helpers import wait_for
+    from conftest import wait_for
 
     from bench.launcher import IslandSpec, LocalCluster
 
@@ -217,8 +217,8 @@ def test_a_daemon_island_learns_a_token_file_and_evaluates_it_with_its_vocabular
         cluster.start_islands([IslandSpec("tokens", 1.0, flags)])
         wait_for(
             lambda: cluster.island_status("tokens").get("state") == "stopped",
-            400,
             "the island to finish its rounds",
+            timeout_s=400,
         )
         evals = [r["eval_global"] for r in cluster.island_metrics("tokens") if "eval_global" in r]
     assert abs(evals[0] - np.log(vocab)) < 0.3, evals  # a fresh model: ~uniform over 512 ids
