@@ -3,6 +3,9 @@
 - `clients()`: the body of a `client` fixture whose `client(connect, island,
   **overrides)` makes a Client with fast heartbeats, closed at teardown (a test
   module defines the fixture: `yield from clients()`).
+- `RecordingClient`: a real Client that also keeps every push it is handed, as
+  a `PushRequest` with its frames frozen to bytes (passed as an island's
+  `client_factory`).
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from collections.abc import Callable, Iterator
 
 from conftest import WAIT_S
 
-from paramserver.client import Client, ClientConfig
+from paramserver.client import Client, ClientConfig, PushRequest
 
 
 def clients() -> Iterator[Callable[..., Client]]:
@@ -28,3 +31,16 @@ def clients() -> Iterator[Callable[..., Client]]:
     yield make
     for c in made:
         c.close(flush_timeout_s=1.0)
+
+
+class RecordingClient(Client):
+    """A real client that also keeps every push: `pushes` holds a PushRequest each."""
+
+    def __init__(self, cfg: ClientConfig) -> None:
+        super().__init__(cfg)
+        self.pushes: list[PushRequest] = []
+
+    def push(self, fragment, round, base_version, tokens, steps, frames, stop=None):  # noqa: A002
+        frozen = [bytes(memoryview(f)) for f in frames]
+        self.pushes.append(PushRequest(fragment, round, base_version, tokens, steps, frozen))
+        return super().push(fragment, round, base_version, tokens, steps, frames, stop=stop)

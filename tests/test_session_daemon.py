@@ -6,29 +6,16 @@ from __future__ import annotations
 import threading
 
 import pytest
+from client_helpers import RecordingClient
 from conftest import Cluster
 
 import worker
-from paramserver.client import Client
 from worker import data, model
 from worker.config import IslandConfig
 from worker.session_config import session_config
 from worker.train import InnerConfig, InnerTrainer
 
 pytestmark = pytest.mark.timeout(180)
-
-
-class RecordingClient(Client):
-    """A real client that also keeps every push: (fragment, round, base, tokens, steps, frames)."""
-
-    def __init__(self, cfg) -> None:
-        super().__init__(cfg)
-        self.pushes: list[tuple] = []
-
-    def push(self, fragment, round, base_version, tokens, steps, frames, stop=None):  # noqa: A002
-        frozen = [bytes(memoryview(f)) for f in frames]
-        self.pushes.append((fragment, round, base_version, tokens, steps, frozen))
-        return super().push(fragment, round, base_version, tokens, steps, frames, stop=stop)
 
 
 def _cfg(tmp_path, connect: str, name: str) -> IslandConfig:
@@ -50,8 +37,12 @@ def _cfg(tmp_path, connect: str, name: str) -> IslandConfig:
 
 
 def _round_one(pushes: list[tuple]) -> list[tuple]:
-    first = min(p[1] for p in pushes)
-    return [(f, b, t, s, frames) for f, r, b, t, s, frames in pushes if r == first]
+    first = min(p.round for p in pushes)
+    return [
+        (p.fragment, p.base_version, p.tokens, p.steps, p.frames)
+        for p in pushes
+        if p.round == first
+    ]
 
 
 def test_the_daemon_and_a_library_loop_push_bit_equal_frames_in_round_one(tmp_path):

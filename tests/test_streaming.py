@@ -5,9 +5,9 @@ from __future__ import annotations
 import threading
 
 import pytest
+from client_helpers import RecordingClient
 from conftest import Cluster
 
-from paramserver.client import Client
 from worker.config import IslandConfig
 from worker.push_schedule import (
     StreamingError,
@@ -101,16 +101,6 @@ def test_streaming_flag_is_documented_and_off_by_default():
     assert "--streaming" in text and "floor(p * H / P)" in text
 
 
-class RecordingClient(Client):
-    """A real client that also records every push: (fragment, round, steps, tokens)."""
-
-    pushes: list[tuple[int, int, int, int]]
-
-    def push(self, fragment, round, base_version, tokens, steps, frames, stop=None):  # noqa: A002
-        self.pushes.append((fragment, round, steps, tokens))
-        return super().push(fragment, round, base_version, tokens, steps, frames, stop=stop)
-
-
 def _island_cfg(tmp_path, connect: str, streaming: bool) -> IslandConfig:
     return IslandConfig(
         connect=connect,
@@ -135,14 +125,12 @@ def _run_island(cfg: IslandConfig) -> list[tuple[int, int, int, int]]:
     made: list[RecordingClient] = []
 
     def factory(client_cfg):
-        client = RecordingClient(client_cfg)
-        client.pushes = []
-        made.append(client)
-        return client
+        made.append(RecordingClient(client_cfg))
+        return made[-1]
 
     island = Island(cfg, client_factory=factory)
     assert island.run(threading.Event()) == 0
-    return made[0].pushes
+    return [(p.fragment, p.round, p.steps, p.tokens) for p in made[0].pushes]
 
 
 def _pushes_on_a_4_fragment_shard(tmp_path, streaming: bool) -> list:

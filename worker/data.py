@@ -6,7 +6,8 @@ nanoGPT layout, or a 1-D `.npy` array), how they are divided (one held-out split
 to all islands, each island a disjoint contiguous shard of the rest) and how training and
 evaluation batches are cut from them. Token files are memory-mapped and never read
 whole into memory: a split is a `Tokens` view (ranges of the file), and a batch reads only
-its windows. Everything is deterministic from explicit seeds.
+its windows. Everything is deterministic from explicit seeds. (Just over 400 lines:
+text and token files share the split, the samplers and the held-out set.)
 """
 
 from __future__ import annotations

@@ -15,6 +15,9 @@ Key files, as `diloco-server keys --out DIR --name NAME` writes them:
     NAME.key          the public key (share it: islands' go into the server's
                       allow directory, the server's goes to every island)
     NAME.key_secret   public and secret key, mode 0600 (keep it private)
+
+(Over 400 lines: CURVE is one concept seen from both ends of a socket; the
+client half is small and shares the key-file format with the shard half.)
 """
 
 from __future__ import annotations

@@ -12,6 +12,9 @@ it serves:
 - signals: SIGTERM / SIGINT only set a `threading.Event`; the daemon's main loop
   drains and exits 0. A second signal exits at once;
 - `stop`: SIGTERM to the pid in the pid file, then wait for the process to exit.
+
+(Over 400 lines: the steps of one life cycle, each short, which `detach` and
+`stop` chain; split, every daemon would import three modules for one job.)
 """
 
 from __future__ import annotations

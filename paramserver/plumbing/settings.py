@@ -12,6 +12,7 @@ the command line are coerced to the field's type (int, float, bool, str,
 Every problem (unknown key, bad value, a failed ``__post_init__`` check) is a
 `SettingsError` whose one-line message names the source of the value
 (``file.toml:key``, ``env VAR``, ``--flag``), the value and what is expected.
+(Just over 400 lines: the type coercion and the field comments read for `--help`.)
 """
 
 from __future__ import annotations
