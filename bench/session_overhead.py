@@ -8,9 +8,12 @@ Two loops train, each against a fresh local 2-shard cluster (real daemons, 127.0
 
 For each it times the model's own inner step (the baseline, measured in the
 same run), the `Session.step` calls that neither push nor fold (the per-call
-overhead, target < 1% of the step) and the calls that end a round (the
-exchange: one host copy, encode, push). Prints one JSON object: medians in
-microseconds and the overheads as ratios of the step time.
+overhead, target < 1% of the step), the same calls back to back without a
+train step between them (`call_alone_*`: the API's own cost; on a CPU-only
+machine the calls right after a step share the cores with XLA's still
+spinning threads) and the calls that end a round (the exchange: one host
+copy, encode, push). Prints one JSON object: medians in microseconds and the
+overheads as ratios of the step time.
 """
 
 from __future__ import annotations
@@ -96,7 +99,33 @@ def _timed_loop(session, steps: int, train, read, adopt) -> dict[str, Any]:
         adopt(out)
         step_s.append(t1 - t0)
         (push_s if k % session.inner_steps == 0 else call_s).append(t2 - t1)
-    return _summary(step_s[5:], call_s[5:], push_s[1:] or push_s)
+    summary = _summary(step_s[5:], call_s[5:], push_s[1:] or push_s)
+    summary.update(_calls_alone(session, read, adopt, steps, float(np.median(step_s[5:]))))
+    return summary
+
+
+def _calls_alone(session, read, adopt, calls: int, step_s: float) -> dict[str, Any]:
+    """`Session.step` calls back to back, no train step between them (the API's own cost).
+
+    On a CPU-only machine the calls timed right after a train step share the
+    cores with XLA's threads, which keep spinning for a while after the step;
+    these calls show what the API itself costs. Round-end calls are left out.
+    """
+    alone_s = []
+    for _ in range(calls):
+        round_end = session.inner_steps - 1 == (session.steps % session.inner_steps)
+        t0 = time.perf_counter()
+        out = session.step(read(), tokens=1)
+        t1 = time.perf_counter()
+        adopt(out)
+        if not round_end:
+            alone_s.append(t1 - t0)
+    alone = float(np.median(alone_s))
+    return {
+        "call_alone_us": round(alone * 1e6, 2),
+        "call_alone_over_step": round(alone / step_s, 6),
+        "calls_alone_timed": len(alone_s),
+    }
 
 
 def _measure_mlp(connect: str, args: argparse.Namespace) -> dict[str, Any]:

@@ -1,0 +1,31 @@
+"""diloco-bench session_overhead: what Session.step costs, per call and per round (real daemons)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def test_the_bench_times_every_call_and_a_round_end_costs_more_than_a_call_alone(tmp_path):
+    argv = [sys.executable, "-m", "bench.cli", "session_overhead", "--rounds", "2",
+            "--inner-steps", "5", "--hidden", "64", "--batch", "16", "--out", str(tmp_path / "o")]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert (result["inner_steps"], result["rounds"]) == (5, 2)
+    for loop in ("mlp", "daemon_loop_tiny"):
+        row = result[loop]
+        # 10 steps: 2 end a round; the first 5 samples of each kind are warm-up (1 round call kept)
+        assert (row["calls_timed"], row["rounds_timed"]) == (3, 1), row
+        assert row["calls_alone_timed"] == 8, row  # 10 calls back to back, 2 of them round ends
+        assert row["call_over_step"] == pytest.approx(row["call_us"] / row["step_us"], rel=0.01)
+        assert row["call_alone_over_step"] == pytest.approx(
+            row["call_alone_us"] / row["step_us"], rel=0.01
+        )
+        # a round-end call copies the parameters to the host, encodes and pushes them
+        assert row["round_call_us"] > row["call_alone_us"], row
