@@ -9,7 +9,8 @@
     diloco-worker status --data-dir D [--json]
     diloco-worker eval --connect tcp://HOST:PORT [--wait-s 120] [--json]
                        [--model ... --seq-len ... --batch-size ... --eval-batches ...
-                        --data ... --heldout-fraction ... --data-shards ... --config FILE]
+                        --data ... --data-dtype ... --vocab-size ... --heldout-fraction ...
+                        --data-shards ... --config FILE]
 
 `eval` is the final evaluation of a run (DESIGN.md, "What counts as useful work"):
 once every island has stopped, it waits until no shard holds a pending delta,

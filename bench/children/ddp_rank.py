@@ -197,7 +197,7 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
 
     data_dir = Path(cfg.data_dir)
     compile_cache.enable(cfg.compile_cache_dir, data_dir)  # before the first jit, as an island
-    model_cfg = model_lib.MODEL_CONFIGS[cfg.model]
+    model_cfg = model_lib.model_config(cfg.model, cfg.vocab_size)
     own = data_lib.island_data(cfg)  # the same stream an island of this name trains on
     sampler, eval_set, seed = own.sampler, own.eval_set, own.seed
     inner = InnerConfig(
