@@ -20,7 +20,7 @@ from paramserver.plumbing import probe
 from worker import outbox, progress
 from worker.config import IslandConfigError
 
-pytestmark = pytest.mark.timeout(120)
+pytestmark = pytest.mark.timeout(60)
 FAST = {"heartbeat_interval_s": 0.2, "join_timeout_s": 20.0, "flush_timeout_s": 5.0}
 
 
@@ -47,7 +47,7 @@ def cluster_params(connect: str) -> dict[str, np.ndarray]:
     return flat
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(60)
 def test_two_threaded_islands_train_an_mlp_and_a_later_session_starts_from_the_global_model(
     cluster, tmp_path
 ):
