@@ -189,8 +189,9 @@ class Session:
             frag.index: self.codec.init({"delta": np.zeros(frag.size, np.float32)})
             for frag in self.plan.fragments
         }
-        self.unsent_steps = dict.fromkeys(self.syncs, 0)
-        self.unsent_tokens = dict.fromkeys(self.syncs, 0)
+        # (steps, tokens) of the session when each fragment was last pushed: its unsent work
+        # is the session's totals minus these (no per-call bookkeeping per fragment)
+        self.pushed_at: dict[int, tuple[int, int]] = dict.fromkeys(self.syncs, (0, 0))
         self.params = self.layout.build(flat)
         self._latest = self.params
         self.round = 0
@@ -256,9 +257,6 @@ class Session:
             due = sorted(self.syncs) if round_end else []
         host = self._host(leaves) if due else None  # the one host copy (nothing counted yet)
         self.steps, self.tokens, self.in_round = self.steps + 1, self.tokens + tokens, in_round
-        for index in self.syncs:
-            self.unsent_steps[index] += 1
-            self.unsent_tokens[index] += tokens
         if due:
             self._push(due, host, self.round_base + self.round)
         if round_end and self.client is not None:
@@ -283,8 +281,9 @@ class Session:
         for index in fragments:
             sync = self.syncs[index]
             delta = sync.take(self.plan.gather(host, index))  # only the work not sent yet
-            steps, self.unsent_steps[index] = self.unsent_steps[index], 0
-            tokens, self.unsent_tokens[index] = self.unsent_tokens[index], 0
+            steps_then, tokens_then = self.pushed_at[index]
+            steps, tokens = self.steps - steps_then, self.tokens - tokens_then
+            self.pushed_at[index] = (self.steps, self.tokens)
             if self.client is None:
                 continue
             frames, self.ef_state[index] = self.codec.encode({"delta": delta}, self.ef_state[index])
@@ -441,7 +440,7 @@ class Session:
             return
         try:
             latest = self._latest if params is None else params
-            rest = flush_fragments(self.unsent_steps)
+            rest = flush_fragments({i: self.steps - at for i, (at, _) in self.pushed_at.items()})
             if rest and not self.group.broken:
                 round_id = self.round_base + self.round + int(self.pushed_in_round)
                 try:
