@@ -48,13 +48,19 @@ class ShardProcess:
     `flags` are `diloco-server start` flags as pairs (``"--mode", "async"``).
 
     The output goes through a pipe (not a file), so a file-size limit on the
-    process does not touch it.
+    process does not touch it, and the shard writes no JAX compile cache.
     """
 
     def __init__(self, data_dir: Path, *flags: str) -> None:
         self.port = free_port(2)
         self.router = f"tcp://127.0.0.1:{self.port}"
-        env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+        # no DILOCO_ settings, and not the suite's shared JAX compile cache (tests/jax_cache.py):
+        # under a test's file-size limit a cache write would fail and print its own warning
+        env = {
+            k: v
+            for k, v in os.environ.items()
+            if not k.startswith("DILOCO_") and k != "JAX_COMPILATION_CACHE_DIR"
+        }
         argv = shard_argv(data_dir, self.port, *flags)
         self.proc = subprocess.Popen(
             argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
