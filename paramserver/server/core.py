@@ -133,7 +133,7 @@ class ShardCore:
 
     def _answer(self, request: Request, header: dict, outcome: Outcome) -> Effects:
         """Reply with an outcome (`ack` for a push, else `rejected`); log its event if any."""
-        version = self.state.versions().get(header.get("fragment"), 0)
+        version = self.state.version_of(header.get("fragment"))
         reply = Reply(request.conn, outcomes.render(header, outcome, version), [], header)
         records = [outcome.event] if outcome.event is not None else []
         return Effects(records=records, replies=[reply])
@@ -290,7 +290,7 @@ class ShardCore:
         for reply in effects.replies:
             if reply.promises_durability:
                 refusal = self.state.reject("storage_error", detail)
-                version = self.state.versions().get(reply.header.get("fragment"), 0)
+                version = self.state.version_of(reply.header.get("fragment"))
                 header = outcomes.render(reply.request, refusal, version)
                 reply = Reply(reply.conn, header, [], reply.request)
             replies.append(reply)

@@ -60,6 +60,8 @@ def make_durable(core: ShardCore, storage: ShardStorage, effects: Effects) -> Ef
     Raises:
         OSError: the log failed and could not even be cut back to its last sync.
     """
+    if not effects.records:  # nothing written: no sync, and no sign the log is writable again
+        return effects
     try:
         storage.append(effects.records)
         storage.sync()
@@ -221,7 +223,8 @@ class ShardServer:
             timeout_ms if not requests else 0
         ):
             frames = router.recv_multipart(copy=False)
-            user_id = _user_id(frames[1]) if len(frames) > 1 else None
+            # only a CURVE shard has ZAP User-Ids (reading one without ZAP raises and is caught)
+            user_id = _user_id(frames[1]) if core.guard is not None and len(frames) > 1 else None
             requests.append(Request(bytes(frames[0]), frames[1:], user_id))
         now = time.time()
         for conn, message in run_batch(core, storage, requests, now, tick):

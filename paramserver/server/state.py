@@ -109,6 +109,14 @@ class ShardState:
         """Whether the shard has its plan and parameters."""
         return self.plan is not None
 
+    def version_of(self, fragment: object) -> int:
+        """The current version of one owned fragment (0 when not owned or before init)."""
+        try:
+            state = self.fragments.get(fragment)  # type: ignore[call-overload]
+        except TypeError:  # an unhashable value from a bad header
+            return 0
+        return state.version if state is not None else 0
+
     def versions(self) -> dict[int, int]:
         """Fragment -> current version of the owned fragments.
 

@@ -162,9 +162,7 @@ class WriteAheadLog:
         try:
             self._sync_file()
         except OSError:
-            self._dirty = False
-            self._cut_after_failure(self.synced)
-            self.size = self.synced
+            self.rollback()
             raise
         self._dirty = False
         self.synced = self.size
