@@ -146,6 +146,8 @@ def _measure_mlp(connect: str, args: argparse.Namespace) -> dict[str, Any]:
 
 
 def _measure_daemon_loop(connect: str, args: argparse.Namespace) -> dict[str, Any]:
+    import jax
+
     from worker import data, model
     from worker.session import Session
     from worker.session_config import session_config
@@ -155,7 +157,7 @@ def _measure_daemon_loop(connect: str, args: argparse.Namespace) -> dict[str, An
     inner = InnerConfig(batch_size=16, seq_len=128)
     sampler = data.BatchSampler(data.default_corpus(), 16, 128, seed=0)
     cfg = session_config(connect, "daemon", args.inner_steps, None, {})
-    with Session(cfg, model.init_params(model_cfg, 0)) as s:
+    with Session(cfg, jax.device_get(model.init_params(model_cfg, 0))) as s:
         trainer = InnerTrainer(model_cfg, inner, s.params)
         trainer.warmup()
 

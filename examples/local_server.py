@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import signal
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import worker
+from bench.child import sigterm_unwinds
 from bench.launcher import free_base_port
 from paramserver.plumbing import probe
 
@@ -84,10 +84,6 @@ def _stop(server_dir: Path) -> None:
         print(f"diloco-server stop --data-dir {server_dir} failed", file=sys.stderr)
 
 
-def _sigterm_exits(_signum: int, _frame: object) -> None:
-    raise SystemExit(143)  # unwinds like Ctrl-C, so the server is stopped
-
-
 @contextlib.contextmanager
 def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
     """A server to train against and a directory for the islands' files.
@@ -98,7 +94,7 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
     Yields:
         (connect endpoint, work directory).
     """
-    signal.signal(signal.SIGTERM, _sigterm_exits)
+    sigterm_unwinds()  # SIGTERM unwinds like Ctrl-C, so the server is stopped
     with contextlib.ExitStack() as stack:
         if args.out:
             out = Path(args.out)

@@ -31,6 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import jax
 import numpy as np
 
 from paramserver.client import Client, ClientError
@@ -106,9 +107,11 @@ class Island:
     def _join(self, stop: threading.Event) -> Session:
         self.state = "joining" if self.spec.leader else "following"
         self._write_status()
+        # host arrays: the session then hands out host trees, and the trainer places each
+        # fold once on its mesh (a tree placed on a device would be placed twice)
         session = Session(
             self.cfg,
-            model_lib.init_params(self.model_cfg, self.cfg.seed),
+            jax.device_get(model_lib.init_params(self.model_cfg, self.cfg.seed)),
             stop=stop,
             inner_steps=inner_steps_for(self.cfg),
             client_factory=self.client_factory,
@@ -163,7 +166,6 @@ class Island:
                 self._write_status()
                 session.close(self.trainer.params)
             self.state = "stopped"
-            self.last.update(session.last_row)
             self._write_status(client_stats=session.stats or None)
         finally:
             if watchdog is not None:

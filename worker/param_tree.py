@@ -190,11 +190,11 @@ class TreeLayout:
         """
         out = []
         for name, dtype, sharding in zip(self.names, self.dtypes, self.shardings, strict=True):
-            host = np.asarray(flat[name]).astype(dtype, copy=False)
             if place and sharding is not None:
+                host = np.asarray(flat[name]).astype(dtype, copy=False)
                 out.append(
                     jax.make_array_from_callback(host.shape, sharding, lambda i, h=host: h[i])
                 )
-            else:
-                out.append(np.array(host, copy=True))
+            else:  # a fresh array, in one copy
+                out.append(np.array(flat[name], dtype=dtype, copy=True))
         return jax.tree_util.tree_unflatten(self.treedef, out)
