@@ -63,7 +63,6 @@ class ClientCore:
                 a shard lets this client's reconnect take its island id over at once.
         """
         self.cfg = cfg
-        self.session = session
         self.progress = Progress()
         self.ledger = Ledger(cfg.ack_timeout_s, cfg.ack_timeout_cap_s, cfg.ack_timeout_floor_s)
         self.plan: Plan | None = None
@@ -312,11 +311,10 @@ class ClientCore:
         if fragments and self.joined:
             self.progress.publish(fragments)
 
-    def _resync(self, shard: ShardState, now: float, count: bool = True) -> None:
+    def _resync(self, shard: ShardState, now: float) -> None:
         if shard.feed is None:
             return
-        if count:
-            self.progress.add(resyncs=1)
+        self.progress.add(resyncs=1)
         self._net.request_snapshots(shard, now)
 
     # -- pushes -------------------------------------------------------------------------

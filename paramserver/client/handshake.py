@@ -125,10 +125,6 @@ class Handshake:
         )
         return [self._hello(FIRST, now, fresh=True)]
 
-    def waiting_on(self) -> dict[int, str]:
-        """Shard -> kind of request whose reply the join waits for (for timeout messages)."""
-        return dict(self._waiting)
-
     # -- replies --------------------------------------------------------------------------
 
     def on_reply(self, now: float, shard: int, header: dict) -> list[Ask]:
@@ -152,7 +148,7 @@ class Handshake:
             return []
         if header["kind"] == "rejected" and header.get("reason") == "island_in_use":
             if now >= self._in_use_until[shard]:
-                router = self.cfg.connect if self.cluster is None else self._router(shard)
+                router = self._router(shard)
                 raise ClientError(
                     f"join: island id {self.cfg.island!r} is in use by another running island "
                     f"(shard at {router}: {header.get('detail')}); give each island its own id "
@@ -183,7 +179,7 @@ class Handshake:
         """
         if now > self.deadline and not self.done:
             shard, kind = next(iter(self._waiting.items()), (FIRST, "hello"))
-            router = self.cfg.connect if self.cluster is None else self._router(shard)
+            router = self._router(shard)
             raise ClientError(
                 f"join: no {kind} reply from shard at {router} within "
                 f"{self.cfg.join_timeout_s:g}s; is the server running?"
