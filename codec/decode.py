@@ -65,7 +65,7 @@ def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS, threads: int = 
                 out, more = _tensor(header, t, payload, arena)
                 outs.append(out)
                 jobs += more
-            parallel.run_all(pool, _run_job, jobs)
+            parallel.run_all(pool, run_job, jobs)
         return build_tree([(t.path, o) for t, o in zip(header.tensors, outs, strict=True)])
     except CodecError:
         raise
@@ -77,7 +77,8 @@ def _section(payload: np.ndarray, offset: int, count: int, dtype) -> np.ndarray:
     return payload[offset : offset + count * np.dtype(dtype).itemsize].view(dtype)
 
 
-def _run_job(fn, *args) -> None:
+def run_job(fn, *args) -> None:
+    """Run one decode job (numpy warnings off: the checks raise CodecError instead)."""
     with np.errstate(all="ignore"):  # thread-local: set in the thread that computes
         fn(*args)
 
@@ -123,20 +124,35 @@ def _tensor(header, t, payload: np.ndarray, arena: _Arena) -> tuple:
         except ValueError as e:
             raise CodecError(f"tensor {'/'.join(t.path)!r}: {e}") from None
         return out.reshape(t.shape), []
-    levels = fmt.LEVELS[header.scheme]
+    out = arena.take(t)
+    return out.reshape(t.shape), block_jobs(t, payload, scales, out, header.scheme, header.block)
+
+
+def block_jobs(t, payload: np.ndarray, scales: np.ndarray, out: np.ndarray, scheme: str, bs: int):
+    """The jobs that dequantize one block-scheme tensor of an uncompressed payload into `out`.
+
+    Args:
+        t: the tensor's layout (`codec.format`).
+        payload: the message's uncompressed payload (uint8).
+        scales: the tensor's block scales (float32).
+        out: its 1-D output array.
+        scheme: "int8" or "int4".
+        bs: the block size.
+
+    Returns:
+        (function, *args) jobs, each filling one piece of `out` (run them with `run_job`).
+    """
+    levels = fmt.LEVELS[scheme]
     code_type = np.uint8 if levels == 7 else np.int8
     codes = _section(payload, t.offset, t.codes_bytes, code_type)
-    out = arena.take(t)
-    bs = header.block
     step = 2 if levels == 7 else 1
     piece = max(bs, (PIECE_ELEMENTS // bs) * bs)
-    jobs = [
+    return [
         (_dequantize, codes[a // step : -(-b // step)], scales[a // bs : -(-b // bs)], out[a:b],
          levels, bs)
         for a in range(0, t.size, piece)
         for b in [min(a + piece, t.size)]
     ]  # fmt: skip
-    return out.reshape(t.shape), jobs
 
 
 def _dequantize(codes, scales, out, levels, block) -> None:

@@ -16,9 +16,10 @@ import numpy as np
 from . import format as fmt
 from . import parallel
 from .compress import compress_frames
+from .decode import block_jobs, run_job
 from .errors import CodecError
 from .parallel import check_threads, run_all
-from .quant import decode_blocks, encode_blocks
+from .quant import encode_blocks
 from .rawcast import encode_raw
 from .sparse import encode_topk, piece_elements
 from .state import ErrorFeedbackState, advance, check_state, init_state
@@ -147,14 +148,12 @@ class Codec:
         if self.scheme not in fmt.LEVELS:
             raise CodecError(f"encode_decoded takes int8 or int4, not {self.scheme}")
         frames, new_state, (paths, tensors, payload) = self._encode(tree, state)
-        levels, bs = fmt.LEVELS[self.scheme], self.block_size
-        code_type = np.uint8 if levels == 7 else np.int8
         leaves = []
         for path, t in zip(paths, tensors, strict=True):
-            codes = payload[t.offset : t.offset + t.codes_bytes].view(code_type)
-            scales = payload[t.scales_offset : t.end].view(np.float32)
+            scales = payload[t.scales_offset : t.scales_offset + 4 * t.blocks].view(np.float32)
             out = np.empty(t.size, fmt.DTYPES[t.dtype])
-            decode_blocks(codes, scales, out, levels, workspace(bs))
+            for job in block_jobs(t, payload, scales, out, self.scheme, self.block_size):
+                run_job(*job)
             leaves.append((path, out.reshape(t.shape)))
         return frames, new_state, build_tree(leaves)
 
