@@ -23,6 +23,7 @@ from paramserver.client import Client, ClientConfig
 from paramserver.server.config import ShardConfig
 from paramserver.server.merge import Segment, chunk_merge, rda_merge
 from paramserver.server.state import ShardState
+from paramserver.server.storage.checkpoint_content import export_state, restore_state
 from paramserver.wire.plan import Fragment, Slice
 from paramserver.wire.protocol import ACCEPTED, REJECTED
 
@@ -47,7 +48,10 @@ def numpy_decode(frames) -> np.ndarray:
         levels, codes_bytes = 7, (n + 1) // 2
         packed = payload[offset : offset + codes_bytes]
         q = np.empty(2 * codes_bytes, np.float32)
-        q[0::2], q[1::2] = (packed & 15).astype(np.float32) - 8, (packed >> 4).astype(np.float32) - 8
+        q[0::2], q[1::2] = (
+            (packed & 15).astype(np.float32) - 8,
+            (packed >> 4).astype(np.float32) - 8,
+        )
         q = q[:n]
     start = offset + -(-codes_bytes // 4) * 4
     m = payload[start : start + 4 * -(-n // block)].view(np.float32)
@@ -129,7 +133,9 @@ def test_a_step_of_coded_deltas_is_bit_equal_to_a_hand_merge(start_shard, peer):
 
 def test_fills_over_any_split_equal_one_whole_fill():
     n = 140_000
-    frag = Fragment(0, 0, (Slice("a", 0, 70_000), Slice("embed", 0, 30_000), Slice("c", 0, 40_000)), n)
+    frag = Fragment(
+        0, 0, (Slice("a", 0, 70_000), Slice("embed", 0, 30_000), Slice("c", 0, 40_000)), n
+    )
     islands = [("a", codec.int8()), ("b", codec.int4()), ("a", codec.topk()), ("c", codec.int8())]
     deltas = []
     for k, (island, c) in enumerate(islands):
@@ -220,3 +226,56 @@ def test_the_budget_refuses_too_many_pending_and_a_step_frees_it():
         replica.apply(event)
     assert replica.pending_bytes() == state.pending_bytes() > 1
     assert replica.snapshot(0)[1].tobytes() == state.snapshot(0)[1].tobytes()
+
+
+@pytest.mark.slow
+def test_a_client_defers_a_push_over_the_budget_and_lands_it_after_the_step(start_shard, peer):
+    # quorum 1 with a fixed 3 s grace window: b's delta waits 3 s for company, long enough
+    # for the client's push to find the budget (one int8 delta of 168 elements) full
+    kept = 168 + 4  # int8 codes + one block scale
+    shard = start_shard(mode="quorum", quorum=1, grace_rule="fraction", grace_min_s=3.0,
+                        grace_max_s=3.0, fragments=1, max_pending_bytes=kept + kept // 2,
+                        liveness=20)  # fmt: skip
+    client = Client(ClientConfig(connect=shard.router, island="a", heartbeat_interval_s=0.2))
+    try:
+        plan = client.join(small_flat()).plan
+        b = peer(shard.router, "b")
+        b.hello()
+        frames = delta_frames(random_delta(168, 1), "int8")
+        ack, _ = b.request(push_header(plan, "b", 1, 0), frames)
+        assert ack["outcome"] == "accepted", ack
+        client.push(0, 1, 0, 1000, 10, delta_frames(random_delta(168, 2), "int8"))
+        wait_for(lambda: client.stats()["deferred"] >= 1, "the push to be deferred")
+        stats = wait_for(lambda: (s := client.stats())["acked"] >= 1 and s, "the re-send's ack")
+        assert stats["rejected"] == {}  # deferred, never finally rejected
+        status = b.status()
+        assert status["rejected"]["too_many_pending"] >= 1
+        assert status["versions"]["0"] >= 1  # b's delta was stepped, freeing the budget
+        assert status["accepted"] == 2
+    finally:
+        client.close(flush_timeout_s=1.0)
+
+
+def test_a_checkpoint_stores_pending_deltas_coded_and_restores_them():
+    state, plan, _ = _state()
+    for island in ("a", "b"):
+        state.hello(island, T0)
+    size = plan.fragments[0].size
+    frames = codec.int8().encode({"delta": random_delta(size, 7)})[0]
+    assert state.submit_delta(push_header(plan, "a", 1, 0), frames, T0).status == ACCEPTED
+    state.fragments[0].pending[0] = replace(state.fragments[0].pending[0], clip=0.5)
+    meta, arrays = export_state(state)
+    assert arrays["pending/0/0/codes"].dtype == np.int8
+    assert arrays["pending/0/0/codes"].nbytes == size  # codes, not a float32 copy
+    restored = restore_state(state.cfg, 0, meta, arrays)
+    [c] = restored.fragments[0].pending
+    assert c.clip == 0.5 and c.delta.scheme == "int8"
+    out = np.empty(size, np.float32)
+    c.delta.decode_into(0, size, out)
+    assert out.tobytes() == numpy_decode(frames).tobytes()
+    # an older checkpoint kept the decoded float32 delta: it restores as raw float32
+    meta["fragments"][0]["pending"][0] = meta["fragments"][0]["pending"][0][:6]
+    old = {k: v for k, v in arrays.items() if not k.startswith("pending/")}
+    old["pending/0/0"] = out
+    [c] = restore_state(state.cfg, 0, meta, old).fragments[0].pending
+    assert (c.delta.scheme, c.clip) == ("raw", 1.0) and c.delta.codes.tobytes() == out.tobytes()

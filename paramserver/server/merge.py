@@ -423,7 +423,9 @@ def chunk_merge(
     sources = [(island, as_source(d)) for island, d in deltas]
     if any(s.size != fragment.size for _, s in sources):
         sizes = sorted({s.size for _, s in sources})
-        raise MergeError(f"deltas of sizes {sizes} for fragment {fragment.index} of {fragment.size}")
+        raise MergeError(
+            f"deltas of sizes {sizes} for fragment {fragment.index} of {fragment.size}"
+        )
     if rule == "mean":
         return _MeanMerge([s for _, s in sources], [coefficients[i] for i, _ in sources])
     per_island: dict[str, list[DeltaSource]] = {}
