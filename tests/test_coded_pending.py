@@ -121,6 +121,8 @@ def test_a_step_of_coded_deltas_is_bit_equal_to_a_hand_merge(start_shard, peer):
         decoded.append((island, numpy_decode(frames)))
         ack, _ = (a if island == "a" else b).request(push_header(plan, island, rnd, 0), frames)
         assert ack["outcome"] == "accepted", ack
+        if k == 1:  # a's two int8 deltas wait for b's: their codes and scales, as kept
+            assert a.status()["pending_bytes"] == 2 * (size + 4 * -(-size // 256))
     status = wait_for(lambda: (s := a.status())["versions"]["0"] == 1 and s, "the step")
     assert status["pending_bytes"] == 0
     # uniform weighting: c = 1/2 per island; mean: sum of c_i * delta in float32, in order
