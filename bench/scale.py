@@ -1,6 +1,6 @@
 """Shard memory, step, checkpoint stalls and the island exchange at scale, against issue 21's targets.
 
-    diloco-bench scale [--params N ...] [--islands K] [--pending P]
+    diloco-bench scale [--params N ...] [--islands K] [--pending P] [--steps S]
                        [--checkpoint-cycles C] [--fragments F]
                        [--presets NAME ...] [--island-rounds R] [--out DIR]
 
@@ -15,9 +15,10 @@ latencies. JSON on stdout (also DIR/scale.json), progress on stderr; per size:
   its RSS before init, over N;
 - `bytes_per_param_per_pending`: the slope of its RSS over 0..P whole-model
   int8 deltas held pending (islands 1.. push, island 0 stays silent), over N;
-- `step_vs_memcpy`: the second step, from the last island's last push to
-  the last fragment's published update, over one memcpy of N float32 values
-  measured in this run (at most 256 MiB copied; the time scales with bytes);
+- `step_vs_memcpy`: the median step after the first (which compiles; `--steps`
+  in all), each from the last island's last push to the last fragment's
+  published update, over one memcpy of N float32 values measured in this run
+  (at most 256 MiB copied; the time scales with bytes);
 - `ack_p99_ms`: p99 ack wait of probe pushes (one at a time, no step) that
   overlapped no checkpoint (`quiet`) or one (`during_checkpoint`), their
   ratio; checkpoint times from the shard's log; `checkpoint_s`;
@@ -92,6 +93,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--pending", type=int, default=4, help="whole-model deltas held pending, 1-8 (default 4)"
     )
     parser.add_argument(
+        "--steps", type=int, default=4, help="steps timed; the first compiles (default 4, >= 2)"
+    )
+    parser.add_argument(
         "--checkpoint-cycles", type=int, default=3, help="checkpointed rounds (default 3)"
     )
     parser.add_argument(
@@ -115,6 +119,7 @@ def _bad_flag(args: argparse.Namespace) -> str | None:
     checks = [
         ("islands", args.islands >= 2, "needs >= 2 (island 0 holds the others' deltas pending)"),
         ("pending", 1 <= args.pending <= 8, "must be 1-8 (the shard's max_pending_per_island)"),
+        ("steps", args.steps >= 2, "must be >= 2 (the RSS is read after two)"),
         ("checkpoint-cycles", args.checkpoint_cycles >= 1, "must be >= 1"),
         ("fragments", args.fragments >= 0, "must be >= 0 (0: automatic)"),
         ("island-rounds", args.island_rounds >= 1, "must be >= 1"),
@@ -136,11 +141,10 @@ def measure_size(
     out: Path, params: int, args: argparse.Namespace, last: dict | None, log: TextIO
 ) -> dict[str, Any]:
     """One size: check memory and disk, measure memcpy and both shard runs, judge the figures."""
-    from bench.scale_shard import PROBES_PER_ROUND, measure_checkpoints, measure_steady
+    from bench.scale_shard import measure_checkpoints, measure_steady, probe_rounds
 
     fragments = fragments_for(params, args.fragments)
-    probe_rounds = min(8, math.ceil(PROBES_PER_ROUND / ((args.islands - 1) * fragments)))
-    held = max(args.pending, (args.islands - 1) * probe_rounds)
+    held = max(args.pending, (args.islands - 1) * probe_rounds(args.islands, fragments))
     entry: dict[str, Any] = {"params": params, "fragments": fragments, "islands": args.islands}
     measured = last or {}
     need = scale_figures.memory_need(
@@ -157,7 +161,7 @@ def measure_size(
     print(f"scale: {params} parameters, {fragments} fragments", file=log, flush=True)
     memcpy_s = 4 * params / (memcpy_gbps(min(4 * params, MEMCPY_CAP))["median"] * 1e9)
     try:
-        steady = measure_steady(out / "steady", params, fragments, args.islands, log)
+        steady = measure_steady(out / "steady", params, fragments, args.islands, args.steps, log)
         ckpt = measure_checkpoints(
             out / "checkpoint",
             params,

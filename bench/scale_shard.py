@@ -7,9 +7,9 @@ Two runs per size, each against a fresh one-shard server started through
 each fragment's published update without decoding it:
 
 - `measure_steady`: checkpoints off. The shard's RSS (/proc, `psutil`) idle
-  before init and after init and two steps (every island pushes every
-  fragment; each step timed from the last island's last push to the last
-  fragment's update).
+  before init and after init and two steps, and the time of each step (every
+  island pushes every fragment; a step is timed from the last island's last
+  push to the last fragment's update).
 - `measure_checkpoints`: a checkpoint after every round of steps
   (`--checkpoint-every-steps F`), large arrays mapped one by one
   (`PENDING_ALLOCATOR`). Right after init, the RSS after each whole-model
@@ -47,6 +47,7 @@ from paramserver.wire import protocol
 MIB = 1 << 20
 DEFAULT_MAX_MESSAGE_BYTES = 64 * MIB
 WAIT_S = 1800.0  # bound on any one wait (a step of 1B parameters on 2 busy cores is slow)
+JOIN_BYTES_PER_S = 50e6  # a join (init, snapshots) slower than this has failed
 PROBES_PER_ROUND = 8  # at least this many probe acks follow each checkpointed round
 # The run that holds deltas pending: large arrays mapped and unmapped one by one, so that
 # RSS follows what the shard holds (with the default, dynamic threshold, a pending delta
@@ -73,6 +74,20 @@ def init_message_args(params: int) -> list[str]:
     if need <= DEFAULT_MAX_MESSAGE_BYTES:
         return []
     return ["--max-message-bytes", str(min(need, 1024 * MIB))]
+
+
+def probe_rounds(islands: int, fragments: int) -> int:
+    """Rounds of probes each waiting island pushes after a checkpointed round.
+
+    Args:
+        islands: islands of the run (all but island 0 push probes).
+        fragments: one probe per fragment and round.
+
+    Returns:
+        Enough rounds for PROBES_PER_ROUND probes, at most 8 (the shard's default
+        max_pending_per_island).
+    """
+    return min(8, math.ceil(PROBES_PER_ROUND / ((islands - 1) * fragments)))
 
 
 def rss_bytes(pid: int) -> int:
@@ -214,7 +229,7 @@ class Islands:
                     ack_timeout_cap_s=1200.0,
                     ack_timeout_floor_s=600.0,
                     push_timeout_s=WAIT_S,
-                    join_timeout_s=WAIT_S,
+                    join_timeout_s=120.0 + 4 * params / JOIN_BYTES_PER_S,
                 )
                 self.clients.append(Client(cfg))
                 plan = self.clients[-1].join(flat).plan
@@ -287,26 +302,35 @@ def step_round(islands: Islands, watcher: UpdateWatcher) -> float:
 
 
 def measure_steady(
-    out: Path, params: int, fragments: int, islands: int, log: TextIO
+    out: Path, params: int, fragments: int, islands: int, steps: int, log: TextIO
 ) -> dict[str, Any]:
     """Idle and steady RSS and the step times of one shard, checkpoints off (see the module doc).
 
+    Args:
+        out: the server's data dir goes below it.
+        params: parameters.
+        fragments: fragments of the plan.
+        islands: client islands (each step merges one delta of each).
+        steps: steps taken (>= 2); the RSS is read after the second.
+        log: progress lines.
+
     Returns:
-        {"rss_idle", "rss_steady" (bytes), "step_s": [first, second]}.
+        {"rss_idle", "rss_steady" (bytes), "step_s": [one per step]}.
     """
     off = ["--checkpoint-every-steps", "0", "--checkpoint-every-s", "0"]
     with one_shard(out, params, fragments, off, log) as (cluster, pid, watcher):
         idle = settled_rss(pid)
         isl = Islands(cluster.connect, islands, params, log)
         try:
-            steps = []
-            for k in range(2):
-                steps.append(step_round(isl, watcher))
-                print(f"scale: step {k + 1}: {steps[-1]:.3f} s", file=log, flush=True)
-            steady = settled_rss(pid)
+            times = []
+            for k in range(max(2, steps)):
+                times.append(step_round(isl, watcher))
+                print(f"scale: step {k + 1}: {times[-1]:.3f} s", file=log, flush=True)
+                if k == 1:
+                    steady = settled_rss(pid)
         finally:
             isl.close()
-    return {"rss_idle": idle, "rss_steady": steady, "step_s": steps}
+    return {"rss_idle": idle, "rss_steady": steady, "step_s": times}
 
 
 def _hold_pending(isl: Islands, pid: int, pending: int, watcher: UpdateWatcher, log: TextIO):
@@ -368,16 +392,18 @@ def measure_checkpoints(
         isl = Islands(cluster.connect, islands, params, log)
         stack.callback(isl.close)
         points = _hold_pending(isl, pid, pending, watcher, log)
-        rounds = min(8, max(1, math.ceil(PROBES_PER_ROUND / ((islands - 1) * fragments))))
+        rounds = probe_rounds(islands, fragments)
         release = 0.0
         for cycle in range(cycles):
             target = isl.next_versions(watcher)
             # the islands that wait (1.., once they pushed) are released by the others' push
-            for i in (i for i in range(islands) if i == 0 or isl.rounds[i] == 0):
+            pushers = [i for i in range(islands) if i == 0 or isl.rounds[i] == 0]
+            for i in pushers:
                 isl.push_all(i, watcher)
             sent = time.monotonic()
             waited = watcher.wait_all(target) - sent
-            release = waited if cycle == 0 else release
+            if cycle == 0:
+                release = waited
             for i in range(1, islands):
                 for _ in range(rounds):
                     for f in sorted(isl.sizes):
