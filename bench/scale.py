@@ -8,13 +8,15 @@ Per size (`--params`, default 16M 64M 256M; 1e9, 2e5, 16M and 16000000 all
 parse), smallest first: a real shard (one process, started by
 `diloco-server start`) in sync mode and K client-only islands pushing random
 int8 deltas (`bench.scale_shard`), twice: once with checkpoints off for its
-memory and step time, once checkpointing after every round for its ack
-latencies. JSON on stdout (also DIR/scale.json), progress on stderr; per size:
+memory and step time, once checkpointing after every round for the memory
+of pending deltas and its ack latencies. JSON on stdout (also DIR/scale.json), progress on stderr; per size:
 
 - `bytes_per_param_steady`: the shard's RSS after init and two steps, minus
   its RSS before init, over N;
 - `bytes_per_param_per_pending`: the slope of its RSS over 0..P whole-model
-  int8 deltas held pending (islands 1.. push, island 0 stays silent), over N;
+  int8 deltas held pending right after init (islands 1.. push, island 0
+  stays silent; large arrays mapped one by one in that run, so RSS follows
+  what the shard holds), over N;
 - `step_vs_memcpy`: the median step after the first (which compiles; `--steps`
   in all), each from the last island's last push to the last fragment's
   published update, over one memcpy of N float32 values measured in this run

@@ -29,7 +29,6 @@ import contextlib
 import datetime
 import math
 import re
-import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -37,16 +36,13 @@ from typing import Any, TextIO
 
 import numpy as np
 import psutil
-import zmq
 
 from bench.launcher import LaunchError, LocalCluster
 from bench.load import environ, random_frames, shard_pids
+from bench.update_watcher import WAIT_S, UpdateWatcher
 from paramserver.client import Client, ClientConfig, ClientError
-from paramserver.wire import protocol
+from paramserver.server.config import MIB, ShardConfig
 
-MIB = 1 << 20
-DEFAULT_MAX_MESSAGE_BYTES = 64 * MIB
-WAIT_S = 1800.0  # bound on any one wait (a step of 1B parameters on 2 busy cores is slow)
 JOIN_BYTES_PER_S = 50e6  # a join (init, snapshots) slower than this has failed
 PROBES_PER_ROUND = 8  # at least this many probe acks follow each checkpointed round
 # The run that holds deltas pending: large arrays mapped and unmapped one by one, so that
@@ -71,9 +67,9 @@ def init_message_args(params: int) -> list[str]:
         [] when the default fits, else ["--max-message-bytes", bytes].
     """
     need = 4 * params + MIB
-    if need <= DEFAULT_MAX_MESSAGE_BYTES:
+    if need <= ShardConfig.max_message_bytes:
         return []
-    return ["--max-message-bytes", str(min(need, 1024 * MIB))]
+    return ["--max-message-bytes", str(min(need, 1024 * MIB))]  # the shard's upper bound
 
 
 def probe_rounds(islands: int, fragments: int) -> int:
@@ -105,70 +101,6 @@ def settled_rss(pid: int, settle_s: float = 0.3) -> int:
             return now
         last = now
     return last
-
-
-class UpdateWatcher(threading.Thread):
-    """A raw SUB on the shard's PUB: when each (fragment, version) update arrived (monotonic)."""
-
-    def __init__(self, pub: str) -> None:
-        """Args:
-        pub: the shard's PUB endpoint.
-        """
-        super().__init__(name="update-watcher", daemon=True)
-        self.pub = pub
-        self.arrived: dict[tuple[int, int], float] = {}
-        self.latest: dict[int, int] = {}
-        self.cond = threading.Condition()
-        self.heard = threading.Event()  # a first message arrived: the subscription is live
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        """Receive until stopped; only the header frame is read."""
-        ctx = zmq.Context()
-        sock = ctx.socket(zmq.SUB)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.setsockopt(zmq.SUBSCRIBE, b"")
-        sock.connect(self.pub)
-        try:
-            while not self.stop_event.is_set():
-                if not sock.poll(100):
-                    continue
-                frames = sock.recv_multipart(copy=False)
-                now = time.monotonic()
-                header, _ = protocol.unpack(frames[:1], role=protocol.PUB)
-                self.heard.set()
-                if header["kind"] != "update":
-                    continue
-                with self.cond:
-                    key = (int(header["fragment"]), int(header["version"]))
-                    self.arrived.setdefault(key, now)
-                    self.latest[key[0]] = max(self.latest.get(key[0], 0), key[1])
-                    self.cond.notify_all()
-        finally:
-            sock.close(0)
-            ctx.term()
-
-    def version(self, fragment: int) -> int:
-        """The newest version of `fragment` seen (0 before any update)."""
-        with self.cond:
-            return self.latest.get(fragment, 0)
-
-    def wait_all(self, versions: dict[int, int], timeout_s: float = WAIT_S) -> float:
-        """Wait until every fragment reached its version; returns the last arrival (monotonic).
-
-        Raises:
-            LaunchError: not within `timeout_s`.
-        """
-        with self.cond:
-            done = self.cond.wait_for(
-                lambda: all(self.latest.get(f, 0) >= v for f, v in versions.items()), timeout_s
-            )
-            if not done:
-                raise LaunchError(f"no update to versions {versions} within {timeout_s:g}s")
-            return max(
-                min(t for (f2, v2), t in self.arrived.items() if f2 == f and v2 >= v)
-                for f, v in versions.items()
-            )
 
 
 @contextlib.contextmanager
