@@ -147,8 +147,13 @@ def measure_size(
 
     fragments = fragments_for(params, args.fragments)
     held = max(args.pending, (args.islands - 1) * probe_rounds(args.islands, fragments))
-    entry: dict[str, Any] = {"params": params, "fragments": fragments, "islands": args.islands}
     measured = last or {}
+    entry: dict[str, Any] = {
+        "params": params,
+        "fragments": fragments,
+        "islands": args.islands,
+        "memory_estimated_from": measured.get("params", "today's figures (issue 21)"),
+    }
     need = scale_figures.memory_need(
         params, args.islands, held, measured.get("steady_bpp"), measured.get("pending_bpp")
     )
@@ -250,6 +255,7 @@ def run(args: argparse.Namespace, log: TextIO = sys.stderr) -> int:
         report["sizes"].append(entry)
         if "bytes_per_param_steady" in entry:
             last = {
+                "params": params,
                 "steady_bpp": entry["bytes_per_param_steady"]["value"],
                 "pending_bpp": entry["bytes_per_param_per_pending"]["value"],
             }

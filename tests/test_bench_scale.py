@@ -195,3 +195,21 @@ def test_tiny_run_reports_every_figure_against_its_target(tmp_path):
     assert island["figures"]["host_device_bytes_per_param"]["target"] == "<= 2.5"
     assert {row["at"] for row in report["table"]} == {200_000, "tiny"}
     assert not list(tmp_path.rglob("*.ckpt")) and not list(tmp_path.rglob("wal-*.log"))
+
+
+def test_a_size_that_cannot_fit_is_skipped_with_a_note(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable, "-m", "bench.cli", "scale", "--params", "1e12", "--presets",
+            "--out", str(tmp_path),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=50,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (size,) = json.loads(proc.stdout)["sizes"]
+    assert size["params"] == 10**12 and size["fragments"] == 119210  # ceil(1e12 / 2^23)
+    assert size["skipped"].startswith("needs ~") and size["skipped"].endswith(" free")
+    assert size["memory_estimated_from"] == "today's figures (issue 21)"
+    assert "bytes_per_param_steady" not in size and not list(tmp_path.glob("p*/steady"))
