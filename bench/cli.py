@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "report": ("bench.report", "Benchmarks that reproduce the seed's claims: DDP vs synchronous DiLoCo vs this system on WAN links."),
     "restart": ("bench.restart", "Restart-to-first-step of an island, cold and warm JAX compilation cache."),
     "session_overhead": ("bench.session_overhead", "What the public island API costs: `Session.step` per call between pushes and per round."),
+    "scale": ("bench.scale", "Shard memory, step, checkpoint stalls and the island exchange at scale, against issue 21's targets."),
     "server": ("bench.server", "Shard throughput: merge + outer step vs decode, push->ack round trips, checkpoint and restart."),
     "streaming": ("bench.streaming", "Streaming fragments against round-end pushes: peak/average bytes per second at the island's socket, and loss."),
 }

@@ -98,10 +98,19 @@ def _island(
         errors.append(f"{client.cfg.island}: {exc}")
 
 
-def _random_frames(
+def random_frames(
     plan_sizes: dict[int, int], variants: int, seed: int
 ) -> dict[int, list[list[Any]]]:
-    """A few int8-encoded random deltas per fragment (reused: encoding is not what is measured)."""
+    """A few int8-encoded random deltas per fragment (reused: encoding is not what is measured).
+
+    Args:
+        plan_sizes: fragment -> elements.
+        variants: deltas per fragment.
+        seed: of the random values.
+
+    Returns:
+        fragment -> [frames of one delta (bytes each), ...].
+    """
     rng = np.random.default_rng(seed)
     c = codec.int8()
     out: dict[int, list[list[Any]]] = {}
@@ -132,7 +141,7 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
     env = shard_profile.profile_env(out / "profile", args.profile_shard) if profiled else {}
     with LocalCluster(out / "cluster", shards=args.shards, server_args=server_args) as cluster:
         print(f"load: starting {args.shards} shards on {cluster.connect}", file=log)
-        with _environ(env):
+        with environ(env):
             cluster.start_server()
         pids = shard_pids(cluster)
         sampler = RssSampler(pids)
@@ -154,7 +163,7 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
                 plan = client.join(flat).plan
             print(f"load: {args.islands} islands joined; pushing", file=log)
             sizes = {f.index: f.size for f in plan.fragments}
-            frames = _random_frames(sizes, variants=4, seed=0)
+            frames = random_frames(sizes, variants=4, seed=0)
             expected = args.islands * args.rounds * len(sizes)
             # one push's payload: about what a shard's log appends (and fsyncs, grouped) per push
             record = int(np.mean([sum(len(x) for x in v) for fs in frames.values() for v in fs]))
@@ -237,8 +246,15 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def _environ(extra: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for what starts inside (the shards), then restore them."""
+def environ(extra: dict[str, str]) -> Iterator[None]:
+    """Set environment variables for what starts inside (the shards), then restore them.
+
+    Args:
+        extra: variables to set.
+
+    Yields:
+        None, with them set.
+    """
     saved = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     try:

@@ -1,0 +1,355 @@
+"""The shard side of `diloco-bench scale`: one real shard, client-only islands, its RSS and log.
+
+Two runs per size, each against a fresh one-shard server started through
+`diloco-server start` (`bench.launcher.LocalCluster`), in sync mode with
+`islands` `paramserver.client.Client`s pushing the same random int8 deltas
+(`bench.load.random_frames`) and a raw SUB socket (`UpdateWatcher`) timing
+each fragment's published update without decoding it:
+
+- `measure_steady`: checkpoints off. The shard's RSS (/proc, `psutil`) idle
+  before init and after init and two steps, and the time of each step (every
+  island pushes every fragment; a step is timed from the last island's last
+  push to the last fragment's update).
+- `measure_checkpoints`: a checkpoint after every round of steps
+  (`--checkpoint-every-steps F`), large arrays mapped one by one
+  (`PENDING_ALLOCATOR`). Right after init, the RSS after each whole-model
+  delta that islands 1.. push while island 0 stays silent (in sync mode they
+  wait pending; island 0's push releases them). After each round, islands
+  1.. push probe deltas one at a time (they stay pending until the next
+  round); each probe's ack wait is quiet or overlapped a checkpoint, whose
+  times come from the shard's log line ``shard I checkpoint N: B bytes in S
+  s`` (`checkpoint_windows`).
+
+Progress goes to `log` (stderr).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+import numpy as np
+import psutil
+
+from bench.launcher import LaunchError, LocalCluster
+from bench.load import environ, random_frames, shard_pids
+from bench.update_watcher import WAIT_S, UpdateWatcher
+from paramserver.client import Client, ClientConfig, ClientError
+from paramserver.server.config import MIB, ShardConfig
+
+JOIN_BYTES_PER_S = 50e6  # a join (init, snapshots) slower than this has failed
+PROBES_PER_ROUND = 8  # at least this many probe acks follow each checkpointed round
+# The run that holds deltas pending: large arrays mapped and unmapped one by one, so that
+# RSS follows what the shard holds (with the default, dynamic threshold, a pending delta
+# reuses memory freed by earlier temporaries and RSS hides it until that runs out).
+PENDING_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
+SHARD_ARGS = ("--mode", "sync", "--heartbeat-interval-s", "2.0", "--liveness", "30")
+
+
+def init_message_args(params: int) -> list[str]:
+    """The shard flag that lets one message carry a whole shard's init: DROP once init-pieces lands.
+
+    Today a shard's init is one message with every fragment (issue 21: at 64M it is
+    256 MiB against the default 64 MiB limit); this raises `--max-message-bytes` to
+    fit it (the shard caps it at 1 GiB). Once init goes in pieces, delete this
+    function and its one caller.
+
+    Args:
+        params: float32 parameters of the shard.
+
+    Returns:
+        [] when the default fits, else ["--max-message-bytes", bytes].
+    """
+    need = 4 * params + MIB
+    if need <= ShardConfig.max_message_bytes:
+        return []
+    return ["--max-message-bytes", str(min(need, 1024 * MIB))]  # the shard's upper bound
+
+
+def probe_rounds(islands: int, fragments: int) -> int:
+    """Rounds of probes each waiting island pushes after a checkpointed round.
+
+    Args:
+        islands: islands of the run (all but island 0 push probes).
+        fragments: one probe per fragment and round.
+
+    Returns:
+        Enough rounds for PROBES_PER_ROUND probes, at most 8 (the shard's default
+        max_pending_per_island).
+    """
+    return min(8, math.ceil(PROBES_PER_ROUND / ((islands - 1) * fragments)))
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident set size of a process (VmRSS, as /proc/<pid>/status has it)."""
+    return int(psutil.Process(pid).memory_info().rss)
+
+
+def settled_rss(pid: int, settle_s: float = 0.3) -> int:
+    """RSS once it stopped moving: read until two reads `settle_s` apart agree within 1 MiB."""
+    last = rss_bytes(pid)
+    for _ in range(20):
+        time.sleep(settle_s)
+        now = rss_bytes(pid)
+        if abs(now - last) < MIB:
+            return now
+        last = now
+    return last
+
+
+@contextlib.contextmanager
+def one_shard(
+    out: Path,
+    params: int,
+    fragments: int,
+    extra: list[str],
+    log: TextIO,
+    env: dict[str, str] | None = None,
+) -> Iterator[tuple[LocalCluster, int, UpdateWatcher]]:
+    """A one-shard server (its own launch path) and a watcher on its PUB; stopped on exit.
+
+    Args:
+        out: the server's data dir goes below it.
+        params: parameters (for the message limit of its init).
+        fragments: fragments of the plan.
+        extra: further `diloco-server start` flags.
+        log: progress lines.
+        env: environment variables of the server's processes.
+
+    Yields:
+        (cluster, the shard's pid, the watcher, already hearing the PUB).
+    """
+    args = [*SHARD_ARGS, "--fragments", str(fragments), *init_message_args(params), *extra]
+    with LocalCluster(out, shards=1, server_args=args) as cluster:
+        print(f"scale: starting a shard in {out}", file=log, flush=True)
+        with environ(env or {}):
+            cluster.start_server()
+        pid = shard_pids(cluster)[0]
+        watcher = UpdateWatcher(f"tcp://{cluster.host}:{cluster.port + 1}")
+        watcher.start()
+        try:
+            if not watcher.heard.wait(60):
+                raise LaunchError("the shard's PUB sent nothing (not even a heartbeat) in 60 s")
+            yield cluster, pid, watcher
+        finally:
+            watcher.stop_event.set()
+            watcher.join(5)
+
+
+class Islands:
+    """`count` client-only islands joined to one shard, pushing one set of int8 frames."""
+
+    def __init__(self, connect: str, count: int, params: int, log: TextIO) -> None:
+        """Join every island (the first initialises the shard with zeros)."""
+        flat = {"w": np.zeros(params, np.float32)}
+        self.clients: list[Client] = []
+        self.rounds = [0] * count
+        try:
+            for i in range(count):
+                cfg = ClientConfig(
+                    connect=connect,
+                    island=f"scale-{i}",
+                    heartbeat_interval_s=2.0,
+                    liveness=30,
+                    ack_timeout_s=600.0,  # no re-send during a long step: it would skew acks
+                    ack_timeout_cap_s=1200.0,
+                    ack_timeout_floor_s=600.0,
+                    push_timeout_s=WAIT_S,
+                    join_timeout_s=120.0 + 4 * params / JOIN_BYTES_PER_S,
+                )
+                self.clients.append(Client(cfg))
+                plan = self.clients[-1].join(flat).plan
+                print(f"scale: island {i} joined", file=log, flush=True)
+        except BaseException:
+            self.close()
+            raise
+        self.sizes = {f.index: f.size for f in plan.fragments}
+        print(f"scale: encoding int8 deltas of {len(self.sizes)} fragments", file=log, flush=True)
+        self.frames = {f: v[0] for f, v in random_frames(self.sizes, 1, 0).items()}
+
+    def push_all(self, i: int, watcher: UpdateWatcher) -> None:
+        """Island `i` pushes its next round: every fragment, against the newest versions."""
+        self.rounds[i] += 1
+        for f in sorted(self.sizes):
+            self.clients[i].push(f, self.rounds[i], watcher.version(f), 4096, 16, self.frames[f])
+
+    def push_one(self, i: int, fragment: int, watcher: UpdateWatcher) -> float:
+        """Island `i` pushes one fragment of its next round and waits for the ack.
+
+        Returns:
+            The ack latency the client measured (push call to ack).
+        """
+        client = self.clients[i]
+        client.ack_latencies()  # drop earlier ones
+        self.rounds[i] += 1
+        client.push(
+            fragment, self.rounds[i], watcher.version(fragment), 4096, 16, self.frames[fragment]
+        )
+        self.wait_acked(i)
+        return client.ack_latencies()[-1]
+
+    def wait_acked(self, i: int, timeout_s: float = WAIT_S) -> None:
+        """Wait until island `i` has no unacked delta; a rejection ends the run.
+
+        Raises:
+            LaunchError: a delta was rejected, or not acked in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        while (stats := self.clients[i].stats())["pending"]:
+            if time.monotonic() > deadline:
+                raise LaunchError(
+                    f"island {i}: {stats['pending']} deltas unacked after {timeout_s:g}s"
+                )
+            time.sleep(0.002)
+        if stats["rejected"]:
+            raise LaunchError(f"island {i}: the shard rejected deltas: {stats['rejected']}")
+
+    def next_versions(self, watcher: UpdateWatcher) -> dict[int, int]:
+        """Each fragment's version after one more step."""
+        return {f: watcher.version(f) + 1 for f in self.sizes}
+
+    def close(self) -> None:
+        """Close every client."""
+        for client in self.clients:
+            with contextlib.suppress(ClientError):
+                client.close(flush_timeout_s=2.0)
+
+
+def step_round(islands: Islands, watcher: UpdateWatcher) -> float:
+    """Every island pushes every fragment, the last one last; seconds from its last push to the last update."""
+    target = islands.next_versions(watcher)
+    last = len(islands.clients) - 1
+    for i in range(last):
+        islands.push_all(i, watcher)
+        islands.wait_acked(i)
+    islands.push_all(last, watcher)
+    sent = time.monotonic()
+    return watcher.wait_all(target) - sent
+
+
+def measure_steady(
+    out: Path, params: int, fragments: int, islands: int, steps: int, log: TextIO
+) -> dict[str, Any]:
+    """Idle and steady RSS and the step times of one shard, checkpoints off (see the module doc).
+
+    Args:
+        out: the server's data dir goes below it.
+        params: parameters.
+        fragments: fragments of the plan.
+        islands: client islands (each step merges one delta of each).
+        steps: steps taken (>= 2); the RSS is read after the second.
+        log: progress lines.
+
+    Returns:
+        {"rss_idle", "rss_steady" (bytes), "step_s": [one per step]}.
+    """
+    off = ["--checkpoint-every-steps", "0", "--checkpoint-every-s", "0"]
+    with one_shard(out, params, fragments, off, log) as (cluster, pid, watcher):
+        idle = settled_rss(pid)
+        isl = Islands(cluster.connect, islands, params, log)
+        try:
+            times = []
+            for k in range(max(2, steps)):
+                times.append(step_round(isl, watcher))
+                print(f"scale: step {k + 1}: {times[-1]:.3f} s", file=log, flush=True)
+                if k == 1:
+                    steady = settled_rss(pid)
+        finally:
+            isl.close()
+    return {"rss_idle": idle, "rss_steady": steady, "step_s": times}
+
+
+def _hold_pending(isl: Islands, pid: int, pending: int, watcher: UpdateWatcher, log: TextIO):
+    """Islands 1.. push `pending` whole-model deltas (island 0 silent: they wait); RSS after each."""
+    points = [[0, settled_rss(pid)]]
+    for p in range(pending):
+        i = 1 + p % (len(isl.clients) - 1)
+        isl.push_all(i, watcher)
+        isl.wait_acked(i)
+        points.append([p + 1, settled_rss(pid)])
+        print(f"scale: {p + 1} pending: RSS {points[-1][1] / MIB:.0f} MiB", file=log, flush=True)
+    return points
+
+
+CHECKPOINT_LINE = re.compile(
+    r"^(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3}) .*shard \d+ checkpoint (\d+): (\d+) bytes in ([0-9.]+) s"
+)
+
+
+def checkpoint_windows(log_file: Path) -> list[dict[str, float]]:
+    """The checkpoints a shard's log reports: when each ended, how long it took, its bytes.
+
+    Args:
+        log_file: the shard's daemon.log (record times are local wall-clock, to the ms).
+
+    Returns:
+        [{"start", "end" (epoch seconds), "seconds", "bytes"}, ...] in log order.
+    """
+    found = []
+    text = log_file.read_text(errors="replace") if log_file.exists() else ""
+    for line in text.splitlines():
+        m = CHECKPOINT_LINE.match(line)
+        if m is None:
+            continue
+        end = datetime.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp()
+        seconds = float(m.group(4))
+        found.append(
+            {"start": end - seconds, "end": end, "seconds": seconds, "bytes": int(m.group(3))}
+        )
+    return found
+
+
+def measure_checkpoints(
+    out: Path, params: int, fragments: int, islands: int, pending: int, cycles: int, log: TextIO
+) -> dict[str, Any]:
+    """RSS per pending delta, then ack waits of probes after checkpointed rounds (module doc).
+
+    Returns:
+        {"pending_rss": [[pending, rss], ...], "release_s", "probes": [[start epoch s,
+        seconds], ...], "checkpoints": checkpoint_windows(...), "probe_rounds"}.
+    """
+    probes: list[list[float]] = []
+    # a checkpoint after every round of steps (one step per fragment)
+    every = ["--checkpoint-every-steps", str(fragments), "--checkpoint-every-s", "0"]
+    with contextlib.ExitStack() as stack:
+        cluster, pid, watcher = stack.enter_context(
+            one_shard(out, params, fragments, every, log, PENDING_ALLOCATOR)
+        )
+        isl = Islands(cluster.connect, islands, params, log)
+        stack.callback(isl.close)
+        points = _hold_pending(isl, pid, pending, watcher, log)
+        rounds = probe_rounds(islands, fragments)
+        release = 0.0
+        for cycle in range(cycles):
+            target = isl.next_versions(watcher)
+            # the islands that wait (1.., once they pushed) are released by the others' push
+            pushers = [i for i in range(islands) if i == 0 or isl.rounds[i] == 0]
+            for i in pushers:
+                isl.push_all(i, watcher)
+            sent = time.monotonic()
+            waited = watcher.wait_all(target) - sent
+            if cycle == 0:
+                release = waited
+            for i in range(1, islands):
+                for _ in range(rounds):
+                    for f in sorted(isl.sizes):
+                        start = time.time()
+                        probes.append([start, isl.push_one(i, f, watcher)])
+            print(f"scale: checkpoint cycle {cycle + 1}/{cycles} done", file=log, flush=True)
+        log_file = cluster.shard_dir(0) / "daemon.log"
+        deadline = time.monotonic() + WAIT_S
+        while len(found := checkpoint_windows(log_file)) < cycles and time.monotonic() < deadline:
+            time.sleep(0.1)
+    return {
+        "pending_rss": points,
+        "release_s": release,
+        "probes": probes,
+        "checkpoints": found,
+        "probe_rounds": rounds,
+    }
