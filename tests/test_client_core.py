@@ -51,10 +51,11 @@ def test_a_join_of_an_empty_cluster_inits_every_shard_in_order_then_snapshots_it
     assert isinstance(result, JoinResult), result
     kinds = [h["kind"] for h in sim.sent]
     assert kinds[:3] == ["hello"] * 3  # the configured shard, then the two others
-    inits = [to for to, h in zip(sim.sent_to, sim.sent, strict=True) if h["kind"] == "init"]
+    inits = [to for to, h in zip(sim.sent_to, sim.sent, strict=True) if h["kind"] == "init_begin"]
     assert inits == [s.router for s in sim.shards]  # shard 0 first, in index order
     assert sorted(h["fragment"] for h in sim.kinds("snapshot")) == list(range(6))
-    assert all(kinds.index("init") < i for i, k in enumerate(kinds) if k == "snapshot")
+    last_piece = max(i for i, k in enumerate(kinds) if k == "init_piece")
+    assert all(last_piece < i for i, k in enumerate(kinds) if k == "snapshot")
     # Clone pattern: every shard's SUB is opened before its fragments are snapshotted
     assert [e for role, e in sim.opened if role == "sub"] == [s.pub for s in sim.shards]
     for name, value in mine.items():
@@ -67,7 +68,7 @@ def test_a_join_of_an_initialised_cluster_sends_no_init_and_takes_the_clusters_v
     theirs = small_flat(1)
     sim = make_sim(shards=2, fragments=4, initialized_with=theirs)
     result = sim.join(small_flat(0))  # same shapes, other values
-    assert not sim.kinds("init")
+    assert not sim.kinds("init_begin") and not sim.kinds("init_piece")
     for name, value in theirs.items():
         np.testing.assert_array_equal(result.params[name], value)
 
@@ -119,8 +120,8 @@ def test_a_half_initialised_cluster_is_completed_after_init_grace():
     sim.shards[0].init_with(theirs)  # another island initialised shard 0, then died
     result = sim.join(mine)
     assert isinstance(result, JoinResult), result
-    (init,) = sim.kinds("init")
-    at = sim.times("init")[0]
+    (init,) = sim.kinds("init_begin")
+    at = sim.times("init_begin")[0]
     assert 1.0 <= at < 1.0 + 0.3  # after the grace, asking every 0.2 s meanwhile
     assert len(sim.kinds("hello")) >= 1 + 1 + 4  # first, shard 1, then its re-asks
     plan = sim.core.plan

@@ -3,7 +3,8 @@
 This module owns, with no I/O and no clock, the join of `ClientCore.start_join`
 (`paramserver.client.core`): `Join` sends what the handshake
 (`paramserver.client.handshake`) asks on the shards' links (`Shards`),
-re-sends an unanswered hello every `ack_timeout_s` (hello is idempotent),
+re-sends an unanswered hello, `init_begin` or `init_piece` every
+`ack_timeout_s` (all three are idempotent: a lost piece or reply is sent again),
 routes each reply back to the handshake, opens a DEALER to every shard once
 the first welcome named them, and, once the cluster is initialised,
 subscribes to every shard and snapshots its fragments (Clone pattern:
@@ -29,10 +30,13 @@ from paramserver.client.welcome import Cluster
 
 logger = logging.getLogger(__name__)
 
+# The join's requests re-sent every ack_timeout_s until answered (a re-send changes nothing).
+_IDEMPOTENT = ("hello", "init_begin", "init_piece")
+
 
 @dataclass
 class _Call:
-    """A join request in flight: re-sent (hello only) until answered."""
+    """A join request in flight: re-sent (hello, init_begin, init_piece) until answered."""
 
     shard: ShardState
     name: int  # the handshake's name of the shard (`FIRST` before the first welcome)
@@ -87,12 +91,12 @@ class Join:
         self._step(now, lambda: self._handshake.on_reply(now, call.name, header))
 
     def on_tick(self, now: float) -> None:
-        """Time passed: re-send unanswered hellos, time out, re-snapshot a stuck shard."""
+        """Time passed: re-send unanswered requests, time out, re-snapshot a stuck shard."""
         if self.syncing:
             self._sync_tick(now)
             return
         for call in self._calls.values():
-            if call.kind == "hello" and now > call.resend_at:
+            if call.kind in _IDEMPOTENT and now > call.resend_at:
                 self._net.send_frames(call.shard, call.frames)
                 call.resend_at = now + self.cfg.ack_timeout_s
         self._step(now, lambda: self._handshake.on_tick(now))
@@ -137,6 +141,8 @@ class Join:
                 self._net.open(shard, "dealer")
                 shards.append(shard)
         self._net.all = shards
+        if cluster.max_message_bytes is not None:  # snapshot pieces fit the shards' limit
+            self._net.max_message_bytes = cluster.max_message_bytes
 
     def _start_sync(self, now: float) -> None:
         """The cluster is initialised: subscribe to every shard, then snapshot it."""
@@ -148,7 +154,7 @@ class Join:
             fragments = tuple(f.index for f in plan.fragments_of(shard.index))
             shard.feed = ShardFeed(shard.index, fragments, self._progress.replica)
             shard.heard = shard.sub_heard = now
-            self._net.request_snapshots(shard, now)
+            self._net.request_snapshots(shard, now, self.cluster.plan)
         self.check_synced(now)
 
     def _sync_tick(self, now: float) -> None:
@@ -164,7 +170,7 @@ class Join:
             return
         for shard in shards:  # e.g. a shard the winner of an init race has not reached
             if shard.feed.syncing and now - shard.feed.sync_started > self.cfg.snapshot_timeout_s:
-                self._net.request_snapshots(shard, now)
+                self._net.request_snapshots(shard, now, self.cluster.plan)
         self.check_synced(now)
 
     def check_synced(self, now: float) -> None:
