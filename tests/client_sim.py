@@ -46,6 +46,7 @@ class SimShard:
     refuse: dict[str, dict] = field(default_factory=dict)  # kind -> rejected reply fields
     push_refusals: list[str] = field(default_factory=list)  # reasons for the next pushes' acks
     init_owner: str | None = None  # the island whose init_begin was taken
+    max_message_bytes: int | None = None  # sent in the welcome when set
     partial: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # init pieces in
 
     @property
@@ -85,6 +86,7 @@ class SimShard:
             "liveness": self.liveness,
             "seq": self.seq,
             "mode": "async",
+            **({"max_message_bytes": self.max_message_bytes} if self.max_message_bytes else {}),
         }
 
     def handle(self, header: dict, payload: list, endpoints: list[list[str]]) -> list[list[Any]]:

@@ -132,6 +132,33 @@ def test_a_half_initialised_cluster_is_completed_after_init_grace():
         )
 
 
+def test_an_init_and_snapshots_go_in_pieces_and_a_lost_piece_and_reply_are_sent_again():
+    flat = {"w": np.random.default_rng(3).standard_normal(5000).astype(np.float32)}
+    plan = plan_for(flat, shards=1, fragments=2)  # 2500 elements a fragment
+    shard = SimShard(0, plan, max_message_bytes=4096)  # pieces of 896 elements: 3 a fragment
+    sim = Sim(ClientConfig(connect=shard.router, island="isl", ack_timeout_s=1.0), [shard])
+    lost = {"up": 1, "down": 1}
+
+    def fault(direction, header):
+        kind = "init_piece" if direction == "up" else "init_piece_ok"
+        if header["kind"] == kind and header.get("offset") == 896 and lost[direction]:
+            lost[direction] -= 1
+            return "drop"
+        return "deliver"
+
+    sim.fault = fault
+    result = sim.join(flat)
+    assert isinstance(result, JoinResult), result
+    assert lost == {"up": 0, "down": 0}
+    pieces = [(h["fragment"], h["offset"]) for h in sim.kinds("init_piece")]
+    cut = [(f, o) for f in (0, 1) for o in (0, 896, 1792)]
+    assert sorted(set(pieces)) == cut and len(pieces) == len(cut) + 2  # two re-sends
+    assert all(h["plan_hash"] == plan.hash for h in sim.kinds("init_piece"))
+    asked = sorted((h["fragment"], h["offset"], h["count"]) for h in sim.kinds("snapshot"))
+    assert asked == [(f, o, 708 if o == 1792 else 896) for f, o in cut]
+    assert result.params["w"].tobytes() == flat["w"].tobytes()
+
+
 def test_snapshot_pieces_and_updates_published_meanwhile_are_replayed_in_order():
     sim = make_sim(fragments=2, initialized_with=small_flat(0))
     shard = sim.shards[0]
