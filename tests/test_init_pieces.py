@@ -332,3 +332,25 @@ def test_a_shard_killed_mid_init_keeps_the_answered_pieces_and_completes(tmp_pat
     finally:
         p.close()
         shard.stop()
+
+
+# -- sizes at the default limit (slow; the 1B-parameter check is the lead's, see the report) ----
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("elements", [16 * MIB, 64 * MIB])
+def test_a_large_model_on_one_shard_is_initialised_in_pieces_at_the_default_limit(
+    cluster, client, elements
+):
+    c = cluster(1)  # max_message_bytes 64 MiB: a fragment of 32M elements is three pieces
+    flat = big_flat(elements)
+    result = client(c.connect, "a", join_timeout_s=600.0, ack_timeout_s=60.0).join(flat)
+    for name, value in flat.items():
+        assert result.params[name].tobytes() == value.tobytes()
+    state = c.servers[0].state
+    status = state.status(0.0)
+    assert status["rejected"] == {} and state.initialized
+    per = protocol.piece_elements(64 * MIB)
+    assert per == 14680064
+    assert status["bytes_in"] < elements * 4 + 4 * MIB  # every piece sent once
