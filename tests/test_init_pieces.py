@@ -7,6 +7,7 @@ racing; a shard killed mid-init.
 
 from __future__ import annotations
 
+import os
 import signal
 import threading
 
@@ -20,6 +21,7 @@ from shard_process import ShardProcess
 import codec
 from paramserver.plumbing import probe
 from paramserver.wire import protocol
+from paramserver.wire.plan import LeafSpec, make_plan
 from paramserver.wire.snapshot import SnapshotPieces, snapshot_request
 
 pytestmark = pytest.mark.timeout(120)
@@ -354,3 +356,60 @@ def test_a_large_model_on_one_shard_is_initialised_in_pieces_at_the_default_limi
     per = protocol.piece_elements(64 * MIB)
     assert per == 14680064
     assert status["bytes_in"] < elements * 4 + 4 * MIB  # every piece sent once
+
+
+def streamed(fragment: int, offset: int, count: int) -> np.ndarray:
+    """The values of one piece of a streamed init, regenerated from its place alone."""
+    return np.random.default_rng((fragment, offset)).standard_normal(count, dtype=np.float32)
+
+
+def peak_rss_bytes(pid: int) -> int:
+    """The peak resident set of a process (Linux VmHWM)."""
+    for line in open(f"/proc/{pid}/status"):  # noqa: SIM115 - one read of a proc file
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(3600)
+@pytest.mark.parametrize(
+    "elements",
+    [
+        64 * MIB,
+        pytest.param(
+            10**9,
+            marks=pytest.mark.skipif(
+                os.environ.get("DILOCO_TEST_INIT_1B") != "1",
+                reason="1B parameters: set DILOCO_TEST_INIT_1B=1 on a machine with ~24 GiB free",
+            ),
+        ),
+    ],
+)
+def test_a_shard_process_takes_a_streamed_init_at_the_default_limit(tmp_path, zmq_ctx, elements):
+    """A raw peer streams pieces it generates one at a time (it never holds the model)."""
+    plan = make_plan([LeafSpec("w", (elements,), "float32")], 1, 2)
+    shard = ShardProcess(tmp_path / "data", "--log-level", "WARNING", "--checkpoint-every-s", "0")
+    shard.wait_ready(zmq_ctx, timeout_s=300)
+    p = Peer(zmq_ctx, shard.router, "a")
+    try:
+        limit = p.hello()["max_message_bytes"]
+        assert limit == 64 * MIB
+        assert begin(p, plan)["missing"] == elements
+        cut = [
+            (f.index, o, n) for f in plan.fragments for o, n in protocol.pieces(f.size, 14680064)
+        ]
+        for f, offset, count in cut:
+            reply, _ = p.request(*piece(plan, "a", f, offset, streamed(f, offset, count)))
+            assert reply["kind"] in ("init_piece_ok", "init_ok"), reply
+        assert reply["kind"] == "init_ok"
+        for f, offset, count in cut:  # read back in the same pieces, bit for bit
+            ask = snapshot_request("a", f, piece=(offset, count))
+            answer, payload = p.request(ask)
+            assert (answer["version"], answer["offset"]) == (0, offset), answer
+            assert codec.decode(payload)["values"].tobytes() == streamed(f, offset, count).tobytes()
+        peak = peak_rss_bytes(shard.proc.pid)
+        print(f"shard peak RSS after a {elements}-element init: {peak / elements:.2f} B/param")
+    finally:
+        p.close()
+        shard.stop()

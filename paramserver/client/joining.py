@@ -21,7 +21,8 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.client.handshake import FIRST, Ask, Handshake
+from paramserver.client.handshake import FIRST, Handshake
+from paramserver.client.init_upload import Ask
 from paramserver.client.progress import Progress
 from paramserver.client.replica import ShardFeed
 from paramserver.client.shards import Shards, ShardState
