@@ -15,11 +15,13 @@ import numpy as np
 import pytest
 from client_helpers import clients
 from conftest import Peer
-from shard_helpers import nan_frames, plan_for
+from shard_helpers import init_payload, nan_frames, plan_for
 from shard_process import ShardProcess
 
 import codec
 from paramserver.plumbing import probe
+from paramserver.server.config import ShardConfig
+from paramserver.server.state import ShardState
 from paramserver.wire import protocol
 from paramserver.wire.plan import LeafSpec, make_plan
 from paramserver.wire.snapshot import SnapshotPieces, snapshot_request
@@ -413,3 +415,44 @@ def test_a_shard_process_takes_a_streamed_init_at_the_default_limit(tmp_path, zm
     finally:
         p.close()
         shard.stop()
+
+
+# -- the owner's rules in the state, on a fake clock (30 s of silence: init_pieces.ABANDON_S) ----
+
+
+def test_an_init_silent_for_30_s_is_taken_over_and_replay_gives_the_same_state():
+    flat = big_flat(64)
+    plan = plan_for(flat)
+    state = ShardState(ShardConfig(), 0)
+    events = []
+
+    def piece_of(island, f, lo, values):
+        header, frames = piece(plan, island, f, lo, values)
+        return state.init_piece(header, frames, now=clock["now"])
+
+    clock = {"now": 0.0}
+    events.append(state.begin_init(plan.to_wire(), "a", 0.0).event)
+    clock["now"] = 1.0
+    events.append(piece_of("a", 0, 0, plan.gather(flat, 0)[:8]).event)
+    refused = state.begin_init(plan.to_wire(), "b", 31.0)  # 30 s after a's piece: not yet
+    assert refused.reason == "already_initialized" and "island 'a'" in refused.detail
+    whole = state.initialize(plan.to_wire(), init_payload(plan, flat), now=31.0)
+    assert whole.reason == "already_initialized"
+    taken = state.begin_init(plan.to_wire(), "b", 31.5)
+    assert taken.status == "accepted" and state.partial_init.island == "b"
+    assert state.partial_init.missing == 64  # a's piece is gone with its init
+    events.append(taken.event)
+    clock["now"] = 32.0
+    assert piece_of("a", 0, 8, plan.gather(flat, 0)[8:]).reason == "already_initialized"
+    theirs = big_flat(64, seed=1)
+    for f in (0, 1):
+        events.append(piece_of("b", f, 0, plan.gather(theirs, f)).event)
+    assert state.initialized and state.init_owner == ("b", plan.hash)
+    again = piece_of("b", 1, 0, plan.gather(theirs, 1))
+    assert again.status == "duplicate"  # the owner's last piece again: init_ok again
+    replayed = ShardState(ShardConfig(), 0)
+    for event in events:
+        replayed.apply(event)
+    for f in (0, 1):
+        expected = plan.gather(theirs, f).tobytes()
+        assert state.snapshot(f)[1].tobytes() == replayed.snapshot(f)[1].tobytes() == expected
