@@ -17,11 +17,19 @@ JSON on stdout, progress on stderr. Four measurements, all in one run:
 - `checkpoint`: write time and size of the merge_step shard's checkpoint.
 - `restart`: seconds from starting a ShardServer on that data dir (load the
   checkpoint, replay the log) until it serves.
+- `pending_memory`: a fresh `--params` shard accepting `--pending` int8
+  deltas per fragment (pushes through `submit_delta`, nothing stepped): the
+  process's RSS growth per pending delta, over the parameters (target <= 1.1
+  B/param: deltas stay coded), next to what the state counts
+  (`pending_bytes`) and what the zstd frames on the wire weigh (what keeping
+  them compressed would cost). `--pending-only` runs just this one.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import os
 import statistics
 import sys
 import tempfile
@@ -35,6 +43,7 @@ import zmq
 import codec
 from bench import cli
 from bench.common import emit_json, gbps, progress, timed
+from codec import coded
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import AcceptEvent, Contribution
 from paramserver.server.shard import ShardServer
@@ -59,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pushes", type=int, default=100, help="round trips measured")
     parser.add_argument("--repeats", type=int, default=5, help="repeats per timing")
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
+    parser.add_argument("--pending", type=int, default=8, help="pending deltas per fragment")
+    parser.add_argument(
+        "--pending-only", action="store_true", help="only the pending_memory measurement"
+    )
 
 
 def _flat(elements: int, seed: int) -> dict[str, np.ndarray]:
@@ -95,10 +108,10 @@ def measure_merge_step(args, data_dir: str, p) -> tuple[dict, ShardState, ShardS
             vec = rng.standard_normal(f.size, dtype=np.float32) * 0.01
             frames, _ = int8.encode({"delta": vec})
             frames = [bytes(fr) for fr in frames]
-            deltas[f.index].append((frames, codec.decode(frames)["delta"]))
+            deltas[f.index].append((frames, coded.read(frames)[0]))  # kept as pending keeps it
     p.advance(task)
     all_frames = [fr for lst in deltas.values() for fr, _ in lst]
-    consumed = sum(d.nbytes for lst in deltas.values() for _, d in lst)
+    consumed = sum(4 * d.size for lst in deltas.values() for _, d in lst)  # float32 bytes
     decode_s = timed(lambda: [codec.decode(fr) for fr in all_frames], args.repeats)
     p.advance(task)
     step_s = timed(_merge_and_step(state, deltas), args.repeats)
@@ -130,7 +143,7 @@ def measure_merge_step(args, data_dir: str, p) -> tuple[dict, ShardState, ShardS
 
 
 def _merge_and_step(state: ShardState, deltas: dict, published: list[int] | None = None):
-    """A callable that accepts every delta (already decoded) and steps every fragment once."""
+    """A callable that accepts every delta (already read, kept coded) and steps every fragment."""
     rounds = iter(range(1, 1 << 30))
 
     def merge_and_step() -> None:
@@ -257,6 +270,54 @@ def measure_checkpoint_and_restart(args, state, durable, data_dir, p) -> dict:
     }
 
 
+def _rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="ascii") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def measure_pending_memory(args, p) -> dict:
+    """RSS growth per pending int8 delta (one per fragment, over all --params) on a fresh shard."""
+    cfg = ShardConfig(fragments=args.fragments, mode="sync", fsync=False, checkpoint_every_steps=0,
+                      max_islands=args.pending + 2, max_pending_per_island=1)  # fmt: skip
+    task = p.add_task("pending deltas' memory", total=args.pending + 1)
+    state, plan, _ = _initialized_state(cfg, _flat(args.params, 0))
+    state.hello("silent", T0)  # a live island that never pushes: sync mode never steps
+    rng = np.random.default_rng(2)
+    frames = {}  # one delta per fragment, pushed by every island (each keeps its own copy)
+    for f in plan.fragments_of(0):
+        vec = rng.standard_normal(f.size, dtype=np.float32) * 0.01
+        frames[f.index] = [bytes(fr) for fr in codec.int8().encode({"delta": vec})[0]]
+    wire = sum(len(fr) for lst in frames.values() for fr in lst[1:])
+
+    def push(island: str) -> None:
+        state.hello(island, T0)
+        for fragment, payload in frames.items():
+            header = {"island": island, "round": 1, "fragment": fragment, "base_version": 0,
+                      "plan_hash": plan.hash, "tokens": 4096, "steps": 16}  # fmt: skip
+            assert state.submit_delta(header, payload, T0).status == "accepted"
+
+    push("warm-up")  # the first push's one-off allocations (codec scratch) are not counted
+    p.advance(task)
+    gc.collect()
+    before = _rss_bytes()
+    for k in range(args.pending):
+        push(f"i{k}")
+        p.advance(task)
+    gc.collect()
+    grown = _rss_bytes() - before
+    per = args.pending * args.params
+    return {
+        "params": args.params,
+        "pending_deltas_per_fragment": args.pending,
+        "rss_bytes_per_param_per_pending": grown / per,
+        "pending_bytes_per_param": state.pending_bytes() / (per + args.params),
+        "zstd_wire_bytes_per_param": wire / args.params,
+        "decoded_float32_bytes_per_param": 4.0,
+        "target_bytes_per_param": 1.1,
+        "meets_target": grown / per <= 1.1,
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the measurements and print JSON.
 
@@ -269,6 +330,11 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.params, args.rt_params, args.pushes, args.repeats = 1 << 20, 1 << 16, 20, 3
     result: dict = {"command": " ".join(sys.argv)}
+    if args.pending_only:
+        with progress() as p:
+            result["pending_memory"] = measure_pending_memory(args, p)
+        emit_json(result)
+        return 0
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp, progress() as p:
         merge, state, durable = measure_merge_step(args, f"{tmp}/a", p)
         result["merge_step"] = merge
@@ -276,6 +342,7 @@ def run(args: argparse.Namespace) -> int:
         del state
         result["round_trip"] = measure_round_trip(args, f"{tmp}/b", p)
         result["round_trip_no_fsync"] = measure_round_trip(args, f"{tmp}/c", p, fsync=False)
+        result["pending_memory"] = measure_pending_memory(args, p)
     emit_json(result)
     return 0
 

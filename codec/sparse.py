@@ -199,10 +199,27 @@ def decode_topk(section: np.ndarray, scales: np.ndarray, t, chunk, keep, bits, o
             dtypes get the float32 values cast); raises ValueError on an
             offset outside its chunk.
     """
-    n, kept = t.size, t.kept
     out[:] = 0
-    if not kept:
+    if not t.kept:
         return
+    pos, values = topk_entries(section, scales, t, chunk, keep, bits)
+    out[pos] = values
+
+
+def topk_entries(section: np.ndarray, scales: np.ndarray, t, chunk, keep, bits) -> tuple:
+    """The listed entries of one topk tensor section: positions and float32 values.
+
+    Args:
+        section: uint8 codes part of the section (2K offset bytes, then codes).
+        scales: float32 chunk absmax values (already checked finite, >= 0).
+        t: the TensorLayout (size, kept).
+        chunk, keep, bits: scheme settings from the header.
+
+    Returns:
+        (int64 positions in the tensor, ascending; their float32 values); raises
+        ValueError on an offset outside its chunk. Every other element is 0.
+    """
+    n, kept = t.size, t.kept
     gap = section[kept : 2 * kept].astype(np.int64)
     np.left_shift(gap, 8, out=gap)
     np.bitwise_or(gap, section[:kept], out=gap)
@@ -224,4 +241,4 @@ def decode_topk(section: np.ndarray, scales: np.ndarray, t, chunk, keep, bits, o
         at += rows * k
     j = code & np.uint8(levels - 1)
     neg = (code >> np.uint8(bits - 1)).astype(np.bool_)
-    out[pos] = _values(j, neg, step)
+    return pos, _values(j, neg, step)

@@ -62,6 +62,12 @@ def stop_after(tmp_path):
         (["start", "--port", "http"], ["--port", "'http'", "expected int"]),
         pytest.param(["start", "--port", "70000"], ["--port", "70000"], marks=pytest.mark.slow),
         (["start", "--mode", "fast"], ["--mode", "'fast'", "sync"]),
+        (["start", "--max-pending-bytes", "0"], ["--max-pending-bytes", "=0", "int >= 1"]),
+        pytest.param(
+            ["start", "--max-pending-bytes", "lots"],
+            ["--max-pending-bytes", "'lots'"],
+            marks=pytest.mark.slow,
+        ),
         pytest.param(["start", "--no-such-flag"], ["--no-such-flag"], marks=pytest.mark.slow),
         pytest.param(["restart"], ["restart"], marks=pytest.mark.slow),
         pytest.param(
@@ -296,6 +302,7 @@ def test_metrics_endpoint_serves_shard_counters(start_shard):
     assert 'diloco_shard_up{shard="0"} 1.0' in text
     assert 'diloco_shard_up{shard="1"} 0.0' in text
     assert 'diloco_shard_accepted_total{shard="0"} 0.0' in text
+    assert 'diloco_shard_pending_bytes{shard="0"} 0.0' in text
 
 
 def test_cluster_file_parsing(tmp_path):

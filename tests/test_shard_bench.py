@@ -40,3 +40,8 @@ def test_bench_server_reports_every_measurement(capsys):
             pytest.approx(1000.0)
         )
         assert trip["round_trip_ms"]["p90"] >= trip["round_trip_ms"]["median"] > 0
+    pending = result["pending_memory"]
+    assert (pending["params"], pending["pending_deltas_per_fragment"]) == (65536, 8)
+    # int8 deltas stay coded: a byte per parameter plus a float32 scale per 256
+    assert pending["pending_bytes_per_param"] == 1 + 4 / 256
+    assert pending["meets_target"] == (pending["rss_bytes_per_param_per_pending"] <= 1.1)

@@ -1,7 +1,10 @@
 """ShardConfig: the mode-dependent outer-optimizer defaults and validation messages."""
 
+import os
+
 import pytest
 
+from paramserver.plumbing.settings import SettingsError, load_settings
 from paramserver.server.config import (
     ASYNC_OUTER_LR,
     ASYNC_OUTER_MOMENTUM,
@@ -33,3 +36,17 @@ def test_explicit_outer_settings_win_over_the_mode_defaults():
 def test_bad_value_names_the_field():
     with pytest.raises(ConfigError, match="quorum"):
         ShardConfig(quorum=0)
+
+
+def test_the_pending_budget_defaults_to_a_quarter_of_physical_memory(tmp_path):
+    ram = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    assert ShardConfig().max_pending_bytes == ram // 4
+    for bad in (0, -5, 1.5, "8G"):
+        with pytest.raises(ConfigError, match="max_pending_bytes"):
+            ShardConfig(max_pending_bytes=bad)
+    toml = tmp_path / "server.toml"
+    toml.write_text("max_pending_bytes = 1048576\n")
+    assert load_settings(ShardConfig, file=toml).max_pending_bytes == 1 << 20
+    toml.write_text("max_pending_bytes = 0\n")
+    with pytest.raises(SettingsError, match=f"{toml}:max_pending_bytes.*int >= 1"):
+        load_settings(ShardConfig, file=toml)

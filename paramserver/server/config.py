@@ -10,7 +10,8 @@ TOML / environment / flags is `paramserver.plumbing.settings`' job.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from dataclasses import dataclass, field
 from typing import Literal
 
 from paramserver.plumbing.validate import LOG_LEVELS, Checks
@@ -38,6 +39,42 @@ SYNC_OUTER_MOMENTUM = 0.9
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server.outer
 ASYNC_OUTER_LR = 0.7
 ASYNC_OUTER_MOMENTUM = 0.0
+
+
+PENDING_MEMORY_SHARE = 4  # default max_pending_bytes: 1/4 of the machine's physical memory
+FALLBACK_MEMORY_BYTES = 16 * 1024 * MIB  # assumed when the physical memory cannot be read
+
+
+def physical_memory_bytes() -> int:
+    """The machine's physical memory: os.sysconf, else /proc/meminfo, else FALLBACK_MEMORY_BYTES.
+
+    Returns:
+        Bytes.
+    """
+    try:
+        pages, page = os.sysconf("SC_PHYS_PAGES"), os.sysconf("SC_PAGE_SIZE")
+        if pages > 0 and page > 0:
+            return int(pages) * int(page)
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemTotal:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return FALLBACK_MEMORY_BYTES
+
+
+def default_max_pending_bytes() -> int:
+    """The default pending-delta budget of a shard: 1/PENDING_MEMORY_SHARE of physical memory.
+
+    Returns:
+        Bytes (each shard process of a machine gets this much: lower it when
+        several shards share one machine).
+    """
+    return physical_memory_bytes() // PENDING_MEMORY_SHARE
 
 
 class ConfigError(ValueError):
@@ -73,6 +110,10 @@ class ShardConfig:
     max_message_bytes: int = 64 * MIB  # larger requests are rejected "oversize"
     max_islands: int = 256  # distinct islands a shard tracks at once
     max_pending_per_island: int = 8  # unmerged deltas one island may have per fragment
+    # bytes all pending deltas of the shard may keep (counted coded: ~1.02 B/param for int8,
+    # 4 for raw float32); beyond it a push is refused too_many_pending (the island re-sends
+    # it later). Default: a quarter of this machine's physical memory, per shard process
+    max_pending_bytes: int = field(default_factory=default_max_pending_bytes)
     dedup_window: int = 64  # rounds below an island's newest that are still deduplicated
     clip_norm_multiple: float = 0.0  # clip a delta's norm to this x the recent median; 0 = off
     checkpoint_every_steps: int = 50  # checkpoint after this many outer steps (0 = never)
@@ -141,6 +182,15 @@ class ShardConfig:
         )
         check.integer("max_islands", self.max_islands, 1)
         check.integer("max_pending_per_island", self.max_pending_per_island, 1)
+        check.require(
+            isinstance(self.max_pending_bytes, int)
+            and not isinstance(self.max_pending_bytes, bool)
+            and self.max_pending_bytes >= 1,
+            "max_pending_bytes",
+            self.max_pending_bytes,
+            "give the byte budget of all pending deltas as an int >= 1, e.g. 4294967296 "
+            f"(4 GiB); the default is 1/{PENDING_MEMORY_SHARE} of physical memory",
+        )
         check.integer("dedup_window", self.dedup_window, 1)
         check.number("clip_norm_multiple", self.clip_norm_multiple, low=0.0)
         check.require(

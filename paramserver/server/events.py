@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from codec.coded import CodedTensor, from_array
+
 
 class StateError(RuntimeError):
     """An event that cannot be applied (a corrupted or foreign log), or misuse of the state."""
@@ -20,7 +22,13 @@ class StateError(RuntimeError):
 
 @dataclass(frozen=True)
 class Contribution:
-    """One accepted delta waiting to be merged into its fragment."""
+    """One accepted delta waiting to be merged into its fragment.
+
+    `delta` is kept as it arrived (`codec.coded`: int8/int4 codes and scales,
+    topk entries, raw values), never decoded to float32 while pending; a 1-D
+    array given here is kept as raw float32. `clip` is the robust clip factor
+    (`paramserver.server.robust`) the merge applies to its decoded values.
+    """
 
     island: str
     round: int
@@ -29,7 +37,12 @@ class Contribution:
     tokens: int
     steps: int
     arrived: float  # wall-clock seconds
-    delta: np.ndarray  # 1-D float32, the fragment's size
+    delta: CodedTensor  # the fragment's size, kept coded
+    clip: float = 1.0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.delta, np.ndarray):
+            object.__setattr__(self, "delta", from_array(self.delta))
 
     @property
     def key(self) -> tuple[str, int, int]:
@@ -66,9 +79,9 @@ class InitPieceEvent:
 class AcceptEvent:
     """A delta was accepted into its fragment's pending set.
 
-    `frames` are the codec frames the delta was decoded from, when known: the
-    log keeps those (compressed) bytes instead of the float32 delta, and
-    decoding is deterministic, so replay gets the same delta bit for bit.
+    `frames` are the codec frames the delta was read from, when known: the
+    log keeps those (compressed) bytes, and reading is deterministic, so
+    replay gets the same coded delta bit for bit.
     """
 
     contribution: Contribution

@@ -2,7 +2,8 @@
 
 This module owns the arithmetic of a step, given the deltas it merges: the
 islands' shares (`paramserver.server.weighting`), the merged delta
-(`paramserver.server.merge`, into a reused buffer), the outer optimizer
+(`paramserver.server.merge`: a `ChunkMerge` of the coded pending deltas,
+filled into a reused buffer), the outer optimizer
 (`paramserver.server.outer`; a plain SGD step when one island's work is
 merged alone and `single_island_outer_lr` is set) and the compressed
 downlink (`paramserver.server.downlink`: the fragment takes exactly the
@@ -23,7 +24,7 @@ from paramserver.server.config import ShardConfig
 from paramserver.server.downlink import Downlink
 from paramserver.server.events import Contribution
 from paramserver.server.fragment import FragmentState
-from paramserver.server.merge import merge_pending
+from paramserver.server.merge import chunk_merge, scaled
 from paramserver.server.outer import (
     DonatingStep,
     FragmentOptimizer,
@@ -70,13 +71,13 @@ class FragmentStepper:
         shares = island_shares(self.weighting, merged_in, frag.version)
         if where.index not in self._merge_buffers:  # reused: no fresh pages per step
             self._merge_buffers[where.index] = aligned_float32(frag.params.shape[0])
-        merged = merge_pending(
+        fill = chunk_merge(
             self.merge,
-            [(c.island, c.delta) for c in merged_in],
+            [(c.island, scaled(c.delta, c.clip)) for c in merged_in],
             {x.island: x.coefficient for x in shares},
             where,
-            out=self._merge_buffers[where.index],
-        )
+        )  # decodes the coded pending deltas a piece at a time
+        merged = fill.whole(self._merge_buffers[where.index])
         frames = None
         if self._single is not None and len(shares) == 1:
             step, opt_state = self._single, self._single.tx.init(frag.params)

@@ -84,6 +84,11 @@ class ShardCollector:
             "diloco_fragment_version", "fragment version", labels=["shard", "fragment"]
         )
         live = GaugeMetricFamily("diloco_shard_islands_live", "live islands", labels=["shard"])
+        pending = GaugeMetricFamily(
+            "diloco_shard_pending_bytes",
+            "bytes the pending deltas keep (coded), against max_pending_bytes",
+            labels=["shard"],
+        )
         ctx = self._ctx
         for index, endpoint in enumerate(self.endpoints):
             label = str(index)
@@ -103,9 +108,10 @@ class ShardCollector:
             for fragment, v in status.get("versions", {}).items():
                 version.add_metric([label, str(fragment)], float(v))
             live.add_metric([label], float(len(status.get("islands_live", []))))
+            pending.add_metric([label], float(status.get("pending_bytes", 0)))
         yield up
         yield from counters.values()
-        yield from (rejected, staleness, version, live)
+        yield from (rejected, staleness, version, live, pending)
 
 
 def server_keys(curve_secret_key_file: str) -> ClientKeys | None:

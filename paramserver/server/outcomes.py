@@ -2,7 +2,8 @@
 
 This module owns every refusal from its rule to its reply: the header-only
 checks of a push (`check_push`: plan, fragment, island, dedup window, base
-version, per-island pending bound), the size limit of any request
+version, per-island pending bound), the pending byte budget
+(`budget_refusal`), the size limit of any request
 (`oversize`), the refusals of a snapshot request (`snapshot_refusal`), the
 answer to an island the shard does not know on that connection
 (`unknown_island`), the payload checks of `init` and `push` (`read_init`,
@@ -20,6 +21,8 @@ from typing import Any
 import numpy as np
 
 import codec
+from codec import coded
+from codec.coded import CodedTensor
 from paramserver.server.counters import Counters
 from paramserver.server.events import Event
 from paramserver.server.fragment import DedupEntry, FragmentState
@@ -183,27 +186,58 @@ def read_init(
     return plan, values
 
 
-def read_delta(payload: Sequence[Any], size: int) -> np.ndarray | Outcome:
-    """The delta of a push's payload, or why it is refused.
+def read_delta(payload: Sequence[Any], size: int) -> CodedTensor | Outcome:
+    """The delta of a push's payload, kept coded, or why it is refused.
+
+    Checks what decoding it would (frames, checksums, header sizes, finite
+    non-negative scales, topk offsets: `codec.coded.read`), the tree, dtype
+    and shape, and that every decoded value is finite, without decoding it.
 
     Args:
         payload: codec frames of the tree {"delta": 1-D vector}.
         size: the fragment's size.
 
     Returns:
-        The 1-D float32 delta, or a rejected outcome (codec_error, bad_shape,
-        bad_dtype, non_finite), not yet counted.
+        The delta as a CodedTensor, or a rejected outcome (codec_error,
+        bad_shape, bad_dtype, non_finite), not yet counted.
     """
     try:
-        tree = codec.decode(payload, max_elements=size)
+        tensors = coded.read(payload, max_elements=size)
     except codec.CodecError as exc:
         return refused("codec_error", str(exc))
-    if not isinstance(tree, Mapping) or set(tree) != {"delta"}:
-        keys = sorted(tree) if isinstance(tree, Mapping) else type(tree).__name__
-        return refused("bad_shape", f"payload must be the tree {{'delta': vec}}, got {keys}")
-    delta = tree["delta"]
-    problem = protocol.vector_problem(delta, size)
-    return refused(*problem) if problem else delta
+    paths = sorted("/".join(t.path) for t in tensors)
+    if len(tensors) != 1 or tensors[0].path != ("delta",):
+        return refused("bad_shape", f"payload must be the tree {{'delta': vec}}, got {paths}")
+    delta = tensors[0]
+    if delta.dtype != "float32":
+        return refused("bad_dtype", f"dtype {delta.dtype}; fragment vectors are float32")
+    if delta.shape != (size,):
+        return refused("bad_shape", f"shape {delta.shape}; the fragment needs ({size},)")
+    if not delta.all_finite():
+        return refused("non_finite", "values contain NaN or Inf")
+    return delta
+
+
+def budget_refusal(pending_bytes: int, incoming: int, budget: int) -> Outcome | None:
+    """The refusal of a delta that would take a shard's pending deltas over its byte budget.
+
+    Args:
+        pending_bytes: bytes the shard's pending deltas keep now.
+        incoming: bytes the new delta would keep (its coded size).
+        budget: the shard's max_pending_bytes.
+
+    Returns:
+        A rejected `too_many_pending` outcome (not yet counted), or None when
+        it fits or nothing is pending (a lone delta is always admitted, so a
+        budget below one delta still makes progress).
+    """
+    if pending_bytes == 0 or pending_bytes + incoming <= budget:
+        return None
+    return refused(
+        "too_many_pending",
+        f"pending deltas keep {pending_bytes} bytes and this one {incoming}: over "
+        f"max_pending_bytes={budget}; re-send after a step",
+    )
 
 
 def oversize(size: int, limit: int) -> Outcome | None:

@@ -7,6 +7,8 @@ the median of the last accepted norms of its fragment is scaled to exactly
 that bound. The shard applies it when a delta is accepted
 (`ShardConfig.clip_norm_multiple`, off by default); the norms it keeps are the
 clipped ones, so an attacker cannot raise the bound by repeating itself.
+A delta's norm is read from its pending form (codes, a piece at a time:
+`paramserver.server.merge.sum_squares`), never from a decoded copy.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import numpy as np
+
+from paramserver.server.merge import DeltaSource, as_source, sum_squares
 
 # Accepted norms to see before clipping starts (the median of fewer is noise).
 MIN_HISTORY = 4
@@ -42,25 +46,25 @@ def clip_factor(
     return 1.0 if norm <= bound else bound / norm
 
 
-def l2_norm(delta: np.ndarray) -> float:
-    """L2 norm of a 1-D float32 delta, accumulated in float64.
+def l2_norm(delta: DeltaSource | np.ndarray) -> float:
+    """L2 norm of a 1-D delta, accumulated in float64 piece by piece.
 
     Args:
-        delta: the delta.
+        delta: the delta (a 1-D array, or a pending delta kept coded).
 
     Returns:
         The norm.
     """
-    return float(np.sqrt(np.dot(delta.astype(np.float64, copy=False), delta)))
+    return float(np.sqrt(sum_squares(as_source(delta))))
 
 
 def clip(
-    delta: np.ndarray, recent: Sequence[float], multiple: float
+    delta: DeltaSource | np.ndarray, recent: Sequence[float], multiple: float
 ) -> tuple[float, float, list[float]]:
     """Judge one incoming delta against its fragment's recent norms.
 
     Args:
-        delta: the delta (1-D float32).
+        delta: the delta (a 1-D array, or a pending delta kept coded).
         recent: the fragment's kept (clipped) norms, oldest first.
         multiple: allowed multiple of their median (> 0); 0 turns clipping off.
 

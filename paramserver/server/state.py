@@ -2,7 +2,8 @@
 
 This module owns what a shard knows and every rule that changes it: the plan,
 per owned fragment the fp32 parameters (1-D), outer optimizer state, version,
-pending contributions and arrival statistics; the dedup table; the island
+pending contributions (each delta kept coded as it arrived, `codec.coded`,
+under the shard's `max_pending_bytes`) and arrival statistics; the dedup table; the island
 registry (last heard from); the counters reported by `status`.
 
 Event-sourced: every change that must survive a crash is one of these events,
@@ -164,6 +165,14 @@ class ShardState:
         frag = self.fragments[fragment]
         return frag.version, np.asarray(frag.params)
 
+    def pending_bytes(self) -> int:
+        """Bytes all pending deltas of the shard keep (coded: `Contribution.delta.nbytes`).
+
+        Returns:
+            The sum over every owned fragment's pending deltas.
+        """
+        return sum(c.delta.nbytes for f in self.fragments.values() for c in f.pending)
+
     def status(self, now: float) -> dict[str, Any]:
         """Counters and versions, JSON-ready (str keys).
 
@@ -174,7 +183,8 @@ class ShardState:
             A dict with shard, initialized, plan_hash, versions, islands_live,
             islands_known, accepted, duplicates, rejected, bytes_in, bytes_out,
             staleness_histogram, steps, clipped, pending (fragment -> count),
-            paces (island -> reported step_s, steps, round_s)
+            pending_bytes (what the pending deltas keep, against
+            max_pending_bytes), paces (island -> reported step_s, steps, round_s)
             and credited_tokens (island -> tokens that entered the model through
             this shard: tokens * g(staleness) * the fragment's share of all
             parameters; summed over shards, an island's useful tokens).
@@ -187,6 +197,8 @@ class ShardState:
             "islands_live": sorted(self.live(now)),
             "islands_known": len(self.last_seen),
             "pending": {str(i): len(f.pending) for i, f in sorted(self.fragments.items())},
+            "pending_bytes": self.pending_bytes(),
+            "max_pending_bytes": self.cfg.max_pending_bytes,
             "paces": {i: p.report() for i, p in sorted(self.paces.items())},
             **self.counters.report(),
         }
@@ -367,7 +379,9 @@ class ShardState:
 
         Returns:
             accepted (with its AcceptEvent), duplicate, or rejected with a
-            reason; counted. Parameters are never touched here.
+            reason (too_many_pending too when the delta, at its coded size,
+            would take the pending deltas over max_pending_bytes); counted.
+            Parameters are never touched here.
         """
         key = (header["island"], header["fragment"])
         early = outcomes.check_push(
@@ -384,6 +398,11 @@ class ShardState:
         delta = outcomes.read_delta(payload, frag.params.shape[0])
         if isinstance(delta, Outcome):
             return outcomes.count(self.counters, delta)
+        over = outcomes.budget_refusal(
+            self.pending_bytes(), delta.nbytes, self.cfg.max_pending_bytes
+        )
+        if over is not None:
+            return outcomes.count(self.counters, over)
         contribution = Contribution(
             island=header["island"],
             round=header["round"],
@@ -525,6 +544,11 @@ class ShardState:
         frag = self.fragments.get(c.fragment)
         if frag is None:
             raise StateError(f"accept event for fragment {c.fragment} not owned by {self.index}")
+        if c.delta.size != frag.params.shape[0]:
+            raise StateError(
+                f"accept event for fragment {c.fragment} has {c.delta.size} elements, "
+                f"the fragment {frag.params.shape[0]}"
+            )
         if self.cfg.clip_norm_multiple > 0:
             c = self._clip(frag, c)
         frag.pending.append(c)
@@ -554,8 +578,8 @@ class ShardState:
             factor,
             extra={"shard": self.index, "island": c.island, "fragment": c.fragment},
         )
-        # a new array: the event keeps the delta as received (what the log replays)
-        return replace(c, delta=c.delta * np.float32(factor))
+        # the delta stays as received (what the log replays); the merge applies the factor
+        return replace(c, clip=factor)
 
     def _apply_step(self, event: StepEvent) -> StepUpdate:
         frag = self.fragments.get(event.fragment)

@@ -2,7 +2,9 @@
 
 This module owns the content of a checkpoint (`export_state` / `restore_state`);
 the file format is `paramserver.server.storage.checkpoint_file`. The island
-registry is not included (islands say hello again after a restart).
+registry is not included (islands say hello again after a restart). Pending
+deltas are stored as they are kept, coded (`codec.coded.CodedTensor`: codes
+and scales, topk entries or raw values, with their clip factor), not decoded.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
+from codec.coded import CodedTensor, from_array
 from paramserver.server.config import ShardConfig
 from paramserver.server.counters import Counters
 from paramserver.server.events import Contribution, StateError
@@ -43,8 +46,10 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
             arrays[f"opt/{index}/{k}"] = arr
         pending = []
         for j, c in enumerate(frag.pending):
-            arrays[f"pending/{index}/{j}"] = c.delta
-            pending.append([c.island, c.round, c.base_version, c.tokens, c.steps, c.arrived])
+            coding = _export_coded(c.delta, f"pending/{index}/{j}", arrays)
+            pending.append(
+                [c.island, c.round, c.base_version, c.tokens, c.steps, c.arrived, coding, c.clip]
+            )
         st = frag.stats
         frags.append(
             {
@@ -130,11 +135,11 @@ def restore_state(
             frag.norms = [float(n) for n in f.get("norms", [])]
             ema, last, count = f["stats"]
             frag.stats = ArrivalStats(ema, last, int(count))
-            for j, (island, rnd, base, tokens, steps, arrived) in enumerate(f["pending"]):
+            for j, (island, rnd, base, tokens, steps, arrived, *coding) in enumerate(f["pending"]):
+                delta = _restore_coded(coding, f"pending/{i}/{j}", arrays)
+                clip = float(coding[1]) if coding else 1.0
                 frag.pending.append(
-                    Contribution(
-                        island, rnd, i, base, tokens, steps, arrived, arrays[f"pending/{i}/{j}"]
-                    )
+                    Contribution(island, rnd, i, base, tokens, steps, arrived, delta, clip)
                 )
             state.fragments[i] = frag
         for island, fragment, newest, rounds in meta["dedup"]:
@@ -155,3 +160,22 @@ def restore_state(
     except (KeyError, TypeError, ValueError) as exc:
         raise StateError(f"inconsistent checkpoint: {exc!r}") from exc
     return state
+
+
+def _export_coded(delta: CodedTensor, name: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:
+    """Store a coded pending delta's arrays under `name`; its description for the meta."""
+    arrays[f"{name}/codes"] = delta.codes
+    arrays[f"{name}/scales"] = delta.scales
+    return {"scheme": delta.scheme, "block": delta.block, "dtype": delta.dtype,
+            "shape": list(delta.shape)}  # fmt: skip
+
+
+def _restore_coded(coding: list, name: str, arrays: Mapping[str, np.ndarray]) -> CodedTensor:
+    """The coded pending delta `_export_coded` stored (a float32 array in older checkpoints)."""
+    # copies: the arrays read back are views of the whole checkpoint file's buffer
+    if not coding:
+        return from_array(np.array(arrays[name], dtype=np.float32))
+    d = coding[0]
+    codes, scales = np.array(arrays[f"{name}/codes"]), np.array(arrays[f"{name}/scales"])
+    shape = tuple(int(n) for n in d["shape"])
+    return CodedTensor(("delta",), shape, d["dtype"], d["scheme"], int(d["block"]), codes, scales)

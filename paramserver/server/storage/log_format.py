@@ -13,8 +13,9 @@ Log records (msgpack header + raw payload):
             record grows with the model)
     accept  {"t": "accept", island, round, fragment, base_version, tokens,
             steps, arrived, codec: [frame lengths] or nil}; payload: the codec
-            frames as received, back to back (decoded again on replay:
-            decoding is deterministic), or the float32 delta when codec is nil
+            frames as received, back to back (read again on replay into the
+            same coded pending delta: `codec.coded.read` is deterministic), or
+            the float32 delta when codec is nil (an event built without frames)
     step    {"t": "step", fragment, keys: [[island, round], ...], at}
 """
 
@@ -24,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-import codec
+from codec import coded
 from paramserver.server.events import (
     AcceptEvent,
     Contribution,
@@ -62,7 +63,9 @@ def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
             header["codec"] = [memoryview(f).nbytes for f in event.frames]
             return header, list(event.frames)
         header["codec"] = None
-        return header, [np.ascontiguousarray(c.delta, dtype=np.float32)]
+        values = np.empty(c.delta.size, np.float32)
+        c.delta.decode_into(0, c.delta.size, values)
+        return header, [values]
     if isinstance(event, StepEvent):
         header = {
             "t": "step",
@@ -105,7 +108,7 @@ def record_to_event(record: Record) -> Event:
         if kind == "accept":
             lengths = h.get("codec")
             if lengths is None:
-                delta = np.frombuffer(record.payload, dtype=np.float32)
+                delta = coded.from_array(np.frombuffer(record.payload, dtype=np.float32))
             else:
                 frames, offset = [], 0
                 view = memoryview(record.payload)
@@ -114,7 +117,7 @@ def record_to_event(record: Record) -> Event:
                     offset += n
                 if offset != len(view):
                     raise ValueError(f"payload has {len(view)} bytes, frames need {offset}")
-                delta = codec.decode(frames)["delta"]
+                delta = _coded_delta(frames)
             c = Contribution(
                 h["island"],
                 h["round"],
@@ -146,3 +149,11 @@ def record_to_event(record: Record) -> Event:
     except (KeyError, TypeError, ValueError) as exc:  # codec.CodecError is a ValueError
         raise WalError(f"log record at byte {record.offset} is inconsistent: {exc!r}") from exc
     raise WalError(f"log record at byte {record.offset} has unknown type {h.get('t')!r}")
+
+
+def _coded_delta(frames: list) -> coded.CodedTensor:
+    """The coded delta of an accept record's frames (raises ValueError: not one 'delta')."""
+    tensors = coded.read(frames)
+    if len(tensors) != 1 or tensors[0].path != ("delta",):
+        raise ValueError(f"frames hold {[t.path for t in tensors]}, not one 'delta'")
+    return tensors[0]
