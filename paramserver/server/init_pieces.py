@@ -28,6 +28,7 @@ from paramserver.wire.plan import Plan
 ABANDON_S = 30.0
 
 ALREADY_IN = "already_in"  # `piece_check`: this exact piece is in already
+RESUME = "resume"  # `begin_check`: the owner asks again with the same plan
 
 
 @dataclass
@@ -119,22 +120,52 @@ def piece_problem(partial: PartialInit, fragment: int, offset: int, count: int) 
     return None
 
 
+def begin_check(
+    partial: PartialInit | None, island: str, plan: Plan, now: float
+) -> str | Outcome | None:
+    """What an `init_begin` of `island` with `plan` does to the init under way.
+
+    Args:
+        partial: the init under way (None: none).
+        island: the asking island.
+        plan: its plan (checked).
+        now: wall-clock seconds.
+
+    Returns:
+        RESUME (the owner again with the same plan: keep the pieces; it was
+        heard now), None (start a new init, dropping any unfinished one), or a
+        rejected `already_initialized` (another island's init, heard within
+        ABANDON_S), not yet counted.
+    """
+    if partial is None:
+        return None
+    if partial.island == island and partial.plan.hash == plan.hash:
+        partial.heard = now
+        return RESUME
+    if partial.island != island and not partial.abandoned(now):
+        return refused("already_initialized", f"{partial.describe()}; wait, then hello")
+    return None
+
+
 def piece_check(
-    partial: PartialInit, header: Mapping[str, Any], payload: Sequence[Any]
+    partial: PartialInit | None, header: Mapping[str, Any], payload: Sequence[Any], now: float
 ) -> np.ndarray | str | Outcome:
     """The values of an `init_piece` for the init under way, ALREADY_IN, or why it is refused.
 
     Args:
-        partial: the init under way.
+        partial: the init under way (None: none).
         header: the piece's header (island, plan_hash, fragment, offset checked by unpack).
         payload: codec frames of the tree {"values": 1-D float32 vector}.
+        now: wall-clock seconds (a usable piece is the owner heard from).
 
     Returns:
         The piece's values (new), ALREADY_IN (this exact piece is in: answer it
-        again, keep nothing), or a rejected outcome (already_initialized,
-        plan_mismatch, unknown_fragment, bad_shape, codec_error, bad_dtype,
-        non_finite), not yet counted.
+        again, keep nothing), or a rejected outcome (not_initialized,
+        already_initialized, plan_mismatch, unknown_fragment, bad_shape,
+        codec_error, bad_dtype, non_finite), not yet counted.
     """
+    if partial is None:
+        return refused("not_initialized", "no init under way on this shard: send init_begin first")
     fragment, offset = header["fragment"], header["offset"]
     if header["island"] != partial.island:
         return refused("already_initialized", f"{partial.describe()}; wait for it, then hello")
@@ -166,6 +197,10 @@ def piece_check(
     if problem is not None:
         return refused(problem[0], f"piece of fragment {fragment}: {problem[1]}")
     if (offset, offset + len(values)) in partial.received[fragment]:
+        partial.heard = now
         return ALREADY_IN
     why = piece_problem(partial, fragment, offset, len(values))
-    return refused("bad_shape", why) if why is not None else values
+    if why is not None:
+        return refused("bad_shape", why)
+    partial.heard = now
+    return values

@@ -63,7 +63,7 @@ from paramserver.server.events import (
 )
 from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
 from paramserver.server.fragment_step import FragmentStepper
-from paramserver.server.init_pieces import ALREADY_IN, PartialInit, piece_check
+from paramserver.server.init_pieces import RESUME, PartialInit, begin_check, piece_check
 from paramserver.server.outcomes import Outcome
 from paramserver.server.policy import (
     IslandPace,
@@ -313,28 +313,26 @@ class ShardState:
             now: wall-clock seconds.
 
         Returns:
-            accepted (with an InitBeginEvent when it starts one; none when the
-            owner asks again with the same plan), or rejected (already_initialized,
-            malformed, plan_mismatch), counted. `partial_init` says what is missing.
+            accepted (with an InitBeginEvent unless the owner resumes), or rejected
+            (already_initialized, malformed, plan_mismatch), counted.
         """
         if self.initialized:
             return self.reject("already_initialized", "this shard has parameters; hello")
         plan = outcomes.read_plan(plan_wire, self.cfg)
-        if isinstance(plan, Outcome):
-            return outcomes.count(self.counters, plan)
-        partial = self.partial_init
-        if partial is not None and partial.island == island and partial.plan.hash == plan.hash:
-            partial.heard = now
-            return Outcome(ACCEPTED)  # resumed: the pieces in stay
-        if partial is not None and partial.island != island and not partial.abandoned(now):
-            return self.reject("already_initialized", f"{partial.describe()}; wait, then hello")
+        verdict = (
+            plan if isinstance(plan, Outcome) else begin_check(self.partial_init, island, plan, now)
+        )
+        if isinstance(verdict, Outcome):
+            return outcomes.count(self.counters, verdict)
+        if verdict == RESUME:
+            return Outcome(ACCEPTED)  # the pieces in stay
         event = InitBeginEvent(plan.to_wire(), island)
         self.apply(event)
         self.partial_init.heard = now
         return Outcome(ACCEPTED, event=event)
 
     def init_piece(self, header: Mapping[str, Any], payload: Sequence[Any], now: float) -> Outcome:
-        """Take one piece of the init under way.
+        """Take one piece of the init under way (the checks: init_pieces.piece_check).
 
         Args:
             header: an `init_piece` header that passed protocol.unpack.
@@ -343,25 +341,17 @@ class ShardState:
 
         Returns:
             accepted (with an InitPieceEvent; `initialized` is then True when it
-            was the last piece), duplicate (this piece is in, or the init it
-            completed was this island's with this plan), or rejected
-            (not_initialized: no init under way; already_initialized and the
-            checks of init_pieces.piece_check), counted.
+            was the last piece), duplicate (a re-sent piece, or the owner's piece
+            after its init completed), or rejected, counted.
         """
         if self.initialized:
             if self.init_owner == (header["island"], header["plan_hash"]):
                 return Outcome(DUPLICATE)
             return self.reject("already_initialized", "this shard has parameters; hello")
-        partial = self.partial_init
-        if partial is None:
-            return self.reject(
-                "not_initialized", "no init under way on this shard: send init_begin first"
-            )
-        checked = piece_check(partial, header, payload)
+        checked = piece_check(self.partial_init, header, payload, now)
         if isinstance(checked, Outcome):
             return outcomes.count(self.counters, checked)
-        partial.heard = now
-        if isinstance(checked, str) and checked == ALREADY_IN:
+        if isinstance(checked, str):  # ALREADY_IN
             return Outcome(DUPLICATE)
         event = InitPieceEvent(header["fragment"], header["offset"], checked)
         self.apply(event)
@@ -517,16 +507,12 @@ class ShardState:
         except ValueError as exc:
             raise StateError(f"{exc} does not fit the init under way") from None
         if partial.missing == 0:
-            self.partial_init = None
             self.init_owner = (partial.island, partial.plan.hash)
             self._install(partial.plan, partial.buffers)
             logger.info(
-                "shard %d initialized in pieces by island %s: plan %s",
-                self.index,
-                partial.island,
-                partial.plan.hash[:12],
-                extra={"shard": self.index, "plan_hash": partial.plan.hash},
-            )
+                "shard %d initialized in pieces by island %s: plan %s", self.index, partial.island,
+                partial.plan.hash[:12], extra={"shard": self.index, "plan_hash": partial.plan.hash},
+            )  # fmt: skip
 
     def _install(self, plan: Plan, values: Mapping[int, np.ndarray]) -> None:
         """The one place fragments are created from initial values (whole or in pieces)."""
