@@ -159,6 +159,22 @@ def test_an_init_and_snapshots_go_in_pieces_and_a_lost_piece_and_reply_are_sent_
     assert result.params["w"].tobytes() == flat["w"].tobytes()
 
 
+def test_an_init_piece_refused_storage_error_is_sent_again_after_the_ack_timeout():
+    sim = make_sim(ack_timeout_s=1.0)
+    shard = sim.shards[0]
+    shard.refuse["init_piece"] = {"reason": "storage_error", "detail": "disk full"}
+    sim.perform(sim.core.start_join(sim.now, small_flat(0)))
+    sim.run(0.5)
+    assert sim.core.join_outcome is None and len(sim.kinds("init_piece")) == 2  # the window
+    del shard.refuse["init_piece"]  # the disk has room again
+    sim.run(1.0)
+    result = sim.core.join_outcome
+    assert isinstance(result, JoinResult), result
+    assert len(sim.kinds("init_piece")) == 4 and 1.0 <= sim.times("init_piece")[2] < 1.2
+    for name, value in small_flat(0).items():
+        np.testing.assert_array_equal(result.params[name], value)
+
+
 def test_snapshot_pieces_and_updates_published_meanwhile_are_replayed_in_order():
     sim = make_sim(fragments=2, initialized_with=small_flat(0))
     shard = sim.shards[0]

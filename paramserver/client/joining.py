@@ -87,8 +87,19 @@ class Join:
         return rid in self._calls
 
     def on_reply(self, now: float, rid: int, header: dict) -> None:
-        """Take the reply to one of the join's requests (`owns(rid)`)."""
+        """Take the reply to one of the join's requests (`owns(rid)`).
+
+        An init request refused `storage_error` (the shard's disk failed, nothing
+        was kept) stays in flight and is sent again after `ack_timeout_s`.
+        """
         call = self._calls.pop(rid)
+        if call.kind.startswith("init_") and header.get("reason") == "storage_error":
+            logger.warning(
+                "shard %s: %s not stored (%s); again", call.name, call.kind, header["detail"]
+            )
+            call.resend_at = now + self.cfg.ack_timeout_s
+            self._calls[rid] = call
+            return
         self._step(now, lambda: self._handshake.on_reply(now, call.name, header))
 
     def on_tick(self, now: float) -> None:
