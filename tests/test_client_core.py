@@ -153,6 +153,12 @@ def test_an_init_and_snapshots_go_in_pieces_and_a_lost_piece_and_reply_are_sent_
     pieces = [(h["fragment"], h["offset"]) for h in sim.kinds("init_piece")]
     cut = [(f, o) for f in (0, 1) for o in (0, 896, 1792)]
     assert sorted(set(pieces)) == cut and len(pieces) == len(cut) + 2  # two re-sends
+    (first, again) = [
+        t
+        for t, h in zip(sim.sent_at, sim.sent, strict=True)
+        if h["kind"] == "init_piece" and (h["fragment"], h["offset"]) == (0, 896)
+    ]
+    assert 1.0 <= again - first < 1.2  # after the ack timeout  # fmt: skip
     assert all(h["plan_hash"] == plan.hash for h in sim.kinds("init_piece"))
     asked = sorted((h["fragment"], h["offset"], h["count"]) for h in sim.kinds("snapshot"))
     assert asked == [(f, o, 708 if o == 1792 else 896) for f, o in cut]
@@ -173,6 +179,19 @@ def test_an_init_piece_refused_storage_error_is_sent_again_after_the_ack_timeout
     assert len(sim.kinds("init_piece")) == 4 and 1.0 <= sim.times("init_piece")[2] < 1.2
     for name, value in small_flat(0).items():
         np.testing.assert_array_equal(result.params[name], value)
+
+
+def test_an_unanswered_init_piece_is_re_sent_with_a_doubling_back_off():
+    sim = make_sim(ack_timeout_s=1.0, ack_timeout_cap_s=2.0, join_timeout_s=9.0)
+    sim.shards[0].max_message_bytes = 200  # pieces of 43 elements: 2 a fragment
+    sim.fault = lambda direction, h: "drop" if h["kind"] == "init_piece_ok" else "deliver"
+    outcome = sim.join(small_flat(0))
+    assert isinstance(outcome, ClientError)  # every piece's reply is lost: the join times out
+    first = [t for t, h in zip(sim.sent_at, sim.sent, strict=True)
+             if h["kind"] == "init_piece" and (h["fragment"], h["offset"]) == (0, 0)]  # fmt: skip
+    gaps = [b - a for a, b in zip(first, first[1:], strict=False)]
+    assert len(gaps) == 4, gaps  # doubling, capped at ack_timeout_cap_s (ticks of 0.05 s)
+    assert all(w <= g < w + 0.11 for g, w in zip(gaps, (1.0, 2.0, 2.0, 2.0), strict=True)), gaps
 
 
 def test_snapshot_pieces_and_updates_published_meanwhile_are_replayed_in_order():

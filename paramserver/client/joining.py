@@ -3,8 +3,10 @@
 This module owns, with no I/O and no clock, the join of `ClientCore.start_join`
 (`paramserver.client.core`): `Join` sends what the handshake
 (`paramserver.client.handshake`) asks on the shards' links (`Shards`),
-re-sends an unanswered hello, `init_begin` or `init_piece` every
-`ack_timeout_s` (all three are idempotent: a lost piece or reply is sent again),
+re-sends an unanswered hello every `ack_timeout_s`, an unanswered
+`init_begin` or `init_piece` after `ack_timeout_s`, doubling per re-send up
+to `ack_timeout_cap_s` (all three are idempotent: a lost piece or reply is
+sent again),
 routes each reply back to the handshake, opens a DEALER to every shard once
 the first welcome named them, and, once the cluster is initialised,
 subscribes to every shard and snapshots its fragments (Clone pattern:
@@ -44,6 +46,7 @@ class _Call:
     kind: str
     frames: list[Any]
     resend_at: float
+    timeout: float  # the wait before the next re-send (doubles per re-send of an init piece)
 
 
 class Join:
@@ -110,7 +113,9 @@ class Join:
         for call in self._calls.values():
             if call.kind in _IDEMPOTENT and now > call.resend_at:
                 self._net.send_frames(call.shard, call.frames)
-                call.resend_at = now + self.cfg.ack_timeout_s
+                if call.kind != "hello":  # a large piece on a thin link: back off, do not flood
+                    call.timeout = min(2 * call.timeout, self.cfg.ack_timeout_cap_s)
+                call.resend_at = now + call.timeout
         self._step(now, lambda: self._handshake.on_tick(now))
 
     def fail(self, exc: ClientError) -> None:
@@ -137,8 +142,8 @@ class Join:
             shard = net.all[0] if ask.shard == FIRST else net.all[ask.shard]
             rid = net.new_id()
             frames = net.send(shard, {"kind": ask.kind, "id": rid, **ask.fields}, ask.payload)
-            resend_at = now + self.cfg.ack_timeout_s
-            self._calls[rid] = _Call(shard, ask.shard, ask.kind, frames, resend_at)
+            timeout = self.cfg.ack_timeout_s
+            self._calls[rid] = _Call(shard, ask.shard, ask.kind, frames, now + timeout, timeout)
 
     def _adopt(self, cluster: Cluster) -> None:
         """The first welcome was read: a DEALER to every shard (the first one keeps its own)."""
