@@ -4,7 +4,7 @@
 clock: it performs the core's effects (links are entries of a dict), carries
 each message through `protocol.pack`/`unpack` as bytes, and lets a test drop,
 duplicate, hold back or reorder messages. A `SimShard` speaks the protocol as
-docs/protocol.md writes it (welcome, init_ok, snapshot_reply, ack with dedup,
+docs/protocol.md writes it (welcome, init in pieces, snapshot_reply in pieces, ack with dedup,
 heartbeat, published updates in "full" mode); it is a test peer of the
 client, not a model of our shard's merge rules.
 """
@@ -45,6 +45,9 @@ class SimShard:
     received: list[dict] = field(default_factory=list)  # every request header, in order
     refuse: dict[str, dict] = field(default_factory=dict)  # kind -> rejected reply fields
     push_refusals: list[str] = field(default_factory=list)  # reasons for the next pushes' acks
+    init_owner: str | None = None  # the island whose init_begin was taken
+    max_message_bytes: int | None = None  # sent in the welcome when set
+    partial: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # init pieces in
 
     @property
     def router(self) -> str:
@@ -83,6 +86,7 @@ class SimShard:
             "liveness": self.liveness,
             "seq": self.seq,
             "mode": "async",
+            **({"max_message_bytes": self.max_message_bytes} if self.max_message_bytes else {}),
         }
 
     def handle(self, header: dict, payload: list, endpoints: list[list[str]]) -> list[list[Any]]:
@@ -95,22 +99,16 @@ class SimShard:
         if kind == "hello":
             self.known.add(header["island"])
             return [protocol.pack({**self.welcome(endpoints), **rid})]
-        if kind == "init":
-            if self.initialized:
-                reply = {"kind": "rejected", "reason": "already_initialized", "detail": "sim"}
-                return [protocol.pack({**reply, **rid})]
-            tree = codec.decode(payload)
-            for f in self.own():
-                self.values[f] = np.asarray(tree[str(f)], np.float32)
-                self.versions[f] = 0
-            self.initialized = True
-            versions = protocol.versions_to_wire(self.versions)
-            return [protocol.pack({"kind": "init_ok", "versions": versions, **rid})]
+        if kind in ("init_begin", "init_piece"):
+            return [protocol.pack({**self._init(header, payload), **rid})]
         if kind == "snapshot":
             f = header["fragment"]
-            frames, _ = _RAW.encode({"values": self.values[f]})
+            lo = header.get("offset", 0)
+            hi = lo + header.get("count", len(self.values[f]))
+            frames, _ = _RAW.encode({"values": self.values[f][lo:hi]})
             reply = {"kind": "snapshot_reply", "fragment": f, "version": self.versions[f]}
-            return [protocol.pack({**reply, "seq": self.seq, **rid}, frames)]
+            fields = {"seq": self.seq, "offset": lo, "size": len(self.values[f])}
+            return [protocol.pack({**reply, **fields, **rid}, frames)]
         if kind == "push":
             if header["island"] not in self.known:
                 ack = {"outcome": "rejected", "reason": "unknown_island", "detail": "sim"}
@@ -132,6 +130,33 @@ class SimShard:
             self.known.discard(header["island"])
             return [protocol.pack({"kind": "bye_ok", **rid})]
         return []
+
+    def _init(self, header: dict, payload: list) -> dict:
+        """The reply to an init_begin or init_piece (pieces as docs/protocol.md 3.2 cuts them)."""
+        if self.initialized:
+            if self.init_owner == header["island"] and header["kind"] == "init_piece":
+                return {"kind": "init_ok", "versions": protocol.versions_to_wire(self.versions)}
+            return {"kind": "rejected", "reason": "already_initialized", "detail": "sim"}
+        if header["kind"] == "init_begin":
+            if self.init_owner not in (None, header["island"]):
+                return {"kind": "rejected", "reason": "already_initialized", "detail": "sim"}
+            self.init_owner = header["island"]
+            self.partial = {f: {} for f in self.own()}
+            missing = sum(self.plan.fragments[f].size for f in self.own())
+            return {"kind": "init_begun", "plan_hash": self.plan.hash, "missing": missing}
+        f, offset = header["fragment"], header["offset"]
+        self.partial[f][offset] = np.asarray(codec.decode(payload)["values"], np.float32)
+        got = {g: sum(len(v) for v in self.partial[g].values()) for g in self.own()}
+        missing = sum(self.plan.fragments[g].size - got[g] for g in self.own())
+        if missing:
+            count = len(self.partial[f][offset])
+            return {"kind": "init_piece_ok", "fragment": f, "offset": offset, "count": count,
+                    "missing": missing}  # fmt: skip
+        for g in self.own():
+            self.values[g] = np.concatenate([v for _, v in sorted(self.partial[g].items())])
+            self.versions[g] = 0
+        self.initialized = True
+        return {"kind": "init_ok", "versions": protocol.versions_to_wire(self.versions)}
 
     def step(self, fragment: int, values: np.ndarray) -> list[Any]:
         """A new version of `fragment`: the update message to publish (mode "full")."""

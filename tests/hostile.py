@@ -180,11 +180,14 @@ def _make(
         header["kind"] = rng.choice(("pull", "PUSH", "", "shutdown", "x" * 40))
         return _pack(header, payload)
     if family == "random_request":
-        kind = rng.choice(("hello", "heartbeat", "snapshot", "init", "status", "bye"))
+        kinds = ("hello", "heartbeat", "snapshot", "init", "init_begin", "init_piece", "status")
+        kind = rng.choice((*kinds, "bye"))
         fields: dict[str, Any] = {"kind": kind, "island": f"forged-{rng.randrange(50)}"}
-        if kind == "snapshot":
+        if kind in ("snapshot", "init_piece"):
             fields["fragment"] = rng.choice((0, 1, 7, 2**40))
-        if kind == "init":
+        if kind in ("init", "init_begin"):
             fields["plan"] = {"junk": rng.randrange(100)}
-        return _pack(fields, payload if kind == "init" else [])
+        if kind == "init_piece":
+            fields.update(plan_hash=f"{rng.randrange(2**64):064x}", offset=rng.randrange(10**6))
+        return _pack(fields, payload if kind in ("init", "init_piece") else [])
     raise ValueError(f"unknown family {family!r}")

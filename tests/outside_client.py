@@ -7,7 +7,8 @@ Run by tests/test_outside_client.py as its own interpreter against a fresh
     python -I tests/outside_client.py --connect tcp://127.0.0.1:P --downlink int8 --lr 0.5
 
 It computes the plan itself (cut, assignment, hash), initialises both
-shards, joins, follows both PUB streams, pushes one delta to each shard (one
+shards (shard 0 in pieces with a re-sent and an overlapping piece, shard 1
+in one `init`), joins (snapshots of shard 0 in pieces), follows both PUB streams, pushes one delta to each shard (one
 raw float32 frame with crc32, one int8 frame with zstd, both encoded here),
 decodes the published updates (int8 deltas or full float32 values), checks
 them against snapshots bit for bit, and exercises duplicate and rejected
@@ -319,6 +320,37 @@ def expect_ack(reply: dict, outcome: str, reason: str | None = None) -> None:
         assert "detail" not in reply, reply
 
 
+def init_in_pieces(shard: Shard, plan: dict, values: dict[int, np.ndarray], most: int) -> dict:
+    """Initialise one shard in pieces (section 3.2): init_begin, then each fragment in three.
+
+    One piece is sent twice (a re-send is harmless) and one overlapping piece is
+    refused. Returns the reply to the last piece (init_ok).
+    """
+    begun, _ = shard.request({"kind": "init_begin", "island": ISLAND, "plan": plan})
+    assert begun["kind"] == "init_begun" and begun["plan_hash"] == plan["hash"], begun
+    assert begun["missing"] == sum(len(v) for v in values.values()), begun
+    reply: dict = {}
+    for f, vec in sorted(values.items()):
+        step = min(most, -(-len(vec) // 3))
+        for offset in range(0, len(vec), step):
+            header = {
+                "kind": "init_piece",
+                "island": ISLAND,
+                "plan_hash": plan["hash"],
+                "fragment": f,
+                "offset": offset,
+            }
+            frames = encode({"values": vec[offset : offset + step]}, "raw", use_zstd=True)
+            reply, _ = shard.request(header, frames)
+            if offset == 0:
+                again, _ = shard.request(header, frames)
+                assert again["kind"] == "init_piece_ok" and again["missing"] == reply["missing"]
+                wrong = encode({"values": vec[1 : step + 1]}, "raw", use_zstd=True)
+                bad, _ = shard.request({**header, "offset": 1}, wrong)
+                assert bad["kind"] == "rejected" and bad["reason"] == "bad_shape", bad
+    return reply
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--connect", required=True)
@@ -362,15 +394,23 @@ def main() -> None:
         }
         initial = {f: fragment_values(plan, params, f) for f in range(num_fragments)}
 
-        # init every shard with its fragments: shard 0 with zstd frames, the others with crc32
+        # init shard 0 in pieces (section 3.2) with zstd frames: pieces smaller than the
+        # limit allows (section 8), so each fragment takes three; the others whole, crc32
+        limit = welcome["max_message_bytes"]
+        most = (limit - limit // 8) // 4
         for index, shard in enumerate(shards):
-            tree = {str(f): initial[f] for f in owned[index]}
-            frames = encode(tree, "raw", use_zstd=index == 0)
-            reply, _ = shard.request({"kind": "init", "island": ISLAND, "plan": plan}, frames)
+            if index == 0:
+                reply = init_in_pieces(shard, plan, {f: initial[f] for f in owned[0]}, most)
+            else:
+                tree = {str(f): initial[f] for f in owned[index]}
+                frames = encode(tree, "raw", use_zstd=False)
+                reply, _ = shard.request({"kind": "init", "island": ISLAND, "plan": plan}, frames)
             assert reply["kind"] == "init_ok", reply
             assert reply["versions"] == {str(f): 0 for f in owned[index]}, reply
         again, _ = shards[1].request({"kind": "init", "island": ISLAND, "plan": plan}, [])
         assert again["kind"] == "rejected" and again["reason"] == "already_initialized", again
+        begun, _ = shards[0].request({"kind": "init_begin", "island": "other", "plan": plan})
+        assert begun["kind"] == "rejected" and begun["reason"] == "already_initialized", begun
         rewelcome, _ = first.request({"kind": "hello", "island": ISLAND, "session": session})
         assert rewelcome["initialized"] and rewelcome["plan_hash"] == plan["hash"], rewelcome
         assert rewelcome["plan"] == plan, "the shard's wire plan is ours"
@@ -387,13 +427,21 @@ def main() -> None:
         replica: dict[int, tuple[int, np.ndarray]] = {}
         for index, shard in enumerate(shards):
             for f in owned[index]:
-                reply, payload = shard.request(
-                    {"kind": "snapshot", "island": ISLAND, "fragment": f}
-                )
-                assert reply["kind"] == "snapshot_reply", reply
-                assert reply["fragment"] == f and reply["version"] == 0 and reply["seq"] == 0
-                values = decode(payload)["values"]
-                assert values.dtype == F32 and values.shape == (fragment_size(plan, f),)
+                size = fragment_size(plan, f)
+                # shard 0's fragments in pieces of 7 elements (section 3.3), the others whole
+                count = 7 if index == 0 else size
+                parts = []
+                for offset in range(0, size, count):
+                    ask = {"kind": "snapshot", "island": ISLAND, "fragment": f}
+                    if index == 0:
+                        ask.update(offset=offset, count=count)
+                    reply, payload = shard.request(ask)
+                    assert reply["kind"] == "snapshot_reply", reply
+                    assert reply["fragment"] == f and reply["version"] == 0 and reply["seq"] == 0
+                    assert reply["offset"] == offset and reply["size"] == size, reply
+                    parts.append(decode(payload)["values"])
+                values = np.concatenate(parts)
+                assert values.dtype == F32 and values.shape == (size,)
                 assert values.tobytes() == initial[f].tobytes(), "snapshot == init values"
                 replica[f] = (0, values)
 

@@ -62,13 +62,13 @@ def push_header(
     }
 
 
-def nan_frames(size: int, value: float = float("nan")) -> list[Any]:
-    """Valid raw-codec frames of {"delta": vec} whose first element is `value` (NaN/Inf).
+def nan_frames(size: int, value: float = float("nan"), name: str = "delta") -> list[Any]:
+    """Valid raw-codec frames of {name: vec} whose first element is `value` (NaN/Inf).
 
     The codec refuses to encode non-finite values, so the payload is patched
     after encoding and its crc32 recomputed: a well-formed message carrying poison.
     """
-    frames, _ = codec.raw("float32").encode({"delta": np.zeros(size, np.float32)})
+    frames, _ = codec.raw("float32").encode({name: np.zeros(size, np.float32)})
     payload = bytearray(frames[1])
     payload[0:4] = np.float32(value).tobytes()
     header = msgpack.unpackb(bytes(frames[0]), raw=False)

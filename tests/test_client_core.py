@@ -51,10 +51,11 @@ def test_a_join_of_an_empty_cluster_inits_every_shard_in_order_then_snapshots_it
     assert isinstance(result, JoinResult), result
     kinds = [h["kind"] for h in sim.sent]
     assert kinds[:3] == ["hello"] * 3  # the configured shard, then the two others
-    inits = [to for to, h in zip(sim.sent_to, sim.sent, strict=True) if h["kind"] == "init"]
+    inits = [to for to, h in zip(sim.sent_to, sim.sent, strict=True) if h["kind"] == "init_begin"]
     assert inits == [s.router for s in sim.shards]  # shard 0 first, in index order
     assert sorted(h["fragment"] for h in sim.kinds("snapshot")) == list(range(6))
-    assert all(kinds.index("init") < i for i, k in enumerate(kinds) if k == "snapshot")
+    last_piece = max(i for i, k in enumerate(kinds) if k == "init_piece")
+    assert all(last_piece < i for i, k in enumerate(kinds) if k == "snapshot")
     # Clone pattern: every shard's SUB is opened before its fragments are snapshotted
     assert [e for role, e in sim.opened if role == "sub"] == [s.pub for s in sim.shards]
     for name, value in mine.items():
@@ -67,7 +68,7 @@ def test_a_join_of_an_initialised_cluster_sends_no_init_and_takes_the_clusters_v
     theirs = small_flat(1)
     sim = make_sim(shards=2, fragments=4, initialized_with=theirs)
     result = sim.join(small_flat(0))  # same shapes, other values
-    assert not sim.kinds("init")
+    assert not sim.kinds("init_begin") and not sim.kinds("init_piece")
     for name, value in theirs.items():
         np.testing.assert_array_equal(result.params[name], value)
 
@@ -119,8 +120,8 @@ def test_a_half_initialised_cluster_is_completed_after_init_grace():
     sim.shards[0].init_with(theirs)  # another island initialised shard 0, then died
     result = sim.join(mine)
     assert isinstance(result, JoinResult), result
-    (init,) = sim.kinds("init")
-    at = sim.times("init")[0]
+    (init,) = sim.kinds("init_begin")
+    at = sim.times("init_begin")[0]
     assert 1.0 <= at < 1.0 + 0.3  # after the grace, asking every 0.2 s meanwhile
     assert len(sim.kinds("hello")) >= 1 + 1 + 4  # first, shard 1, then its re-asks
     plan = sim.core.plan
@@ -129,6 +130,68 @@ def test_a_half_initialised_cluster_is_completed_after_init_grace():
         np.testing.assert_array_equal(
             sim.shards[f.shard].values[f.index], plan.gather(source, f.index)
         )
+
+
+def test_an_init_and_snapshots_go_in_pieces_and_a_lost_piece_and_reply_are_sent_again():
+    flat = {"w": np.random.default_rng(3).standard_normal(5000).astype(np.float32)}
+    plan = plan_for(flat, shards=1, fragments=2)  # 2500 elements a fragment
+    shard = SimShard(0, plan, max_message_bytes=4096)  # pieces of 896 elements: 3 a fragment
+    sim = Sim(ClientConfig(connect=shard.router, island="isl", ack_timeout_s=1.0), [shard])
+    lost = {"up": 1, "down": 1}
+
+    def fault(direction, header):
+        kind = "init_piece" if direction == "up" else "init_piece_ok"
+        if header["kind"] == kind and header.get("offset") == 896 and lost[direction]:
+            lost[direction] -= 1
+            return "drop"
+        return "deliver"
+
+    sim.fault = fault
+    result = sim.join(flat)
+    assert isinstance(result, JoinResult), result
+    assert lost == {"up": 0, "down": 0}
+    pieces = [(h["fragment"], h["offset"]) for h in sim.kinds("init_piece")]
+    cut = [(f, o) for f in (0, 1) for o in (0, 896, 1792)]
+    assert sorted(set(pieces)) == cut and len(pieces) == len(cut) + 2  # two re-sends
+    (first, again) = [
+        t
+        for t, h in zip(sim.sent_at, sim.sent, strict=True)
+        if h["kind"] == "init_piece" and (h["fragment"], h["offset"]) == (0, 896)
+    ]
+    assert 1.0 <= again - first < 1.2  # after the ack timeout  # fmt: skip
+    assert all(h["plan_hash"] == plan.hash for h in sim.kinds("init_piece"))
+    asked = sorted((h["fragment"], h["offset"], h["count"]) for h in sim.kinds("snapshot"))
+    assert asked == [(f, o, 708 if o == 1792 else 896) for f, o in cut]
+    assert result.params["w"].tobytes() == flat["w"].tobytes()
+
+
+def test_an_init_piece_refused_storage_error_is_sent_again_after_the_ack_timeout():
+    sim = make_sim(ack_timeout_s=1.0)
+    shard = sim.shards[0]
+    shard.refuse["init_piece"] = {"reason": "storage_error", "detail": "disk full"}
+    sim.perform(sim.core.start_join(sim.now, small_flat(0)))
+    sim.run(0.5)
+    assert sim.core.join_outcome is None and len(sim.kinds("init_piece")) == 2  # the window
+    del shard.refuse["init_piece"]  # the disk has room again
+    sim.run(1.0)
+    result = sim.core.join_outcome
+    assert isinstance(result, JoinResult), result
+    assert len(sim.kinds("init_piece")) == 4 and 1.0 <= sim.times("init_piece")[2] < 1.2
+    for name, value in small_flat(0).items():
+        np.testing.assert_array_equal(result.params[name], value)
+
+
+def test_an_unanswered_init_piece_is_re_sent_with_a_doubling_back_off():
+    sim = make_sim(ack_timeout_s=1.0, ack_timeout_cap_s=2.0, join_timeout_s=9.0)
+    sim.shards[0].max_message_bytes = 200  # pieces of 43 elements: 2 a fragment
+    sim.fault = lambda direction, h: "drop" if h["kind"] == "init_piece_ok" else "deliver"
+    outcome = sim.join(small_flat(0))
+    assert isinstance(outcome, ClientError)  # every piece's reply is lost: the join times out
+    first = [t for t, h in zip(sim.sent_at, sim.sent, strict=True)
+             if h["kind"] == "init_piece" and (h["fragment"], h["offset"]) == (0, 0)]  # fmt: skip
+    gaps = [b - a for a, b in zip(first, first[1:], strict=False)]
+    assert len(gaps) == 4, gaps  # doubling, capped at ack_timeout_cap_s (ticks of 0.05 s)
+    assert all(w <= g < w + 0.11 for g, w in zip(gaps, (1.0, 2.0, 2.0, 2.0), strict=True)), gaps
 
 
 def test_snapshot_pieces_and_updates_published_meanwhile_are_replayed_in_order():

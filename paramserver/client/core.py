@@ -46,7 +46,6 @@ from paramserver.client.welcome import check_rewelcome, welcome_limit
 from paramserver.wire import protocol
 from paramserver.wire.liveness import is_silent, next_backoff
 from paramserver.wire.plan import Plan
-from paramserver.wire.snapshot import snapshot_values
 
 logger = logging.getLogger(__name__)
 
@@ -236,22 +235,20 @@ class ClientCore:
             self._on_rewelcome(now, shard, header)
 
     def _on_snapshot(self, shard: ShardState, header: dict, payload: list) -> None:
-        fragment = header["fragment"]
-        known = self.plan is not None and fragment < self.plan.num_fragments
-        values = snapshot_values(
-            header, payload, self.plan.fragments[fragment].size if known else None
-        )
+        done = self._net.on_snapshot_piece(shard, header, payload)
+        if done is None or shard.feed is None:
+            return
+        fragment, version, seq, values = done
         self.progress.add(snapshots=1)
-        self.progress.note_version(fragment, header["version"])
-        changed = shard.feed.on_snapshot(fragment, header["version"], header["seq"], values)
-        self._publish(changed)
+        self.progress.note_version(fragment, version)
+        self._publish(shard.feed.on_snapshot(fragment, version, seq, values))
 
     def _on_rewelcome(self, now: float, shard: ShardState, welcome: dict) -> None:
         """A shard answered the hello of a reconnect: re-send its deltas and re-snapshot."""
         check_rewelcome(welcome, self.plan, shard.index)
         limit = welcome_limit(welcome)
         if limit is not None:
-            self.max_message_bytes = limit
+            self.max_message_bytes = self._net.max_message_bytes = limit
         if not shard.up:
             logger.info("shard %d is back", shard.index)
         shard.up, shard.attempt = True, 0
@@ -315,7 +312,7 @@ class ClientCore:
         if shard.feed is None:
             return
         self.progress.add(resyncs=1)
-        self._net.request_snapshots(shard, now)
+        self._net.request_snapshots(shard, now, self.plan)
 
     # -- pushes -------------------------------------------------------------------------
 

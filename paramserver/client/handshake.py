@@ -28,19 +28,19 @@ shard with its own values, in index order. A shard still uninitialised
 `init_grace_s` after another island took shard 0 (that island died half-way)
 is initialised by the joining island with its own values, so that a
 half-initialised cluster can always be joined. While it waits, the island
-asks that shard (hello) every `RETRY_S`.
+asks that shard (hello) every `RETRY_S`. Each shard's init goes in pieces
+(`paramserver.client.init_upload`): `init_begin`, then pieces that fit the
+shard's `max_message_bytes`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
-from typing import Any
 
 import numpy as np
 
-import codec
+from paramserver.client.init_upload import DONE, LOST, Ask, Upload
 from paramserver.client.types import ClientConfig, ClientError
 from paramserver.client.welcome import (
     Cluster,
@@ -48,6 +48,7 @@ from paramserver.client.welcome import (
     read_welcome,
     shard_initialized,
 )
+from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 
 logger = logging.getLogger(__name__)
@@ -56,17 +57,6 @@ FIRST = -1
 """The shard index of the configured shard before its welcome says which it is."""
 
 RETRY_S = 0.2  # a hello refused for now (id in use, shard awaiting its init) is asked again
-_RAW = codec.raw("float32")
-
-
-@dataclass(frozen=True)
-class Ask:
-    """A request the join wants sent to one shard (the core adds `id` and `island`)."""
-
-    shard: int
-    kind: str  # "hello" or "init"
-    payload: list[Any] = field(default_factory=list)
-    fields: dict[str, Any] = field(default_factory=dict)
 
 
 class Handshake:
@@ -97,6 +87,7 @@ class Handshake:
         self._ours = True  # init: shard 0 was ours, so the others are
         self._grace_until = 0.0  # init: another island's init of the current shard is awaited
         self._lost = False  # init: the current shard's init lost a race (checking its plan)
+        self._upload: Upload | None = None  # init: the current shard's pieces
 
     @property
     def done(self) -> bool:
@@ -226,7 +217,7 @@ class Handshake:
             return []
         shard = self._order[0]
         if self._ours:
-            return [self._init(shard)]
+            return self._init(shard)
         return [self._hello(shard, now, fresh=True)]  # has the other island initialised it?
 
     def _on_init_welcome(self, now: float, shard: int, welcome: dict) -> list[Ask]:
@@ -250,21 +241,29 @@ class Handshake:
             self.cfg.init_grace_s,
             self.cfg.island,
         )
-        return [self._init(shard)]
+        return self._init(shard)
 
     def _on_init_reply(self, now: float, shard: int, header: dict) -> list[Ask]:
-        if header["kind"] == "init_ok":
-            logger.info("island %s initialized shard %d", self.cfg.island, shard)
+        if self._upload is None or shard != self._upload.shard:
+            return []  # a late reply of an upload that ended
+        what, asks = self._upload.on_reply(header)
+        if what == DONE:
+            logger.info(
+                "island %s initialized shard %d in %d piece(s)",
+                self.cfg.island,
+                shard,
+                self._upload.total,
+            )
+            self._upload = None
             self._order.pop(0)
             return self._next_init(now)
-        reason = header.get("reason")
-        if reason == "already_initialized":
+        if what == LOST:
             logger.info("shard %d already initialized by another island", shard)
+            self._upload = None
             self._lost = True
             return [self._hello(shard, now, fresh=True)]
-        if reason == "plan_mismatch":
-            raise ClientError(f"join: plan mismatch: {header.get('detail')}")
-        raise ClientError(f"join: shard {shard} refused init: {reason}: {header.get('detail')}")
+        self._waiting[shard] = "init"  # more replies to come
+        return asks
 
     # -- requests -------------------------------------------------------------------------
 
@@ -275,12 +274,12 @@ class Handshake:
         self._waiting[shard] = "hello"
         return Ask(shard, "hello")
 
-    def _init(self, shard: int) -> Ask:
-        plan = self.plan
-        tree = {str(f.index): plan.gather(self._flat, f.index) for f in plan.fragments_of(shard)}
-        frames, _ = _RAW.encode(tree, None)
+    def _init(self, shard: int) -> list[Ask]:
+        """Start the init of `shard` in pieces sized to its message limit (init_upload)."""
+        limit = self.cluster.max_message_bytes or protocol.DEFAULT_MAX_MESSAGE_BYTES
+        self._upload = Upload(self.plan, self._flat, shard, limit)
         self._waiting[shard] = "init"
-        return Ask(shard, "init", list(frames), {"plan": plan.to_wire()})
+        return self._upload.begin()
 
     def _pause(self, shard: int, now: float) -> None:
         self._retry_at[shard] = now + RETRY_S

@@ -3,7 +3,10 @@
 This module owns, with no I/O and no clock, the join of `ClientCore.start_join`
 (`paramserver.client.core`): `Join` sends what the handshake
 (`paramserver.client.handshake`) asks on the shards' links (`Shards`),
-re-sends an unanswered hello every `ack_timeout_s` (hello is idempotent),
+re-sends an unanswered hello every `ack_timeout_s`, an unanswered
+`init_begin` or `init_piece` after `ack_timeout_s`, doubling per re-send up
+to `ack_timeout_cap_s` (all three are idempotent: a lost piece or reply is
+sent again),
 routes each reply back to the handshake, opens a DEALER to every shard once
 the first welcome named them, and, once the cluster is initialised,
 subscribes to every shard and snapshots its fragments (Clone pattern:
@@ -20,7 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.client.handshake import FIRST, Ask, Handshake
+from paramserver.client.handshake import FIRST, Handshake
+from paramserver.client.init_upload import Ask
 from paramserver.client.progress import Progress
 from paramserver.client.replica import ShardFeed
 from paramserver.client.shards import Shards, ShardState
@@ -29,16 +33,20 @@ from paramserver.client.welcome import Cluster
 
 logger = logging.getLogger(__name__)
 
+# The join's requests re-sent every ack_timeout_s until answered (a re-send changes nothing).
+_IDEMPOTENT = ("hello", "init_begin", "init_piece")
+
 
 @dataclass
 class _Call:
-    """A join request in flight: re-sent (hello only) until answered."""
+    """A join request in flight: re-sent (hello, init_begin, init_piece) until answered."""
 
     shard: ShardState
     name: int  # the handshake's name of the shard (`FIRST` before the first welcome)
     kind: str
     frames: list[Any]
     resend_at: float
+    timeout: float  # the wait before the next re-send (doubles per re-send of an init piece)
 
 
 class Join:
@@ -82,19 +90,32 @@ class Join:
         return rid in self._calls
 
     def on_reply(self, now: float, rid: int, header: dict) -> None:
-        """Take the reply to one of the join's requests (`owns(rid)`)."""
+        """Take the reply to one of the join's requests (`owns(rid)`).
+
+        An init request refused `storage_error` (the shard's disk failed, nothing
+        was kept) stays in flight and is sent again after `ack_timeout_s`.
+        """
         call = self._calls.pop(rid)
+        if call.kind.startswith("init_") and header.get("reason") == "storage_error":
+            logger.warning(
+                "shard %s: %s not stored (%s); again", call.name, call.kind, header["detail"]
+            )
+            call.resend_at = now + self.cfg.ack_timeout_s
+            self._calls[rid] = call
+            return
         self._step(now, lambda: self._handshake.on_reply(now, call.name, header))
 
     def on_tick(self, now: float) -> None:
-        """Time passed: re-send unanswered hellos, time out, re-snapshot a stuck shard."""
+        """Time passed: re-send unanswered requests, time out, re-snapshot a stuck shard."""
         if self.syncing:
             self._sync_tick(now)
             return
         for call in self._calls.values():
-            if call.kind == "hello" and now > call.resend_at:
+            if call.kind in _IDEMPOTENT and now > call.resend_at:
                 self._net.send_frames(call.shard, call.frames)
-                call.resend_at = now + self.cfg.ack_timeout_s
+                if call.kind != "hello":  # a large piece on a thin link: back off, do not flood
+                    call.timeout = min(2 * call.timeout, self.cfg.ack_timeout_cap_s)
+                call.resend_at = now + call.timeout
         self._step(now, lambda: self._handshake.on_tick(now))
 
     def fail(self, exc: ClientError) -> None:
@@ -121,8 +142,8 @@ class Join:
             shard = net.all[0] if ask.shard == FIRST else net.all[ask.shard]
             rid = net.new_id()
             frames = net.send(shard, {"kind": ask.kind, "id": rid, **ask.fields}, ask.payload)
-            resend_at = now + self.cfg.ack_timeout_s
-            self._calls[rid] = _Call(shard, ask.shard, ask.kind, frames, resend_at)
+            timeout = self.cfg.ack_timeout_s
+            self._calls[rid] = _Call(shard, ask.shard, ask.kind, frames, now + timeout, timeout)
 
     def _adopt(self, cluster: Cluster) -> None:
         """The first welcome was read: a DEALER to every shard (the first one keeps its own)."""
@@ -137,6 +158,8 @@ class Join:
                 self._net.open(shard, "dealer")
                 shards.append(shard)
         self._net.all = shards
+        if cluster.max_message_bytes is not None:  # snapshot pieces fit the shards' limit
+            self._net.max_message_bytes = cluster.max_message_bytes
 
     def _start_sync(self, now: float) -> None:
         """The cluster is initialised: subscribe to every shard, then snapshot it."""
@@ -148,7 +171,7 @@ class Join:
             fragments = tuple(f.index for f in plan.fragments_of(shard.index))
             shard.feed = ShardFeed(shard.index, fragments, self._progress.replica)
             shard.heard = shard.sub_heard = now
-            self._net.request_snapshots(shard, now)
+            self._net.request_snapshots(shard, now, self.cluster.plan)
         self.check_synced(now)
 
     def _sync_tick(self, now: float) -> None:
@@ -164,7 +187,7 @@ class Join:
             return
         for shard in shards:  # e.g. a shard the winner of an init race has not reached
             if shard.feed.syncing and now - shard.feed.sync_started > self.cfg.snapshot_timeout_s:
-                self._net.request_snapshots(shard, now)
+                self._net.request_snapshots(shard, now, self.cluster.plan)
         self.check_synced(now)
 
     def check_synced(self, now: float) -> None:

@@ -5,18 +5,34 @@ This module owns, with no I/O, the bookkeeping under the client's core
 update stream of one shard) and `Shards`, which numbers links and request
 ids, keeps the tracked requests (id -> what was asked), builds the messages
 (every request carries the island id, every hello the client's session) and
-collects the effects (`paramserver.client.effects`) the core returns.
+collects the effects (`paramserver.client.effects`) the core returns. A
+shard's snapshot goes in pieces that fit its `max_message_bytes`
+(`SnapshotRead`, `SNAPSHOT_WINDOW` pieces in flight).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 from paramserver.client.effects import Close, Effect, Open, Role, Send
 from paramserver.client.replica import ShardFeed
 from paramserver.wire import protocol
-from paramserver.wire.snapshot import snapshot_request
+from paramserver.wire.plan import Plan
+from paramserver.wire.snapshot import SnapshotPieces, snapshot_request
+
+SNAPSHOT_WINDOW = 2  # snapshot pieces in flight per shard
+
+
+@dataclass
+class SnapshotRead:
+    """A shard's fragments being read in pieces: what is held, what is still to ask."""
+
+    fragments: dict[int, SnapshotPieces]
+    queue: list[tuple[int, int, int]] = field(default_factory=list)  # (fragment, offset, count)
+    in_flight: int = 0
 
 
 @dataclass
@@ -55,6 +71,10 @@ class Shards:
         self._next_link = 0
         self._next_id = 0
         self._out: list[Effect] = []
+        self.max_message_bytes = (
+            protocol.DEFAULT_MAX_MESSAGE_BYTES
+        )  # the shards' limit (their welcome's)
+        self.reads: dict[int, SnapshotRead] = {}  # shard index -> its snapshot in pieces
 
     @property
     def has_links(self) -> bool:
@@ -114,12 +134,71 @@ class Shards:
         self.requests[rid] = (kind, shard.index, about)
         self.send(shard, {"kind": kind, "id": rid, **fields})
 
-    def request_snapshots(self, shard: ShardState, now: float) -> None:
-        """Start (or restart) a snapshot of every fragment of `shard` (its feed must exist)."""
-        for fragment in shard.feed.begin_sync(now):
+    def request_snapshots(self, shard: ShardState, now: float, plan: Plan) -> None:
+        """Start (or restart) a snapshot of every fragment of `shard` (its feed must exist).
+
+        Args:
+            shard: the shard.
+            now: current time (the feed times the sync out).
+            plan: the island's plan (the fragments' sizes).
+        """
+        for rid in [
+            r for r, (k, s, _) in self.requests.items() if (k, s) == ("snapshot", shard.index)
+        ]:
+            del self.requests[rid]  # replies to an earlier read are ignored
+        limit = self.max_message_bytes
+        read = SnapshotRead(
+            {
+                f: SnapshotPieces(f, plan.fragments[f].size, limit)
+                for f in shard.feed.begin_sync(now)
+            }
+        )
+        read.queue = [(f, o, n) for f, p in read.fragments.items() for o, n in p.pieces]
+        self.reads[shard.index] = read
+        self._ask_pieces(shard, read)
+
+    def on_snapshot_piece(
+        self, shard: ShardState, header: dict, payload: list[Any]
+    ) -> tuple[int, int, int, np.ndarray] | None:
+        """Take one `snapshot_reply` (to a tracked request); ask the next pieces.
+
+        Args:
+            shard: the shard it came from.
+            header: the reply header.
+            payload: its codec frames.
+
+        Returns:
+            (fragment, version, seq, values) once that fragment is complete, else None.
+
+        Raises:
+            ProtocolError, codec.CodecError: an unusable piece (it is asked again first).
+        """
+        read = self.reads.get(shard.index)
+        pieces = read.fragments.get(header["fragment"]) if read is not None else None
+        if pieces is None:
+            return None
+        read.in_flight -= 1
+        try:
+            again = pieces.take(header, payload)
+        except Exception:
+            offset = header.get("offset", 0)
+            read.queue[:0] = [(pieces.fragment, o, n) for o, n in pieces.pieces if o == offset]
+            self._ask_pieces(shard, read)
+            raise
+        read.queue[:0] = [(pieces.fragment, o, n) for o, n in again]
+        self._ask_pieces(shard, read)
+        if not pieces.complete:
+            return None
+        del read.fragments[pieces.fragment]
+        return (pieces.fragment, *pieces.result())
+
+    def _ask_pieces(self, shard: ShardState, read: SnapshotRead) -> None:
+        while read.queue and read.in_flight < SNAPSHOT_WINDOW:
+            fragment, offset, count = read.queue.pop(0)
             rid = self.new_id()
             self.requests[rid] = ("snapshot", shard.index, fragment)
-            self.send(shard, snapshot_request(self.island, fragment, rid))
+            self.send(shard, snapshot_request(self.island, fragment, rid, (offset, count)))
+            read.in_flight += 1
 
     def forget_requests(self, shard: int) -> None:
         """Drop the tracked requests to `shard` (its DEALER was replaced)."""

@@ -36,7 +36,7 @@ from paramserver.wire.protocol import is_island_id
 logger = logging.getLogger(__name__)
 
 LOG_EVERY_S = 60.0  # at most one forbidden_island log line per this many seconds
-ACTING_KINDS = frozenset({"hello", "init", "push", "heartbeat", "bye"})  # requests that act as
+ACTING_KINDS = frozenset({"hello", "init", "init_begin", "init_piece", "push", "heartbeat", "bye"})
 
 
 class AllowMapError(ValueError):

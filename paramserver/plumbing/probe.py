@@ -35,7 +35,7 @@ import codec
 from paramserver.plumbing.curve import ClientKeys, HandshakeWatch
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan, PlanError
-from paramserver.wire.snapshot import snapshot_request, snapshot_values
+from paramserver.wire.snapshot import SnapshotPieces, snapshot_request
 
 logger = logging.getLogger(__name__)
 
@@ -328,25 +328,33 @@ def _fragment_values(
     size: int,
     timeout_s: float,
     curve: ClientKeys | None = None,
+    max_message_bytes: int = protocol.DEFAULT_MAX_MESSAGE_BYTES,
 ) -> tuple[int, np.ndarray]:
-    """(version, 1-D float32 values) of one fragment, from a snapshot of its owning shard.
+    """(version, 1-D float32 values) of one fragment, read in pieces from its owning shard.
 
-    The request and the checks of its reply are the ones the island's client
-    makes when it joins (`paramserver.wire.snapshot`).
+    The requests and the checks of their replies are the ones the island's
+    client makes when it joins (`paramserver.wire.snapshot`); pieces of an
+    older version than one already read are read again.
     """
-    header = snapshot_request(_island(), fragment)
-    reply, payload = _exchange(ctx, router, header, timeout_s, curve=curve)
-    if reply["kind"] != "snapshot_reply" or reply["fragment"] != fragment:
-        raise ProbeError(
-            f"{router} answered the snapshot of fragment {fragment} with {reply['kind']!r}"
-        )
-    try:
-        values = snapshot_values(reply, payload, size)
-    except (protocol.ProtocolError, codec.CodecError) as exc:
-        raise ProbeError(
-            f"{router} sent an unusable snapshot of fragment {fragment}: {exc}"
-        ) from None
-    return int(reply["version"]), values
+    read = SnapshotPieces(fragment, size, max_message_bytes)
+    todo = list(read.pieces)
+    while todo:
+        piece = todo.pop(0)
+        header = snapshot_request(_island(), fragment, piece=piece)
+        reply, payload = _exchange(ctx, router, header, timeout_s, curve=curve)
+        if reply["kind"] != "snapshot_reply" or reply["fragment"] != fragment:
+            raise ProbeError(
+                f"{router} answered the snapshot of fragment {fragment} with {reply['kind']!r}"
+                f": {reply.get('detail', '')}"
+            )
+        try:
+            todo += read.take(reply, payload)
+        except (protocol.ProtocolError, codec.CodecError) as exc:
+            raise ProbeError(
+                f"{router} sent an unusable snapshot of fragment {fragment}: {exc}"
+            ) from None
+    version, _, values = read.result()
+    return int(version), values
 
 
 def global_params(
@@ -390,11 +398,12 @@ def global_params(
                 f"{plan.num_shards} shards"
             )
         flat = {leaf.path: np.empty(leaf.shape, np.float32) for leaf in plan.leaves}
+        limit = welcome.get("max_message_bytes", protocol.DEFAULT_MAX_MESSAGE_BYTES)
         versions = {}
         for frag in plan.fragments:  # the fragments cover every element exactly once
             router = endpoints[frag.shard][0]
             versions[frag.index], values = _fragment_values(
-                ctx, router, frag.index, frag.size, timeout_s, curve
+                ctx, router, frag.index, frag.size, timeout_s, curve, limit
             )
             plan.scatter(frag.index, values, flat)
         return plan, flat, versions

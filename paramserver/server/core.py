@@ -168,12 +168,41 @@ class ShardCore:
         return self._reply(request, header, "welcome", **fields)
 
     def _on_init(self, request: Request, header: dict, payload, now: float, known: bool):
-        outcome = self.state.initialize(header["plan"], payload)
+        outcome = self.state.initialize(header["plan"], payload, now)
         if outcome.status != ACCEPTED:
             return self._answer(request, header, outcome)
+        return self._init_ok(request, header, outcome)
+
+    def _init_ok(self, request: Request, header: dict, outcome: Outcome) -> Effects:
         versions = protocol.versions_to_wire(self.state.versions())
         out = self._reply(request, header, "init_ok", versions=versions)
-        out.records.append(outcome.event)
+        out.records += [outcome.event] if outcome.event is not None else []
+        return out
+
+    def _on_init_begin(self, request: Request, header: dict, payload, now: float, known: bool):
+        outcome = self.state.begin_init(header["plan"], header["island"], now)
+        if outcome.status != ACCEPTED:
+            return self._answer(request, header, outcome)
+        partial = self.state.partial_init
+        out = self._reply(
+            request, header, "init_begun", plan_hash=partial.plan.hash, missing=partial.missing
+        )
+        out.records += [outcome.event] if outcome.event is not None else []
+        return out
+
+    def _on_init_piece(self, request: Request, header: dict, payload, now: float, known: bool):
+        outcome = self.state.init_piece(header, payload, now)
+        if outcome.status == REJECTED:
+            return self._answer(request, header, outcome)
+        if self.state.initialized:  # this piece completed the init (or did, before a re-send)
+            return self._init_ok(request, header, outcome)
+        fragment, offset = header["fragment"], header["offset"]
+        partial = self.state.partial_init
+        out = self._reply(
+            request, header, "init_piece_ok", fragment=fragment, offset=offset,
+            count=partial.count_at(fragment, offset), missing=partial.missing,
+        )  # fmt: skip
+        out.records += [outcome.event] if outcome.event is not None else []
         return out
 
     def _on_snapshot(self, request: Request, header: dict, payload, now: float, known: bool):
@@ -181,13 +210,19 @@ class ShardCore:
         refusal = outcomes.snapshot_refusal(
             self.state.initialized, fragment in self.state.fragments, fragment, self.index
         )
+        if refusal is None:
+            version, values = self.state.snapshot(fragment)
+            offset, size = header.get("offset", 0), len(values)
+            end = min(size, offset + header.get("count", size))
+            refusal = outcomes.snapshot_piece_refusal(
+                offset, end, size, protocol.piece_elements(self.cfg.max_message_bytes)
+            )
         if refusal is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, refusal))
-        version, values = self.state.snapshot(fragment)
-        frames, _ = self._raw32.encode({"values": values})
+        frames, _ = self._raw32.encode({"values": values[offset:end]})
         return self._reply(
             request, header, "snapshot_reply", frames, fragment=fragment, version=version,
-            seq=self.seq,
+            seq=self.seq, offset=offset, size=size,
         )  # fmt: skip
 
     def _on_push(self, request: Request, header: dict, payload, now: float, known: bool):

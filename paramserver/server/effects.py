@@ -35,9 +35,11 @@ class Reply:
 
     @property
     def promises_durability(self) -> bool:
-        """Whether it tells the island something is on disk (accepted / duplicate ack, init_ok)."""
+        """Whether it tells the island something is on disk (accepted / duplicate ack, init_*)."""
         kind = self.header["kind"]
-        return kind == "init_ok" or (kind == "ack" and self.header["outcome"] != REJECTED)
+        if kind in ("init_ok", "init_begun", "init_piece_ok"):
+            return True
+        return kind == "ack" and self.header["outcome"] != REJECTED
 
 
 @dataclass(frozen=True)

@@ -59,6 +59,23 @@ class InitEvent:
 
 
 @dataclass(frozen=True)
+class InitBeginEvent:
+    """An island started an init in pieces with this plan (any unfinished one is dropped)."""
+
+    plan_wire: dict
+    island: str
+
+
+@dataclass(frozen=True)
+class InitPieceEvent:
+    """Elements [offset, offset + len(values)) of an owned fragment of the init in progress."""
+
+    fragment: int
+    offset: int
+    values: np.ndarray  # 1-D float32
+
+
+@dataclass(frozen=True)
 class AcceptEvent:
     """A delta was accepted into its fragment's pending set.
 
@@ -80,4 +97,4 @@ class StepEvent:
     at: float
 
 
-Event = InitEvent | AcceptEvent | StepEvent
+Event = InitEvent | InitBeginEvent | InitPieceEvent | AcceptEvent | StepEvent

@@ -122,6 +122,30 @@ def render_rejected(request: Mapping[str, Any] | None, outcome: Outcome) -> dict
     return protocol.reply_header(request, "rejected", reason=outcome.reason, detail=outcome.detail)
 
 
+def read_plan(plan_wire: Any, cfg: Any) -> Plan | Outcome:
+    """The plan of an `init` or `init_begin`, or why it is refused.
+
+    Args:
+        plan_wire: the wire plan (Plan.to_wire()).
+        cfg: the shard's config (shards, num_fragments).
+
+    Returns:
+        The plan, or a rejected outcome (malformed "bad wire plan", plan_mismatch),
+        not yet counted.
+    """
+    try:
+        plan = Plan.from_wire(plan_wire)
+    except PlanError as exc:
+        return refused("malformed", f"bad wire plan: {exc}")
+    if plan.num_shards != cfg.shards or plan.num_fragments != cfg.num_fragments:
+        return refused(
+            "plan_mismatch",
+            f"plan has {plan.num_shards} shards / {plan.num_fragments} fragments; "
+            f"the cluster runs {cfg.shards} / {cfg.num_fragments}",
+        )
+    return plan
+
+
 def read_init(
     plan_wire: Any, payload: Sequence[Any], cfg: Any, shard: int
 ) -> tuple[Plan, dict[int, np.ndarray]] | Outcome:
@@ -139,16 +163,9 @@ def read_init(
         plan_mismatch, codec_error, unknown_fragment, bad_shape, bad_dtype,
         non_finite), not yet counted.
     """
-    try:
-        plan = Plan.from_wire(plan_wire)
-    except PlanError as exc:
-        return refused("malformed", f"bad wire plan: {exc}")
-    if plan.num_shards != cfg.shards or plan.num_fragments != cfg.num_fragments:
-        return refused(
-            "plan_mismatch",
-            f"plan has {plan.num_shards} shards / {plan.num_fragments} fragments; "
-            f"the cluster runs {cfg.shards} / {cfg.num_fragments}",
-        )
+    plan = read_plan(plan_wire, cfg)
+    if isinstance(plan, Outcome):
+        return plan
     owned = {f.index: f.size for f in plan.fragments_of(shard)}
     try:
         tree = codec.decode(payload, max_elements=sum(owned.values()))
@@ -254,6 +271,29 @@ def snapshot_refusal(initialized: bool, owned: bool, fragment: int, shard: int) 
         return refused("not_initialized", "no parameters yet: init first")
     if not owned:
         return refused("unknown_fragment", f"fragment {fragment} is not on shard {shard}")
+    return None
+
+
+def snapshot_piece_refusal(offset: int, end: int, size: int, most: int) -> Outcome | None:
+    """The refusal of a snapshot of elements [offset, end) of a fragment of `size`, or None.
+
+    Args:
+        offset: the first element asked (the request's `offset`, default 0).
+        end: one past the last (offset + the request's `count`, clipped at `size`).
+        size: the fragment's element count.
+        most: the most elements a reply may hold (protocol.piece_elements).
+
+    Returns:
+        `bad_shape` (offset past the end) or `oversize` (more than `most`), or None.
+    """
+    if offset >= size:
+        return refused("bad_shape", f"offset {offset} is past the end of the fragment ({size})")
+    if end - offset > most:
+        return refused(
+            "oversize",
+            f"{end - offset} elements do not fit one reply under max_message_bytes; ask "
+            f"pieces of at most {most} elements with offset and count",
+        )
     return None
 
 

@@ -6,9 +6,12 @@ pending contributions (each delta kept coded as it arrived, `codec.coded`,
 under the shard's `max_pending_bytes`) and arrival statistics; the dedup table; the island
 registry (last heard from); the counters reported by `status`.
 
-Event-sourced: every change that must survive a crash is one of three events,
+Event-sourced: every change that must survive a crash is one of these events,
 
-- `InitEvent`: the plan and initial values (first `init`);
+- `InitEvent`: the plan and initial values (first `init`, all in one message);
+- `InitBeginEvent`, `InitPieceEvent`: an init in pieces (`init_begin`, then one
+  event per `init_piece`; the fragments exist once no element is missing, see
+  `paramserver.server.init_pieces`);
 - `AcceptEvent`: one validated delta joins a fragment's pending set;
 - `StepEvent`: one outer step of a fragment merging exactly the listed keys.
 
@@ -52,12 +55,15 @@ from paramserver.server.events import (
     AcceptEvent,
     Contribution,
     Event,
+    InitBeginEvent,
     InitEvent,
+    InitPieceEvent,
     StateError,
     StepEvent,
 )
 from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
 from paramserver.server.fragment_step import FragmentStepper
+from paramserver.server.init_pieces import RESUME, PartialInit, begin_check, piece_check
 from paramserver.server.outcomes import Outcome
 from paramserver.server.policy import (
     IslandPace,
@@ -69,7 +75,7 @@ from paramserver.server.policy import (
 )
 from paramserver.wire import liveness
 from paramserver.wire.plan import Plan
-from paramserver.wire.protocol import ACCEPTED
+from paramserver.wire.protocol import ACCEPTED, DUPLICATE
 
 logger = logging.getLogger(__name__)
 
@@ -96,6 +102,8 @@ class ShardState:
         self.stepper = FragmentStepper(cfg)
         self.optimizer = self.stepper.optimizer  # the outer optimizer's state <-> arrays
         self.plan: Plan | None = None
+        self.partial_init: PartialInit | None = None  # an init in pieces under way
+        self.init_owner: tuple[str, str] | None = None  # (island, plan hash) that completed it
         self.fragments: dict[int, FragmentState] = {}
         self.dedup: dict[tuple[str, int], DedupEntry] = {}
         self.last_seen: dict[str, float] = {}
@@ -260,13 +268,15 @@ class ShardState:
         """
         return outcomes.count(self.counters, outcomes.refused(reason, detail))
 
-    def initialize(self, plan_wire: Any, payload: Sequence[Any]) -> Outcome:
+    def initialize(self, plan_wire: Any, payload: Sequence[Any], now: float = 0.0) -> Outcome:
         """Take the plan and initial values from the first island to `init`.
 
         Args:
             plan_wire: the wire plan (Plan.to_wire()).
             payload: codec frames of the tree {"<fragment>": 1-D float32 vector}
                 with exactly this shard's fragments.
+            now: wall-clock seconds (an unfinished init in pieces gives way after
+                init_pieces.ABANDON_S).
 
         Returns:
             accepted with an InitEvent, or rejected (already_initialized,
@@ -277,6 +287,8 @@ class ShardState:
             return self.reject(
                 "already_initialized", "this shard has parameters; request a snapshot"
             )
+        if self.partial_init is not None and not self.partial_init.abandoned(now):
+            return self.reject("already_initialized", self.partial_init.describe())
         read = outcomes.read_init(plan_wire, payload, self.cfg, self.index)
         if isinstance(read, Outcome):
             return outcomes.count(self.counters, read)
@@ -290,6 +302,59 @@ class ShardState:
             sorted(values),
             extra={"shard": self.index, "plan_hash": plan.hash, "fragments": sorted(values)},
         )
+        return Outcome(ACCEPTED, event=event)
+
+    def begin_init(self, plan_wire: Any, island: str, now: float) -> Outcome:
+        """Start (or resume) an init in pieces: the first island's `init_begin` owns it.
+
+        Args:
+            plan_wire: the wire plan.
+            island: the asking island.
+            now: wall-clock seconds.
+
+        Returns:
+            accepted (with an InitBeginEvent unless the owner resumes), or rejected
+            (already_initialized, malformed, plan_mismatch), counted.
+        """
+        if self.initialized:
+            return self.reject("already_initialized", "this shard has parameters; hello")
+        plan = outcomes.read_plan(plan_wire, self.cfg)
+        verdict = (
+            plan if isinstance(plan, Outcome) else begin_check(self.partial_init, island, plan, now)
+        )
+        if isinstance(verdict, Outcome):
+            return outcomes.count(self.counters, verdict)
+        if verdict == RESUME:
+            return Outcome(ACCEPTED)  # the pieces in stay
+        event = InitBeginEvent(plan.to_wire(), island)
+        self.apply(event)
+        self.partial_init.heard = now
+        return Outcome(ACCEPTED, event=event)
+
+    def init_piece(self, header: Mapping[str, Any], payload: Sequence[Any], now: float) -> Outcome:
+        """Take one piece of the init under way (the checks: init_pieces.piece_check).
+
+        Args:
+            header: an `init_piece` header that passed protocol.unpack.
+            payload: codec frames of the tree {"values": 1-D float32 vector}.
+            now: wall-clock seconds.
+
+        Returns:
+            accepted (with an InitPieceEvent; `initialized` is then True when it
+            was the last piece), duplicate (a re-sent piece, or the owner's piece
+            after its init completed), or rejected, counted.
+        """
+        if self.initialized:
+            if self.init_owner == (header["island"], header["plan_hash"]):
+                return Outcome(DUPLICATE)
+            return self.reject("already_initialized", "this shard has parameters; hello")
+        checked = piece_check(self.partial_init, header, payload, now)
+        if isinstance(checked, Outcome):
+            return outcomes.count(self.counters, checked)
+        if isinstance(checked, str):  # ALREADY_IN
+            return Outcome(DUPLICATE)
+        event = InitPieceEvent(header["fragment"], header["offset"], checked)
+        self.apply(event)
         return Outcome(ACCEPTED, event=event)
 
     def submit_delta(
@@ -411,6 +476,9 @@ class ShardState:
         if isinstance(event, InitEvent):
             self._apply_init(event)
             return None
+        if isinstance(event, InitBeginEvent | InitPieceEvent):
+            self._apply_init_piece(event)
+            return None
         if isinstance(event, AcceptEvent):
             self._apply_accept(event.contribution)
             return None
@@ -421,15 +489,40 @@ class ShardState:
     def _apply_init(self, event: InitEvent) -> None:
         if self.initialized:
             raise StateError("init event on an initialized shard")
-        plan = Plan.from_wire(event.plan_wire)
-        owned = {f.index: f.size for f in plan.fragments_of(self.index)}
-        if set(owned) != set(event.values):
-            raise StateError(
-                f"init event fragments {sorted(event.values)} != owned {sorted(owned)}"
+        self._install(Plan.from_wire(event.plan_wire), event.values)
+
+    def _apply_init_piece(self, event: InitBeginEvent | InitPieceEvent) -> None:
+        if self.initialized:
+            raise StateError("init event on an initialized shard")
+        if isinstance(event, InitBeginEvent):  # drops an unfinished init of another island
+            self.partial_init = PartialInit.start(
+                Plan.from_wire(event.plan_wire), event.island, self.index
             )
+            return
+        partial = self.partial_init
+        if partial is None:
+            raise StateError(f"init piece of fragment {event.fragment} without init_begin")
+        try:
+            partial.place(event.fragment, event.offset, event.values)
+        except ValueError as exc:
+            raise StateError(f"{exc} does not fit the init under way") from None
+        if partial.missing == 0:
+            self.init_owner = (partial.island, partial.plan.hash)
+            self._install(partial.plan, partial.buffers)
+            logger.info(
+                "shard %d initialized in pieces by island %s: plan %s", self.index, partial.island,
+                partial.plan.hash[:12], extra={"shard": self.index, "plan_hash": partial.plan.hash},
+            )  # fmt: skip
+
+    def _install(self, plan: Plan, values: Mapping[int, np.ndarray]) -> None:
+        """The one place fragments are created from initial values (whole or in pieces)."""
+        owned = {f.index: f.size for f in plan.fragments_of(self.index)}
+        if set(owned) != set(values):
+            raise StateError(f"init event fragments {sorted(values)} != owned {sorted(owned)}")
         self.plan = plan
+        self.partial_init = None
         for index in sorted(owned):
-            params = np.array(event.values[index], dtype=np.float32)
+            params = np.array(values[index], dtype=np.float32)
             opt_state = self.optimizer.init(params)
             self.fragments[index] = FragmentState(jnp.asarray(params), opt_state)
 

@@ -163,13 +163,43 @@ class Plan:
                 f"out must be float32 of shape ({frag.size},) for fragment {index}, "
                 f"got {out.dtype} {out.shape}"
             )
-        offset = 0
+        return self.gather_piece(flat, index, 0, frag.size, out)
+
+    def gather_piece(
+        self,
+        flat: Mapping[str, np.ndarray],
+        index: int,
+        offset: int,
+        count: int,
+        out: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """Copy elements [offset, offset + count) of one fragment's values (a piece of an init).
+
+        Args:
+            flat: path -> array with the plan's leaf shapes; any float dtype.
+            index: fragment index.
+            offset: the piece's first element, 0 <= offset <= the fragment's size.
+            count: its element count (offset + count <= the fragment's size).
+            out: optional 1-D float32 buffer of `count` elements to fill.
+
+        Returns:
+            The piece as a 1-D float32 array (`out` when given).
+        """
+        frag = self._fragment(index)
+        if not 0 <= offset <= offset + count <= frag.size:
+            raise PlanError(f"piece [{offset}, +{count}) outside fragment {index} ({frag.size})")
+        if out is None:
+            out = np.empty(count, dtype=np.float32)
+        at, end = 0, offset + count  # at: the fragment element where the slice starts
         for s in frag.slices:
-            arr = np.asarray(self._leaf_view(flat, s.path))
-            if not _is_float(arr.dtype):
-                raise PlanError(f"parameter {s.path!r} has non-float dtype {arr.dtype}")
-            out[offset : offset + s.size] = arr.reshape(-1)[s.start : s.stop]
-            offset += s.size
+            lo, hi = max(at, offset), min(at + s.size, end)
+            if lo < hi:
+                arr = np.asarray(self._leaf_view(flat, s.path))
+                if not _is_float(arr.dtype):
+                    raise PlanError(f"parameter {s.path!r} has non-float dtype {arr.dtype}")
+                leaf = arr.reshape(-1)[s.start + lo - at : s.start + hi - at]
+                out[lo - offset : hi - offset] = leaf
+            at += s.size
         return out
 
     def scatter(self, index: int, values: np.ndarray, flat: Mapping[str, np.ndarray]) -> None:

@@ -24,6 +24,8 @@ PROTOCOL_VERSION = 1
 
 # Largest header frame accepted; headers are small (a wire plan is the biggest).
 MAX_HEADER_BYTES = 4 * 1024 * 1024
+# A shard's `max_message_bytes` when its welcome does not say (the shards' default).
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
 REQUEST = "request"
 REPLY = "reply"
@@ -123,6 +125,13 @@ SCHEMAS: dict[str, dict[str, dict[str, str]]] = {
     REQUEST: {
         "hello": {"island": "island"},
         "init": {"island": "island", "plan": "map"},
+        "init_begin": {"island": "island", "plan": "map"},
+        "init_piece": {
+            "island": "island",
+            "plan_hash": "str",
+            "fragment": "uint",
+            "offset": "uint",
+        },
         "snapshot": {"island": "island", "fragment": "uint"},
         "push": {
             "island": "island",
@@ -150,6 +159,8 @@ SCHEMAS: dict[str, dict[str, dict[str, str]]] = {
             "seq": "uint",
         },
         "init_ok": {"versions": "map"},
+        "init_begun": {"plan_hash": "str", "missing": "uint"},
+        "init_piece_ok": {"fragment": "uint", "offset": "uint", "count": "uint", "missing": "uint"},
         "snapshot_reply": {"fragment": "uint", "version": "uint", "seq": "uint"},
         "ack": {
             "round": "uint",
@@ -177,13 +188,21 @@ SCHEMAS: dict[str, dict[str, dict[str, str]]] = {
 
 # Optional fields checked when present, per role.
 _OPTIONAL: dict[str, dict[str, str]] = {
-    REQUEST: {"id": "int", "t_step": "seconds", "session": "island"},
+    REQUEST: {
+        "id": "int",
+        "t_step": "seconds",
+        "session": "island",
+        "offset": "uint",
+        "count": "pos",
+    },
     REPLY: {
         "id": "int",
         "merged_version": "uint?",
         "credited": "number",
         "max_message_bytes": "pos",
         "detail": "str",
+        "offset": "uint",
+        "size": "uint",
     },
     PUB: {"credited": "map"},
 }
@@ -267,6 +286,34 @@ def _check_field(kind: str, field: str, value: object, type_name: str, header: d
         raise ProtocolError(
             "malformed", f"{kind}: field {field!r} must be {what}, got {value!r}", header
         )
+
+
+def piece_elements(max_message_bytes: int) -> int:
+    """The most fp32 elements one piece of an init or a snapshot holds under a message limit.
+
+    An eighth of the limit is left for the protocol and codec headers (docs/protocol.md
+    section 8).
+
+    Args:
+        max_message_bytes: the shard's limit (the welcome's `max_message_bytes`).
+
+    Returns:
+        (max_message_bytes - max_message_bytes // 8) // 4, at least 1.
+    """
+    return max(1, (max_message_bytes - max_message_bytes // 8) // 4)
+
+
+def pieces(size: int, per_piece: int) -> list[tuple[int, int]]:
+    """Cut a fragment of `size` elements into consecutive pieces of at most `per_piece`.
+
+    Args:
+        size: the fragment's element count (>= 1).
+        per_piece: the most elements of one piece (`piece_elements`).
+
+    Returns:
+        [(offset, count), ...] in order, covering [0, size) once.
+    """
+    return [(lo, min(per_piece, size - lo)) for lo in range(0, size, per_piece)]
 
 
 def message_bytes(frames: Sequence[Any]) -> int:

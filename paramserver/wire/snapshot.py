@@ -3,10 +3,12 @@
 This module owns the part of the protocol conversation that every reader of
 a shard's parameters shares (the island's client when it joins or re-syncs,
 and `paramserver.plumbing.probe` when an operator reads the global model): the
-`snapshot` request header and the decoding of the fp32 vectors a shard sends
+`snapshot` request header, the decoding of the fp32 vectors a shard sends
 (`snapshot_reply` and published `update` payloads, codec frames holding
-{"values": 1-D vector}). No I/O; an unusable reply raises `ProtocolError`,
-undecodable frames `codec.CodecError`. docs/protocol.md is the spec.
+{"values": 1-D vector}), and the assembly of a fragment read in pieces
+(`SnapshotPieces`: every piece from one version of the fragment). No I/O; an
+unusable reply raises `ProtocolError`, undecodable frames `codec.CodecError`.
+docs/protocol.md (section 3.3) is the spec.
 """
 
 from __future__ import annotations
@@ -16,16 +18,23 @@ from typing import Any
 import numpy as np
 
 import codec
+from paramserver.wire import protocol
 from paramserver.wire.protocol import ProtocolError
 
 
-def snapshot_request(island: str, fragment: int, rid: int | None = None) -> dict[str, Any]:
+def snapshot_request(
+    island: str,
+    fragment: int,
+    rid: int | None = None,
+    piece: tuple[int, int] | None = None,
+) -> dict[str, Any]:
     """The header of a `snapshot` request.
 
     Args:
         island: the asking island's id (any valid id; no hello is needed).
         fragment: the fragment index.
         rid: the request id the reply echoes (None: no id).
+        piece: (offset, count) of the elements asked (None: the whole fragment).
 
     Returns:
         A header for `protocol.pack`.
@@ -33,7 +42,78 @@ def snapshot_request(island: str, fragment: int, rid: int | None = None) -> dict
     header: dict[str, Any] = {"kind": "snapshot", "island": island, "fragment": fragment}
     if rid is not None:
         header["id"] = rid
+    if piece is not None:
+        header["offset"], header["count"] = piece
     return header
+
+
+class SnapshotPieces:
+    """One fragment read in pieces: the pieces to ask, and the values once all are of one version.
+
+    Pieces are answered at the fragment's version of the moment; when a piece
+    comes back at a newer version than the ones held, those are asked again
+    (and a piece older than the newest is asked again itself), so the result
+    is one version of the fragment, bit for bit.
+    """
+
+    def __init__(self, fragment: int, size: int, max_message_bytes: int) -> None:
+        """Cut the fragment into pieces that fit one reply.
+
+        Args:
+            fragment: the fragment index.
+            size: its element count by the reader's plan.
+            max_message_bytes: the shard's limit (its welcome's `max_message_bytes`).
+        """
+        self.fragment, self.size = fragment, size
+        self.pieces = protocol.pieces(size, protocol.piece_elements(max_message_bytes))
+        self.values = np.empty(size, np.float32)
+        self._got: dict[int, tuple[int, int]] = {}  # offset -> (version, seq) of pieces held
+        self._count = dict(self.pieces)  # offset -> count
+
+    @property
+    def complete(self) -> bool:
+        """Whether every piece is held, all of one version."""
+        return len(self._got) == len(self.pieces)
+
+    def result(self) -> tuple[int, int, np.ndarray]:
+        """(version, seq, values) of a complete read; seq is the smallest of its pieces'."""
+        version = next(iter(self._got.values()))[0]
+        return version, min(seq for _, seq in self._got.values()), self.values
+
+    def take(self, header: dict[str, Any], payload: list[Any]) -> list[tuple[int, int]]:
+        """Take one `snapshot_reply` of this fragment.
+
+        Args:
+            header: the reply header (fragment, version, seq, offset, size).
+            payload: its codec frames.
+
+        Returns:
+            The pieces (offset, count) to ask again (held ones of an older version,
+            or this one when it is older than those held).
+
+        Raises:
+            ProtocolError: not a piece that was asked, or of another fragment size.
+            codec.CodecError: the frames cannot be decoded.
+        """
+        offset = header.get("offset", 0)
+        if offset not in self._count or header.get("size", self.size) != self.size:
+            raise ProtocolError(
+                "bad_shape",
+                f"snapshot piece at offset {offset} of fragment {self.fragment} "
+                f"(size {header.get('size')}) was not asked; its size is {self.size}",
+            )
+        count = self._count[offset]
+        values = snapshot_values(header, payload, count)
+        version, seq = header["version"], header["seq"]
+        newest = max((v for v, _ in self._got.values()), default=version)
+        if version < newest:
+            return [(offset, count)]
+        again = [(o, self._count[o]) for o, (v, _) in self._got.items() if v < version]
+        for o, _ in again:
+            del self._got[o]
+        self.values[offset : offset + count] = values
+        self._got[offset] = (version, seq)
+        return again
 
 
 def fragment_vector(payload: list[Any], name: str = "values") -> np.ndarray:
@@ -77,6 +157,7 @@ def snapshot_values(header: dict[str, Any], payload: list[Any], size: int | None
     values = fragment_vector(payload)
     if size is not None and values.shape != (size,):
         raise ProtocolError(
-            "bad_shape", f"snapshot of fragment {header['fragment']}: {values.shape}, want {size}"
+            "bad_shape",
+            f"snapshot of fragment {header['fragment']}: {values.shape} elements, want {size}",
         )
     return values

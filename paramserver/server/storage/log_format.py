@@ -6,7 +6,11 @@ This module owns what the records of a shard's log mean (the framing is
 Log records (msgpack header + raw payload):
 
     init    {"t": "init", "plan": wire plan, "fragments": [[index, size], ...]}
-            payload: the fragments' float32 values back to back
+            payload: the fragments' float32 values back to back (a whole `init`)
+    init_begin {"t": "init_begin", "plan": wire plan, "island": id}
+    init_piece {"t": "init_piece", "fragment": index, "offset": first element}
+            payload: the piece's float32 values (one record per piece, so no
+            record grows with the model)
     accept  {"t": "accept", island, round, fragment, base_version, tokens,
             steps, arrived, codec: [frame lengths] or nil}; payload: the codec
             frames as received, back to back (read again on replay into the
@@ -22,7 +26,15 @@ from typing import Any
 import numpy as np
 
 from codec import coded
-from paramserver.server.events import AcceptEvent, Contribution, Event, InitEvent, StepEvent
+from paramserver.server.events import (
+    AcceptEvent,
+    Contribution,
+    Event,
+    InitBeginEvent,
+    InitEvent,
+    InitPieceEvent,
+    StepEvent,
+)
 from paramserver.server.storage.log_file import Record, WalError
 
 
@@ -70,6 +82,11 @@ def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
             "fragments": [[i, int(event.values[i].shape[0])] for i in order],
         }
         return header, [np.ascontiguousarray(event.values[i], dtype=np.float32) for i in order]
+    if isinstance(event, InitBeginEvent):
+        return {"t": "init_begin", "plan": event.plan_wire, "island": event.island}, []
+    if isinstance(event, InitPieceEvent):
+        header = {"t": "init_piece", "fragment": event.fragment, "offset": event.offset}
+        return header, [np.ascontiguousarray(event.values, dtype=np.float32)]
     raise TypeError(f"not an event: {type(event).__name__}")
 
 
@@ -124,6 +141,11 @@ def record_to_event(record: Record) -> Event:
             if offset != flat.shape[0]:
                 raise ValueError(f"payload has {flat.shape[0]} values, fragments need {offset}")
             return InitEvent(h["plan"], values)
+        if kind == "init_begin":
+            return InitBeginEvent(h["plan"], str(h["island"]))
+        if kind == "init_piece":
+            values = np.frombuffer(record.payload, dtype=np.float32)
+            return InitPieceEvent(int(h["fragment"]), int(h["offset"]), values)
     except (KeyError, TypeError, ValueError) as exc:  # codec.CodecError is a ValueError
         raise WalError(f"log record at byte {record.offset} is inconsistent: {exc!r}") from exc
     raise WalError(f"log record at byte {record.offset} has unknown type {h.get('t')!r}")
