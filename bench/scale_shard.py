@@ -41,7 +41,7 @@ from bench.launcher import LaunchError, LocalCluster
 from bench.load import environ, random_frames, shard_pids
 from bench.update_watcher import WAIT_S, UpdateWatcher
 from paramserver.client import Client, ClientConfig, ClientError
-from paramserver.server.config import MIB, ShardConfig
+from paramserver.server.config import MIB
 
 JOIN_BYTES_PER_S = 50e6  # a join (init, snapshots) slower than this has failed
 PROBES_PER_ROUND = 8  # at least this many probe acks follow each checkpointed round
@@ -50,26 +50,6 @@ PROBES_PER_ROUND = 8  # at least this many probe acks follow each checkpointed r
 # reuses memory freed by earlier temporaries and RSS hides it until that runs out).
 PENDING_ALLOCATOR = {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}
 SHARD_ARGS = ("--mode", "sync", "--heartbeat-interval-s", "2.0", "--liveness", "30")
-
-
-def init_message_args(params: int) -> list[str]:
-    """The shard flag that lets one message carry a whole shard's init: DROP once init-pieces lands.
-
-    Today a shard's init is one message with every fragment (issue 21: at 64M it is
-    256 MiB against the default 64 MiB limit); this raises `--max-message-bytes` to
-    fit it (the shard caps it at 1 GiB). Once init goes in pieces, delete this
-    function and its one caller.
-
-    Args:
-        params: float32 parameters of the shard.
-
-    Returns:
-        [] when the default fits, else ["--max-message-bytes", bytes].
-    """
-    need = 4 * params + MIB
-    if need <= ShardConfig.max_message_bytes:
-        return []
-    return ["--max-message-bytes", str(min(need, 1024 * MIB))]  # the shard's upper bound
 
 
 def probe_rounds(islands: int, fragments: int) -> int:
@@ -125,7 +105,7 @@ def one_shard(
     Yields:
         (cluster, the shard's pid, the watcher, already hearing the PUB).
     """
-    args = [*SHARD_ARGS, "--fragments", str(fragments), *init_message_args(params), *extra]
+    args = [*SHARD_ARGS, "--fragments", str(fragments), *extra]
     with LocalCluster(out, shards=1, server_args=args) as cluster:
         print(f"scale: starting a shard in {out}", file=log, flush=True)
         with environ(env or {}):
