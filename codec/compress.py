@@ -114,10 +114,7 @@ def _check_into(frame, entry, out, index: int) -> None:
 
 
 def _unzstd_into(frame, entry, out, index: int) -> None:
-    out[:] = np.frombuffer(_unzstd(frame, entry[0], entry[2], index), np.uint8)
-
-
-def _unzstd(frame, raw_len: int, check: int, index: int):
+    raw_len, check = entry[0], entry[2]
     if len(frame) < 4 or int.from_bytes(frame[-4:], "little") != check:
         raise CodecError(f"frame {index} does not match the header's check (reordered or replaced)")
     try:
@@ -126,10 +123,16 @@ def _unzstd(frame, raw_len: int, check: int, index: int):
         raise CodecError(f"frame {index} is not a zstd frame") from None
     if params.content_size != raw_len or not params.has_checksum:
         raise CodecError(f"frame {index} declares size {params.content_size}, header {raw_len}")
+    # straight into the payload: no bytes object per frame, no copy; reading one byte
+    # past the end consumes the frame's epilogue (its checksum is verified) and finds
+    # anything after it
     try:
-        data = _decompressor().decompress(frame, max_output_size=raw_len, allow_extra_data=False)
+        reader = _decompressor().stream_reader(frame, read_size=len(frame))
+        got = reader.readinto(out)
+        extra = reader.read(1)
     except zstandard.ZstdError as e:
         raise CodecError(f"frame {index} does not decompress: {e}") from None
-    if len(data) != raw_len:
-        raise CodecError(f"frame {index} decompressed to {len(data)} bytes, expected {raw_len}")
-    return data
+    if got != raw_len:
+        raise CodecError(f"frame {index} decompressed to {got} bytes, expected {raw_len}")
+    if extra:
+        raise CodecError(f"frame {index} does not decompress: data after its zstd frame")
