@@ -6,8 +6,10 @@ scheme over inputs that reach each corner (partial blocks, odd int4 tails,
 all-zero and sub-TINY blocks, huge values, float16 and bfloat16 inputs, three
 rounds of error feedback); (2) a plain numpy reference of the block-absmax
 rule, one whole-array float32 operation at a time, against the payload and
-the residuals of int8 and int4. zstd frames are checked to hold exactly the
-uncompressed payload (their bytes depend on the zstd library's version).
+the residuals of int8 and int4. Both run on the compiled kernels and on the
+numpy ones the codec falls back to without numba. zstd frames are checked to
+hold exactly the uncompressed payload (their bytes depend on the zstd
+library's version).
 """
 
 import hashlib
@@ -19,6 +21,7 @@ import zstandard
 
 import codec
 from codec import format as fmt
+from codec import quant
 
 F32 = np.float32
 TINY = F32(2.0**-118)
@@ -72,6 +75,16 @@ PINNED = {
 }
 
 
+@pytest.fixture(params=["compiled", "numpy"])
+def backend(request, monkeypatch):
+    """Run a test on the compiled kernels, then again on the numpy fallback."""
+    if request.param == "numpy":
+        monkeypatch.setattr(quant, "_loops", lambda: None)
+    else:
+        assert quant._loops() is not None, "numba is a dependency: the kernels must import"
+    return request.param
+
+
 def digest_rounds(c) -> str:
     """sha256 over three rounds with error feedback and one without: frames, residuals, decode."""
     h = hashlib.sha256()
@@ -89,7 +102,7 @@ def digest_rounds(c) -> str:
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", CODECS)
-def test_frames_and_residuals_match_the_pinned_digest(name):
+def test_frames_and_residuals_match_the_pinned_digest(name, backend):
     assert digest_rounds(CODECS[name](None)) == PINNED[name]
 
 
@@ -150,7 +163,7 @@ def reference_message(c, tree, header, residuals):
 
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("name", ["int8", "int8-b64", "int8-b1000", "int4", "int4-b2"])
-def test_block_payload_residual_and_decode_equal_a_plain_numpy_reference(name):
+def test_block_payload_residual_and_decode_equal_a_plain_numpy_reference(name, backend):
     c = CODECS[name](None)
     state = c.init(inputs(0))
     for r in range(3):
