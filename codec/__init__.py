@@ -22,7 +22,7 @@ pass per block for absmax, scale, rounding and error feedback, and one for
 dequantizing; at 16M elements on one core, int8 encode with error feedback
 and zstd runs at about 0.2x memcpy and decode at about 0.3x, most of it zstd
 (`diloco-bench codec`, `single_core`). Without numba the same numpy kernels
-as before compute the same bits, 2-3x slower.
+as before compute the same bits, at about half the encode speed.
 
 Speed: `zstd_threads=N` (encode) and `decode(frames, threads=N)` spread the
 quantize/dequantize pieces and the 1 MiB zstd frames over N threads (the

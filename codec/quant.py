@@ -8,10 +8,12 @@ what any decoder reconstructs. Blocks with ``m`` below TINY are flushed to 0
 (their step would be subnormal). Round-to-nearest encode and every decode run
 the compiled one-pass loops of `codec.kernels` (numba, imported on first use;
 inputs and outputs other than contiguous float32 go through a float32 chunk of
-the workspace). Stochastic rounding, bound by its random numbers, and every
-kernel where numba cannot be imported run the numpy formulation: 64K-element
-chunks with `out=` on every operation, no allocation in the loop, the same
-float32 operations (so the same bits) as the compiled loops.
+the workspace) for pieces of at least COMPILED_MIN_ELEMENTS. Smaller pieces,
+stochastic rounding (bound by its random numbers) and everything where numba
+cannot be imported run the numpy formulation: 64K-element chunks with `out=` on
+every operation, no allocation in the loop, the same float32 operations (so the
+same bits) as the compiled loops. A process that only codes small tensors
+(tests, the tiny model) so never pays for importing numba.
 """
 
 import functools
@@ -22,6 +24,7 @@ from .workspace import Workspace
 
 F32 = np.float32
 TINY = F32(2.0**-118)
+COMPILED_MIN_ELEMENTS = 1 << 16  # pieces below this run the numpy kernels
 
 
 def step_factor(levels: int) -> np.float32:
@@ -59,8 +62,8 @@ def encode_blocks(x, res, new_res, codes, scales, levels, ws: Workspace, rng=Non
         ws: workspace of the block size.
         rng: numpy Generator for stochastic rounding, or None for nearest.
     """
-    loops = _loops()
-    if rng is not None or loops is None:
+    loops = _loops() if rng is None and x.shape[0] >= COMPILED_MIN_ELEMENTS else None
+    if loops is None:
         _encode_numpy(x, res, new_res, codes, scales, levels, ws, rng)
         return
     quantize = loops.quantize
@@ -157,7 +160,7 @@ def decode_blocks(codes, scales, out, levels, ws: Workspace) -> None:
         levels: 127 or 7.
         ws: workspace of the block size.
     """
-    loops = _loops()
+    loops = _loops() if out.shape[0] >= COMPILED_MIN_ELEMENTS else None
     if loops is None:
         _decode_numpy(codes, scales, out, levels, ws)
         return

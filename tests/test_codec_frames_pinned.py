@@ -77,11 +77,12 @@ PINNED = {
 
 @pytest.fixture(params=["compiled", "numpy"])
 def backend(request, monkeypatch):
-    """Run a test on the compiled kernels, then again on the numpy fallback."""
+    """Run a test on the compiled kernels (for every size), then on the numpy ones."""
     if request.param == "numpy":
         monkeypatch.setattr(quant, "_loops", lambda: None)
     else:
         assert quant._loops() is not None, "numba is a dependency: the kernels must import"
+        monkeypatch.setattr(quant, "COMPILED_MIN_ELEMENTS", 1)
     return request.param
 
 
@@ -179,3 +180,28 @@ def test_block_payload_residual_and_decode_equal_a_plain_numpy_reference(name, b
         out = codec.flatten(codec.decode(frames))
         for path, v in want_out.items():
             assert out[path].dtype == v.dtype and out[path].tobytes() == v.tobytes(), path
+
+
+@pytest.mark.timeout(120)
+def test_large_block_tensors_run_the_compiled_kernels_and_small_ones_numpy(monkeypatch):
+    from codec import kernels
+
+    calls = {"quantize": 0, "dequantize": 0}
+
+    class Counting:
+        def __getattr__(self, name):
+            def call(*args):
+                calls[name] += 1
+                return getattr(kernels, name)(*args)
+
+            return call
+
+    monkeypatch.setattr(quant, "_loops", lambda: Counting())
+    c = codec.int8()
+    small = {"x": np.ones(quant.COMPILED_MIN_ELEMENTS - 1, F32)}
+    codec.decode(c.encode(small)[0])
+    assert calls == {"quantize": 0, "dequantize": 0}
+    big = {"x": np.linspace(-1, 1, quant.COMPILED_MIN_ELEMENTS, dtype=F32)}
+    frames, _ = c.encode(big)
+    assert np.abs(codec.decode(frames)["x"] - big["x"]).max() < 1 / 127
+    assert calls == {"quantize": 1, "dequantize": 1}
