@@ -5,9 +5,9 @@ piece (content size and checksum always written), one ZstdCompressor per
 thread (sharing one across threads crashes), an optional thread pool that
 compresses pieces while the next ones are quantized, and decompression that
 checks every declared size first and then decompresses each frame straight
-into its place in the payload (`stream_reader(...).readinto`, no bytes object
-per frame and no copy). Frames are compressed and
-decompressed on the codec's thread pool (codec/parallel.py). python-zstandard's
+into its place in the payload (`stream_reader(...).readinto`: no bytes object
+per frame, no copy). Frames are compressed and decompressed on the codec's
+thread pool (codec/parallel.py). python-zstandard's
 batch APIs (`multi_compress_to_buffer` / `multi_decompress_to_buffer`) were
 measured here and not used: on this 2-core machine they ran no faster with
 threads=2 than with 1 (0.77 vs 0.76 GB/s compressing 1 MiB int8 frames),

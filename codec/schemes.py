@@ -205,8 +205,8 @@ class Codec:
     def _pieces(self, n: int) -> list:
         """Element ranges encoded as independent jobs (block- or chunk-aligned).
 
-        On one thread a block tensor is one job: the compiled kernel walks it
-        once instead of being called per piece.
+        On one thread an int8/int4/raw tensor is one job (a kernel call walks
+        it once instead of once per piece).
         """
         if self.scheme == "topk":
             piece = piece_elements(self.block_size)
