@@ -48,3 +48,20 @@ def test_out_that_does_not_fit_the_message_is_refused_before_decoding():
         with pytest.raises(codec.CodecError, match=message.replace("(", r"\(").replace(")", r"\)")):
             codec.decode(frames, out=codec.unflatten(bad))
     assert np.isnan(flat["w"]).all()  # nothing was written into the refused trees' arrays
+
+
+@pytest.mark.timeout(60)
+def test_a_second_zstd_frame_behind_the_first_is_refused():
+    # a frame that is a valid zstd frame followed by another one (same checksum at the end,
+    # header adjusted to the longer wire length) must not decode as if the tail were absent
+    c = codec.int8()
+    frames, _ = c.encode({"x": np.linspace(-1, 1, 1000, dtype=np.float32)})
+    header = codec.format.parse_header(memoryview(frames[0]), 1, 1 << 20)
+    ((raw_len, wire_len, check),) = header.frames
+    forged = codec.format.pack_header(
+        "int8", header.block, None, True, header.tensors, header.total,
+        [[raw_len, 2 * wire_len, check]],
+    )  # fmt: skip
+    assert len(codec.decode([frames[0], frames[1]])["x"]) == 1000
+    with pytest.raises(codec.CodecError, match="frame 1 does not decompress: data after"):
+        codec.decode([forged, bytes(frames[1]) * 2])
