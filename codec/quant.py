@@ -13,7 +13,7 @@ stochastic rounding (bound by its random numbers) and everything where numba
 cannot be imported run the numpy formulation: 64K-element chunks with `out=` on
 every operation, no allocation in the loop, the same float32 operations (so the
 same bits) as the compiled loops. A process that only codes small tensors
-(tests, the tiny model) so never pays for importing numba.
+(tests, the tiny model) thus never pays for importing numba.
 """
 
 import functools
