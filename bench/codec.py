@@ -22,6 +22,17 @@ bytes of one round, its per-round error is that of one round without error
 feedback, and its accumulated errors compare the sum of what was decoded over
 all rounds with the true sum, with and without error feedback.
 
+`single_core` is the target check of the host codec's speed: int8 as
+`codec.int8()` builds it (block 256, zstd level 1, error feedback on) on one
+thread, on the synthetic `--elements` tensor, each encode and each decode timed
+right after a memcpy (np.copyto into an existing array) of the same fp32 bytes,
+so a ratio is taken pair by pair while the machine's speed drifts; the median
+ratio is compared with the targets (encode >= 0.15x, decode >= 0.25x memcpy).
+Like the memcpy, decode writes into existing arrays there (`decode(frames,
+out=tree)`), and encode carries its error-feedback state from round to round.
+`stages` repeats it with `zstd_level=None` (quantize with error feedback and
+a crc32 per frame; crc32 checks and dequantize).
+
 `zstd_break_even` (per data set) says when `zstd_level=None` pays: the link
 speed above which sending uncompressed frames is faster than compressing them,
 ``bytes saved / extra seconds``, once counting the encoder's compression alone
@@ -66,6 +77,8 @@ TARGETS = {
     },
     "int4": {"ratio": (">=", 7.5), "accumulated_rel_error_ef": ("<=", 0.02)},
 }
+# single_core targets: int8 encode/decode over memcpy of the same fp32 bytes, one thread
+SINGLE_CORE_TARGETS = {"encode_over_memcpy": 0.15, "decode_over_memcpy": 0.25}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -294,6 +307,67 @@ def break_even(zstd: dict, plain: dict, speed_bytes: int) -> dict:
     }
 
 
+def single_core(tree: dict, repeats: int) -> dict:
+    """int8 encode and decode on one thread, each against a memcpy timed just before it.
+
+    Args:
+        tree: the tree to encode (float32).
+        repeats: timed (memcpy, encode, memcpy, decode) rounds.
+
+    Returns:
+        elements, the codec, medians of the per-pair ratios and GB/s, the same
+        without zstd (`stages`), and the targets met or missed.
+    """
+    nbytes = 4 * _elements(tree)
+    src = np.ones(nbytes // 4, np.float32)
+    dst = np.empty_like(src)
+
+    def memcpy():
+        np.copyto(dst, src)
+
+    def paired(c) -> dict:
+        box = {"state": c.init(tree)}
+        out = codec.unflatten({k: np.empty_like(v) for k, v in codec.flatten(tree).items()})
+
+        def encode():
+            box["frames"], box["state"] = c.encode(tree, box["state"])
+
+        def decode():
+            codec.decode(box["frames"], threads=0, out=out)
+
+        times: dict = {"memcpy": [], "encode": [], "decode": []}
+        order = (("memcpy", memcpy), ("encode", encode), ("memcpy", memcpy), ("decode", decode))
+        for _ in range(repeats + 1):  # the first round warms up (compiles, touches pages)
+            for name, fn in order:
+                times[name].append(timed(fn, 1, warmup=0)[0])
+        copy, enc, dec = times["memcpy"][2:], times["encode"][1:], times["decode"][1:]
+        return {
+            "encode_over_memcpy": float(
+                np.median([m / e for m, e in zip(copy[0::2], enc, strict=True)])
+            ),
+            "decode_over_memcpy": float(
+                np.median([m / d for m, d in zip(copy[1::2], dec, strict=True)])
+            ),
+            "encode_gbps": gbps(nbytes, enc),
+            "decode_gbps": gbps(nbytes, dec),
+            "memcpy_gbps": gbps(nbytes, copy),
+            "wire_bytes": sum(len(f) for f in box["frames"]),
+        }
+
+    c = codec.int8()
+    out = {"elements": _elements(tree), "codec": repr(c), "threads": 0, **paired(c)}
+    plain = paired(codec.int8(zstd_level=None))
+    out["stages"] = {
+        "encode_without_zstd_over_memcpy": plain["encode_over_memcpy"],
+        "decode_without_zstd_over_memcpy": plain["decode_over_memcpy"],
+    }
+    out["targets"] = {
+        key: {"value": out[key], "target": f">= {bound}", "met": out[key] >= bound}
+        for key, bound in SINGLE_CORE_TARGETS.items()
+    }
+    return out
+
+
 def check_targets(result: dict) -> dict:
     """Compare real-delta figures with the targets.
 
@@ -359,6 +433,9 @@ def run(args: argparse.Namespace) -> int:
         small = synthetic_rounds(min(args.elements, 1 << 20), args.rounds, seed=2)
         p.advance(task)
         result["datasets"]["synthetic"] = measure_dataset("synthetic", big, small, big[0], args, p)
+        task = p.add_task("int8 on one core", total=1)
+        result["single_core"] = single_core(big[0], args.repeats)
+        p.advance(task)
     result["machine"]["loadavg_1m_end"] = os.getloadavg()[0]
     emit_json(result)
     return 0

@@ -14,7 +14,7 @@ from .compress import gather
 from .errors import CodecError
 from .quant import decode_blocks
 from .sparse import decode_topk
-from .tree import build_tree
+from .tree import build_tree, leaf_items
 from .workspace import workspace
 
 PIECE_ELEMENTS = 1 << 18  # elements per parallel dequantize job
@@ -35,7 +35,9 @@ def _views(frames) -> list:
     return views
 
 
-def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS, threads: int = 0) -> dict:
+def decode(
+    frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS, threads: int = 0, out=None
+) -> dict:
     """Decode frames written by any codec scheme.
 
     Args:
@@ -44,28 +46,40 @@ def decode(frames, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS, threads: int = 
             (checked before anything is allocated or decompressed).
         threads: decompress payload frames and dequantize on this many
             threads (0 or 1: the calling thread only).
+        out: None, or a tree of the message's names holding writable
+            C-contiguous arrays of each tensor's shape and encoded dtype, to
+            decode into (reusing them saves writing fresh memory, the largest
+            cost of decoding a big message after zstd). Checked against the
+            header before anything is decompressed; on a CodecError raised
+            later its arrays may hold part of the message.
 
     Returns:
         nested dict of arrays in their encoded dtype and shape (writable,
-        C-contiguous). The arrays of one message are views into one buffer
-        (one allocation, whose fresh pages cost far less than one per
-        tensor), which lives as long as any of them does.
+        C-contiguous): the arrays of `out`, or else views into one fresh
+        buffer per message (one allocation, whose fresh pages cost far less
+        than one per tensor), which lives as long as any of them does.
     """
     try:
         pool = parallel.pool(parallel.check_threads(threads))
         views = _views(frames)
         header = fmt.parse_header(views[0], len(views) - 1, max_elements)
-        # raw tensors are returned as views of the payload; quantized ones only read it
-        reuse = header.scheme != "raw"
+        given = None if out is None else _given(header, out)
+        # raw tensors are returned as views of the payload (without `out`); others only read it
+        reuse = header.scheme != "raw" or given is not None
         payload = gather(views[1:], header.frames, header.zstd, header.total, pool, reuse)
+        if given is not None:
+            targets = [a.reshape(-1) for a in given]
+        else:
+            arena = None if header.scheme == "raw" else _Arena(header)
+            targets = [None if arena is None else arena.take(t) for t in header.tensors]
         with np.errstate(all="ignore"):
             outs, jobs = [], []
-            arena = _Arena(header)
-            for t in header.tensors:
-                out, more = _tensor(header, t, payload, arena)
-                outs.append(out)
+            for t, dst in zip(header.tensors, targets, strict=True):
+                leaf, more = _tensor(header, t, payload, dst)
+                outs.append(leaf)
                 jobs += more
             parallel.run_all(pool, run_job, jobs)
+        outs = outs if given is None else given
         return build_tree([(t.path, o) for t, o in zip(header.tensors, outs, strict=True)])
     except CodecError:
         raise
@@ -83,14 +97,35 @@ def run_job(fn, *args) -> None:
         fn(*args)
 
 
+def _given(header, out) -> list:
+    """`out`'s arrays in header order, once each fits its tensor."""
+    have = dict(leaf_items(out))
+    want = [t.path for t in header.tensors]
+    if set(have) != set(want):
+        names = sorted("/".join(p) for p in set(have) ^ set(want))
+        raise CodecError(
+            f"out does not hold the message's tensors (differs at {', '.join(names[:5])}); "
+            "pass a tree of the same names as the encoded one"
+        )
+    arrays = []
+    for t in header.tensors:
+        a, name, dtype = have[t.path], "/".join(t.path), fmt.DTYPES[t.dtype]
+        if not isinstance(a, np.ndarray) or a.shape != t.shape or a.dtype != dtype:
+            got = f"{getattr(a, 'shape', '?')} {getattr(a, 'dtype', type(a).__name__)}"
+            raise CodecError(f"out {name!r} is {got}; the message holds {t.shape} {dtype}")
+        if not (a.flags.writeable and a.flags.c_contiguous):
+            raise CodecError(f"out {name!r} must be a writable C-contiguous array")
+        arrays.append(a)
+    return arrays
+
+
 class _Arena:
     """One output buffer for every decoded (non-raw) tensor of a message."""
 
     ALIGN = 64
 
     def __init__(self, header):
-        sizes = [] if header.scheme == "raw" else [self._span(t) for t in header.tensors]
-        self._buf = np.empty(sum(sizes), np.uint8)
+        self._buf = np.empty(sum(self._span(t) for t in header.tensors), np.uint8)
         self._pos = 0
 
     def _span(self, t) -> int:
@@ -104,12 +139,19 @@ class _Arena:
         return self._buf[a : a + t.size * dtype.itemsize].view(dtype)
 
 
-def _tensor(header, t, payload: np.ndarray, arena: _Arena) -> tuple:
-    """A tensor's output array and the jobs that fill it (none when it is done)."""
+def _tensor(header, t, payload: np.ndarray, out: np.ndarray | None) -> tuple:
+    """A tensor's output array and the jobs that fill it (none when it is done).
+
+    `out` is its 1-D destination, or None for a raw tensor returned as it comes
+    (a view of the payload, or a cast of it).
+    """
     dtype = fmt.DTYPES[t.dtype]
     if header.scheme == "raw":
         store = fmt.DTYPES[header.store]
         flat = _section(payload, t.offset, t.size, store)
+        if out is not None:
+            np.copyto(out, flat, casting="unsafe")
+            return out.reshape(t.shape), []
         if store == dtype:
             return flat.reshape(t.shape), []  # zero-copy: a writable view of the payload
         return flat.astype(dtype).reshape(t.shape), []
@@ -118,13 +160,11 @@ def _tensor(header, t, payload: np.ndarray, arena: _Arena) -> tuple:
         raise CodecError(f"tensor {'/'.join(t.path)!r} has a non-finite or negative block scale")
     if header.scheme == "topk":
         section = payload[t.offset : t.offset + t.codes_bytes]
-        out = arena.take(t)
         try:
             decode_topk(section, scales, t, header.block, header.keep, header.bits, out)
         except ValueError as e:
             raise CodecError(f"tensor {'/'.join(t.path)!r}: {e}") from None
         return out.reshape(t.shape), []
-    out = arena.take(t)
     return out.reshape(t.shape), block_jobs(t, payload, scales, out, header.scheme, header.block)
 
 

@@ -5,9 +5,18 @@ Owns the arithmetic of the quantized schemes: per block of `block` elements,
 decoded ``q * (m * float32(1/L))``. Encode and decode use the very same float32
 operations, so an encoder's error-feedback residual is exact with respect to
 what any decoder reconstructs. Blocks with ``m`` below TINY are flushed to 0
-(their step would be subnormal). Kernels run over 64K-element chunks with
-`out=` on every operation and never allocate in the loop.
+(their step would be subnormal). Round-to-nearest encode and every decode run
+the compiled one-pass loops of `codec.kernels` (numba, imported on first use;
+inputs and outputs other than contiguous float32 go through a float32 chunk of
+the workspace) for pieces of at least COMPILED_MIN_ELEMENTS. Smaller pieces,
+stochastic rounding (bound by its random numbers) and everything where numba
+cannot be imported run the numpy formulation: 64K-element chunks with `out=` on
+every operation, no allocation in the loop, the same float32 operations (so the
+same bits) as the compiled loops. A process that only codes small tensors
+(tests, the tiny model) thus never pays for importing numba.
 """
+
+import functools
 
 import numpy as np
 
@@ -15,6 +24,7 @@ from .workspace import Workspace
 
 F32 = np.float32
 TINY = F32(2.0**-118)
+COMPILED_MIN_ELEMENTS = 1 << 16  # pieces below this run the numpy kernels
 
 
 def step_factor(levels: int) -> np.float32:
@@ -27,6 +37,16 @@ def step_factor(levels: int) -> np.float32:
         float32(1 / levels).
     """
     return F32(1.0 / levels)
+
+
+@functools.cache
+def _loops():
+    """codec.kernels, or None where numba cannot be imported (numpy then does it all)."""
+    try:
+        from . import kernels  # imports numba: only once a block codec runs
+    except ImportError:
+        return None
+    return kernels
 
 
 def encode_blocks(x, res, new_res, codes, scales, levels, ws: Workspace, rng=None) -> None:
@@ -42,6 +62,37 @@ def encode_blocks(x, res, new_res, codes, scales, levels, ws: Workspace, rng=Non
         ws: workspace of the block size.
         rng: numpy Generator for stochastic rounding, or None for nearest.
     """
+    loops = _loops() if rng is None and x.shape[0] >= COMPILED_MIN_ELEMENTS else None
+    if loops is None:
+        _encode_numpy(x, res, new_res, codes, scales, levels, ws, rng)
+        return
+    quantize = loops.quantize
+    consts = (ws.block, levels, TINY, F32(levels / float(TINY)), step_factor(levels))
+    none = ws.blk_a[:0]
+    if _plain(x):
+        quantize(x, _or(res, none), _or(new_res, none), codes, scales, ws.tmp, *consts)
+        return
+    per = 2 if levels == 7 else 1
+    for a in range(0, x.shape[0], ws.chunk):
+        b = min(a + ws.chunk, x.shape[0])
+        src = ws.work[: b - a]
+        np.copyto(src, x[a:b], casting="unsafe")
+        r = none if res is None else res[a:b]
+        nr = none if new_res is None else new_res[a:b]
+        cd = codes[a // per : -(-b // per)]
+        quantize(src, r, nr, cd, scales[a // ws.block : -(-b // ws.block)], ws.tmp, *consts)
+
+
+def _plain(a: np.ndarray) -> bool:
+    return a.dtype == np.float32 and a.flags.c_contiguous
+
+
+def _or(a, none):
+    return none if a is None else a
+
+
+def _encode_numpy(x, res, new_res, codes, scales, levels, ws: Workspace, rng) -> None:
+    """encode_blocks in numpy; stochastic rounding (rng) is floor(x * L / m + U[0, 1)) in +-L."""
     n, block, chunk = x.shape[0], ws.block, ws.chunk
     packed = levels == 7
     inv_max = F32(levels / float(TINY))
@@ -104,11 +155,31 @@ def decode_blocks(codes, scales, out, levels, ws: Workspace) -> None:
     Args:
         codes: int8 [n] (levels 127) or uint8 [ceil(n/2)] (levels 7).
         scales: float32 [ceil(n/block)].
-        out: 1-D output of n elements (float32 written directly, other dtypes
-            via a cast).
+        out: 1-D output of n elements (contiguous float32 written directly,
+            anything else through a float32 chunk and a cast).
         levels: 127 or 7.
         ws: workspace of the block size.
     """
+    loops = _loops() if out.shape[0] >= COMPILED_MIN_ELEMENTS else None
+    if loops is None:
+        _decode_numpy(codes, scales, out, levels, ws)
+        return
+    dequantize = loops.dequantize
+    step = step_factor(levels)
+    if _plain(out):
+        dequantize(codes, scales, out, ws.block, levels, step)
+        return
+    per = 2 if levels == 7 else 1
+    for a in range(0, out.shape[0], ws.chunk):
+        b = min(a + ws.chunk, out.shape[0])
+        dst = ws.tmp[: b - a]
+        cd = codes[a // per : -(-b // per)]
+        dequantize(cd, scales[a // ws.block : -(-b // ws.block)], dst, ws.block, levels, step)
+        np.copyto(out[a:b], dst, casting="unsafe")
+
+
+def _decode_numpy(codes, scales, out, levels, ws: Workspace) -> None:
+    """decode_blocks in numpy."""
     n, block, chunk = out.shape[0], ws.block, ws.chunk
     packed = levels == 7
     direct = out.dtype == np.float32

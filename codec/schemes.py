@@ -203,9 +203,15 @@ class Codec:
         return buf[:total]
 
     def _pieces(self, n: int) -> list:
-        """Element ranges encoded as independent jobs (block- or chunk-aligned)."""
+        """Element ranges encoded as independent jobs (block- or chunk-aligned).
+
+        On one thread an int8/int4/raw tensor is one job (a kernel call walks
+        it once instead of once per piece).
+        """
         if self.scheme == "topk":
             piece = piece_elements(self.block_size)
+        elif self.zstd_threads <= 1:
+            piece = max(n, 1)
         else:
             unit = max(self.block_size, 2)
             piece = max(unit, (PIECE_ELEMENTS // unit) * unit)

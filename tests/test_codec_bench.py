@@ -72,6 +72,13 @@ def test_codec_bench_quick_synthetic_prints_json(capsys):
     topk = schemes["topk"]
     assert topk["ratio"] > 50 and topk["ratio"] > schemes["topk-nozstd"]["ratio"]
     assert topk["accumulated_rel_error_ef"] < topk["accumulated_rel_error_no_ef"]
+    one = result["single_core"]  # int8 at its defaults, one thread, paired with memcpy
+    assert (one["elements"], one["threads"]) == (65536, 0) and "zstd_level=1" in one["codec"]
+    assert 262144 / 6 < one["wire_bytes"] < 65536 * 1.1  # int8 codes + scales, zstd
+    for key in ("encode_over_memcpy", "decode_over_memcpy"):
+        assert 0 < one[key] < 1 and one["targets"][key]["value"] == one[key], key
+        assert one["targets"][key]["met"] == (one[key] >= float(one["targets"][key]["target"][3:]))
+    assert 0 < one["stages"]["encode_without_zstd_over_memcpy"] < 1
     even = synth["zstd_break_even"]["int8"]
     assert even["bytes_saved"] > 0 and 0 < even["bytes_saved_fraction"] < 1
     # zstd saves what the nozstd variant sends beyond the zstd one

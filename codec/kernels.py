@@ -1,0 +1,153 @@
+"""Compiled (numba) loops of the block-absmax kernels: one pass over each block.
+
+Owns the round-to-nearest int8/int4 quantize (with or without error
+feedback) and the dequantize of float32 values, each touching every element
+once per pass over a cache-resident block instead of once per numpy
+operation. They compute exactly what the numpy formulation in
+`codec.quant` defines, operation for operation in float32: ``inv =
+min(L / m, L / TINY)``, ``q = rint(v * inv)``, residual ``v - q * (m * 1/L)``
+(no fused multiply-add: numba leaves LLVM's contraction off unless
+fastmath asks for it). The block absmax is the maximum of the float bits
+with the sign masked off, an integer reduction that vectorizes and that
+orders non-negative floats as the floats do (NaN above Inf, so a NaN
+still yields a non-finite scale). This module imports numba: `codec.quant`
+imports it on first use, so importing the codec stays cheap; the loops are
+compiled on their first call and cached on disk.
+"""
+
+import numba
+import numpy as np
+
+ABS_MASK = np.int32(0x7FFFFFFF)
+
+jit = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
+
+
+@jit
+def _absmax(bits, one_i, one_f):
+    # bits: the int32 view of one block; one_f: the float32 view of one_i
+    mx = np.int32(0)
+    for i in range(bits.shape[0]):
+        mx = max(mx, bits[i] & ABS_MASK)
+    one_i[0] = mx
+    return one_f[0]
+
+
+@jit
+def quantize(src, res, new_res, codes, scales, buf, block, levels, tiny, inv_max, step):
+    """Round-to-nearest block quantize of `src` (+ `res`), one block at a time.
+
+    Args:
+        src: float32 [n] input (contiguous).
+        res: float32 [n] error-feedback residual added to `src`, or [0] for none.
+        new_res: float32 [n] output ``v - q * step * m``, or [0] for none.
+        codes: int8 [n] (levels 127), or uint8 [ceil(n/2)] (levels 7: low
+            nibble first, q + 8; a missing odd last element counts as q = 0).
+        scales: float32 [ceil(n/block)] output block absmax (0 below `tiny`).
+        buf: float32 scratch of at least `block` elements.
+        block: elements per block.
+        levels: 127 or 7.
+        tiny: float32 absmax below which a block is flushed to 0.
+        inv_max: float32 ``levels / tiny``, the largest inverse step.
+        step: float32 ``1 / levels``.
+    """
+    n = src.shape[0]
+    add_res = res.shape[0] > 0
+    write_res = new_res.shape[0] > 0
+    packed = levels == 7
+    one_i = np.zeros(1, np.int32)
+    one_f = one_i.view(np.float32)
+    lv = np.float32(levels)
+    for j in range((n + block - 1) // block):
+        a = j * block
+        e = min(a + block, n)
+        size = e - a
+        s = src[a:e]
+        if add_res:
+            v = buf[:size]
+            r = res[a:e]
+            for i in range(size):
+                v[i] = s[i] + r[i]
+        else:
+            v = s
+        m = _absmax(v.view(np.int32), one_i, one_f)
+        if m < tiny:
+            m = np.float32(0.0)
+        scales[j] = m
+        inv = lv / m
+        if inv > inv_max:  # a NaN stays NaN, as with np.minimum
+            inv = inv_max
+        st = m * step
+        if packed:
+            _pack4(v, codes[a // 2 : (e + 1) // 2], inv)
+            if write_res:
+                _residual(v, new_res[a:e], inv, st)
+        elif write_res:
+            c = codes[a:e]
+            nr = new_res[a:e]
+            for i in range(size):
+                q = np.rint(v[i] * inv)
+                c[i] = np.int8(q)
+                nr[i] = v[i] - q * st
+        else:
+            c = codes[a:e]
+            for i in range(size):
+                c[i] = np.int8(np.rint(v[i] * inv))
+
+
+@jit
+def _pack4(v, c, inv):
+    size = v.shape[0]
+    half = size // 2
+    for i in range(half):
+        lo = np.int8(np.rint(v[2 * i] * inv)) + np.int8(8)
+        hi = np.int8(np.rint(v[2 * i + 1] * inv)) + np.int8(8)
+        c[i] = np.uint8(lo) | np.uint8(np.uint8(hi) << np.uint8(4))
+    if size % 2:  # the missing odd element is coded as 0 (nibble 8)
+        lo = np.int8(np.rint(v[size - 1] * inv)) + np.int8(8)
+        c[half] = np.uint8(lo) | np.uint8(128)
+
+
+@jit
+def _residual(v, nr, inv, st):
+    for i in range(v.shape[0]):
+        nr[i] = v[i] - np.rint(v[i] * inv) * st
+
+
+@jit
+def dequantize(codes, scales, out, block, levels, step):
+    """Values ``q * (m * step)`` of the codes written by `quantize`.
+
+    Args:
+        codes: int8 [n] (levels 127) or packed uint8 [ceil(n/2)] (levels 7).
+        scales: float32 [ceil(n/block)] block absmax values.
+        out: float32 [n] output (contiguous).
+        block: elements per block.
+        levels: 127 or 7.
+        step: float32 ``1 / levels``.
+    """
+    n = out.shape[0]
+    for j in range((n + block - 1) // block):
+        a = j * block
+        e = min(a + block, n)
+        st = scales[j] * step
+        o = out[a:e]
+        if levels == 7:
+            _unpack4(codes[a // 2 : (e + 1) // 2], o, st)
+        else:
+            c = codes[a:e]
+            for i in range(e - a):
+                o[i] = np.float32(c[i]) * st
+
+
+@jit
+def _unpack4(c, o, st):
+    size = o.shape[0]
+    half = size // 2
+    eight = np.float32(8.0)
+    for i in range(half):
+        b = c[i]
+        o[2 * i] = (np.float32(b & np.uint8(15)) - eight) * st
+        o[2 * i + 1] = (np.float32(b >> np.uint8(4)) - eight) * st
+    if size % 2:
+        o[size - 1] = (np.float32(c[half] & np.uint8(15)) - eight) * st
