@@ -114,6 +114,21 @@ def test_abandon_stops_a_paused_write_and_leaves_no_file(tmp_path):
     durable.close()
 
 
+def test_a_rebuild_from_disk_stops_the_write_and_the_next_poll_reports_it(tmp_path):
+    cfg = cfg_for(tmp_path, checkpoint_every_steps=0, checkpoint_every_s=0)
+    durable, state, plan = new_initialized(cfg)
+    drive(durable, state, plan, PUSHES[:3])
+    (durable.dir / HOLD_NAME).touch()
+    durable.begin_checkpoint(state, T0).start()
+    wait_for(lambda: list(durable.dir.glob(".checkpoint-*.tmp-*")), "the writer's file")
+    assert_same(state, durable.reload())  # (after a failed append, in the shard)
+    assert durable.checkpoint_writing  # not collected yet: the core hears of it next turn
+    result = durable.poll_checkpoint()
+    assert (result.written, result.error) == (False, "abandoned")
+    assert not list(durable.dir.glob("*checkpoint-*")) and not durable.checkpoint_writing
+    durable.close()
+
+
 def test_the_core_begins_one_checkpoint_at_a_time_and_counts_what_it_covered(tmp_path):
     cfg = cfg_for(tmp_path, checkpoint_every_steps=2, checkpoint_every_s=0)
     durable, state, _ = new_initialized(cfg)

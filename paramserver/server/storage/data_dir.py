@@ -18,17 +18,16 @@ wal-<n>.log is started (appends go on there) and the state as it is then is
 captured (`begin_checkpoint`); the file is written from a thread while the
 loop serves (`paramserver.server.storage.checkpoint_job`: copy-on-write per
 fragment, at most one fragment's copy at a time), atomically (fsync of the
-file, rename, fsync of the directory). Only once it is durable
-(`poll_checkpoint` sees it done) is anything deleted: the newest two
-checkpoints are kept, and the log segments from the older of them on, so
-the previous checkpoint and the log after it stay as a fallback. Until then,
-and when the write fails or the process dies, recovery loads the previous
-checkpoint and replays wal-<n-1> and wal-<n> (nothing is lost; a failed
-checkpoint is tried again later under a new number). One job at a time;
-`abandon_checkpoint` stops one (at stop, before a rebuild from disk).
-`checkpoint` writes one in the calling thread (at stop, after recovery
-skipped a corrupted checkpoint). If recovery skipped a corrupted
-checkpoint, a fresh one is written at once.
+file, rename, fsync of the directory). Only then, in the job's thread, is
+anything deleted: the newest two checkpoints are kept, and the log segments
+from the older of them on, so the previous checkpoint and the log after it
+stay as a fallback. Until then, and when the write fails or the process
+dies, recovery loads the previous checkpoint and replays wal-<n-1> and
+wal-<n> (nothing is lost; a failed checkpoint is tried again later under a
+new number). One job at a time: `poll_checkpoint` collects it,
+`abandon_checkpoint` stops it (at stop; a rebuild from disk stops it too).
+`checkpoint` writes one in the calling thread (at stop, and at once when
+recovery skipped a corrupted checkpoint).
 
 Storage faults (disk full, file-size limit, read-only, I/O error): a failed
 append or sync raises `StorageError` and cuts the log back to what the last
@@ -131,7 +130,8 @@ class ShardStorage:
         Returns:
             The state of the checkpoint plus the synced log.
         """
-        self.abandon_checkpoint()  # recovery reads the directory a writer would change
+        if self._job is not None:  # recovery reads the directory a writer would change
+            self._job.abandon()  # (collected, as not written, by the next poll_checkpoint)
         self.close()
         state = self.recover(quiet=True)
         logger.log(
@@ -256,6 +256,7 @@ class ShardStorage:
             arrays,
             fsync=self.cfg.fsync,
             hold=self.dir / HOLD_NAME,
+            then=self._prune,  # in the writer's thread, once the file is durable
         )
         return self._job
 
@@ -295,7 +296,6 @@ class ShardStorage:
                     extra={"shard": self.index, "checkpoint": result.generation},
                 )
             return result
-        self._prune()
         self.last_checkpoint_s = result.seconds
         self.last_checkpoint_bytes = result.bytes
         self.last_checkpoint = {
@@ -339,13 +339,16 @@ class ShardStorage:
         job = self.begin_checkpoint(state, now)
         if job is None:
             return False
-        job.hold = None  # an operator's hold pauses background writes only
-        job.run()
+        job.run()  # (an operator's hold pauses background writes only)
         result = self.poll_checkpoint()
         return result is not None and result.written
 
     def _prune(self) -> None:
-        """Keep the newest two checkpoints and the log segments from the older one on."""
+        """Keep the newest two checkpoints and the log segments from the older one on.
+
+        Run by a checkpoint job once its file is durable (in its thread: while a
+        job runs, the loop changes nothing in the directory but the current log).
+        """
         checkpoints = numbered(self.dir, CHECKPOINT_NAME)
         keep = sorted(checkpoints)[-2:]
         oldest = keep[0] if len(keep) == 2 else 0
@@ -358,8 +361,9 @@ class ShardStorage:
         fsync_dir(self.dir, self.cfg.fsync)
 
     def close(self) -> None:
-        """Abandon a checkpoint in flight, sync and close the log."""
-        self.abandon_checkpoint()
+        """Stop a checkpoint in flight, sync and close the log."""
+        if self._job is not None:
+            self._job.abandon()
         if self._wal is not None:
             self._wal.close()
             self._wal = None
