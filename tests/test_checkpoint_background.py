@@ -39,6 +39,18 @@ def _push_and_step(durable, state, plan, island, rnd, fragment, now, step=True):
     durable.sync()
 
 
+def _paused_writer(tmp_path, pushes):
+    """A data dir after `pushes`, and a checkpoint job writing, paused by the hold file."""
+    cfg = cfg_for(tmp_path, checkpoint_every_steps=0, checkpoint_every_s=0)
+    durable, state, plan = new_initialized(cfg)
+    drive(durable, state, plan, pushes)
+    (durable.dir / HOLD_NAME).touch()
+    job = durable.begin_checkpoint(state, T0 + 5)
+    job.start()
+    wait_for(lambda: list(durable.dir.glob(".checkpoint-*.tmp-*")), "the writer's file")
+    return cfg, durable, state, plan, job
+
+
 def test_a_fragment_changed_in_place_after_the_capture_is_written_as_captured(tmp_path):
     cfg = cfg_for(tmp_path, checkpoint_every_steps=0, checkpoint_every_s=0)
     durable, state, plan = new_initialized(cfg)
@@ -71,12 +83,7 @@ def test_a_fragment_changed_in_place_after_the_capture_is_written_as_captured(tm
 
 
 def test_events_during_the_write_are_replayed_after_it_and_after_a_lost_one(tmp_path):
-    cfg = cfg_for(tmp_path, checkpoint_every_steps=0, checkpoint_every_s=0)
-    durable, state, plan = new_initialized(cfg)
-    drive(durable, state, plan, PUSHES)
-    (durable.dir / HOLD_NAME).touch()
-    job = durable.begin_checkpoint(state, T0 + 5)
-    job.start()
+    cfg, durable, state, plan, job = _paused_writer(tmp_path, PUSHES)
     for rnd in range(100, 104):  # served while the checkpoint is being written
         _push_and_step(durable, state, plan, "d", rnd, 0, T0 + rnd)
     _push_and_step(durable, state, plan, "d", 104, 1, T0 + 104, step=False)  # (1 waits)
@@ -98,12 +105,7 @@ def test_events_during_the_write_are_replayed_after_it_and_after_a_lost_one(tmp_
 
 
 def test_abandon_stops_a_paused_write_and_leaves_no_file(tmp_path):
-    cfg = cfg_for(tmp_path, checkpoint_every_steps=0, checkpoint_every_s=0)
-    durable, state, plan = new_initialized(cfg)
-    drive(durable, state, plan, PUSHES[:3])
-    (durable.dir / HOLD_NAME).touch()
-    durable.begin_checkpoint(state, T0).start()
-    wait_for(lambda: list(durable.dir.glob(".checkpoint-*.tmp-*")), "the writer's file")
+    _, durable, state, _, _ = _paused_writer(tmp_path, PUSHES[:3])
     result = durable.abandon_checkpoint()
     assert (result.written, result.error) == (False, "abandoned")
     assert not list(durable.dir.glob("*checkpoint-*"))
@@ -115,12 +117,7 @@ def test_abandon_stops_a_paused_write_and_leaves_no_file(tmp_path):
 
 
 def test_a_rebuild_from_disk_stops_the_write_and_the_next_poll_reports_it(tmp_path):
-    cfg = cfg_for(tmp_path, checkpoint_every_steps=0, checkpoint_every_s=0)
-    durable, state, plan = new_initialized(cfg)
-    drive(durable, state, plan, PUSHES[:3])
-    (durable.dir / HOLD_NAME).touch()
-    durable.begin_checkpoint(state, T0).start()
-    wait_for(lambda: list(durable.dir.glob(".checkpoint-*.tmp-*")), "the writer's file")
+    _, durable, state, _, _ = _paused_writer(tmp_path, PUSHES[:3])
     assert_same(state, durable.reload())  # (after a failed append, in the shard)
     assert durable.checkpoint_writing  # not collected yet: the core hears of it next turn
     result = durable.poll_checkpoint()
