@@ -31,10 +31,10 @@ piece as long as the piece took (`REST_PER_WORK`), an fdatasync every
 `SYNC_EVERY_BYTES` (so the log's fsyncs never wait for a whole file's
 writeback). `abandon` sets its stop signal and waits for the writer, which
 notices it between pieces, while resting and while paused. While
-``checkpoint.hold`` exists in the shard's directory a
-background job pauses before each piece: an operator can keep the disk quiet
-for a while (e.g. for a backup), and the tests catch a checkpoint in the
-middle of its file. The log keeps every acknowledged delta meanwhile.
+``checkpoint.hold`` exists in the shard's directory a background job pauses
+before each piece: an operator can keep the disk quiet for a while (e.g. for
+a backup), and the tests catch a checkpoint in the middle of its file. The
+log keeps every acknowledged delta meanwhile.
 """
 
 from __future__ import annotations
