@@ -23,18 +23,30 @@ JSON on stdout, progress on stderr. Four measurements, all in one run:
   B/param: deltas stay coded), next to what the state counts
   (`pending_bytes`) and what the zstd frames on the wire weigh (what keeping
   them compressed would cost). `--pending-only` runs just this one.
+- `checkpoint_acks`: a live shard of `--ckpt-params` parameters (default 64M)
+  in `--ckpt-fragments` fragments, checkpointing every `--ckpt-every-s`
+  seconds (fsync on), while one DEALER pushes int8 deltas to its fragments in
+  turn for `--ckpt-seconds` (async: every push also steps its fragment);
+  push -> ack latency (p50 / p99 / max) of the pushes whose round trip
+  overlapped a checkpoint write against the others (quiet), their ratio, and
+  each checkpoint's seconds and bytes. The writes are found from the shard's
+  own log lines ("checkpoint N: B bytes in S s"), so the same script measures
+  a build whose checkpoints are written inside the serving loop.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
+import logging
 import os
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 
 import numpy as np
@@ -67,6 +79,18 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rt-params", type=int, default=1 << 20, help="round-trip delta size")
     parser.add_argument("--pushes", type=int, default=100, help="round trips measured")
     parser.add_argument("--repeats", type=int, default=5, help="repeats per timing")
+    parser.add_argument(
+        "--ckpt-params", type=int, default=1 << 26, help="checkpoint_acks shard size (64M)"
+    )
+    parser.add_argument("--ckpt-fragments", type=int, default=256, help="... its fragments")
+    parser.add_argument("--ckpt-every-s", type=float, default=4.0, help="... checkpoint interval")
+    parser.add_argument("--ckpt-seconds", type=float, default=20.0, help="... seconds of pushes")
+    parser.add_argument(
+        "--ckpt-fsync", choices=("true", "false"), default="true", help="... fsync on or off"
+    )
+    parser.add_argument(
+        "--only-checkpoint-acks", action="store_true", help="run checkpoint_acks alone"
+    )
     parser.add_argument("--quick", action="store_true", help="small sizes for a smoke run")
     parser.add_argument("--pending", type=int, default=8, help="pending deltas per fragment")
     parser.add_argument(
@@ -162,6 +186,56 @@ def _merge_and_step(state: ShardState, deltas: dict, published: list[int] | None
     return merge_and_step
 
 
+@contextlib.contextmanager
+def _live_shard(cfg: ShardConfig) -> Iterator[Callable[..., dict]]:
+    """A ShardServer serving in a thread and one DEALER: yields request(header, payload)."""
+    server = ShardServer(cfg, 0, router_bind="tcp://127.0.0.1:*", pub_bind="tcp://127.0.0.1:*")
+    stop = threading.Event()
+    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
+    thread.start()
+    if not server.ready.wait(60):
+        raise RuntimeError("shard did not start")
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.bound_endpoints[0])
+
+    def request(header, payload=()):
+        sock.send_multipart(protocol.pack(header, list(payload)), copy=False)
+        if not sock.poll(120_000):
+            raise RuntimeError(f"no reply to {header['kind']}")
+        reply, _ = protocol.unpack(sock.recv_multipart(), role=protocol.REPLY)
+        return reply
+
+    try:
+        yield request
+    finally:
+        sock.close(0)
+        ctx.term()
+        stop.set()
+        thread.join(300)
+
+
+def _init(request, plan, flat) -> None:
+    request({"kind": "hello", "island": "bench"})
+    tree = {str(f.index): plan.gather(flat, f.index) for f in plan.fragments_of(0)}
+    init_frames, _ = codec.raw("float32").encode(tree)
+    reply = request({"kind": "init", "island": "bench", "plan": plan.to_wire()}, init_frames)
+    assert reply["kind"] == "init_ok", reply
+
+
+def _push_header(plan) -> dict:
+    return {
+        "kind": "push",
+        "island": "bench",
+        "fragment": 0,
+        "base_version": 0,
+        "tokens": 4096,
+        "steps": 16,
+        "plan_hash": plan.hash,
+    }
+
+
 def measure_round_trip(args, data_dir: str, p, fsync: bool = True) -> dict:
     """Sequential push -> ack round trips against a live shard on loopback."""
     cfg = ShardConfig(
@@ -173,45 +247,15 @@ def measure_round_trip(args, data_dir: str, p, fsync: bool = True) -> dict:
         liveness=100,
         dedup_window=1 << 20,
     )
-    server = ShardServer(cfg, 0, router_bind="tcp://127.0.0.1:*", pub_bind="tcp://127.0.0.1:*")
-    stop = threading.Event()
-    thread = threading.Thread(target=server.serve, args=(stop,), daemon=True)
-    thread.start()
-    if not server.ready.wait(60):
-        raise RuntimeError("shard did not start")
     flat = _flat(2 * args.rt_params, 2)
     plan = make_plan(leaf_specs(flat), 1, 2)
-    ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(server.bound_endpoints[0])
     task = p.add_task(f"push -> ack round trips (fsync {fsync})", total=args.pushes + 10)
-
-    def request(header, payload=()):
-        sock.send_multipart(protocol.pack(header, list(payload)), copy=False)
-        if not sock.poll(60_000):
-            raise RuntimeError(f"no reply to {header['kind']}")
-        reply, _ = protocol.unpack(sock.recv_multipart(), role=protocol.REPLY)
-        return reply
-
-    try:
-        request({"kind": "hello", "island": "bench"})
-        tree = {str(f.index): plan.gather(flat, f.index) for f in plan.fragments_of(0)}
-        init_frames, _ = codec.raw("float32").encode(tree)
-        reply = request({"kind": "init", "island": "bench", "plan": plan.to_wire()}, init_frames)
-        assert reply["kind"] == "init_ok", reply
+    with _live_shard(cfg) as request:
+        _init(request, plan, flat)
         vec = np.random.default_rng(3).standard_normal(plan.fragments[0].size, dtype=np.float32)
         frames, _ = codec.int8().encode({"delta": vec * 0.01})
         wire_bytes = protocol.message_bytes(frames)
-        header = {
-            "kind": "push",
-            "island": "bench",
-            "fragment": 0,
-            "base_version": 0,
-            "tokens": 4096,
-            "steps": 16,
-            "plan_hash": plan.hash,
-        }
+        header = _push_header(plan)
         times = []
         for rnd in range(1, args.pushes + 11):
             t = time.perf_counter()
@@ -220,11 +264,6 @@ def measure_round_trip(args, data_dir: str, p, fsync: bool = True) -> dict:
                 times.append(time.perf_counter() - t)
             assert ack["outcome"] == "accepted", ack
             p.advance(task)
-    finally:
-        sock.close(0)
-        ctx.term()
-        stop.set()
-        thread.join(60)
     return {
         "delta_params": plan.fragments[0].size,
         "delta_wire_bytes": wire_bytes,
@@ -236,6 +275,101 @@ def measure_round_trip(args, data_dir: str, p, fsync: bool = True) -> dict:
             "median": 1e3 * statistics.median(times),
             "p90": 1e3 * float(np.percentile(times, 90)),
         },
+    }
+
+
+class _CheckpointLog(logging.Handler):
+    """Collects the shard's "checkpoint N: B bytes in S s" lines as (start, end, bytes)."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.writes: list[tuple[float, float, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "checkpoint %d: %d bytes in %.3f s" in str(record.msg):
+            _, _, size, seconds = record.args
+            self.writes.append((record.created - seconds, record.created, size))
+
+
+def _latency_ms(times: list[float]) -> dict:
+    if not times:
+        return {"count": 0}
+    ms = np.asarray(times) * 1e3
+    return {
+        "count": len(times),
+        "p50": float(np.percentile(ms, 50)),
+        "p99": float(np.percentile(ms, 99)),
+        "max": float(ms.max()),
+    }
+
+
+def measure_checkpoint_acks(args, data_dir: str, p) -> dict:
+    """Push -> ack latency while checkpoints are written against quiet, on a large shard."""
+    cfg = ShardConfig(
+        fragments=args.ckpt_fragments,
+        mode="async",
+        data_dir=data_dir,
+        heartbeat_interval_s=5.0,
+        liveness=100,
+        dedup_window=1 << 20,
+        checkpoint_every_steps=0,
+        checkpoint_every_s=args.ckpt_every_s,
+        max_message_bytes=1 << 30,  # the init of the whole shard is one message
+        fsync=args.ckpt_fsync == "true",
+    )
+    flat = _flat(args.ckpt_params, 4)
+    plan = make_plan(leaf_specs(flat), 1, args.ckpt_fragments)
+    task = p.add_task("acks during checkpoints", total=None)
+    handler = _CheckpointLog()
+    logger = logging.getLogger("paramserver.server.storage")
+    logger.addHandler(handler)
+    old_level = logger.level
+    logger.setLevel(logging.INFO)
+    spans: list[tuple[float, float]] = []
+    try:
+        with _live_shard(cfg) as request:
+            _init(request, plan, flat)
+            del flat
+            size = min(f.size for f in plan.fragments)
+            vec = np.random.default_rng(5).standard_normal(size, dtype=np.float32) * 0.01
+            frames, _ = codec.int8().encode({"delta": vec})
+            header = _push_header(plan)
+            fragments = [f.index for f in plan.fragments if f.size == size]
+            start = time.time()
+            rnd = 0
+            while time.time() - start < args.ckpt_seconds or not handler.writes:
+                rnd += 1
+                fragment = fragments[rnd % len(fragments)]
+                sent = time.time()
+                ack = request({**header, "round": rnd, "fragment": fragment}, frames)
+                assert ack["outcome"] == "accepted", ack
+                if rnd > 20:  # after warm-up (jit of the outer step)
+                    spans.append((sent, time.time()))
+                p.advance(task)
+                if time.time() - start > 10 * args.ckpt_seconds + 600:
+                    raise RuntimeError("no checkpoint was written")
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(old_level)
+    writes = handler.writes
+    during, quiet = [], []
+    for sent, got in spans:
+        overlaps = any(sent < end and got > begin for begin, end, _ in writes)
+        (during if overlaps else quiet).append(got - sent)
+    q, d = _latency_ms(quiet), _latency_ms(during)
+    return {
+        "params": args.ckpt_params,
+        "fragments": args.ckpt_fragments,
+        "push_params": size,
+        "fsync": cfg.fsync,
+        "pushes": len(spans),
+        "ack_ms_quiet": q,
+        "ack_ms_during_checkpoint": d,
+        "ack_p99_during_vs_quiet": d["p99"] / q["p99"] if d["count"] and q["count"] else None,
+        "target_ratio": 3.0,
+        "checkpoints": len(writes),
+        "checkpoint_s": [round(end - begin, 3) for begin, end, _ in writes],
+        "checkpoint_bytes": writes[-1][2] if writes else None,
     }
 
 
@@ -329,6 +463,8 @@ def run(args: argparse.Namespace) -> int:
     """
     if args.quick:
         args.params, args.rt_params, args.pushes, args.repeats = 1 << 20, 1 << 16, 20, 3
+        args.ckpt_params, args.ckpt_fragments, args.ckpt_seconds = 1 << 20, 16, 3.0
+        args.ckpt_every_s = 1.0
     result: dict = {"command": " ".join(sys.argv)}
     if args.pending_only:
         with progress() as p:
@@ -336,6 +472,10 @@ def run(args: argparse.Namespace) -> int:
         emit_json(result)
         return 0
     with tempfile.TemporaryDirectory(prefix="bench-server-") as tmp, progress() as p:
+        if args.only_checkpoint_acks:
+            result["checkpoint_acks"] = measure_checkpoint_acks(args, f"{tmp}/d", p)
+            emit_json(result)
+            return 0
         merge, state, durable = measure_merge_step(args, f"{tmp}/a", p)
         result["merge_step"] = merge
         result["checkpoint"] = measure_checkpoint_and_restart(args, state, durable, f"{tmp}/a", p)
@@ -343,6 +483,7 @@ def run(args: argparse.Namespace) -> int:
         result["round_trip"] = measure_round_trip(args, f"{tmp}/b", p)
         result["round_trip_no_fsync"] = measure_round_trip(args, f"{tmp}/c", p, fsync=False)
         result["pending_memory"] = measure_pending_memory(args, p)
+        result["checkpoint_acks"] = measure_checkpoint_acks(args, f"{tmp}/d", p)
     emit_json(result)
     return 0
 

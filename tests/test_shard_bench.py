@@ -12,6 +12,8 @@ from bench import cli
 def test_bench_server_reports_every_measurement(capsys):
     args = [
         "--params", "65536", "--rt-params", "4096", "--pushes", "5", "--repeats", "1",
+        "--ckpt-params", "65536", "--ckpt-fragments", "4", "--ckpt-seconds", "1",
+        "--ckpt-every-s", "0.2",
     ]  # fmt: skip
     assert cli.main(["server", *args]) == 0
     result = json.loads(capsys.readouterr().out)
@@ -45,3 +47,12 @@ def test_bench_server_reports_every_measurement(capsys):
     # int8 deltas stay coded: a byte per parameter plus a float32 scale per 256
     assert pending["pending_bytes_per_param"] == 1 + 4 / 256
     assert pending["meets_target"] == (pending["rss_bytes_per_param_per_pending"] <= 1.1)
+    acks = result["checkpoint_acks"]
+    assert (acks["params"], acks["fragments"], acks["push_params"]) == (65536, 4, 16384)
+    assert acks["checkpoints"] >= 1 and len(acks["checkpoint_s"]) == acks["checkpoints"]
+    # params + momentum + int8 downlink residual, plus pending deltas and metadata
+    assert acks["checkpoint_bytes"] >= 3 * 65536 * 4
+    quiet, during = acks["ack_ms_quiet"], acks["ack_ms_during_checkpoint"]
+    assert quiet["count"] + during["count"] == acks["pushes"]
+    if quiet["count"] and during["count"]:
+        assert acks["ack_p99_during_vs_quiet"] == pytest.approx(during["p99"] / quiet["p99"])

@@ -5,6 +5,7 @@ This module owns formatting only; the numbers come from `probe.cluster_status`.
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.console import Console
@@ -26,6 +27,24 @@ def _pairs(mapping: object, limit: int = 6) -> str:
     items = [f"{k}:{v}" for k, v in mapping.items()]
     more = f" +{len(items) - limit}" if len(items) > limit else ""
     return " ".join(items[:limit]) + more
+
+
+def _checkpoint(shard: dict[str, Any]) -> str:
+    """The last checkpoint: generation, outer step, UTC time, size, seconds; writing / failures."""
+    last = shard.get("last_checkpoint")
+    parts = []
+    if isinstance(last, dict):
+        at = last.get("time")
+        when = time.strftime("%H:%M:%SZ", time.gmtime(at)) if isinstance(at, int | float) else "?"
+        took = last.get("seconds")
+        took_s = f" {took:.2f} s" if isinstance(took, int | float) else ""
+        gen, step = last.get("generation"), last.get("step")
+        parts.append(f"#{gen} step {step} {when} {_bytes(last.get('bytes'))}{took_s}")
+    if shard.get("checkpoint_writing"):
+        parts.append("writing")
+    if shard.get("checkpoint_failures"):
+        parts.append(f"[red]{shard['checkpoint_failures']} failed[/red]")
+    return ", ".join(parts) or "-"
 
 
 def render_status(result: dict[str, Any], console: Console | None = None) -> None:
@@ -52,6 +71,7 @@ def render_status(result: dict[str, Any], console: Console | None = None) -> Non
         "in",
         "out",
         "staleness (s:count)",
+        "last checkpoint",
     ):
         table.add_column(column)
     for shard in result.get("shards", []):
@@ -74,5 +94,6 @@ def render_status(result: dict[str, Any], console: Console | None = None) -> Non
             _bytes(shard.get("bytes_in", 0)),
             _bytes(shard.get("bytes_out", 0)),
             _pairs(shard.get("staleness_histogram")),
+            _checkpoint(shard),
         )
     console.print(table)

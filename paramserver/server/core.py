@@ -4,9 +4,13 @@
 and returns `Effects`: the events to append to the write-ahead log, the
 replies and the publishes. `on_tick(now)` steps the fragments the merge
 policy says are due and heartbeats an idle PUB; `next_wake(now)` says when to
-tick again; `checkpoint_due(now)` when to write a checkpoint. Nothing here
-reads a clock, a socket or a file: `now` (wall-clock seconds) is an argument,
-so a simulation drives the core with a fake clock.
+tick again; `checkpoint_due(now)` when to begin a checkpoint, and
+`checkpoint_started` / `checkpoint_done` record one (it is written off the
+loop: before stepping a fragment the core asks `step_guard`, which the I/O
+loop sets to its data directory's `before_step`, and defers the step when it
+says not now). Nothing here reads a clock, a socket or a file: `now`
+(wall-clock seconds) is an argument, so a simulation drives the core with a
+fake clock.
 
 The one rule of durability: nothing in a batch's effects is sent before its
 events are appended and fsynced once (`paramserver.server.shard.make_durable`).
@@ -25,6 +29,7 @@ storage faults.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import codec
@@ -59,6 +64,7 @@ class ShardCore:
         now: float,
         guard: IslandGuard | None = None,
         replayed: int = 0,
+        last_checkpoint: dict[str, Any] | None = None,
     ) -> None:
         """Wrap a (recovered) state.
 
@@ -70,6 +76,7 @@ class ShardCore:
             now: wall-clock seconds at start (checkpoint and heartbeat clocks start here).
             guard: under CURVE, which key may act as which island.
             replayed: log records replayed at recovery (they count toward a checkpoint).
+            last_checkpoint: the checkpoint recovery loaded, for status (see checkpoint_done).
         """
         self.cfg = cfg
         self.index = index
@@ -84,6 +91,13 @@ class ShardCore:
         self._steps_since = 0
         self._last_checkpoint = now
         self._checkpoint_retry_at = now
+        self._checkpoint_writing = False
+        self._covered = (0, 0)  # (records, steps) the checkpoint being written covers
+        self.last_checkpoint = last_checkpoint
+        self.checkpoint_failures = 0  # failed attempts since the last written checkpoint
+        self.checkpoint_error: str | None = None  # the last failure
+        # asked before each outer step: may this fragment be stepped now? (see module docstring)
+        self.step_guard: Callable[[int], bool] = lambda fragment: True
 
     # ----- requests ----------------------------------------------------------------
 
@@ -243,6 +257,7 @@ class ShardCore:
 
     def _on_status(self, request: Request, header: dict, payload, now: float, known: bool):
         status = self.state.status(now)
+        status.update(self.checkpoint_report())
         status["seq"] = self.seq
         status["endpoints"] = [list(e) for e in self.endpoints]  # the cluster map, without hello
         return self._reply(request, header, "status_reply", status=status)
@@ -267,6 +282,8 @@ class ShardCore:
         out = Effects()
         due, _ = self.state.due_fragments(now)
         for fragment in due:
+            if not self.step_guard(fragment):  # a checkpoint still needs it: a later turn
+                continue
             event, update = self.state.step(fragment, now)
             out.records.append(event)
             if update.frames is None:
@@ -361,30 +378,71 @@ class ShardCore:
         return self._records_since > 0
 
     def checkpoint_due(self, now: float) -> bool:
-        """Whether to checkpoint now: every checkpoint_every_steps steps or checkpoint_every_s.
+        """Whether to begin a checkpoint now: every checkpoint_every_steps steps or checkpoint_every_s.
 
         Args:
             now: wall-clock seconds.
 
         Returns:
-            True when due (and not waiting to retry a failed one).
+            True when due (and none is being written, and not waiting to retry a failed one).
         """
         every_steps, every_s = self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_s
-        if now < self._checkpoint_retry_at or not self.state.initialized:
+        if self._checkpoint_writing or now < self._checkpoint_retry_at:
+            return False
+        if not self.state.initialized:
             return False
         by_steps = every_steps and self._steps_since >= every_steps
         by_time = every_s and self.unsaved and now - self._last_checkpoint >= every_s
         return bool(by_steps or by_time)
 
-    def checkpoint_done(self, now: float, written: bool) -> None:
-        """Record a checkpoint attempt.
+    def checkpoint_started(self, now: float) -> None:
+        """Record that a checkpoint of the state as it is now is being written.
 
         Args:
             now: wall-clock seconds.
-            written: whether it was written (False: try again after CHECKPOINT_RETRY_S).
         """
+        self._checkpoint_writing = True
+        self._covered = (self._records_since, self._steps_since)
+
+    def checkpoint_done(
+        self, now: float, written: bool, summary: dict[str, Any] | None = None, error: str = ""
+    ) -> None:
+        """Record the end of a checkpoint attempt (begun with checkpoint_started or not).
+
+        Args:
+            now: wall-clock seconds.
+            written: whether it is durable (False: try again after CHECKPOINT_RETRY_S).
+            summary: a written one's status entry: generation, step, versions,
+                time (of the state), bytes, seconds (to write).
+            error: why a failed one failed (one line).
+        """
+        if not self._checkpoint_writing:  # written in one go: it covers everything so far
+            self._covered = (self._records_since, self._steps_since)
+        self._checkpoint_writing = False
         if written:
-            self._records_since = self._steps_since = 0
+            records, steps = self._covered
+            self._records_since -= records
+            self._steps_since -= steps
             self._last_checkpoint = now
+            self.last_checkpoint = summary
+            self.checkpoint_failures, self.checkpoint_error = 0, None
         else:
             self._checkpoint_retry_at = now + CHECKPOINT_RETRY_S
+            self.checkpoint_failures += 1
+            self.checkpoint_error = error or "not written"
+
+    def checkpoint_report(self) -> dict[str, Any]:
+        """The checkpoint fields of status (JSON-ready).
+
+        Returns:
+            last_checkpoint (None or generation, step, versions, time, bytes,
+            seconds; seconds None for the one loaded at start),
+            checkpoint_writing, checkpoint_failures (since the last written
+            one) and checkpoint_error (the last failure, or None).
+        """
+        return {
+            "last_checkpoint": self.last_checkpoint,
+            "checkpoint_writing": self._checkpoint_writing,
+            "checkpoint_failures": self.checkpoint_failures,
+            "checkpoint_error": self.checkpoint_error,
+        }

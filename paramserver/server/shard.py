@@ -13,12 +13,19 @@ the files are `paramserver.server.storage`'s. One loop turn:
        rebuilt from disk and says what to send instead: `core.storage_failed`,
        storage_error refusals); `core.release` packs what to send;
     3. send it (replies, then publishes);
-    4. `maybe_checkpoint`: checkpoint when the core says it is due.
+    4. `maybe_checkpoint`: collect a checkpoint that finished writing; begin
+       one when the core says it is due. It is captured here, between two
+       turns, and written by a thread while the loop goes on acking pushes
+       (`paramserver.server.storage.checkpoint_job`); the log is pruned only
+       once it is durable.
 
 `run_batch` and `maybe_checkpoint` hold no sockets, so the simulation tests
-drive a core and a real data directory through them with a fake clock.
+drive a core and a real data directory through them with a fake clock (the
+checkpoint written in the calling thread).
 
-On stop: answer what is queued, checkpoint, close the sockets.
+On stop: answer what is queued, abandon a checkpoint still being written
+(the log has everything), write a last one in the loop's thread, close the
+sockets.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoin
 from paramserver.server.core import ShardCore
 from paramserver.server.effects import Effects, Request
 from paramserver.server.state import ShardState
+from paramserver.server.storage.checkpoint_job import CheckpointResult
 from paramserver.server.storage.data_dir import ShardStorage, StorageError
 
 logger = logging.getLogger(__name__)
@@ -93,16 +101,46 @@ def run_batch(
     return core.release(make_durable(core, storage, effects), now)
 
 
-def maybe_checkpoint(core: ShardCore, storage: ShardStorage, now: float) -> None:
-    """Write a checkpoint when the core says one is due (after the batch's messages went out).
+def maybe_checkpoint(
+    core: ShardCore, storage: ShardStorage, now: float, background: bool = False
+) -> None:
+    """Collect a finished checkpoint; begin one when the core says it is due (between turns).
 
     Args:
         core: the shard's core.
         storage: the shard's data directory.
         now: wall-clock seconds.
+        background: write it from a thread while serving goes on (the shard's
+            loop); False writes it before returning (the simulation tests).
     """
-    if core.checkpoint_due(now):
-        core.checkpoint_done(now, storage.checkpoint(core.state, now))
+    report_checkpoint(core, storage, storage.poll_checkpoint(), now)
+    if not core.checkpoint_due(now):
+        return
+    job = storage.begin_checkpoint(core.state, now)
+    if job is None:
+        core.checkpoint_done(now, False, error="could not begin (see the shard's log)")
+        return
+    core.checkpoint_started(now)
+    if background:
+        job.start()
+        return
+    job.run()
+    report_checkpoint(core, storage, storage.poll_checkpoint(), now)
+
+
+def report_checkpoint(
+    core: ShardCore, storage: ShardStorage, result: CheckpointResult | None, now: float
+) -> None:
+    """Tell the core how a checkpoint job ended (nothing when `result` is None).
+
+    Args:
+        core: the shard's core.
+        storage: the shard's data directory (its last_checkpoint, for status).
+        result: what poll_checkpoint or abandon_checkpoint returned.
+        now: wall-clock seconds.
+    """
+    if result is not None:
+        core.checkpoint_done(now, result.written, storage.last_checkpoint, result.error or "")
 
 
 class ShardServer:
@@ -188,8 +226,10 @@ class ShardServer:
             )
             guard = auth.guard if auth is not None else None
             self.core = ShardCore(
-                self.cfg, self.index, state, self.endpoints, time.time(), guard, storage.replayed
-            )
+                self.cfg, self.index, state, self.endpoints, time.time(), guard,
+                storage.replayed, storage.last_checkpoint,
+            )  # fmt: skip
+            self.core.step_guard = storage.before_step
             logger.info(
                 "shard %d serving on %s (pub %s)",
                 self.index,
@@ -200,7 +240,9 @@ class ShardServer:
             while not stop.is_set():
                 self._turn(tick=True)
             self._turn(tick=False)  # drain: answer what is queued, without waiting for more
-            if self.core.unsaved:
+            # the writer stops at its next piece
+            report_checkpoint(self.core, storage, storage.abandon_checkpoint(), time.time())
+            if self.core.unsaved:  # (what the abandoned one would have covered, too)
                 storage.checkpoint(self.core.state, time.time())
         finally:
             if auth is not None:
@@ -233,7 +275,7 @@ class ShardServer:
             else:
                 router.send_multipart([conn, *message], copy=False)
         if tick:
-            maybe_checkpoint(core, storage, now)
+            maybe_checkpoint(core, storage, now, background=True)
 
 
 def _user_id(frame: Any) -> str | None:

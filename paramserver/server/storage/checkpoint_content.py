@@ -5,6 +5,13 @@ the file format is `paramserver.server.storage.checkpoint_file`. The island
 registry is not included (islands say hello again after a restart). Pending
 deltas are stored as they are kept, coded (`codec.coded.CodedTensor`: codes
 and scales, topk entries or raw values, with their clip factor), not decoded.
+
+`export_state` copies nothing big: its meta map is built fresh, but its
+arrays are the live ones (numpy views of params, optimizer state and the
+downlink residual, which a step may change in place; `live_fragment` names
+the fragment whose step does) and the pending deltas as accepted (never
+changed). Whoever keeps them past the next step copies them first
+(`paramserver.server.storage.checkpoint_job`).
 """
 
 from __future__ import annotations
@@ -12,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -33,7 +41,9 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
 
     Returns:
         (meta, arrays) of a checkpoint; `restore_state` inverts it. The island registry
-        is not included (islands say hello again after a restart).
+        is not included (islands say hello again after a restart). The arrays
+        named by `live_fragment` are views of the live state: copy them before
+        that fragment's next step if they must outlive it.
     """
     arrays: dict[str, np.ndarray] = {}
     frags = []
@@ -41,7 +51,8 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
         arrays[f"params/{index}"] = np.asarray(frag.params)
         if frag.residual is not None:
             arrays[f"residual/{index}"] = frag.residual
-        opt = state.optimizer.state_to_arrays(frag.opt_state)
+        # the leaves in the order of FragmentOptimizer.state_to_arrays, without its copies
+        opt = [np.asarray(leaf) for leaf in jax.tree.leaves(frag.opt_state)]
         for k, arr in enumerate(opt):
             arrays[f"opt/{index}/{k}"] = arr
         pending = []
@@ -87,6 +98,40 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
         },
     }
     return meta, arrays
+
+
+def checkpoint_summary(meta: Mapping[str, Any]) -> dict[str, Any]:
+    """What status says of a checkpoint, from its meta map.
+
+    Args:
+        meta: `export_state`'s map (with "taken_at", wall-clock seconds, once
+            the data dir added it; older checkpoints have none).
+
+    Returns:
+        {"step": outer steps of the shard, "versions": {fragment: version} (str
+        keys), "time": when the state was captured or None}.
+    """
+    return {
+        "step": meta["counters"]["steps"],
+        "versions": {str(f["index"]): f["version"] for f in meta["fragments"]},
+        "time": meta.get("taken_at"),
+    }
+
+
+def live_fragment(name: str) -> int | None:
+    """The fragment whose outer step may change an exported array in place.
+
+    Args:
+        name: an array name of `export_state`.
+
+    Returns:
+        The fragment index for params, optimizer state and residual; None for
+        the pending deltas (kept as accepted, never changed).
+    """
+    kind, _, rest = name.partition("/")
+    if kind in ("params", "residual", "opt"):
+        return int(rest.partition("/")[0])
+    return None
 
 
 def restore_state(

@@ -13,10 +13,14 @@ File format (integers little endian):
     data     the arrays' bytes, each starting at a multiple of 64 bytes
     trailer  uint32 crc32 of everything before it, 4 bytes b"DONE"
 
-Writing: a temporary file in the same directory, fsync, rename over the
-final name, fsync the directory, so a reader sees the old file or the new
-one, never half of one. Reading checks magic, version, trailer and checksum
-before trusting anything and raises `CheckpointError` naming the problem.
+Writing: a temporary file in the same directory (``.<name>.tmp-<pid>``),
+fsync, rename over the final name, fsync the directory, so a reader sees the
+old file or the new one, never half of one. The arrays go out in pieces of
+at most `CHUNK_BYTES`, each fetched through an optional `read` callback, so a
+background writer can copy each piece under its own lock and pause or give
+up between pieces (`paramserver.server.storage.checkpoint_job`). Reading
+checks magic, version, trailer and checksum before trusting anything and
+raises `CheckpointError` naming the problem.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from __future__ import annotations
 import os
 import struct
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +43,10 @@ _HEADER = struct.Struct("<8sII")
 _TRAILER = struct.Struct("<I4s")
 _END = b"DONE"
 _ALIGN = 64
+CHUNK_BYTES = 8 << 20  # the largest piece of an array written (and copied) at once
+
+# read(name, start, stop) -> the bytes [start, stop) of array `name` (a bytes-like object)
+ChunkReader = Callable[[str, int, int], Any]
 
 
 class CheckpointError(RuntimeError):
@@ -51,6 +59,8 @@ def write_checkpoint(
     arrays: Mapping[str, np.ndarray],
     *,
     fsync: bool = True,
+    read: ChunkReader | None = None,
+    sync_every: int = 0,
 ) -> int:
     """Write a checkpoint atomically.
 
@@ -58,10 +68,23 @@ def write_checkpoint(
         path: the final file name (its directory must exist).
         meta: msgpack-serializable map.
         arrays: name -> numpy array (any dtype numpy can name; written C-order).
+            With `read`, only their dtype and shape are used here.
         fsync: fsync the file and directory (False only for throwaway runs).
+        read: where the arrays' bytes come from, piece by piece (at most
+            CHUNK_BYTES each, in file order); default: the arrays themselves.
+            Whatever it raises ends the write (the temporary file is removed).
+        sync_every: with fsync, also fdatasync (and drop from the page cache)
+            after every this many bytes, so the file never has much unwritten
+            data: the log's fsyncs, which on ext4 wait for other files' data
+            of the same journal commit, then do not wait for the whole file.
+            0: one fsync at the end.
 
     Returns:
         The file's size in bytes.
+
+    Raises:
+        OSError: the file could not be written, synced or renamed (nothing
+            replaced `path`).
     """
     path = Path(path)
     table = []
@@ -69,34 +92,47 @@ def write_checkpoint(
     contiguous = {}
     for name, arr in arrays.items():
         arr = np.asarray(arr)
-        if not arr.flags.c_contiguous:  # (np.ascontiguousarray would make 0-d arrays 1-d)
+        if read is None and not arr.flags.c_contiguous:  # (ascontiguousarray makes 0-d 1-d)
             arr = arr.copy(order="C")
         contiguous[name] = arr
         offset = -(-offset // _ALIGN) * _ALIGN
         table.append([name, arr.dtype.str, list(arr.shape), offset, arr.nbytes])
         offset += arr.nbytes
+    if read is None:
+
+        def read(name: str, lo: int, hi: int) -> Any:
+            return contiguous[name].reshape(-1).view(np.uint8)[lo:hi]
+
     head_map = msgpack.packb({"meta": dict(meta), "arrays": table}, use_bin_type=True)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     crc = 0
+    unsynced = 0
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
 
         def put(buf: Any) -> None:
-            nonlocal crc
+            nonlocal crc, unsynced
             view = memoryview(buf).cast("B")
             crc = zlib.crc32(view, crc)
+            unsynced += view.nbytes
             while view.nbytes:
                 n = os.write(fd, view)
                 view = view[n:]
+            if fsync and sync_every and unsynced >= sync_every:
+                os.fdatasync(fd)
+                if hasattr(os, "posix_fadvise"):  # written: keep no copy in the page cache
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                unsynced = 0
 
         put(_HEADER.pack(CHECKPOINT_MAGIC, CHECKPOINT_FORMAT_VERSION, len(head_map)))
         put(head_map)
         written = 0
-        for (_, _, _, start, _), arr in zip(table, contiguous.values(), strict=True):
+        for name, _, _, start, nbytes in table:
             if start > written:
                 put(bytes(start - written))
-            put(arr.reshape(-1).view(np.uint8) if arr.nbytes else b"")
-            written = start + arr.nbytes
+            for lo in range(0, nbytes, CHUNK_BYTES):
+                put(read(name, lo, min(lo + CHUNK_BYTES, nbytes)))
+            written = start + nbytes
         os.write(fd, _TRAILER.pack(crc, _END))
         if fsync:
             os.fsync(fd)

@@ -10,19 +10,32 @@ Layout:
 
     checkpoint-<n>.ckpt   the shard's state at checkpoint n (n = 1, 2, ...)
     wal-<n>.log           the events after checkpoint n (wal-0: after the empty state)
+    checkpoint.hold       made by an operator (or a test), never by the shard:
+                          background checkpoint writes pause while it exists
 
-A checkpoint n+1 is written (atomically) only after the log is synced; then
-wal-<n+1>.log is started (if it cannot be, checkpoint n+1 is removed again).
-The newest two checkpoints are kept, and the log segments from the older of
-them on, so the previous checkpoint and the log after it stay as a fallback.
-If recovery skipped a corrupted checkpoint, a fresh one is written at once.
+A checkpoint n is taken between two loop turns, after the log is synced:
+wal-<n>.log is started (appends go on there) and the state as it is then is
+captured (`begin_checkpoint`); the file is written from a thread while the
+loop serves (`paramserver.server.storage.checkpoint_job`: copy-on-write per
+fragment, at most one fragment's copy at a time), atomically (fsync of the
+file, rename, fsync of the directory). Only then, in the job's thread, is
+anything deleted: the newest two checkpoints are kept, and the log segments
+from the older of them on, so the previous checkpoint and the log after it
+stay as a fallback. Until then, and when the write fails or the process
+dies, recovery loads the previous checkpoint and replays wal-<n-1> and
+wal-<n> (nothing is lost; a failed checkpoint is tried again later under a
+new number). One job at a time: `poll_checkpoint` collects it,
+`abandon_checkpoint` stops it (at stop; a rebuild from disk stops it too).
+`checkpoint` writes one in the calling thread (at stop, and at once when
+recovery skipped a corrupted checkpoint).
 
 Storage faults (disk full, file-size limit, read-only, I/O error): a failed
 append or sync raises `StorageError` and cuts the log back to what the last
 good sync covered (`paramserver.server.storage.log_file`), so nothing of the
 batch is on disk; the caller then rebuilds its state from disk (`reload`) and
-refuses the batch. A failed checkpoint is logged and reported False (the log
-still holds everything). Faults are logged at most once per `FAULT_LOG_EVERY_S`.
+refuses the batch. A failed checkpoint is logged, counted in `faults` and
+reported not written (the log still holds everything). Faults are logged at
+most once per `FAULT_LOG_EVERY_S`.
 """
 
 from __future__ import annotations
@@ -30,13 +43,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Iterable
+from typing import Any
 
 from paramserver.plumbing import daemon
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import Event
 from paramserver.server.state import ShardState
-from paramserver.server.storage.checkpoint_content import export_state
-from paramserver.server.storage.checkpoint_file import write_checkpoint
+from paramserver.server.storage.checkpoint_content import checkpoint_summary, export_state
+from paramserver.server.storage.checkpoint_job import HOLD_NAME, CheckpointJob, CheckpointResult
 from paramserver.server.storage.log_file import WriteAheadLog, fsync_dir
 from paramserver.server.storage.log_format import event_to_record
 from paramserver.server.storage.recovery import CHECKPOINT_NAME, LOG_NAME, numbered, recover
@@ -71,6 +85,11 @@ class ShardStorage:
         self._wal: WriteAheadLog | None = None
         self.last_checkpoint_s: float | None = None
         self.last_checkpoint_bytes: int | None = None
+        # the newest durable checkpoint for status: generation, step, versions, time, bytes,
+        # seconds (None: none yet; after a restart, the loaded one with seconds None)
+        self.last_checkpoint: dict[str, Any] | None = None
+        self._job: CheckpointJob | None = None
+        self._job_summary: dict[str, Any] = {}
         self.replayed = 0
         self.faults = 0  # storage faults since the last good write
         self._fault_logged = -FAULT_LOG_EVERY_S  # monotonic time of the last fault log
@@ -91,6 +110,8 @@ class ShardStorage:
         """
         found = recover(self.cfg, self.index, self.dir, self.timer, quiet)
         self.replayed = found.replayed
+        if found.loaded is not None:
+            self.last_checkpoint = {"generation": found.checkpoint, **found.loaded}
         self.generation = found.segment
         self._wal = WriteAheadLog(
             self.dir / f"wal-{found.segment}.log",
@@ -109,6 +130,8 @@ class ShardStorage:
         Returns:
             The state of the checkpoint plus the synced log.
         """
+        if self._job is not None:  # recovery reads the directory a writer would change
+            self._job.abandon()  # (collected, as not written, by the next poll_checkpoint)
         self.close()
         state = self.recover(quiet=True)
         logger.log(
@@ -186,57 +209,146 @@ class ShardStorage:
             )
         return error
 
+    @property
+    def checkpoint_writing(self) -> bool:
+        """Whether a checkpoint job has begun and not been collected by `poll_checkpoint`."""
+        return self._job is not None
+
+    def begin_checkpoint(self, state: ShardState, now: float) -> CheckpointJob | None:
+        """Start a new log segment and capture the state for a checkpoint (writes no data yet).
+
+        Call between loop turns, with no job in flight; then `job.start()`
+        (background) or `job.run()`, and `poll_checkpoint` until it returns.
+
+        Args:
+            state: the shard's state (synced with the log here).
+            now: wall-clock seconds (the capture's time, for status and the log line).
+
+        Returns:
+            The job, or None: not initialized, or storage failed (logged and
+            counted; try again later).
+        """
+        assert self._wal is not None, "call recover() first"
+        assert self._job is None, "one checkpoint at a time: poll_checkpoint() first"
+        if not state.initialized:
+            return None
+        try:
+            self.sync()
+        except StorageError:
+            return None
+        existing = [*numbered(self.dir, CHECKPOINT_NAME), *numbered(self.dir, LOG_NAME)]
+        gen = max([self.generation, *existing]) + 1
+        try:  # from here on appends go after the captured state
+            wal = WriteAheadLog(self.dir / f"wal-{gen}.log", fsync=self.cfg.fsync)
+        except OSError as exc:
+            self._fault("start a log segment in", exc)
+            return None
+        self._wal.close()
+        self._wal = wal
+        self.generation = gen
+        meta, arrays = export_state(state)
+        meta["taken_at"] = now
+        self._job_summary = {"generation": gen, **checkpoint_summary(meta)}
+        self._job = CheckpointJob(
+            self.dir / f"checkpoint-{gen}.ckpt",
+            gen,
+            meta,
+            arrays,
+            fsync=self.cfg.fsync,
+            hold=self.dir / HOLD_NAME,
+            then=self._prune,  # in the writer's thread, once the file is durable
+        )
+        return self._job
+
+    def before_step(self, fragment: int) -> bool:
+        """Whether a fragment may be stepped now (a checkpoint job may copy it first).
+
+        Args:
+            fragment: the fragment about to be stepped.
+
+        Returns:
+            False while a checkpoint job still needs another fragment's copy:
+            step it in a later turn (see CheckpointJob.before_step).
+        """
+        return self._job is None or self._job.before_step(fragment)
+
+    def poll_checkpoint(self) -> CheckpointResult | None:
+        """Collect a checkpoint job that ended: prune after a durable one, report a failed one.
+
+        Returns:
+            The job's result once it ended (then the next one may begin), else None.
+        """
+        job = self._job
+        if job is None or not job.done:
+            return None
+        self._job = None
+        result = job.result
+        assert result is not None
+        if not result.written:
+            if result.exc is not None:
+                self._fault("write a checkpoint in", result.exc)
+            else:
+                logger.warning(
+                    "shard %d checkpoint %d not written: %s",
+                    self.index,
+                    result.generation,
+                    result.error,
+                    extra={"shard": self.index, "checkpoint": result.generation},
+                )
+            return result
+        self.last_checkpoint_s = result.seconds
+        self.last_checkpoint_bytes = result.bytes
+        self.last_checkpoint = {
+            **self._job_summary,
+            "bytes": result.bytes,
+            "seconds": round(result.seconds, 6),
+        }
+        logger.info(
+            "shard %d checkpoint %d: %d bytes in %.3f s",
+            self.index,
+            result.generation,
+            result.bytes,
+            result.seconds,
+            extra={"shard": self.index, "checkpoint": result.generation, "bytes": result.bytes},
+        )
+        return result
+
+    def abandon_checkpoint(self) -> CheckpointResult | None:
+        """Stop a checkpoint job in flight and wait for it (its file is not made).
+
+        Returns:
+            Its result (written, if it finished first), or None when none was in flight.
+        """
+        if self._job is None:
+            return None
+        self._job.abandon()
+        return self.poll_checkpoint()
+
     def checkpoint(self, state: ShardState, now: float) -> bool:
-        """Write a checkpoint, start a new log segment, delete what is no longer needed.
+        """Write a checkpoint in the calling thread, start a new log segment, prune.
 
         Args:
             state: the shard's state (synced with the log).
-            now: wall-clock seconds (for the log line).
+            now: wall-clock seconds (for status and the log line).
 
         Returns:
             Whether it was written: False before init, or when storage failed
             (logged; the log keeps everything meanwhile).
         """
-        assert self._wal is not None, "call recover() first"
-        if not state.initialized:
+        self.abandon_checkpoint()
+        job = self.begin_checkpoint(state, now)
+        if job is None:
             return False
-        try:
-            self.sync()
-        except StorageError:
-            return False
-        existing = [*numbered(self.dir, CHECKPOINT_NAME), *numbered(self.dir, LOG_NAME)]
-        gen = max([self.generation, *existing]) + 1
-        start = time.perf_counter()
-        meta, arrays = export_state(state)
-        path = self.dir / f"checkpoint-{gen}.ckpt"
-        try:
-            size = write_checkpoint(path, meta, arrays, fsync=self.cfg.fsync)
-            try:
-                wal = WriteAheadLog(self.dir / f"wal-{gen}.log", fsync=self.cfg.fsync)
-            except OSError:  # appends must not go on in a segment older than the checkpoint
-                path.unlink(missing_ok=True)
-                raise
-        except OSError as exc:
-            self._fault("write a checkpoint in", exc)
-            return False
-        self._wal.close()
-        self._wal = wal
-        self.generation = gen
-        self._prune()
-        self.last_checkpoint_s = time.perf_counter() - start
-        self.last_checkpoint_bytes = size
-        logger.info(
-            "shard %d checkpoint %d: %d bytes in %.3f s",
-            self.index,
-            gen,
-            size,
-            self.last_checkpoint_s,
-            extra={"shard": self.index, "checkpoint": gen, "bytes": size, "at": now},
-        )
-        return True
+        job.run()  # (an operator's hold pauses background writes only)
+        result = self.poll_checkpoint()
+        return result is not None and result.written
 
     def _prune(self) -> None:
-        """Keep the newest two checkpoints and the log segments from the older one on."""
+        """Keep the newest two checkpoints and the log segments from the older one on.
+
+        Run by a checkpoint job once its file is durable (in its thread: while a
+        job runs, the loop changes nothing in the directory but the current log).
+        """
         checkpoints = numbered(self.dir, CHECKPOINT_NAME)
         keep = sorted(checkpoints)[-2:]
         oldest = keep[0] if len(keep) == 2 else 0
@@ -249,7 +361,9 @@ class ShardStorage:
         fsync_dir(self.dir, self.cfg.fsync)
 
     def close(self) -> None:
-        """Sync and close the log."""
+        """Stop a checkpoint in flight, sync and close the log."""
+        if self._job is not None:
+            self._job.abandon()
         if self._wal is not None:
             self._wal.close()
             self._wal = None

@@ -18,11 +18,12 @@ import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import StateError
 from paramserver.server.state import ShardState
-from paramserver.server.storage.checkpoint_content import restore_state
+from paramserver.server.storage.checkpoint_content import checkpoint_summary, restore_state
 from paramserver.server.storage.checkpoint_file import CheckpointError, read_checkpoint
 from paramserver.server.storage.log_file import LogReader, WalError
 from paramserver.server.storage.log_format import record_to_event
@@ -47,6 +48,8 @@ class Recovered:
     truncate_to: int  # its good length when it has a torn tail, else 0 (keep it whole)
     replayed: int  # log records replayed
     skipped_corrupt: bool  # a corrupted checkpoint was set aside
+    # the loaded checkpoint for status (step, versions, time, bytes, seconds None), if any
+    loaded: dict[str, Any] | None = None
 
 
 def numbered(directory: Path, pattern: re.Pattern) -> dict[int, Path]:
@@ -106,7 +109,7 @@ def _recover(
         stale.unlink(missing_ok=True)
     checkpoints = numbered(directory, CHECKPOINT_NAME)
     skipped = False
-    state, gen = None, 0
+    state, gen, loaded = None, 0, None
     for n in sorted(checkpoints, reverse=True):
         path = checkpoints[n]
         try:
@@ -123,6 +126,7 @@ def _recover(
             skipped = True
             continue
         state, gen = restore_state(cfg, index, meta, arrays, timer), n
+        loaded = {**checkpoint_summary(meta), "bytes": path.stat().st_size, "seconds": None}
         break
     segments = {n: p for n, p in numbered(directory, LOG_NAME).items() if n >= gen}
     if state is None:
@@ -154,4 +158,5 @@ def _recover(
         state.versions(),
         extra={"shard": index, "checkpoint": gen, "replayed": replayed},
     )
-    return Recovered(state, gen, order[-1] if order else gen, truncate_to, replayed, skipped)
+    segment = order[-1] if order else gen
+    return Recovered(state, gen, segment, truncate_to, replayed, skipped, loaded)
