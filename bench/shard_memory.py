@@ -9,9 +9,10 @@ which K islands push an int8 delta to every fragment and every fragment steps
 - `bytes_per_param_init` / `bytes_per_param_steady`: RSS after init / after
   the two rounds (pending deltas merged, updates dropped), minus RSS before
   init (imports, the islands' prepared int8 frames), over N;
-- `step_s`: seconds of the second round's steps (all fragments), next to
-  `memcpy_s`: the best of 5 copies of N float32 into a touched buffer, in the
-  same process; `step_vs_memcpy` = step_s / memcpy_s.
+- `step_s`: seconds of one round's steps (all fragments; best and median of
+  every round but the first, which compiles), next to `memcpy_s`: 5 copies of
+  N float32 into a touched buffer, in the same process; `step_vs_memcpy`:
+  their ratio, best over best and median over median.
 
 Run in a fresh process per size (`bench.server` does), so that no other
 measurement's freed memory is counted. Uses only ShardState's public API.
@@ -22,6 +23,7 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -58,14 +60,17 @@ def _warm_up(cfg: ShardConfig) -> None:
     state.step(0, T0)
 
 
-def measure(params: int, fragments: int, islands: int, downlink: str) -> dict:
-    """Init a shard state, step it twice with `islands` int8 deltas per fragment.
+def measure(
+    params: int, fragments: int, islands: int, downlink: str, timing_rounds: int = 3
+) -> dict:
+    """Init a shard state, step it twice with `islands` int8 deltas per fragment, then time more.
 
     Args:
         params: float32 parameters of the shard.
         fragments: fragments they are cut into.
         islands: int8 deltas merged per fragment and step.
         downlink: "int8" or "float32".
+        timing_rounds: rounds after the two of the memory figure, also timed.
 
     Returns:
         The figures of the module docstring.
@@ -93,8 +98,8 @@ def measure(params: int, fragments: int, islands: int, downlink: str) -> dict:
     after_init = _rss()
     for i in range(islands):
         state.hello(f"i{i}", T0)
-    step_s = 0.0
-    for rnd in (1, 2):
+    step_s, steady = [], 0
+    for rnd in range(1, 3 + timing_rounds):
         for (island, fragment), payload in pushes.items():
             header = {
                 "kind": "push", "island": island, "round": rnd, "fragment": fragment,
@@ -105,8 +110,10 @@ def measure(params: int, fragments: int, islands: int, downlink: str) -> dict:
         started = time.perf_counter()
         for f in plan.fragments_of(0):
             state.step(f.index, T0)
-        step_s = time.perf_counter() - started
-    steady = _rss()
+        step_s.append(time.perf_counter() - started)
+        if rnd == 2:
+            steady = _rss()
+    del state
     src = np.ones(params, np.float32)
     dst = np.ones(params, np.float32)
     copies = []
@@ -114,6 +121,7 @@ def measure(params: int, fragments: int, islands: int, downlink: str) -> dict:
         started = time.perf_counter()
         np.copyto(dst, src)
         copies.append(time.perf_counter() - started)
+    timed = step_s[1:]  # the first round compiles
     return {
         "params": params,
         "fragments": fragments,
@@ -121,9 +129,12 @@ def measure(params: int, fragments: int, islands: int, downlink: str) -> dict:
         "downlink": downlink,
         "bytes_per_param_init": (after_init - idle) / params,
         "bytes_per_param_steady": (steady - idle) / params,
-        "step_s": step_s,
-        "memcpy_s": min(copies),
-        "step_vs_memcpy": step_s / min(copies),
+        "step_s": {"best": min(timed), "median": statistics.median(timed)},
+        "memcpy_s": {"best": min(copies), "median": statistics.median(copies)},
+        "step_vs_memcpy": {
+            "best": min(timed) / min(copies),
+            "median": statistics.median(timed) / statistics.median(copies),
+        },
     }
 
 
@@ -141,8 +152,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--fragments", type=int, default=2, help="fragments of the shard")
     parser.add_argument("--islands", type=int, default=2, help="deltas merged per step")
     parser.add_argument("--downlink", choices=("int8", "float32"), default="int8")
+    parser.add_argument("--timing-rounds", type=int, default=3, help="more rounds timed")
     args = parser.parse_args(argv)
-    print(json.dumps(measure(args.params, args.fragments, args.islands, args.downlink)))
+    figures = measure(args.params, args.fragments, args.islands, args.downlink, args.timing_rounds)
+    print(json.dumps(figures))
     return 0
 
 

@@ -12,7 +12,7 @@ from shard_helpers import delta_frames, init_payload, plan_for, push_header
 import codec
 from paramserver.server.chunked_step import ChunkedStep, host_vector
 from paramserver.server.config import ShardConfig
-from paramserver.server.downlink import Downlink, DownlinkError, new_residual
+from paramserver.server.downlink import Downlink, DownlinkError, new_residual, quantize_chunk
 from paramserver.server.outer import DonatingStep, make_outer_optimizer
 from paramserver.server.state import ShardState
 
@@ -102,15 +102,20 @@ def test_an_int8_publication_writes_the_codecs_frames_and_applies_their_decoding
     start = params.copy()
     publication = Downlink("int8").begin(params, residual)
     chunk = 1 << 18
+    quantize = jax.jit(quantize_chunk, static_argnums=1)  # jitted, as inside the step
     for lo in range(0, n, chunk):
-        publication.apply(lo, min(n, lo + chunk), target[lo : lo + chunk])
+        publication.apply(lo, min(n, lo + chunk), quantize(target[lo : lo + chunk], 256))
     frames = publication.frames()
     want, _ = codec.int8().encode({"values": target})
     assert [bytes(memoryview(f)) for f in frames] == [bytes(memoryview(f)) for f in want]
     decoded = codec.decode(frames)["values"]
     assert params.tobytes() == np.add(start, decoded, dtype=np.float32).tobytes()
-    # the residual is what the decoding missed, rounded to bfloat16
-    assert residual.tobytes() == (target - decoded).astype(residual.dtype).tobytes()
+    # the residual is what the decoding missed, rounded to bfloat16; XLA may fuse the
+    # product into the difference (FMA): off by at most a float32 rounding of decoded
+    missed = target.astype(np.float64) - decoded
+    slack = 2**-8 * np.abs(missed) + 2**-23 * np.abs(decoded)
+    assert np.all(np.abs(residual.astype(np.float64) - missed) <= slack)
+    assert np.count_nonzero(residual) > n // 2
 
 
 def test_a_non_finite_update_is_refused():
@@ -119,7 +124,7 @@ def test_a_non_finite_update_is_refused():
     bad = np.zeros(512, np.float32)
     bad[3] = np.inf
     with pytest.raises(DownlinkError, match="not finite"):
-        publication.apply(0, 512, bad)
+        publication.apply(0, 512, quantize_chunk(bad, 256))
 
 
 def numpy_decode(frames):
@@ -129,7 +134,7 @@ def numpy_decode(frames):
     payload = b"".join(
         zstandard.ZstdDecompressor().decompress(bytes(memoryview(f))) for f in frames[1:]
     )
-    (path, shape, dtype, offset), = header["tensors"]
+    ((path, shape, dtype, offset),) = header["tensors"]
     n, block = shape[0], header["block"]
     codes = np.frombuffer(payload, np.int8, n, offset)
     blocks = -(-n // block)

@@ -13,7 +13,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "paramserver" / "server"
 DECIDING = [
     "core", "effects", "state", "outcomes", "events", "fragment", "counters", "fragment_step",
-    "binding", "policy", "weighting", "merge", "robust", "downlink", "outer",
+    "binding", "policy", "weighting", "merge", "robust", "downlink", "outer", "chunked_step",
 ]  # fmt: skip
 FORBIDDEN = {"zmq", "threading", "time"}
 

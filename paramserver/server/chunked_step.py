@@ -36,7 +36,8 @@ CHUNK = 1 << 18  # elements per jitted call: 1 MiB of float32, a few of them sta
 MAX_ELEMENTS = (1 << 31) - 1  # offsets are traced as int32
 
 Fill = Callable[[int, int, np.ndarray], None]  # writes the merged delta's [lo, hi) into out
-Sink = Callable[[int, int, jax.Array], None]  # takes the update (+ residual) of [lo, hi)
+Finish = Callable[[jax.Array], Any]  # jax: the chunk's update (+ carry) -> what the sink takes
+Sink = Callable[[int, int, Any], None]  # takes finish(update + carry) of [lo, hi)
 
 
 def host_vector(values: Any, dtype: Any = np.float32) -> np.ndarray:
@@ -84,6 +85,7 @@ class JaxViews:
 def _chunk_step(
     tx: optax.GradientTransformation,
     apply: bool,
+    finish: Finish | None,
     offset: jax.Array,
     params: jax.Array,
     state: Any,
@@ -92,8 +94,9 @@ def _chunk_step(
 ) -> tuple[jax.Array, Any]:
     """The transformation on the chunk [offset, offset + len(merged)) of a fragment.
 
-    Returns (new params, new state) when `apply`, else (update + carry, new
-    state), `carry` being a bfloat16 vector of the fragment's size as uint16 bits.
+    Returns (new params, new state) when `apply`, else (finish(update + carry),
+    new state), `carry` being a bfloat16 vector of the fragment's size as uint16
+    bits (none: 0) and `finish` the identity when None.
     """
     n, size = params.shape[0], merged.shape[0]
 
@@ -109,28 +112,33 @@ def _chunk_step(
     if carry is not None:
         carry = jax.lax.bitcast_convert_type(cut(carry), jnp.bfloat16)
         updates = updates + carry.astype(updates.dtype)
-    return updates, new_state
+    return (updates if finish is None else finish(updates)), new_state
 
 
 class ChunkedStep:
     """One elementwise optax transformation, stepped in place over host buffers."""
 
-    def __init__(self, tx: optax.GradientTransformation, chunk: int = CHUNK) -> None:
+    def __init__(
+        self, tx: optax.GradientTransformation, chunk: int = CHUNK, finish: Finish | None = None
+    ) -> None:
         """Jit the chunk step of a transformation.
 
         Args:
             tx: the outer transformation (kept as `tx`).
             chunk: elements per jitted call (a multiple of 1024; tests use small ones).
+            finish: a jax function of a chunk's update (+ carry) run in the same
+                jit, whose outputs a `step`'s sink takes (the downlink's
+                quantizer); None: the sink takes the update.
         """
         if chunk <= 0 or chunk % 1024:
             raise OuterError(f"chunk={chunk} must be a positive multiple of 1024")
         self.tx = tx
         self.chunk = chunk
         self.views = JaxViews()
-        self._merged = aligned_float32(chunk)
+        self._merged = (aligned_float32(chunk), aligned_float32(chunk))
         self._init = jax.jit(tx.init)
-        self._apply = jax.jit(lambda *a: _chunk_step(tx, True, *a))
-        self._updates = jax.jit(lambda *a: _chunk_step(tx, False, *a))
+        self._apply = jax.jit(lambda *a: _chunk_step(tx, True, None, *a))
+        self._updates = jax.jit(lambda *a: _chunk_step(tx, False, finish, *a))
 
     def init(self, params: np.ndarray) -> Any:
         """Fresh optimizer state for a fragment, as host buffers.
@@ -161,8 +169,11 @@ class ChunkedStep:
                 into `out` (float32, hi - lo elements).
             sink: None to add each chunk's update to `params` (as
                 `optax.apply_updates` does, inside the jit); else called as
-                `sink(lo, hi, update)` with the update of [lo, hi), chunk by
-                chunk in order, and `params` is left to it.
+                `sink(lo, hi, out)` with out = finish(update + carry) of
+                [lo, hi), chunk by chunk in order, and `params` is left to it.
+            carry: with `sink`, a bfloat16 vector of the fragment's size added
+                to the update before `finish` (the downlink residual; a chunk's
+                carry is read before its sink runs, so the sink may rewrite it).
 
         Raises:
             OuterError: params too large, or a state leaf that is not elementwise.
@@ -176,28 +187,53 @@ class ChunkedStep:
             if not is_vector and leaf.size > 1:
                 raise OuterError(f"state leaf of shape {leaf.shape} is not elementwise over {n}")
         # scalar leaves: every chunk reads their value from before the step
-        inputs = [self.views.of(x) if v else jnp.asarray(x) for x, v in zip(leaves, vector)]
+        inputs = [
+            self.views.of(x) if v else jnp.asarray(x) for x, v in zip(leaves, vector, strict=True)
+        ]
         j_state = jax.tree.unflatten(treedef, inputs)
         j_params = self.views.of(params)
         fn = self._apply if sink is None else self._updates
         extra = () if carry is None or sink is None else (self.views.of(carry.view(np.uint16)),)
+        # pipelined: chunk k+1 is filled and dispatched (XLA runs it on its own
+        # threads) before chunk k's results are copied back and sunk; chunks are
+        # disjoint, and the merged delta alternates between two scratch buffers
+        pending: tuple[int, int, Any, Any] | None = None
         new_leaves: list[Any] = []
-        for lo in range(0, n, self.chunk):
+        for k, lo in enumerate(range(0, n, self.chunk)):
             hi = min(lo + self.chunk, n)
-            merged = self._merged[: hi - lo]
+            merged = self._merged[k % 2][: hi - lo]
             fill(lo, hi, merged)
             out, new_state = fn(np.int32(lo), j_params, j_state, self.views.of(merged), *extra)
-            new_leaves = jax.tree.leaves(new_state)
-            for leaf, new, is_vector in zip(leaves, new_leaves, vector, strict=True):
-                if is_vector:
-                    np.copyto(leaf[lo:hi], np.asarray(new))
-            if sink is None:
-                np.copyto(params[lo:hi], np.asarray(out))
-            else:
-                sink(lo, hi, out)
+            if pending is not None:
+                new_leaves = self._take(params, leaves, vector, sink, *pending)
+            pending = (lo, hi, out, new_state)
+        if pending is not None:
+            new_leaves = self._take(params, leaves, vector, sink, *pending)
         for leaf, new, is_vector in zip(leaves, new_leaves, vector, strict=True):
             if not is_vector:
                 np.copyto(leaf, np.asarray(new))
+
+    @staticmethod
+    def _take(
+        params: np.ndarray,
+        leaves: list[np.ndarray],
+        vector: list[bool],
+        sink: Sink | None,
+        lo: int,
+        hi: int,
+        out: Any,
+        new_state: Any,
+    ) -> list[Any]:
+        """Copy one chunk's results into the buffers (or hand them to the sink)."""
+        new_leaves = jax.tree.leaves(new_state)
+        for leaf, new, is_vector in zip(leaves, new_leaves, vector, strict=True):
+            if is_vector:
+                np.copyto(leaf[lo:hi], np.asarray(new))
+        if sink is None:
+            np.copyto(params[lo:hi], np.asarray(out))
+        else:
+            sink(lo, hi, out)
+        return new_leaves
 
 
 def host_state(state: Any) -> Any:

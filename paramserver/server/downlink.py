@@ -36,9 +36,7 @@ import numpy as np
 import codec
 from codec import format as fmt
 from codec.compress import compress_frames
-from codec.quant import decode_blocks, encode_blocks
-from codec.workspace import workspace
-from paramserver.server.chunked_step import JaxViews
+from codec.quant import TINY, step_factor
 from paramserver.server.config import DOWNLINKS
 from paramserver.server.outer import aligned_float32
 
@@ -82,10 +80,38 @@ def restore_residual(saved: np.ndarray) -> np.ndarray:
     return out
 
 
-@jax.jit
-def _residual_bits(target: jax.Array, decoded: jax.Array) -> jax.Array:
-    """bfloat16(target - decoded) as uint16 bits (round to nearest even; no FMA: two inputs)."""
-    return jax.lax.bitcast_convert_type((target - decoded).astype(jnp.bfloat16), jnp.uint16)
+def quantize_chunk(target: jax.Array, block: int) -> tuple[jax.Array, ...]:
+    """The int8 encoding of one chunk, inside the step's jit: codes, scales, decoded, residual.
+
+    The very float32 operations of `codec.quant` (block absmax, flush below
+    TINY, factor min(127 / absmax, 127 / TINY), round half to even; decoded =
+    code * (absmax * float32(1/127))), so codes and scales are the codec's
+    bit for bit and `decoded` is what `codec.decode` gives for them. XLA may
+    fuse the residual's product and difference into one FMA (target minus the
+    exact product, not the rounded one): within one float32 rounding of
+    `decoded` of the float32 difference, far below the bfloat16 rounding that
+    follows, and the same on every run of the same backend (replay).
+
+    Args:
+        target: the chunk's update plus residual (float32); a chunk that is not
+            a multiple of `block` is padded with zeros, as the codec pads.
+        block: the block size.
+
+    Returns:
+        (int8 codes, float32 block absmax, float32 decoded, the new residual
+        target - decoded as bfloat16 bits in uint16).
+    """
+    n = target.shape[0]
+    blocks = -(-n // block)
+    v = jnp.pad(target, (0, blocks * block - n)).reshape(blocks, block)
+    scales = jnp.max(jnp.abs(v), axis=1)
+    scales = jnp.where(scales < TINY, jnp.float32(0), scales)
+    factor = jnp.minimum(jnp.float32(127) / scales, jnp.float32(127 / float(TINY)))
+    q = jnp.rint(v * factor[:, None])
+    decoded = (q * (scales * step_factor(127))[:, None]).reshape(-1)[:n]
+    residual = (target - decoded).astype(jnp.bfloat16)
+    codes = q.astype(jnp.int8).reshape(-1)[:n]
+    return codes, scales, decoded, jax.lax.bitcast_convert_type(residual, jnp.uint16)
 
 
 class Downlink:
@@ -102,7 +128,8 @@ class Downlink:
             raise DownlinkError(f"downlink {scheme!r} is unknown; choose one of {DOWNLINKS}")
         self.scheme = scheme
         self._codec = codec.int8() if scheme == "int8" else None
-        self._decoded = _Scratch()  # one chunk of decoded values, reused by every publication
+        block = self._codec.block_size if self._codec else 0
+        self.finish = lambda target: quantize_chunk(target, block)  # in the step's jit
 
     @property
     def compressed(self) -> bool:
@@ -121,23 +148,7 @@ class Downlink:
         """
         if self._codec is None:
             raise DownlinkError("the float32 downlink publishes full values, not deltas")
-        block, zstd = self._codec.block_size, self._codec.zstd_level
-        return Int8Publication(params, residual, block, zstd, self._decoded)
-
-
-class _Scratch:
-    """A reused float32 buffer and its zero-copy JAX views, one per length asked for."""
-
-    def __init__(self) -> None:
-        self.buffer = aligned_float32(0)
-        self.views = JaxViews()
-
-    def take(self, size: int) -> tuple[np.ndarray, jax.Array]:
-        """The first `size` elements, as numpy and as the JAX array sharing them."""
-        if size > self.buffer.shape[0]:
-            self.buffer, self.views = aligned_float32(size), JaxViews()
-        head = self.buffer[:size]
-        return head, self.views.of(head)
+        return Int8Publication(params, residual, self._codec.block_size, self._codec.zstd_level)
 
 
 class Int8Publication:
@@ -147,9 +158,7 @@ class Int8Publication:
     divided by a power of two; block-aligned), then take `frames()`.
     """
 
-    def __init__(
-        self, params: np.ndarray, residual: np.ndarray, block: int, zstd: int, decoded: _Scratch
-    ) -> None:
+    def __init__(self, params: np.ndarray, residual: np.ndarray, block: int, zstd: int) -> None:
         """Lay out the message of `params.shape[0]` elements.
 
         Args:
@@ -157,7 +166,6 @@ class Int8Publication:
             residual: its bfloat16 residual (updated in place).
             block: int8 block size.
             zstd: zstd level of the payload frames.
-            decoded: scratch for one chunk's decoded values.
         """
         n = params.shape[0]
         self.params, self.residual_bits = params, residual.view(np.uint16)
@@ -170,45 +178,41 @@ class Int8Publication:
         self.tail = np.zeros(self.total - self.full * fmt.FRAME_BYTES, np.uint8)
         start = self.tensor.scales_offset - self.full * fmt.FRAME_BYTES
         self.scales = self.tail[start:].view(np.float32)
-        self.decoded = decoded
         self.frames_out: list[Any] = []
         self.entries: list[Any] = []
-        self._ws = workspace(block)
 
-    def apply(self, lo: int, hi: int, update: jax.Array) -> None:
-        """Quantize one chunk of target = update + residual, apply its decoded values.
+    def apply(self, lo: int, hi: int, quantized: tuple[jax.Array, ...]) -> None:
+        """Take one chunk's encoding (`quantize_chunk`): frame its codes, apply its decoded values.
 
         Args:
             lo, hi: the chunk [lo, hi) (lo a multiple of the block size).
-            update: the target of [lo, hi) (outer update plus residual, float32).
+            quantized: (codes, scales, decoded, residual bits) of [lo, hi).
 
         Raises:
             DownlinkError: the target is not finite (the chunks before stay applied).
         """
-        target = np.asarray(update)
+        codes, scales, decoded, residual = (np.asarray(x) for x in quantized)
+        if scales.shape[0] and not np.isfinite(scales.max()):
+            raise DownlinkError(f"outer update of elements [{lo}, {hi}) is not finite")
         first = self.full * fmt.FRAME_BYTES
         if lo < first:
             if (lo // fmt.FRAME_BYTES) != ((hi - 1) // fmt.FRAME_BYTES):
                 raise DownlinkError(f"chunk [{lo}, {hi}) straddles a payload frame")
             base = lo - lo % fmt.FRAME_BYTES
-            codes = self.window[lo - base : hi - base]
+            np.copyto(self.window[lo - base : hi - base], codes)
         else:
-            codes = self.tail[lo - first : hi - first].view(np.int8)
-        scales = self.scales[lo // self.block : -(-hi // self.block)]
-        with np.errstate(all="ignore"):
-            encode_blocks(target, None, None, codes, scales, 127, self._ws)
-        if scales.shape[0] and not np.isfinite(scales.max()):
-            raise DownlinkError(f"outer update of elements [{lo}, {hi}) is not finite")
-        decoded, decoded_j = self.decoded.take(hi - lo)
-        decode_blocks(codes, scales, decoded, 127, self._ws)
+            np.copyto(self.tail[lo - first : hi - first].view(np.int8), codes)
+        np.copyto(self.scales[lo // self.block : -(-hi // self.block)], scales)
         np.add(self.params[lo:hi], decoded, out=self.params[lo:hi])
-        bits = _residual_bits(update, decoded_j)
-        np.copyto(self.residual_bits[lo:hi], np.asarray(bits))
+        np.copyto(self.residual_bits[lo:hi], residual)
         if hi <= first and hi % fmt.FRAME_BYTES == 0:
             self._compress(memoryview(self.window).cast("B"))
 
     def _compress(self, payload: memoryview) -> None:
-        ranges = [(a, min(a + fmt.FRAME_BYTES, len(payload))) for a in range(0, len(payload), fmt.FRAME_BYTES)]
+        ranges = [
+            (a, min(a + fmt.FRAME_BYTES, len(payload)))
+            for a in range(0, len(payload), fmt.FRAME_BYTES)
+        ]
         frames, entries = compress_frames(payload, ranges, self.zstd, None)
         self.frames_out += frames
         self.entries += entries

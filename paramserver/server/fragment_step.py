@@ -78,10 +78,12 @@ class FragmentStepper:
         self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent)
         outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
         self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
-        self._step = ChunkedStep(self.optimizer.tx)  # the one outer step, in place
-        # a step that merges one island's work when the quorum collapsed: plain SGD
-        self._single = ChunkedStep(optax.sgd(lr)) if (lr := cfg.single_island_outer_lr) else None
         self.downlink = Downlink(cfg.downlink)
+        finish = self.downlink.finish if self.downlink.compressed else None
+        self._step = ChunkedStep(self.optimizer.tx, finish=finish)  # the outer step, in place
+        # a step that merges one island's work when the quorum collapsed: plain SGD
+        lr = cfg.single_island_outer_lr
+        self._single = ChunkedStep(optax.sgd(lr), finish=finish) if lr else None
 
     def init(self, params: np.ndarray) -> Any:
         """A fragment's fresh optimizer state, as host buffers the step updates in place.

@@ -14,8 +14,8 @@ import numpy as np
 
 from paramserver.server.chunked_step import host_state, host_vector
 from paramserver.server.config import ShardConfig
-from paramserver.server.downlink import restore_residual
 from paramserver.server.counters import Counters
+from paramserver.server.downlink import restore_residual
 from paramserver.server.events import Contribution, StateError
 from paramserver.server.fragment import DedupEntry, FragmentState
 from paramserver.server.policy import ArrivalStats
