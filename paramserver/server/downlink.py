@@ -2,14 +2,14 @@
 
 This module owns the rule that keeps every replica equal to the shard bit for
 bit while the shard publishes int8 instead of float32, applied chunk by chunk
-(`Int8Publication`, fed by `paramserver.server.chunked_step`):
+(`quantize_chunk` inside the step's jit, `Int8Publication` on the host; fed by
+`paramserver.server.chunked_step`):
 
     target    = outer update + residual          (float32, per chunk)
-    codes     = int8 block quantization of target (codec.quant, round to nearest,
-                                                  no codec error feedback: the
-                                                  residual here IS the feedback)
-    decoded   = codes * block step                (codec.quant.decode_blocks: what
-                                                  codec.decode(frames) gives)
+    codes     = int8 block quantization of target (the codec's float32 operations,
+                                                  round to nearest, no codec error
+                                                  feedback: the residual IS the feedback)
+    decoded   = codes * block step                (what codec.decode(frames) gives)
     params   += decoded                           (float32 add, numpy, as a replica does)
     residual  = bfloat16(target - decoded)        (carried into the next update)
 
@@ -20,8 +20,8 @@ for {"values": target}, byte for byte, but built as the chunks come: each
 frame of codes, the block scales and the compressed frames are held. The
 residual is kept in bfloat16 (2 B/param instead of 4; it is at most half a
 quantization step, so its own rounding is ~2^-9 of that). Everything is a pure
-function of its inputs, so replaying the log reproduces the same frames and
-parameters.
+function of its inputs and the backend's compiled code, so replaying the log
+reproduces the same frames and parameters.
 """
 
 from __future__ import annotations
