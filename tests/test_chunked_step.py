@@ -13,7 +13,7 @@ import codec
 from paramserver.server.chunked_step import ChunkedStep, host_vector
 from paramserver.server.config import ShardConfig
 from paramserver.server.downlink import Downlink, DownlinkError, new_residual, quantize_chunk
-from paramserver.server.outer import DonatingStep, make_outer_optimizer
+from paramserver.server.outer import DonatingStep, FragmentOptimizer, make_outer_optimizer
 from paramserver.server.state import ShardState
 
 pytestmark = pytest.mark.timeout(120)
@@ -168,3 +168,57 @@ def test_the_shard_equals_an_independent_decoding_of_its_published_frames():
             assert replica[fragment].tobytes() == state.snapshot(fragment)[1].tobytes()
     for f, kept in kept_before.items():  # a snapshot taken before the steps kept its values
         assert kept.tobytes() == plan.gather(flat, f).tobytes()
+
+
+def shard_with(cfg, size, islands=("a", "b")):
+    flat = {"w": rand(size, 3)}
+    plan = plan_for(flat, 1, 2)
+    state = ShardState(cfg, 0)
+    state.initialize(plan.to_wire(), init_payload(plan, flat))
+    for island in islands:
+        state.hello(island, T0)
+    return state, plan
+
+
+def push_and_step(state, plan, deltas, rnd, fragment=0):
+    base = state.versions()[fragment]
+    for island, d in deltas.items():
+        header = push_header(plan, island, rnd, fragment, base)
+        assert state.submit_delta(header, delta_frames(d), T0).status == "accepted"
+    return state.step(fragment, T0)[1]
+
+
+def test_a_shard_step_with_delayed_nesterov_is_the_reference_step_bit_for_bit():
+    cfg = ShardConfig(
+        mode="async", fsync=False, outer_optimizer="delayed-nesterov", nesterov_delay=2,
+        outer_lr=0.7, outer_momentum=0.9, downlink="float32",
+    )  # fmt: skip
+    state, plan = shard_with(cfg, 1_200_000, islands=("a",))  # fragments of 3 chunks and a tail
+    size = plan.fragments[0].size
+    ref = FragmentOptimizer(make_outer_optimizer("delayed-nesterov", 0.7, 0.9, 2))
+    params = plan.gather({"w": rand(1_200_000, 3)}, 0)
+    ref_state = ref.init(params)
+    for rnd in range(1, 5):
+        d = rand(size, 10 + rnd, 0.01)
+        update = push_and_step(state, plan, {"a": d}, rnd)  # one fresh island: merged = d
+        params, ref_state = ref.step(params, ref_state, d)
+        assert update.values.tobytes() == params.tobytes(), rnd
+        got = state.fragments[0].opt_state
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(ref_state), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), rnd
+
+
+def test_a_step_merging_one_island_in_sync_mode_is_plain_sgd_and_keeps_the_momentum():
+    cfg = ShardConfig(mode="sync", fsync=False, downlink="float32")
+    assert cfg.single_island_outer_lr == pytest.approx(0.7)
+    state, plan = shard_with(cfg, 600_000)
+    size = plan.fragments[0].size
+    start = state.snapshot(0)[1].astype(np.float64)
+    d = rand(size, 20, 0.01)
+    update = push_and_step(state, plan, {"a": d}, 1)  # b stayed silent: one island's work
+    np.testing.assert_allclose(update.values, start - 0.7 * d, rtol=1e-6, atol=1e-7)
+    (momentum,) = [x for x in jax.tree.leaves(state.fragments[0].opt_state) if x.shape == (size,)]
+    assert not momentum.any()  # untouched by the single-island step
+    e = rand(size, 21, 0.01)
+    push_and_step(state, plan, {"a": d, "b": e}, 2)  # both islands: Nesterov moves it
+    assert momentum.any()

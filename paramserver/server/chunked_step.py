@@ -7,8 +7,13 @@ elements: the caller's `fill(lo, hi, out)` writes the merged delta's chunk into
 a reused scratch buffer, one jitted call runs the transformation on that chunk
 (params and the state's vector leaves are sliced inside the jit by a traced
 offset: one compile per fragment and chunk length, not per chunk), and its
-outputs are copied back into the buffers' slices. Scratch is a few chunks,
-whatever the fragment's size; no full-size array is allocated per step.
+outputs are copied back into the buffers' slices. With a `sink` (the
+compressed downlink), the jit adds a bfloat16 `carry` (the downlink residual)
+to the chunk's update and runs `finish` on it (the downlink's quantizer), and
+the sink takes its outputs instead. Chunk k+1 is filled and dispatched before
+chunk k's outputs are taken, so XLA computes while the host copies. Scratch is
+a few chunks, whatever the fragment's size; no full-size array is allocated
+per step.
 
 Elementwise transformations only (nesterov, sgd, delayed-nesterov): every
 state leaf is either a vector of the fragment's size (chunked) or a value that
