@@ -115,7 +115,7 @@ def quantize_chunk(target: jax.Array, block: int) -> tuple[jax.Array, ...]:
 
 
 class Downlink:
-    """Publishes outer updates as int8 increments ("int8"), or not at all ("float32": full values)."""
+    """Publishes outer updates as int8 increments ("int8"), or none ("float32": full values)."""
 
     def __init__(self, scheme: str = "float32") -> None:
         """Pick the scheme.

@@ -7,8 +7,9 @@ islands' shares (`paramserver.server.weighting`), the merged delta
 place chunk by chunk by `paramserver.server.chunked_step`; a plain SGD step
 when one island's work is merged alone and `single_island_outer_lr` is set)
 and the compressed downlink (`paramserver.server.downlink`: the fragment takes
-exactly the update replicas decode, chunk by chunk). Which deltas a step merges, and the bookkeeping
-around it (pending set, version, counters), are `paramserver.server.state`'s.
+exactly the update replicas decode, chunk by chunk). Which deltas a step
+merges, and the bookkeeping around it (pending set, version, counters), are
+`paramserver.server.state`'s.
 """
 
 from __future__ import annotations
