@@ -1,6 +1,9 @@
-"""bench.server runs end to end at a tiny size and reports every figure."""
+"""bench.server and bench.shard_memory run end to end at a tiny size and report every figure."""
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -56,3 +59,23 @@ def test_bench_server_reports_every_measurement(capsys):
     assert quiet["count"] + during["count"] == acks["pushes"]
     if quiet["count"] and during["count"]:
         assert acks["ack_p99_during_vs_quiet"] == pytest.approx(during["p99"] / quiet["p99"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_bench_shard_memory_prints_memory_and_step_figures():
+    args = ["--params", "65536", "--timing-rounds", "2"]
+    done = subprocess.run(
+        [sys.executable, "-m", "bench.shard_memory", *args],
+        capture_output=True, text=True, timeout=280, cwd=Path(__file__).resolve().parent.parent,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    figures = json.loads(done.stdout)
+    assert (figures["params"], figures["deltas_per_step"], figures["downlink"]) == (
+        65536, 2, "int8",
+    )  # fmt: skip
+    for key in ("step_s", "memcpy_s"):
+        assert figures[key]["median"] >= figures[key]["best"] > 0
+    ratio = figures["step_vs_memcpy"]["best"]
+    assert ratio == pytest.approx(figures["step_s"]["best"] / figures["memcpy_s"]["best"])
+    assert isinstance(figures["bytes_per_param_steady"], float)

@@ -14,6 +14,7 @@ SERVER = ROOT / "paramserver" / "server"
 DECIDING = [
     "core", "effects", "state", "outcomes", "events", "fragment", "counters", "fragment_step",
     "binding", "policy", "weighting", "merge", "robust", "downlink", "outer", "init_pieces",
+    "chunked_step",
 ]  # fmt: skip
 FORBIDDEN = {"zmq", "threading", "time"}
 

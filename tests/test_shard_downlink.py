@@ -9,7 +9,7 @@ from shard_helpers import delta_frames, init_payload, plan_for, push_header, sma
 
 import codec
 from paramserver.server.config import ShardConfig
-from paramserver.server.downlink import Downlink, DownlinkError
+from paramserver.server.downlink import Downlink, DownlinkError, new_residual
 from paramserver.server.state import ShardState
 from paramserver.server.storage.checkpoint_content import export_state, restore_state
 from paramserver.wire import protocol
@@ -35,7 +35,8 @@ def run_steps(cfg, steps, seed=0):
         events.append(out.event)
         event, update = state.step(fragment, T0 + rnd)
         events.append(event)
-        updates.append(update)
+        # values view the params, which the next step updates in place: keep a copy
+        updates.append(replace(update, values=update.values.copy()))
     return state, plan, flat, events, updates
 
 
@@ -78,7 +79,7 @@ def test_downlink_rejects_unknown_schemes_and_full_mode_publishing():
     with pytest.raises(DownlinkError, match="int4"):
         Downlink("int4")
     with pytest.raises(DownlinkError):
-        Downlink("float32").publish(np.zeros(3, np.float32), np.zeros(3, np.float32), None)
+        Downlink("float32").begin(np.zeros(3, np.float32), new_residual(3))
 
 
 @pytest.mark.timeout(60)

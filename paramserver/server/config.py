@@ -15,7 +15,6 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from paramserver.plumbing.validate import LOG_LEVELS, Checks
-from paramserver.server.downlink import DOWNLINKS
 from paramserver.server.merge import MERGES
 from paramserver.server.policy import PolicyConfig, PolicyError
 from paramserver.server.weighting import WEIGHTINGS
@@ -37,6 +36,7 @@ SYNC_OUTER_MOMENTUM = 0.9
 # (0.005), lr 0.7 momentum 0.8: 2.278 (0.029); delay 6: 2.402 (0.025); plain
 # Nesterov 0.9 per delta at lr 0.7/0.35: 4.982 (0.71) / 2.771 (0.016).
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server.outer
+DOWNLINKS = ("float32", "int8")  # paramserver.server.downlink
 ASYNC_OUTER_LR = 0.7
 ASYNC_OUTER_MOMENTUM = 0.0
 

@@ -1,20 +1,26 @@
 """The compressed downlink: what a shard publishes for each outer step, and what it keeps.
 
 This module owns the rule that keeps every replica equal to the shard bit for
-bit while the shard publishes int8 instead of float32:
+bit while the shard publishes int8 instead of float32, applied chunk by chunk
+(`quantize_chunk` inside the step's jit, `Int8Publication` on the host; fed by
+`paramserver.server.chunked_step`):
 
-    target    = outer update + residual          (float32)
-    frames    = int8 encoding of target          (no codec error feedback:
-                                                  the residual here IS the feedback)
-    decoded   = what codec.decode(frames) gives  (what every replica decodes; the
-                                                  encoder returns it: Codec.encode_decoded)
-    params    = params + decoded                 (float32 add, numpy, as a replica does)
-    residual  = target - decoded                 (carried into the next update)
+    target    = outer update + residual          (float32, per chunk)
+    codes     = int8 block quantization of target (the codec's float32 operations,
+                                                  round to nearest, no codec error
+                                                  feedback: the residual IS the feedback)
+    decoded   = codes * block step                (what codec.decode(frames) gives)
+    params   += decoded                           (float32 add, numpy, as a replica does)
+    residual  = bfloat16(target - decoded)        (carried into the next update)
 
-The shard applies exactly the decoded update to its own fp32 parameters, so a
-replica that adds every published update to the snapshot it started from
-holds the same bits. Snapshots stay exact float32. Everything here is a pure
-function of its inputs (round-to-nearest encoding), so replaying the log
+The update is quantized once; the shard applies exactly the decoded values and
+never decodes its own frames. The frames are those `codec.int8().encode` writes
+for {"values": target}, byte for byte, but built as the chunks come: each
+1 MiB payload frame of codes is compressed as soon as it is full, so only one
+frame of codes, the block scales and the compressed frames are held. The
+residual is kept in bfloat16 (2 B/param instead of 4; it is at most half a
+quantization step, so its own rounding is ~2^-9 of that). Everything is a pure
+function of its inputs and the backend's compiled code, so replaying the log
 reproduces the same frames and parameters.
 """
 
@@ -22,19 +28,94 @@ from __future__ import annotations
 
 from typing import Any
 
+import jax
+import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 
 import codec
+from codec import format as fmt
+from codec.compress import compress_frames
+from codec.quant import TINY, step_factor
+from paramserver.server.config import DOWNLINKS
+from paramserver.server.outer import aligned_float32
 
-DOWNLINKS = ("float32", "int8")
+RESIDUAL_DTYPE = np.dtype(ml_dtypes.bfloat16)
 
 
 class DownlinkError(ValueError):
-    """An unknown downlink scheme."""
+    """An unknown downlink scheme, or an update that cannot be published."""
+
+
+def new_residual(size: int) -> np.ndarray:
+    """A zero downlink residual for a fragment of `size` elements (aligned bfloat16).
+
+    Args:
+        size: the fragment's element count.
+
+    Returns:
+        The residual buffer (its uint16 view is what JAX reads).
+    """
+    out = aligned_float32(-(-size // 2)).view(np.uint16)[:size]
+    out[...] = 0
+    return out.view(RESIDUAL_DTYPE)
+
+
+def restore_residual(saved: np.ndarray) -> np.ndarray:
+    """A residual buffer from its checkpoint form.
+
+    Args:
+        saved: the bfloat16 bits (uint16), or float32 values (checkpoints
+            written before the residual was kept in bfloat16; rounded to it).
+
+    Returns:
+        An aligned bfloat16 residual.
+    """
+    saved = np.asarray(saved).reshape(-1)
+    out = new_residual(saved.shape[0])
+    if saved.dtype == np.uint16:
+        out.view(np.uint16)[...] = saved
+    else:
+        out[...] = saved.astype(np.float32)
+    return out
+
+
+def quantize_chunk(target: jax.Array, block: int) -> tuple[jax.Array, ...]:
+    """The int8 encoding of one chunk, inside the step's jit: codes, scales, decoded, residual.
+
+    The very float32 operations of `codec.quant` (block absmax, flush below
+    TINY, factor min(127 / absmax, 127 / TINY), round half to even; decoded =
+    code * (absmax * float32(1/127))), so codes and scales are the codec's
+    bit for bit and `decoded` is what `codec.decode` gives for them. XLA may
+    fuse the residual's product and difference into one FMA (target minus the
+    exact product, not the rounded one): within one float32 rounding of
+    `decoded` of the float32 difference, far below the bfloat16 rounding that
+    follows, and the same on every run of the same backend (replay).
+
+    Args:
+        target: the chunk's update plus residual (float32); a chunk that is not
+            a multiple of `block` is padded with zeros, as the codec pads.
+        block: the block size.
+
+    Returns:
+        (int8 codes, float32 block absmax, float32 decoded, the new residual
+        target - decoded as bfloat16 bits in uint16).
+    """
+    n = target.shape[0]
+    blocks = -(-n // block)
+    v = jnp.pad(target, (0, blocks * block - n)).reshape(blocks, block)
+    scales = jnp.max(jnp.abs(v), axis=1)
+    scales = jnp.where(scales < TINY, jnp.float32(0), scales)
+    factor = jnp.minimum(jnp.float32(127) / scales, jnp.float32(127 / float(TINY)))
+    q = jnp.rint(v * factor[:, None])
+    decoded = (q * (scales * step_factor(127))[:, None]).reshape(-1)[:n]
+    residual = (target - decoded).astype(jnp.bfloat16)
+    codes = q.astype(jnp.int8).reshape(-1)[:n]
+    return codes, scales, decoded, jax.lax.bitcast_convert_type(residual, jnp.uint16)
 
 
 class Downlink:
-    """Encodes outer updates for publishing ("int8"), or does nothing ("float32": full values)."""
+    """Publishes outer updates as int8 increments ("int8"), or none ("float32": full values)."""
 
     def __init__(self, scheme: str = "float32") -> None:
         """Pick the scheme.
@@ -47,31 +128,103 @@ class Downlink:
             raise DownlinkError(f"downlink {scheme!r} is unknown; choose one of {DOWNLINKS}")
         self.scheme = scheme
         self._codec = codec.int8() if scheme == "int8" else None
+        block = self._codec.block_size if self._codec else 0
+        self.finish = lambda target: quantize_chunk(target, block)  # in the step's jit
 
     @property
     def compressed(self) -> bool:
         """Whether updates are published as quantized deltas."""
         return self._codec is not None
 
-    def publish(
-        self, params: np.ndarray, update: np.ndarray, residual: np.ndarray
-    ) -> tuple[np.ndarray, list[Any], np.ndarray]:
-        """Quantize one outer update and apply exactly what replicas will decode.
+    def begin(self, params: np.ndarray, residual: np.ndarray) -> Int8Publication:
+        """Start publishing one outer update of a fragment.
 
         Args:
-            params: the fragment's current values (1-D float32, not modified).
-            update: the outer optimizer's update (new - old before quantization).
-            residual: the quantization error carried from the previous update.
+            params: the fragment's values (aligned float32; updated in place).
+            residual: its downlink residual (`new_residual`; updated in place).
 
         Returns:
-            (new params = params + decoded, the codec frames of {"values": target},
-            new residual = target - decoded); all float32.
+            The publication to feed chunk by chunk.
         """
         if self._codec is None:
             raise DownlinkError("the float32 downlink publishes full values, not deltas")
-        target = np.add(update, residual, dtype=np.float32)
-        frames, _, decoded_tree = self._codec.encode_decoded({"values": target})
-        decoded = decoded_tree["values"]
-        new_params = np.add(params, decoded, dtype=np.float32)
-        new_residual = np.subtract(target, decoded, dtype=np.float32)
-        return new_params, frames, new_residual
+        return Int8Publication(params, residual, self._codec.block_size, self._codec.zstd_level)
+
+
+class Int8Publication:
+    """One int8 increment of a fragment, quantized and applied chunk by chunk, framed as it goes.
+
+    Feed `apply` the chunks [lo, hi) in order (lo a multiple of 1 MiB / 4 = 2^18
+    divided by a power of two; block-aligned), then take `frames()`.
+    """
+
+    def __init__(self, params: np.ndarray, residual: np.ndarray, block: int, zstd: int) -> None:
+        """Lay out the message of `params.shape[0]` elements.
+
+        Args:
+            params: the fragment's values (aligned float32, updated in place).
+            residual: its bfloat16 residual (updated in place).
+            block: int8 block size.
+            zstd: zstd level of the payload frames.
+        """
+        n = params.shape[0]
+        self.params, self.residual_bits = params, residual.view(np.uint16)
+        self.block, self.zstd = block, zstd
+        (self.tensor,), self.total = fmt.layout(
+            "int8", block, None, [(("values",), (n,), "float32")]
+        )
+        self.full = n // fmt.FRAME_BYTES  # payload frames that hold nothing but codes
+        self.window = np.empty(fmt.FRAME_BYTES, np.int8)
+        self.tail = np.zeros(self.total - self.full * fmt.FRAME_BYTES, np.uint8)
+        start = self.tensor.scales_offset - self.full * fmt.FRAME_BYTES
+        self.scales = self.tail[start:].view(np.float32)
+        self.frames_out: list[Any] = []
+        self.entries: list[Any] = []
+
+    def apply(self, lo: int, hi: int, quantized: tuple[jax.Array, ...]) -> None:
+        """Take one chunk's encoding (`quantize_chunk`): frame its codes, apply its decoded values.
+
+        Args:
+            lo, hi: the chunk [lo, hi) (lo a multiple of the block size).
+            quantized: (codes, scales, decoded, residual bits) of [lo, hi).
+
+        Raises:
+            DownlinkError: the target is not finite (the chunks before stay applied).
+        """
+        codes, scales, decoded, residual = (np.asarray(x) for x in quantized)
+        if scales.shape[0] and not np.isfinite(scales.max()):
+            raise DownlinkError(f"outer update of elements [{lo}, {hi}) is not finite")
+        first = self.full * fmt.FRAME_BYTES
+        if lo < first:
+            if (lo // fmt.FRAME_BYTES) != ((hi - 1) // fmt.FRAME_BYTES):
+                raise DownlinkError(f"chunk [{lo}, {hi}) straddles a payload frame")
+            base = lo - lo % fmt.FRAME_BYTES
+            np.copyto(self.window[lo - base : hi - base], codes)
+        else:
+            np.copyto(self.tail[lo - first : hi - first].view(np.int8), codes)
+        np.copyto(self.scales[lo // self.block : -(-hi // self.block)], scales)
+        np.add(self.params[lo:hi], decoded, out=self.params[lo:hi])
+        np.copyto(self.residual_bits[lo:hi], residual)
+        if hi <= first and hi % fmt.FRAME_BYTES == 0:
+            self._compress(memoryview(self.window).cast("B"))
+
+    def _compress(self, payload: memoryview) -> None:
+        ranges = [
+            (a, min(a + fmt.FRAME_BYTES, len(payload)))
+            for a in range(0, len(payload), fmt.FRAME_BYTES)
+        ]
+        frames, entries = compress_frames(payload, ranges, self.zstd, None)
+        self.frames_out += frames
+        self.entries += entries
+
+    def frames(self) -> list[Any]:
+        """The message's frames (header first), once every chunk was applied.
+
+        Returns:
+            What `codec.int8().encode({"values": target})` writes for the whole target.
+        """
+        self._compress(memoryview(self.tail))
+        header = fmt.pack_header(
+            "int8", self.block, None, self.zstd is not None, [self.tensor], self.total, self.entries
+        )
+        return [header, *self.frames_out]

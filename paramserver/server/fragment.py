@@ -2,6 +2,11 @@
 
 Plain data: `paramserver.server.state` owns every rule that changes it,
 `paramserver.server.storage.checkpoint_content` its checkpoint form.
+
+Params, the optimizer state's vectors and the downlink residual are host
+buffers that each outer step updates in place (`paramserver.server.chunked_step`):
+whatever must outlive the next step of its fragment (a snapshot, a checkpoint,
+a StepUpdate's values) copies them first.
 """
 
 from __future__ import annotations
@@ -9,7 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import jax
 import numpy as np
 
 from paramserver.server.events import Contribution
@@ -20,6 +24,8 @@ from paramserver.server.policy import ArrivalStats, PendingDelta
 class StepUpdate:
     """A new fragment version to publish: the values after the step (1-D float32).
 
+    `values` is a read-only view of the fragment's params, valid until the
+    fragment's next step (which updates them in place): publish it, or copy it.
     `frames` is None for the float32 downlink (publish `values`, mode "full"),
     else the codec frames of the quantized update (publish them, mode "increment").
     """
@@ -34,14 +40,14 @@ class StepUpdate:
 
 @dataclass
 class FragmentState:
-    """Mutable state of one owned fragment (params and opt_state live in JAX)."""
+    """Mutable state of one owned fragment (host buffers, updated in place by each step)."""
 
-    params: jax.Array  # 1-D float32
-    opt_state: Any
+    params: np.ndarray  # 1-D float32, 64-byte aligned (chunked_step.host_vector)
+    opt_state: Any  # the optax state, numpy leaves (chunked_step.host_state)
     version: int = 0
     pending: list[Contribution] = field(default_factory=list)
     stats: ArrivalStats = field(default_factory=ArrivalStats)
-    residual: np.ndarray | None = None  # int8 downlink: quantization error carried forward
+    residual: np.ndarray | None = None  # int8 downlink: quantization error carried (bfloat16)
     norms: list[float] = field(default_factory=list)  # recent (clipped) delta norms: robust.py
 
     def waiting(self) -> list[PendingDelta]:

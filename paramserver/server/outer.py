@@ -1,11 +1,13 @@
 """The outer optimizer of one fragment: optax transformations, the donated step, state <-> arrays.
 
-This module owns the outer update rule, its state and the one jitted step
-that applies it (`DonatingStep`, what a shard runs; `FragmentOptimizer.step`
-is a copying wrapper around the same object). Sign convention: the
-merged delta is the pseudo-gradient (global params an island started from
-minus its local params), fed to optax as the gradient, so plain SGD with lr=1
-and one island moves the global params exactly onto that island's params.
+This module owns the outer update rule, its state and the whole-fragment
+jitted step that applies it (`DonatingStep`; `FragmentOptimizer.step` is a
+copying wrapper around it). A shard applies the same transformation in place,
+chunk by chunk (`paramserver.server.chunked_step`), bit for bit equal to it.
+Sign convention: the merged delta is the pseudo-gradient (global params an
+island started from minus its local params), fed to optax as the gradient, so
+plain SGD with lr=1 and one island moves the global params exactly onto that
+island's params.
 """
 
 from __future__ import annotations
@@ -175,13 +177,7 @@ class DonatingStep:
             updates, opt_state = tx.update(delta, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
-        def updates_only(
-            params: jax.Array, opt_state: Any, delta: jax.Array
-        ) -> tuple[jax.Array, Any]:
-            return tx.update(delta, opt_state, params)
-
         self._step = jax.jit(step, donate_argnums=(0, 1))
-        self._updates = jax.jit(updates_only, donate_argnums=(1,))
 
     def __call__(
         self, params: jax.Array, opt_state: Any, merged: np.ndarray
@@ -200,24 +196,6 @@ class DonatingStep:
         new_params, new_state = self._step(params, opt_state, delta)
         jax.block_until_ready((new_params, new_state))
         return new_params, new_state
-
-    def updates(
-        self, params: jax.Array, opt_state: Any, merged: np.ndarray
-    ) -> tuple[jax.Array, Any]:
-        """The optimizer's update without applying it (for the compressed downlink).
-
-        Args:
-            params: the fragment's params (not donated).
-            opt_state: its optimizer state (donated).
-            merged: the merged pseudo-gradient, 1-D float32, C-contiguous, writable.
-
-        Returns:
-            (update to add to params, new optimizer state).
-        """
-        delta = jax.dlpack.from_dlpack(merged)
-        updates, new_state = self._updates(params, opt_state, delta)
-        jax.block_until_ready((updates, new_state))
-        return updates, new_state
 
 
 class FragmentOptimizer:

@@ -23,9 +23,10 @@ write-ahead log's recovery). Rejected requests never reach `apply`, so they
 never touch parameters. Island registry, rejection counts and byte counters
 are bookkeeping, not events (a restart keeps what the last checkpoint had).
 
-Parameters and optimizer state live in JAX and a step updates them in place
-(donated buffers), except when a numpy view handed out by `snapshot` still
-exists: JAX then keeps the old buffer, so such a view never changes.
+Parameters, optimizer state and downlink residual are host buffers that a
+step updates in place (`paramserver.server.chunked_step`; JAX reads them
+zero-copy): `snapshot` returns a copy, and a StepUpdate's values are valid
+until the fragment's next step.
 
 Clock: `now` is wall-clock seconds (the caller's time.time()), because
 arrival times are persisted with pending deltas and must mean the same after a
@@ -45,10 +46,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-import jax.numpy as jnp
 import numpy as np
 
 from paramserver.server import outcomes, robust
+from paramserver.server.chunked_step import host_vector
 from paramserver.server.config import ShardConfig
 from paramserver.server.counters import Counters
 from paramserver.server.events import (
@@ -154,8 +155,8 @@ class ShardState:
             fragment: fragment index.
 
         Returns:
-            (version, values); values is a read-only numpy view of the fragment's
-            params that stays valid after later steps (see DonatingStep).
+            (version, values); values is a read-only copy of the fragment's
+            params (later steps update the params in place, not the copy).
 
         Raises:
             StateError: not initialized or fragment not owned.
@@ -163,7 +164,9 @@ class ShardState:
         if fragment not in self.fragments:
             raise StateError(f"fragment {fragment} is not owned by shard {self.index}")
         frag = self.fragments[fragment]
-        return frag.version, np.asarray(frag.params)
+        values = frag.params.copy()
+        values.flags.writeable = False
+        return frag.version, values
 
     def pending_bytes(self) -> int:
         """Bytes all pending deltas of the shard keep (coded: `Contribution.delta.nbytes`).
@@ -522,9 +525,8 @@ class ShardState:
         self.plan = plan
         self.partial_init = None
         for index in sorted(owned):
-            params = np.array(values[index], dtype=np.float32)
-            opt_state = self.optimizer.init(params)
-            self.fragments[index] = FragmentState(jnp.asarray(params), opt_state)
+            params = host_vector(values[index])
+            self.fragments[index] = FragmentState(params, self.stepper.init(params))
 
     def _apply_accept(self, c: Contribution) -> None:
         frag = self.fragments.get(c.fragment)
@@ -589,5 +591,6 @@ class ShardState:
         frag.version += 1
         credited = {x.island: self.counters.credited[x.island] for x in shares}
         coefficients = {x.island: round(x.coefficient, 4) for x in shares}
-        values = np.asarray(frag.params)
+        values = frag.params.view()
+        values.flags.writeable = False  # valid until this fragment's next step
         return StepUpdate(event.fragment, frag.version, values, frames, credited, coefficients)

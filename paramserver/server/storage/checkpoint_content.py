@@ -20,12 +20,13 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from codec.coded import CodedTensor, from_array
+from paramserver.server.chunked_step import host_state, host_vector
 from paramserver.server.config import ShardConfig
 from paramserver.server.counters import Counters
+from paramserver.server.downlink import restore_residual
 from paramserver.server.events import Contribution, StateError
 from paramserver.server.fragment import DedupEntry, FragmentState
 from paramserver.server.policy import ArrivalStats
@@ -49,8 +50,8 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
     frags = []
     for index, frag in sorted(state.fragments.items()):
         arrays[f"params/{index}"] = np.asarray(frag.params)
-        if frag.residual is not None:
-            arrays[f"residual/{index}"] = frag.residual
+        if frag.residual is not None:  # bfloat16, stored as its bits
+            arrays[f"residual/{index}"] = frag.residual.view(np.uint16)
         # the leaves in the order of FragmentOptimizer.state_to_arrays, without its copies
         opt = [np.asarray(leaf) for leaf in jax.tree.leaves(frag.opt_state)]
         for k, arr in enumerate(opt):
@@ -172,10 +173,10 @@ def restore_state(
             i = f["index"]
             params = np.asarray(arrays[f"params/{i}"], dtype=np.float32)
             opt_arrays = [arrays[f"opt/{i}/{k}"] for k in range(f["opt_arrays"])]
-            opt_state = state.optimizer.state_from_arrays(opt_arrays, params)
-            frag = FragmentState(jnp.asarray(params), opt_state)
+            opt_state = host_state(state.optimizer.state_from_arrays(opt_arrays, params))
+            frag = FragmentState(host_vector(params), opt_state)
             if f"residual/{i}" in arrays:
-                frag.residual = np.array(arrays[f"residual/{i}"], dtype=np.float32)
+                frag.residual = restore_residual(arrays[f"residual/{i}"])
             frag.version = int(f["version"])
             frag.norms = [float(n) for n in f.get("norms", [])]
             ema, last, count = f["stats"]
