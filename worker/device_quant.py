@@ -16,10 +16,10 @@ row reduction over a (blocks, block) view, so XLA fuses the error-feedback
 step into a reduce fusion and one elementwise fusion instead of materialising
 every intermediate. XLA's CPU backend (and GPU backends) contract a multiply
 feeding an add into one fused multiply-add, which rounds once where the codec
-rounds twice: `decoded` therefore passes through a select on a condition the
-compiler cannot prove (``m >= 0``: false only for NaN, which the host refuses
-anyway), which keeps the multiply's rounding without materialising anything.
-An `optimization_barrier` does not: XLA removes it before fusion.
+rounds twice: `decoded` therefore passes through an integer op on its bits
+(`_rounded`), which keeps the multiply's own rounding without materialising
+anything. An `optimization_barrier` does not (XLA removes it before fusion),
+nor does a select (LLVM moves the add into it and contracts again).
 """
 
 from __future__ import annotations
@@ -34,11 +34,17 @@ TINY = np.float32(2.0**-118)
 def _rounded(product: jax.Array, scale: jax.Array) -> jax.Array:
     """A (blocks, block) product rounded on its own: never contracted into a later add.
 
+    The product's bits pass through an integer xor with the block scale's sign bit
+    (0 for the scales the codec writes and reads, which are >= 0): an integer op the
+    compiler cannot fold away, so no multiply-add can span it. Costs two integer ops.
+
     Args:
         product: q * step per block.
-        scale: the blocks' scales (>= 0 unless NaN).
+        scale: the blocks' scales (their sign bit is 0).
     """
-    return jnp.where((scale >= 0)[:, None], product, jnp.float32(0))
+    sign = jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0x80000000)
+    bits = jax.lax.bitcast_convert_type(product, jnp.uint32) ^ sign[:, None]
+    return jax.lax.bitcast_convert_type(bits, jnp.float32)
 
 
 def _blocks(x: jax.Array, block: int) -> jax.Array:
