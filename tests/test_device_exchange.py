@@ -138,7 +138,8 @@ def test_device_exchange_pushes_the_codecs_frames_and_folds_like_the_host(scheme
     )  # fmt: skip
     ref = Reference(plan, flat32, getattr(codec, scheme)(block_size=block))
     local = {k: np.asarray(v) for k, v in start.items()}
-    downlink = codec.int8()
+    downlink = codec.int8(block_size=block)  # blocks that fit the island's: the one-pass fold
+    versions = dict.fromkeys(range(3), 0)
     for version in range(1, 5):
         local = {k: (v + rng.normal(size=v.shape) * 0.01).astype(v.dtype) for k, v in local.items()}
         leaves = layout.leaves({k: jnp.asarray(v) for k, v in local.items()})
@@ -146,22 +147,26 @@ def test_device_exchange_pushes_the_codecs_frames_and_folds_like_the_host(scheme
         want = ref.push(local)
         assert all(_same_frames(got[i], want[i]) for i in range(3))
         local = {k: (v + rng.normal(size=v.shape) * 0.01).astype(v.dtype) for k, v in local.items()}
-        # fragment 1 gets a published int8 increment (codes cross), fragment 2 full values
-        step = rng.normal(size=plan.fragments[1].size).astype(np.float32) * 0.1
-        frames, _ = downlink.encode({"values": step})
-        new_global = ref.base[1] + codec.decode(frames)["values"]
-        full = (ref.base[2] + 0.5).astype(np.float32)
-        updates = [
-            Update(1, version, new_global, read_codes(frames, "values")),
-            Update(2, version, full),
-        ]
+        # odd versions: fragment 1 gets a published int8 increment (codes cross), fragment 2
+        # full values; even ones: every fragment an increment (one pass over the flat state)
+        updates, targets = [], {}
+        for f in (0, 1, 2) if version % 2 == 0 else (1,):
+            step = rng.normal(size=plan.fragments[f].size).astype(np.float32) * 0.1
+            frames, _ = downlink.encode({"values": step})
+            targets[f] = ref.base[f] + codec.decode(frames)["values"]
+            updates.append(Update(f, versions[f] + 1, targets[f], read_codes(frames, "values")))
+        if version % 2:
+            targets[2] = (ref.base[2] + 0.5).astype(np.float32)
+            updates.append(Update(2, versions[2] + 1, targets[2]))
+        versions.update((f, versions[f] + 1) for f in targets)
         leaves = layout.leaves({k: jnp.asarray(v) for k, v in local.items()})
         folded = dev.fold(leaves, updates)
-        local = ref.fold(ref.fold(local, 1, new_global), 2, full)
+        for f, target in targets.items():
+            local = ref.fold(local, f, target)
         for name, leaf in zip(layout.names, folded, strict=True):
             assert np.asarray(leaf).dtype == local[name].dtype
             assert np.array_equal(np.asarray(leaf), local[name]), name
-        assert dev.versions == {0: 0, 1: version, 2: version}
+        assert dev.versions == versions
     base = dev.base_values()
     for i in range(3):
         assert np.array_equal(plan.gather(base, i), ref.base[i])

@@ -11,6 +11,7 @@ between host and device.
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 import mlp_helpers as mlp
 import numpy as np
 import pytest
@@ -25,6 +26,20 @@ from worker.session_config import session_config
 pytestmark = pytest.mark.timeout(120)
 FAST = {"heartbeat_interval_s": 0.2, "join_timeout_s": 20.0, "flush_timeout_s": 5.0}
 ROUNDS, INNER = 4, 3
+
+
+def _wide_mlp(hidden: int = 1024) -> dict:
+    """The helpers' MLP, wider: fragments of thousands of elements (as real models have), so
+    the per-fragment padding of the last block does not dominate the bytes per parameter."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {
+        "layers": [
+            mlp.Layer(jax.random.normal(k1, (mlp.IN, hidden)) / np.sqrt(mlp.IN), jnp.zeros(hidden)),
+            mlp.Layer(
+                jax.random.normal(k2, (hidden, mlp.OUT)) / np.sqrt(hidden), jnp.zeros(mlp.OUT)
+            ),
+        ]
+    }
 
 
 class RecordingClient(Client):
@@ -51,7 +66,7 @@ def _run(tmp_path, exchange: str, codec: str):
         cfg = session_config(
             cluster.connect, "a", INNER, None, {"exchange": exchange, "codec": codec, **FAST}
         )
-        session = Session(cfg, mlp.init_mlp(0), client_factory=factory)
+        session = Session(cfg, _wide_mlp(), client_factory=factory)
         with session:
             joined = session.stats["host_device_bytes"]
             params, opt_state = session.params, mlp.OPTIMIZER.init(session.params)
