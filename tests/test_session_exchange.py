@@ -18,6 +18,7 @@ import pytest
 from conftest import Cluster
 
 from paramserver.client import Client
+from worker.config import IslandConfigError
 from worker.device_exchange import DeviceExchange
 from worker.host_exchange import HostExchange
 from worker.session import Session
@@ -106,3 +107,8 @@ def test_a_codec_the_device_does_not_quantize_falls_back_to_the_host(tmp_path):
             assert isinstance(session.exchange, HostExchange)
     finally:
         cluster.stop()
+
+
+def test_an_unknown_exchange_is_refused_naming_the_choices():
+    with pytest.raises(IslandConfigError, match="exchange.*'gpu'.*device.*host"):
+        session_config("tcp://127.0.0.1:5555", "a", 2, None, {"exchange": "gpu"})

@@ -44,7 +44,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from codec.prequantized import Coded, code_dtype, frame_codes
 from paramserver.client import Update
-from paramserver.wire.plan import Plan
 from worker.device_quant import dequantize, quantize
 from worker.param_tree import TreeLayout
 
@@ -77,7 +76,7 @@ class FlatLayout:
     total: int
 
     @classmethod
-    def of(cls, plan: Plan, names: Sequence[str], block: int, devices: int) -> FlatLayout:
+    def of(cls, plan: Any, names: Sequence[str], block: int, devices: int) -> FlatLayout:
         """The layout of a plan's fragments for a block size over some devices."""
         index = {name: i for i, name in enumerate(names)}
         pieces, offset, size, padded, pos = {}, {}, {}, {}, 0
@@ -175,7 +174,7 @@ class DeviceExchange:
     def __init__(
         self,
         layout: TreeLayout,
-        plan: Plan,
+        plan: Any,
         flat: dict[str, np.ndarray],
         versions: dict[int, int],
         *,
@@ -189,7 +188,7 @@ class DeviceExchange:
         Args:
             layout: the session's tree layout (every leaf a `jax.Array`: the leaves'
                 devices hold the state, their shardings the leaves handed out).
-            plan: the cluster's plan.
+            plan: the cluster's plan (`JoinResult.plan`).
             flat: the joined float32 values by leaf name.
             versions: the joined version of each fragment.
             scheme: "int8" or "int4" (the delta codec).

@@ -21,7 +21,6 @@ import numpy as np
 
 import codec
 from paramserver.client import Update
-from paramserver.wire.plan import Plan
 from worker.exchange import FragmentSync
 from worker.leader_sync import LeaderSync
 from worker.param_tree import TreeLayout
@@ -39,7 +38,7 @@ class HostExchange:
     def __init__(
         self,
         layout: TreeLayout,
-        plan: Plan,
+        plan: Any,
         flat: dict[str, np.ndarray],
         versions: dict[int, int],
         *,
@@ -51,7 +50,7 @@ class HostExchange:
 
         Args:
             layout: the session's tree layout.
-            plan: the cluster's plan.
+            plan: the cluster's plan (`JoinResult.plan`).
             flat: the joined float32 values by leaf name.
             versions: the joined version of each fragment.
             delta_codec: the codec of the pushed deltas.
