@@ -4,7 +4,7 @@
 base (the global values adopted) and error-feedback residual of
 `worker.exchange`'s rule as JAX arrays on the island's devices, each one flat
 vector in the plan's order with every fragment padded to whole blocks
-(`FlatLayout`), spread evenly over the island's devices. A push runs one
+(`worker.device_flat.FlatLayout`), spread evenly over the island's devices. A push runs one
 jitted function over the due fragments: the parameters into that layout
 (one fused gather), ``delta = anchor - local``, error-feedback int8/int4
 quantization of every due block at once (`worker.device_quant`, bit-equal to
@@ -34,7 +34,6 @@ only they travel between processes. Nothing here names a device type.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import jax
@@ -44,128 +43,16 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from codec.prequantized import Coded, code_dtype, frame_codes
 from paramserver.client import Update
+from worker.device_flat import FlatLayout
 from worker.device_quant import dequantize, quantize
 from worker.param_tree import TreeLayout
 
 LEVELS = {"int8": 127, "int4": 7}
 
-Piece = tuple[int, int, int]  # (leaf index, start, stop) of a fragment's flat range in one leaf
-
 
 def placed_bytes(array: jax.Array) -> int:
     """Bytes of an array's shards on this process's devices (what a host-to-device copy moved)."""
     return sum(shard.data.nbytes for shard in array.addressable_shards)
-
-
-@dataclass(frozen=True)
-class FlatLayout:
-    """Where each fragment lives in the padded flat vector.
-
-    Attributes:
-        pieces: fragment -> its (leaf, start, stop) ranges, in order.
-        offset: fragment -> first element in the flat vector (a multiple of `block`).
-        size: fragment -> its element count.
-        padded: fragment -> its size rounded up to whole blocks.
-        total: the flat vector's length (a multiple of block * devices).
-    """
-
-    pieces: dict[int, tuple[Piece, ...]]
-    offset: dict[int, int]
-    size: dict[int, int]
-    padded: dict[int, int]
-    total: int
-
-    @classmethod
-    def of(cls, plan: Any, names: Sequence[str], block: int, devices: int) -> FlatLayout:
-        """The layout of a plan's fragments for a block size over some devices."""
-        index = {name: i for i, name in enumerate(names)}
-        pieces, offset, size, padded, pos = {}, {}, {}, {}, 0
-        for frag in plan.fragments:
-            pieces[frag.index] = tuple((index[s.path], s.start, s.stop) for s in frag.slices)
-            offset[frag.index], size[frag.index] = pos, frag.size
-            padded[frag.index] = -(-frag.size // block) * block
-            pos += padded[frag.index]
-        unit = block * devices
-        return cls(pieces, offset, size, padded, -(-max(pos, 1) // unit) * unit)
-
-    def region(self, flat: jax.Array, f: int) -> jax.Array:
-        """Fragment f's padded region of a flat vector."""
-        return flat[self.offset[f] : self.offset[f] + self.padded[f]]
-
-    def gather(self, leaves: dict[int, jax.Array], fragments: Sequence[int]) -> jax.Array:
-        """The padded regions of `fragments`, back to back, from float32 leaves (traced)."""
-        parts = []
-        for f in fragments:
-            parts += [leaves[i].reshape(-1)[a:b] for i, a, b in self.pieces[f]]
-            if self.padded[f] > self.size[f]:
-                parts.append(jnp.zeros(self.padded[f] - self.size[f], jnp.float32))
-        return jnp.concatenate(parts)
-
-    def cover(self, flat: jax.Array, fragments: Sequence[int]) -> jax.Array:
-        """The padded regions of `fragments` of a flat vector, back to back (traced)."""
-        if list(fragments) == sorted(self.offset):  # all of them: one slice
-            return flat[: sum(self.padded.values())]
-        return jnp.concatenate([self.region(flat, f) for f in fragments])
-
-    def assemble(
-        self, regions: dict[int, jax.Array], rest: jax.Array, whole: jax.Array | None = None
-    ) -> jax.Array:
-        """A flat vector of the given fragments' regions and `rest`'s everywhere else (traced).
-
-        Args:
-            regions: fragment -> its new padded region.
-            rest: the values elsewhere.
-            whole: the regions back to back, when they are all the fragments' (then no
-                concatenation of pieces is built: XLA's CPU backend runs a fused
-                many-operand concatenation element by element).
-        """
-        covered = sum(self.padded.values())
-        if whole is not None and sorted(regions) == sorted(self.offset):
-            return whole if covered == self.total else jnp.concatenate([whole, rest[covered:]])
-        parts, pos = [], 0
-        for f in sorted(self.offset):
-            if f in regions:
-                if self.offset[f] > pos:
-                    parts.append(rest[pos : self.offset[f]])
-                parts.append(regions[f])
-                pos = self.offset[f] + self.padded[f]
-        if pos < self.total:
-            parts.append(rest[pos:])
-        return jnp.concatenate(parts) if len(parts) > 1 else parts[0]
-
-    def leaf(
-        self, regions: dict[int, jax.Array], i: int, shape: tuple, fallback: jax.Array | None
-    ) -> jax.Array:
-        """Leaf i's values from fragments' padded regions (traced).
-
-        Args:
-            regions: fragment -> its padded region's values.
-            i: the leaf.
-            shape: its shape.
-            fallback: the leaf's own values, for its elements in fragments not in
-                `regions` (None: every fragment of the leaf is there).
-        """
-        parts = []
-        for f in sorted(self.pieces):
-            for pos, (j, a, b) in _positions(self.pieces[f]):
-                if j == i:
-                    own = f not in regions
-                    parts.append(
-                        fallback.reshape(-1)[a:b] if own else regions[f][pos : pos + b - a]
-                    )
-        return (parts[0] if len(parts) == 1 else jnp.concatenate(parts)).reshape(shape)
-
-    def leaves_of(self, fragments: Sequence[int]) -> list[int]:
-        """The leaves the fragments touch, sorted."""
-        return sorted({i for f in fragments for i, _, _ in self.pieces[f]})
-
-
-def _positions(pieces: Sequence[Piece]) -> list[tuple[int, Piece]]:
-    out, pos = [], 0
-    for piece in pieces:
-        out.append((pos, piece))
-        pos += piece[2] - piece[1]
-    return out
 
 
 class DeviceExchange:
@@ -362,9 +249,13 @@ class DeviceExchange:
                 incoming.append((self._put(np.asarray(u.values, np.float32), self.replicated),))
         key = tuple(key)
         used = self.flat.leaves_of([f for f, _, _ in key])
-        fn = self._folds.get(key) or self._folds.setdefault(key, self._fold_fn(key, used))
+        return self._run_fold(key, used, self._fold_fn, leaves, updates, incoming)
+
+    def _run_fold(self, key, used, build, leaves, updates, *incoming) -> list[Any]:
+        """Call (building once) the fold `key`; take its state; return the new leaves."""
+        fn = self._folds.get(key) or self._folds.setdefault(key, build(key, used))
         local, self.anchor, self.base = fn(
-            [leaves[i] for i in used], self.anchor, self.base, incoming
+            [leaves[i] for i in used], self.anchor, self.base, *incoming
         )
         out = list(leaves)
         for j, i in enumerate(used):
@@ -394,19 +285,11 @@ class DeviceExchange:
             a, c = self.flat.offset[u.fragment], u.increment
             codes[a // step : a // step + c.codes.shape[0]] = c.codes
             scales[a // block : a // block + c.scales.shape[0]] = c.scales
-        key = ("whole", scheme, block)
         used = self.flat.leaves_of(sorted(self.flat.offset))
-        fn = self._folds.get(key) or self._folds.setdefault(key, self._fold_whole_fn(key, used))
-        local, self.anchor, self.base = fn(
-            [leaves[i] for i in used], self.anchor, self.base,
+        return self._run_fold(
+            ("whole", scheme, block), used, self._fold_whole_fn, leaves, updates,
             self._put(codes, self.replicated), self._put(scales, self.replicated),
         )  # fmt: skip
-        out = list(leaves)
-        for j, i in enumerate(used):
-            out[i] = local[j]
-        for u in updates:
-            self.versions[u.fragment] = u.version
-        return out
 
     def _fold_whole_fn(self, key: tuple, used: list[int]) -> Callable:
         _, scheme, block = key
