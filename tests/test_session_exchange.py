@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import mlp_helpers as mlp
 import numpy as np
 import pytest
+from client_helpers import RecordingClient
 from conftest import Cluster
 
-from paramserver.client import Client
 from worker.config import IslandConfigError
 from worker.device_exchange import DeviceExchange
 from worker.host_exchange import HostExchange
@@ -43,25 +43,13 @@ def _wide_mlp(hidden: int = 1024) -> dict:
     }
 
 
-class RecordingClient(Client):
-    """The real client, keeping a copy of every pushed delta's frames."""
-
-    pushed: list[tuple[int, list[bytes]]]
-
-    def push(self, fragment, round, base_version, tokens, steps, frames, stop=None):
-        self.pushed.append((fragment, [bytes(f) for f in frames]))
-        super().push(fragment, round, base_version, tokens, steps, frames, stop=stop)
-
-
 def _run(tmp_path, exchange: str, codec: str):
     cluster = Cluster(tmp_path / exchange, shards=2, mode="sync", downlink="int8")
     clients: list[RecordingClient] = []
 
     def factory(cfg):
-        client = RecordingClient(cfg)
-        client.pushed = []
-        clients.append(client)
-        return client
+        clients.append(RecordingClient(cfg))
+        return clients[-1]
 
     try:
         cfg = session_config(
@@ -83,7 +71,10 @@ def _run(tmp_path, exchange: str, codec: str):
     finally:
         cluster.stop()
     leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(params)]
-    return kind, clients[0].pushed, leaves, moved / ROUNDS / elements
+    pushed = [
+        (p.fragment, p.round - clients[0].pushes[0].round, p.frames) for p in clients[0].pushes
+    ]
+    return kind, pushed, leaves, moved / ROUNDS / elements
 
 
 @pytest.mark.parametrize("codec", ["int8", "int4"])
