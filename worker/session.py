@@ -276,9 +276,10 @@ class Session:
             due = due_fragments(in_round, self.inner_steps, len(self.sizes))
         else:
             due = list(range(len(self.sizes))) if round_end else []
+        frames = self._encode(leaves, due) if due else {}  # before anything is counted
         self.steps, self.tokens, self.in_round = self.steps + 1, self.tokens + tokens, in_round
         if due:
-            self._push(due, leaves, self.round_base + self.round)
+            self._push(due, frames, self.round_base + self.round)
         if round_end and self.client is not None:
             self.client.report_step_time(self.clock.median_step_s(self.inner_steps))
             if self.mode == "sync":
@@ -293,21 +294,27 @@ class Session:
         self.clock.step_ended(time.monotonic())
         return out
 
-    def _push(self, fragments: list[int], leaves: list[Any], round_id: int) -> None:
-        """Push each fragment's work since its own last push (every process moves its anchor)."""
-        self._settle_resent()
-        versions = self.exchange.versions  # the versions the deltas were taken against
+    def _encode(self, leaves: list[Any], fragments: list[int]) -> dict[int, tuple[int, list]]:
+        """Each due fragment's (base version, frames) of its work since its last push.
+
+        Every process moves its anchors; process 0 alone gets frames ({} elsewhere).
+        """
+        versions = dict(self.exchange.versions)  # the versions the deltas are taken against
         t0 = time.perf_counter()
         frames = self.exchange.encode(leaves, fragments, self.client is not None)
         self.exchange_s += time.perf_counter() - t0
+        return {index: (versions[index], f) for index, f in frames.items()}
+
+    def _push(self, fragments: list[int], frames: dict[int, tuple[int, list]], round_id: int):
+        """Push each fragment's encoded work (process 0); note what each push covered."""
+        self._settle_resent()
         for index in fragments:
             steps_then, tokens_then = self.pushed_at[index]
             steps, tokens = self.steps - steps_then, self.tokens - tokens_then
             self.pushed_at[index] = (self.steps, self.tokens)
             if self.client is not None:
-                self.client.push(
-                    index, round_id, versions[index], tokens, steps, frames[index], stop=self.stop
-                )
+                version, payload = frames[index]
+                self.client.push(index, round_id, version, tokens, steps, payload, stop=self.stop)
         self.pushed_in_round = True
 
     def _fold(self, leaves: list[Any], params: Any) -> Any:
@@ -461,8 +468,9 @@ class Session:
             if rest and not self.group.broken:
                 round_id = self.round_base + self.round + int(self.pushed_in_round)
                 try:
-                    self._push(rest, self.layout.leaves(latest), round_id)
+                    frames = self._encode(self.layout.leaves(latest), rest)
                     self.exchange.end_step()
+                    self._push(rest, frames, round_id)
                 except RuntimeError as exc:  # e.g. its buffers were donated since
                     logger.warning("island %s: partial round not pushed: %s", self.island, exc)
         finally:
