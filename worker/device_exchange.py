@@ -148,6 +148,10 @@ class DeviceExchange:
     def end_step(self) -> None:
         """Nothing to forget (the host keeps no copy)."""
 
+    def wait(self) -> None:
+        """Block until every call so far has run (its collectives included), e.g. before exit."""
+        jax.block_until_ready((self.anchor, self.base, self.residual))
+
     # -- push ------------------------------------------------------------------------
 
     def encode(self, leaves: list[Any], fragments: Sequence[int], leader: bool) -> dict[int, list]:
@@ -169,7 +173,8 @@ class DeviceExchange:
         self.anchor, self.residual, codes, scales = fn(
             [leaves[i] for i in used], self.anchor, self.residual
         )
-        if not leader:
+        if not leader:  # wait for the call's collectives: process 0 may be reading its codes
+            jax.block_until_ready(codes)
             return {}
         return {
             f: frame_codes(

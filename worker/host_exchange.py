@@ -130,6 +130,9 @@ class HostExchange:
         """Forget this step's host copy."""
         self._host = None
 
+    def wait(self) -> None:
+        """Nothing runs in the background here."""
+
     def base_values(self) -> dict[str, np.ndarray]:
         """The adopted global values of every leaf (host arrays).
 

@@ -170,7 +170,7 @@ class Island:
                 self._write_status()
                 session.close(self.trainer.params)
             self.state = "stopped"
-            self._write_status(client_stats=session.stats or None)
+            self._write_status(client_stats=session.stats if session.client is not None else None)
         finally:
             if watchdog is not None:
                 watchdog.stop()
@@ -217,7 +217,7 @@ class Island:
             row["bytes_sent"],
             row["bytes_received"],
         )
-        self._write_status(client_stats=session.stats or None)
+        self._write_status(client_stats=session.stats if session.client is not None else None)
 
     def _row_fields(self, round_number: int) -> dict[str, Any]:
         """The daemon's fields of a round's metrics row: speed, loss, the global eval."""

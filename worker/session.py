@@ -473,6 +473,8 @@ class Session:
                     self._push(rest, frames, round_id)
                 except RuntimeError as exc:  # e.g. its buffers were donated since
                     logger.warning("island %s: partial round not pushed: %s", self.island, exc)
+            if not self.group.broken:  # no process leaves a collective of the others unfinished
+                self.exchange.wait()
         finally:
             self.closed = True
             self._finish(self.cfg.flush_timeout_s)
