@@ -15,11 +15,8 @@ from worker.exchange import MERGE_RULES
 CODECS = ("int8", "int4", "float32", "bfloat16", "topk")
 PARAM_SHARDINGS = ("replicated", "fsdp")  # worker.device_layout (imports JAX) implements them
 DATA_DTYPES = ("uint16", "uint32")  # id types of a flat .bin token file (worker.data)
-MODEL_NAMES = ("tiny", "small", "base")
-EXCHANGES = (
-    "device",
-    "host",
-)  # where the island's delta, quantize and fold run  # worker.model.MODEL_CONFIGS defines each (imports JAX)
+MODEL_NAMES = ("tiny", "small", "base")  # worker.model.MODEL_CONFIGS defines each (imports JAX)
+EXCHANGES = ("device", "host")  # where the delta, quantize and fold run (worker.session)
 
 
 class IslandConfigError(ValueError):
