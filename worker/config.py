@@ -57,8 +57,8 @@ class IslandConfig:
     topk_density: float = 0.02  # codec topk: share of entries sent per chunk, in (0, 1]
     topk_bits: int = 2  # codec topk: bits per sent value, 2 or 4
     merge_rule: str = "keep-progress"  # folding a new global version: keep-progress | overwrite
-    # delta, int8/int4 quantize and fold on the parameters' devices (only codes cross to the
-    # host; other codecs and numpy parameters use the host) | host: numpy on a host copy
+    # device: delta, int8/int4 quantize and fold on the parameters' devices, only codes cross
+    # to the host (other codecs use the host) | host: numpy on a host copy of the parameters
     exchange: str = "device"
     # push fragment p of P at inner step floor(p * H / P) of each round, each with its own delta
     # since its own last push, instead of all at the round's end: the peak rate at the island's
