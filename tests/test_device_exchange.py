@@ -107,9 +107,9 @@ class Reference:
             for i, v in self.base.items()
         }
 
-    def push(self, local: dict) -> dict:
+    def push(self, local: dict, fragments=None) -> dict:
         out = {}
-        for i in self.base:
+        for i in self.base if fragments is None else fragments:
             now = self.plan.gather(local, i)
             delta = (self.anchor[i] - now).astype(np.float32)
             self.anchor[i] = now
@@ -187,3 +187,22 @@ def test_an_increment_that_skips_a_version_folds_from_the_full_values():
     (out,) = dev.fold(layout.leaves({"w": jnp.asarray(start["w"])}), [skipped])
     assert np.array_equal(np.asarray(out), target)  # overwrite: local = the full values
     assert dev.versions == {0: 5}
+
+
+def test_streamed_pushes_of_some_fragments_equal_the_codecs_and_leave_the_others_alone():
+    rng = np.random.default_rng(11)
+    start = _tree(rng)
+    flat32 = {k: np.asarray(v, np.float32) for k, v in start.items()}
+    plan = make_plan(leaf_specs(start), 1, 3)
+    layout = TreeLayout.of({k: jnp.asarray(v) for k, v in start.items()})
+    dev = DeviceExchange(
+        layout, plan, flat32, dict.fromkeys(range(3), 0),
+        scheme="int4", block=16, zstd_level=1, rule="keep-progress",
+    )  # fmt: skip
+    ref = Reference(plan, flat32, codec.int4(block_size=16))
+    local = {k: np.asarray(v) for k, v in start.items()}
+    for due in ([1], [0, 2], [2], [0, 1, 2]):
+        local = {k: (v + rng.normal(size=v.shape) * 0.01).astype(v.dtype) for k, v in local.items()}
+        got = dev.encode(layout.leaves({k: jnp.asarray(v) for k, v in local.items()}), due, True)
+        want = ref.push(local, due)
+        assert sorted(got) == due and all(_same_frames(got[i], want[i]) for i in due)
