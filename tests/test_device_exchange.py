@@ -125,18 +125,29 @@ class Reference:
         return {k: flat[k].astype(local[k].dtype) for k in local}
 
 
-@pytest.mark.parametrize(("scheme", "block"), [("int8", 64), ("int4", 16)])
-def test_device_exchange_pushes_the_codecs_frames_and_folds_like_the_host(scheme, block):
-    rng = np.random.default_rng(7)
+def _both(rng: np.random.Generator, shards: int, scheme: str, block: int):
+    """A tree cut into 3 fragments, its device exchange and the numpy reference."""
     start = _tree(rng)
     flat32 = {k: np.asarray(v, np.float32) for k, v in start.items()}
-    plan = make_plan(leaf_specs(start), 2, 3)
+    plan = make_plan(leaf_specs(start), shards, 3)
     layout = TreeLayout.of({k: jnp.asarray(v) for k, v in start.items()})
     dev = DeviceExchange(
         layout, plan, flat32, dict.fromkeys(range(3), 0),
         scheme=scheme, block=block, zstd_level=1, rule="keep-progress",
     )  # fmt: skip
-    ref = Reference(plan, flat32, getattr(codec, scheme)(block_size=block))
+    return (
+        start,
+        plan,
+        layout,
+        dev,
+        Reference(plan, flat32, getattr(codec, scheme)(block_size=block)),
+    )
+
+
+@pytest.mark.parametrize(("scheme", "block"), [("int8", 64), ("int4", 16)])
+def test_device_exchange_pushes_the_codecs_frames_and_folds_like_the_host(scheme, block):
+    rng = np.random.default_rng(7)
+    start, plan, layout, dev, ref = _both(rng, 2, scheme, block)
     local = {k: np.asarray(v) for k, v in start.items()}
     downlink = codec.int8(block_size=block)  # blocks that fit the island's: the one-pass fold
     versions = dict.fromkeys(range(3), 0)
@@ -191,15 +202,7 @@ def test_an_increment_that_skips_a_version_folds_from_the_full_values():
 
 def test_streamed_pushes_of_some_fragments_equal_the_codecs_and_leave_the_others_alone():
     rng = np.random.default_rng(11)
-    start = _tree(rng)
-    flat32 = {k: np.asarray(v, np.float32) for k, v in start.items()}
-    plan = make_plan(leaf_specs(start), 1, 3)
-    layout = TreeLayout.of({k: jnp.asarray(v) for k, v in start.items()})
-    dev = DeviceExchange(
-        layout, plan, flat32, dict.fromkeys(range(3), 0),
-        scheme="int4", block=16, zstd_level=1, rule="keep-progress",
-    )  # fmt: skip
-    ref = Reference(plan, flat32, codec.int4(block_size=16))
+    start, _, layout, dev, ref = _both(rng, 1, "int4", 16)
     local = {k: np.asarray(v) for k, v in start.items()}
     for due in ([1], [0, 2], [2], [0, 1, 2]):
         local = {k: (v + rng.normal(size=v.shape) * 0.01).astype(v.dtype) for k, v in local.items()}
