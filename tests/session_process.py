@@ -78,6 +78,7 @@ def main() -> None:
             "global_loss": mlp.heldout_loss(global_tree),
             "initial_loss": mlp.heldout_loss(mlp.init_mlp(0)),
             "has_client": session.client is not None,
+            "exchange": type(session.exchange).__name__,
         }
     Path(out).write_text(json.dumps(result))
 

@@ -207,7 +207,7 @@ def test_in_a_sync_cluster_the_rounds_last_step_returns_the_merged_round(tmp_pat
         params = mlp.init_mlp(0)
         with worker.join(sync.connect, island="a", params=params, inner_steps=3, **FAST) as s:
             p = s.params
-            fragments = len(s.syncs)
+            fragments = len(s.sizes)
             assert s.step(p, tokens=1) is p and s.step(p, tokens=1) is p
             moved = jax.tree_util.tree_map(lambda x: x - 0.5, p)
             merged = s.step(moved, tokens=1)  # pushes, then waits for the merge
@@ -235,7 +235,7 @@ def test_unacked_deltas_are_kept_in_the_data_dir_and_sent_by_the_next_session(cl
     s.step(moved, tokens=1)
     s.close()
     saved = outbox.load(data_dir / outbox.OUTBOX_FILE)
-    assert saved is not None and saved.island == "a" and len(saved.deltas) == len(s.syncs)
+    assert saved is not None and saved.island == "a" and len(saved.deltas) == len(s.sizes)
     for i in range(len(cluster.servers)):
         cluster.start(i)  # same ports, same data dir
     with worker.join(cluster.connect, island="a", params=params, inner_steps=2, data_dir=data_dir,

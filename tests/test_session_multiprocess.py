@@ -23,7 +23,8 @@ HERE = Path(__file__).resolve().parent
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_two_processes_of_two_devices_train_one_island_through_the_api(tmp_path):
-    cluster = Cluster(tmp_path, shards=2, mode="async")
+    # the int8 downlink: increments travel between the processes as codes (device exchange)
+    cluster = Cluster(tmp_path, shards=2, mode="async", downlink="int8")
     try:
         env = {k: v for k, v in os.environ.items() if not k.startswith(("DILOCO_", "JAX_"))}
         env.update(XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu")
@@ -52,6 +53,7 @@ def test_two_processes_of_two_devices_train_one_island_through_the_api(tmp_path)
         cluster.stop()
     leader, follower = (json.loads((tmp_path / f"p{i}.json").read_text()) for i in range(2))
     assert leader["has_client"] and not follower["has_client"]  # process 0 alone opens sockets
+    assert leader["exchange"] == follower["exchange"] == "DeviceExchange"
     assert leader["rounds"] == follower["rounds"] == 8
     assert leader["version"] == follower["version"] > 0
     assert leader["folded"] == follower["folded"] > 0  # the same folds at the same steps

@@ -16,6 +16,7 @@ CODECS = ("int8", "int4", "float32", "bfloat16", "topk")
 PARAM_SHARDINGS = ("replicated", "fsdp")  # worker.device_layout (imports JAX) implements them
 DATA_DTYPES = ("uint16", "uint32")  # id types of a flat .bin token file (worker.data)
 MODEL_NAMES = ("tiny", "small", "base")  # worker.model.MODEL_CONFIGS defines each (imports JAX)
+EXCHANGES = ("device", "host")  # where the delta, quantize and fold run (worker.session)
 
 
 class IslandConfigError(ValueError):
@@ -56,6 +57,9 @@ class IslandConfig:
     topk_density: float = 0.02  # codec topk: share of entries sent per chunk, in (0, 1]
     topk_bits: int = 2  # codec topk: bits per sent value, 2 or 4
     merge_rule: str = "keep-progress"  # folding a new global version: keep-progress | overwrite
+    # device: delta, int8/int4 quantize and fold on the parameters' devices, only codes cross
+    # to the host (other codecs use the host) | host: numpy on a host copy of the parameters
+    exchange: str = "device"
     # push fragment p of P at inner step floor(p * H / P) of each round, each with its own delta
     # since its own last push, instead of all at the round's end: the peak rate at the island's
     # link falls by about P (worker.push_schedule); a cluster of mode sync is refused
@@ -94,6 +98,7 @@ class IslandConfig:
         check.number("topk_density", self.topk_density, above=0.0, high=1.0)
         check.choice("topk_bits", self.topk_bits, (2, 4))
         check.choice("merge_rule", self.merge_rule, MERGE_RULES)
+        check.choice("exchange", self.exchange, EXCHANGES)
         check.choice("param_sharding", self.param_sharding, PARAM_SHARDINGS)
         for field in ("speed", "lr", "flush_timeout_s"):
             check.number(field, getattr(self, field), above=0.0)

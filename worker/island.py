@@ -107,11 +107,20 @@ class Island:
     def _join(self, stop: threading.Event) -> Session:
         self.state = "joining" if self.spec.leader else "following"
         self._write_status()
-        # host arrays: the session then hands out host trees, and the trainer places each
-        # fold once on its mesh (a tree placed on a device would be placed twice)
+        init = jax.device_get(model_lib.init_params(self.model_cfg, self.cfg.seed))
+        trainer = InnerTrainer(
+            self.model_cfg,
+            self.inner_cfg,
+            init,
+            devices=self.cfg.devices or None,
+            param_sharding=self.cfg.param_sharding,
+        )
+        # exchange "device": join with the trainer's placed parameters, so the session keeps
+        # its state on the trainer's mesh and hands out folds placed like them (the trainer
+        # copies them on the devices); "host": host arrays, each fold placed once by the trainer
         session = Session(
             self.cfg,
-            jax.device_get(model_lib.init_params(self.model_cfg, self.cfg.seed)),
+            trainer.params if self.cfg.exchange == "device" else init,
             stop=stop,
             inner_steps=inner_steps_for(self.cfg),
             client_factory=self.client_factory,
@@ -119,13 +128,8 @@ class Island:
             row_tags={"speed": self.cfg.speed},
         )
         self.session = session
-        self.trainer = InnerTrainer(
-            self.model_cfg,
-            self.inner_cfg,
-            session.params,
-            devices=self.cfg.devices or None,
-            param_sharding=self.cfg.param_sharding,
-        )
+        trainer.set_params(session.params)
+        self.trainer = trainer
         self.topology = mesh_info(
             self.spec, self.trainer.devices, self.cfg.batch_size, self.cfg.param_sharding
         )
@@ -166,7 +170,7 @@ class Island:
                 self._write_status()
                 session.close(self.trainer.params)
             self.state = "stopped"
-            self._write_status(client_stats=session.stats or None)
+            self._write_status(client_stats=session.stats if session.client is not None else None)
         finally:
             if watchdog is not None:
                 watchdog.stop()
@@ -213,7 +217,7 @@ class Island:
             row["bytes_sent"],
             row["bytes_received"],
         )
-        self._write_status(client_stats=session.stats or None)
+        self._write_status(client_stats=session.stats if session.client is not None else None)
 
     def _row_fields(self, round_number: int) -> dict[str, Any]:
         """The daemon's fields of a round's metrics row: speed, loss, the global eval."""

@@ -7,9 +7,11 @@ through JAX collectives (`broadcast_one_to_all`):
 
 - at the join, the plan, the mode and the global parameters (`share_join`);
 - at every step, a small int32 header (stop requested? which fragments got a
-  new version, and which?) and then the new values of those fragments
-  (`share_updates`), so every process folds the same versions at the same step
-  and keeps the same bookkeeping (bases, anchors) as process 0.
+  new version, and which? as codes or as values?) and then the new values of
+  those fragments, or with a device exchange the int8 increment's codes and
+  scales when the island holds the version before (`share_updates`), so every
+  process folds the same versions at the same step and keeps the same
+  bookkeeping (bases, anchors) as process 0.
 
 When a round's delta is due every process knows it (the push schedule is a
 function of the step count), and all take part in `gather`, which brings
@@ -24,7 +26,27 @@ from typing import Any
 
 import numpy as np
 
+from codec.prequantized import Coded, code_dtype
 from paramserver.client import JoinResult, Update
+
+SCHEMES = {127: "int8", 7: "int4"}  # quantization levels -> codec scheme
+
+
+def _travelling_codes(update: Update, coded_after: dict[int, int] | None) -> Coded | None:
+    """The increment to share instead of the full values, if any (process 0 decides)."""
+    coded = update.increment
+    if coded_after is None or coded is None or coded.scheme not in ("int8", "int4"):
+        return None
+    return coded if coded_after.get(update.fragment) == update.version - 1 else None
+
+
+def _empty_like(size: int, levels: int, block: int) -> tuple[np.ndarray, ...]:
+    """Buffers of the shapes process 0 broadcasts for one update (full values or codes)."""
+    if not levels:
+        return (np.zeros(size, np.float32),)
+    scheme = SCHEMES[levels]
+    codes = size if scheme == "int8" else (size + 1) // 2
+    return np.zeros(codes, code_dtype(scheme)), np.zeros(-(-size // block), np.float32)
 
 
 class LeaderFailed(RuntimeError):
@@ -85,7 +107,11 @@ class LeaderSync:
         return JoinResult(plan=plan, params=params, versions=versions, mode=mode)
 
     def share_updates(
-        self, updates: list[Update], stop: bool, fragment_sizes: list[int]
+        self,
+        updates: list[Update],
+        stop: bool,
+        fragment_sizes: list[int],
+        coded_after: dict[int, int] | None = None,
     ) -> tuple[list[Update], bool]:
         """Give every process the versions process 0 folds at this step, and its stop.
 
@@ -93,29 +119,48 @@ class LeaderSync:
             updates: process 0's new versions (ignored on the others).
             stop: process 0's stop request (ignored on the others).
             fragment_sizes: elements per fragment (the plan's).
+            coded_after: fragment -> the version the island holds, when an update's
+                increment that follows it should travel as its codes and scales instead
+                of its full values (a device exchange); None: always the full values.
 
         Returns:
-            (the updates, the stop request), the same on every process.
+            (the updates, the stop request), the same on every process; an update
+            shared as codes has `increment` set and, on the processes other than 0,
+            empty `values`.
         """
         if not self.multi:
             return updates, stop
-        words = np.zeros(2 + 2 * len(fragment_sizes), np.int32)
+        words = np.zeros(2 + 4 * len(fragment_sizes), np.int32)
         if self.leader:
             words[0], words[1] = int(stop), len(updates)
             for i, u in enumerate(updates):
-                words[2 + 2 * i], words[3 + 2 * i] = u.fragment, u.version
+                coded = _travelling_codes(u, coded_after)
+                words[2 + 4 * i : 6 + 4 * i] = (
+                    u.fragment, u.version, coded.levels if coded else 0, coded.block if coded else 0,
+                )  # fmt: skip
         words = np.asarray(self._send(words))
         count = int(words[1])
         if count == 0:
             return [], bool(words[0])
-        keys = [(int(words[2 + 2 * i]), int(words[3 + 2 * i])) for i in range(count)]
-        values = (
-            [np.asarray(u.values, np.float32) for u in updates]
-            if self.leader
-            else [np.zeros(fragment_sizes[f], np.float32) for f, _ in keys]
-        )
-        values = [np.asarray(v, np.float32) for v in self._send(values)]
-        return [Update(f, v, x) for (f, v), x in zip(keys, values, strict=True)], bool(words[0])
+        keys = [tuple(int(w) for w in words[2 + 4 * i : 6 + 4 * i]) for i in range(count)]
+        if self.leader:
+            arrays = [
+                (coded.codes, coded.scales) if levels else (np.asarray(u.values, np.float32),)
+                for u, (_, _, levels, _) in zip(updates, keys, strict=True)
+                for coded in [_travelling_codes(u, coded_after)]
+            ]
+        else:
+            arrays = [_empty_like(fragment_sizes[f], levels, block) for f, _, levels, block in keys]
+        arrays = [tuple(np.asarray(a) for a in group) for group in self._send(arrays)]
+        shared = []
+        for (f, version, levels, block), group in zip(keys, arrays, strict=True):
+            if not levels:
+                shared.append(Update(f, version, group[0].astype(np.float32, copy=False)))
+                continue
+            coded = Coded(SCHEMES[levels], block, fragment_sizes[f], group[0], group[1])
+            values = updates[len(shared)].values if self.leader else np.zeros(0, np.float32)
+            shared.append(Update(f, version, values, coded))
+        return shared, bool(words[0])
 
     def gather(self, leaves: list[Any]) -> list[Any]:
         """Leaves every host can read whole (a collective when one spans processes).

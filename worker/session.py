@@ -12,10 +12,14 @@
 in ``<data_dir>/outbox.bin`` (`worker.outbox`) and hands out the global model
 placed like `params`. `Session.step` counts inner steps; when a fragment's
 delta is due (every `inner_steps` calls, or per fragment at its own step with
-streaming: `worker.push_schedule`) it copies the parameters to the host once,
-pushes each due fragment's work since its last push (`worker.exchange`,
-encoded with error feedback), and folds in every newer published version with
-the merge rule. A call that neither pushes nor folds touches no parameter: it
+streaming: `worker.push_schedule`) it pushes each due fragment's work since
+its last push (`worker.exchange`'s rule, encoded with error feedback), and
+folds in every newer published version with the merge rule. The exchange
+runs on the parameters' own devices (`worker.device_exchange`: only codes and
+scales cross to the host) when `exchange="device"` (the default), the codec
+is int8 or int4 and every leaf is a `jax.Array`; otherwise on the host
+(`worker.host_exchange`: one host copy of the parameters per step that
+pushes or folds). A call that neither pushes nor folds touches no parameter: it
 only checks the tree's structure and asks the client, without blocking,
 whether a version arrived. In a sync cluster the round's last call waits
 until the round is merged. `close` pushes the partial round, flushes, keeps
@@ -46,7 +50,8 @@ import numpy as np
 from paramserver.client import Client, ClientError, JoinResult, Update
 from worker import compile_cache, outbox, progress
 from worker.config import IslandConfig
-from worker.exchange import FragmentSync
+from worker.device_exchange import DeviceExchange
+from worker.host_exchange import HostExchange
 from worker.leader_sync import LeaderSync
 from worker.param_tree import TreeError, TreeLayout
 from worker.push_schedule import check_streaming_mode, due_fragments, flush_fragments
@@ -81,7 +86,8 @@ def join(
             compile cache go; None = nowhere (unacked deltas are then dropped at close).
         stop: an event that, once set, ends every wait of the session.
         **settings: island options of the exchange (`worker.session_config.SESSION_SETTINGS`:
-            codec, block_size, topk_density, topk_bits, streaming, merge_rule,
+            exchange ("device" | "host"), codec, block_size, topk_density, topk_bits,
+            streaming, merge_rule,
             max_unacked, flush_timeout_s, join_timeout_s, heartbeat_interval_s, the
             CURVE key files, compile_cache_dir), validated as `IslandConfig` does.
 
@@ -179,20 +185,12 @@ class Session:
         self.plan, self.mode = joined.plan, joined.mode
         self.sizes = [frag.size for frag in self.plan.fragments]
         flat = {k: np.asarray(v, np.float32) for k, v in joined.params.items()}
-        self.syncs = {
-            frag.index: FragmentSync.start(self.plan.gather(flat, frag.index), version)
-            for frag in self.plan.fragments
-            for version in [joined.versions[frag.index]]
-        }
-        self.codec = make_codec(cfg)
-        self.ef_state = {
-            frag.index: self.codec.init({"delta": np.zeros(frag.size, np.float32)})
-            for frag in self.plan.fragments
-        }
+        self.exchange = self._exchange(flat, joined.versions)
+        self.exchange_s = 0.0
         # (steps, tokens) of the session when each fragment was last pushed: its unsent work
         # is the session's totals minus these (no per-call bookkeeping per fragment)
-        self.pushed_at: dict[int, tuple[int, int]] = dict.fromkeys(self.syncs, (0, 0))
-        self.params = self.layout.build(flat)
+        self.pushed_at: dict[int, tuple[int, int]] = dict.fromkeys(range(len(self.sizes)), (0, 0))
+        self.params = self.exchange.initial_params()
         self._latest = self.params
         self.round = 0
         self.in_round = 0  # step calls of the current round
@@ -218,6 +216,29 @@ class Session:
             joined.versions,
             self.mode,
         )
+
+    def _exchange(
+        self, flat: dict[str, np.ndarray], versions: dict[int, int]
+    ) -> DeviceExchange | HostExchange:
+        """The device exchange when it applies, else the host's (saying why, once)."""
+        cfg, delta_codec = self.cfg, make_codec(self.cfg)
+        why = None
+        if cfg.exchange == "device":
+            if cfg.codec not in ("int8", "int4"):
+                why = f"codec {cfg.codec} is encoded on the host"
+            elif any(s is None for s in self.layout.shardings):
+                why = "params has numpy leaves (pass jax arrays to exchange on their devices)"
+            else:
+                return DeviceExchange(
+                    self.layout, self.plan, flat, versions, scheme=cfg.codec,
+                    block=delta_codec.block_size, zstd_level=delta_codec.zstd_level,
+                    rule=cfg.merge_rule,
+                )  # fmt: skip
+            logger.info("island %s: exchange on the host: %s", cfg.island, why)
+        return HostExchange(
+            self.layout, self.plan, flat, versions, delta_codec=delta_codec,
+            rule=cfg.merge_rule, group=self.group,
+        )  # fmt: skip
 
     def _join_values(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         return {
@@ -252,18 +273,19 @@ class Session:
         in_round = self.in_round + 1
         round_end = in_round == self.inner_steps
         if self.cfg.streaming:
-            due = due_fragments(in_round, self.inner_steps, len(self.syncs))
+            due = due_fragments(in_round, self.inner_steps, len(self.sizes))
         else:
-            due = sorted(self.syncs) if round_end else []
-        host = self._host(leaves) if due else None  # the one host copy (nothing counted yet)
+            due = list(range(len(self.sizes))) if round_end else []
+        frames = self._encode(leaves, due) if due else {}  # before anything is counted
         self.steps, self.tokens, self.in_round = self.steps + 1, self.tokens + tokens, in_round
         if due:
-            self._push(due, host, self.round_base + self.round)
+            self._push(due, frames, self.round_base + self.round)
         if round_end and self.client is not None:
             self.client.report_step_time(self.clock.median_step_s(self.inner_steps))
             if self.mode == "sync":
                 self._wait_for_merge(self.round_base + self.round)
-        out = self._fold(leaves, host, params)
+        out = self._fold(leaves, params)
+        self.exchange.end_step()
         self._latest = out
         if round_end:
             self.round += 1
@@ -272,49 +294,50 @@ class Session:
         self.clock.step_ended(time.monotonic())
         return out
 
-    def _host(self, leaves: list[Any]) -> dict[str, np.ndarray]:
-        return self.layout.to_host(self.group.gather(leaves))
+    def _encode(self, leaves: list[Any], fragments: list[int]) -> dict[int, tuple[int, list]]:
+        """Each due fragment's (base version, frames) of its work since its last push.
 
-    def _push(self, fragments: list[int], host: dict[str, np.ndarray], round_id: int) -> None:
-        """Push each fragment's work since its own last push (every process moves its anchor)."""
+        Every process moves its anchors; process 0 alone gets frames ({} elsewhere).
+        """
+        versions = dict(self.exchange.versions)  # the versions the deltas are taken against
+        t0 = time.perf_counter()
+        frames = self.exchange.encode(leaves, fragments, self.client is not None)
+        self.exchange_s += time.perf_counter() - t0
+        return {index: (versions[index], f) for index, f in frames.items()}
+
+    def _push(self, fragments: list[int], frames: dict[int, tuple[int, list]], round_id: int):
+        """Push each fragment's encoded work (process 0); note what each push covered."""
         self._settle_resent()
         for index in fragments:
-            sync = self.syncs[index]
-            delta = sync.take(self.plan.gather(host, index))  # only the work not sent yet
             steps_then, tokens_then = self.pushed_at[index]
             steps, tokens = self.steps - steps_then, self.tokens - tokens_then
             self.pushed_at[index] = (self.steps, self.tokens)
-            if self.client is None:
-                continue
-            frames, self.ef_state[index] = self.codec.encode({"delta": delta}, self.ef_state[index])
-            self.client.push(
-                index, round_id, sync.base_version, tokens, steps, frames, stop=self.stop
-            )
+            if self.client is not None:
+                version, payload = frames[index]
+                self.client.push(index, round_id, version, tokens, steps, payload, stop=self.stop)
         self.pushed_in_round = True
 
-    def _fold(self, leaves: list[Any], host: dict[str, np.ndarray] | None, params: Any) -> Any:
+    def _fold(self, leaves: list[Any], params: Any) -> Any:
         """Adopt every newer version (the same ones on every process); returns the params."""
         updates: list[Update] = []
+        versions = self.exchange.versions
         if self.client is not None:
-            updates = [
-                u
-                for u in self.client.poll_updates()
-                if u.version > self.syncs[u.fragment].base_version
-            ]
+            updates = [u for u in self.client.poll_updates() if u.version > versions[u.fragment]]
         updates, self._leader_stop = self.group.share_updates(
-            updates, self.stop.is_set(), self.sizes
+            updates, self.stop.is_set(), self.sizes, self._coded_increments
         )
         if not updates:
             return params
-        if host is None:
-            host = self._host(leaves)
-        for update in updates:
-            sync = self.syncs[update.fragment]
-            current = self.plan.gather(host, update.fragment)
-            new_local = sync.adopt(current, update.values, update.version, self.cfg.merge_rule)
-            self.plan.scatter(update.fragment, new_local, host)
+        t0 = time.perf_counter()
+        out = self.exchange.fold(leaves, updates)
+        self.exchange_s += time.perf_counter() - t0
         self.adopted += len(updates)
-        return self.layout.build(host)
+        return jax.tree_util.tree_unflatten(self.layout.treedef, out)
+
+    @property
+    def _coded_increments(self) -> dict[int, int] | None:
+        """Multi-process: the fragment versions whose next increment may travel as codes."""
+        return self.exchange.versions if isinstance(self.exchange, DeviceExchange) else None
 
     def _wait_for_merge(self, round_id: int) -> None:
         """Sync mode: block until the shards published versions that include `round_id`."""
@@ -348,13 +371,7 @@ class Session:
         Returns:
             The tree with numpy leaves of the original dtypes (on every process).
         """
-        flat = {
-            n: np.empty(s, np.float32)
-            for n, s in zip(self.layout.names, self.layout.shapes, strict=True)
-        }
-        for index, sync in self.syncs.items():  # the fragments cover every element
-            self.plan.scatter(index, sync.base, flat)
-        return self.layout.build(flat, place=False)
+        return self.layout.build(self.exchange.base_values(), place=False)
 
     @property
     def stopping(self) -> bool:
@@ -364,16 +381,23 @@ class Session:
     @property
     def version(self) -> int:
         """Sum over fragments of the newest global version adopted."""
-        return sum(sync.base_version for sync in self.syncs.values())
+        return sum(self.exchange.versions.values())
 
     @property
     def stats(self) -> dict[str, Any]:
         """The client's counters (bytes_sent, bytes_received, pushes, acked, pending, ...).
 
         Returns:
-            The dict of `Client.stats` on process 0, {} on the other processes.
+            The dict of `Client.stats` on process 0 ({} on the other processes), plus
+            on every process `exchange_s` (seconds `step` spent on delta, quantize,
+            encode, fold and placement, not on network waits) and `host_device_bytes`
+            (bytes the exchange moved between host and device memory, both ways).
         """
-        return self.client.stats() if self.client is not None else {}
+        own = {
+            "exchange_s": self.exchange_s,
+            "host_device_bytes": self.exchange.host_device_bytes,
+        }
+        return {**(self.client.stats() if self.client is not None else {}), **own}
 
     @property
     def goodput(self) -> float | None:
@@ -444,9 +468,13 @@ class Session:
             if rest and not self.group.broken:
                 round_id = self.round_base + self.round + int(self.pushed_in_round)
                 try:
-                    self._push(rest, self._host(self.layout.leaves(latest)), round_id)
+                    frames = self._encode(self.layout.leaves(latest), rest)
+                    self.exchange.end_step()
+                    self._push(rest, frames, round_id)
                 except RuntimeError as exc:  # e.g. its buffers were donated since
                     logger.warning("island %s: partial round not pushed: %s", self.island, exc)
+            if not self.group.broken:  # no process leaves a collective of the others unfinished
+                self.exchange.wait()
         finally:
             self.closed = True
             self._finish(self.cfg.flush_timeout_s)

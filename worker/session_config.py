@@ -19,6 +19,7 @@ from worker.config import IslandConfig
 
 # Island options a Session uses (the rest of IslandConfig is the daemon's model, data, loop).
 SESSION_SETTINGS = (
+    "exchange",
     "codec",
     "block_size",
     "topk_density",

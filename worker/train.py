@@ -25,6 +25,7 @@ import dataclasses
 import logging
 import time
 from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -135,6 +136,14 @@ def _resolve_devices(devices: Sequence[jax.Device] | int | None) -> list[jax.Dev
     return chosen
 
 
+def _placed_like(leaf: Any, sharding: NamedSharding) -> bool:
+    return (
+        isinstance(leaf, jax.Array)
+        and leaf.dtype == np.float32
+        and leaf.sharding.is_equivalent_to(sharding, leaf.ndim)
+    )
+
+
 class InnerTrainer:
     """Holds an island's parameters and AdamW state and runs jitted train/eval steps.
 
@@ -218,13 +227,16 @@ class InnerTrainer:
         for leaf, shape in zip(leaves, self._shapes, strict=True):
             if np.shape(leaf) != shape:
                 raise InnerConfigError(f"parameter of shape {np.shape(leaf)} != expected {shape}")
-        # A fresh float32 host copy, so donation never frees a buffer the caller still holds;
-        # each process places only the slices of its own devices.
-        host = [np.array(leaf, dtype=np.float32, copy=True) for leaf in leaves]
-        placed = [
-            jax.make_array_from_callback(h.shape, s, lambda index, h=h: h[index])
-            for h, s in zip(host, self._leaf_shardings, strict=True)
-        ]
+        # A fresh copy, so donation never frees a buffer the caller still holds: on the
+        # devices for a float32 leaf already placed like ours (a device exchange's fold),
+        # else through a float32 host copy, each process placing only its own devices' slices.
+        placed = []
+        for leaf, sharding in zip(leaves, self._leaf_shardings, strict=True):
+            if _placed_like(leaf, sharding):
+                placed.append(jax.device_put(leaf, sharding, may_alias=False))
+                continue
+            h = np.array(leaf, dtype=np.float32, copy=True)
+            placed.append(jax.make_array_from_callback(h.shape, sharding, lambda i, h=h: h[i]))
         return jax.tree_util.tree_unflatten(self._treedef, placed)
 
     def _put_batch(self, tokens_BxT1: np.ndarray) -> jax.Array:

@@ -111,7 +111,8 @@ class Progress:
         """Hand the replica's current values of changed fragments to `take_updates`."""
         for f in fragments:
             state = self.replica[f]
-            self._updates[f] = Update(f, state.version, state.values.copy())
+            # the increment (version - 1 -> version) serves a reader that holds version - 1
+            self._updates[f] = Update(f, state.version, state.values.copy(), state.increment)
             self._counters.updates_applied += 1
 
     # -- read by the API ------------------------------------------------------------------------

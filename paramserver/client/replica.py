@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from codec.prequantized import Coded, read_codes
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import UPDATE_FULL, UPDATE_INCREMENT, ProtocolError
 from paramserver.wire.snapshot import fragment_vector
@@ -51,10 +52,15 @@ def apply_update(current: np.ndarray | None, mode: str, values: np.ndarray) -> n
 
 @dataclass
 class ReplicaFragment:
-    """One fragment of the replica: its version and fp32 values."""
+    """One fragment of the replica: its version and fp32 values.
+
+    `increment`: the codes of the update that led from version - 1 to `version`
+    (None after a snapshot or a full-values update).
+    """
 
     version: int
     values: np.ndarray
+    increment: Coded | None = None
 
 
 @dataclass(frozen=True)
@@ -66,6 +72,7 @@ class Published:
     version: int
     mode: str
     values: np.ndarray
+    coded: Coded | None = None  # an int8/int4 increment's codes and scales (`values` decoded)
 
 
 @dataclass
@@ -203,7 +210,8 @@ class ShardFeed:
         if state is not None and np.shape(item.values) != state.values.shape:
             raise Resync(f"shard {self.shard}: update of fragment {item.fragment} has wrong size")
         values = apply_update(None if state is None else state.values, item.mode, item.values)
-        self.replica[item.fragment] = ReplicaFragment(item.version, values)
+        increment = item.coded if item.mode == UPDATE_INCREMENT else None
+        self.replica[item.fragment] = ReplicaFragment(item.version, values, increment)
         return True
 
 
@@ -220,7 +228,7 @@ def published_update(header: dict, payload: list, plan: Plan | None) -> Publishe
         plan: the island's plan (None: shapes not checked).
 
     Returns:
-        The update, its values 1-D float32.
+        The update, its values 1-D float32 (an int8/int4 increment also as its codes).
 
     Raises:
         Resync: a fragment the plan does not have, or values of another size.
@@ -228,11 +236,13 @@ def published_update(header: dict, payload: list, plan: Plan | None) -> Publishe
         CodecError: the frames cannot be decoded.
     """
     fragment = header["fragment"]
-    values = fragment_vector(payload)
+    coded = read_codes(payload, "values") if header.get("mode") == UPDATE_INCREMENT else None
+    # an int8 increment is decompressed once: its codes are kept, its values decoded from them
+    values = fragment_vector(payload) if coded is None else coded.values()
     if plan is not None and (
         fragment >= plan.num_fragments or values.shape != (plan.fragments[fragment].size,)
     ):
         raise Resync(f"update of fragment {fragment} with shape {values.shape}")
     if header["mode"] not in MODES:
         raise ProtocolError("malformed", f"update mode {header['mode']!r}")
-    return Published(header["seq"], fragment, header["version"], header["mode"], values)
+    return Published(header["seq"], fragment, header["version"], header["mode"], values, coded)

@@ -13,6 +13,7 @@ from typing import Any
 
 import numpy as np
 
+from codec.prequantized import Coded
 from paramserver.plumbing.validate import Checks
 from paramserver.wire.plan import Plan
 
@@ -104,11 +105,20 @@ class JoinResult:
 
 @dataclass(frozen=True)
 class Update:
-    """A new global version of one fragment: `values` is the full 1-D float32 vector."""
+    """A new global version of one fragment: `values` is the full 1-D float32 vector.
+
+    `increment`, when not None, holds the int8 codes and scales of the published
+    change from `version - 1` (`codec.prequantized.Coded`): a reader that holds
+    version - 1 can add their dequantized values (in float32, as the replica did)
+    instead of taking `values`, e.g. on its accelerator (a reader that missed a
+    version must take `values`). None when `version` came from a snapshot or a
+    full-values update.
+    """
 
     fragment: int
     version: int
     values: np.ndarray
+    increment: Coded | None = None
 
 
 @dataclass

@@ -1,0 +1,105 @@
+"""A session's exchange on the device trains exactly as the host exchange (real shards).
+
+One island in a sync cluster with the int8 downlink is deterministic: every
+round pushes, waits for its merge and folds the published increments. Run
+once with ``exchange="device"`` and once with ``exchange="host"`` on fresh
+clusters, the pushed frames are byte for byte the same in every round and so
+are the parameters; the device run moves a fraction of the host run's bytes
+between host and device.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import mlp_helpers as mlp
+import numpy as np
+import pytest
+from client_helpers import RecordingClient
+from conftest import Cluster
+
+from worker.config import IslandConfigError
+from worker.device_exchange import DeviceExchange
+from worker.host_exchange import HostExchange
+from worker.session import Session
+from worker.session_config import session_config
+
+pytestmark = pytest.mark.timeout(120)
+FAST = {"heartbeat_interval_s": 0.2, "join_timeout_s": 20.0, "flush_timeout_s": 5.0}
+ROUNDS, INNER = 4, 3
+
+
+def _wide_mlp(hidden: int = 1024) -> dict:
+    """The helpers' MLP, wider: fragments of thousands of elements (as real models have), so
+    the per-fragment padding of the last block does not dominate the bytes per parameter."""
+    k1, k2 = jax.random.split(jax.random.PRNGKey(0))
+    return {
+        "layers": [
+            mlp.Layer(jax.random.normal(k1, (mlp.IN, hidden)) / np.sqrt(mlp.IN), jnp.zeros(hidden)),
+            mlp.Layer(
+                jax.random.normal(k2, (hidden, mlp.OUT)) / np.sqrt(hidden), jnp.zeros(mlp.OUT)
+            ),
+        ]
+    }
+
+
+def _run(tmp_path, exchange: str, codec: str):
+    cluster = Cluster(tmp_path / exchange, shards=2, mode="sync", downlink="int8")
+    clients: list[RecordingClient] = []
+
+    def factory(cfg):
+        clients.append(RecordingClient(cfg))
+        return clients[-1]
+
+    try:
+        cfg = session_config(
+            cluster.connect, "a", INNER, None, {"exchange": exchange, "codec": codec, **FAST}
+        )
+        session = Session(cfg, _wide_mlp(), client_factory=factory)
+        with session:
+            joined = session.stats["host_device_bytes"]
+            params, opt_state = session.params, mlp.OPTIMIZER.init(session.params)
+            rng = np.random.default_rng(5)
+            for _ in range(ROUNDS * INNER):
+                x, y = mlp.batch(rng)
+                params, opt_state, _ = mlp.train_step(params, opt_state, x, y)
+                params = session.step(params, tokens=mlp.BATCH)
+            moved = session.stats["host_device_bytes"] - joined
+            kind, elements = type(session.exchange), sum(session.sizes)
+            assert session.stats["exchange_s"] > 0
+            assert session.version == ROUNDS * len(session.sizes)
+    finally:
+        cluster.stop()
+    leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(params)]
+    pushed = [
+        (p.fragment, p.round - clients[0].pushes[0].round, p.frames) for p in clients[0].pushes
+    ]
+    return kind, pushed, leaves, moved / ROUNDS / elements
+
+
+@pytest.mark.parametrize("codec", ["int8", "int4"])
+def test_the_device_exchange_pushes_the_host_exchanges_frames_and_trains_the_same(tmp_path, codec):
+    dev_kind, dev_pushed, dev_params, dev_bytes = _run(tmp_path, "device", codec)
+    host_kind, host_pushed, host_params, host_bytes = _run(tmp_path, "host", codec)
+    assert (dev_kind, host_kind) == (DeviceExchange, HostExchange)
+    assert len(dev_pushed) == len(host_pushed) > ROUNDS
+    assert dev_pushed == host_pushed  # every round's frames, byte for byte
+    assert all(np.array_equal(a, b) for a, b in zip(dev_params, host_params, strict=True))
+    # per round and parameter: codes down and up (about 2 B at int8) against a host copy,
+    # a fold on it and the whole tree placed back (12 B)
+    assert dev_bytes <= 2.5 and host_bytes >= 8, (dev_bytes, host_bytes)
+
+
+def test_a_codec_the_device_does_not_quantize_falls_back_to_the_host(tmp_path):
+    cluster = Cluster(tmp_path, shards=1, mode="async")
+    try:
+        cfg = session_config(cluster.connect, "a", 2, None, {"codec": "topk", **FAST})
+        with Session(cfg, mlp.init_mlp(0)) as session:
+            assert isinstance(session.exchange, HostExchange)
+    finally:
+        cluster.stop()
+
+
+def test_an_unknown_exchange_is_refused_naming_the_choices():
+    with pytest.raises(IslandConfigError, match="exchange.*'gpu'.*device.*host"):
+        session_config("tcp://127.0.0.1:5555", "a", 2, None, {"exchange": "gpu"})

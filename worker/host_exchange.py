@@ -1,0 +1,148 @@
+"""The island exchange on the host (`exchange="host"`): parameters to numpy and back.
+
+`HostExchange` keeps each fragment's `worker.exchange.FragmentSync` (base and
+anchor as numpy vectors) and the codec's error-feedback state. A step that
+pushes or folds copies the parameters to the host once (gathered over the
+processes of a multi-process island), takes each due fragment's delta and
+encodes it with the numpy codec, folds published versions with
+`FragmentSync.adopt` and places the whole tree back on the devices. It is the
+fallback of `worker.device_exchange` (codecs other than int8/int4, parameters
+held as numpy arrays) and the baseline the device path is measured against.
+`DeviceExchange` has the same methods.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+import codec
+from paramserver.client import Update
+from worker.exchange import FragmentSync
+from worker.leader_sync import LeaderSync
+from worker.param_tree import TreeLayout
+
+
+def _placed_bytes(leaves: Sequence[Any]) -> int:
+    return sum(
+        shard.data.nbytes for leaf in leaves for shard in getattr(leaf, "addressable_shards", ())
+    )
+
+
+class HostExchange:
+    """Bases, anchors and residuals as numpy vectors per fragment; numpy delta, codec and fold."""
+
+    def __init__(
+        self,
+        layout: TreeLayout,
+        plan: Any,
+        flat: dict[str, np.ndarray],
+        versions: dict[int, int],
+        *,
+        delta_codec: codec.Codec,
+        rule: str,
+        group: LeaderSync,
+    ) -> None:
+        """Start every fragment at the joined values.
+
+        Args:
+            layout: the session's tree layout.
+            plan: the cluster's plan (`JoinResult.plan`).
+            flat: the joined float32 values by leaf name.
+            versions: the joined version of each fragment.
+            delta_codec: the codec of the pushed deltas.
+            rule: the merge rule.
+            group: the island's process group (gathers spread leaves).
+        """
+        self.layout, self.plan, self.rule, self.group = layout, plan, rule, group
+        self.codec = delta_codec
+        self.syncs = {
+            frag.index: FragmentSync.start(plan.gather(flat, frag.index), versions[frag.index])
+            for frag in plan.fragments
+        }
+        self.ef_state = {
+            frag.index: delta_codec.init({"delta": np.zeros(frag.size, np.float32)})
+            for frag in plan.fragments
+        }
+        self.host_device_bytes = 0
+        self._host: dict[str, np.ndarray] | None = None  # this step's host copy
+        self._joined: dict[str, np.ndarray] | None = flat  # until initial_params
+
+    @property
+    def versions(self) -> dict[int, int]:
+        """The adopted version of each fragment."""
+        return {index: sync.base_version for index, sync in self.syncs.items()}
+
+    def _place(self, flat: dict[str, np.ndarray]) -> Any:
+        tree = self.layout.build(flat)
+        self.host_device_bytes += _placed_bytes(jax.tree_util.tree_leaves(tree))
+        return tree
+
+    def initial_params(self) -> Any:
+        """The session's first parameters: the joined values placed like the user's leaves."""
+        flat, self._joined = self._joined, None
+        assert flat is not None, "initial_params is called once"
+        return self._place(flat)
+
+    def _host_copy(self, leaves: list[Any]) -> dict[str, np.ndarray]:
+        if self._host is None:
+            self._host = self.layout.to_host(self.group.gather(leaves))
+            self.host_device_bytes += sum(
+                leaf.nbytes for leaf in leaves if isinstance(leaf, jax.Array)
+            )
+        return self._host
+
+    def encode(self, leaves: list[Any], fragments: Sequence[int], leader: bool) -> dict[int, list]:
+        """Take each due fragment's delta (moving its anchor) and encode it (process 0 only).
+
+        Args:
+            leaves: the current parameter leaves (layout order).
+            fragments: the due fragments.
+            leader: this process encodes; the others only move their anchors.
+
+        Returns:
+            fragment -> codec frames ({} on the other processes).
+        """
+        host = self._host_copy(leaves)
+        out = {}
+        for index in fragments:
+            delta = self.syncs[index].take(self.plan.gather(host, index))
+            if leader:
+                out[index], self.ef_state[index] = self.codec.encode(
+                    {"delta": delta}, self.ef_state[index]
+                )
+        return out
+
+    def fold(self, leaves: list[Any], updates: Sequence[Update]) -> list[Any]:
+        """Adopt new global versions on the host and place the tree back; returns its leaves."""
+        host = self._host_copy(leaves)
+        for update in updates:
+            sync = self.syncs[update.fragment]
+            current = self.plan.gather(host, update.fragment)
+            new_local = sync.adopt(current, update.values, update.version, self.rule)
+            self.plan.scatter(update.fragment, new_local, host)
+        return jax.tree_util.tree_leaves(self._place(host))
+
+    def end_step(self) -> None:
+        """Forget this step's host copy."""
+        self._host = None
+
+    def wait(self) -> None:
+        """Nothing runs in the background here."""
+
+    def base_values(self) -> dict[str, np.ndarray]:
+        """The adopted global values of every leaf (host arrays).
+
+        Returns:
+            name -> float32 array of the leaf's shape.
+        """
+        flat = {
+            n: np.empty(s, np.float32)
+            for n, s in zip(self.layout.names, self.layout.shapes, strict=True)
+        }
+        for index, sync in self.syncs.items():  # the fragments cover every element
+            self.plan.scatter(index, sync.base, flat)
+        return flat
