@@ -285,6 +285,34 @@ def checkpoint_windows(log_file: Path) -> list[dict[str, float]]:
     return found
 
 
+def settled_checkpoints(log_file: Path, cycles: int) -> list[dict[str, float]]:
+    """The checkpoints of the run once their count stops growing.
+
+    A checkpoint is written in the background and only one at a time, so rounds
+    that step while one is written share the next one: a run may end with fewer
+    than `cycles`. Wait for `cycles` of them, or until none was added for
+    three times the longest one took (at least 10 s).
+
+    Args:
+        log_file: the shard's daemon.log.
+        cycles: checkpointed rounds the run made.
+
+    Returns:
+        `checkpoint_windows(log_file)` at that moment.
+    """
+    deadline = time.monotonic() + WAIT_S
+    found, changed = checkpoint_windows(log_file), time.monotonic()
+    while len(found) < cycles and time.monotonic() < deadline:
+        quiet = max([10.0] + [3 * c["seconds"] for c in found])
+        if found and time.monotonic() - changed > quiet:
+            break
+        time.sleep(0.1)
+        now_found = checkpoint_windows(log_file)
+        if len(now_found) != len(found):
+            found, changed = now_found, time.monotonic()
+    return found
+
+
 def measure_checkpoints(
     out: Path, params: int, fragments: int, islands: int, pending: int, cycles: int, log: TextIO
 ) -> dict[str, Any]:
@@ -322,10 +350,7 @@ def measure_checkpoints(
                         start = time.time()
                         probes.append([start, isl.push_one(i, f, watcher)])
             print(f"scale: checkpoint cycle {cycle + 1}/{cycles} done", file=log, flush=True)
-        log_file = cluster.shard_dir(0) / "daemon.log"
-        deadline = time.monotonic() + WAIT_S
-        while len(found := checkpoint_windows(log_file)) < cycles and time.monotonic() < deadline:
-            time.sleep(0.1)
+        found = settled_checkpoints(cluster.shard_dir(0) / "daemon.log", cycles)
     return {
         "pending_rss": points,
         "release_s": release,

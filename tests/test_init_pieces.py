@@ -401,9 +401,10 @@ def test_a_shard_process_takes_a_streamed_init_at_the_default_limit(tmp_path, zm
         cut = [
             (f.index, o, n) for f in plan.fragments for o, n in protocol.pieces(f.size, 14680064)
         ]
-        for f, offset, count in cut:
-            reply, _ = p.request(*piece(plan, "a", f, offset, streamed(f, offset, count)))
-            assert reply["kind"] in ("init_piece_ok", "init_ok"), reply
+        for f, offset, count in cut:  # the last piece installs the model: give it time
+            rid = p.send(*piece(plan, "a", f, offset, streamed(f, offset, count)))
+            reply, _ = p.recv(timeout_s=600)
+            assert reply.get("id") == rid and reply["kind"] in ("init_piece_ok", "init_ok"), reply
         assert reply["kind"] == "init_ok"
         for f, offset, count in cut:  # read back in the same pieces, bit for bit
             ask = snapshot_request("a", f, piece=(offset, count))

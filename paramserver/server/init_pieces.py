@@ -21,6 +21,7 @@ import numpy as np
 
 import codec
 from paramserver.server.outcomes import Outcome, refused
+from paramserver.server.outer import aligned_float32
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 
@@ -55,7 +56,9 @@ class PartialInit:
             The partial init, every element missing.
         """
         sizes = {f.index: f.size for f in plan.fragments_of(shard)}
-        buffers = {i: np.zeros(n, np.float32) for i, n in sorted(sizes.items())}
+        # aligned like the fragment's own params (chunked_step.host_vector), so the state
+        # takes them as they are once the last piece is in: no copy of the model at install
+        buffers = {i: aligned_float32(n) for i, n in sorted(sizes.items())}
         return cls(plan, island, buffers, {i: [] for i in buffers}, sum(sizes.values()))
 
     def abandoned(self, now: float) -> bool:

@@ -511,21 +511,25 @@ class ShardState:
             raise StateError(f"{exc} does not fit the init under way") from None
         if partial.missing == 0:
             self.init_owner = (partial.island, partial.plan.hash)
-            self._install(partial.plan, partial.buffers)
+            self._install(partial.plan, partial.buffers, adopt=True)
             logger.info(
                 "shard %d initialized in pieces by island %s: plan %s", self.index, partial.island,
                 partial.plan.hash[:12], extra={"shard": self.index, "plan_hash": partial.plan.hash},
             )  # fmt: skip
 
-    def _install(self, plan: Plan, values: Mapping[int, np.ndarray]) -> None:
-        """The one place fragments are created from initial values (whole or in pieces)."""
+    def _install(self, plan: Plan, values: Mapping[int, np.ndarray], adopt: bool = False) -> None:
+        """The one place fragments are created from initial values (whole or in pieces).
+
+        `adopt`: take the values (a finished init's own aligned buffers) without a
+        copy; else copy each (an init's decoded values, which its logged event keeps).
+        """
         owned = {f.index: f.size for f in plan.fragments_of(self.index)}
         if set(owned) != set(values):
             raise StateError(f"init event fragments {sorted(values)} != owned {sorted(owned)}")
         self.plan = plan
         self.partial_init = None
         for index in sorted(owned):
-            params = host_vector(values[index])
+            params = values[index] if adopt else host_vector(values[index])
             self.fragments[index] = FragmentState(params, self.stepper.init(params))
 
     def _apply_accept(self, c: Contribution) -> None:
