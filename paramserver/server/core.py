@@ -225,15 +225,16 @@ class ShardCore:
             self.state.initialized, fragment in self.state.fragments, fragment, self.index
         )
         if refusal is None:
-            version, values = self.state.snapshot(fragment)
-            offset, size = header.get("offset", 0), len(values)
+            size = self.state.fragments[fragment].params.shape[0]
+            offset = header.get("offset", 0)
             end = min(size, offset + header.get("count", size))
             refusal = outcomes.snapshot_piece_refusal(
                 offset, end, size, protocol.piece_elements(self.cfg.max_message_bytes)
             )
         if refusal is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, refusal))
-        frames, _ = self._raw32.encode({"values": values[offset:end]})
+        version, values = self.state.snapshot(fragment, offset, end)  # copies the piece only
+        frames, _ = self._raw32.encode({"values": values})
         return self._reply(
             request, header, "snapshot_reply", frames, fragment=fragment, version=version,
             seq=self.seq, offset=offset, size=size,

@@ -148,15 +148,15 @@ class ShardState:
             now, self.last_seen, self.cfg.heartbeat_interval_s, self.cfg.liveness
         )
 
-    def snapshot(self, fragment: int) -> tuple[int, np.ndarray]:
-        """The current version and values of an owned fragment.
+    def snapshot(self, fragment: int, lo: int = 0, hi: int | None = None) -> tuple[int, np.ndarray]:
+        """The current version and values [lo, hi) of an owned fragment.
 
         Args:
             fragment: fragment index.
+            lo, hi: the elements wanted (default: all); only they are copied.
 
         Returns:
-            (version, values); values is a read-only copy of the fragment's
-            params (later steps update the params in place, not the copy).
+            (version, a read-only copy of those params: steps change them in place).
 
         Raises:
             StateError: not initialized or fragment not owned.
@@ -164,7 +164,7 @@ class ShardState:
         if fragment not in self.fragments:
             raise StateError(f"fragment {fragment} is not owned by shard {self.index}")
         frag = self.fragments[fragment]
-        values = frag.params.copy()
+        values = frag.params[lo:hi].copy()
         values.flags.writeable = False
         return frag.version, values
 
