@@ -23,7 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "codec": ("bench.codec", "Codec benchmark: ratio, error, error feedback and throughput of every scheme."),
     "demo": ("bench.demo", "The main job: a local cluster (2 shards, 3 islands, one at half speed) training on the embedded corpus."),
     "fidelity": ("bench.fidelity", "Reproduce Decoupled DiLoCo's quorum table and DiLoCo's parity with DDP, with real daemons."),
-    "island_exchange": ("bench.island_exchange", "The island exchange per round (ms, host-device bytes per param) on the device against on the host, vs a device memcpy."),
+    "island_exchange": ("bench.island_exchange", "The island exchange per round, on the device against on the host, vs a device memcpy."),
     "island_memory": ("bench.island_memory", "Bytes of parameters + AdamW state per device of an island, replicated against fsdp."),
     "load": ("bench.load", "Load test: many lightweight simulated islands (client only, random int8 deltas) against N shards."),
     "report": ("bench.report", "Benchmarks that reproduce the seed's claims: DDP vs synchronous DiLoCo vs this system on WAN links."),
