@@ -16,9 +16,12 @@ each fragment's published update without decoding it:
   delta that islands 1.. push while island 0 stays silent (in sync mode they
   wait pending; island 0's push releases them). After each round, islands
   1.. push probe deltas one at a time (they stay pending until the next
-  round); each probe's ack wait is quiet or overlapped a checkpoint, whose
-  times come from the shard's log line ``shard I checkpoint N: B bytes in S
-  s`` (`checkpoint_windows`).
+  round), once as soon as their clients applied the round's updates (a probe
+  pushed while its client still decodes them times that decoding, here, and
+  not the shard's ack), again once the round's checkpoint is written (the
+  quiet baseline); each probe's ack wait is quiet or overlapped a
+  checkpoint, whose times come from the shard's log line ``shard I
+  checkpoint N: B bytes in S s`` (`checkpoint_windows`).
 
 Progress goes to `log` (stderr).
 """
@@ -190,6 +193,25 @@ class Islands:
         if stats["rejected"]:
             raise LaunchError(f"island {i}: the shard rejected deltas: {stats['rejected']}")
 
+    def wait_applied(self, applied: list[int], timeout_s: float = WAIT_S) -> None:
+        """Wait until every island applied one more update per fragment than `applied` says.
+
+        A probe pushed while its client still decodes the round's updates would
+        time that decoding (in this process), not the shard's ack.
+
+        Args:
+            applied: each island's `updates_applied` before the round.
+
+        Raises:
+            LaunchError: an island did not take in the round's updates in time.
+        """
+        deadline = time.monotonic() + timeout_s
+        for i, client in enumerate(self.clients):
+            while client.stats()["updates_applied"] < applied[i] + len(self.sizes):
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"island {i}: the round's updates not applied in time")
+                time.sleep(0.005)
+
     def next_versions(self, watcher: UpdateWatcher) -> dict[int, int]:
         """Each fragment's version after one more step."""
         return {f: watcher.version(f) + 1 for f in self.sizes}
@@ -313,6 +335,24 @@ def settled_checkpoints(log_file: Path, cycles: int) -> list[dict[str, float]]:
     return found
 
 
+def _probe(
+    isl: Islands, islands: int, rounds: int, watcher: UpdateWatcher, probes: list[list[float]]
+) -> None:
+    """Islands 1.. push `rounds` probes to every fragment, one at a time; append [start, wait]."""
+    for i in range(1, islands):
+        for _ in range(rounds):
+            for f in sorted(isl.sizes):
+                start = time.time()
+                probes.append([start, isl.push_one(i, f, watcher)])
+
+
+def _wait_checkpoints(log_file: Path, count: int) -> None:
+    """Wait until the shard's log reports `count` checkpoints written (at most WAIT_S)."""
+    deadline = time.monotonic() + WAIT_S
+    while len(checkpoint_windows(log_file)) < count and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def measure_checkpoints(
     out: Path, params: int, fragments: int, islands: int, pending: int, cycles: int, log: TextIO
 ) -> dict[str, Any]:
@@ -334,8 +374,11 @@ def measure_checkpoints(
         points = _hold_pending(isl, pid, pending, watcher, log)
         rounds = probe_rounds(islands, fragments)
         release = 0.0
+        log_file = cluster.shard_dir(0) / "daemon.log"
         for cycle in range(cycles):
             target = isl.next_versions(watcher)
+            applied = [c.stats()["updates_applied"] for c in isl.clients]
+            written = len(checkpoint_windows(log_file))
             # the islands that wait (1.., once they pushed) are released by the others' push
             pushers = [i for i in range(islands) if i == 0 or isl.rounds[i] == 0]
             for i in pushers:
@@ -344,13 +387,12 @@ def measure_checkpoints(
             waited = watcher.wait_all(target) - sent
             if cycle == 0:
                 release = waited
-            for i in range(1, islands):
-                for _ in range(rounds):
-                    for f in sorted(isl.sizes):
-                        start = time.time()
-                        probes.append([start, isl.push_one(i, f, watcher)])
+            isl.wait_applied(applied)
+            _probe(isl, islands, rounds, watcher, probes)  # while the round's checkpoint is written
+            _wait_checkpoints(log_file, written + 1)
+            _probe(isl, islands, rounds, watcher, probes)  # and after it: the quiet baseline
             print(f"scale: checkpoint cycle {cycle + 1}/{cycles} done", file=log, flush=True)
-        found = settled_checkpoints(cluster.shard_dir(0) / "daemon.log", cycles)
+        found = settled_checkpoints(log_file, cycles)
     return {
         "pending_rss": points,
         "release_s": release,

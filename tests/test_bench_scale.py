@@ -182,8 +182,9 @@ def test_tiny_run_reports_every_figure_against_its_target(tmp_path):
     assert len(step["step_s"]) == 3 and all(s > 0 for s in step["step_s"])
     assert step["value"] > 1 and step["memcpy_ms"] > 0  # a step does more than one copy
     ack = size["ack_p99_ms"]
-    # 8 probes after each of the 2 checkpointed rounds, each quiet or during a checkpoint
-    assert sum(ack["samples"].values()) == 16
+    # 8 probes after each of the 2 checkpointed rounds and 8 more once its checkpoint is
+    # written, each quiet or during a checkpoint
+    assert sum(ack["samples"].values()) == 32
     assert ack["quiet"] > 0 and ack["samples"]["quiet"] > 0
     ckpt = size["checkpoint_s"]
     assert ckpt["count"] >= 2 and ckpt["median"] > 0 and ckpt["bytes"] > 4 * 200_000

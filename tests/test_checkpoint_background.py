@@ -66,6 +66,8 @@ def test_a_fragment_changed_in_place_after_the_capture_is_written_as_captured(tm
     assert durable.before_step(0)  # copies fragment 0 first
     state.fragments[0].params += 1.0  # what an in-place outer step does to the live buffer
     assert not durable.before_step(1)  # fragment 0's copy is still held: step 1 later
+    assert durable.before_step(1, urgent=True)  # unless its pending deltas near the limit:
+    state.fragments[1].params += 1.0  # then it is copied beside fragment 0's, and steps
     assert not job.done and durable.checkpoint_writing
     (durable.dir / HOLD_NAME).unlink()
     wait_for(lambda: job.done, "the checkpoint write")

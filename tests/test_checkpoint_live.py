@@ -52,13 +52,13 @@ def _delta(size: int, rnd: int) -> np.ndarray:
 class Run:
     """A shard process, its directory and one island `a` (reconnected after each restart)."""
 
-    def __init__(self, ctx, tmp_path: Path, elements: int, *flags: str) -> None:
+    def __init__(self, ctx, tmp_path: Path, elements: int, *flags: str, fragments: int = 2) -> None:
         self.ctx, self.flags = ctx, flags
         self.data = tmp_path / "server"
         self.dir = self.data / "shard-0"
         self.dir.mkdir(parents=True)
         self.flat = _flat(elements)
-        self.plan = make_plan(leaf_specs(self.flat), 1, 2)
+        self.plan = make_plan(leaf_specs(self.flat), 1, fragments)
         self.shard: ShardProcess | None = None
         self.peer: Peer | None = None
         self.start()
@@ -156,6 +156,35 @@ def test_a_push_is_acked_while_a_large_checkpoint_is_being_written(tmp_path, zmq
         assert shown.returncode == 0, shown.stderr
         (shard,) = json.loads(shown.stdout)["shards"]
         assert shard["last_checkpoint"]["generation"] >= 1 and "checkpoint_writing" in shard
+    finally:
+        code = run.stop()
+    assert code == 0, run.shard.output
+
+
+def test_steps_waiting_behind_another_fragments_copy_never_make_pushes_fail(tmp_path, zmq_ctx):
+    # the bench's case: 31 fragments, async pushes each stepping its fragment while a
+    # checkpoint is held; more pushes per fragment than max_pending_per_island (8)
+    fragments, rounds = 31, 10
+    flags = ("--mode", "async", "--checkpoint-every-steps", "1", "--fragments", str(fragments))
+    run = Run(zmq_ctx, tmp_path, fragments << 14, *flags, *EXACT, fragments=fragments)
+    try:
+        (run.dir / HOLD_NAME).touch()
+        assert run.push(1)["outcome"] == "accepted"  # its step makes a checkpoint due
+        _held(run)
+        assert run.push(2)["outcome"] == "accepted"  # fragment 0 is copied and steps
+        outcomes = [run.push(r, f)["outcome"] for r in range(1, rounds + 1) for f in range(1, 8)]
+        assert outcomes == ["accepted"] * len(outcomes)
+        status = run.status()
+        assert status["checkpoint_writing"] and run.temporary(), status  # still held
+        # each fragment stepped once its pending deltas neared the limit (a second copy)
+        assert all(status["versions"][str(f)] >= 1 for f in range(1, 8)), status
+        assert all(status["pending"][str(f)] < 8 for f in range(1, 8)), status
+        (run.dir / HOLD_NAME).unlink()
+        wait_for(lambda: run.status()["last_checkpoint"], "the checkpoint to be written")
+        final = wait_for(
+            lambda: (s := run.status())["pending"]["7"] == 0 and s, "the deferred steps"
+        )
+        assert sum(final["versions"][str(f)] for f in range(1, 8)) >= 7
     finally:
         code = run.stop()
     assert code == 0, run.shard.output

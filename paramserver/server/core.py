@@ -8,7 +8,9 @@ tick again; `checkpoint_due(now)` when to begin a checkpoint, and
 `checkpoint_started` / `checkpoint_done` record one (it is written off the
 loop: before stepping a fragment the core asks `step_guard`, which the I/O
 loop sets to its data directory's `before_step`, and defers the step when it
-says not now). Nothing here reads a clock, a socket or a file: `now`
+says not now; it says whether the fragment's pending deltas are near the
+per-island limit, `pending_near_limit`, so that the step is not deferred
+into `too_many_pending` refusals). Nothing here reads a clock, a socket or a file: `now`
 (wall-clock seconds) is an argument, so a simulation drives the core with a
 fake clock.
 
@@ -29,6 +31,7 @@ storage faults.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
@@ -96,8 +99,9 @@ class ShardCore:
         self.last_checkpoint = last_checkpoint
         self.checkpoint_failures = 0  # failed attempts since the last written checkpoint
         self.checkpoint_error: str | None = None  # the last failure
-        # asked before each outer step: may this fragment be stepped now? (see module docstring)
-        self.step_guard: Callable[[int], bool] = lambda fragment: True
+        # asked before each outer step: may this fragment be stepped now? (see module docstring;
+        # the flag says its pending deltas near the per-island limit: deferring risks refusals)
+        self.step_guard: Callable[[int, bool], bool] = lambda fragment, urgent: True
 
     # ----- requests ----------------------------------------------------------------
 
@@ -283,7 +287,8 @@ class ShardCore:
         out = Effects()
         due, _ = self.state.due_fragments(now)
         for fragment in due:
-            if not self.step_guard(fragment):  # a checkpoint still needs it: a later turn
+            urgent = pending_near_limit(self.state, fragment, self.cfg.max_pending_per_island)
+            if not self.step_guard(fragment, urgent):  # a checkpoint still needs it: a later turn
                 continue
             event, update = self.state.step(fragment, now)
             out.records.append(event)
@@ -447,3 +452,21 @@ class ShardCore:
             "checkpoint_failures": self.checkpoint_failures,
             "checkpoint_error": self.checkpoint_error,
         }
+
+
+def pending_near_limit(state: ShardState, fragment: int, per_island: int) -> bool:
+    """Whether some island has at least half its pending limit waiting on a fragment.
+
+    A step deferred further would soon make that island's pushes fail
+    `too_many_pending`, so the checkpoint copies the fragment instead.
+
+    Args:
+        state: the shard's state.
+        fragment: the fragment about to be stepped.
+        per_island: the shard's max_pending_per_island.
+
+    Returns:
+        True when an island has >= per_island / 2 deltas pending on it.
+    """
+    counts = Counter(c.island for c in state.fragments[fragment].pending)
+    return 2 * max(counts.values(), default=0) >= per_island

@@ -14,16 +14,22 @@ fragment's arrays, and the loop asks `before_step(fragment)` first:
 - otherwise, if no other fragment's copy is still held: copy what of this
   fragment is not written yet (its params, optimizer state, residual) and
   step; the writer takes those arrays from the copy from then on;
+- otherwise, if the step is urgent (the core says some island has half its
+  pending limit waiting on the fragment: deferring more would refuse its
+  pushes `too_many_pending`): copy it too, beside the other copy;
 - otherwise: not now (the core defers that step to a later turn, within a
-  fragment's write time), so at most one fragment's copy exists at a time.
+  fragment's write time), so a second copy is taken only under that pressure.
 
 The writer copies each piece (`CHUNK_BYTES`) of a live array into its own
 buffer under the job's lock, so a step never runs while a piece is read.
-Transient memory: one piece (8 MiB) plus at most one fragment's unwritten
-params, optimizer state and residual: 12 B per parameter of one fragment
-for Nesterov with the int8 downlink (a shard of F equal fragments: 12/F
-B/param of the shard), and nothing when no fragment steps during the write.
-The price: a deferred step waits up to one fragment's write.
+Transient memory: one piece (8 MiB) plus one fragment's unwritten params,
+optimizer state and residual (12 B per parameter of one fragment for
+Nesterov with the int8 downlink: a shard of F equal fragments, 12/F B/param
+of the shard), plus one such copy for each urgent step meanwhile (at worst,
+every fragment stepping urgently before the writer reaches it, the unwritten
+part of the shard: 12 B/param); nothing when no fragment steps during the
+write. The price: a deferred step waits up to one fragment's write, or
+until its pending deltas make it urgent.
 
 A job runs once (`run`, or `start` for a thread). In a thread it is paced
 for the loop serving meanwhile: a lower CPU priority, a rest after each
@@ -133,22 +139,25 @@ class CheckpointJob:
 
     # ----- the loop's side --------------------------------------------------------------
 
-    def before_step(self, fragment: int) -> bool:
+    def before_step(self, fragment: int, urgent: bool = False) -> bool:
         """Whether `fragment` may be stepped now; copies what the job still needs of it first.
 
         Args:
             fragment: the fragment the loop is about to step.
+            urgent: copy it even while another fragment's copy is held (its
+                pending deltas near the limit: deferring would refuse pushes).
 
         Returns:
             True: step it (nothing of it is read live any more); False: another
-            fragment's copy is still held, step it in a later turn.
+            fragment's copy is still held and the step is not urgent: step it
+            in a later turn.
         """
         with self._lock:
             names = self._unwritten.get(fragment)
             if self.result is not None or not names:
                 return True
             held = {live_fragment(name) for name in self._copies}
-            if held - {fragment}:
+            if held - {fragment} and not urgent:
                 return False
             for name in names - set(self._copies):
                 self._copies[name] = np.array(self.arrays[name], copy=True)

@@ -17,7 +17,8 @@ A checkpoint n is taken between two loop turns, after the log is synced:
 wal-<n>.log is started (appends go on there) and the state as it is then is
 captured (`begin_checkpoint`); the file is written from a thread while the
 loop serves (`paramserver.server.storage.checkpoint_job`: copy-on-write per
-fragment, at most one fragment's copy at a time), atomically (fsync of the
+fragment, a second copy only for a step whose pending deltas near the
+limit), atomically (fsync of the
 file, rename, fsync of the directory). Only then, in the job's thread, is
 anything deleted: the newest two checkpoints are kept, and the log segments
 from the older of them on, so the previous checkpoint and the log after it
@@ -260,17 +261,19 @@ class ShardStorage:
         )
         return self._job
 
-    def before_step(self, fragment: int) -> bool:
+    def before_step(self, fragment: int, urgent: bool = False) -> bool:
         """Whether a fragment may be stepped now (a checkpoint job may copy it first).
 
         Args:
             fragment: the fragment about to be stepped.
+            urgent: its pending deltas are near the limit: copy it regardless.
 
         Returns:
-            False while a checkpoint job still needs another fragment's copy:
-            step it in a later turn (see CheckpointJob.before_step).
+            False while a checkpoint job still needs another fragment's copy
+            and the step is not urgent: step it in a later turn (see
+            CheckpointJob.before_step).
         """
-        return self._job is None or self._job.before_step(fragment)
+        return self._job is None or self._job.before_step(fragment, urgent)
 
     def poll_checkpoint(self) -> CheckpointResult | None:
         """Collect a checkpoint job that ended: prune after a durable one, report a failed one.
