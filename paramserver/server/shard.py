@@ -12,7 +12,9 @@ the files are `paramserver.server.storage`'s. One loop turn:
        to the log and fsync ONCE (if that fails the core gets the state
        rebuilt from disk and says what to send instead: `core.storage_failed`,
        storage_error refusals); `core.release` packs what to send;
-    3. send it (replies, then publishes);
+    3. send it (replies, then publishes); after a turn that published a
+       step, return the C heap's free memory to the OS (`heap.trim`: the
+       step's temporaries and the merged pushes' frames);
     4. `maybe_checkpoint`: collect a checkpoint that finished writing; begin
        one when the core says it is due. It is captured here, between two
        turns, and written by a thread while the loop goes on acking pushes
@@ -37,6 +39,7 @@ from typing import Any
 
 import zmq
 
+from paramserver.plumbing import heap
 from paramserver.plumbing.curve import CurveServer
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.server.core import ShardCore
@@ -269,11 +272,16 @@ class ShardServer:
             user_id = _user_id(frames[1]) if core.guard is not None and len(frames) > 1 else None
             requests.append(Request(bytes(frames[0]), frames[1:], user_id))
         now = time.time()
+        published = False
         for conn, message in run_batch(core, storage, requests, now, tick):
             if conn is None:
                 self._pub.send_multipart(message, copy=False)
+                published = True
             else:
                 router.send_multipart([conn, *message], copy=False)
+        del requests  # the batch's received frames, before the heap is trimmed
+        if published:  # a step: its temporaries and the merged pushes' frames are free
+            heap.trim()
         if tick:
             maybe_checkpoint(core, storage, now, background=True)
 
