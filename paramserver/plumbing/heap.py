@@ -4,7 +4,7 @@ glibc's malloc keeps what a process frees (the accept path's decoded frames,
 ZeroMQ message buffers, a step's temporaries) in its arenas, one arena per
 thread that ever allocated (ZeroMQ's I/O thread, XLA's and the codec's
 workers), up to 8 per core; RSS then stays at its high-water mark. A shard
-calls `trim` after a turn that stepped, and the supervisor starts its shards
+calls `trim` on its first quiet turn after a step, and the supervisor starts its shards
 with `ARENA_ENV` (MALLOC_ARENA_MAX=2, read by glibc at startup). Both are
 no-ops off glibc.
 """
