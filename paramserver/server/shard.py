@@ -13,9 +13,10 @@ the files are `paramserver.server.storage`'s. One loop turn:
        rebuilt from disk and says what to send instead: `core.storage_failed`,
        storage_error refusals); `core.release` packs what to send;
     3. send it (replies, then publishes); on the first turn without
-       requests after a step was published, return the C heap's free memory
-       to the OS (`heap.trim`: the step's temporaries, the merged pushes'
-       frames, sent updates);
+       requests after a publish (an update, or a heartbeat: then trimming
+       finds little), return the C heap's free memory to the OS
+       (`heap.trim`: a step's temporaries, the merged pushes' frames, sent
+       updates);
     4. `maybe_checkpoint`: collect a checkpoint that finished writing; begin
        one when the core says it is due. It is captured here, between two
        turns, and written by a thread while the loop goes on acking pushes
@@ -174,7 +175,7 @@ class ShardServer:
         self.index = index
         self.endpoints = endpoints if endpoints is not None else local_endpoints(cfg)
         self.router_bind = router_bind or default_router
-        self._trim_due = False  # a step was published since the C heap was last trimmed
+        self._trim_due = False  # the PUB sent something (an update: a step) since the last trim
         self.pub_bind = pub_bind or default_pub
         self.ready = threading.Event()
         self.bound_endpoints: tuple[str, str] | None = None
@@ -281,7 +282,7 @@ class ShardServer:
                 self._trim_due = True
             else:
                 router.send_multipart([conn, *message], copy=False)
-        if idle and self._trim_due:  # the first quiet turn after a step: off the reply path
+        if idle and self._trim_due:  # the first quiet turn after a publish: off the reply path
             self._trim_due = False
             heap.trim()
         if tick:
