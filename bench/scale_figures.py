@@ -247,12 +247,15 @@ def size_figures(
     ratio = during_p99 / quiet_p99 if quiet_p99 and during_p99 is not None else None
     seconds = [c["seconds"] for c in checkpoints["checkpoints"]]
     mib = 1 << 20
+    anon = (steady.get("anon_idle"), steady.get("anon_steady"))
+    anon_bpp = None if None in anon else round((anon[1] - anon[0]) / params, 1)
     return {
         "bytes_per_param_steady": judged(
             "bytes_per_param_steady",
             steady_bpp,
             rss_idle_mib=round(idle / mib, 1),
             rss_steady_mib=round(steady["rss_steady"] / mib, 1),
+            anon_bytes_per_param=anon_bpp,  # the same, less file-backed pages (library code)
         ),
         "bytes_per_param_per_pending": judged(
             "bytes_per_param_per_pending",

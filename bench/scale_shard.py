@@ -74,6 +74,17 @@ def rss_bytes(pid: int) -> int:
     return int(psutil.Process(pid).memory_info().rss)
 
 
+def anon_rss_bytes(pid: int) -> int | None:
+    """Anonymous resident memory of a process (RssAnon: RSS less file-backed pages such as
+    shared libraries' code), or None where /proc has no such line."""
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return None
+    found = [int(x.split()[1]) * 1024 for x in lines if x.startswith("RssAnon:")]
+    return found[0] if found else None
+
+
 def settled_rss(pid: int, settle_s: float = 0.3) -> int:
     """RSS once it stopped moving: read until two reads `settle_s` apart agree within 1 MiB."""
     last = rss_bytes(pid)
@@ -249,11 +260,13 @@ def measure_steady(
         log: progress lines.
 
     Returns:
-        {"rss_idle", "rss_steady" (bytes), "step_s": [one per step]}.
+        {"rss_idle", "rss_steady" (bytes), "anon_idle", "anon_steady" (their
+        anonymous part, `anon_rss_bytes`), "step_s": [one per step]}.
     """
     off = ["--checkpoint-every-steps", "0", "--checkpoint-every-s", "0"]
     with one_shard(out, params, fragments, off, log) as (cluster, pid, watcher):
         idle = settled_rss(pid)
+        anon_idle = anon_rss_bytes(pid)
         isl = Islands(cluster.connect, islands, params, log)
         try:
             times = []
@@ -262,9 +275,16 @@ def measure_steady(
                 print(f"scale: step {k + 1}: {times[-1]:.3f} s", file=log, flush=True)
                 if k == 1:
                     steady = settled_rss(pid)
+                    anon_steady = anon_rss_bytes(pid)
         finally:
             isl.close()
-    return {"rss_idle": idle, "rss_steady": steady, "step_s": times}
+    return {
+        "rss_idle": idle,
+        "rss_steady": steady,
+        "anon_idle": anon_idle,
+        "anon_steady": anon_steady,
+        "step_s": times,
+    }
 
 
 def _hold_pending(isl: Islands, pid: int, pending: int, watcher: UpdateWatcher, log: TextIO):

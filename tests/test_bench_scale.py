@@ -74,7 +74,10 @@ def test_largest_model_by_hand():
 
 
 def _inputs(pending_rss, probes):
-    steady = {"rss_idle": 1000, "rss_steady": 1100, "step_s": [9.0, 0.2, 0.3, 0.5]}
+    steady = {
+        "rss_idle": 1000, "rss_steady": 1100, "anon_idle": 400, "anon_steady": 470,
+        "step_s": [9.0, 0.2, 0.3, 0.5],
+    }  # fmt: skip
     checkpoints = {
         "pending_rss": pending_rss,
         "release_s": 0.5,
@@ -93,6 +96,7 @@ def test_size_figures_by_hand_and_a_costlier_pending_delta_fails_its_target():
     fig = size_figures(10, 0.01, steady, ckpt)
     assert fig["bytes_per_param_steady"]["value"] == 10.0  # (1100 - 1000) / 10
     assert fig["bytes_per_param_steady"]["met"] is True
+    assert fig["bytes_per_param_steady"]["anon_bytes_per_param"] == 7.0  # (470 - 400) / 10
     assert fig["bytes_per_param_per_pending"]["value"] == 1.0  # 10 B per delta / 10 params
     assert fig["bytes_per_param_per_pending"]["met"] is True
     assert fig["step_vs_memcpy"]["value"] == 30.0  # median after the first, 0.3 s / 0.01 s
@@ -177,6 +181,7 @@ def test_tiny_run_reports_every_figure_against_its_target(tmp_path):
         assert isinstance(size[name]["met"], bool), name
     steady = size["bytes_per_param_steady"]
     assert steady["value"] > 0 and steady["rss_steady_mib"] > steady["rss_idle_mib"] > 10
+    assert 0 < steady["anon_bytes_per_param"] <= steady["value"]  # Linux: /proc has RssAnon
     assert [p for p, _ in size["bytes_per_param_per_pending"]["pending_rss_mib"]] == [0, 1, 2]
     step = size["step_vs_memcpy"]
     assert len(step["step_s"]) == 3 and all(s > 0 for s in step["step_s"])

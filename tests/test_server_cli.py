@@ -9,6 +9,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -156,6 +157,9 @@ def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
     assert supervisor_pid and daemon.pid_alive(supervisor_pid)
     shard_pids = [daemon.read_pid(daemon.pid_path(daemon.shard_dir(data_dir, i))) for i in range(2)]
     assert all(pid and daemon.pid_alive(pid) for pid in shard_pids)
+    environ = Path(f"/proc/{shard_pids[0]}/environ")  # Linux: the supervisor capped malloc's arenas
+    if environ.exists() and "MALLOC_ARENA_MAX" not in os.environ:
+        assert b"MALLOC_ARENA_MAX=2" in environ.read_bytes().split(b"\0")
 
     again = run_cli("start", "--detach", "--port", str(port + 10), "--data-dir", str(data_dir))
     assert_one_line_error(again, 1, "in use by a running diloco-server")

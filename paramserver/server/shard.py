@@ -12,7 +12,11 @@ the files are `paramserver.server.storage`'s. One loop turn:
        to the log and fsync ONCE (if that fails the core gets the state
        rebuilt from disk and says what to send instead: `core.storage_failed`,
        storage_error refusals); `core.release` packs what to send;
-    3. send it (replies, then publishes);
+    3. send it (replies, then publishes); on the first turn without
+       requests after a publish (an update, or a heartbeat: then trimming
+       finds little), return the C heap's free memory to the OS
+       (`heap.trim`: a step's temporaries, the merged pushes' frames, sent
+       updates);
     4. `maybe_checkpoint`: collect a checkpoint that finished writing; begin
        one when the core says it is due. It is captured here, between two
        turns, and written by a thread while the loop goes on acking pushes
@@ -37,6 +41,7 @@ from typing import Any
 
 import zmq
 
+from paramserver.plumbing import heap
 from paramserver.plumbing.curve import CurveServer
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.server.core import ShardCore
@@ -170,6 +175,7 @@ class ShardServer:
         self.index = index
         self.endpoints = endpoints if endpoints is not None else local_endpoints(cfg)
         self.router_bind = router_bind or default_router
+        self._trim_due = False  # the PUB sent something (an update: a step) since the last trim
         self.pub_bind = pub_bind or default_pub
         self.ready = threading.Event()
         self.bound_endpoints: tuple[str, str] | None = None
@@ -269,11 +275,16 @@ class ShardServer:
             user_id = _user_id(frames[1]) if core.guard is not None and len(frames) > 1 else None
             requests.append(Request(bytes(frames[0]), frames[1:], user_id))
         now = time.time()
+        idle = not requests
         for conn, message in run_batch(core, storage, requests, now, tick):
             if conn is None:
                 self._pub.send_multipart(message, copy=False)
+                self._trim_due = True
             else:
                 router.send_multipart([conn, *message], copy=False)
+        if idle and self._trim_due:  # the first quiet turn after a publish: off the reply path
+            self._trim_due = False
+            heap.trim()
         if tick:
             maybe_checkpoint(core, storage, now, background=True)
 

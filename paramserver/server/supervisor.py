@@ -1,7 +1,9 @@
 """The local-cluster supervisor behind `diloco-server start`: N shard processes on one host.
 
 This module owns starting the shard processes (each in its own session, with
-its own pid file and log under ``<data_dir>/shard-<i>/``), waiting until they
+its own pid file and log under ``<data_dir>/shard-<i>/``, and glibc's malloc
+capped at `paramserver.plumbing.heap.ARENA_ENV` arenas unless the environment
+sets MALLOC_ARENA_MAX already), waiting until they
 all serve, watching them, and on SIGTERM / SIGINT forwarding one SIGTERM to
 each and waiting for them to drain. It also owns the checks made before a
 start (data dir not in use, ports free) and `stop_server`.
@@ -30,6 +32,7 @@ from urllib.parse import urlsplit
 
 from paramserver.plumbing import daemon
 from paramserver.plumbing.daemon import DaemonError
+from paramserver.plumbing.heap import ARENA_ENV
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 
 logger = logging.getLogger(__name__)
@@ -191,7 +194,12 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
         for i in range(cfg.shards):
             directory = daemon.shard_dir(data_dir, i)
             procs.append(
-                daemon.spawn(shard_argv(cfg, i), daemon.log_path(directory), directory / READY_FILE)
+                daemon.spawn(
+                    shard_argv(cfg, i),
+                    daemon.log_path(directory),
+                    directory / READY_FILE,
+                    env={**ARENA_ENV, **os.environ},  # malloc arenas capped unless set already
+                )
             )
         infos = _wait_all_ready(procs, data_dir, ready_timeout_s, stop)
         if infos is None:
