@@ -37,6 +37,16 @@ def test_replica_must_be_a_bool():
         ClientConfig(connect="tcp://127.0.0.1:5555", island="a", replica="no")
 
 
+def _updates_of_every_fragment(c, fragments: int) -> dict:
+    """Poll `c` until it handed out an update of each of its `fragments`: fragment -> Update."""
+    got: dict = {}
+    wait_for(
+        lambda: got.update({u.fragment: u for u in c.poll_updates()}) or len(got) == fragments,
+        f"updates of {fragments} fragments",
+    )
+    return got
+
+
 @pytest.mark.parametrize("shards", [1, 2])
 def test_without_a_replica_pushes_acks_and_versions_work_and_no_values_are_kept(
     cluster, client, shards
@@ -56,25 +66,11 @@ def test_without_a_replica_pushes_acks_and_versions_work_and_no_values_are_kept(
     wait_for(lambda: b.stats()["acked"] == res.plan.num_fragments, "b's acks")
     wait_for(lambda: b.round_merged(3), "round 3 merged, as b sees it")
 
-    got: dict = {}
-    wait_for(
-        lambda: (
-            got.update({u.fragment: u for u in b.poll_updates()})
-            or len(got) == res.plan.num_fragments
-        ),
-        "b's updates",
-    )
+    got = _updates_of_every_fragment(b, res.plan.num_fragments)
     assert {f: u.version for f, u in got.items()} == {f: v + 1 for f, v in res.versions.items()}
     assert all(u.values is None and u.increment is None for u in got.values())
     # the island with a replica got the same versions, with the values b's deltas changed
-    seen: dict = {}
-    wait_for(
-        lambda: (
-            seen.update({u.fragment: u for u in a.poll_updates()})
-            or len(seen) == res.plan.num_fragments
-        ),
-        "a's updates",
-    )
+    seen = _updates_of_every_fragment(a, res.plan.num_fragments)
     for fragment, update in seen.items():
         assert update.version == got[fragment].version
         assert not np.array_equal(update.values, res.plan.gather(res.params, fragment))
