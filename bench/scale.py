@@ -25,14 +25,18 @@ of pending deltas and its ack latencies. JSON on stdout (also DIR/scale.json), p
   overlapped no checkpoint (`quiet`) or one (`during_checkpoint`), their
   ratio; checkpoint times from the shard's log; `checkpoint_s`;
 - `largest_model_params`: what one 24 GiB machine holds at these figures with
-  16 pending deltas.
+  16 pending deltas;
+- `bytes_per_param_peak`: the shard's peak RSS (VmHWM) of each run minus its
+  idle RSS, over N (not judged; the next size's memory estimate uses it);
+- `island_side`: this process's RSS growth from before the joins to after two
+  steps, over N (the islands keep no replica: `ClientConfig(replica=False)`).
 
 Then per preset (`--presets`, default small base, `worker.model`): the
 island's exchange per round (`exchange_ms`, against memcpy of its float32
 bytes) and `host_device_bytes_per_param`, for each exchange path the island
 has (`bench.scale_island`). Each figure carries the issue's target and
 `met`; `table` lists them as the issue's table. A size whose memory (estimated
-from the last measured size, else from today's figures: `bench.scale_figures`)
+from the last measured size, else from default figures: `bench.scale_figures`)
 or disk would not fit is skipped with a note; one that fails reports `error`.
 Exit 0 when every size was measured or skipped, 1 when one failed.
 """
@@ -152,10 +156,17 @@ def measure_size(
         "params": params,
         "fragments": fragments,
         "islands": args.islands,
-        "memory_estimated_from": measured.get("params", "today's figures (issue 21)"),
+        "memory_estimated_from": measured.get(
+            "params", "default figures (256M after issue 21's changes)"
+        ),
     }
     need = scale_figures.memory_need(
-        params, args.islands, held, measured.get("steady_bpp"), measured.get("pending_bpp")
+        params,
+        args.islands,
+        held,
+        measured.get("steady_bpp"),
+        measured.get("pending_bpp"),
+        measured.get("peak_bpp"),
     )
     out.mkdir(parents=True, exist_ok=True)
     disk = scale_figures.disk_need(params, args.islands, held)
@@ -184,6 +195,12 @@ def measure_size(
     finally:
         _drop_state_files(out)
     return {**entry, **scale_figures.size_figures(params, memcpy_s, steady, ckpt)}
+
+
+def _peak(entry: dict[str, Any]) -> float | None:
+    """The shard's peak B/param of a measured size, the larger of its runs (None: unread)."""
+    peaks = [v for k, v in entry["bytes_per_param_peak"].items() if k != "note" and v]
+    return max(peaks, default=None)
 
 
 def _drop_state_files(out: Path) -> None:
@@ -258,6 +275,7 @@ def run(args: argparse.Namespace, log: TextIO = sys.stderr) -> int:
                 "params": params,
                 "steady_bpp": entry["bytes_per_param_steady"]["value"],
                 "pending_bpp": entry["bytes_per_param_per_pending"]["value"],
+                "peak_bpp": _peak(entry),
             }
     from bench.scale_island import measure_island
 

@@ -151,14 +151,21 @@ def largest_model(
 
 
 # Before a size is run, its memory is estimated from the last measured size's bytes per
-# parameter; with none measured yet, from today's figures (issue 21: ~40 B/param steady,
-# 4 B/param per pending delta).
-DEFAULT_STEADY_BPP = 40.0
-DEFAULT_PENDING_BPP = 4.0
-CLIENT_BPP = 4.0  # each island's Client keeps a float32 replica
-FRAMES_BPP = 1.1  # the int8 frames the islands push (one set, reused)
-STEP_SCRATCH_BPP = 4.0  # a step's temporaries on top of the steady state (measured after steps)
-FIXED_BYTES = 1.5 * GIB  # the shard's and this process's own code and imports
+# parameter; with none measured yet, from the shard's figures at 256M after issue 21's
+# changes (12.9 B/param steady, 1.09 B/param per pending int8 delta), rounded up.
+DEFAULT_STEADY_BPP = 13.0
+DEFAULT_PENDING_BPP = 1.1
+# A step's temporaries on top of the steady state, when no peak was measured (a measured
+# peak, the shard's VmHWM, already holds them and the pending deltas of that run). At 16M
+# and 64M both runs' peaks were within 0.1 B/param of the steady figure: a margin of 1.
+STEP_SCRATCH_BPP = 1.0
+# This process, the islands' side, per parameter. The islands keep no replica
+# (ClientConfig(replica=False): no float32 copy per island, no update decoded; with one,
+# 2 islands cost ~48 B/param at 16M) and the init's zeros are never-written pages. With 2
+# islands it grew 246 MiB at 16M and 323 MiB at 64M: ~1.6 B/param, the rest fixed.
+FRAMES_BPP = 1.1  # the int8 frames the islands push (one set, sent zero-copy by every island)
+CLIENT_BPP = 0.3  # per island: its updates in flight, allocator slack (no replica)
+FIXED_BYTES = 1.5 * GIB  # both processes' code, imports and fixed buffers (init pieces)
 
 
 def memory_need(
@@ -167,6 +174,7 @@ def memory_need(
     pending: int,
     steady_bpp: float | None = None,
     pending_bpp: float | None = None,
+    peak_bpp: float | None = None,
 ) -> float:
     """Bytes a size needs at its peak: the shard (steady, pending, a step) and the islands.
 
@@ -174,8 +182,10 @@ def memory_need(
         params: parameters of the size.
         islands: client islands in this process.
         pending: pending deltas the run holds at once.
-        steady_bpp: measured steady B/param of a smaller size (None: today's figure).
-        pending_bpp: measured B/param per pending delta (None: today's figure).
+        steady_bpp: measured steady B/param of a smaller size (None: the default figure).
+        pending_bpp: measured B/param per pending delta (None: the default figure).
+        peak_bpp: the shard's measured peak B/param of that size, both runs (None: steady
+            + STEP_SCRATCH_BPP + the pending deltas).
 
     Returns:
         Bytes.
@@ -183,6 +193,8 @@ def memory_need(
     steady = DEFAULT_STEADY_BPP if steady_bpp is None else steady_bpp
     per_pending = DEFAULT_PENDING_BPP if pending_bpp is None else max(pending_bpp, 0.0)
     shard = steady + STEP_SCRATCH_BPP + pending * per_pending
+    if peak_bpp is not None:
+        shard = max(peak_bpp, steady + pending * per_pending)
     here = islands * CLIENT_BPP + FRAMES_BPP
     return params * (shard + here) + FIXED_BYTES
 
@@ -285,4 +297,29 @@ def size_figures(
         "largest_model_params": judged(
             "largest_model_params", largest_model(steady_bpp, pending_bpp, idle)
         ),
+        "bytes_per_param_peak": {
+            "steady_run": _over(steady.get("rss_peak"), idle, params),
+            "checkpoint_run": _over(checkpoints.get("rss_peak"), idle, params),
+            "note": "the shard's peak RSS (VmHWM) minus its idle RSS, over N",
+        },
+        "island_side": {
+            "bytes_per_param": _over(
+                steady.get("bench_rss_steady"), steady.get("bench_rss_idle"), params
+            ),
+            "rss_idle_mib": _mib(steady.get("bench_rss_idle")),
+            "rss_steady_mib": _mib(steady.get("bench_rss_steady")),
+            "note": "this process (every island, no replica) after two steps minus before the"
+            " joins, over N",
+        },
     }
+
+
+def _over(value: float | None, base: float | None, params: int) -> float | None:
+    """(value - base) / params to 3 digits, or None when either is missing."""
+    if value is None or base is None or not value:
+        return None
+    return float(f"{(value - base) / params:.3g}")
+
+
+def _mib(value: float | None) -> float | None:
+    return None if value is None else round(value / (1 << 20), 1)

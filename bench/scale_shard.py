@@ -2,12 +2,15 @@
 
 Two runs per size, each against a fresh one-shard server started through
 `diloco-server start` (`bench.launcher.LocalCluster`), in sync mode with
-`islands` `paramserver.client.Client`s pushing the same random int8 deltas
+`islands` `paramserver.client.Client`s without a replica
+(`ClientConfig(replica=False)`: they push and follow versions, decoding no
+update, so this process holds no copy of the model per island) pushing the same random int8 deltas
 (`bench.load.random_frames`) and a raw SUB socket (`UpdateWatcher`) timing
 each fragment's published update without decoding it:
 
 - `measure_steady`: checkpoints off. The shard's RSS (/proc, `psutil`) idle
-  before init and after init and two steps, and the time of each step (every
+  before init and after init and two steps (and this process's own, the
+  islands' side), and the time of each step (every
   island pushes every fragment; a step is timed from the last island's last
   push to the last fragment's update).
 - `measure_checkpoints`: a checkpoint after every round of steps
@@ -31,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import os
 import re
 import time
 from collections.abc import Iterator
@@ -85,6 +89,15 @@ def anon_rss_bytes(pid: int) -> int | None:
     return found[0] if found else None
 
 
+def peak_rss_bytes(pid: int) -> int:
+    """Peak resident set size of a process so far (VmHWM of /proc/<pid>/status; 0 if absent)."""
+    with contextlib.suppress(OSError):
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
 def settled_rss(pid: int, settle_s: float = 0.3) -> int:
     """RSS once it stopped moving: read until two reads `settle_s` apart agree within 1 MiB."""
     last = rss_bytes(pid)
@@ -137,11 +150,17 @@ def one_shard(
 
 
 class Islands:
-    """`count` client-only islands joined to one shard, pushing one set of int8 frames."""
+    """`count` client-only islands joined to one shard, pushing one set of int8 frames.
+
+    The islands keep no replica (`ClientConfig(replica=False)`); the init's zeros
+    are one `np.zeros` array, whose pages are never written (the init reads it
+    piece by piece: `paramserver.client.init_upload`), so they take no memory,
+    and it is dropped once every island joined.
+    """
 
     def __init__(self, connect: str, count: int, params: int, log: TextIO) -> None:
         """Join every island (the first initialises the shard with zeros)."""
-        flat = {"w": np.zeros(params, np.float32)}
+        flat = {"w": np.zeros(params, np.float32)}  # untouched zero pages: no RSS
         self.clients: list[Client] = []
         self.rounds = [0] * count
         try:
@@ -156,6 +175,7 @@ class Islands:
                     ack_timeout_floor_s=600.0,
                     push_timeout_s=WAIT_S,
                     join_timeout_s=120.0 + 4 * params / JOIN_BYTES_PER_S,
+                    replica=False,  # they push and follow versions; values are not needed
                 )
                 self.clients.append(Client(cfg))
                 plan = self.clients[-1].join(flat).plan
@@ -163,6 +183,7 @@ class Islands:
         except BaseException:
             self.close()
             raise
+        del flat
         self.sizes = {f.index: f.size for f in plan.fragments}
         print(f"scale: encoding int8 deltas of {len(self.sizes)} fragments", file=log, flush=True)
         self.frames = {f: v[0] for f, v in random_frames(self.sizes, 1, 0).items()}
@@ -261,12 +282,15 @@ def measure_steady(
 
     Returns:
         {"rss_idle", "rss_steady" (bytes), "anon_idle", "anon_steady" (their
-        anonymous part, `anon_rss_bytes`), "step_s": [one per step]}.
+        anonymous part, `anon_rss_bytes`), "step_s": [one per step], "bench_rss_idle",
+        "bench_rss_steady": this process's RSS (the islands' side) at the same moments,
+        "rss_peak": the shard's peak RSS (VmHWM) after the last step}.
     """
     off = ["--checkpoint-every-steps", "0", "--checkpoint-every-s", "0"]
     with one_shard(out, params, fragments, off, log) as (cluster, pid, watcher):
         idle = settled_rss(pid)
         anon_idle = anon_rss_bytes(pid)
+        bench_idle = rss_bytes(os.getpid())
         isl = Islands(cluster.connect, islands, params, log)
         try:
             times = []
@@ -276,14 +300,19 @@ def measure_steady(
                 if k == 1:
                     steady = settled_rss(pid)
                     anon_steady = anon_rss_bytes(pid)
+                    bench_steady = rss_bytes(os.getpid())
+            peak = peak_rss_bytes(pid)
         finally:
             isl.close()
     return {
+        "rss_peak": peak,
         "rss_idle": idle,
         "rss_steady": steady,
         "anon_idle": anon_idle,
         "anon_steady": anon_steady,
         "step_s": times,
+        "bench_rss_idle": bench_idle,
+        "bench_rss_steady": bench_steady,
     }
 
 
@@ -380,7 +409,8 @@ def measure_checkpoints(
 
     Returns:
         {"pending_rss": [[pending, rss], ...], "release_s", "probes": [[start epoch s,
-        seconds], ...], "checkpoints": checkpoint_windows(...), "probe_rounds"}.
+        seconds], ...], "checkpoints": checkpoint_windows(...), "probe_rounds", "rss_peak":
+        the shard's peak RSS (VmHWM) at the end}.
     """
     probes: list[list[float]] = []
     # a checkpoint after every round of steps (one step per fragment)
@@ -413,7 +443,9 @@ def measure_checkpoints(
             _probe(isl, islands, rounds, watcher, probes)  # and after it: the quiet baseline
             print(f"scale: checkpoint cycle {cycle + 1}/{cycles} done", file=log, flush=True)
         found = settled_checkpoints(log_file, cycles)
+        peak = peak_rss_bytes(pid)
     return {
+        "rss_peak": peak,
         "pending_rss": points,
         "release_s": release,
         "probes": probes,

@@ -183,6 +183,9 @@ def test_tiny_run_reports_every_figure_against_its_target(tmp_path):
     assert steady["value"] > 0 and steady["rss_steady_mib"] > steady["rss_idle_mib"] > 10
     assert 0 < steady["anon_bytes_per_param"] <= steady["value"]  # Linux: /proc has RssAnon
     assert [p for p, _ in size["bytes_per_param_per_pending"]["pending_rss_mib"]] == [0, 1, 2]
+    # the shard's peak holds at least its steady state; this process's RSS was read
+    assert size["bytes_per_param_peak"]["steady_run"] >= steady["value"] * 0.99
+    assert size["island_side"]["rss_steady_mib"] > size["island_side"]["rss_idle_mib"] > 10
     step = size["step_vs_memcpy"]
     assert len(step["step_s"]) == 3 and all(s > 0 for s in step["step_s"])
     assert step["value"] > 1 and step["memcpy_ms"] > 0  # a step does more than one copy
@@ -217,5 +220,33 @@ def test_a_size_that_cannot_fit_is_skipped_with_a_note(tmp_path):
     (size,) = json.loads(proc.stdout)["sizes"]
     assert size["params"] == 10**12 and size["fragments"] == 119210  # ceil(1e12 / 2^23)
     assert size["skipped"].startswith("needs ~") and size["skipped"].endswith(" free")
-    assert size["memory_estimated_from"] == "today's figures (issue 21)"
+    assert size["memory_estimated_from"] == "default figures (256M after issue 21's changes)"
     assert "bytes_per_param_steady" not in size and not list(tmp_path.glob("p*/steady"))
+
+
+def test_size_figures_report_the_shards_peak_and_the_island_side_by_hand():
+    steady, ckpt = _inputs([[0, 1100], [1, 1110]], [(0.0, 0.01)])
+    steady.update(rss_peak=1150, bench_rss_idle=500, bench_rss_steady=520)
+    ckpt["rss_peak"] = 1200
+    fig = size_figures(10, 0.01, steady, ckpt)
+    # (1150 - 1000) / 10, (1200 - 1000) / 10, (520 - 500) / 10
+    assert fig["bytes_per_param_peak"]["steady_run"] == 15.0
+    assert fig["bytes_per_param_peak"]["checkpoint_run"] == 20.0
+    assert fig["island_side"]["bytes_per_param"] == 2.0
+    # runs that read no peak (no /proc) report None rather than a wrong figure
+    bare = size_figures(10, 0.01, *_inputs([[0, 1100], [1, 1110]], [(0.0, 0.01)]))
+    assert bare["bytes_per_param_peak"]["steady_run"] is None
+    assert bare["island_side"]["bytes_per_param"] is None
+
+
+def test_memory_need_of_1e9_fits_the_machine_without_island_replicas():
+    # the shard at the default figures (13 B steady + 1 B of a step + 4 pending x 1.1 B)
+    # plus one set of int8 frames: the islands add no copy of the model each
+    shard_only = 10**9 * (13.0 + 1.0 + 4 * 1.1) + scale_figures.FIXED_BYTES
+    need = memory_need(10**9, 2, 4)
+    assert shard_only < need < shard_only + 10**9 * 2.0
+    assert need < 22 * GIB
+    assert memory_need(10**9, 8, 4) - memory_need(10**9, 2, 4) < 2 * GIB  # islands are cheap
+    # a measured peak (which holds the step and the pending deltas) replaces the guess
+    assert memory_need(10**9, 2, 4, 13.0, 1.1, peak_bpp=15.0) < need
+    assert memory_need(10**9, 2, 4, 13.0, 1.1, peak_bpp=30.0) > need

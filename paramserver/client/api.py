@@ -118,7 +118,8 @@ class Client:
             stop: when set, the join gives up at once (ClientError "stopped").
 
         Returns:
-            JoinResult(plan, params as float32 arrays, versions per fragment).
+            JoinResult(plan, params as float32 arrays, versions per fragment);
+            params is {} with `ClientConfig(replica=False)` (only the versions are read).
 
         Raises:
             ClientError: no answer in time, plan mismatch with the cluster, the
@@ -270,7 +271,8 @@ class Client:
         """The newest update of each fragment that changed since the last call.
 
         Returns:
-            Updates in fragment order (values: full 1-D float32, bit-exact replica).
+            Updates in fragment order (values: full 1-D float32, bit-exact replica;
+            None with `ClientConfig(replica=False)`: the update says its version only).
         """
         self._check_alive()
         with self._lock:

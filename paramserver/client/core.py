@@ -14,7 +14,8 @@ guards the API's reads. `ClientCore` holds:
 - the one ledger of pending deltas (`paramserver.client.ledger`), sent,
   re-sent after the adaptive ack timeout, deferred or resolved by acks;
 - the replica and each shard's update stream (`paramserver.client.replica`),
-  re-snapshotted on a gap or a silent stream;
+  re-snapshotted on a gap or a silent stream (with `ClientConfig.replica`
+  False: versions only, nothing decoded);
 - heartbeats, and Paranoid Pirate reconnects of a silent shard (a fresh
   DEALER and a hello; its welcome re-sends that shard's deltas);
 - close: wait (bounded) for acks of shards that are up, then bye.
@@ -75,7 +76,7 @@ class ClientCore:
         self.join_outcome: JoinResult | ClientError | None = None
         self.dropped: list[PushRequest] = []  # what close left unacked
         self._join: Join | None = None  # the join in progress
-        self._net = Shards(cfg.island, session)
+        self._net = Shards(cfg.island, session, cfg.replica)
         self._storage_warning = StorageWarning()
         self._close_at: float | None = None
         # The PUB stream heartbeats at the server's interval: judge its silence by
@@ -293,7 +294,7 @@ class ClientCore:
         if header["kind"] == "heartbeat":
             shard.feed.on_heartbeat(header["seq"])
             return
-        item = published_update(header, payload, self.plan)
+        item = published_update(header, payload, self.plan, self.cfg.replica)
         self.progress.note_version(item.fragment, header["version"])
         credit = header.get("credited", {}).get(self.cfg.island)
         if credit is not None:

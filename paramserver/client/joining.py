@@ -191,15 +191,20 @@ class Join:
         self.check_synced(now)
 
     def check_synced(self, now: float) -> None:
-        """Once every snapshot arrived: the parameters from the replica are the outcome."""
+        """Once every snapshot arrived: the parameters from the replica are the outcome.
+
+        Without a replica (`ClientConfig.replica` False) the outcome's params are {}.
+        """
         if not self.syncing or self.outcome is not None:
             return
         if any(s.feed.syncing for s in self._net.all):
             return
         plan, replica = self.cluster.plan, self._progress.replica
-        params = {leaf.path: np.zeros(leaf.shape, dtype=np.float32) for leaf in plan.leaves}
-        for index, state in replica.items():
-            plan.scatter(index, state.values, params)
+        params: dict[str, np.ndarray] = {}
+        if self.cfg.replica:  # without a replica there are no values to hand out
+            params = {leaf.path: np.zeros(leaf.shape, np.float32) for leaf in plan.leaves}
+            for index, state in replica.items():
+                plan.scatter(index, state.values, params)
         versions = {index: state.version for index, state in sorted(replica.items())}
         for shard in self._net.all:
             shard.heard = shard.sub_heard = shard.next_heartbeat = now

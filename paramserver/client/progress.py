@@ -112,7 +112,8 @@ class Progress:
         for f in fragments:
             state = self.replica[f]
             # the increment (version - 1 -> version) serves a reader that holds version - 1
-            self._updates[f] = Update(f, state.version, state.values.copy(), state.increment)
+            values = None if state.values is None else state.values.copy()  # None: no replica
+            self._updates[f] = Update(f, state.version, values, state.increment)
             self._counters.updates_applied += 1
 
     # -- read by the API ------------------------------------------------------------------------

@@ -6,7 +6,10 @@ the new values, so replicas stay bit-exact with the shard), `published_update`
 (what an `update` message must hold to be applied), and `ShardFeed`, which
 follows one shard's sequenced update stream: it buffers updates while
 snapshots are in flight, replays the ones newer than each snapshot, and asks
-for a re-snapshot when a sequence number is missing or out of order.
+for a re-snapshot when a sequence number is missing or out of order. A
+client without a replica (`ClientConfig(replica=False)`) follows the same
+stream with versions only: its fragments' values are None and its updates
+are not decoded.
 """
 
 from __future__ import annotations
@@ -54,24 +57,25 @@ def apply_update(current: np.ndarray | None, mode: str, values: np.ndarray) -> n
 class ReplicaFragment:
     """One fragment of the replica: its version and fp32 values.
 
+    `values` is None in a client that keeps no replica (versions only).
     `increment`: the codes of the update that led from version - 1 to `version`
-    (None after a snapshot or a full-values update).
+    (None after a snapshot or a full-values update, and without a replica).
     """
 
     version: int
-    values: np.ndarray
+    values: np.ndarray | None
     increment: Coded | None = None
 
 
 @dataclass(frozen=True)
 class Published:
-    """One decoded `update` message of a shard's PUB stream."""
+    """One decoded `update` message of a shard's PUB stream (`values` None: not decoded)."""
 
     seq: int
     fragment: int
     version: int
     mode: str
-    values: np.ndarray
+    values: np.ndarray | None
     coded: Coded | None = None  # an int8/int4 increment's codes and scales (`values` decoded)
 
 
@@ -113,14 +117,16 @@ class ShardFeed:
         self.sync_started = now
         return list(self.fragments)
 
-    def on_snapshot(self, fragment: int, version: int, seq: int, values: np.ndarray) -> list[int]:
+    def on_snapshot(
+        self, fragment: int, version: int, seq: int, values: np.ndarray | None
+    ) -> list[int]:
         """Take one snapshot reply; when it is the last one, replay the buffered updates.
 
         Args:
             fragment: the fragment (must be awaited; others are ignored).
             version: its version in the snapshot.
             seq: the PUB sequence number the snapshot includes.
-            values: its exact fp32 values.
+            values: its exact fp32 values (None: a read of the version only).
 
         Returns:
             Fragments whose replica changed.
@@ -133,7 +139,8 @@ class ShardFeed:
         self.awaiting.discard(fragment)
         self.snapshot_seqs[fragment] = seq
         old = self.replica.get(fragment)
-        self.replica[fragment] = ReplicaFragment(version, np.asarray(values, dtype=np.float32))
+        kept = None if values is None else np.asarray(values, dtype=np.float32)
+        self.replica[fragment] = ReplicaFragment(version, kept)
         changed = [] if old is not None and old.version == version else [fragment]
         if not self.awaiting:
             changed.extend(self._finish_sync())
@@ -207,6 +214,9 @@ class ShardFeed:
                 f"shard {self.shard}: delta to version {item.version} of fragment "
                 f"{item.fragment}, replica has {None if state is None else state.version}"
             )
+        if item.values is None:  # versions only: the update is not decoded
+            self.replica[item.fragment] = ReplicaFragment(item.version, None)
+            return True
         if state is not None and np.shape(item.values) != state.values.shape:
             raise Resync(f"shard {self.shard}: update of fragment {item.fragment} has wrong size")
         values = apply_update(None if state is None else state.values, item.mode, item.values)
@@ -219,13 +229,17 @@ class Resync(Exception):
     """The feed lost track of its shard's stream: snapshot its fragments again."""
 
 
-def published_update(header: dict, payload: list, plan: Plan | None) -> Published:
+def published_update(
+    header: dict, payload: list, plan: Plan | None, decode: bool = True
+) -> Published:
     """A published update, decoded.
 
     Args:
         header: the update header (seq, fragment, version, mode).
         payload: its codec frames, {"values": 1-D vector}.
         plan: the island's plan (None: shapes not checked).
+        decode: False: the payload is not read (values None; a client without a
+            replica needs only the version).
 
     Returns:
         The update, its values 1-D float32 (an int8/int4 increment also as its codes).
@@ -236,6 +250,12 @@ def published_update(header: dict, payload: list, plan: Plan | None) -> Publishe
         CodecError: the frames cannot be decoded.
     """
     fragment = header["fragment"]
+    if header["mode"] not in MODES:
+        raise ProtocolError("malformed", f"update mode {header['mode']!r}")
+    if not decode:
+        if plan is not None and fragment >= plan.num_fragments:
+            raise Resync(f"update of fragment {fragment}: the plan has {plan.num_fragments}")
+        return Published(header["seq"], fragment, header["version"], header["mode"], None)
     coded = read_codes(payload, "values") if header.get("mode") == UPDATE_INCREMENT else None
     # an int8 increment is decompressed once: its codes are kept, its values decoded from them
     values = fragment_vector(payload) if coded is None else coded.values()
@@ -243,6 +263,4 @@ def published_update(header: dict, payload: list, plan: Plan | None) -> Publishe
         fragment >= plan.num_fragments or values.shape != (plan.fragments[fragment].size,)
     ):
         raise Resync(f"update of fragment {fragment} with shape {values.shape}")
-    if header["mode"] not in MODES:
-        raise ProtocolError("malformed", f"update mode {header['mode']!r}")
     return Published(header["seq"], fragment, header["version"], header["mode"], values, coded)

@@ -56,15 +56,17 @@ class ShardState:
 class Shards:
     """Every shard of one client (`all`, by index), their links and the requests in flight."""
 
-    def __init__(self, island: str, session: str) -> None:
+    def __init__(self, island: str, session: str, values: bool = True) -> None:
         """Start with no shard and no link.
 
         Args:
             island: the island id every request carries.
             session: the token every hello carries.
+            values: False: snapshots read only each fragment's version (no replica).
         """
         self.island = island
         self.session = session
+        self.values = values
         self.all: list[ShardState] = []
         self.requests: dict[int, tuple[str, int, int]] = {}  # id -> (kind, shard, fragment)
         self._links: dict[int, tuple[Role, ShardState]] = {}
@@ -149,7 +151,7 @@ class Shards:
         limit = self.max_message_bytes
         read = SnapshotRead(
             {
-                f: SnapshotPieces(f, plan.fragments[f].size, limit)
+                f: SnapshotPieces(f, plan.fragments[f].size, limit, self.values)
                 for f in shard.feed.begin_sync(now)
             }
         )
@@ -159,7 +161,7 @@ class Shards:
 
     def on_snapshot_piece(
         self, shard: ShardState, header: dict, payload: list[Any]
-    ) -> tuple[int, int, int, np.ndarray] | None:
+    ) -> tuple[int, int, int, np.ndarray | None] | None:
         """Take one `snapshot_reply` (to a tracked request); ask the next pieces.
 
         Args:
@@ -168,7 +170,8 @@ class Shards:
             payload: its codec frames.
 
         Returns:
-            (fragment, version, seq, values) once that fragment is complete, else None.
+            (fragment, version, seq, values) once that fragment is complete, else None
+            (values None when reading versions only).
 
         Raises:
             ProtocolError, codec.CodecError: an unusable piece (it is asked again first).

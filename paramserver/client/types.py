@@ -53,6 +53,12 @@ class ClientConfig:
     # (it died half-way?) is initialised by the joining island with its own values
     curve_secret_key_file: str = ""  # island key pair (NAME.key_secret); "" = no CURVE
     curve_server_key_file: str = ""  # with CURVE: the shards' public key (NAME.key)
+    # False: keep no replica of the global parameters (a monitor, a load tool, an island
+    # that only pushes): the join reads only each fragment's version, updates are not
+    # decoded, JoinResult.params is {} and poll_updates' Update.values is None; versions,
+    # pushes, acks, round_merged and stats work as with a replica. Memory does not grow
+    # with the model.
+    replica: bool = True
 
     def __post_init__(self) -> None:
         check = Checks("ClientConfig", ClientConfigError)
@@ -79,6 +85,9 @@ class ClientConfig:
             self.ack_timeout_cap_s,
             f"must be >= ack_timeout_s={self.ack_timeout_s}",
         )
+        check.require(
+            isinstance(self.replica, bool), "replica", self.replica, "must be True or False"
+        )
         check.together(
             "curve_secret_key_file",
             self.curve_secret_key_file,
@@ -95,7 +104,10 @@ class ClientConfig:
 
 @dataclass(frozen=True)
 class JoinResult:
-    """What `Client.join` returns: the plan and the global parameters as of `versions`."""
+    """What `Client.join` returns: the plan and the global parameters as of `versions`.
+
+    `params` is {} for a client without a replica (`ClientConfig(replica=False)`).
+    """
 
     plan: Plan
     params: dict[str, np.ndarray]
@@ -107,6 +119,9 @@ class JoinResult:
 class Update:
     """A new global version of one fragment: `values` is the full 1-D float32 vector.
 
+    `values` (and `increment`) are None in a client without a replica
+    (`ClientConfig(replica=False)`): such an update says only the new version.
+
     `increment`, when not None, holds the int8 codes and scales of the published
     change from `version - 1` (`codec.prequantized.Coded`): a reader that holds
     version - 1 can add their dequantized values (in float32, as the replica did)
@@ -117,7 +132,7 @@ class Update:
 
     fragment: int
     version: int
-    values: np.ndarray
+    values: np.ndarray | None
     increment: Coded | None = None
 
 

@@ -53,20 +53,29 @@ class SnapshotPieces:
     Pieces are answered at the fragment's version of the moment; when a piece
     comes back at a newer version than the ones held, those are asked again
     (and a piece older than the newest is asked again itself), so the result
-    is one version of the fragment, bit for bit.
+    is one version of the fragment, bit for bit. A reader that keeps no values
+    (`values=False`) asks one piece of one element: its reply carries the
+    fragment's version and seq all the same.
     """
 
-    def __init__(self, fragment: int, size: int, max_message_bytes: int) -> None:
+    def __init__(
+        self, fragment: int, size: int, max_message_bytes: int, values: bool = True
+    ) -> None:
         """Cut the fragment into pieces that fit one reply.
 
         Args:
             fragment: the fragment index.
             size: its element count by the reader's plan.
             max_message_bytes: the shard's limit (its welcome's `max_message_bytes`).
+            values: False: read only the version and seq (the result's values are None).
         """
         self.fragment, self.size = fragment, size
-        self.pieces = protocol.pieces(size, protocol.piece_elements(max_message_bytes))
-        self.values = np.empty(size, np.float32)
+        if values:
+            self.pieces = protocol.pieces(size, protocol.piece_elements(max_message_bytes))
+        else:
+            self.pieces = [(0, 1)]
+        self.values = np.empty(size if values else 1, np.float32)
+        self._keep = values
         self._got: dict[int, tuple[int, int]] = {}  # offset -> (version, seq) of pieces held
         self._count = dict(self.pieces)  # offset -> count
 
@@ -75,10 +84,14 @@ class SnapshotPieces:
         """Whether every piece is held, all of one version."""
         return len(self._got) == len(self.pieces)
 
-    def result(self) -> tuple[int, int, np.ndarray]:
-        """(version, seq, values) of a complete read; seq is the smallest of its pieces'."""
+    def result(self) -> tuple[int, int, np.ndarray | None]:
+        """(version, seq, values) of a complete read; seq is the smallest of its pieces'.
+
+        values is None for a read made with `values=False`.
+        """
         version = next(iter(self._got.values()))[0]
-        return version, min(seq for _, seq in self._got.values()), self.values
+        seq = min(s for _, s in self._got.values())
+        return version, seq, self.values if self._keep else None
 
     def take(self, header: dict[str, Any], payload: list[Any]) -> list[tuple[int, int]]:
         """Take one `snapshot_reply` of this fragment.
