@@ -106,9 +106,12 @@ def _island_goodput(front, data_dir):
 
     cfg = IslandConfig(
         connect=front, island="a", data_dir=str(data_dir), model="tiny", batch_size=4,
-        seq_len=32, inner_steps=4, max_rounds=2, eval_every=0, heartbeat_interval_s=0.2,
+        seq_len=32, inner_steps=4, max_rounds=2, eval_every=0, heartbeat_interval_s=1.0,
         flush_timeout_s=20.0,
     )  # fmt: skip
+    # (an island beat of 1 s: the in-process shard's first step compiles next to the
+    # island's own training, and a turn over the island's 5-beat window would make it
+    # reconnect, then wait out this shard's 100 s liveness as island_in_use)
     island = Island(cfg)
     assert island.run(threading.Event()) == 0
     return progress.read_rows(data_dir)[-1]
