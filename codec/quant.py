@@ -13,7 +13,8 @@ stochastic rounding (bound by its random numbers) and everything where numba
 cannot be imported run the numpy formulation: 64K-element chunks with `out=` on
 every operation, no allocation in the loop, the same float32 operations (so the
 same bits) as the compiled loops. A process that only codes small tensors
-(tests, the tiny model) thus never pays for importing numba.
+(tests, the tiny model, the shard's 64K-element merge pieces) thus never pays
+for importing numba; decoding gains little from it (about 10%).
 """
 
 import functools
@@ -24,7 +25,10 @@ from .workspace import Workspace
 
 F32 = np.float32
 TINY = F32(2.0**-118)
-COMPILED_MIN_ELEMENTS = 1 << 16  # pieces below this run the numpy kernels
+# pieces below this run the numpy kernels: loading the compiled ones costs a process about
+# 0.5 s (numba's import and cache), which only pieces of this size or more repay (it is
+# also decode's piece, codec.decode.PIECE_ELEMENTS)
+COMPILED_MIN_ELEMENTS = 1 << 18
 
 
 def step_factor(levels: int) -> np.float32:
