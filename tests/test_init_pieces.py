@@ -19,6 +19,7 @@ from shard_helpers import init_payload, nan_frames, plan_for
 from shard_process import ShardProcess
 
 import codec
+from bench import scale_shard
 from paramserver.plumbing import probe
 from paramserver.server.config import ShardConfig
 from paramserver.server.state import ShardState
@@ -365,14 +366,6 @@ def streamed(fragment: int, offset: int, count: int) -> np.ndarray:
     return np.random.default_rng((fragment, offset)).standard_normal(count, dtype=np.float32)
 
 
-def peak_rss_bytes(pid: int) -> int:
-    """The peak resident set of a process (Linux VmHWM)."""
-    for line in open(f"/proc/{pid}/status"):  # noqa: SIM115 - one read of a proc file
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmHWM")
-
-
 @pytest.mark.slow
 @pytest.mark.timeout(3600)
 @pytest.mark.parametrize(
@@ -411,7 +404,7 @@ def test_a_shard_process_takes_a_streamed_init_at_the_default_limit(tmp_path, zm
             answer, payload = p.request(ask)
             assert (answer["version"], answer["offset"]) == (0, offset), answer
             assert codec.decode(payload)["values"].tobytes() == streamed(f, offset, count).tobytes()
-        peak = peak_rss_bytes(shard.proc.pid)
+        peak = scale_shard.peak_rss_bytes(shard.proc.pid)
         print(f"shard peak RSS after a {elements}-element init: {peak / elements:.2f} B/param")
     finally:
         p.close()
