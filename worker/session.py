@@ -38,6 +38,7 @@ opens sockets and `worker.leader_sync` shares its decisions.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -110,6 +111,15 @@ def _check_tokens(tokens: Any) -> int:
             f"tokens must be an int >= 1 (the tokens this inner step trained), got {tokens!r}"
         )
     return int(tokens)
+
+
+def _check_loss(loss: Any) -> float:
+    try:
+        return float(loss)
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"loss must be a number (the inner step's train loss), got {loss!r}"
+        ) from None
 
 
 class Session:
@@ -197,6 +207,7 @@ class Session:
         self.pushed_in_round = False
         self.steps = self.tokens = 0
         self.adopted = 0
+        self._round_losses: list[float] = []  # the `loss` values of this round's steps
         # Round ids are the idempotency key (island, round, fragment) on the shards: start
         # each run's rounds from its start time so a restarted island never reuses one.
         self.round_base = int(time.time()) * 1_000_000
@@ -251,27 +262,33 @@ class Session:
 
     # -- the step -------------------------------------------------------------------
 
-    def step(self, params: Any, *, tokens: int) -> Any:
+    def step(self, params: Any, *, tokens: int, loss: float | None = None) -> Any:
         """Count one inner step; push when a delta is due, fold in new global versions.
 
         Args:
             params: the parameters after the inner step (the session's tree layout).
             tokens: tokens this inner step trained (an int >= 1).
+            loss: the inner step's train loss, optional (a finite float); the round's
+                mean goes to the shards with the island's step rate and goodput, for
+                the cluster page (without one: the metrics row's "loss", if any).
 
         Returns:
             The parameters to continue from: `params` itself when nothing was folded
             in, else a new tree placed like it.
 
         Raises:
-            ValueError: another tree structure, shape or dtype (naming the leaf), or bad tokens.
+            ValueError: another tree structure, shape or dtype (naming the leaf), bad tokens or loss.
             RuntimeError: the session is closed.
         """
         self._check_open()
         tokens = _check_tokens(tokens)
+        loss_value = None if loss is None else _check_loss(loss)
         leaves = self.layout.leaves(params)
         self.clock.step_started(time.monotonic())
         in_round = self.in_round + 1
         round_end = in_round == self.inner_steps
+        if loss_value is not None and math.isfinite(loss_value):
+            self._round_losses.append(loss_value)
         if self.cfg.streaming:
             due = due_fragments(in_round, self.inner_steps, len(self.sizes))
         else:
@@ -291,6 +308,7 @@ class Session:
             self.round += 1
             self.in_round, self.pushed_in_round = 0, False
             self._round_row()
+            self._report_training()
         self.clock.step_ended(time.monotonic())
         return out
 
@@ -446,6 +464,21 @@ class Session:
             }
         )
         self.adopted = 0
+
+    def _report_training(self) -> None:
+        """Tell the shards the round's train loss (a daemon's row), step rate and goodput."""
+        if self.client is None:
+            return
+        row = self.last_row
+        loss, round_s, share = row.get("loss"), row.get("round_s"), row.get("goodput")
+        if self._round_losses:
+            loss, self._round_losses = float(np.mean(self._round_losses)), []
+        finite = isinstance(loss, int | float) and math.isfinite(loss)
+        self.client.report_training(
+            inner_loss=float(loss) if finite else None,
+            steps_per_s=self.inner_steps / round_s if round_s else None,
+            goodput=min(1.0, max(0.0, float(share))) if share is not None else None,
+        )
 
     # -- the end --------------------------------------------------------------------
 

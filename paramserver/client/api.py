@@ -44,6 +44,7 @@ from paramserver.client.types import (
     PushRequest,
     Update,
 )
+from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 
 __all__ = ["Client"]
@@ -266,6 +267,35 @@ class Client:
             raise ClientError(f"report_step_time: seconds={seconds!r} must be finite and > 0")
         with self._lock:
             self._core.step_time_s = float(seconds)
+
+    def report_training(
+        self,
+        inner_loss: float | None = None,
+        steps_per_s: float | None = None,
+        goodput: float | None = None,
+    ) -> None:
+        """Tell the shards how this island trains, for people watching (the cluster page).
+
+        Sent as `inner_loss`, `steps_per_s` and `goodput` with every later push and
+        heartbeat until the next call; a None is not sent. The shards only show them.
+
+        Args:
+            inner_loss: the island's last inner (train) loss, a finite number.
+            steps_per_s: its inner steps per second, finite and > 0.
+            goodput: its goodput, from 0 to 1.
+
+        Raises:
+            ClientError: a value the shards would refuse (naming it).
+        """
+        values = {"inner_loss": inner_loss, "steps_per_s": steps_per_s, "goodput": goodput}
+        report = {k: float(v) if isinstance(v, np.floating) else v for k, v in values.items()}
+        report = {k: v for k, v in report.items() if v is not None}
+        for field, value in report.items():
+            problem = protocol.request_field_problem(field, value)
+            if problem is not None:
+                raise ClientError(f"report_training: {problem}")
+        with self._lock:
+            self._core.training = {k: float(v) for k, v in report.items()}
 
     def poll_updates(self) -> list[Update]:
         """The newest update of each fragment that changed since the last call.

@@ -72,6 +72,9 @@ class ClientCore:
         # The island's typical inner-step time (s), sent in pushes and heartbeats as
         # `t_step` for the shards' adaptive grace window; None: not reported.
         self.step_time_s: float | None = None
+        # What the island last reported of its training (protocol.TRAINING_FIELDS), sent
+        # with every later push and heartbeat for the cluster page.
+        self.training: dict[str, float] = {}
         self.state = "idle"  # idle -> joining -> joined -> closed (a failed join: idle again)
         self.join_outcome: JoinResult | ClientError | None = None
         self.dropped: list[PushRequest] = []  # what close left unacked
@@ -350,7 +353,7 @@ class ClientCore:
             "tokens": request.tokens,
             "steps": request.steps,
             "plan_hash": self.plan.hash,
-            **self._step_time_field(),
+            **self._reported_fields(),
         }
         frames = protocol.pack(header, request.frames)
         self.ledger.add(key, shard.index, frames, protocol.message_bytes(frames), now)
@@ -375,8 +378,10 @@ class ClientCore:
         else:
             self.ledger.blocked(send.key, now)  # queue full: try again after the back-off
 
-    def _step_time_field(self) -> dict[str, float]:
-        return {} if self.step_time_s is None else {"t_step": self.step_time_s}
+    def _reported_fields(self) -> dict[str, float]:
+        """The optional fields of a push or heartbeat: `t_step` and the training report."""
+        step = {} if self.step_time_s is None else {"t_step": self.step_time_s}
+        return {**step, **self.training}
 
     def _send_push(self, key: Key) -> None:
         entry = self.ledger.get(key)
@@ -409,7 +414,7 @@ class ClientCore:
                 if now >= shard.next_reconnect:
                     self._reconnect(shard, now)
             elif now >= shard.next_heartbeat:
-                self._net.send(shard, {"kind": "heartbeat", **self._step_time_field()})
+                self._net.send(shard, {"kind": "heartbeat", **self._reported_fields()})
                 shard.next_heartbeat = now + cfg.heartbeat_interval_s
             feed = shard.feed
             if feed.syncing:

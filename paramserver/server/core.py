@@ -25,7 +25,9 @@ publishes (`seq`), packs every message and counts the bytes sent.
 Island ids are bound to connections (`paramserver.server.binding`) and, under
 CURVE, to the keys that may use them (the guard, `paramserver.plumbing.identity`).
 Snapshots, status and heartbeats need no disk, so they are served through
-storage faults.
+storage faults. What `status` shows of each island beyond the state (its last
+push, rounds, staleness and training report) is kept by
+`paramserver.server.island_reports`.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from paramserver.server import binding, outcomes
 from paramserver.server.config import ShardConfig
 from paramserver.server.effects import Effects, Publish, Reply, Request
 from paramserver.server.events import StepEvent
+from paramserver.server.island_reports import IslandReports
 from paramserver.server.outcomes import Outcome
 from paramserver.server.state import ShardState
 from paramserver.wire import protocol
@@ -102,6 +105,7 @@ class ShardCore:
         # asked before each outer step: may this fragment be stepped now? (see module docstring;
         # the flag says its pending deltas near the per-island limit: deferring risks refusals)
         self.step_guard: Callable[[int, bool], bool] = lambda fragment, urgent: True
+        self.islands = IslandReports()  # what `status` shows of each island (not durable)
 
     # ----- requests ----------------------------------------------------------------
 
@@ -249,12 +253,16 @@ class ShardCore:
             outcome = outcomes.count(self.state.counters, outcomes.unknown_island(header["island"]))
         else:
             outcome = self.state.submit_delta(header, payload, now)
+            self.islands.heard(header["island"], header, now)
+            if outcome.status == ACCEPTED:
+                self.islands.accepted(header["island"], header["round"], now)
         return self._answer(request, header, outcome)
 
     def _on_heartbeat(self, request: Request, header: dict, payload, now: float, known: bool):
         if not known:
             refusal = outcomes.unknown_island(header["island"])
             return self._answer(request, header, outcomes.count(self.state.counters, refusal))
+        self.islands.heard(header["island"], header, now)
         credited = self.state.counters.credited.get(header["island"], 0.0)
         return self._reply(
             request, header, "heartbeat", shard=self.index, seq=self.seq, credited=credited
@@ -264,6 +272,7 @@ class ShardCore:
         status = self.state.status(now)
         status.update(self.checkpoint_report())
         status["seq"] = self.seq
+        status["islands"] = self.islands.status()
         status["endpoints"] = [list(e) for e in self.endpoints]  # the cluster map, without hello
         return self._reply(request, header, "status_reply", status=status)
 
@@ -290,6 +299,8 @@ class ShardCore:
             urgent = pending_near_limit(self.state, fragment, self.cfg.max_pending_per_island)
             if not self.step_guard(fragment, urgent):  # a checkpoint still needs it: a later turn
                 continue
+            frag = self.state.fragments[fragment]
+            self.islands.merged((c.island, frag.version - c.base_version) for c in frag.pending)
             event, update = self.state.step(fragment, now)
             out.records.append(event)
             if update.frames is None:

@@ -1,4 +1,4 @@
-"""Optional Prometheus endpoint exposing the shards' status counters.
+"""Optional Prometheus endpoint exposing the shards' status counters (and the cluster page).
 
 This module owns the translation of shard status maps into Prometheus
 metrics. Each scrape asks every shard for its status over the wire
@@ -6,12 +6,14 @@ metrics. Each scrape asks every shard for its status over the wire
 thread. Under CURVE the scrape speaks CURVE with the server's own key pair,
 which every shard of the cluster admits (acting as no island), so `up` means
 the shard answered, with or without CURVE. Needs the `metrics` extra
-(prometheus-client).
+(prometheus-client). The same port serves the cluster page
+(`paramserver.server.page_server`).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -138,34 +140,49 @@ def server_keys(curve_secret_key_file: str) -> ClientKeys | None:
 def serve_metrics(
     port: int, endpoints: Sequence[str], host: str = "127.0.0.1", curve_secret_key_file: str = ""
 ) -> Any:
-    """Start the HTTP endpoint in a background thread.
+    """Start the HTTP endpoint (metrics and the cluster page) in background threads.
 
     Args:
-        port: TCP port for /metrics.
+        port: TCP port for /metrics, / (the cluster page) and /api/cluster
+            (`paramserver.server.page_server`).
         endpoints: ROUTER endpoint of each shard.
         host: bind address (ShardConfig.metrics_bind_host: metrics_host, else host).
         curve_secret_key_file: the shards' key pair (ShardConfig.curve_secret_key_file;
             "": the shards run without CURVE).
 
     Returns:
-        The HTTP server (call ``shutdown()`` to stop it).
+        The HTTP server (call ``shutdown()`` to stop it and its sampler).
 
     Raises:
         MetricsError: prometheus-client is missing, the key file is unusable, or
             the port cannot be bound.
     """
     try:
-        from prometheus_client import CollectorRegistry, start_http_server
+        from prometheus_client import CollectorRegistry
+        from prometheus_client.exposition import choose_encoder
     except ImportError:
         raise MetricsError(
             "metrics_port is set but prometheus-client is not installed: "
             "pip install 'decoupled-diloco[metrics]' or set metrics_port = 0"
         ) from None
+    from paramserver.server.page_server import ClusterSampler, PageServer
+
+    keys = server_keys(curve_secret_key_file)
     registry = CollectorRegistry()
-    registry.register(ShardCollector(endpoints, curve=server_keys(curve_secret_key_file)))
+    registry.register(ShardCollector(endpoints, curve=keys))
+
+    def metrics_text(accept: str) -> tuple[bytes, str]:
+        encoder, content_type = choose_encoder(accept)
+        return encoder(registry), content_type
+
+    sampler = ClusterSampler(endpoints, curve=keys)
     try:
-        server, _thread = start_http_server(port, addr=host, registry=registry)
+        server = PageServer((host, port), sampler, metrics_text)
     except OSError as exc:
         raise MetricsError(f"metrics port {port} cannot be bound: {exc.strerror}") from None
-    logger.info("metrics on http://%s:%d/metrics", host, port)
+    sampler.start()
+    threading.Thread(target=server.serve_forever, name="metrics-http", daemon=True).start()
+    logger.info(
+        "metrics on http://%s:%d/metrics, cluster page on http://%s:%d/", host, port, host, port
+    )
     return server

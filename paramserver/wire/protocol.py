@@ -101,6 +101,14 @@ def _number(x: object) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
 
+def _finite(x: object) -> bool:
+    return _number(x) and math.isfinite(x)
+
+
+def _finite_positive(x: object) -> bool:
+    return _finite(x) and x > 0
+
+
 def _str_or_nil(x: object) -> bool:
     return x is None or isinstance(x, str)
 
@@ -117,7 +125,10 @@ _CHECKS: dict[str, tuple[Callable[[object], bool], str]] = {
     "list": (lambda x: isinstance(x, list | tuple), "a list"),
     "str?": (_str_or_nil, "a string or nil"),
     "uint?": (lambda x: x is None or _uint(x), "an int >= 0 or nil"),
-    "seconds": (lambda x: _number(x) and math.isfinite(x) and x > 0, "a finite number > 0"),
+    "seconds": (_finite_positive, "a finite number > 0"),
+    "rate": (_finite_positive, "a finite number > 0"),
+    "finite": (_finite, "a finite number"),
+    "share": (lambda x: _number(x) and 0 <= x <= 1, "a number from 0 to 1"),
 }
 
 # kind -> {required field: type name}, per role.
@@ -191,6 +202,10 @@ _OPTIONAL: dict[str, dict[str, str]] = {
     REQUEST: {
         "id": "int",
         "t_step": "seconds",
+        # what an island reports of its training (pushes and heartbeats; shown by the page)
+        "inner_loss": "finite",
+        "steps_per_s": "rate",
+        "goodput": "share",
         "session": "island",
         "offset": "uint",
         "count": "pos",
@@ -206,6 +221,27 @@ _OPTIONAL: dict[str, dict[str, str]] = {
     },
     PUB: {"credited": "map"},
 }
+
+
+# What an island may report of its training: an optional field of `push` and `heartbeat`.
+TRAINING_FIELDS = ("inner_loss", "steps_per_s", "goodput")
+
+
+def request_field_problem(field: str, value: object) -> str | None:
+    """Why `value` cannot be sent as the optional request field `field`.
+
+    Args:
+        field: an optional request field (e.g. one of TRAINING_FIELDS).
+        value: the value to send.
+
+    Returns:
+        None when a shard accepts it, else what the field must be.
+
+    Raises:
+        KeyError: `field` is not an optional request field.
+    """
+    check, what = _CHECKS[_OPTIONAL[REQUEST][field]]
+    return None if check(value) else f"{field} must be {what}, got {value!r}"
 
 
 def pack(header: Mapping[str, Any], payload: Sequence[Any] = ()) -> list[Any]:
