@@ -3,7 +3,8 @@
     diloco-bench demo [--duration 150] [--model tiny] [--out runs/demo]
 
 Starts real daemons (`diloco-server start --detach`, `diloco-worker start
---detach`), shows a live table of every island (loss, global eval loss, version
+--detach`), prints the address of the live cluster page (the server's
+`--metrics-port`: a free port unless `--metrics-port` says, 0 for none), shows a live table of every island (loss, global eval loss, version
 lag, bytes), then stops the islands, evaluates the global model once every acked
 delta is merged (`diloco-worker eval`), prints a summary (eval loss before/after,
 bytes on the wire against synchronous data parallel for the same tokens, goodput
@@ -32,7 +33,7 @@ from typing import Any
 
 from bench import analysis, cli, outdir, plots
 from bench.common import human_bytes
-from bench.launcher import IslandSpec, LaunchError, LocalCluster
+from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 from worker.data import default_corpus, unigram_entropy
 
 UNIGRAM_NATS = round(unigram_entropy(default_corpus()), 3)  # best context-free loss
@@ -121,6 +122,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         default="runs/demo",
         help="output directory (default runs/demo); must be new, empty or an earlier demo's",
+    )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=None,
+        help="port of the cluster page and Prometheus metrics (default: a free port; 0: off)",
     )
     parser.add_argument(
         "--no-live",
@@ -297,9 +304,13 @@ def _run(args: argparse.Namespace, interrupt: _Interrupt) -> int:
     quorum = max(1, args.islands - 1)
     live = not args.no_live and sys.stdout.isatty() and sys.stderr.isatty()
     log = sys.stderr
-    with LocalCluster(out, shards=args.shards, server_args=("--quorum", str(quorum))) as cluster:
+    metrics_port = free_base_port(1) if args.metrics_port is None else args.metrics_port
+    server_args = ("--quorum", str(quorum), "--metrics-port", str(metrics_port))
+    with LocalCluster(out, shards=args.shards, server_args=server_args) as cluster:
         print(f"starting {args.shards} shards on {cluster.connect} ...", file=log)
         interrupt.shielded(cluster.start_server)
+        if metrics_port:
+            print(f"cluster page: http://{cluster.host}:{metrics_port}/ (live)", file=log)
         print(f"starting {args.islands} islands (JAX import + compile takes a while) ...", file=log)
         interrupt.shielded(lambda: cluster.start_islands(specs))
         _watch(cluster, names, time.monotonic(), args.duration, live)

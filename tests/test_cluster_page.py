@@ -257,3 +257,24 @@ def test_history_plots_each_report_once_and_keeps_the_newest_points():
         "versions": {"0": [1, 2, 3]},
         "loss": {"a": [None, 2.0, None]},
     }
+
+
+def test_a_session_reports_its_rounds_mean_loss_and_step_rate(start_shard):
+    import worker
+
+    shard = start_shard(mode="async", shards=1)
+    params = {"w": np.zeros(8, np.float32)}
+    with worker.join(shard.router, island="own", params=params, inner_steps=2) as session:
+        params = session.params
+        with pytest.raises(ValueError, match="loss must be a number.*got 'low'"):
+            session.step(params, tokens=4, loss="low")
+        for loss in (4.0, 2.0):  # one round: its mean, 3.0, is reported
+            params = session.step({"w": params["w"] - 0.1}, tokens=4, loss=loss)
+
+        def reported():
+            (only,) = cluster_status(shard.router, timeout_s=10)["shards"]
+            return only.get("islands", {}).get("own", {}).get("inner_loss") == 3.0 and only
+
+        status = wait_for(reported, "the session's report")
+        own = status["islands"]["own"]
+        assert own["steps_per_s"] > 0 and 0 <= own["goodput"] <= 1 and own["rounds"] == 1

@@ -125,6 +125,8 @@ def test_with_stdout_piped_the_demo_prints_progress_lines_while_it_trains(tmp_pa
     first_at, end_at = run.lines[progress[0]][0], run.lines[-1][0]
     assert end_at - first_at > 5.0  # streamed while it ran, not dumped at the end
     assert all(len(texts[i]) <= 80 for i in progress)
+    page = [i for i, line in enumerate(texts) if line.startswith("cluster page: http://127.0.0.1:")]
+    assert len(page) == 1 and page[0] < progress[0], run.text()  # said as the server started
     assert '"eval_loss_after"' in run.stdout  # the summary JSON
     assert not [pid for pid in run.pids.values() if daemon.pid_alive(pid)]
 
