@@ -197,26 +197,20 @@ def test_the_page_and_its_files_are_served_and_other_paths_are_404(start_shard, 
 
 
 def test_islands_merge_over_shards_newest_report_and_most_staleness():
-    s0 = {
-        "shard": 0,
-        "islands_live": ["a"],
-        "credited_tokens": {"a": 10.0},
-        "islands": {
-            "a": {"heard": 95.0, "last_push": 90.0, "rounds": 3, "accepted": 6,
-                  "staleness": 1, "reported": 94.0, "inner_loss": 2.0, "goodput": 0.5},
-            "b": {"heard": 50.0, "last_push": None, "rounds": 0, "accepted": 0,
-                  "staleness": None, "reported": None},
-        },
-    }  # fmt: skip
-    s1 = {
-        "shard": 1,
-        "islands_live": ["a"],
-        "credited_tokens": {"a": 5.0},
-        "islands": {
-            "a": {"heard": 99.0, "last_push": 80.0, "rounds": 4, "accepted": 4,
-                  "staleness": 3, "reported": 98.0, "inner_loss": 1.5, "steps_per_s": 8.0},
-        },
-    }  # fmt: skip
+    def shard(index, credited_a, islands):
+        return {"shard": index, "islands_live": ["a"], "credited_tokens": {"a": credited_a},
+                "islands": islands}  # fmt: skip
+
+    s0 = shard(0, 10.0, {
+        "a": {"heard": 95.0, "last_push": 90.0, "rounds": 3, "accepted": 6,
+              "staleness": 1, "reported": 94.0, "inner_loss": 2.0, "goodput": 0.5},
+        "b": {"heard": 50.0, "last_push": None, "rounds": 0, "accepted": 0,
+              "staleness": None, "reported": None},
+    })  # fmt: skip
+    s1 = shard(1, 5.0, {
+        "a": {"heard": 99.0, "last_push": 80.0, "rounds": 4, "accepted": 4,
+              "staleness": 3, "reported": 98.0, "inner_loss": 1.5, "steps_per_s": 8.0},
+    })  # fmt: skip
     down = {"shard": 2, "endpoint": "tcp://x:1", "error": "no reply"}
     a, b = island_views([s0, s1, down], now=100.0)
     assert a == {

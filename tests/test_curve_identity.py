@@ -328,6 +328,18 @@ def test_metrics_report_up_under_curve(tmp_path, keys):
                 texts.append(response.read().decode())
         assert 'diloco_shard_up{shard="0"} 1.0' in texts[0]
         assert 'diloco_shard_up{shard="0"} 0.0' in texts[1]  # plain probes cannot get in
+        # the cluster page's data comes through the same keys
+        pages = []
+        for server in servers:
+            url = f"http://127.0.0.1:{server.server_port}/api/cluster"
+
+            def first_sample(url=url):
+                with urllib.request.urlopen(url, timeout=30) as response:
+                    return json.loads(response.read())["shards"]
+
+            pages.append(wait_for(first_sample, "the page's first sample", timeout_s=60)[0])
+        assert pages[0]["up"] is True and pages[0]["initialized"] is False
+        assert pages[1]["up"] is False and "CURVE" in pages[1]["error"]
     finally:
         for server in servers:
             server.shutdown()
