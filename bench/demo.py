@@ -4,8 +4,9 @@
 
 Starts real daemons (`diloco-server start --detach`, `diloco-worker start
 --detach`), prints the address of the live cluster page (the server's
-`--metrics-port`: a free port unless `--metrics-port` says, 0 for none), shows a live table of every island (loss, global eval loss, version
-lag, bytes), then stops the islands, evaluates the global model once every acked
+`--metrics-port`: a free port unless `--metrics-port` says, 0 for none),
+shows a live table of every island (loss, global eval loss, version lag,
+bytes), then stops the islands, evaluates the global model once every acked
 delta is merged (`diloco-worker eval`), prints a summary (eval loss before/after,
 bytes on the wire against synchronous data parallel for the same tokens, goodput
 per island), writes `summary.json` and `loss.png` to the output directory and

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -113,13 +114,14 @@ def _check_tokens(tokens: Any) -> int:
     return int(tokens)
 
 
-def _check_loss(loss: Any) -> float:
-    try:
-        return float(loss)
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"loss must be a number (the inner step's train loss), got {loss!r}"
-        ) from None
+def _check_loss(loss: Any) -> Any:
+    """`loss` itself when it is a number or a one-element array (read at the round's end,
+    so that a device scalar is not waited for at every step)."""
+    if isinstance(loss, bool) or not (
+        isinstance(loss, numbers.Real) or getattr(loss, "size", None) == 1
+    ):
+        raise ValueError(f"loss must be a number (the inner step's train loss), got {loss!r}")
+    return loss
 
 
 class Session:
@@ -207,7 +209,7 @@ class Session:
         self.pushed_in_round = False
         self.steps = self.tokens = 0
         self.adopted = 0
-        self._round_losses: list[float] = []  # the `loss` values of this round's steps
+        self._round_losses: list[Any] = []  # the `loss` values of this round's steps
         # Round ids are the idempotency key (island, round, fragment) on the shards: start
         # each run's rounds from its start time so a restarted island never reuses one.
         self.round_base = int(time.time()) * 1_000_000
@@ -282,13 +284,13 @@ class Session:
         """
         self._check_open()
         tokens = _check_tokens(tokens)
-        loss_value = None if loss is None else _check_loss(loss)
+        loss = None if loss is None else _check_loss(loss)
         leaves = self.layout.leaves(params)
         self.clock.step_started(time.monotonic())
         in_round = self.in_round + 1
         round_end = in_round == self.inner_steps
-        if loss_value is not None and math.isfinite(loss_value):
-            self._round_losses.append(loss_value)
+        if loss is not None:
+            self._round_losses.append(loss)
         if self.cfg.streaming:
             due = due_fragments(in_round, self.inner_steps, len(self.sizes))
         else:
@@ -466,13 +468,14 @@ class Session:
         self.adopted = 0
 
     def _report_training(self) -> None:
-        """Tell the shards the round's train loss (a daemon's row), step rate and goodput."""
+        """Tell the shards the round's train loss (`step`'s, else the row's), step rate, goodput."""
+        losses, self._round_losses = self._round_losses, []
         if self.client is None:
             return
         row = self.last_row
         loss, round_s, share = row.get("loss"), row.get("round_s"), row.get("goodput")
-        if self._round_losses:
-            loss, self._round_losses = float(np.mean(self._round_losses)), []
+        if losses:
+            loss = float(np.mean([float(x) for x in losses]))
         finite = isinstance(loss, int | float) and math.isfinite(loss)
         self.client.report_training(
             inner_loss=float(loss) if finite else None,
