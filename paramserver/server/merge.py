@@ -508,8 +508,9 @@ def chunk_merge(
         rule: "mean" (sum of c_k * delta_k) or "rda" (this module).
         deltas: (island, delta) of every pending delta the step merges; an
             island's deltas are disjoint increments, u_i = sum_k c_ik * d_ik (rda).
-        coefficients: one c_k per delta, aligned with `deltas`; or a mapping
-            island -> c_i, the same c_i for each of that island's deltas.
+        coefficients: one c_k per delta, aligned with `deltas` (C_i = sum_k c_ik);
+            or a mapping island -> c_i, the same c_i for each of that island's
+            deltas and C_i = c_i (the per-island rule: u_i = c_i * its deltas' sum).
         fragment: the plan fragment (its slices are the RDA segments).
         outside: rda only: the partial sums (`rda_partials`) of the other pieces
             of this fragment's tensors, merging the same deltas; added to this
