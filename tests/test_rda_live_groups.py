@@ -109,9 +109,7 @@ def test_a_cut_tensor_merges_as_a_whole_for_one_two_and_four_fragments(merge, sh
 def test_the_whole_tensor_merge_differs_from_per_piece_norms_here():
     # the reference is not the per-piece rule in disguise: per piece, the halves differ
     _, flat, deltas, _, _, _ = run_cluster("rda", 1, 1)
-    d = [deltas[i]["a/w"][20:].astype(np.float64) for i in ISLANDS]
-    direction = sum(x / np.linalg.norm(x) for x in d)
-    piece = sum(np.linalg.norm(x) for x in d) / 3 * direction / np.linalg.norm(direction)
+    piece = piece_rule(deltas, "a/w", 20)
     whole = flat["a/w"][20:] - reference(flat, deltas, "rda")["a/w"][20:]
     assert np.max(np.abs(piece - whole)) > 1e-2
 
@@ -136,9 +134,8 @@ def test_replaying_the_logged_steps_gives_the_same_bits(tmp_path, shards, fragme
             assert replica.snapshot(f.index)[1].tobytes() == live.snapshot(f.index)[1].tobytes()
 
 
-def test_a_sibling_without_the_pushes_is_left_out():
-    # only fragment 1 gets the round: fragment 0 holds none of its pushes and never
-    # stepped them, so fragment 1's piece of "a/w" is normalised on its own
+def one_shard_of_four_fragments():
+    """A 1-shard, 4-fragment rda state with the islands known, and a push function."""
     cfg = ShardConfig(fragments=4, mode="sync", fsync=False, outer_optimizer="sgd", outer_lr=1.0,
                       weighting="uniform", merge="rda", downlink="float32")  # fmt: skip
     flat, deltas = params(), island_deltas()
@@ -147,12 +144,52 @@ def test_a_sibling_without_the_pushes_is_left_out():
     state.initialize(plan.to_wire(), init_payload(plan, flat))
     for island in ISLANDS:
         state.hello(island, T0)
+
+    def send(island, fragment):
+        vec = plan.gather(deltas[island], fragment)
+        header = push_header(plan, island, 1, fragment, 0)
+        assert state.submit_delta(header, delta_frames(vec), T0).status == ACCEPTED
+
+    return plan, flat, deltas, state, send
+
+
+def piece_rule(deltas, path, lo):
+    """RDA over elements [lo:] of `path` alone (the per-piece rule), c = 1/3."""
+    d = [deltas[i][path][lo:].astype(np.float64) for i in ISLANDS]
+    direction = sum(x / np.linalg.norm(x) for x in d)
+    return sum(np.linalg.norm(x) for x in d) / 3 * direction / np.linalg.norm(direction)
+
+
+def test_a_sibling_without_the_pushes_is_left_out():
+    # only fragment 1 gets the round: fragment 0 holds none of its pushes and never
+    # stepped them, so fragment 1's piece of "a/w" is normalised on its own
+    _, flat, deltas, state, send = one_shard_of_four_fragments()
     for island in ISLANDS:
-        vec = plan.gather(deltas[island], 1)
-        state.submit_delta(push_header(plan, island, 1, 1, 0), delta_frames(vec), T0)
+        send(island, 1)
     event, update = state.step(1, T0)
     assert event.outside == ()
-    d = [deltas[i]["a/w"][20:].astype(np.float64) for i in ISLANDS]
-    direction = sum(x / np.linalg.norm(x) for x in d)
-    piece = sum(np.linalg.norm(x) for x in d) / 3 * direction / np.linalg.norm(direction)
-    np.testing.assert_allclose(update.values, flat["a/w"][20:] - piece, rtol=1e-6, atol=1e-6)
+    want = flat["a/w"][20:] - piece_rule(deltas, "a/w", 20)
+    np.testing.assert_allclose(update.values, want, rtol=1e-6, atol=1e-6)
+
+
+def test_in_sync_mode_a_due_piece_waits_for_its_siblings_round_then_both_are_whole():
+    # the round's pushes arrive fragment by fragment: fragment 0 is due first
+    plan, flat, deltas, state, send = one_shard_of_four_fragments()
+    for island in ISLANDS:
+        send(island, 0)
+    send("p", 1)
+    due, _ = state.due_fragments(T0)
+    assert due == [0]
+    assert state.stepper.groups.ready(state, due) == []  # fragment 1 is mid-round
+    for island in ("q", "r"):
+        send(island, 1)
+    due, _ = state.due_fragments(T0)
+    assert state.stepper.groups.ready(state, due) == [0, 1]
+    new = {path: v.copy() for path, v in flat.items()}
+    for fragment in (0, 1):
+        plan.scatter(fragment, state.step(fragment, T0)[1].values, new)
+    want = reference(flat, deltas, "rda")["a/w"]
+    np.testing.assert_allclose(new["a/w"], want, rtol=1e-6, atol=1e-6)
+    # the mean never waits
+    mean = ShardState(ShardConfig(fragments=4, mode="sync", fsync=False), 0)
+    assert mean.stepper.groups.ready(state, [0]) == [0]

@@ -34,14 +34,17 @@ on both halves, push identical second halves with identical whole-tensor
 norms, yet the whole-tensor merge scales that half by sqrt(4/3) in the first
 case and sqrt(2) in the second; so no per-island header field can make a
 fragment's step exact, only data from the tensor's other pieces can.
-What is not exact: the shard's step (`paramserver.server.fragment_step`)
-passes no partial sums yet, since fragments step at their own times, possibly
-on other shards, and no message carries them between steps; a tensor the plan
-cuts is normalised over each piece on its own (its piece's Gram only), a
-tensor inside one fragment over the whole tensor. The exact whole-tensor
-merge of a cut tensor needs its pieces' steps to merge the same pushes and
-exchange these M x M sums (logged with the step, so that replay gives the
-same bits).
+In the shard: the plan keeps the fragments of a cut tensor on one shard
+unless the tensor spans one of the S - 1 boundaries between shards' runs
+(`paramserver.wire.plan`), and a step passes the Grams of the pieces this
+shard holds of the same pushes (`paramserver.server.tensor_groups`, logged in
+the StepEvent). So a tensor is merged over the whole tensor when all its
+pieces are on one shard and hold the step's pushes (in sync mode the pieces
+of a round step together); a piece on another shard, or one without the
+step's pushes (quorum and async steps that merge different pushes per
+piece, a sibling stepped before a restart), is left out of the norms: the
+tensor is then normalised over the pieces that have them. Shards exchange
+nothing.
 
 Chunks: a step's merge is a `ChunkMerge` (`chunk_merge`), whose `fill(lo, hi,
 out)` writes elements [lo, hi) of the merged delta, decoding its sources

@@ -22,9 +22,15 @@ step's order, the robust clip factor applied), taken
 
 The step (`paramserver.server.fragment_step`) turns them into RDA partial sums
 with its own coefficients (`partials`: Gram_ij = sum c_k c_l <d_k, d_l> over
-island i's keys k and island j's keys l). In a sync round whose pushes all
-arrive before the group's first step, every piece is normalised over the
-whole tensor, as if the plan had not cut it.
+island i's keys k and island j's keys l). In sync mode a due fragment waits
+while a sibling holds some of a round but is not due yet (`ready`, asked by
+`paramserver.server.core.on_tick`), so the group's first step finds the round
+in every piece (1.) and the later ones find it in the first's step (2.): every
+piece is normalised over the whole tensor, as if the plan had not cut it. In
+quorum and async modes the pieces step when each is due: a piece is whole
+where its siblings hold or merged the same pushes, else rule 3. (One island's
+step has factor 1 whatever the norms.) Cost: one extra pass over the step's
+deltas on each cut piece (own and siblings'), M x M floats per piece logged.
 
 Determinism: the PieceGrams a live step used are part of its `StepEvent`
 (logged with it), and replay uses the logged ones, so a replayed step gives
@@ -137,6 +143,37 @@ class TensorGroups:
             outside = self.outside(state.plan, state.index, state.fragments, fragment, keys)
         return StepEvent(fragment, keys, at, outside)
 
+    def ready(self, state: Any, due: Sequence[int]) -> list[int]:
+        """The due fragments that may step now: in sync mode under rda, a cut tensor's pieces together.
+
+        A due fragment waits while a sibling (`siblings`) holds pending deltas but
+        is not due yet (its round's pushes are still arriving), so that the
+        group's first step finds the round in every piece (rule 1); a sibling
+        with nothing pending is not waited for. Other modes and rules: `due`.
+
+        Args:
+            state: the `ShardState`.
+            due: the fragments its merge policy says to step now.
+
+        Returns:
+            Those of `due` to step now, in order.
+        """
+        if self.merge != "rda" or state.policy.mode != "sync" or state.plan is None:
+            return list(due)
+        cut = self._cut(state.plan, state.index)
+        waiting = {f for f, s in state.fragments.items() if s.pending and f not in due}
+        return [
+            f
+            for f in due
+            if not any(g in waiting for others in cut.get(f, {}).values() for g in others)
+        ]
+
+    def _cut(self, plan: Plan, shard: int) -> dict[int, dict[str, tuple[int, ...]]]:
+        """`siblings` of this plan (recomputed, and the cache dropped, when the plan changes)."""
+        if plan.hash != self._plan_hash:
+            self._plan_hash, self._siblings, self.last = plan.hash, siblings(plan, shard), {}
+        return self._siblings
+
     def outside(
         self,
         plan: Plan,
@@ -160,9 +197,7 @@ class TensorGroups:
         Returns:
             One PieceGram per (tensor, sibling) found, in tensor then sibling order.
         """
-        if plan.hash != self._plan_hash:
-            self._plan_hash, self._siblings, self.last = plan.hash, siblings(plan, shard), {}
-        cut = self._siblings.get(fragment)
+        cut = self._cut(plan, shard).get(fragment)
         if not cut:
             return ()
         keys = tuple(keys)
