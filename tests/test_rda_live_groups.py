@@ -13,6 +13,7 @@ import pytest
 
 from paramserver.server.config import ShardConfig
 from paramserver.server.state import ShardState
+from paramserver.server.storage.data_dir import ShardStorage
 from paramserver.server.storage.log_file import LogReader, WriteAheadLog
 from paramserver.server.storage.log_format import event_to_record, record_to_event
 from paramserver.wire.plan import leaf_specs, make_plan
@@ -193,3 +194,41 @@ def test_in_sync_mode_a_due_piece_waits_for_its_siblings_round_then_both_are_who
     # the mean never waits
     mean = ShardState(ShardConfig(fragments=4, mode="sync", fsync=False), 0)
     assert mean.stepper.groups.ready(state, [0]) == [0]
+
+
+def test_a_checkpoint_between_a_groups_steps_recovers_the_same_bits(tmp_path):
+    # fragment 1's step takes fragment 0's Gram from fragment 0's step (no longer
+    # pending); a checkpoint between the two steps does not hold it, the log does
+    cfg = ShardConfig(fragments=4, mode="sync", fsync=False, outer_optimizer="sgd", outer_lr=1.0,
+                      weighting="uniform", merge="rda", downlink="float32",
+                      data_dir=str(tmp_path), checkpoint_every_steps=0, checkpoint_every_s=0)  # fmt: skip
+    flat, deltas = params(), island_deltas()
+    plan = make_plan(leaf_specs(flat), 1, 4)
+    storage = ShardStorage(cfg, 0)
+    state = storage.recover()
+    storage.append([state.initialize(plan.to_wire(), init_payload(plan, flat)).event])
+    for island in ISLANDS:
+        state.hello(island, T0)
+        for fragment in (0, 1):
+            vec = plan.gather(deltas[island], fragment)
+            out = state.submit_delta(
+                push_header(plan, island, 1, fragment, 0), delta_frames(vec), T0
+            )
+            storage.append([out.event])
+    storage.append([state.step(0, T0)[0]])
+    storage.sync()
+    assert storage.checkpoint(state, T0)
+    event, _ = state.step(1, T0)
+    assert [g.fragment for g in event.outside] == [0]
+    storage.append([event])
+    storage.sync()
+    storage.close()
+    recovered = ShardStorage(cfg, 0).recover()
+    for f in (0, 1):
+        assert recovered.snapshot(f)[1].tobytes() == state.snapshot(f)[1].tobytes()
+    new = {path: v.copy() for path, v in flat.items()}
+    for f in (0, 1):
+        plan.scatter(f, recovered.snapshot(f)[1], new)
+    np.testing.assert_allclose(
+        new["a/w"], reference(flat, deltas, "rda")["a/w"], rtol=1e-6, atol=1e-6
+    )
