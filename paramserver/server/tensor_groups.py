@@ -12,10 +12,12 @@ left out): per sibling piece, the raw inner products <d_k, d_l> over that
 piece of the pushes the step merges (`PieceGram`, keys (island, round) in the
 step's order, the robust clip factor applied), taken
 
-1. from the sibling's pending deltas when it holds every one of the step's
-   keys (same island and round: the same pushes), else
-2. from the sibling's own last step when that merged every one of them
-   (kept here at that step: `TensorGroups.last`), else
+1. from the Gram of that piece kept here (`TensorGroups.last`: the newest
+   one computed of each piece, at its own step or a sibling's) when it
+   covers every one of the step's keys (same island and round: the same
+   pushes; its submatrix), else
+2. from the sibling's pending deltas when it holds every one of the keys
+   (computed, and kept for 1.), else
 3. not at all: that piece is left out, so the tensor is normalised over the
    pieces that have the step's pushes (with none, its own piece only, as
    before). Pieces on other shards are always left out.
@@ -25,16 +27,17 @@ with its own coefficients (`partials`: Gram_ij = sum c_k c_l <d_k, d_l> over
 island i's keys k and island j's keys l). In sync mode a due fragment waits
 while a sibling holds some of a round but is not due yet (`ready`, asked by
 `paramserver.server.core.on_tick`), so the group's first step finds the round
-in every piece (1.) and the later ones find it in the first's step (2.): every
-piece is normalised over the whole tensor, as if the plan had not cut it. In
-quorum and async modes the pieces step when each is due: a piece is whole
-where its siblings hold or merged the same pushes, else rule 3. (One island's
-step has factor 1 whatever the norms.) Cost: one extra pass over the step's
-deltas on each cut piece (own and siblings'), M x M floats per piece logged.
+pending in every piece (2.) and the later ones find the Grams it kept (1.):
+every piece is normalised over the whole tensor, as if the plan had not cut
+it. In quorum and async modes the pieces step when each is due: a piece is
+whole where its siblings hold or merged the same pushes, else rule 3. (One
+island's step has factor 1 whatever the norms.) Cost: one extra pass over
+each cut piece's deltas per set of pushes (its Gram, computed once), and
+M x M floats per sibling piece logged with the step.
 
 Determinism: the PieceGrams a live step used are part of its `StepEvent`
 (logged with it), and replay uses the logged ones, so a replayed step gives
-the same bits whatever this module's cache holds. The cache (2.) is soft: it
+the same bits whatever this module's cache holds. The cache (1.) is soft: it
 starts empty after a restart, so a sibling that stepped before the restart
 is then left out (3.); the live step logs what it used.
 """
@@ -113,7 +116,7 @@ def piece_gram(frag: Fragment, path: str, contributions: Sequence[Contribution])
 
 
 class TensorGroups:
-    """The PieceGrams of a live RDA step, and each cut fragment's last step's own (the cache)."""
+    """The PieceGrams of a live RDA step, and the newest Gram of each cut piece (the cache)."""
 
     def __init__(self, merge: str) -> None:
         """An empty cache; the siblings are computed per plan (by its hash).
@@ -124,7 +127,8 @@ class TensorGroups:
         self.merge = merge
         self._plan_hash: str | None = None
         self._siblings: dict[int, dict[str, tuple[int, ...]]] = {}
-        self.last: dict[int, dict[str, tuple[tuple[Key, ...], np.ndarray]]] = {}
+        # (fragment, path) -> (keys, Gram): the newest Gram computed of each cut piece
+        self.last: dict[tuple[int, str], tuple[tuple[Key, ...], np.ndarray]] = {}
 
     def step_event(self, state: Any, fragment: int, at: float) -> StepEvent:
         """The StepEvent of a live step of `fragment` merging all its pending deltas.
@@ -184,8 +188,8 @@ class TensorGroups:
     ) -> tuple[PieceGram, ...]:
         """The sibling pieces' PieceGrams for a step of `fragment` merging `keys` (rules 1-3).
 
-        Also keeps the fragment's own piece Grams of these keys for its
-        siblings' later steps (rule 2).
+        Keeps every Gram it computes (the fragment's own pieces' too), for the
+        group's later steps (rule 2) and so that no piece's is computed twice.
 
         Args:
             plan: the cluster's plan.
@@ -201,30 +205,34 @@ class TensorGroups:
         if not cut:
             return ()
         keys = tuple(keys)
-        own = {(c.island, c.round): c for c in fragments[fragment].pending}
-        mine = [own[k] for k in keys]
-        self.last[fragment] = {
-            path: (keys, piece_gram(plan.fragments[fragment], path, mine)) for path in cut
-        }
+        for path in cut:  # this piece's own, for its siblings' later steps (rule 2)
+            self._gram(plan, fragments[fragment], fragment, path, keys)
         found = []
         for path, others in cut.items():
             for other in others:
-                gram = self._sibling_gram(plan, fragments[other], other, path, keys)
+                gram = self._gram(plan, fragments[other], other, path, keys)
                 if gram is not None:
                     found.append(PieceGram(path, other, keys, gram))
         return tuple(found)
 
-    def _sibling_gram(
+    def _gram(
         self, plan: Plan, state: FragmentState, index: int, path: str, keys: tuple[Key, ...]
     ) -> np.ndarray | None:
+        """A piece's Gram of `keys`: kept (any earlier step's), else from its pending, else None.
+
+        Computed at most once per piece and set of pushes: the pending deltas of
+        a key never change, so a kept Gram of more keys serves (its submatrix).
+        """
+        held_keys, gram = self.last.get((index, path), ((), None))
+        if gram is not None and all(k in held_keys for k in keys):
+            at = [held_keys.index(k) for k in keys]
+            return gram[np.ix_(at, at)]
         pending = {(c.island, c.round): c for c in state.pending}
-        if all(k in pending for k in keys):
-            return piece_gram(plan.fragments[index], path, [pending[k] for k in keys])
-        held_keys, gram = self.last.get(index, {}).get(path, ((), None))
-        if gram is None or not all(k in held_keys for k in keys):
+        if not all(k in pending for k in keys):
             return None
-        at = [held_keys.index(k) for k in keys]
-        return gram[np.ix_(at, at)]
+        gram = piece_gram(plan.fragments[index], path, [pending[k] for k in keys])
+        self.last[(index, path)] = (keys, gram)
+        return gram
 
 
 def partials(
