@@ -16,7 +16,7 @@ from paramserver.server.state import ShardState
 from paramserver.server.storage.data_dir import ShardStorage
 from paramserver.server.storage.log_file import LogReader, WriteAheadLog
 from paramserver.server.storage.log_format import event_to_record, record_to_event
-from paramserver.wire.plan import leaf_specs, make_plan
+from paramserver.wire.plan import LeafSpec, leaf_specs, make_plan
 from paramserver.wire.protocol import ACCEPTED
 from tests.shard_helpers import delta_frames, init_payload, push_header
 
@@ -232,3 +232,25 @@ def test_a_checkpoint_between_a_groups_steps_recovers_the_same_bits(tmp_path):
     np.testing.assert_allclose(
         new["a/w"], reference(flat, deltas, "rda")["a/w"], rtol=1e-6, atol=1e-6
     )
+
+
+def test_a_data_dir_written_under_the_greedy_placement_says_why_it_cannot_resume(tmp_path):
+    from paramserver.server.events import InitEvent
+    from paramserver.server.storage.recovery import DurabilityError
+
+    cfg = ShardConfig(shards=2, fragments=3, fsync=False, data_dir=str(tmp_path))
+    leaves = [LeafSpec("a", (4, 5), "float32"), LeafSpec("b", (7,), "float16")]
+    wire = make_plan(leaves, 2, 3).to_wire()
+    assert [f[1] for f in wire["fragments"]] == [0, 0, 1]
+    # the same cut as the older version placed it (greedy: 0, 1, 0) and its hash
+    wire["fragments"] = [[f[0], s, f[2]] for f, s in zip(wire["fragments"], (0, 1, 0), strict=True)]
+    wire["hash"] = "0f07894d5b21740ec07bd0fad323dac5ab41f6071468898ea54a6005bbd71e76"
+    storage = ShardStorage(cfg, 0)
+    storage.recover()
+    values = {0: np.zeros(9, np.float32), 2: np.zeros(9, np.float32)}
+    storage.append([InitEvent(wire, values)])
+    storage.sync()
+    storage.close()
+    with pytest.raises(DurabilityError, match="contiguous runs of fragments") as caught:
+        ShardStorage(cfg, 0).recover()
+    assert "start with an empty one" in str(caught.value)

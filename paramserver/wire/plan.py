@@ -20,8 +20,8 @@ fragment), and the pieces of a leaf cut across fragments sit on one shard
 unless the leaf spans one of the S - 1 run boundaries. A shard can then merge
 a cut tensor as a whole (RDA's whole-tensor norms,
 `paramserver.server.tensor_groups`) without another shard's data. (Before
-this rule fragments went to shards greedily, largest first; a data dir
-written under that rule reports a plan mismatch.)
+this rule fragments went to shards greedily, largest first; a shard refuses
+to resume a data dir written under that rule, saying its plan does not match.)
 
 The hash is the lowercase hex SHA-256 of the wire form without its "hash"
 key, as `json.dumps(..., sort_keys=True, separators=(",", ":"))` writes it
