@@ -84,13 +84,8 @@ def make_plan(leaves: list[list], num_shards: int, num_fragments: int) -> dict:
             if lo < hi:
                 slices[f].append([path, lo - start, hi - start])
         start += size
-    frag_sizes = [bounds[f + 1] - bounds[f] for f in range(num_fragments)]
-    loads, counts, owner = [0] * num_shards, [0] * num_shards, [0] * num_fragments
-    for f in sorted(range(num_fragments), key=lambda i: (-frag_sizes[i], i)):
-        shard = min(range(num_shards), key=lambda s: (loads[s], counts[s], s))
-        owner[f] = shard
-        loads[shard] += frag_sizes[f]
-        counts[shard] += 1
+    runs = cut_bounds(num_fragments, num_shards)  # shard k: fragments [runs[k], runs[k + 1])
+    owner = [k for k in range(num_shards) for _ in range(runs[k], runs[k + 1])]
     plan = {
         "format": 1,
         "leaves": leaves,
@@ -300,7 +295,7 @@ DOC_EXAMPLES = [
         [["b", [5], "float32"], ["a", [2, 2], "float32"]],
         2,
         4,
-        "93d982c80cd3b937495a98bbe64febf40f337d9b9b6db681e37d20ead0b73732",
+        "4e2edc32b0861de8ee343a904282b6c4a180683b654735e8430132ee691af85e",
     ),
     (
         [["émb", [3], "bfloat16"]],

@@ -74,7 +74,11 @@ def test_fragment_segments_follow_the_slices_and_mark_embeddings():
     frag = Fragment(
         3, 0, (Slice("blocks/0/w", 10, 16), Slice("embed", 0, 4), Slice("head", 0, 2)), 12
     )
-    assert fragment_segments(frag) == [Segment(0, 6), Segment(6, 10, True), Segment(10, 12)]
+    assert fragment_segments(frag) == [
+        Segment(0, 6, False, "blocks/0/w"),
+        Segment(6, 10, True, "embed"),
+        Segment(10, 12, False, "head"),
+    ]
 
 
 @pytest.mark.parametrize(

@@ -295,6 +295,7 @@ class ShardCore:
         """
         out = Effects()
         due, _ = self.state.due_fragments(now)
+        due = self.state.stepper.groups.ready(self.state, due)  # rda, sync: a cut tensor together
         for fragment in due:
             urgent = pending_near_limit(self.state, fragment, self.cfg.max_pending_per_island)
             if not self.step_guard(fragment, urgent):  # a checkpoint still needs it: a later turn

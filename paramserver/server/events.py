@@ -89,12 +89,29 @@ class AcceptEvent:
 
 
 @dataclass(frozen=True)
+class PieceGram:
+    """<d_k, d_l> over `fragment`'s piece of tensor `path` of the pushes `keys` (float64).
+
+    What an RDA step of a cut tensor's other piece used (`paramserver.server.tensor_groups`).
+    """
+
+    path: str
+    fragment: int
+    keys: tuple[tuple[str, int], ...]
+    gram: np.ndarray
+
+
+@dataclass(frozen=True)
 class StepEvent:
-    """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round))."""
+    """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round)).
+
+    `outside`: the other pieces' Grams its RDA merge added (logged: replay uses these).
+    """
 
     fragment: int
     keys: tuple[tuple[str, int], ...]
     at: float
+    outside: tuple[PieceGram, ...] = ()
 
 
 Event = InitEvent | InitBeginEvent | InitPieceEvent | AcceptEvent | StepEvent

@@ -24,10 +24,11 @@ import optax
 from paramserver.server.chunked_step import ChunkedStep
 from paramserver.server.config import ShardConfig
 from paramserver.server.downlink import Downlink, new_residual
-from paramserver.server.events import Contribution
+from paramserver.server.events import Contribution, PieceGram
 from paramserver.server.fragment import FragmentState
 from paramserver.server.merge import chunk_merge, scaled
 from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
+from paramserver.server.tensor_groups import TensorGroups, partials
 from paramserver.server.weighting import IslandShare, island_shares, make_weighting
 from paramserver.wire.plan import Fragment
 
@@ -51,6 +52,7 @@ class FragmentStepper:
         # a step that merges one island's work when the quorum collapsed: plain SGD
         lr = cfg.single_island_outer_lr
         self._single = ChunkedStep(optax.sgd(lr), finish=finish) if lr else None
+        self.groups = TensorGroups(cfg.merge)  # rda: a cut tensor's other pieces on this shard
 
     def init(self, params: np.ndarray) -> Any:
         """A fragment's fresh optimizer state, as host buffers the step updates in place.
@@ -64,7 +66,11 @@ class FragmentStepper:
         return self._step.init(params)
 
     def step(
-        self, frag: FragmentState, merged_in: Sequence[Contribution], where: Fragment
+        self,
+        frag: FragmentState,
+        merged_in: Sequence[Contribution],
+        where: Fragment,
+        outside: Sequence[PieceGram] = (),
     ) -> tuple[list[IslandShare], tuple[Any, ...] | None]:
         """Merge `merged_in` into `frag` and take one outer step (params, opt_state, residual).
 
@@ -72,17 +78,20 @@ class FragmentStepper:
             frag: the fragment's state (changed in place; version and pending are not).
             merged_in: the pending deltas this step merges (at least one).
             where: the fragment in the plan (its leaves, for per-tensor merges).
+            outside: rda: the Grams of its cut tensors' other pieces (`tensor_groups`).
 
         Returns:
             (the islands' shares, the published update's codec frames or None
             for the float32 downlink).
         """
         shares = island_shares(self.weighting, merged_in, frag.version)
+        coefficients = {x.island: x.coefficient for x in shares}
         merged = chunk_merge(
             self.merge,
             [(c.island, scaled(c.delta, c.clip)) for c in merged_in],
-            {x.island: x.coefficient for x in shares},
+            coefficients,
             where,
+            partials(outside, merged_in, coefficients),
         )  # decodes the coded pending deltas a piece at a time, chunk by chunk
         fill = merged.fill
         if self._single is not None and len(shares) == 1:

@@ -1,41 +1,63 @@
 """Combining a step's island deltas into one pseudo-gradient: the weighted mean, or RDA.
 
 This module owns the `--merge mean|rda` rule of one fragment's step (numpy
-only). `mean` is `sum_i c_i * delta_i` (`merge_deltas`). `rda` is radial-
-directional averaging: island deltas merged by mean norm and mean direction.
-With the step's island coefficients c_i = w_i * g(s_i)
-(`paramserver.server.weighting`), C = sum c_i and p_i = c_i / C, each tensor
-segment of the fragment is merged as::
+only). Each pending delta d_k of island i has a coefficient c_ik
+(`paramserver.server.weighting`). `mean` is `sum_k c_k * delta_k` in float32,
+in delta order (`merge_deltas`). `rda` is radial-directional averaging: with
+u_i = sum_k c_ik * d_ik (island i's work, its increments summed) and
+C_i = sum_k c_ik, each tensor is merged as::
 
-    merged = C * (sum_i p_i * |v_i|) * phi(sum_i p_i * phi(v_i)),   phi(x) = x / |x|
+    merged = (sum_i |u_i|) * phi(sum_i C_i * phi(u_i)),   phi(x) = x / |x|
 
-where v_i is island i's delta (its pushes summed) restricted to the segment. The
-mean direction keeps what the islands agree on; the mean norm keeps the step's
-size, so it does not shrink like 1/sqrt(M) for M nearly orthogonal deltas as the
-plain mean does. C carries the staleness factors, so one island's delta gives
-exactly `c_1 * v_1` as with the mean (a lone stale delta still moves the model
-less), and a fresh lone delta is merged unchanged.
+The mean direction keeps what the islands agree on; the summed norm keeps the
+step's size, so it does not shrink like 1/sqrt(M) for M nearly orthogonal
+deltas as the plain mean does. One island gives exactly u_1 as the mean does
+(a lone stale delta still moves the model less). Embedding tensors (leaf path
+containing "embed") use the mean: their rows are touched by few tokens each
+and their norms say little about a direction. A tensor whose directions cancel
+(|sum C_i phi(u_i)| < 1e-6 sum C_i) or whose deltas are all zero falls back to
+the mean. Per element, merged = sum_i a_i * u_i with a_i = N * C_i / (|u_i| * |m|)
+(`rda_factors`): the factors need only the islands' Gram matrix <u_i, u_j>
+over the whole tensor.
 
-Segments: the fragment's slices (`plan.Slice`), one per tensor or tensor piece.
-Where the byte-balanced plan splits a tensor across fragments (possibly on
-different shards), each piece is normalised on its own: norms are per slice,
-not per whole tensor, so a shard never needs another shard's data. Embedding
-tensors (leaf path containing "embed") use the weighted mean: their rows are
-touched by few tokens each and their norms say little about a direction. A
-segment whose islands' directions cancel (|sum p_i phi(v_i)| tiny) or whose
-deltas are all zero falls back to the weighted mean.
+Whole tensors, wherever the plan cuts them: the Gram of a tensor is the sum
+of the Grams of its pieces, so a fragment holding a piece computes that
+piece's Gram (`rda_partials`: M x M float64 per tensor, `TensorPartial`) and
+adds the partial sums of the tensor's other pieces (`chunk_merge(...,
+outside=...)`). Given the partial sums of every other piece for the same
+deltas and coefficients, the result is the whole-tensor merge for any cut,
+any fragment and shard count, up to float rounding (tests/test_rda_whole_tensor.py).
+Why partial sums and not a norm in the push header: |m| needs the islands'
+cross inner products over the whole tensor, which no island has. Two islands
+agreeing on one half of a tensor and orthogonal on the other, or orthogonal
+on both halves, push identical second halves with identical whole-tensor
+norms, yet the whole-tensor merge scales that half by sqrt(4/3) in the first
+case and sqrt(2) in the second; so no per-island header field can make a
+fragment's step exact, only data from the tensor's other pieces can.
+In the shard: the plan keeps the fragments of a cut tensor on one shard
+unless the tensor spans one of the S - 1 boundaries between shards' runs
+(`paramserver.wire.plan`), and a step passes the Grams of the pieces this
+shard holds of the same pushes (`paramserver.server.tensor_groups`, logged in
+the StepEvent). So a tensor is merged over the whole tensor when all its
+pieces are on one shard and hold the step's pushes (in sync mode the pieces
+of a round step together); a piece on another shard, or one without the
+step's pushes (quorum and async steps that merge different pushes per
+piece, a sibling stepped before a restart), is left out of the norms: the
+tensor is then normalised over the pieces that have them. Shards exchange
+nothing.
 
 Chunks: a step's merge is a `ChunkMerge` (`chunk_merge`), whose `fill(lo, hi,
 out)` writes elements [lo, hi) of the merged delta, decoding its sources
 (`DeltaSource`: a pending delta kept coded, `codec.coded.CodedTensor`, or an
 array) a piece of at most PIECE elements at a time, so a step needs no decoded
-copy of any delta. The whole-segment quantities of `rda` (each island's norm,
-the mean direction's length) come from one pass over the deltas when the
-merge is built (the Gram matrix of the islands' deltas per segment). Every
-element's value depends only on its own inputs and those factors, so fills
-over any split of [0, size) give the same bits as one fill of the whole.
-The `mean` rule computes exactly what a float32 `sum_i c_i * delta_i` in
-delta order does.
+copy of any delta. The Grams come from one pass over the deltas when the
+merge is built. Every element's value depends only on its own inputs and the
+factors, so fills over any split of [0, size) give the same bits as one fill
+of the whole.
+
+Why over 400 lines: the two rules share the sources, pieces and fills; the
+per-tensor factor arithmetic and the partial sums' form are in
+`paramserver.server.rda_factors` (re-exported here).
 """
 
 from __future__ import annotations
@@ -46,16 +68,12 @@ from typing import Protocol
 
 import numpy as np
 
+from paramserver.server.rda_factors import MergeError, TensorPartial, aligned_gram, rda_factors
 from paramserver.wire.plan import Fragment
 
 MERGES = ("mean", "rda")
 MEAN_LEAF_MARK = "embed"  # leaf paths merged by the weighted mean under RDA
 PIECE = 1 << 16  # elements decoded at a time by a fill (scratch: a few of these per island)
-_CANCEL_TOL = 1e-6  # |mean direction| below this: the directions cancel, use the mean
-
-
-class MergeError(ValueError):
-    """Deltas, coefficients or segments that do not fit together."""
 
 
 class DeltaSource(Protocol):
@@ -166,15 +184,21 @@ def sum_squares(delta: DeltaSource, lo: int = 0, hi: int | None = None) -> float
 
 @dataclass(frozen=True)
 class Segment:
-    """A range [start, stop) of a fragment vector merged as one unit."""
+    """A range [start, stop) of a fragment vector merged as one unit: one tensor's slice.
+
+    `path` names the tensor (RDA's norms are per tensor: the slices of one path,
+    here and in the partial sums of its other pieces, share them); "" makes the
+    segment a tensor of its own.
+    """
 
     start: int
     stop: int
     mean_only: bool = False
+    path: str = ""
 
 
 def fragment_segments(fragment: Fragment) -> list[Segment]:
-    """The RDA segments of a fragment: one per slice, embeddings marked mean-only.
+    """The RDA segments of a fragment: one per slice, named by its tensor, embeddings mean-only.
 
     Args:
         fragment: a plan fragment.
@@ -184,7 +208,8 @@ def fragment_segments(fragment: Fragment) -> list[Segment]:
     """
     segments, offset = [], 0
     for piece in fragment.slices:
-        segments.append(Segment(offset, offset + piece.size, MEAN_LEAF_MARK in piece.path))
+        mean_only = MEAN_LEAF_MARK in piece.path
+        segments.append(Segment(offset, offset + piece.size, mean_only, piece.path))
         offset += piece.size
     return segments
 
@@ -257,66 +282,98 @@ class _MeanMerge(ChunkMerge):
 
 
 class _RdaMerge(ChunkMerge):
-    """Per segment, sum_i a_i * v_i in float64 with factors a_i from a Gram pass at build time."""
+    """Per segment, sum_i a_i * u_i in float64 with per-tensor factors a_i from Gram matrices.
+
+    `parts[i]` are island i's (delta, c_ik); u_i = sum_k c_ik * d_ik. The Gram
+    of each tensor's piece here is computed in one pass at build time
+    (`partials`), the Grams in `outside` (the tensor's other pieces) are added,
+    and the factors come from the sum (`rda_factors`).
+    """
 
     def __init__(
         self,
-        islands: Sequence[Sequence[DeltaSource]],
-        coefficients: Sequence[float],
+        islands: Sequence[str],
+        parts: Sequence[Sequence[tuple[DeltaSource, float]]],
         segments: Sequence[Segment],
+        outside: Sequence[Mapping[str, TensorPartial]] = (),
+        weights: Sequence[float] | None = None,
     ) -> None:
-        super().__init__(islands[0][0].size)
-        self.islands = [list(parts) for parts in islands]
+        super().__init__(parts[0][0][0].size)
+        self.islands = tuple(islands)
+        self.parts = [[(s, float(c)) for s, c in island] for island in parts]
         self.segments = list(segments)
-        coef = np.asarray(coefficients, dtype=np.float64)
-        total = float(coef.sum())
-        share = coef / total
-        self.factors = [self._factors(seg, share, total) for seg in self.segments]
-
-    def _island_piece(self, i: int, a: int, b: int, out: np.ndarray, tmp: np.ndarray) -> None:
-        """Island i's pushes summed (float32, in order) over [a, b) into `out`."""
-        parts = self.islands[i]
-        parts[0].decode_into(a, b, out)
-        for part in parts[1:]:
-            part.decode_into(a, b, tmp)
-            out += tmp
-
-    def _factors(self, seg: Segment, share: np.ndarray, total: float) -> np.ndarray:
-        mean = total * share  # the weighted mean's factors
+        if weights is None:  # C_i = sum_k c_ik
+            weights = [sum(c for _, c in island) for island in self.parts]
+        self.weights = np.asarray(weights, dtype=np.float64)
         count = len(self.islands)
-        if seg.mean_only or count == 1:
-            return mean
+        grams: dict[str, np.ndarray] = {}
+        keys = []
+        for index, seg in enumerate(self.segments):
+            key = seg.path or f"\0segment {index}"  # "" is a tensor of its own
+            keys.append(key)
+            if not seg.mean_only and count > 1:
+                grams[key] = grams.get(key, 0.0) + self._gram(seg)
+        self.partials = {
+            key: TensorPartial(self.islands, gram) for key, gram in grams.items() if key[0] != "\0"
+        }
+        for key in list(grams):
+            for more in outside:
+                if key[0] != "\0" and key in more:
+                    grams[key] = grams[key] + aligned_gram(more[key], self.islands, key)
+        ones = np.ones(count)
+        self.factors = [
+            ones if seg.mean_only or count == 1 else rda_factors(grams[key], self.weights)
+            for seg, key in zip(self.segments, keys, strict=True)
+        ]
+
+    def _island_piece(self, i: int, a: int, b: int, out: np.ndarray, scratch) -> None:
+        """u_i over [a, b) into the float64 `out`: equal c_ik sum in float32 first, as v_i."""
+        narrow, tmp, wide = (x[: b - a] for x in scratch)
+        parts = self.parts[i]
+        if all(c == parts[0][1] for _, c in parts):
+            parts[0][0].decode_into(a, b, narrow)
+            for part, _ in parts[1:]:
+                part.decode_into(a, b, tmp)
+                narrow += tmp
+            np.copyto(out, narrow)
+            out *= parts[0][1]
+            return
+        out[:] = 0.0
+        for part, c in parts:
+            part.decode_into(a, b, narrow)
+            np.copyto(wide, narrow)
+            wide *= c
+            out += wide
+
+    @staticmethod
+    def _scratch(width: int):
+        return np.empty(width, np.float32), np.empty(width, np.float32), np.empty(width)
+
+    def _gram(self, seg: Segment) -> np.ndarray:
+        count = len(self.islands)
         gram = np.zeros((count, count))
         width = min(PIECE, seg.stop - seg.start)
-        narrow, tmp = np.empty(width, np.float32), np.empty(width, np.float32)
-        wide = np.empty((count, width))
+        scratch, rows = self._scratch(width), np.empty((count, width))
         for a, b in pieces(seg.start, seg.stop):
             for i in range(count):
-                self._island_piece(i, a, b, narrow[: b - a], tmp[: b - a])
-                np.copyto(wide[i, : b - a], narrow[: b - a])
-            block = wide[:, : b - a]
+                self._island_piece(i, a, b, rows[i, : b - a], scratch)
+            block = rows[:, : b - a]
             gram += block @ block.T
-        norms = np.sqrt(np.maximum(np.diag(gram), 0.0))
-        unit = np.divide(share, norms, out=np.zeros(count), where=norms > 0)  # p_i / |v_i|
-        length = float(np.sqrt(max(float(unit @ gram @ unit), 0.0)))  # |sum_i p_i phi(v_i)|
-        if length < _CANCEL_TOL:
-            return mean
-        return total * float(share @ norms) * unit / length
+        return gram
 
     def _fill(self, lo: int, hi: int, out: np.ndarray) -> None:
         width = min(PIECE, hi - lo)
-        narrow, tmp = np.empty(width, np.float32), np.empty(width, np.float32)
-        wide, acc = np.empty(width), np.empty(width)
+        scratch, island, acc = self._scratch(width), np.empty(width), np.empty(width)
         for seg, factors in zip(self.segments, self.factors, strict=True):
             for a, b in pieces(max(lo, seg.start), min(hi, seg.stop)):
                 n = b - a
                 acc[:n] = 0.0
                 for i, factor in enumerate(factors):
-                    if factor == 0.0:
+                    if factor == 0.0 or self.weights[i] == 0.0:
                         continue
-                    self._island_piece(i, a, b, narrow[:n], tmp[:n])
-                    np.multiply(narrow[:n], np.float64(factor), out=wide[:n])
-                    acc[:n] += wide[:n]
+                    self._island_piece(i, a, b, island[:n], scratch)
+                    island[:n] *= factor
+                    acc[:n] += island[:n]
                 np.copyto(out[a - lo : b - lo], acc[:n], casting="same_kind")
 
 
@@ -364,7 +421,9 @@ def rda_merge(
         raise MergeError(f"deltas must be 1-D of one length, got {[s.size for s in sources]}")
     _check_coefficients(coefficients)
     _check_segments(segments, sources[0].size)
-    return _RdaMerge([[s] for s in sources], coefficients, segments).whole(out)
+    names = [str(i) for i in range(len(sources))]
+    parts = [[(s, c)] for s, c in zip(sources, coefficients, strict=True)]
+    return _RdaMerge(names, parts, segments).whole(out)
 
 
 def merge_deltas(
@@ -393,29 +452,16 @@ def merge_deltas(
     return _MeanMerge(sources, weights).whole(out)
 
 
-def chunk_merge(
+Coefficients = Sequence[float] | Mapping[str, float]
+
+
+def _grouped(
     rule: str,
     deltas: Sequence[tuple[str, DeltaSource | np.ndarray]],
-    coefficients: Mapping[str, float],
+    coefficients: Coefficients,
     fragment: Fragment,
-) -> ChunkMerge:
-    """A step's merged pseudo-gradient under a merge rule, to be written range by range.
-
-    Args:
-        rule: "mean" (sum of c_i * delta) or "rda" (this module).
-        deltas: (island, delta) of every pending delta the step merges; an
-            island's deltas are disjoint increments and are summed first (rda).
-        coefficients: island -> c_i = w_i * g(s_i).
-        fragment: the plan fragment (its slices are the RDA segments).
-
-    Returns:
-        A ChunkMerge of fragment.size elements: `fill(lo, hi, out)` writes its
-        elements [lo, hi). The rda factors are computed here (one pass over
-        the deltas); the sources must not change while it is used.
-
-    Raises:
-        MergeError: an unknown rule, no deltas, or deltas of the wrong size.
-    """
+) -> list[tuple[str, DeltaSource, float]]:
+    """(island, source, c_k) per delta, checked against the rule and the fragment."""
     if rule not in MERGES:
         raise MergeError(f"merge={rule!r} is unknown; choose one of {MERGES}")
     if not deltas:
@@ -426,29 +472,101 @@ def chunk_merge(
         raise MergeError(
             f"deltas of sizes {sizes} for fragment {fragment.index} of {fragment.size}"
         )
+    if isinstance(coefficients, Mapping):
+        coef = [coefficients[island] for island, _ in sources]
+    else:
+        coef = list(coefficients)
+        if len(coef) != len(sources):
+            raise MergeError(f"{len(sources)} deltas but {len(coef)} coefficients")
+    return [(island, s, c) for (island, s), c in zip(sources, coef, strict=True)]
+
+
+def _rda(
+    rows: Sequence[tuple[str, DeltaSource, float]],
+    coefficients: Coefficients,
+    fragment: Fragment,
+    outside: Sequence[Mapping[str, TensorPartial]] = (),
+) -> _RdaMerge:
+    per_island: dict[str, list[tuple[DeltaSource, float]]] = {}
+    for island, source, c in rows:
+        per_island.setdefault(island, []).append((source, c))
+    weights = None  # C_i = sum_k c_ik; an island -> c_i mapping: C_i = c_i (u_i = c_i * v_i)
+    if isinstance(coefficients, Mapping):
+        weights = [coefficients[i] for i in per_island]
+    _check_coefficients(weights or [c for _, _, c in rows])
+    segments = fragment_segments(fragment)
+    return _RdaMerge(list(per_island), list(per_island.values()), segments, outside, weights)
+
+
+def chunk_merge(
+    rule: str,
+    deltas: Sequence[tuple[str, DeltaSource | np.ndarray]],
+    coefficients: Coefficients,
+    fragment: Fragment,
+    outside: Sequence[Mapping[str, TensorPartial]] = (),
+) -> ChunkMerge:
+    """A step's merged pseudo-gradient under a merge rule, to be written range by range.
+
+    Args:
+        rule: "mean" (sum of c_k * delta_k) or "rda" (this module).
+        deltas: (island, delta) of every pending delta the step merges; an
+            island's deltas are disjoint increments, u_i = sum_k c_ik * d_ik (rda).
+        coefficients: one c_k per delta, aligned with `deltas` (C_i = sum_k c_ik);
+            or a mapping island -> c_i, the same c_i for each of that island's
+            deltas and C_i = c_i (the per-island rule: u_i = c_i * its deltas' sum).
+        fragment: the plan fragment (its slices are the RDA segments).
+        outside: rda only: the partial sums (`rda_partials`) of the other pieces
+            of this fragment's tensors, merging the same deltas; added to this
+            fragment's own, they make the norms those of the whole tensors.
+
+    Returns:
+        A ChunkMerge of fragment.size elements: `fill(lo, hi, out)` writes its
+        elements [lo, hi). The rda factors are computed here (one pass over
+        the deltas); the sources must not change while it is used.
+
+    Raises:
+        MergeError: an unknown rule, no deltas, deltas of the wrong size, bad
+            coefficients, or malformed partial sums.
+    """
+    rows = _grouped(rule, deltas, coefficients, fragment)
     if rule == "mean":
-        return _MeanMerge([s for _, s in sources], [coefficients[i] for i, _ in sources])
-    per_island: dict[str, list[DeltaSource]] = {}
-    for island, source in sources:
-        per_island.setdefault(island, []).append(source)
-    weights = [coefficients[i] for i in per_island]
-    _check_coefficients(weights)
-    return _RdaMerge(list(per_island.values()), weights, fragment_segments(fragment))
+        return _MeanMerge([s for _, s, _ in rows], [c for _, _, c in rows])
+    return _rda(rows, coefficients, fragment, outside)
+
+
+def rda_partials(
+    deltas: Sequence[tuple[str, DeltaSource | np.ndarray]],
+    coefficients: Coefficients,
+    fragment: Fragment,
+) -> dict[str, TensorPartial]:
+    """RDA's partial sums of each (non-embedding) tensor over this fragment's piece of it.
+
+    Args:
+        deltas: (island, delta) as for `chunk_merge`.
+        coefficients: as for `chunk_merge`.
+        fragment: the plan fragment.
+
+    Returns:
+        Tensor path -> its `TensorPartial` (none when one island merges): what the
+        steps of the tensor's other pieces take as `outside`.
+    """
+    rows = _grouped("rda", deltas, coefficients, fragment)
+    return _rda(rows, coefficients, fragment).partials
 
 
 def merge_pending(
     rule: str,
     deltas: Sequence[tuple[str, DeltaSource | np.ndarray]],
-    coefficients: Mapping[str, float],
+    coefficients: Coefficients,
     fragment: Fragment,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """A step's merged pseudo-gradient under a merge rule, whole (`chunk_merge` filled once).
 
     Args:
-        rule: "mean" (sum of c_i * delta) or "rda" (this module).
+        rule: "mean" (sum of c_k * delta_k) or "rda" (this module).
         deltas: (island, delta) of every pending delta the step merges.
-        coefficients: island -> c_i = w_i * g(s_i).
+        coefficients: one c_k per delta, or island -> c_i (`chunk_merge`).
         fragment: the plan fragment (its slices are the RDA segments).
         out: optional float32 buffer of the deltas' shape.
 

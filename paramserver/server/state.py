@@ -33,10 +33,9 @@ arrival times are persisted with pending deltas and must mean the same after a
 restart. The state reads no clock: the duration of a step (for the eq3 grace
 window) comes from the `timer` it is given (none: 0).
 
-Why over 400 lines: one class whose live rules (`initialize`, `submit_delta`,
-`step`) and replay (`apply`) must stay side by side, so that a change to one is
-seen next to the other; the refusal rules (`outcomes`), the step's arithmetic
-(`fragment_step`) and the on-disk forms (`storage/`) already live elsewhere.
+Why over 400 lines: one class whose live rules (`initialize`, `submit_delta`, `step`)
+and replay (`apply`) must stay side by side, so a change to one is seen next to the
+other; refusals (`outcomes`), a step's arithmetic (`fragment_step`) and disk forms live elsewhere.
 """
 
 from __future__ import annotations
@@ -448,7 +447,7 @@ class ShardState:
         if frag is None or not frag.pending:
             raise StateError(f"fragment {fragment} has nothing to step")
         quorum_s = quorum_time(frag.waiting(), self.live(now), self.policy)
-        event = StepEvent(fragment, tuple((c.island, c.round) for c in frag.pending), float(now))
+        event = self.stepper.groups.step_event(self, fragment, float(now))  # rda: + PieceGrams
         started = self.timer() if self.timer else 0.0
         update = self.apply(event)
         assert update is not None
@@ -584,7 +583,8 @@ class ShardState:
             raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
         if not merged_in:
             raise StateError(f"step event for fragment {event.fragment} merges nothing")
-        shares, frames = self.stepper.step(frag, merged_in, self.plan.fragments[event.fragment])
+        where = self.plan.fragments[event.fragment]
+        shares, frames = self.stepper.step(frag, merged_in, where, event.outside)
         share_of_model = frag.params.shape[0] / self.plan.total_size
         self.counters.add_step(
             [frag.version - c.base_version for c in merged_in],

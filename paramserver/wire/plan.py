@@ -12,10 +12,16 @@ rounded half *up*, in integer arithmetic (not Python's `round`, which rounds
 halves to even). So every fragment holds `total // F` or one more element
 (byte-balanced to one element, since fragment values are always float32);
 large leaves are split across fragments, small neighbours share one, a leaf
-with no elements is in no fragment. Fragments are then given to shards
-greedily, largest first (ties: lower fragment index), each to the shard with
-the least (elements held, fragments held, shard index), so shards are
-balanced by bytes, not by names.
+with no elements is in no fragment. Shards then own contiguous runs of
+fragments: shard k owns fragments [c_k, c_{k+1}) with c_k = k * F / S rounded
+half up the same way (S = num_shards), so each holds floor(F / S) or
+ceil(F / S) fragments (bytes balanced to one fragment plus one element per
+fragment), and the pieces of a leaf cut across fragments sit on one shard
+unless the leaf spans one of the S - 1 run boundaries. A shard can then merge
+a cut tensor as a whole (RDA's whole-tensor norms,
+`paramserver.server.tensor_groups`) without another shard's data. (Before
+this rule fragments went to shards greedily, largest first; a shard refuses
+to resume a data dir written under that rule, saying its plan does not match.)
 
 The hash is the lowercase hex SHA-256 of the wire form without its "hash"
 key, as `json.dumps(..., sort_keys=True, separators=(",", ":"))` writes it
@@ -314,11 +320,7 @@ def leaf_specs(flat: Mapping[str, np.ndarray]) -> list[LeafSpec]:
 
 
 def _cut_fragments(leaves: Sequence[LeafSpec], num_fragments: int) -> list[tuple[Slice, ...]]:
-    total = sum(leaf.size for leaf in leaves)
-    # Integer boundaries: i * total / F rounded half up, exact in integer arithmetic.
-    bounds = [
-        (2 * i * total + num_fragments) // (2 * num_fragments) for i in range(num_fragments + 1)
-    ]
+    bounds = _half_up_bounds(sum(leaf.size for leaf in leaves), num_fragments)
     pieces: list[list[Slice]] = [[] for _ in range(num_fragments)]
     leaf_start = 0
     frag = 0
@@ -335,16 +337,15 @@ def _cut_fragments(leaves: Sequence[LeafSpec], num_fragments: int) -> list[tuple
     return [tuple(p) for p in pieces]
 
 
-def _assign_shards(sizes: Sequence[int], num_shards: int) -> list[int]:
-    loads = [0] * num_shards
-    counts = [0] * num_shards
-    owner = [0] * len(sizes)
-    for index in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
-        shard = min(range(num_shards), key=lambda s: (loads[s], counts[s], s))
-        owner[index] = shard
-        loads[shard] += sizes[index]
-        counts[shard] += 1
-    return owner
+def _half_up_bounds(total: int, parts: int) -> list[int]:
+    """i * total / parts rounded half up for i = 0..parts, exact in integer arithmetic."""
+    return [(2 * i * total + parts) // (2 * parts) for i in range(parts + 1)]
+
+
+def _assign_shards(num_fragments: int, num_shards: int) -> list[int]:
+    """Contiguous runs: shard k owns fragments [c_k, c_{k+1}), c = _half_up_bounds(F, S)."""
+    runs = _half_up_bounds(num_fragments, num_shards)
+    return [k for k in range(num_shards) for _ in range(runs[k], runs[k + 1])]
 
 
 def _plan_hash(
@@ -405,7 +406,7 @@ def make_plan(leaves: Sequence[LeafSpec], num_shards: int, num_fragments: int) -
         )
     slices = _cut_fragments(leaves, num_fragments)
     sizes = [sum(s.size for s in sl) for sl in slices]
-    owner = _assign_shards(sizes, num_shards)
+    owner = _assign_shards(num_fragments, num_shards)
     fragments = tuple(
         Fragment(index=i, shard=owner[i], slices=slices[i], size=sizes[i])
         for i in range(num_fragments)

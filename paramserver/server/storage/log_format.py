@@ -16,7 +16,9 @@ Log records (msgpack header + raw payload):
             frames as received, back to back (read again on replay into the
             same coded pending delta: `codec.coded.read` is deterministic), or
             the float32 delta when codec is nil (an event built without frames)
-    step    {"t": "step", fragment, keys: [[island, round], ...], at}
+    step    {"t": "step", fragment, keys: [[island, round], ...], at, outside?:
+            [[path, fragment, [[island, round], ...], [float64 row-major]], ...]}
+            (outside: an RDA step's PieceGrams; absent when none)
 """
 
 from __future__ import annotations
@@ -33,9 +35,17 @@ from paramserver.server.events import (
     InitBeginEvent,
     InitEvent,
     InitPieceEvent,
+    PieceGram,
     StepEvent,
 )
 from paramserver.server.storage.log_file import Record, WalError
+
+
+def _piece_gram(item: Any) -> PieceGram:
+    path, fragment, keys, flat = item
+    keys = tuple((str(island), int(rnd)) for island, rnd in keys)
+    gram = np.asarray(flat, dtype=np.float64).reshape(len(keys), len(keys))
+    return PieceGram(str(path), int(fragment), keys, gram)
 
 
 def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
@@ -73,6 +83,11 @@ def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
             "keys": [list(k) for k in event.keys],
             "at": event.at,
         }
+        if event.outside:
+            header["outside"] = [
+                [g.path, g.fragment, [list(k) for k in g.keys], g.gram.ravel().tolist()]
+                for g in event.outside
+            ]
         return header, []
     if isinstance(event, InitEvent):
         order = sorted(event.values)
@@ -131,7 +146,8 @@ def record_to_event(record: Record) -> Event:
             return AcceptEvent(c)
         if kind == "step":
             keys = tuple((str(island), int(rnd)) for island, rnd in h["keys"])
-            return StepEvent(int(h["fragment"]), keys, float(h["at"]))
+            outside = tuple(_piece_gram(g) for g in h.get("outside", ()))
+            return StepEvent(int(h["fragment"]), keys, float(h["at"]), outside)
         if kind == "init":
             flat = np.frombuffer(record.payload, dtype=np.float32)
             values, offset = {}, 0

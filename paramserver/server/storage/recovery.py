@@ -27,6 +27,7 @@ from paramserver.server.storage.checkpoint_content import checkpoint_summary, re
 from paramserver.server.storage.checkpoint_file import CheckpointError, read_checkpoint
 from paramserver.server.storage.log_file import LogReader, WalError
 from paramserver.server.storage.log_format import record_to_event
+from paramserver.wire.plan import PlanError
 
 logger = logging.getLogger(__name__)
 
@@ -96,8 +97,14 @@ def recover(
     """
     try:
         return _recover(cfg, index, directory, timer, logging.DEBUG if quiet else logging.INFO)
-    except (WalError, StateError) as exc:
-        raise DurabilityError(f"shard {index} cannot recover {directory}: {exc}") from exc
+    except (WalError, StateError, PlanError) as exc:
+        hint = ""
+        if isinstance(exc, PlanError) or isinstance(exc.__cause__, PlanError):
+            hint = (
+                " (its plan does not match this version's: a data dir written before shards "
+                "owned contiguous runs of fragments cannot be resumed; start with an empty one)"
+            )
+        raise DurabilityError(f"shard {index} cannot recover {directory}: {exc}{hint}") from exc
 
 
 def _recover(
