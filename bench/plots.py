@@ -148,7 +148,7 @@ def _goodput(ax, records, summary, names) -> None:
     ax.bar(range(len(bars)), heights)
     ax.axhline(95, color="grey", ls=":", lw=1)
     ax.set_xticks(range(len(bars)), bars, rotation=60, ha="right", fontsize=6)
-    ax.set_ylabel("goodput (% of the island's capacity that entered the model)")
+    ax.set_ylabel("goodput (% of the island's wall time on steps whose work was merged)")
     ax.set_ylim(0, 105)
     ax.set_title("goodput per island")
 
@@ -185,7 +185,8 @@ def write_fidelity_plots(
         path = out / f"quorum_table_{group.name}.png"
         with figure(path, cols=2, size=(12, 5)) as (left, right):
             left.bar(table, [entries[n]["goodput"] for n in table], color="tab:green")
-            left.set(ylabel="goodput (credited / capacity)", ylim=(0, 1.05), title="goodput")
+            left.set(ylabel="goodput (share of wall time on merged work)", ylim=(0, 1.05),
+                     title="goodput")  # fmt: skip
             right.bar(table, [entries[n]["final_eval_loss"] or 0 for n in table], color="tab:blue")
             losses = [entries[n]["final_eval_loss"] for n in table if entries[n]["final_eval_loss"]]
             if losses:
