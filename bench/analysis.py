@@ -108,33 +108,31 @@ def loss_at_tokens(curve: Sequence[tuple[float, int, float]], tokens: float) -> 
     Returns:
         Loss, or None for an empty curve.
     """
-    return _interpolate(sorted((tok, loss) for _t, tok, loss in curve), tokens)
+    return loss_at(curve, tokens, axis=1)
 
 
-def loss_at_time(curve: Sequence[tuple[float, int, float]], seconds: float) -> float | None:
-    """The eval loss at a wall time since training started, linearly interpolated (clamped).
+def loss_at(curve: Sequence[Sequence[float]], value: float, axis: int) -> float | None:
+    """The eval loss where one coordinate of the curve has `value`, linearly interpolated.
 
     Args:
         curve: (seconds, tokens, loss) points.
-        seconds: the wall time.
+        value: the seconds (axis 0: equal wall time) or tokens (axis 1) to read at.
+        axis: which coordinate `value` is; clamped at the ends of the curve.
 
     Returns:
         Loss, or None for an empty curve.
     """
-    return _interpolate(sorted((t, loss) for t, _tok, loss in curve), seconds)
-
-
-def _interpolate(pts: Sequence[tuple[float, float]], x: float) -> float | None:
+    pts = sorted((p[axis], p[2]) for p in curve)
     if not pts:
         return None
     xs = [p[0] for p in pts]
-    i = bisect.bisect_left(xs, x)
+    i = bisect.bisect_left(xs, value)
     if i == 0:
         return pts[0][1]
     if i == len(pts):
         return pts[-1][1]
     (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-    return y0 if x1 == x0 else y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (value - x0) / (x1 - x0)
 
 
 def island_bytes(rows: Rows) -> dict[str, float]:

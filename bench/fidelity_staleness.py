@@ -60,10 +60,10 @@ def at_equal(ours: Curve, ref: Curve) -> dict[str, float | None]:
     return {
         "tokens": tokens,
         "seconds": seconds,
-        "ours_at_tokens": analysis.loss_at_tokens(ours, tokens),
-        "ref_at_tokens": analysis.loss_at_tokens(ref, tokens),
-        "ours_at_time": analysis.loss_at_time(ours, seconds),
-        "ref_at_time": analysis.loss_at_time(ref, seconds),
+        "ours_at_tokens": analysis.loss_at(ours, tokens, axis=1),
+        "ref_at_tokens": analysis.loss_at(ref, tokens, axis=1),
+        "ours_at_time": analysis.loss_at(ours, seconds, axis=0),
+        "ref_at_time": analysis.loss_at(ref, seconds, axis=0),
     }
 
 
