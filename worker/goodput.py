@@ -1,23 +1,28 @@
 """Goodput as Decoupled DiLoCo defines it; pure functions and bookkeeping, no clock.
 
 Goodput is the share of an island's wall time spent on inner steps whose work
-entered the model.
-An island's inner-step time is the time between two `Session.step` calls (the
-caller's training step); each step's time is split over the fragments by their
+entered the model. The time base is the session's wall time: from its start (the
+join, or `Session.mark_start` after a warm-up) to now, or at close to the end of
+its last `step`. An inner step's time is the time between two `Session.step`
+calls (the caller's training step); it is split over the fragments by their
 share of the parameters and carried by the delta that next pushes that fragment.
-That time is useful once the delta entered the model (its shard merged it and a
-version that includes it arrived), lost when the delta was rejected or never
-merged. Everything else in the wall time is lost too: waiting for a sync merge,
-back-pressure (a push blocked on a full outbox), the exchange's own time in
-`step`, the first step of a session that did not warm up (it holds the
-caller's compile), restarts (the time between two sessions is in none of them).
-Staleness costs nothing here: `g(s)` is a step-size rule, not a measurement; its
-price is measured as quality (loss at equal tokens and wall time, the
-staleness histogram: `bench.fidelity_report`).
+That time is useful once the delta entered the model (acked, and a version that
+merged it arrived in the island's replica), lost when the delta was rejected or
+never pushed or acked. Everything else in the wall time is lost too: waiting for
+a sync merge, back-pressure (a push blocked on a full outbox), the exchange's own
+time in `step`, the first step of a session that did not warm up (it holds the
+caller's compile). Restarts fall between sessions: the cluster-level figures
+(`bench.chaos_score`, `bench.analysis.final_goodput`) count them, from the
+tokens the shards merged over what the islands could have trained at their own
+rate. Staleness costs nothing here: `g(s)` is a step-size rule, not a
+measurement; its price is measured as quality (loss at equal tokens and wall
+time, and the staleness histogram: `bench.fidelity_staleness`).
 
 While a delta is in flight (not acked, or acked with its merge not seen yet) its
-time is neither useful nor lost: it is left out of the time base until it settles,
+time is neither useful nor lost: it stays out of the time base until it settles,
 so an island that never waits reads 1 during the run, not 1 - its last round.
+At close an acked delta counts as merged (its shard holds it durably and merges
+it at its next step; the shards' credit says whether it was).
 """
 
 from __future__ import annotations
