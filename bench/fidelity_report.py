@@ -97,7 +97,8 @@ def staleness_table(rows: Sequence[dict]) -> list[str]:
         if v is None or v[f"ours_at_{at}"] is None or v[f"ref_at_{at}"] is None:
             return "-"
         ours, ref = v[f"ours_at_{at}"], v[f"ref_at_{at}"]
-        return f"{num(ours, FMT)} vs {v['ref']} {num(ref, FMT)} ({rel_of(ours, ref):+.2%})"
+        rel = rel_of(ours, ref)
+        return f"{num(ours, FMT)} vs {v['ref']} {num(ref, FMT)}" + (f" ({rel:+.2%})" if rel is not None else "")
 
     table_rows = [
         [
