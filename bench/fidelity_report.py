@@ -98,7 +98,9 @@ def staleness_table(rows: Sequence[dict]) -> list[str]:
             return "-"
         ours, ref = v[f"ours_at_{at}"], v[f"ref_at_{at}"]
         rel = rel_of(ours, ref)
-        return f"{num(ours, FMT)} vs {v['ref']} {num(ref, FMT)}" + (f" ({rel:+.2%})" if rel is not None else "")
+        return f"{num(ours, FMT)} vs {v['ref']} {num(ref, FMT)}" + (
+            f" ({rel:+.2%})" if rel is not None else ""
+        )
 
     table_rows = [
         [
