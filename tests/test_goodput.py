@@ -16,6 +16,8 @@ import pytest
 from conftest import Cluster
 
 import worker
+from paramserver.client.progress import Progress
+from paramserver.client.replica import ReplicaFragment
 from paramserver.plumbing import probe
 from worker.goodput import ACKED, MERGED, PENDING, REJECTED, WorkLedger, session_goodput
 from worker.session_stats import RoundClock
@@ -71,6 +73,20 @@ def test_mark_start_makes_the_first_interval_an_ordinary_step():
     cold = RoundClock(10.0)
     cold.step_started(12.0)
     assert cold.work_s == 0.0 and cold.step_times == []
+
+
+def test_a_delta_is_merged_only_once_the_replica_holds_the_version_that_includes_it():
+    progress = Progress()
+    assert progress.delta_outcome(5, 0) == PENDING  # pushed, no ack yet
+    ack = {"outcome": "accepted", "round": 5, "fragment": 0, "version": 3, "merged_version": 4}
+    progress.record_ack(ack, latency_s=0.01)
+    progress.replica[0] = ReplicaFragment(3, None)
+    assert progress.delta_outcome(5, 0) == ACKED  # the shard holds it; version 4 not here yet
+    progress.replica[0] = ReplicaFragment(4, None)
+    assert progress.delta_outcome(5, 0) == MERGED
+    bad = {"outcome": "rejected", "reason": "non_finite", "round": 5, "fragment": 1, "version": 3}
+    progress.record_ack(bad, latency_s=0.01)
+    assert progress.delta_outcome(5, 1) == REJECTED
 
 
 def _island(connect, name, seconds_per_step, steps, inner_steps, data_dir, out, errors):
