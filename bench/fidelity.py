@@ -13,7 +13,8 @@ seed with real `diloco-server` shards and `diloco-worker` islands on loopback
 Writes DIR/runs/seed<k>/<name>.json per run, DIR/fidelity.json (pinned keys:
 `scenarios`, `claims`; also `price_of_staleness`: `bench.fidelity_staleness`),
 DIR/fidelity.md (claims table first, then the price of staleness) and PNGs (loss
-against tokens per group, goodput/loss bars of the quorum table); prints
+against tokens per group, staleness histograms, goodput/loss bars of the quorum
+table); prints
 fidelity.json on stdout. Progress (scenario, seed, tokens) goes to stderr.
 `--quick`: tiny model, 1 seed, group B's core (ddp, sync, k_all, k1, k1_grace),
 under 10 minutes on 2 cores; the full run takes about 90 minutes. `--resume`
