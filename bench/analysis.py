@@ -108,17 +108,31 @@ def loss_at_tokens(curve: Sequence[tuple[float, int, float]], tokens: float) -> 
     Returns:
         Loss, or None for an empty curve.
     """
-    pts = sorted((tok, loss) for _t, tok, loss in curve)
+    return loss_at(curve, tokens, axis=1)
+
+
+def loss_at(curve: Sequence[Sequence[float]], value: float, axis: int) -> float | None:
+    """The eval loss where one coordinate of the curve has `value`, linearly interpolated.
+
+    Args:
+        curve: (seconds, tokens, loss) points.
+        value: the seconds (axis 0: equal wall time) or tokens (axis 1) to read at.
+        axis: which coordinate `value` is; clamped at the ends of the curve.
+
+    Returns:
+        Loss, or None for an empty curve.
+    """
+    pts = sorted((p[axis], p[2]) for p in curve)
     if not pts:
         return None
     xs = [p[0] for p in pts]
-    i = bisect.bisect_left(xs, tokens)
+    i = bisect.bisect_left(xs, value)
     if i == 0:
         return pts[0][1]
     if i == len(pts):
         return pts[-1][1]
     (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-    return y0 if x1 == x0 else y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
+    return y0 if x1 == x0 else y0 + (y1 - y0) * (value - x0) / (x1 - x0)
 
 
 def island_bytes(rows: Rows) -> dict[str, float]:
@@ -238,7 +252,8 @@ def credited_tokens(server: Mapping[str, Any]) -> dict[str, float]:
             final merges.
 
     Returns:
-        island -> credited tokens (each delta's tokens x its staleness factor).
+        island -> credited tokens (each merged delta's tokens x its fragment's
+        share of the model; staleness not counted).
     """
     total: dict[str, float] = {}
     for shard in server.get("shards", []):
@@ -250,11 +265,16 @@ def credited_tokens(server: Mapping[str, Any]) -> dict[str, float]:
 def final_goodput(rows: Rows, credited: float) -> float | None:
     """An island's goodput over its whole run, from the shards' final credit.
 
+    The tokens that entered the model over those the island could have trained
+    in its wall time at its own rate: the share of its time spent on inner steps
+    whose work was merged (`worker.goodput`), counted by the shards after the
+    island left, so work acked but never merged counts lost.
+
     Args:
         rows: the island's metrics rows (the last one carries capacity_tokens:
             wall time since the start x its median step rate).
         credited: the island's tokens credited by the shards after every
-            acked delta was merged.
+            acked delta was merged (no staleness factor).
 
     Returns:
         credited / capacity, or None without a capacity.

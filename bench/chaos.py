@@ -11,10 +11,11 @@ SIGCONT an island) and by the relay (cut or slow an island's link; drop,
 duplicate, delay or corrupt its pushes and acks). Both runs train for the
 same wall time; the fault-free run uses the same seed and an empty schedule.
 
-Reported per run (JSON on stdout and in DIR/chaos.json): `goodput` (tokens
-that entered the model, as the shards credit them after the final merges: each
-delta's tokens x its staleness factor / what the islands would have trained in
-the window at their own median round rate: machine-speed independent),
+Reported per run (JSON on stdout and in DIR/chaos.json): `goodput` (the share
+of the islands' time spent on inner steps whose work entered the model: the
+tokens the shards credit after the final merges, staleness not counted / what
+the islands would have trained in the window at their own median round rate;
+kills, pauses, back-pressure and rejected work are lost; machine-speed independent),
 `uptime` (share of windows in which some fragment version advanced),
 `uptime_outside_shard_outages` (the same, leaving out the windows of a shard's
 outage, from its kill to its first step after the restart: the uptime the

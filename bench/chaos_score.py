@@ -2,9 +2,10 @@
 
 `bench.chaos` runs the daemons and collects raw material (relay statistics,
 shard status, metrics rows, the version timeline); this module turns it into
-the report's numbers. Goodput is the tokens the shards credited after the
-final merges (each delta's tokens x its staleness factor) over what the islands
-would have trained in the window at their own median round rate.
+the report's numbers. Goodput is the share of the islands' time spent on inner
+steps whose work entered the model: the tokens the shards credited after the
+final merges (staleness not counted) over what the islands would have trained in
+the window at their own median round rate.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ def summarize(
     in_window = fl.ack_keys(a for a in relay.get("acked_by_shard", []) if t0 <= float(a[-1]) <= end)
     acked_tokens = fl.useful_tokens(in_window, tokens, fragments)
     status = raw["status"]
-    # tokens that entered the model: the shards' credit (tokens x staleness factor) after
-    # the final merges; a rejected or never-merged delta counts 0
+    # tokens that entered the model: the shards' credit (merged tokens, staleness not
+    # counted) after the final merges; a rejected or never-merged delta counts 0
     useful = sum(credited_tokens({"shards": status}).values())
     applied = sum(st.get("accepted", 0) for st in status)
     deliveries: dict[str, list[float]] = {}

@@ -40,6 +40,10 @@ from worker.data import default_corpus, unigram_entropy
 UNIGRAM_NATS = round(unigram_entropy(default_corpus()), 3)  # best context-free loss
 PROGRESS_S = 5.0  # seconds between two plain progress lines (no terminal)
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports it
+GOODPUT_LINE = (  # printed under the summary table
+    "goodput: share of an island's wall time spent on inner steps whose work entered the "
+    "model (waits, back-pressure, rejected work are lost; staleness is not: it shows in the loss)"
+)
 
 
 class Interrupted(KeyboardInterrupt):
@@ -402,6 +406,7 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
             f"{100 * s['goodput']:.0f}%" if s["goodput"] is not None else "-",
         )  # fmt: skip
     console.print(table)
+    console.print(GOODPUT_LINE)
     console.print(f"wrote {out / 'summary.json'} and {out / 'loss.png'}")
     print(json.dumps({k: v for k, v in summary.items() if k != "server"}))
 

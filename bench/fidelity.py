@@ -11,8 +11,10 @@ seed with real `diloco-server` shards and `diloco-worker` islands on loopback
 (`bench.runs`); the numbers come from `bench.fidelity_claims`.
 
 Writes DIR/runs/seed<k>/<name>.json per run, DIR/fidelity.json (pinned keys:
-`scenarios`, `claims`), DIR/fidelity.md (claims table first) and PNGs (loss
-against tokens per group, goodput/loss bars of the quorum table); prints
+`scenarios`, `claims`; also `price_of_staleness`: `bench.fidelity_staleness`),
+DIR/fidelity.md (claims table first, then the price of staleness) and PNGs (loss
+against tokens per group, staleness histograms, goodput/loss bars of the quorum
+table); prints
 fidelity.json on stdout. Progress (scenario, seed, tokens) goes to stderr.
 `--quick`: tiny model, 1 seed, group B's core (ddp, sync, k_all, k1, k1_grace),
 under 10 minutes on 2 cores; the full run takes about 90 minutes. `--resume`
@@ -31,7 +33,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import child, cli, fidelity_claims, fidelity_plan, fidelity_report, outdir, plots, runs
+from bench import (
+    child,
+    cli,
+    fidelity_claims,
+    fidelity_plan,
+    fidelity_report,
+    fidelity_staleness,
+    outdir,
+    plots,
+    runs,
+)
 from bench.common import emit_json, progress
 from bench.launcher import LaunchError
 
@@ -139,7 +151,9 @@ def run(args: argparse.Namespace) -> int:
             for g in groups
         ],
     }  # fmt: skip
-    report = {**meta, "claims": claims, "scenarios": list(entries.values())}
+    staleness = fidelity_staleness.price(entries)
+    report = {**meta, "claims": claims, "price_of_staleness": staleness,
+              "scenarios": list(entries.values())}  # fmt: skip
     (out / "fidelity.json").write_text(json.dumps(report, indent=2))
     (out / "fidelity.md").write_text(fidelity_report.render(meta, claims, entries))
     plots.write_fidelity_plots(groups, entries, out)

@@ -4,10 +4,12 @@ This module owns the arithmetic of `diloco-bench fidelity` (pure functions of
 the run records `bench.runs.run_scenario` wrote): a scenario's final eval loss
 is the mean over seeds of the loss the shards' global model reaches after every
 acked delta was merged (DDP: rank 0's final parameters), its spread is max - min
-over seeds, `goodput` is the shards' credited tokens (tokens x staleness factor)
-over each island's capacity (wall time x its own step rate), averaged over
-islands and seeds, and `utilization` is the share of wall time an island was not
-waiting for a merge (the paper's notion of goodput). A claim whose scenarios did
+over seeds, `goodput` is the share of an island's wall time spent on inner
+steps whose work entered the model (`worker.goodput`: the shards' credited
+tokens, staleness not counted, over the island's wall time x its own step rate),
+averaged over islands and seeds, and `utilization` is the share of wall time an
+island was not waiting for a sync merge (one of the losses goodput counts). The
+price of staleness is `bench.fidelity_staleness`'s. A claim whose scenarios did
 not run has `measured` None and `met` None.
 """
 
@@ -16,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from bench import analysis, render
+from bench import analysis, fidelity_staleness, render
 
 Record = Mapping[str, Any]
 
@@ -33,7 +35,8 @@ def summarize(scenario: Any, budget: Any, records: Sequence[Record], seeds: Sequ
     Returns:
         JSON-ready dict with the pinned keys (name, mode, quorum, grace, merge,
         merge_rule, speeds, seeds, final_eval_loss, final_eval_loss_spread,
-        goodput, uptime, bytes_per_island) and more.
+        goodput, uptime, bytes_per_island) and more (staleness_histogram: merged
+        deltas by staleness, summed over seeds).
     """
     losses = [r["eval_final"] for r in records if r.get("eval_final") is not None]
     islands = [i for r in records for i in r["islands"].values()]
@@ -70,6 +73,7 @@ def summarize(scenario: Any, budget: Any, records: Sequence[Record], seeds: Sequ
         "tokens_total": analysis.mean([r["tokens_total"] for r in records]),
         "duration_s": analysis.mean([r["duration_s"] for r in records]),
         "eval_curves": [r["eval_curve"] for r in records],
+        "staleness_histogram": fidelity_staleness.histogram(records) if diloco else {},
     }
 
 
@@ -124,7 +128,8 @@ def evaluate(entries: Mapping[str, dict]) -> list[dict]:
         measured, met = None, None
     claims.append(render.claim("K=1 + grace at goodput >= 99% while K=all's shows the waiting",
                          "k1_grace goodput >= 99% > k_all goodput", measured, met,
-                         "goodput = credited (staleness-weighted) tokens / capacity"))  # fmt: skip
+                         "goodput = share of wall time on inner steps whose work was "
+                         "merged (staleness not counted)"))  # fmt: skip
     k1 = entries.get("k1")
     if k1 and k1g and len(k1["seeds"]) < 2:
         measured, met = "needs >= 2 seeds for a spread", None

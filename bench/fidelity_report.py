@@ -9,8 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from bench import fidelity_staleness
 from bench.common import human_bytes
 from bench.render import claims_table, num, pct, table
+from bench.render import rel as rel_of
 
 FMT = "{:.4f}"
 
@@ -18,12 +20,18 @@ DEFINITIONS = """\
 - **final eval loss**: held-out loss of the global model read from the shards after
   every island stopped and every acked delta was merged (DDP: rank 0's final
   parameters), mean over seeds; spread = max - min over seeds.
-- **goodput**: tokens the shards credited to an island (each delta's tokens x its
-  staleness factor g(s) = (1+s)^-0.5 x the fragment's share of the model) over its
-  capacity (wall time x its own step rate, padding included); mean over islands.
-  Staleness costs goodput here, not only waiting.
-- **utilization**: share of wall time an island trained instead of waiting for a
-  merge (the paper's goodput: only synchronous islands wait).
+- **goodput** (Decoupled DiLoCo's): share of an island's wall time spent on inner
+  steps whose work entered the model: the tokens its shards merged (no staleness
+  factor) over its wall time x its own step rate (padding included); waiting,
+  back-pressure, restarts and rejected or never-merged work are lost; mean over
+  islands.
+- **utilization**: share of wall time an island was not waiting for a sync merge
+  (one part of what goodput counts as lost).
+- **price of staleness**: goodput does not count staleness; its cost is measured as
+  quality: each asynchronous scenario's eval loss at the tokens (and at the wall
+  time) both runs reached, against its group's synchronous DiLoCo (same H if
+  there is one) and DDP, mean over seeds, next to its shards' staleness
+  histogram (merged deltas by versions behind, summed over seeds).
 - **uptime**: share of time windows (one fast round long) in which a version advanced.
 """
 
@@ -68,5 +76,44 @@ def render(meta: Mapping[str, Any], claims: Sequence[dict], entries: Mapping[str
              "goodput", "utilization", "uptime", "bytes/island"],
             rows,
         )  # fmt: skip
+    lines += ["## Price of staleness", "", *staleness_table(fidelity_staleness.price(entries))]
     lines += ["## Definitions", "", DEFINITIONS]
     return "\n".join(lines)
+
+
+def staleness_table(rows: Sequence[dict]) -> list[str]:
+    """The price-of-staleness table: loss at equal tokens and wall time, the histogram.
+
+    Args:
+        rows: `fidelity_staleness.price` output.
+
+    Returns:
+        Markdown lines (a note when no asynchronous scenario ran).
+    """
+    if not rows:
+        return ["No asynchronous scenario ran.", ""]
+
+    def versus(v: dict | None, at: str) -> str:
+        if v is None or v[f"ours_at_{at}"] is None or v[f"ref_at_{at}"] is None:
+            return "-"
+        ours, ref = v[f"ours_at_{at}"], v[f"ref_at_{at}"]
+        rel = rel_of(ours, ref)
+        return f"{num(ours, FMT)} vs {v['ref']} {num(ref, FMT)}" + (
+            f" ({rel:+.2%})" if rel is not None else ""
+        )
+
+    table_rows = [
+        [
+            r["name"], r["group"], num(r["mean_staleness"], "{:.2f}"),
+            " ".join(f"{s}:{c}" for s, c in r["staleness_histogram"].items()) or "-",
+            versus(r["vs_sync"], "tokens"), versus(r["vs_sync"], "time"),
+            versus(r["vs_ddp"], "tokens"), versus(r["vs_ddp"], "time"),
+        ]
+        for r in rows
+    ]  # fmt: skip
+    return table(
+        ["scenario", "group", "mean staleness", "histogram (staleness:deltas)",
+         "vs sync, equal tokens", "vs sync, equal time", "vs DDP, equal tokens",
+         "vs DDP, equal time"],
+        table_rows,
+    )  # fmt: skip

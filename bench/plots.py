@@ -148,7 +148,7 @@ def _goodput(ax, records, summary, names) -> None:
     ax.bar(range(len(bars)), heights)
     ax.axhline(95, color="grey", ls=":", lw=1)
     ax.set_xticks(range(len(bars)), bars, rotation=60, ha="right", fontsize=6)
-    ax.set_ylabel("goodput (% of the island's capacity that entered the model)")
+    ax.set_ylabel("goodput (% of the island's wall time on steps whose work was merged)")
     ax.set_ylim(0, 105)
     ax.set_title("goodput per island")
 
@@ -156,7 +156,7 @@ def _goodput(ax, records, summary, names) -> None:
 def write_fidelity_plots(
     groups: Sequence[Any], entries: Mapping[str, dict], out: Path
 ) -> list[Path]:
-    """Loss against tokens per group, and goodput/loss bars of each quorum table.
+    """Loss against tokens per group, its staleness histograms, and each quorum table's bars.
 
     Args:
         groups: the fidelity_plan groups that ran.
@@ -179,13 +179,22 @@ def write_fidelity_plots(
             ax.legend(fontsize=7)
             ax.grid(alpha=0.3)
         paths.append(path)
+        stale = {n: entries[n].get("staleness_histogram") for n in names}
+        stale = {n: h for n, h in stale.items() if h}
+        if stale:
+            path = out / f"staleness_{group.name}.png"
+            with figure(path) as ax:
+                _staleness_bars(ax, stale)
+                ax.set_title(f"merged deltas by staleness, group {group.name} (all seeds)")
+            paths.append(path)
         table = [n for n in names if entries[n]["goodput"] is not None]
         if group.name == "A" or not table:
             continue
         path = out / f"quorum_table_{group.name}.png"
         with figure(path, cols=2, size=(12, 5)) as (left, right):
             left.bar(table, [entries[n]["goodput"] for n in table], color="tab:green")
-            left.set(ylabel="goodput (credited / capacity)", ylim=(0, 1.05), title="goodput")
+            left.set(ylabel="goodput (share of wall time on merged work)", ylim=(0, 1.05),
+                     title="goodput")  # fmt: skip
             right.bar(table, [entries[n]["final_eval_loss"] or 0 for n in table], color="tab:blue")
             losses = [entries[n]["final_eval_loss"] for n in table if entries[n]["final_eval_loss"]]
             if losses:
@@ -196,6 +205,20 @@ def write_fidelity_plots(
             left.figure.suptitle(f"quorum table, group {group.name}: {group.title}")
         paths.append(path)
     return paths
+
+
+def _staleness_bars(ax, hists: Mapping[str, Mapping[str, int]]) -> None:
+    """Side-by-side bars: each scenario's share of merged deltas at each staleness."""
+    levels = sorted({int(s) for h in hists.values() for s in h})
+    width = 0.8 / len(hists)
+    for i, (name, hist) in enumerate(hists.items()):
+        total = sum(hist.values())
+        shares = [hist.get(str(s), 0) / total for s in levels]
+        offset = (i - (len(hists) - 1) / 2) * width
+        ax.bar([s + offset for s in levels], shares, width, label=name)
+    ax.set_xticks(levels)
+    ax.set(xlabel="staleness (versions behind at merge)", ylabel="share of merged deltas")
+    ax.legend(fontsize=7)
 
 
 def write_demo_plot(

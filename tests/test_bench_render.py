@@ -66,11 +66,18 @@ def test_the_fidelity_and_demo_plots_are_written(tmp_path):
         "goodput": 0.8,
         "final_eval_loss": 4.0,
     }
-    entries = {"k1": entry, "kall": {**entry, "goodput": 0.6}}
+    entries = {
+        "k1": entry,
+        "kall": {**entry, "goodput": 0.6, "staleness_histogram": {"0": 3, "2": 1}},
+    }
     groups = [SimpleNamespace(name="B", title="quorum", scenarios=[SimpleNamespace(name="k1"),
                                                                     SimpleNamespace(name="kall")])]  # fmt: skip
     paths = plots.write_fidelity_plots(groups, entries, tmp_path)
-    assert [p.name for p in paths] == ["loss_vs_tokens_B.png", "quorum_table_B.png"]
+    assert [p.name for p in paths] == [
+        "loss_vs_tokens_B.png",
+        "staleness_B.png",
+        "quorum_table_B.png",
+    ]
     assert all(_png(p) for p in paths)
     rows = {
         "island-0": [{"wall": 100.0, "loss": 5.0}, {"wall": 110.0, "loss": 4.0, "eval_global": 4.2}]

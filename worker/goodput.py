@@ -1,16 +1,38 @@
-"""Goodput: the share of an island's compute that became model progress. Pure functions.
+"""Goodput as Decoupled DiLoCo defines it; pure functions and bookkeeping, no clock.
 
-DESIGN.md, "What counts as useful work": goodput is the tokens that entered
-the model (each delta's tokens times its staleness factor g(s), as the shards
-credit them; rejected or never-merged deltas count zero) over the tokens the
-island could have trained in the same wall time at its own speed. Waiting (a
-sync barrier, back-pressure, restarts) produces no tokens, so it shows as lost.
+Goodput is the share of an island's wall time spent on inner steps whose work
+entered the model. The time base is the session's wall time: from its start (the
+join, or `Session.mark_start` after a warm-up) to now, or at close to the end of
+its last `step`. An inner step's time is the time between two `Session.step`
+calls (the caller's training step); it is split over the fragments by their
+share of the parameters and carried by the delta that next pushes that fragment.
+That time is useful once the delta entered the model (acked, and a version that
+merged it arrived in the island's replica), lost when the delta was rejected or
+never pushed or acked. Everything else in the wall time is lost too: waiting for
+a sync merge, back-pressure (a push blocked on a full outbox), the exchange's own
+time in `step`, the first step of a session that did not warm up (it holds the
+caller's compile). Restarts fall between sessions: the cluster-level figures
+(`bench.chaos_score`, `bench.analysis.final_goodput`) count them, from the
+tokens the shards merged over what the islands could have trained at their own
+rate. Staleness costs nothing here: `g(s)` is a step-size rule, not a
+measurement; its price is measured as quality (loss at equal tokens and wall
+time, and the staleness histogram: `bench.fidelity_staleness`).
+
+While a delta is in flight (not acked, or acked with its merge not seen yet) its
+time is neither useful nor lost: it stays out of the time base until it settles,
+so an island that never waits reads 1 during the run, not 1 - its last round.
+At close an acked delta counts as merged (its shard holds it durably and merges
+it at its next step; the shards' credit says whether it was).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+MERGED, ACKED, REJECTED, PENDING = "merged", "acked", "rejected", "pending"
+"""What became of one pushed delta, as the client knows it (`Client.delta_outcomes`)."""
 
 
 def step_rate(step_times_s: Sequence[float], tokens_per_step: int) -> float | None:
@@ -32,16 +54,80 @@ def step_rate(step_times_s: Sequence[float], tokens_per_step: int) -> float | No
     return tokens_per_step / median
 
 
-def goodput(useful_tokens: float, capacity_tokens: float) -> float | None:
-    """Share of a training capacity that reached the model.
+def goodput(useful: float, available: float) -> float | None:
+    """Share of the available time (or of the tokens it could have trained) that was useful.
 
     Args:
-        useful_tokens: tokens credited by the shards (staleness-weighted).
-        capacity_tokens: tokens the island(s) could have trained in the same
-            wall time (seconds x training rate).
+        useful: seconds of inner steps whose work entered the model (or, from the
+            shards' credit, the tokens they merged: no staleness factor).
+        available: the settled wall time in seconds (or the tokens the island could
+            have trained in its wall time at its own rate).
 
     Returns:
-        useful / capacity (may exceed 1 a little on a noisy machine), or None
-        without capacity.
+        useful / available (a token ratio may exceed 1 a little on a noisy
+        machine), or None without available time.
     """
-    return useful_tokens / capacity_tokens if capacity_tokens > 0 else None
+    return useful / available if available > 0 else None
+
+
+@dataclass
+class WorkLedger:
+    """One session's inner-step seconds by what became of the deltas that carry them."""
+
+    useful_s: float = 0.0
+    lost_s: float = 0.0
+    in_flight: dict[tuple[int, int], float] = field(default_factory=dict)
+
+    def pushed(self, round: int, fragment: int, seconds: float) -> None:
+        """A delta left carrying `seconds` of inner-step work.
+
+        Args:
+            round: its round id (the idempotency key with `fragment`).
+            fragment: its fragment.
+            seconds: the inner-step time it carries (its fragment's share of each
+                step since that fragment's last push).
+        """
+        key = (round, fragment)
+        self.in_flight[key] = self.in_flight.get(key, 0.0) + seconds
+
+    def keys(self) -> list[tuple[int, int]]:
+        """The (round, fragment) of every delta still in flight."""
+        return list(self.in_flight)
+
+    def settle(self, outcomes: Mapping[tuple[int, int], str], final: bool = False) -> None:
+        """Move the time of settled deltas to useful or lost.
+
+        Args:
+            outcomes: (round, fragment) -> MERGED, ACKED, REJECTED or PENDING; a
+                key it lacks stays in flight (PENDING).
+            final: the session has closed and will see no more versions: an
+                acked delta counts as merged (its shard holds it durably and
+                merges it at its next step), one still unacked as lost.
+        """
+        for key in list(self.in_flight):
+            outcome = outcomes.get(key, PENDING)
+            if outcome == MERGED or (final and outcome == ACKED):
+                self.useful_s += self.in_flight.pop(key)
+            elif outcome == REJECTED or final:
+                self.lost_s += self.in_flight.pop(key)
+
+    @property
+    def in_flight_s(self) -> float:
+        """Seconds carried by deltas not settled yet."""
+        return sum(self.in_flight.values())
+
+
+def session_goodput(useful_s: float, wall_s: float, unsettled_s: Iterable[float]) -> float | None:
+    """A session's goodput: useful inner-step time over the settled part of its wall time.
+
+    Args:
+        useful_s: inner-step seconds whose deltas entered the model.
+        wall_s: seconds since the session's start (its join, or `mark_start`).
+        unsettled_s: seconds whose fate is not known yet (deltas in flight, work
+            not pushed yet); left out of the time base.
+
+    Returns:
+        useful / (wall - unsettled) in [0, 1], or None before any time settled.
+    """
+    share = goodput(useful_s, wall_s - sum(unsettled_s))
+    return None if share is None else min(1.0, max(0.0, share))

@@ -333,6 +333,7 @@ class Session:
             steps, tokens = self.steps - steps_then, self.tokens - tokens_then
             self.pushed_at[index] = (self.steps, self.tokens)
             if self.client is not None:
+                self.clock.pushed(round_id, index, self.sizes[index] / sum(self.sizes))
                 version, payload = frames[index]
                 self.client.push(index, round_id, version, tokens, steps, payload, stop=self.stop)
         self.pushed_in_round = True
@@ -421,12 +422,21 @@ class Session:
 
     @property
     def goodput(self) -> float | None:
-        """Tokens the shards credited to this island over those it could have trained."""
+        """Share of the session's wall time spent on inner steps whose work entered the model.
+
+        `worker.goodput` defines it: waits, back-pressure, the exchange's time and
+        rejected work are lost, staleness is not; deltas in flight are left out.
+        """
         return self.stats_fields()["goodput"] if self.steps else None
 
     def mark_start(self) -> None:
-        """Count time (goodput, metrics) from now, e.g. after a start barrier."""
-        self.clock = RoundClock(time.monotonic())
+        """Count time (goodput, metrics) from now, e.g. after a warm-up and a start barrier.
+
+        The first inner step after it is an ordinary one; without it, the time
+        from the join to the first `step` call is warm-up (compile) and lost.
+        """
+        now = time.monotonic()
+        self.clock = RoundClock(now, last_end=now)
 
     def log_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """Append a metrics row with the session's common fields (process 0, with a data dir).
@@ -450,9 +460,24 @@ class Session:
         self.last_row = full
         return full
 
-    def stats_fields(self) -> dict[str, Any]:
-        """The counters a metrics row carries and the goodput they imply."""
-        return self.clock.fields(self.stats, self.tokens, self.steps, time.monotonic())
+    def stats_fields(self, final: bool = False) -> dict[str, Any]:
+        """The counters a metrics row carries and the goodput they imply.
+
+        Args:
+            final: the client has closed: acked deltas count as merged, unacked ones
+                and unpushed work as lost, and the wall time ends with the last
+                `step` (the flush and the caller's own epilogue are not island time).
+        """
+        if self.client is not None:
+            outcomes = self.client.delta_outcomes(self.clock.ledger.keys())
+            self.clock.ledger.settle(outcomes, final=final)
+        shares = [size / sum(self.sizes) for size in self.sizes]
+        if final:
+            self.clock.drop_unpushed(shares)
+        now = time.monotonic()
+        if final and self.clock.last_end is not None:
+            now = self.clock.last_end
+        return self.clock.fields(self.stats, self.tokens, self.steps, now, shares)
 
     def _round_row(self) -> None:
         extra = self.row_fields(self.round) if self.row_fields is not None else {}
@@ -539,7 +564,9 @@ class Session:
                         len(unacked),
                     )
                 if self.steps:
-                    self.log_row({**self.stats_fields(), "round": self.round, "final": True})
+                    self.log_row(
+                        {**self.stats_fields(final=True), "round": self.round, "final": True}
+                    )
         finally:
             self._release()
 

@@ -29,7 +29,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -323,6 +323,22 @@ class Client:
         with self._lock:
             return self._core.progress.round_merged(round)
 
+    def delta_outcomes(self, keys: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
+        """What became of pushed deltas: whether their work entered the model yet.
+
+        Readable after `close` too (the answers as of the close).
+
+        Args:
+            keys: (round, fragment) of deltas passed to `push`.
+
+        Returns:
+            (round, fragment) -> "merged" (acked, and the parameters this client
+            holds include it), "acked" (its shard holds it, not merged or not
+            heard of yet), "rejected", or "pending" (no final ack yet).
+        """
+        with self._lock:
+            return {(r, f): self._core.progress.delta_outcome(r, f) for r, f in keys}
+
     def stats(self) -> dict[str, Any]:
         """Counters of this client.
 
@@ -333,8 +349,9 @@ class Client:
             earlier send had delivered), ack_timeout_s (the current adaptive
             re-send timeout), pending, snapshots, updates_applied,
             version_lag, reconnects, resyncs, shards_down, credited_tokens
-            (tokens of this island that entered the model, each delta's tokens x
-            its staleness factor, as the shards last said in heartbeat replies).
+            (tokens of this island that entered the model: each merged delta's
+            tokens x its fragment's share of the parameters, staleness not
+            counted, as the shards last said in heartbeat replies and updates).
         """
         with self._lock:
             return self._core.stats()

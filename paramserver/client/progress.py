@@ -1,7 +1,7 @@
 """What a client's API reads of its core: counters, replica, fresh updates, acks, credit.
 
 This module owns, with no lock and no I/O, the bookkeeping that `Client.stats`,
-`poll_updates`, `round_merged` and `ack_latencies` report: the counters, the
+`poll_updates`, `round_merged`, `delta_outcomes` and `ack_latencies` report: the counters, the
 newest version heard of per fragment, the updates `poll_updates` has not
 taken, ack latencies, the version that will include each acked delta (for
 `round_merged`) and the tokens each shard credited. The replica (`replica`) is
@@ -157,6 +157,28 @@ class Progress:
             target is None or (f in self.replica and self.replica[f].version >= target)
             for f, target in targets.items()
         )
+
+    def delta_outcome(self, round: int, fragment: int) -> str:
+        """What became of one pushed delta, as far as this client knows.
+
+        Args:
+            round: the round id given to `push`.
+            fragment: the delta's fragment.
+
+        Returns:
+            "merged" (acked, and the replica holds a version that includes it),
+            "acked" (the shard holds it; no version including it arrived yet),
+            "rejected", or "pending" (no final ack yet, or forgotten: only the
+            newest 1024 rounds are kept).
+        """
+        targets = self._merge_targets.get(round, {})
+        if fragment not in targets:
+            return "pending"
+        target = targets[fragment]
+        if target is None:
+            return "rejected"
+        state = self.replica.get(fragment)
+        return "merged" if state is not None and state.version >= target else "acked"
 
     def stats(self, shards_down: int) -> dict[str, Any]:
         """A copy of the counters plus derived values.

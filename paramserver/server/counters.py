@@ -26,7 +26,7 @@ class Counters:
     # hello"); expected after a restart or before an island's first hello here, so
     # they are not rejections
     hello_requests: int = 0
-    # island -> tokens that entered the model: tokens * g(staleness) * fragment share
+    # island -> tokens that entered the model: merged tokens * fragment share (no g(s))
     credited: dict[str, float] = field(default_factory=dict)
 
     def add_step(self, staleness: list[int], credits: dict[str, float]) -> None:
@@ -48,7 +48,7 @@ class Counters:
         Returns:
             accepted, duplicates, rejected (reason -> count), hello_requests,
             bytes_in, bytes_out, staleness_histogram, steps, clipped and credited_tokens (island ->
-            tokens * g(staleness) * fragment share, rounded to 3 decimals).
+            merged tokens * fragment share, staleness not counted, rounded to 3 decimals).
         """
         return {
             "accepted": self.accepted,

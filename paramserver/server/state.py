@@ -188,8 +188,9 @@ class ShardState:
             pending_bytes (what the pending deltas keep, against
             max_pending_bytes), paces (island -> reported step_s, steps, round_s)
             and credited_tokens (island -> tokens that entered the model through
-            this shard: tokens * g(staleness) * the fragment's share of all
-            parameters; summed over shards, an island's useful tokens).
+            this shard: each merged delta's tokens * the fragment's share of all
+            parameters, staleness not counted; summed over shards, an island's
+            useful tokens).
         """
         return {
             "shard": self.index,
@@ -586,9 +587,9 @@ class ShardState:
         where = self.plan.fragments[event.fragment]
         shares, frames = self.stepper.step(frag, merged_in, where, event.outside)
         share_of_model = frag.params.shape[0] / self.plan.total_size
-        self.counters.add_step(
+        self.counters.add_step(  # credit: the tokens that entered the model, staleness aside
             [frag.version - c.base_version for c in merged_in],
-            {x.island: x.tokens * x.factor * share_of_model for x in shares},
+            {x.island: x.tokens * share_of_model for x in shares},
         )
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]

@@ -1,0 +1,179 @@
+"""Goodput as Decoupled DiLoCo defines it: the share of an island's wall time spent on
+inner steps whose work entered the model (staleness costs nothing, waiting does).
+
+The pure pieces (`worker.goodput`, `worker.session_stats.RoundClock`) with values
+computed by hand; then islands (`worker.join`) against real shards in threads
+(`conftest.Cluster`), real sockets on 127.0.0.1.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import mlp_helpers as mlp
+import numpy as np
+import pytest
+from conftest import Cluster
+
+import worker
+from paramserver.client.progress import Progress
+from paramserver.client.replica import ReplicaFragment
+from paramserver.plumbing import probe
+from worker.goodput import ACKED, MERGED, PENDING, REJECTED, WorkLedger, session_goodput
+from worker.session_stats import RoundClock
+
+pytestmark = pytest.mark.timeout(60)
+FAST = {"heartbeat_interval_s": 0.2, "join_timeout_s": 20.0, "flush_timeout_s": 5.0}
+
+
+def test_ledger_settles_merged_as_useful_rejected_as_lost_and_keeps_the_rest_in_flight():
+    ledger = WorkLedger()
+    ledger.pushed(1, 0, 2.0)
+    ledger.pushed(1, 1, 1.0)
+    ledger.pushed(2, 0, 3.0)
+    ledger.pushed(3, 0, 0.5)
+    ledger.settle({(1, 0): MERGED, (1, 1): REJECTED, (2, 0): ACKED})
+    assert (ledger.useful_s, ledger.lost_s) == (2.0, 1.0)
+    assert ledger.in_flight_s == 3.5 and sorted(ledger.keys()) == [(2, 0), (3, 0)]
+    # closed: an acked delta is its shard's to merge (useful), an unacked one is lost
+    ledger.settle({(2, 0): ACKED, (3, 0): PENDING}, final=True)
+    assert (ledger.useful_s, ledger.lost_s, ledger.in_flight_s) == (5.0, 1.5, 0.0)
+
+
+def test_session_goodput_leaves_unsettled_time_out_and_stays_in_0_1():
+    # 12 s of wall time, 2 s of it in flight: 8 useful of the 10 settled
+    assert session_goodput(8.0, 12.0, [1.5, 0.5]) == pytest.approx(0.8)
+    assert session_goodput(0.0, 3.0, [3.0]) is None  # nothing settled yet
+    assert session_goodput(5.0, 4.9, []) == 1.0  # rounding never reads above 1
+
+
+def test_round_clock_splits_step_time_by_fragment_share_and_counts_waits_and_warm_up_lost():
+    clock = RoundClock(0.0)  # no warm-up: the time to the first step call is lost
+    clock.step_started(1.0)
+    clock.step_ended(1.0)
+    clock.step_started(3.0)  # 2 s of inner step
+    clock.pushed(7, 0, 0.25)  # fragment 0 carries 0.5 s, fragment 1 1.5 s
+    clock.pushed(7, 1, 0.75)
+    clock.step_ended(4.0)  # 1 s inside step (a sync wait, back-pressure): lost
+    clock.step_started(6.0)  # 2 s more, not pushed yet
+    assert clock.ledger.in_flight == {(7, 0): 0.5, (7, 1): 1.5}
+    clock.ledger.settle({(7, 0): MERGED, (7, 1): REJECTED})
+    row = clock.fields({}, tokens=20, steps=2, now=6.0, shares=[0.25, 0.75])
+    # wall 6 s, 2 s unpushed left out: 0.5 useful of 4 settled; lost 1 + 1.5 + 1 s
+    assert row["goodput"] == pytest.approx(0.5 / 4)
+    assert (row["useful_s"], row["in_flight_s"], row["lost_s"]) == (0.5, 2.0, 3.5)
+    clock.drop_unpushed([0.25, 0.75])  # the session closed without pushing them
+    assert clock.fields({}, 20, 2, 6.0, [0.25, 0.75])["goodput"] == pytest.approx(0.5 / 6)
+
+
+def test_mark_start_makes_the_first_interval_an_ordinary_step():
+    warmed = RoundClock(10.0, last_end=10.0)
+    warmed.step_started(12.0)
+    assert warmed.work_s == 2.0 and warmed.step_times == [2.0]
+    cold = RoundClock(10.0)
+    cold.step_started(12.0)
+    assert cold.work_s == 0.0 and cold.step_times == []
+
+
+def test_a_delta_is_merged_only_once_the_replica_holds_the_version_that_includes_it():
+    progress = Progress()
+    assert progress.delta_outcome(5, 0) == PENDING  # pushed, no ack yet
+    ack = {"outcome": "accepted", "round": 5, "fragment": 0, "version": 3, "merged_version": 4}
+    progress.record_ack(ack, latency_s=0.01)
+    progress.replica[0] = ReplicaFragment(3, None)
+    assert progress.delta_outcome(5, 0) == ACKED  # the shard holds it; version 4 not here yet
+    progress.replica[0] = ReplicaFragment(4, None)
+    assert progress.delta_outcome(5, 0) == MERGED
+    bad = {"outcome": "rejected", "reason": "non_finite", "round": 5, "fragment": 1, "version": 3}
+    progress.record_ack(bad, latency_s=0.01)
+    assert progress.delta_outcome(5, 1) == REJECTED
+
+
+def _island(connect, name, seconds_per_step, steps, inner_steps, data_dir, out, errors):
+    """An island whose inner step takes `seconds_per_step` (an MLP step plus a fixed
+    stand-in for the rest of the step's compute); keeps its final metrics row."""
+    try:
+        rng = np.random.default_rng(len(name))
+        with worker.join(
+            connect, island=name, params=mlp.init_mlp(0), inner_steps=inner_steps,
+            data_dir=data_dir, exchange="host", **FAST,
+        ) as session:  # fmt: skip
+            params = session.params
+            opt_state = mlp.OPTIMIZER.init(params)
+            x, y = mlp.batch(rng)
+            mlp.train_step(params, opt_state, x, y)  # compile before the clock starts
+            session.mark_start()
+            pause = threading.Event()
+            for _ in range(steps):
+                x, y = mlp.batch(rng)
+                params, opt_state, _loss = mlp.train_step(params, opt_state, x, y)
+                pause.wait(seconds_per_step)  # the step's compute (never set)
+                params = session.step(params, tokens=mlp.BATCH)
+            out[name] = {"mid": session.last_row}
+        out[name]["final"] = session.last_row
+    except BaseException as exc:  # surfaced by the test
+        errors.append(exc)
+
+
+def _run_islands(cluster, tmp_path, speeds, steps, inner_steps):
+    # initialise the cluster and take its first outer step (the shard compiles it) first:
+    # islands that join meanwhile would wait for the parameters and their first acks
+    init = mlp.init_mlp(0)
+    with worker.join(cluster.connect, island="init", params=init, inner_steps=1, **FAST) as s:
+        s.step(s.params, tokens=1)
+    probe.wait_merged(cluster.connect, timeout_s=20.0)
+    out: dict = {}
+    errors: list[BaseException] = []
+    threads = [
+        threading.Thread(
+            target=_island,
+            args=(cluster.connect, name, s, steps, inner_steps, tmp_path / name, out, errors),
+        )
+        for name, s in speeds.items()
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(50)
+    assert not errors, errors
+    return out
+
+
+@pytest.mark.slow
+def test_an_island_that_never_waits_has_goodput_1_even_when_its_deltas_are_stale(tmp_path):
+    # Two async islands push in turn, so many deltas are a version stale, and the
+    # shard damps them hard (g(1) = 0.25): the model takes smaller steps, but every
+    # inner step's work entered it. Tolerance 0.1: the session's own time inside
+    # `step` (encode, fold, push, the metrics row) is lost by definition; it is
+    # about 1 ms a step, several with three busy threads on a loaded 2-core machine.
+    cluster = Cluster(tmp_path, shards=1, mode="async", staleness_exponent=2.0)
+    try:
+        out = _run_islands(cluster, tmp_path, {"a": 0.03, "b": 0.03}, steps=30, inner_steps=2)
+        status = probe.cluster_status(cluster.connect)
+    finally:
+        cluster.stop()
+    stale = sum(n for s, n in status["shards"][0]["staleness_histogram"].items() if int(s) > 0)
+    assert stale >= 5, status["shards"][0]["staleness_histogram"]
+    for name in ("a", "b"):
+        final, mid = out[name]["final"], out[name]["mid"]
+        assert final["final"] and final["rejected"] == 0 and final["wait_s"] == 0
+        assert final["goodput"] >= 0.9, final
+        assert mid["goodput"] >= 0.9, mid  # during the run too: the last round is in flight
+        assert final["useful_s"] >= 30 * 0.03  # every step's time, and no more than the wall
+        assert final["useful_s"] <= final["time_s"]
+
+
+@pytest.mark.slow
+def test_an_island_that_waits_for_a_slower_partner_in_sync_mode_reads_below_1(tmp_path):
+    # Sync: the fast island (10 ms steps) waits each round for the slow one (40 ms):
+    # about three quarters of its wall time is waiting, lost.
+    cluster = Cluster(tmp_path, shards=1, mode="sync")
+    try:
+        out = _run_islands(cluster, tmp_path, {"fast": 0.01, "slow": 0.04}, steps=24, inner_steps=4)
+    finally:
+        cluster.stop()
+    fast, slow = out["fast"]["final"], out["slow"]["final"]
+    assert fast["wait_s"] > 0.3, fast
+    assert fast["goodput"] < 0.6, fast
+    assert fast["goodput"] < slow["goodput"], (fast, slow)
+    assert fast["lost_s"] >= fast["wait_s"] * 0.9
