@@ -36,6 +36,7 @@ import json
 import os
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from paramserver.client import ClientError
@@ -44,14 +45,33 @@ from worker import progress
 from worker.config import IslandConfig
 
 ENV_PREFIX = "DILOCO_WORKER_"
+# the IslandConfig fields `eval` reads (model, held-out data, devices, a CURVE island's keys)
+EVAL_SETTINGS = (
+    "island",
+    "model",
+    "vocab_size",
+    "data",
+    "data_dtype",
+    "data_shards",
+    "heldout_fraction",
+    "batch_size",
+    "seq_len",
+    "eval_batches",
+    "devices",
+    "curve_secret_key_file",
+    "curve_server_key_file",
+    "log_level",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = settings.OneLineErrorParser(
         prog="diloco-worker",
         description="Run one island: local AdamW rounds, deltas to the parameter server.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=settings.OneLineErrorParser
+    )
     start = sub.add_parser("start", help="start an island (foreground, or --detach)")
     start.add_argument("--config", help="TOML file with island settings ([worker] or top level)")
     start.add_argument(
@@ -68,13 +88,16 @@ def _parser() -> argparse.ArgumentParser:
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
     status = sub.add_parser("status", help="show an island's progress")
     status.add_argument("--data-dir", required=True, help="the island's data directory")
-    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument(
+        "--json", action="store_true", help="print the whole status file as JSON instead of a table"
+    )
     evaluate = sub.add_parser(
         "eval",
         help="final eval loss: wait until merged, read the global model, evaluate it once",
         description="Wait until every shard has merged every acked delta, read the global "
         "parameters from the shards and evaluate them once on the common held-out set. "
-        "Run it after the islands stopped, with their model and data settings.",
+        "Run it after the islands stopped, with their model and data settings (the other "
+        "flags of `start` are accepted and ignored, so one flag list serves both).",
     )
     evaluate.add_argument(
         "--connect", required=True, help="ROUTER endpoint of any shard, e.g. tcp://HOST:5555"
@@ -87,7 +110,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--json", action="store_true", help="print one JSON line")
     evaluate.add_argument("--config", help="TOML file with island settings (model, data, ...)")
-    settings.add_flags(evaluate, IslandConfig, exclude=("connect",))
+    others = tuple(k for k in settings.setting_keys(IslandConfig) if k not in EVAL_SETTINGS)
+    settings.add_flags(  # the islands' other flags are accepted (one flag list) and ignored
+        evaluate.add_argument_group("model and data settings"),
+        IslandConfig,
+        exclude=("connect",),
+        hide=others,
+    )
     return parser
 
 
@@ -187,34 +216,68 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    fields = (
-        "island",
-        "running",
-        "state",
-        "round",
-        "steps",
-        "tokens",
-        "loss",
-        "eval_global",
-        "version_lag",
-        "bytes_sent",
-        "bytes_received",
-        "goodput",
-    )
-    for key in fields:
-        if key in status:
-            value = status[key]
-            print(f"{key:>15}: {value:.4f}" if isinstance(value, float) else f"{key:>15}: {value}")
+    print("\n".join(status_lines(status, time.time())))
+    return 0
+
+
+_STATUS_FIELDS = (
+    "island",
+    "running",
+    "state",
+    "round",
+    "steps",
+    "tokens",
+    "loss",
+    "eval_global",
+    "version_lag",
+    "shards_down",
+    "pending",
+    "bytes_sent",
+    "bytes_received",
+    "goodput",
+)
+
+
+def status_lines(status: dict, now: float) -> list[str]:
+    """The human view of an island's status file (`diloco-worker status` without --json).
+
+    Args:
+        status: the status mapping (`worker.progress.read_status`) plus "running".
+        now: wall-clock time, for the age of the file.
+
+    Returns:
+        One "key: value" line per known field; the shards the island's client
+        counts as down (and the deltas waiting for them) in the state line too.
+    """
+    view = dict(status)
+    down = int(dict(status.get("client") or {}).get("shards_down", 0))
+    view["shards_down"] = down
+    if down and status.get("running") and status.get("state") == "training":
+        view["state"] = (
+            f"training without the server: {down} shard(s) down, "
+            f"{status.get('pending', 0)} delta(s) wait to be sent again"
+        )
+    if isinstance(status.get("updated"), int | float):
+        view["updated"] = f"{max(0.0, now - status['updated']):.0f} s ago"
+    lines = []
+    for key in (*_STATUS_FIELDS[:3], "updated", *_STATUS_FIELDS[3:]):
+        if key in view:
+            value = view[key]
+            lines.append(
+                f"{key:>15}: {value:.4f}" if isinstance(value, float) else f"{key:>15}: {value}"
+            )
     if "processes" in status:
         procs, mesh = status["processes"], status["mesh"]
         coordinator = f" (coordinator {procs['coordinator']})" if procs["coordinator"] else ""
-        print(f"{'processes':>15}: process {procs['index']} of {procs['count']}{coordinator}")
-        print(
+        lines.append(
+            f"{'processes':>15}: process {procs['index']} of {procs['count']}{coordinator}"
+        )
+        lines.append(
             f"{'mesh':>15}: {mesh['devices']} device(s) on axis {mesh['axis']}, "
             f"{mesh['local_devices']} here ({mesh['platform']}), {mesh['param_sharding']}, "
             f"batch {mesh['global_batch']} = {mesh['per_device_batch']:g} per device"
         )
-    return 0
+    return lines
 
 
 def _eval(args: argparse.Namespace) -> int:
