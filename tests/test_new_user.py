@@ -17,6 +17,8 @@ import time
 from pathlib import Path
 
 import pytest
+import zmq
+from conftest import free_port
 
 from paramserver.plumbing import daemon
 
@@ -236,3 +238,55 @@ def test_readme_cluster_by_hand_uses_commands_on_path_and_stops_what_it_starts()
     stops = [c[c.index("--data-dir") + 1] for c in commands if c[2] == "stop"]
     assert started == set(stops), (started, stops)
     assert stops[-1] == "runs/server"  # the islands stop first, while they can still flush
+
+
+# -- 5: a wrong or silent --connect says what answers there ----------------------------------------
+
+
+def test_peer_peek_tells_a_pub_port_from_a_router_and_from_nothing():
+    from paramserver.plumbing.peer_peek import peer_kind, silence_cause
+
+    ctx = zmq.Context()
+    try:
+        pub, router = ctx.socket(zmq.PUB), ctx.socket(zmq.ROUTER)
+        pub_port = pub.bind_to_random_port("tcp://127.0.0.1")
+        router_port = router.bind_to_random_port("tcp://127.0.0.1")
+        assert peer_kind("127.0.0.1", pub_port) == "PUB"
+        assert peer_kind("127.0.0.1", router_port) == "ROUTER"
+        assert silence_cause(f"tcp://127.0.0.1:{router_port}") is None  # a shard: silent otherwise
+        cause = silence_cause(f"tcp://127.0.0.1:{pub_port}")
+        assert "answered like a PUB socket" in cause and f"try port {pub_port - 1}" in cause
+        pub.close(linger=0)
+        router.close(linger=0)
+        assert "connection refused" in silence_cause(f"tcp://127.0.0.1:{free_port()}")
+    finally:
+        ctx.destroy(linger=0)
+
+
+@pytest.fixture
+def pub_endpoint():
+    """A PUB socket bound on 127.0.0.1, as a shard's update port is."""
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    yield f"tcp://127.0.0.1:{port}", port
+    ctx.destroy(linger=0)
+
+
+def test_status_at_a_pub_port_says_it_answered_like_one(pub_endpoint):
+    endpoint, port = pub_endpoint
+    proc = run(str(BIN / "diloco-server"), "status", "--connect", endpoint, "--timeout", "2")
+    assert_one_line(proc, 1, "answered like a PUB socket", f"try port {port - 1}")
+
+
+@pytest.mark.slow
+def test_detached_island_says_where_it_waits_before_it_joins_and_why_it_failed(
+    pub_endpoint, tmp_path
+):
+    endpoint, port = pub_endpoint
+    island = tmp_path / "island"
+    argv = ("start", "--connect", endpoint, "--data-dir", str(island), "--island", "a")
+    proc = run(str(BIN / "diloco-worker"), *argv, "--join-timeout-s", "2", "--detach")
+    assert_one_line(proc, 1, "answered like a PUB socket", f"try port {port - 1}")
+    first = proc.stdout.splitlines()[0]  # printed before the island started to join
+    assert endpoint in first and str(island / "daemon.log") in first, proc.stdout

@@ -45,6 +45,8 @@ from worker import progress
 from worker.config import IslandConfig
 
 ENV_PREFIX = "DILOCO_WORKER_"
+PROGRESS_S = 10.0  # a detached start says what it waits for this often
+STARTUP_S = 180.0  # a detached island's imports and first compile, on top of its join timeout
 # the IslandConfig fields `eval` reads (model, held-out data, devices, a CURVE island's keys)
 EVAL_SETTINGS = (
     "island",
@@ -156,15 +158,50 @@ def _start(args: argparse.Namespace, argv: list[str]) -> int:
         if running:
             raise daemon.DaemonError(f"an island already runs in {data_dir} (pid {running})")
         child = [a for a in argv if a != "--detach"]
-        pid, _info = daemon.detach(
-            [sys.executable, "-m", "worker.cli", *child],
-            daemon.log_path(data_dir),
-            data_dir / "ready.json",
-            timeout_s=180.0,
+        log = daemon.log_path(data_dir)
+        print(
+            f"island {cfg.island}: starting in the background; it joins {cfg.connect} "
+            f"(gives up after {cfg.join_timeout_s:g}s); log {log}",
+            flush=True,
         )
-        print(f"island {cfg.island} running (pid {pid}), data dir {data_dir}")
+        proc = daemon.spawn(
+            [sys.executable, "-m", "worker.cli", *child], log, data_dir / "ready.json"
+        )
+        _wait_joined(proc, cfg, log, data_dir / "ready.json")
+        print(f"island {cfg.island} running (pid {proc.pid}), data dir {data_dir}")
         return 0
     return _run_foreground(cfg, dry_run=args.dry_run)
+
+
+def _wait_joined(proc, cfg: IslandConfig, log: Path, ready: Path) -> None:
+    """Wait until a detached island has joined, saying every `PROGRESS_S` what it waits for.
+
+    Raises:
+        DaemonError: it exited first (with its error line), or did not join in time.
+    """
+    from paramserver.plumbing.peer_peek import silence_cause
+
+    started = time.monotonic()
+    deadline, said = started + cfg.join_timeout_s + STARTUP_S, started
+    try:
+        while daemon.check_ready(proc, ready, log) is None:
+            now = time.monotonic()
+            if now > deadline:
+                proc.terminate()
+                raise daemon.DaemonError(
+                    f"island {cfg.island} did not join within {now - started:.0f}s and was "
+                    f"stopped; see {log}"
+                )
+            if now - said >= PROGRESS_S:
+                said = now
+                why = silence_cause(cfg.connect) or "no answer yet (compiling or joining)"
+                print(
+                    f"island {cfg.island}: waiting for {cfg.connect} ({now - started:.0f}s): {why}",
+                    flush=True,
+                )
+            time.sleep(0.1)
+    except daemon.DaemonError as exc:
+        raise daemon.DaemonError(f"island {cfg.island} {exc}".replace("daemon ", "", 1)) from None
 
 
 def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:

@@ -153,7 +153,7 @@ class Checks:
             problem is None,
             field,
             value,
-            f"{problem}: give a ZeroMQ endpoint such as tcp://127.0.0.1:5555",
+            f"give a ZeroMQ endpoint such as tcp://127.0.0.1:5555 ({problem})",
         )
 
     def island_id(self, field: str, value: object) -> None:
