@@ -8,7 +8,9 @@ lag, bytes), then stops the islands, evaluates the global model once every acked
 delta is merged (`diloco-worker eval`), prints a summary (eval loss before/after,
 bytes on the wire against synchronous data parallel for the same tokens, goodput
 per island), writes `summary.json` and `loss.png` to the output directory and
-stops the server.
+stops the server. `--duration` counts from the first island's first step (its
+clock is the progress lines' and the plot's); `--json` also prints the summary
+on stdout.
 
 The live table needs a terminal: when stdout or stderr is not one (a pipe, a
 log file, CI) or with `--no-live`, the demo prints one plain progress line
@@ -121,6 +123,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--out",
         default="runs/demo",
         help="output directory (default runs/demo); must be new, empty or an earlier demo's",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="also print the summary (summary.json without the server status) on stdout as JSON",
     )
     parser.add_argument(
         "--no-live",
@@ -302,7 +309,7 @@ def _run(args: argparse.Namespace, interrupt: _Interrupt) -> int:
         interrupt.shielded(cluster.start_server)
         print(f"starting {args.islands} islands (JAX import + compile takes a while) ...", file=log)
         interrupt.shielded(lambda: cluster.start_islands(specs))
-        _watch(cluster, names, time.monotonic(), args.duration, live)
+        _watch(cluster, names, args.duration, live)
         print("stopping islands ...", file=log)
         for name in names:
             cluster.stop_island(name)
@@ -316,6 +323,8 @@ def _run(args: argparse.Namespace, interrupt: _Interrupt) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot(cluster, names, out / "loss.png")
     _print_summary(summary, out)
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "server"}))
     return 0
 
 
@@ -343,24 +352,52 @@ def progress_line(statuses: dict[str, dict[str, Any]], elapsed: float, duration:
     return f"[{elapsed:4.0f}s/{duration:.0f}s] tokens {count}  loss {losses}{newest}"
 
 
-def _watch(
-    cluster: LocalCluster, names: list[str], start: float, duration: float, live: bool
-) -> None:
-    """Show progress until `duration` seconds passed (Ctrl-C raises `Interrupted` in the sleeps)."""
+def training_started(statuses: dict[str, dict[str, Any]], now: float) -> float:
+    """When the first island began to train (wall clock), from the islands' status files.
+
+    Islands start one after another and the first trains while the others
+    compile: the demo's clock (its progress lines, its `--duration`) starts with
+    the first one, so the tokens it shows and the plot's time axis agree with it.
+
+    Args:
+        statuses: island -> its status.json.
+        now: wall-clock time, the answer while no island has started.
+
+    Returns:
+        The earliest ``wall - time_s`` of an island's status (its session's start), or `now`.
+    """
+    starts = [
+        s["wall"] - s["time_s"]
+        for s in statuses.values()
+        if isinstance(s.get("wall"), int | float) and isinstance(s.get("time_s"), int | float)
+    ]
+    return min(starts, default=now)
+
+
+def _watch(cluster: LocalCluster, names: list[str], duration: float, live: bool) -> None:
+    """Show progress until `duration` seconds after the first island began to train.
+
+    Ctrl-C raises `Interrupted` in the sleeps.
+    """
+    first = time.time()
+
+    def elapsed() -> tuple[float, dict[str, dict[str, Any]]]:
+        statuses = {n: cluster.island_status(n) for n in names}
+        return time.time() - training_started(statuses, first), statuses
+
     if not live:
         print(f"every {PROGRESS_S:g}s: tokens, train loss of {' '.join(names)}, global eval",
               file=sys.stderr)  # fmt: skip
-        while (elapsed := time.monotonic() - start) < duration:
-            statuses = {n: cluster.island_status(n) for n in names}
-            print(progress_line(statuses, elapsed, duration), file=sys.stderr, flush=True)
-            time.sleep(min(PROGRESS_S, duration - elapsed))
+        while (now := elapsed())[0] < duration:
+            print(progress_line(now[1], now[0], duration), file=sys.stderr, flush=True)
+            time.sleep(max(0.0, min(PROGRESS_S, duration - now[0])))
         return
     from rich.console import Console
     from rich.live import Live
 
     with Live(console=Console(stderr=True), refresh_per_second=2) as display:
-        while (elapsed := time.monotonic() - start) < duration:
-            display.update(_table(cluster, names, elapsed, duration))
+        while (now := elapsed())[0] < duration:
+            display.update(_table(cluster, names, now[0], duration))
             time.sleep(0.5)
 
 
@@ -391,7 +428,6 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
         )  # fmt: skip
     console.print(table)
     console.print(f"wrote {out / 'summary.json'} and {out / 'loss.png'}")
-    print(json.dumps({k: v for k, v in summary.items() if k != "server"}))
 
 
 if __name__ == "__main__":

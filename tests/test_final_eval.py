@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -158,9 +159,15 @@ def test_cli_eval_json_against_a_live_cluster_equals_the_in_process_evaluation(c
     here = evaluate_global(cfg, c.connect, wait_s=10.0)
     assert here == result  # same definition, same numbers (1 CPU device each)
 
-    text = run_eval("--connect", c.connect, "--wait-s", "10", *EVAL_FLAGS)
+    batch_means = [evaluate_global(replace(cfg, eval_batches=1), c.connect, 10.0)]
+    assert result["eval_batches"] == 2 and result["eval_loss_se"] > 0  # over the 2 batches
+    assert batch_means[0]["eval_loss_se"] is None  # one batch: no spread to measure
+
+    flags = [f for f in EVAL_FLAGS if f not in ("--eval-batches", "2")]  # eval's own default
+    text = run_eval("--connect", c.connect, "--wait-s", "10", *flags)
     assert text.returncode == 0, text.stderr[-2000:]
     assert text.stdout.startswith("eval_loss ") and "version sum" in text.stdout
+    assert "standard error" in text.stdout and "32 x 4 x 32 held-out tokens" in text.stdout
 
 
 @pytest.mark.timeout(120)
@@ -182,6 +189,9 @@ def test_cli_eval_errors_are_one_line_and_non_zero(cluster, client):
     proc = run_eval("--connect", c.connect, "--wait-s", "5", *EVAL_FLAGS)
     assert proc.returncode == 2, proc.stderr
     assert "not those of model 'tiny'" in proc.stderr and "Traceback" not in proc.stderr
+    assert "cluster's parameters (168 parameters in 2 leaves)" in proc.stderr  # both labelled
+    assert "(131,712 parameters in 12 leaves)" in proc.stderr
+    assert "leaf 'a/w' is in the cluster only" in proc.stderr
 
 
 @pytest.mark.timeout(180)

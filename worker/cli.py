@@ -46,7 +46,10 @@ from worker.config import IslandConfig
 
 ENV_PREFIX = "DILOCO_WORKER_"
 PROGRESS_S = 10.0  # a detached start says what it waits for this often
-STARTUP_S = 180.0  # a detached island's imports and first compile, on top of its join timeout
+STARTUP_S = 180.0
+# eval's held-out batches unless given: 8x the islands' periodic eval (4) for a steadier final
+# figure, whose standard error over the batches eval reports
+EVAL_BATCHES = 32  # a detached island's imports and first compile, on top of its join timeout
 # the IslandConfig fields `eval` reads (model, held-out data, devices, a CURVE island's keys)
 EVAL_SETTINGS = (
     "island",
@@ -99,7 +102,9 @@ def _parser() -> argparse.ArgumentParser:
         description="Wait until every shard has merged every acked delta, read the global "
         "parameters from the shards and evaluate them once on the common held-out set. "
         "Run it after the islands stopped, with their model and data settings (the other "
-        "flags of `start` are accepted and ignored, so one flag list serves both).",
+        "flags of `start` are accepted and ignored, so one flag list serves both). Unless "
+        f"given, --eval-batches is {EVAL_BATCHES} here; the result carries its standard error "
+        "over the batches (eval_loss_se).",
     )
     evaluate.add_argument(
         "--connect", required=True, help="ROUTER endpoint of any shard, e.g. tcp://HOST:5555"
@@ -317,7 +322,17 @@ def status_lines(status: dict, now: float) -> list[str]:
     return lines
 
 
+def _eval_batches_given(args: argparse.Namespace) -> bool:
+    """Whether --eval-batches came from a flag, the environment or the --config file."""
+    if "eval_batches" in vars(args) or f"{ENV_PREFIX}EVAL_BATCHES" in os.environ:
+        return True
+    data = settings.read_toml(args.config) if args.config else {}
+    return "eval_batches" in data.get("worker", data)
+
+
 def _eval(args: argparse.Namespace) -> int:
+    if not _eval_batches_given(args):
+        args.eval_batches = str(EVAL_BATCHES)
     cfg = _load_config(args)
     from worker import evaluate  # imports JAX: only for eval
 
@@ -329,8 +344,11 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
+    se = result["eval_loss_se"]
     line = (
-        f"eval_loss {result['eval_loss']:.4f} nats/byte (model {cfg.model}, "
+        f"eval_loss {result['eval_loss']:.4f}"
+        + (f" +- {se:.4f} (standard error over its batches)" if se is not None else "")
+        + f" nats/byte (model {cfg.model}, "
         f"{cfg.eval_batches} x {cfg.batch_size} x {cfg.seq_len} held-out tokens) at "
         f"version sum {result['version_sum']} over {len(result['versions'])} fragments"
     )
