@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,10 +47,10 @@ from worker.config import IslandConfig
 
 ENV_PREFIX = "DILOCO_WORKER_"
 PROGRESS_S = 10.0  # a detached start says what it waits for this often
-STARTUP_S = 180.0
+STARTUP_S = 180.0  # a detached island's imports and first compile, on top of its join timeout
 # eval's held-out batches unless given: 8x the islands' periodic eval (4) for a steadier final
 # figure, whose standard error over the batches eval reports
-EVAL_BATCHES = 32  # a detached island's imports and first compile, on top of its join timeout
+EVAL_BATCHES = 32
 # the IslandConfig fields `eval` reads (model, held-out data, devices, a CURVE island's keys)
 EVAL_SETTINGS = (
     "island",
@@ -178,7 +179,7 @@ def _start(args: argparse.Namespace, argv: list[str]) -> int:
     return _run_foreground(cfg, dry_run=args.dry_run)
 
 
-def _wait_joined(proc, cfg: IslandConfig, log: Path, ready: Path) -> None:
+def _wait_joined(proc: subprocess.Popen, cfg: IslandConfig, log: Path, ready: Path) -> None:
     """Wait until a detached island has joined, saying every `PROGRESS_S` what it waits for.
 
     Raises:
@@ -188,25 +189,27 @@ def _wait_joined(proc, cfg: IslandConfig, log: Path, ready: Path) -> None:
 
     started = time.monotonic()
     deadline, said = started + cfg.join_timeout_s + STARTUP_S, started
-    try:
-        while daemon.check_ready(proc, ready, log) is None:
-            now = time.monotonic()
-            if now > deadline:
-                proc.terminate()
-                raise daemon.DaemonError(
-                    f"island {cfg.island} did not join within {now - started:.0f}s and was "
-                    f"stopped; see {log}"
-                )
-            if now - said >= PROGRESS_S:
-                said = now
-                why = silence_cause(cfg.connect) or "no answer yet (compiling or joining)"
-                print(
-                    f"island {cfg.island}: waiting for {cfg.connect} ({now - started:.0f}s): {why}",
-                    flush=True,
-                )
-            time.sleep(0.1)
-    except daemon.DaemonError as exc:
-        raise daemon.DaemonError(f"island {cfg.island} {exc}".replace("daemon ", "", 1)) from None
+    while True:
+        try:
+            if daemon.check_ready(proc, ready, log) is not None:
+                return
+        except daemon.DaemonError as exc:  # "exited with code 1 before it was ready: ..."
+            raise daemon.DaemonError(f"island {cfg.island} {exc}") from None
+        now = time.monotonic()
+        if now > deadline:
+            proc.terminate()
+            raise daemon.DaemonError(
+                f"island {cfg.island} did not join within {now - started:.0f}s and was stopped; "
+                f"see {log}"
+            )
+        if now - said >= PROGRESS_S:
+            said = now
+            why = silence_cause(cfg.connect) or "no answer yet (compiling or joining)"
+            print(
+                f"island {cfg.island}: waiting for {cfg.connect} ({now - started:.0f}s): {why}",
+                flush=True,
+            )
+        time.sleep(0.1)
 
 
 def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:
