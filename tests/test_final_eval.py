@@ -212,3 +212,43 @@ def test_cli_eval_reads_a_token_file_with_the_vocabulary_the_islands_trained(
     wrong = run_eval(*flags)  # the default vocabulary, 256: another model than the cluster's
     assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
     assert "with vocab 256" in wrong.stderr and "--vocab-size" in wrong.stderr
+
+
+def test_heldout_identity_names_the_data_and_the_heldout_rule(tmp_path):
+    from worker.data import heldout_identity
+
+    text = tmp_path / "other.txt"
+    text.write_bytes(bytes(range(256)) * 400)
+    base = IslandConfig()
+    same = heldout_identity(base)
+    assert same == heldout_identity(IslandConfig(island="b", eval_batches=32))  # not eval's size
+    others = {
+        heldout_identity(replace(base, data=str(text))),
+        heldout_identity(replace(base, heldout_fraction=0.1)),
+        heldout_identity(replace(base, data_shards=4)),
+    }
+    assert same not in others and len(others) == 3
+
+
+@pytest.mark.timeout(180)
+def test_cli_eval_warns_when_the_islands_trained_on_another_heldout_set(cluster, client, tmp_path):
+    from worker.data import heldout_identity
+
+    c = cluster(1)
+    client(c.connect, "a").join(tiny_flat())
+    island = tmp_path / "island-a"  # the status an island on the built-in corpus records
+    island.mkdir()
+    (island / "status.json").write_text(
+        json.dumps({"island": "a", "data_id": heldout_identity(IslandConfig())})
+    )
+    text = tmp_path / "other.txt"
+    text.write_bytes(bytes(range(256)) * 400)
+    proc = run_eval("--connect", c.connect, "--wait-s", "5", "--json", "--data-dir", str(island),
+                    "--data", str(text), *EVAL_FLAGS)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["data_id"] == heldout_identity(IslandConfig(data=str(text)))
+    warning = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "island a" in warning[0], proc.stderr
+    assert heldout_identity(IslandConfig()) in warning[0] and result["data_id"] in warning[0]
+    assert "--data" in warning[0] and "Traceback" not in proc.stderr

@@ -54,6 +54,7 @@ EVAL_BATCHES = 32
 # the IslandConfig fields `eval` reads (model, held-out data, devices, a CURVE island's keys)
 EVAL_SETTINGS = (
     "island",
+    "data_dir",
     "model",
     "vocab_size",
     "data",
@@ -105,7 +106,8 @@ def _parser() -> argparse.ArgumentParser:
         "Run it after the islands stopped, with their model and data settings (the other "
         "flags of `start` are accepted and ignored, so one flag list serves both). Unless "
         f"given, --eval-batches is {EVAL_BATCHES} here; the result carries its standard error "
-        "over the batches (eval_loss_se).",
+        "over the batches (eval_loss_se) and the held-out set's identity (data_id); with an "
+        "island's --data-dir it warns when that island trained on another held-out set.",
     )
     evaluate.add_argument(
         "--connect", required=True, help="ROUTER endpoint of any shard, e.g. tcp://HOST:5555"
@@ -344,6 +346,8 @@ def _eval(args: argparse.Namespace) -> int:
     except evaluate.EvalError as exc:
         print(f"diloco-worker eval: {exc}", file=sys.stderr)
         return 1
+    if "data_warning" in result:
+        print(f"diloco-worker eval: warning: {result['data_warning']}", file=sys.stderr)
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0

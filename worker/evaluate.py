@@ -27,6 +27,7 @@ from paramserver.plumbing.curve import ClientKeys, CurveError
 from paramserver.plumbing.model_diff import first_difference, model_size
 from worker import data as data_lib
 from worker import model as model_lib
+from worker import progress
 from worker.config import IslandConfig
 from worker.train import InnerConfig, InnerTrainer
 
@@ -118,5 +119,33 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
         "version_sum": int(sum(versions.values())),
         "pending": 0,
     }
+    result["data_id"] = data_lib.heldout_identity(cfg)
+    warning = data_warning(cfg.data_dir, result["data_id"])
+    if warning:
+        result["data_warning"] = warning
     logger.info("final global eval: %.4f at version sum %d", loss, result["version_sum"])
     return result
+
+
+def data_warning(data_dir: str, data_id: str) -> str | None:
+    """A warning when the island of `data_dir` trained on another held-out set than `data_id`.
+
+    Args:
+        data_dir: an island's data directory (its status.json records its `data_id`).
+        data_id: the identity of the held-out set eval scored (`heldout_identity`).
+
+    Returns:
+        One line, or None when the island's data agrees or it recorded none.
+    """
+    try:
+        status = progress.read_status(data_dir) or {}
+    except (OSError, ValueError):
+        return None
+    theirs = status.get("data_id")
+    if not theirs or theirs == data_id:
+        return None
+    return (
+        f"island {status.get('island', '?')} ({data_dir}) trained with held-out data {theirs}, "
+        f"this eval scored {data_id}: pass the islands' --data, --data-dtype, --data-shards and "
+        "--heldout-fraction"
+    )
