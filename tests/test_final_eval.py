@@ -225,9 +225,9 @@ def test_heldout_identity_names_the_data_and_the_heldout_rule(tmp_path):
     others = {
         heldout_identity(replace(base, data=str(text))),
         heldout_identity(replace(base, heldout_fraction=0.1)),
-        heldout_identity(replace(base, data_shards=4)),
     }
-    assert same not in others and len(others) == 3
+    assert same not in others and len(others) == 2
+    assert heldout_identity(replace(base, data_shards=4)) == same  # the held-out part is common
 
 
 @pytest.mark.timeout(180)

@@ -415,8 +415,9 @@ def heldout_identity(cfg: IslandConfig) -> str:
     """A short hash naming the common held-out set: the data and the held-out rule together.
 
     It covers the held-out split's length, id type and its first and last
-    `HELDOUT_ID_SAMPLE` tokens, so another corpus, token file, `data_shards` or
-    `heldout_fraction` gives another identity, and a large token file is not read whole.
+    `HELDOUT_ID_SAMPLE` tokens, so another corpus, token file or `heldout_fraction`
+    gives another identity (`data_shards` cuts only the training part), and a large
+    token file is not read whole.
 
     Args:
         cfg: settings (data, data_dtype, vocab_size, data_shards, heldout_fraction).

@@ -146,6 +146,6 @@ def data_warning(data_dir: str, data_id: str) -> str | None:
         return None
     return (
         f"island {status.get('island', '?')} ({data_dir}) trained with held-out data {theirs}, "
-        f"this eval scored {data_id}: pass the islands' --data, --data-dtype, --data-shards and "
+        f"this eval scored {data_id}: pass the islands' --data, --data-dtype and "
         "--heldout-fraction"
     )
