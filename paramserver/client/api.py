@@ -60,12 +60,12 @@ def _uint(name: str, value: object, low: int = 0) -> int:
     return int(value)
 
 
-def _silence_explained(exc: ClientError, connect: str) -> ClientError:
-    """A join timeout at `connect` with what answers there instead (`peer_peek`), if known."""
+def _silence_explained(exc: ClientError, cfg: ClientConfig) -> ClientError:
+    """A join timeout at `cfg.connect` with what answers there instead (`peer_peek`), if known."""
     text = str(exc)
-    if not text.endswith("is the server running?") or f"at {connect} " not in text:
+    if not text.endswith("is the server running?") or f"at {cfg.connect} " not in text:
         return exc
-    cause = silence_cause(connect)
+    cause = silence_cause(cfg.connect, curve=bool(cfg.curve_secret_key_file))
     return exc if cause is None else ClientError(text.replace("is the server running?", cause))
 
 
@@ -155,7 +155,7 @@ class Client:
                 f"{self.cfg.connect} running?"
             ) from None
         except ClientError as exc:
-            raise _silence_explained(exc, self.cfg.connect) from None
+            raise _silence_explained(exc, self.cfg) from None
         self._plan = result.plan
         self._joined = True
         return result

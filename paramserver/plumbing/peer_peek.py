@@ -91,12 +91,13 @@ def _host_port(endpoint: str) -> tuple[str, int] | None:
     return host.strip("[]"), int(port)
 
 
-def silence_cause(endpoint: str, timeout_s: float = 1.0) -> str | None:
+def silence_cause(endpoint: str, timeout_s: float = 1.0, curve: bool = False) -> str | None:
     """Why a shard's ROUTER at `endpoint` may not answer, in one phrase, or None if unknown.
 
     Args:
         endpoint: the --connect endpoint (only tcp:// is examined).
         timeout_s: bound on the look.
+        curve: the caller spoke CURVE (a CURVE peer is then no news: None).
 
     Returns:
         e.g. "tcp://h:5556 answered like a PUB socket (a shard's update port) ...";
@@ -115,7 +116,7 @@ def silence_cause(endpoint: str, timeout_s: float = 1.0) -> str | None:
             f"{endpoint} answered like a PUB socket (a shard's update port), not a shard's "
             f"ROUTER: --connect takes the ROUTER port (shard i: --port + 2i; try port {port - 1})"
         )
-    if kind == "curve":
+    if kind == "curve" and not curve:
         return f"{endpoint} speaks CURVE: give the CURVE key files"
     if kind == "not-zmtp":
         return f"{endpoint} answered, but not as a ZeroMQ socket: is it the server's port?"

@@ -93,14 +93,13 @@ def _exchange(
                     break
                 continue
             advice = watch.failure(endpoint)  # a failed handshake: no reply will come
-            if advice is not None:  # a PUB port fails it too: say so rather than "CURVE"
-                raise ProbeError(
-                    f"no reply from {endpoint}: {silence_cause(endpoint, 0.5) or advice}"
-                )
-            if not ready:
+            if advice is not None or not ready:  # a PUB port fails it too: say so, not "CURVE"
+                cause = silence_cause(endpoint, 0.5, curve is not None)
+                if advice is not None:
+                    raise ProbeError(f"no reply from {endpoint}: {cause or advice}")
                 raise ProbeError(
                     f"no reply from {endpoint} within {timeout_s:g}s: "
-                    f"{silence_cause(endpoint, 0.5) or 'is the server running there?'}"
+                    f"{cause or 'is the server running there?'}"
                 )
         if reply["kind"] == "rejected":
             raise ProbeError(
