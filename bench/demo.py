@@ -8,9 +8,9 @@ lag, bytes), then stops the islands, evaluates the global model once every acked
 delta is merged (`diloco-worker eval`), prints a summary (eval loss before/after,
 bytes on the wire against synchronous data parallel for the same tokens, goodput
 per island), writes `summary.json` and `loss.png` to the output directory and
-stops the server. `--duration` counts from the first island's first step (its
-clock is the progress lines' and the plot's); `--json` also prints the summary
-on stdout.
+stops the server. Every island trains at least `--duration` seconds; the clock
+the progress lines show is the plot's, from the first island's first step;
+`--json` also prints the summary on stdout.
 
 The live table needs a terminal: when stdout or stderr is not one (a pipe, a
 log file, CI) or with `--no-live`, the demo prints one plain progress line
@@ -356,8 +356,8 @@ def training_started(statuses: dict[str, dict[str, Any]], now: float) -> float:
     """When the first island began to train (wall clock), from the islands' status files.
 
     Islands start one after another and the first trains while the others
-    compile: the demo's clock (its progress lines, its `--duration`) starts with
-    the first one, so the tokens it shows and the plot's time axis agree with it.
+    compile: the demo's clock (its progress lines) starts with the first one,
+    so the tokens it shows and the plot's time axis agree with it.
 
     Args:
         statuses: island -> its status.json.
@@ -375,29 +375,34 @@ def training_started(statuses: dict[str, dict[str, Any]], now: float) -> float:
 
 
 def _watch(cluster: LocalCluster, names: list[str], duration: float, live: bool) -> None:
-    """Show progress until `duration` seconds after the first island began to train.
+    """Show progress for `duration` seconds once every island is up.
 
-    Ctrl-C raises `Interrupted` in the sleeps.
+    The clock shown is the training's (since the first island's first step,
+    the plot's time axis): islands start one after another, so it begins above
+    0 and runs to that head start plus `duration`. Ctrl-C raises `Interrupted`
+    in the sleeps.
     """
-    first = time.time()
+    end = time.monotonic() + duration
+    began = training_started({n: cluster.island_status(n) for n in names}, time.time())
+    total = time.time() - began + duration
 
-    def elapsed() -> tuple[float, dict[str, dict[str, Any]]]:
+    def left() -> tuple[float, float, dict[str, dict[str, Any]]]:
         statuses = {n: cluster.island_status(n) for n in names}
-        return time.time() - training_started(statuses, first), statuses
+        return end - time.monotonic(), time.time() - began, statuses
 
     if not live:
         print(f"every {PROGRESS_S:g}s: tokens, train loss of {' '.join(names)}, global eval",
               file=sys.stderr)  # fmt: skip
-        while (now := elapsed())[0] < duration:
-            print(progress_line(now[1], now[0], duration), file=sys.stderr, flush=True)
-            time.sleep(max(0.0, min(PROGRESS_S, duration - now[0])))
+        while (now := left())[0] > 0:
+            print(progress_line(now[2], now[1], total), file=sys.stderr, flush=True)
+            time.sleep(max(0.0, min(PROGRESS_S, now[0])))
         return
     from rich.console import Console
     from rich.live import Live
 
     with Live(console=Console(stderr=True), refresh_per_second=2) as display:
-        while (now := elapsed())[0] < duration:
-            display.update(_table(cluster, names, now[0], duration))
+        while (now := left())[0] > 0:
+            display.update(_table(cluster, names, now[1], total))
             time.sleep(0.5)
 
 
