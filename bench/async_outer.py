@@ -54,8 +54,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: the subcommand's parser.
     """
-    parser.add_argument("--model", default="tiny", choices=sorted(model.MODEL_CONFIGS))
-    parser.add_argument("--islands", type=int, default=3)
+    parser.add_argument(
+        "--model",
+        default="tiny",
+        choices=sorted(model.MODEL_CONFIGS),
+        help="the islands' model preset (worker.model; default tiny)",
+    )
+    parser.add_argument(
+        "--islands", type=int, default=3, help="in-process islands that train at once (default 3)"
+    )
     parser.add_argument("--speeds", default="1.0,1.5,2.5", help="time units per inner step")
     parser.add_argument("--inner-steps", type=int, default=10, help="inner steps per round")
     parser.add_argument("--rounds", type=int, default=30, help="island rounds in total")

@@ -75,8 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="schedule and relay seed (default 0)")
     parser.add_argument("--quick", action="store_true", help="CI size: 20 s measured per run")
     parser.add_argument("--duration", type=float, default=None, help="seconds per run")
-    parser.add_argument("--islands", type=int, default=2, help="islands (default 2)")
-    parser.add_argument("--shards", type=int, default=2, help="shards (default 2)")
+    parser.add_argument(
+        "--islands", type=int, default=2, help="island daemons of each run (default 2)"
+    )
+    parser.add_argument(
+        "--shards", type=int, default=2, help="shard processes of the server (default 2)"
+    )
     parser.add_argument("--kinds", default=",".join(fl.KINDS), help="comma-separated fault kinds")
     parser.add_argument("--out", default="runs/chaos", help="output dir (new, empty or from chaos)")
 

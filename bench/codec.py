@@ -99,7 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=min(os.cpu_count() or 1, 4),
         help="encode/decode threads (0 or 1: one thread; default: cores, at most 4)",
     )
-    parser.add_argument("--repeats", type=int, default=None, help="timed repeats")
+    parser.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="timed repeats of each measurement (default 7, 3 with --quick)",
+    )
 
 
 def synthetic_rounds(elements: int, rounds: int, seed: int = 0) -> list[dict]:

@@ -10,7 +10,9 @@ bytes), then stops the islands, evaluates the global model once every acked
 delta is merged (`diloco-worker eval`), prints a summary (eval loss before/after,
 bytes on the wire against synchronous data parallel for the same tokens, goodput
 per island), writes `summary.json` and `loss.png` to the output directory and
-stops the server.
+stops the server. Every island trains at least `--duration` seconds; the clock
+the progress lines show is the plot's, from the first island's first step;
+`--json` also prints the summary on stdout.
 
 The live table needs a terminal: when stdout or stderr is not one (a pipe, a
 log file, CI) or with `--no-live`, the demo prints one plain progress line
@@ -133,6 +135,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         default=None,
         help="port of the cluster page and Prometheus metrics (default: a free port; 0: off)",
+    )
+    parser.add_argument(
+        "--json",
+        action="store_true",
+        help="also print the summary (summary.json without the server status) on stdout as JSON",
     )
     parser.add_argument(
         "--no-live",
@@ -318,7 +325,7 @@ def _run(args: argparse.Namespace, interrupt: _Interrupt) -> int:
             print(f"cluster page: http://{cluster.host}:{metrics_port}/ (live)", file=log)
         print(f"starting {args.islands} islands (JAX import + compile takes a while) ...", file=log)
         interrupt.shielded(lambda: cluster.start_islands(specs))
-        _watch(cluster, names, time.monotonic(), args.duration, live)
+        _watch(cluster, names, args.duration, live)
         print("stopping islands ...", file=log)
         for name in names:
             cluster.stop_island(name)
@@ -332,6 +339,8 @@ def _run(args: argparse.Namespace, interrupt: _Interrupt) -> int:
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     plot(cluster, names, out / "loss.png")
     _print_summary(summary, out)
+    if args.json:
+        print(json.dumps({k: v for k, v in summary.items() if k != "server"}))
     return 0
 
 
@@ -359,24 +368,57 @@ def progress_line(statuses: dict[str, dict[str, Any]], elapsed: float, duration:
     return f"[{elapsed:4.0f}s/{duration:.0f}s] tokens {count}  loss {losses}{newest}"
 
 
-def _watch(
-    cluster: LocalCluster, names: list[str], start: float, duration: float, live: bool
-) -> None:
-    """Show progress until `duration` seconds passed (Ctrl-C raises `Interrupted` in the sleeps)."""
+def training_started(statuses: dict[str, dict[str, Any]], now: float) -> float:
+    """When the first island began to train (wall clock), from the islands' status files.
+
+    Islands start one after another and the first trains while the others
+    compile: the demo's clock (its progress lines) starts with the first one,
+    so the tokens it shows and the plot's time axis agree with it.
+
+    Args:
+        statuses: island -> its status.json.
+        now: wall-clock time, the answer while no island has started.
+
+    Returns:
+        The earliest ``wall - time_s`` of an island's status (its session's start), or `now`.
+    """
+    starts = [
+        s["wall"] - s["time_s"]
+        for s in statuses.values()
+        if isinstance(s.get("wall"), int | float) and isinstance(s.get("time_s"), int | float)
+    ]
+    return min(starts, default=now)
+
+
+def _watch(cluster: LocalCluster, names: list[str], duration: float, live: bool) -> None:
+    """Show progress for `duration` seconds once every island is up.
+
+    The clock shown is the training's (since the first island's first step,
+    the plot's time axis): islands start one after another, so it begins above
+    0 and runs to that head start plus `duration`. Ctrl-C raises `Interrupted`
+    in the sleeps.
+    """
+    end = time.monotonic() + duration
+    began = training_started({n: cluster.island_status(n) for n in names}, time.time())
+    total = time.time() - began + duration
+
+    def left() -> tuple[float, float, dict[str, dict[str, Any]]]:
+        statuses = {n: cluster.island_status(n) for n in names}
+        return end - time.monotonic(), time.time() - began, statuses
+
     if not live:
         print(f"every {PROGRESS_S:g}s: tokens, train loss of {' '.join(names)}, global eval",
               file=sys.stderr)  # fmt: skip
-        while (elapsed := time.monotonic() - start) < duration:
-            statuses = {n: cluster.island_status(n) for n in names}
-            print(progress_line(statuses, elapsed, duration), file=sys.stderr, flush=True)
-            time.sleep(min(PROGRESS_S, duration - elapsed))
+        while (now := left())[0] > 0:
+            print(progress_line(now[2], now[1], total), file=sys.stderr, flush=True)
+            time.sleep(max(0.0, min(PROGRESS_S, now[0])))
         return
     from rich.console import Console
     from rich.live import Live
 
     with Live(console=Console(stderr=True), refresh_per_second=2) as display:
-        while (elapsed := time.monotonic() - start) < duration:
-            display.update(_table(cluster, names, elapsed, duration))
+        while (now := left())[0] > 0:
+            display.update(_table(cluster, names, now[1], total))
             time.sleep(0.5)
 
 
@@ -408,7 +450,6 @@ def _print_summary(summary: dict[str, Any], out: Path) -> None:
     console.print(table)
     console.print(GOODPUT_LINE)
     console.print(f"wrote {out / 'summary.json'} and {out / 'loss.png'}")
-    print(json.dumps({k: v for k, v in summary.items() if k != "server"}))
 
 
 if __name__ == "__main__":

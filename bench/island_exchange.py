@@ -38,7 +38,10 @@ EXCHANGES = ("device", "host")
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `diloco-bench island_exchange`."""
     parser.add_argument(
-        "--models", nargs="+", default=["small", "base"], help="presets (default small base)"
+        "--models",
+        nargs="+",
+        default=["small", "base"],
+        help="model presets to measure (default small base)",
     )
     parser.add_argument("--rounds", type=int, default=6, help="rounds per run (default 6)")
     parser.add_argument("--codec", default="int8", help="delta codec: int8 (default) or int4")

@@ -25,7 +25,12 @@ from worker.config import MODEL_NAMES, PARAM_SHARDINGS
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `diloco-bench island-memory`."""
     parser.add_argument("--devices", type=int, default=4, help="devices in the island (4)")
-    parser.add_argument("--model", choices=MODEL_NAMES, default="small", help="model (small)")
+    parser.add_argument(
+        "--model",
+        choices=MODEL_NAMES,
+        default="small",
+        help="the model preset to measure (default small)",
+    )
 
 
 def measure(devices: int, model_name: str) -> dict:

@@ -54,11 +54,18 @@ from paramserver.client import Client, ClientConfig, ClientError
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `diloco-bench load`."""
-    parser.add_argument("--islands", type=int, default=32, help="simulated islands (default 32)")
-    parser.add_argument("--shards", type=int, default=4, help="shard processes (default 4)")
+    parser.add_argument(
+        "--islands", type=int, default=32, help="simulated islands that push at once (default 32)"
+    )
+    parser.add_argument(
+        "--shards", type=int, default=4, help="shard processes of the server (default 4)"
+    )
     parser.add_argument("--rounds", type=int, default=10, help="rounds per island (default 10)")
     parser.add_argument(
-        "--params", type=int, default=262_144, help="float32 parameters (default 262144)"
+        "--params",
+        type=int,
+        default=262_144,
+        help="float32 parameters of the model pushed (default 262144)",
     )
     parser.add_argument(
         "--max-rss-mb", type=float, default=2048.0, help="bound on any shard's RSS (default 2048)"

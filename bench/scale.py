@@ -102,7 +102,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--steps", type=int, default=4, help="steps timed; the first compiles (default 4, >= 2)"
     )
     parser.add_argument(
-        "--checkpoint-cycles", type=int, default=3, help="checkpointed rounds (default 3)"
+        "--checkpoint-cycles",
+        type=int,
+        default=3,
+        help="rounds of the shard run that each end with a checkpoint (default 3)",
     )
     parser.add_argument(
         "--fragments", type=int, default=0,

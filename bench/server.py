@@ -82,11 +82,29 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--ckpt-params", type=int, default=1 << 26, help="checkpoint_acks shard size (64M)"
     )
-    parser.add_argument("--ckpt-fragments", type=int, default=256, help="... its fragments")
-    parser.add_argument("--ckpt-every-s", type=float, default=4.0, help="... checkpoint interval")
-    parser.add_argument("--ckpt-seconds", type=float, default=20.0, help="... seconds of pushes")
     parser.add_argument(
-        "--ckpt-fsync", choices=("true", "false"), default="true", help="... fsync on or off"
+        "--ckpt-fragments",
+        type=int,
+        default=256,
+        help="checkpoint_acks: fragments of that shard (default 256)",
+    )
+    parser.add_argument(
+        "--ckpt-every-s",
+        type=float,
+        default=4.0,
+        help="checkpoint_acks: seconds between its checkpoints (default 4)",
+    )
+    parser.add_argument(
+        "--ckpt-seconds",
+        type=float,
+        default=20.0,
+        help="checkpoint_acks: seconds of pushes measured (default 20)",
+    )
+    parser.add_argument(
+        "--ckpt-fsync",
+        choices=("true", "false"),
+        default="true",
+        help="checkpoint_acks: fsync the log before each ack, true or false",
     )
     parser.add_argument(
         "--only-checkpoint-acks", action="store_true", help="run checkpoint_acks alone"

@@ -34,8 +34,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `diloco-bench session_overhead`."""
     parser.add_argument("--rounds", type=int, default=4, help="rounds per loop (default 4)")
     parser.add_argument("--inner-steps", type=int, default=50, help="steps per round (50)")
-    parser.add_argument("--hidden", type=int, default=1024, help="MLP width (default 1024)")
-    parser.add_argument("--batch", type=int, default=256, help="MLP batch (default 256)")
+    parser.add_argument(
+        "--hidden", type=int, default=1024, help="hidden width of the timed MLP (default 1024)"
+    )
+    parser.add_argument(
+        "--batch", type=int, default=256, help="examples per batch of the timed MLP (default 256)"
+    )
     parser.add_argument("--model", default="tiny", help="the daemon's model (default tiny)")
     parser.add_argument(
         "--out",

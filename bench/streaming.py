@@ -297,7 +297,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--fragments", type=int, help="P, fragments of the plan (8; quick 4)")
     parser.add_argument("--inner-steps", type=int, help="H (400; quick 100)")
     parser.add_argument("--rounds", type=int, help="rounds per island, >= 2 (4; quick 3)")
-    parser.add_argument("--islands", type=int, help="islands (2)")
+    parser.add_argument("--islands", type=int, help="island daemons of each run (default 2)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -48,15 +48,19 @@ def test_first_join_initializes_and_second_gets_the_same_params(cluster, client,
     assert b.stats()["snapshots"] == first.plan.num_fragments
 
 
-def test_plan_mismatch_names_both_hashes(cluster, client):
+def test_plan_mismatch_names_both_models_the_first_difference_and_both_hashes(cluster, client):
     c = cluster(1)
     res = client(c.connect, "a").join(small_flat(0))
+    shapes = {name: value.shape for name, value in small_flat(0).items()}
     other = {"a/w": np.zeros((8, 15), np.float32), "b": np.zeros(40, np.float32)}
-    with pytest.raises(
-        ClientError,
-        match=rf"plan mismatch: the cluster's plan hash is {res.plan.hash}, this island's is \w+",
-    ):
+    with pytest.raises(ClientError) as caught:
         client(c.connect, "b").join(other)
+    text = str(caught.value)
+    assert text.startswith("plan mismatch: this island's model (160 parameters in 2 leaves)")
+    total = sum(int(np.prod(s)) for s in shapes.values())
+    assert f"the cluster's ({total:,} parameters in {len(shapes)} leaves)" in text
+    assert f"leaf 'a/w' is float32[8, 15] here, float32{list(shapes['a/w'])}" in text
+    assert "fresh --data-dir" in text and f"cluster {res.plan.hash[:12]}, island " in text
 
 
 def test_push_is_acked_and_the_update_equals_the_shards_snapshot(cluster, client, peer):
@@ -356,7 +360,7 @@ def test_a_half_initialised_cluster_refuses_another_model_with_a_clear_message(
     )
     assert reply["kind"] == "init_ok", reply
     other = {"a/w": np.zeros((8, 15), np.float32), "b": np.zeros(40, np.float32)}
-    with pytest.raises(ClientError, match=r"plan mismatch: the cluster's plan hash is \w+"):
+    with pytest.raises(ClientError, match=r"plan mismatch: .*\(plan hashes: cluster \w+"):
         client(c.connect, "a", init_grace_s=0.2).join(other)
     assert not peer(c.endpoints[1][0], "probe").hello()["initialized"]  # left alone
 

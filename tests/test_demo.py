@@ -4,6 +4,7 @@ Ctrl-C and no daemon left running. Real demo processes with the smallest cluster
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
@@ -110,6 +111,16 @@ def test_a_progress_line_fits_80_columns_and_names_what_an_island_is_doing():
     assert len(line) <= 80
 
 
+def test_the_demo_clock_starts_with_the_first_islands_first_step():
+    statuses = {
+        "island-0": {"wall": 1000.0, "time_s": 30.0, "tokens": 184_000},  # began at 970
+        "island-1": {"wall": 1000.0, "time_s": 12.5},
+        "island-2": {"state": "compiling"},
+    }
+    assert demo.training_started(statuses, now=1001.0) == 970.0
+    assert demo.training_started({"island-0": {"state": "compiling"}}, now=1001.0) == 1001.0
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_with_stdout_piped_the_demo_prints_progress_lines_while_it_trains(tmp_path):
@@ -127,7 +138,8 @@ def test_with_stdout_piped_the_demo_prints_progress_lines_while_it_trains(tmp_pa
     assert all(len(texts[i]) <= 80 for i in progress)
     page = [i for i, line in enumerate(texts) if line.startswith("cluster page: http://127.0.0.1:")]
     assert len(page) == 1 and page[0] < progress[0], run.text()  # said as the server started
-    assert '"eval_loss_after"' in run.stdout  # the summary JSON
+    assert "{" not in run.stdout  # the summary JSON stays in summary.json without --json
+    assert "eval_loss_after" in json.loads((run.out / "summary.json").read_text())
     assert not [pid for pid in run.pids.values() if daemon.pid_alive(pid)]
 
 

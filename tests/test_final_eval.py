@@ -11,6 +11,7 @@ import math
 import subprocess
 import sys
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -158,9 +159,15 @@ def test_cli_eval_json_against_a_live_cluster_equals_the_in_process_evaluation(c
     here = evaluate_global(cfg, c.connect, wait_s=10.0)
     assert here == result  # same definition, same numbers (1 CPU device each)
 
-    text = run_eval("--connect", c.connect, "--wait-s", "10", *EVAL_FLAGS)
+    batch_means = [evaluate_global(replace(cfg, eval_batches=1), c.connect, 10.0)]
+    assert result["eval_batches"] == 2 and result["eval_loss_se"] > 0  # over the 2 batches
+    assert batch_means[0]["eval_loss_se"] is None  # one batch: no spread to measure
+
+    flags = [f for f in EVAL_FLAGS if f not in ("--eval-batches", "2")]  # eval's own default
+    text = run_eval("--connect", c.connect, "--wait-s", "10", *flags)
     assert text.returncode == 0, text.stderr[-2000:]
     assert text.stdout.startswith("eval_loss ") and "version sum" in text.stdout
+    assert "standard error" in text.stdout and "32 x 4 x 32 held-out tokens" in text.stdout
 
 
 @pytest.mark.timeout(120)
@@ -182,6 +189,9 @@ def test_cli_eval_errors_are_one_line_and_non_zero(cluster, client):
     proc = run_eval("--connect", c.connect, "--wait-s", "5", *EVAL_FLAGS)
     assert proc.returncode == 2, proc.stderr
     assert "not those of model 'tiny'" in proc.stderr and "Traceback" not in proc.stderr
+    assert "cluster's parameters (168 parameters in 2 leaves)" in proc.stderr  # both labelled
+    assert "(131,712 parameters in 12 leaves)" in proc.stderr
+    assert "leaf 'a/w' is in the cluster only" in proc.stderr
 
 
 @pytest.mark.timeout(180)
@@ -202,3 +212,43 @@ def test_cli_eval_reads_a_token_file_with_the_vocabulary_the_islands_trained(
     wrong = run_eval(*flags)  # the default vocabulary, 256: another model than the cluster's
     assert wrong.returncode == 2 and "Traceback" not in wrong.stderr
     assert "with vocab 256" in wrong.stderr and "--vocab-size" in wrong.stderr
+
+
+def test_heldout_identity_names_the_data_and_the_heldout_rule(tmp_path):
+    from worker.data import heldout_identity
+
+    text = tmp_path / "other.txt"
+    text.write_bytes(bytes(range(256)) * 400)
+    base = IslandConfig()
+    same = heldout_identity(base)
+    assert same == heldout_identity(IslandConfig(island="b", eval_batches=32))  # not eval's size
+    others = {
+        heldout_identity(replace(base, data=str(text))),
+        heldout_identity(replace(base, heldout_fraction=0.1)),
+    }
+    assert same not in others and len(others) == 2
+    assert heldout_identity(replace(base, data_shards=4)) == same  # the held-out part is common
+
+
+@pytest.mark.timeout(180)
+def test_cli_eval_warns_when_the_islands_trained_on_another_heldout_set(cluster, client, tmp_path):
+    from worker.data import heldout_identity
+
+    c = cluster(1)
+    client(c.connect, "a").join(tiny_flat())
+    island = tmp_path / "island-a"  # the status an island on the built-in corpus records
+    island.mkdir()
+    (island / "status.json").write_text(
+        json.dumps({"island": "a", "data_id": heldout_identity(IslandConfig())})
+    )
+    text = tmp_path / "other.txt"
+    text.write_bytes(bytes(range(256)) * 400)
+    proc = run_eval("--connect", c.connect, "--wait-s", "5", "--json", "--data-dir", str(island),
+                    "--data", str(text), *EVAL_FLAGS)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert result["data_id"] == heldout_identity(IslandConfig(data=str(text)))
+    warning = [line for line in proc.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "island a" in warning[0], proc.stderr
+    assert heldout_identity(IslandConfig()) in warning[0] and result["data_id"] in warning[0]
+    assert "--data" in warning[0] and "Traceback" not in proc.stderr

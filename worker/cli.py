@@ -34,8 +34,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 from paramserver.client import ClientError
@@ -44,14 +46,39 @@ from worker import progress
 from worker.config import IslandConfig
 
 ENV_PREFIX = "DILOCO_WORKER_"
+PROGRESS_S = 10.0  # a detached start says what it waits for this often
+STARTUP_S = 180.0  # a detached island's imports and first compile, on top of its join timeout
+# eval's held-out batches unless given: 8x the islands' periodic eval (4) for a steadier final
+# figure, whose standard error over the batches eval reports
+EVAL_BATCHES = 32
+# the IslandConfig fields `eval` reads (model, held-out data, devices, a CURVE island's keys)
+EVAL_SETTINGS = (
+    "island",
+    "data_dir",
+    "model",
+    "vocab_size",
+    "data",
+    "data_dtype",
+    "data_shards",
+    "heldout_fraction",
+    "batch_size",
+    "seq_len",
+    "eval_batches",
+    "devices",
+    "curve_secret_key_file",
+    "curve_server_key_file",
+    "log_level",
+)
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = settings.OneLineErrorParser(
         prog="diloco-worker",
         description="Run one island: local AdamW rounds, deltas to the parameter server.",
     )
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(
+        dest="command", required=True, parser_class=settings.OneLineErrorParser
+    )
     start = sub.add_parser("start", help="start an island (foreground, or --detach)")
     start.add_argument("--config", help="TOML file with island settings ([worker] or top level)")
     start.add_argument(
@@ -68,13 +95,19 @@ def _parser() -> argparse.ArgumentParser:
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
     status = sub.add_parser("status", help="show an island's progress")
     status.add_argument("--data-dir", required=True, help="the island's data directory")
-    status.add_argument("--json", action="store_true", help="print JSON")
+    status.add_argument(
+        "--json", action="store_true", help="print the whole status file as JSON instead of a table"
+    )
     evaluate = sub.add_parser(
         "eval",
         help="final eval loss: wait until merged, read the global model, evaluate it once",
         description="Wait until every shard has merged every acked delta, read the global "
         "parameters from the shards and evaluate them once on the common held-out set. "
-        "Run it after the islands stopped, with their model and data settings.",
+        "Run it after the islands stopped, with their model and data settings (the other "
+        "flags of `start` are accepted and ignored, so one flag list serves both). Unless "
+        f"given, --eval-batches is {EVAL_BATCHES} here; the result carries its standard error "
+        "over the batches (eval_loss_se) and the held-out set's identity (data_id); with an "
+        "island's --data-dir it warns when that island trained on another held-out set.",
     )
     evaluate.add_argument(
         "--connect", required=True, help="ROUTER endpoint of any shard, e.g. tcp://HOST:5555"
@@ -87,7 +120,13 @@ def _parser() -> argparse.ArgumentParser:
     )
     evaluate.add_argument("--json", action="store_true", help="print one JSON line")
     evaluate.add_argument("--config", help="TOML file with island settings (model, data, ...)")
-    settings.add_flags(evaluate, IslandConfig, exclude=("connect",))
+    others = tuple(k for k in settings.setting_keys(IslandConfig) if k not in EVAL_SETTINGS)
+    settings.add_flags(  # the islands' other flags are accepted (one flag list) and ignored
+        evaluate.add_argument_group("model and data settings"),
+        IslandConfig,
+        exclude=("connect",),
+        hide=others,
+    )
     return parser
 
 
@@ -127,15 +166,52 @@ def _start(args: argparse.Namespace, argv: list[str]) -> int:
         if running:
             raise daemon.DaemonError(f"an island already runs in {data_dir} (pid {running})")
         child = [a for a in argv if a != "--detach"]
-        pid, _info = daemon.detach(
-            [sys.executable, "-m", "worker.cli", *child],
-            daemon.log_path(data_dir),
-            data_dir / "ready.json",
-            timeout_s=180.0,
+        log = daemon.log_path(data_dir)
+        print(
+            f"island {cfg.island}: starting in the background; it joins {cfg.connect} "
+            f"(gives up after {cfg.join_timeout_s:g}s); log {log}",
+            flush=True,
         )
-        print(f"island {cfg.island} running (pid {pid}), data dir {data_dir}")
+        proc = daemon.spawn(
+            [sys.executable, "-m", "worker.cli", *child], log, data_dir / "ready.json"
+        )
+        _wait_joined(proc, cfg, log, data_dir / "ready.json")
+        print(f"island {cfg.island} running (pid {proc.pid}), data dir {data_dir}")
         return 0
     return _run_foreground(cfg, dry_run=args.dry_run)
+
+
+def _wait_joined(proc: subprocess.Popen, cfg: IslandConfig, log: Path, ready: Path) -> None:
+    """Wait until a detached island has joined, saying every `PROGRESS_S` what it waits for.
+
+    Raises:
+        DaemonError: it exited first (with its error line), or did not join in time.
+    """
+    from paramserver.plumbing.peer_peek import silence_cause
+
+    started = time.monotonic()
+    deadline, said = started + cfg.join_timeout_s + STARTUP_S, started
+    while True:
+        try:
+            if daemon.check_ready(proc, ready, log) is not None:
+                return
+        except daemon.DaemonError as exc:  # "exited with code 1 before it was ready: ..."
+            raise daemon.DaemonError(f"island {cfg.island} {exc}") from None
+        now = time.monotonic()
+        if now > deadline:
+            proc.terminate()
+            raise daemon.DaemonError(
+                f"island {cfg.island} did not join within {now - started:.0f}s and was stopped; "
+                f"see {log}"
+            )
+        if now - said >= PROGRESS_S:
+            said = now
+            why = silence_cause(cfg.connect) or "no answer yet (compiling or joining)"
+            print(
+                f"island {cfg.island}: waiting for {cfg.connect} ({now - started:.0f}s): {why}",
+                flush=True,
+            )
+        time.sleep(0.1)
 
 
 def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:
@@ -187,37 +263,81 @@ def _status(args: argparse.Namespace) -> int:
     if args.json:
         print(json.dumps(status, indent=2))
         return 0
-    fields = (
-        "island",
-        "running",
-        "state",
-        "round",
-        "steps",
-        "tokens",
-        "loss",
-        "eval_global",
-        "version_lag",
-        "bytes_sent",
-        "bytes_received",
-        "goodput",
-    )
-    for key in fields:
-        if key in status:
-            value = status[key]
-            print(f"{key:>15}: {value:.4f}" if isinstance(value, float) else f"{key:>15}: {value}")
+    print("\n".join(status_lines(status, time.time())))
+    return 0
+
+
+_STATUS_FIELDS = (
+    "island",
+    "running",
+    "state",
+    "round",
+    "steps",
+    "tokens",
+    "loss",
+    "eval_global",
+    "version_lag",
+    "shards_down",
+    "pending",
+    "bytes_sent",
+    "bytes_received",
+    "goodput",
+)
+
+
+def status_lines(status: dict, now: float) -> list[str]:
+    """The human view of an island's status file (`diloco-worker status` without --json).
+
+    Args:
+        status: the status mapping (`worker.progress.read_status`) plus "running".
+        now: wall-clock time, for the age of the file.
+
+    Returns:
+        One "key: value" line per known field; the shards the island's client
+        counts as down (and the deltas waiting for them) in the state line too.
+    """
+    view = dict(status)
+    down = int(dict(status.get("client") or {}).get("shards_down", 0))
+    view["shards_down"] = down
+    if down and status.get("running") and status.get("state") == "training":
+        view["state"] = (
+            f"training without the server: {down} shard(s) down, "
+            f"{status.get('pending', 0)} delta(s) wait to be sent again"
+        )
+    if isinstance(status.get("updated"), int | float):
+        view["updated"] = f"{max(0.0, now - status['updated']):.0f} s ago"
+    lines = []
+    for key in (*_STATUS_FIELDS[:3], "updated", *_STATUS_FIELDS[3:]):
+        if key in view:
+            value = view[key]
+            lines.append(
+                f"{key:>15}: {value:.4f}" if isinstance(value, float) else f"{key:>15}: {value}"
+            )
     if "processes" in status:
         procs, mesh = status["processes"], status["mesh"]
         coordinator = f" (coordinator {procs['coordinator']})" if procs["coordinator"] else ""
-        print(f"{'processes':>15}: process {procs['index']} of {procs['count']}{coordinator}")
-        print(
+        lines.append(
+            f"{'processes':>15}: process {procs['index']} of {procs['count']}{coordinator}"
+        )
+        lines.append(
             f"{'mesh':>15}: {mesh['devices']} device(s) on axis {mesh['axis']}, "
             f"{mesh['local_devices']} here ({mesh['platform']}), {mesh['param_sharding']}, "
             f"batch {mesh['global_batch']} = {mesh['per_device_batch']:g} per device"
         )
-    return 0
+    return lines
+
+
+def _eval_batches_given(args: argparse.Namespace) -> bool:
+    """Whether --eval-batches came from a flag, the environment or the --config file."""
+    if "eval_batches" in vars(args) or f"{ENV_PREFIX}EVAL_BATCHES" in os.environ:
+        return True
+    data = settings.read_toml(args.config) if args.config else {}
+    return "eval_batches" in data.get("worker", data)
 
 
 def _eval(args: argparse.Namespace) -> int:
+    if not _eval_batches_given(args):
+        args.eval_batches = str(EVAL_BATCHES)
     cfg = _load_config(args)
     from worker import evaluate  # imports JAX: only for eval
 
@@ -226,11 +346,16 @@ def _eval(args: argparse.Namespace) -> int:
     except evaluate.EvalError as exc:
         print(f"diloco-worker eval: {exc}", file=sys.stderr)
         return 1
+    if "data_warning" in result:
+        print(f"diloco-worker eval: warning: {result['data_warning']}", file=sys.stderr)
     if args.json:
         print(json.dumps(result, sort_keys=True))
         return 0
+    se = result["eval_loss_se"]
     line = (
-        f"eval_loss {result['eval_loss']:.4f} nats/byte (model {cfg.model}, "
+        f"eval_loss {result['eval_loss']:.4f}"
+        + (f" +- {se:.4f} (standard error over its batches)" if se is not None else "")
+        + f" nats/byte (model {cfg.model}, "
         f"{cfg.eval_batches} x {cfg.batch_size} x {cfg.seq_len} held-out tokens) at "
         f"version sum {result['version_sum']} over {len(result['versions'])} fragments"
     )

@@ -73,8 +73,8 @@ class IslandConfig:
     # HOST:PORT, the process count and this process's index; ""/0/-1 = from JAX_COORDINATOR_
     # ADDRESS / JAX_NUM_PROCESSES / JAX_PROCESS_ID (else one process)
     coordinator: str = ""
-    num_processes: int = 0
-    process_id: int = -1
+    num_processes: int = 0  # processes of a multi-process island; 0 = JAX_NUM_PROCESSES, else 1
+    process_id: int = -1  # this process's index in the island; -1 = JAX_PROCESS_ID, else 0
     param_sharding: str = "replicated"  # parameters + AdamW state on the mesh: replicated | fsdp
     cpu: int = -1  # pin the process to this CPU core (-1 = no pinning)
     flush_timeout_s: float = 10.0  # on stop, wait this long for unacked deltas

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import gzip
+import hashlib
 import importlib.resources
 import zlib
 from dataclasses import dataclass
@@ -405,3 +406,31 @@ def island_data(cfg: IslandConfig) -> IslandData:
         eval_batches(heldout, cfg.batch_size, cfg.seq_len, cfg.eval_batches),
         seed,
     )
+
+
+HELDOUT_ID_SAMPLE = 1 << 20  # tokens read from each end of the held-out split for its identity
+
+
+def heldout_identity(cfg: IslandConfig) -> str:
+    """A short hash naming the common held-out set: the data and the held-out rule together.
+
+    It covers the held-out split's length, id type and its first and last
+    `HELDOUT_ID_SAMPLE` tokens, so another corpus, token file or `heldout_fraction`
+    gives another identity (`data_shards` cuts only the training part), and a large
+    token file is not read whole.
+
+    Args:
+        cfg: settings (data, data_dtype, vocab_size, data_shards, heldout_fraction).
+
+    Returns:
+        16 hex digits; islands record it in their status, `diloco-worker eval` in its result.
+    """
+    _train, heldout = _split_of(cfg, 0)
+    n = len(heldout)
+    ends = np.unique(
+        np.r_[np.arange(min(n, HELDOUT_ID_SAMPLE)), np.arange(max(0, n - HELDOUT_ID_SAMPLE), n)]
+    )
+    sample = np.ascontiguousarray(heldout.take(ends.astype(np.int64)))
+    digest = hashlib.sha256(f"{n}:{sample.dtype.str}:".encode())
+    digest.update(sample.tobytes())
+    return digest.hexdigest()[:16]

@@ -16,7 +16,7 @@ the curve, not the final one.
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
@@ -24,8 +24,10 @@ import numpy as np
 import codec
 from paramserver.plumbing import probe
 from paramserver.plumbing.curve import ClientKeys, CurveError
+from paramserver.plumbing.model_diff import first_difference, model_size
 from worker import data as data_lib
 from worker import model as model_lib
+from worker import progress
 from worker.config import IslandConfig
 from worker.train import InnerConfig, InnerTrainer
 
@@ -44,15 +46,21 @@ def _check_model(cfg: IslandConfig, flat: dict[str, np.ndarray]) -> None:
     """Raise EvalModelError unless `flat` has the leaves of model `cfg.model`."""
     model_cfg = model_lib.model_config(cfg.model, cfg.vocab_size)
     shapes = jax.eval_shape(lambda: model_lib.init_params(model_cfg, 0))
-    want = {k: tuple(v.shape) for k, v in codec.flatten(shapes).items()}
-    have = {k: tuple(v.shape) for k, v in flat.items()}
-    if want != have:
-        diff = sorted(set(want.items()) ^ set(have.items()))[:3]
+    want = [_Leaf(k, tuple(v.shape), "float32") for k, v in codec.flatten(shapes).items()]
+    have = [_Leaf(k, tuple(v.shape), "float32") for k, v in flat.items()]
+    if sorted(want) != sorted(have):
+        name = f"model {cfg.model!r} with vocab {cfg.vocab_size}"
         raise EvalModelError(
-            f"the cluster's parameters are not those of model {cfg.model!r} with vocab "
-            f"{cfg.vocab_size} ({len(have)} leaves vs {len(want)}; first differences {diff}): "
-            "pass the --model and --vocab-size the islands trained"
+            f"the cluster's parameters ({model_size(have)}) are not those of {name} "
+            f"({model_size(want)}): {first_difference(have, want, 'in the cluster', 'in ' + name)}"
+            "; pass the --model and --vocab-size the islands trained"
         )
+
+
+class _Leaf(NamedTuple):
+    path: str
+    shape: tuple[int, ...]
+    dtype: str
 
 
 def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str, Any]:
@@ -67,8 +75,9 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
         wait_s: how long to wait for every shard's pending deltas to be merged.
 
     Returns:
-        {"eval_loss": float (nats/byte), "versions": {str(fragment): version},
-        "version_sum": int, "pending": 0}.
+        {"eval_loss": float (nats/byte), "eval_loss_se": its standard error over the
+        batches (None for one batch), "eval_batches": int, "versions": {str(fragment):
+        version}, "version_sum": int, "pending": 0}.
 
     Raises:
         EvalError: a shard is unreachable, the cluster is not initialized, or
@@ -97,12 +106,46 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
         params,
         devices=cfg.devices or None,
     )
-    loss = trainer.evaluate(batches)
+    losses = np.array([trainer.evaluate([batch]) for batch in batches])  # equal batch sizes
+    loss = float(losses.mean())
     result: dict[str, Any] = {
-        "eval_loss": float(loss),
+        "eval_loss": loss,
+        # the figure's standard error over its batches (windows spread over the held-out set)
+        "eval_loss_se": float(losses.std(ddof=1) / np.sqrt(len(losses)))
+        if len(losses) > 1
+        else None,
+        "eval_batches": len(losses),
         "versions": {str(f): v for f, v in sorted(versions.items())},
         "version_sum": int(sum(versions.values())),
         "pending": 0,
     }
+    result["data_id"] = data_lib.heldout_identity(cfg)
+    warning = data_warning(cfg.data_dir, result["data_id"])
+    if warning:
+        result["data_warning"] = warning
     logger.info("final global eval: %.4f at version sum %d", loss, result["version_sum"])
     return result
+
+
+def data_warning(data_dir: str, data_id: str) -> str | None:
+    """A warning when the island of `data_dir` trained on another held-out set than `data_id`.
+
+    Args:
+        data_dir: an island's data directory (its status.json records its `data_id`).
+        data_id: the identity of the held-out set eval scored (`heldout_identity`).
+
+    Returns:
+        One line, or None when the island's data agrees or it recorded none.
+    """
+    try:
+        status = progress.read_status(data_dir) or {}
+    except (OSError, ValueError):
+        return None
+    theirs = status.get("data_id")
+    if not theirs or theirs == data_id:
+        return None
+    return (
+        f"island {status.get('island', '?')} ({data_dir}) trained with held-out data {theirs}, "
+        f"this eval scored {data_id}: pass the islands' --data, --data-dtype and "
+        "--heldout-fraction"
+    )

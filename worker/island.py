@@ -89,6 +89,7 @@ class Island:
         self.model_cfg = model_lib.model_config(cfg.model, cfg.vocab_size)
         own = data_lib.island_data(cfg)  # its shard of the corpus, and the common held-out set
         self.sampler, self.eval_set, seed = own.sampler, own.eval_set, own.seed
+        self.data_id = data_lib.heldout_identity(cfg)  # `diloco-worker eval` compares it
         self.inner_cfg = InnerConfig(
             lr=cfg.lr,
             warmup_steps=cfg.warmup_steps,
@@ -305,6 +306,7 @@ class Island:
             "state": self.state,
             "round": session.round if session is not None else 0,
             "updated": time.time(),
+            "data_id": self.data_id,
             **self.topology,
             **{k: v for k, v in self.last.items() if k not in ("island", "round")},
         }

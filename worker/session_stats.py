@@ -17,6 +17,7 @@ import numpy as np
 
 from paramserver.client import ClientError
 from paramserver.plumbing import probe
+from paramserver.plumbing.model_diff import FRESH_CLUSTER, model_size
 from worker.config import IslandConfig
 from worker.goodput import WorkLedger, session_goodput, step_rate
 from worker.param_tree import TreeLayout
@@ -152,7 +153,9 @@ def cluster_difference(exc: ClientError, cfg: IslandConfig, layout: TreeLayout) 
         `exc` itself, or for a plan mismatch a ClientError naming the leaf (path,
         shape or dtype) where `params` and the cluster's model first differ.
     """
-    if "plan mismatch" not in str(exc) or cfg.curve_secret_key_file:
+    if "plan mismatch" not in str(exc) or "is not the cluster's" in str(exc):
+        return exc  # not a mismatch, or the client named the models already (from the welcome)
+    if cfg.curve_secret_key_file:
         return exc
     try:
         plan, _flat, _versions = probe.global_params(cfg.connect, timeout_s=5.0)
@@ -162,6 +165,7 @@ def cluster_difference(exc: ClientError, cfg: IslandConfig, layout: TreeLayout) 
     if where is None:
         return exc  # the same leaves: the cluster was cut into other shards or fragments
     return ClientError(
-        f"join: plan mismatch: params do not match the cluster's model: {where}; "
-        "join with the model the cluster trains (or start a fresh cluster)"
+        f"join: plan mismatch: params do not match the cluster's model "
+        f"({model_size(plan.leaves)}): {where}; join with the model the cluster trains, "
+        f"or {FRESH_CLUSTER}"
     )

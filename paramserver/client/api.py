@@ -44,6 +44,7 @@ from paramserver.client.types import (
     PushRequest,
     Update,
 )
+from paramserver.plumbing.peer_peek import silence_cause
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 
@@ -58,6 +59,15 @@ def _uint(name: str, value: object, low: int = 0) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer) or value < low:
         raise ClientError(f"push: {name}={value!r} must be an int >= {low}")
     return int(value)
+
+
+def _silence_explained(exc: ClientError, cfg: ClientConfig) -> ClientError:
+    """A join timeout at `cfg.connect` with what answers there instead (`peer_peek`), if known."""
+    text = str(exc)
+    if not text.endswith("is the server running?") or f"at {cfg.connect} " not in text:
+        return exc
+    cause = silence_cause(cfg.connect, curve=bool(cfg.curve_secret_key_file))
+    return exc if cause is None else ClientError(text.replace("is the server running?", cause))
 
 
 def _check_params(flat_params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -145,6 +155,8 @@ class Client:
                 f"join: no result within {self.cfg.join_timeout_s:g}s; is the server at "
                 f"{self.cfg.connect} running?"
             ) from None
+        except ClientError as exc:
+            raise _silence_explained(exc, self.cfg) from None
         self._plan = result.plan
         self._joined = True
         return result

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from paramserver.client.types import ClientConfig, ClientError
+from paramserver.plumbing.model_diff import FRESH_CLUSTER, first_difference, model_size
 from paramserver.wire.plan import LeafSpec, Plan, PlanError, leaf_specs, make_plan
 
 
@@ -72,7 +73,7 @@ def shard_initialized(welcome: dict, plan: Plan, shard: int) -> bool:
         ClientError: it is initialised with another plan.
     """
     if welcome["initialized"] and welcome["plan_hash"] != plan.hash:
-        raise ClientError(mismatch(welcome["plan_hash"], plan, plan.num_shards, plan.num_fragments))
+        raise ClientError(mismatch(welcome, plan))
     return bool(welcome["initialized"])
 
 
@@ -105,7 +106,7 @@ def read_welcome(welcome: dict, cfg: ClientConfig, leaves: list[LeafSpec]) -> Cl
     except PlanError as exc:
         raise ClientError(f"join: cannot shard this model over the cluster: {exc}") from None
     if welcome["initialized"] and welcome["plan_hash"] != plan.hash:
-        raise ClientError(mismatch(welcome["plan_hash"], plan, num_shards, num_fragments))
+        raise ClientError(mismatch(welcome, plan))
     return Cluster(
         plan=plan,
         endpoints=[(str(router), str(pub)) for router, pub in endpoints],
@@ -135,15 +136,37 @@ def check_rewelcome(welcome: dict, plan: Plan | None, shard: int) -> None:
             "restart the cluster from a checkpoint or re-join with a new client"
         )
     if plan is not None and welcome["plan_hash"] != plan.hash:
-        raise ClientError(
-            mismatch(welcome["plan_hash"], plan, welcome["num_shards"], welcome["num_fragments"])
+        raise ClientError(mismatch(welcome, plan))
+
+
+def mismatch(welcome: Mapping, plan: Plan) -> str:
+    """The error message for a cluster whose plan hash differs from this island's.
+
+    Args:
+        welcome: the shard's welcome (its `plan`, when initialized, names the cluster's leaves).
+        plan: this island's plan.
+
+    Returns:
+        One line: both models' sizes, the first leaf that differs, what to do, both hashes.
+    """
+    hashes = f"(plan hashes: cluster {str(welcome.get('plan_hash'))[:12]}, island {plan.hash[:12]})"
+    try:
+        theirs = Plan.from_wire(welcome["plan"]).leaves if welcome.get("plan") else None
+    except PlanError:
+        theirs = None
+    if theirs is None:
+        return (
+            f"plan mismatch: this model's parameter names, shapes or dtypes ({model_size(plan.leaves)}) "
+            f"differ from the cluster's {hashes}; join with the cluster's model, or {FRESH_CLUSTER}"
         )
-
-
-def mismatch(theirs: str | None, plan: Plan, num_shards: int, num_fragments: int) -> str:
-    """The error message for a cluster whose plan hash differs from this island's."""
+    where = first_difference(plan.leaves, theirs, "here", "in the cluster's model")
+    if where == "the same leaves":
+        where = (
+            f"the same leaves cut into another plan ({welcome.get('num_shards')} shards, "
+            f"{welcome.get('num_fragments')} fragments): an island of another version?"
+        )
     return (
-        f"plan mismatch: the cluster's plan hash is {theirs}, this island's is {plan.hash} "
-        f"({len(plan.leaves)} leaves over {num_shards} shards, {num_fragments} fragments): "
-        "this model's parameter names, shapes or dtypes differ from the cluster's"
+        f"plan mismatch: this island's model ({model_size(plan.leaves)}) is not the cluster's "
+        f"({model_size(theirs)}): {where}; join with the cluster's model, or {FRESH_CLUSTER} "
+        f"{hashes}"
     )

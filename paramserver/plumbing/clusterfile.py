@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Any
 
 from paramserver.plumbing.settings import SettingsError, read_toml
+from paramserver.plumbing.validate import endpoint_problem
 
 SHARD_KEYS = ("router", "pub", "router_bind", "pub_bind")
 
@@ -53,9 +54,11 @@ class ClusterFile:
 
 
 def _endpoint(path: Path, where: str, value: object) -> str:
-    if not isinstance(value, str) or not value.startswith(("tcp://", "ipc://")):
+    problem = endpoint_problem(value, ("tcp://", "ipc://"))
+    if problem is not None:
         raise SettingsError(
-            f"{path}:{where}: bad value {value!r}: expected an endpoint like tcp://10.0.0.1:5555"
+            f"{path}:{where}: bad value {value!r}: {problem}; "
+            "expected an endpoint like tcp://10.0.0.1:5555"
         )
     return value
 

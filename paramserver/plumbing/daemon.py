@@ -41,6 +41,10 @@ LOG_FILE = "daemon.log"
 READY_ENV = "DILOCO_READY_FILE"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _POLL_S = 0.02
+# libraries that log at INFO what an operator cannot act on: JAX's probing of the backends
+# it was built for ("Unable to initialize backend 'tpu'" on a machine without one) and its
+# compilation cache; their warnings and errors still show, all of it at DEBUG
+CHATTY_LOGGERS = ("jax._src.xla_bridge", "jax._src.compilation_cache", "jax._src.compiler")
 
 
 class DaemonError(RuntimeError):
@@ -206,6 +210,8 @@ def release_pid_file(path: str | Path, pid: int | None = None) -> None:
 def setup_logging(level: str | int = "INFO", log_file: str | Path | None = None) -> None:
     """Configure the root logger: one line per record to stderr, and to `log_file` if given.
 
+    `CHATTY_LOGGERS` are raised to WARNING unless `level` is DEBUG.
+
     Args:
         level: a logging level name or number.
         log_file: also append records to this file (its directory is created).
@@ -223,6 +229,9 @@ def setup_logging(level: str | int = "INFO", log_file: str | Path | None = None)
         handler.setFormatter(formatter)
         root.addHandler(handler)
     root.setLevel(level.upper() if isinstance(level, str) else level)
+    quiet = logging.DEBUG if root.level <= logging.DEBUG else logging.WARNING
+    for name in CHATTY_LOGGERS:
+        logging.getLogger(name).setLevel(quiet)
 
 
 def install_signal_handlers(

@@ -33,6 +33,7 @@ import zmq
 
 import codec
 from paramserver.plumbing.curve import ClientKeys, HandshakeWatch
+from paramserver.plumbing.peer_peek import silence_cause
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan, PlanError
 from paramserver.wire.snapshot import SnapshotPieces, snapshot_request
@@ -92,11 +93,13 @@ def _exchange(
                     break
                 continue
             advice = watch.failure(endpoint)  # a failed handshake: no reply will come
-            if advice is not None:
-                raise ProbeError(f"no reply from {endpoint}: {advice}")
-            if not ready:
+            if advice is not None or not ready:  # a PUB port fails it too: say so, not "CURVE"
+                cause = silence_cause(endpoint, 0.5, curve is not None)
+                if advice is not None:
+                    raise ProbeError(f"no reply from {endpoint}: {cause or advice}")
                 raise ProbeError(
-                    f"no reply from {endpoint} within {timeout_s:g}s: is the server running there?"
+                    f"no reply from {endpoint} within {timeout_s:g}s: "
+                    f"{cause or 'is the server running there?'}"
                 )
         if reply["kind"] == "rejected":
             raise ProbeError(

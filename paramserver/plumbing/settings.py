@@ -46,6 +46,18 @@ class SettingsError(ValueError):
     """A configuration value is unknown, malformed or invalid; the message says which and where."""
 
 
+class OneLineErrorParser(argparse.ArgumentParser):
+    """An ArgumentParser whose usage errors are one line on stderr and exit 2."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        """Print `message` in one line naming the command, then exit 2.
+
+        Args:
+            message: argparse's description of the bad usage.
+        """
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 @dataclasses.dataclass(frozen=True)
 class _Leaf:
     """One settable field: its key (the field name), type and help text."""
@@ -218,7 +230,7 @@ def read_toml(path: str | Path, section: str | None = None) -> dict[str, Any]:
         The parsed mapping.
 
     Raises:
-        SettingsError: the file is missing, unreadable or not valid TOML.
+        SettingsError: the file is missing, unreadable, not UTF-8 or not valid TOML.
     """
     try:
         with open(path, "rb") as fh:
@@ -229,6 +241,11 @@ def read_toml(path: str | Path, section: str | None = None) -> dict[str, Any]:
         raise SettingsError(f"config file {path} cannot be read: {exc.strerror}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SettingsError(f"config file {path} is not valid TOML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SettingsError(
+            f"config file {path} is not UTF-8 text (byte {exc.object[exc.start]:#04x} at offset "
+            f"{exc.start}): TOML files are UTF-8; save it as UTF-8"
+        ) from None
     if section is not None:
         sub = data.get(section, {})
         if not isinstance(sub, dict):
@@ -344,6 +361,7 @@ def add_flags(
     cls: type,
     *,
     exclude: tuple[str, ...] = (),
+    hide: tuple[str, ...] = (),
 ) -> None:
     """Add one ``--field-name`` option per settable field of `cls`.
 
@@ -355,6 +373,7 @@ def add_flags(
         parser: an ArgumentParser (or argument group).
         cls: the config dataclass.
         exclude: flat keys not to add (e.g. ones the CLI defines itself).
+        hide: flat keys accepted but left out of ``--help`` (settings a command ignores).
     """
     defaults = _defaults(cls)
     for leaf in _leaves(cls):
@@ -370,7 +389,7 @@ def add_flags(
             dest=leaf.key,
             default=argparse.SUPPRESS,
             metavar=metavar,
-            help=text.replace("%", "%%"),
+            help=argparse.SUPPRESS if leaf.key in hide else text.replace("%", "%%"),
         )
 
 

@@ -21,8 +21,41 @@ ENDPOINT_SCHEMES = ("tcp://", "ipc://", "inproc://")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR")
 
 
+def endpoint_problem(value: object, schemes: tuple[str, ...] = ENDPOINT_SCHEMES) -> str | None:
+    """What is wrong with `value` as a ZeroMQ endpoint, or None when it is one.
+
+    A tcp endpoint needs a host and a port in 1..65535 (``tcp://HOST:PORT``, an
+    IPv6 host in brackets, ``*`` for every interface); ipc and inproc need a name.
+
+    Args:
+        value: anything.
+        schemes: accepted prefixes, e.g. ("tcp://", "ipc://").
+
+    Returns:
+        None for e.g. "tcp://127.0.0.1:5555"; else a short phrase ("no port", ...).
+    """
+    if not isinstance(value, str):
+        return "not a string"
+    scheme = next((s for s in schemes if value.startswith(s)), None)
+    if scheme is None:
+        return f"the scheme must be {' or '.join(s.rstrip('/:') for s in schemes)}"
+    address = value[len(scheme) :].rsplit(";", 1)[-1]  # tcp://SOURCE;HOST:PORT
+    if not address:
+        return "no address after the scheme"
+    if scheme != "tcp://":
+        return None
+    host, colon, port = address.rpartition(":")
+    if not colon or not host or host == "[]" or "]" in port:
+        return "no port"
+    if not port.isdigit():
+        return f"port {port!r} is not a number"
+    if not 1 <= int(port) <= 65535:
+        return f"port {port} is out of range 1..65535"
+    return None
+
+
 def is_endpoint(value: object, schemes: tuple[str, ...] = ENDPOINT_SCHEMES) -> bool:
-    """Whether `value` is a ZeroMQ endpoint string with one of `schemes` and an address.
+    """Whether `value` is a ZeroMQ endpoint string with one of `schemes` (`endpoint_problem`).
 
     Args:
         value: anything.
@@ -31,9 +64,7 @@ def is_endpoint(value: object, schemes: tuple[str, ...] = ENDPOINT_SCHEMES) -> b
     Returns:
         True for e.g. "tcp://127.0.0.1:5555".
     """
-    return isinstance(value, str) and any(
-        value.startswith(scheme) and len(value) > len(scheme) for scheme in schemes
-    )
+    return endpoint_problem(value, schemes) is None
 
 
 def is_finite_number(value: object) -> bool:
@@ -117,11 +148,12 @@ class Checks:
         self, field: str, value: object, schemes: tuple[str, ...] = ENDPOINT_SCHEMES
     ) -> None:
         """A ZeroMQ endpoint such as tcp://127.0.0.1:5555."""
+        problem = endpoint_problem(value, schemes)
         self.require(
-            is_endpoint(value, schemes),
+            problem is None,
             field,
             value,
-            "give a ZeroMQ endpoint such as tcp://127.0.0.1:5555",
+            f"give a ZeroMQ endpoint such as tcp://127.0.0.1:5555 ({problem})",
         )
 
     def island_id(self, field: str, value: object) -> None:

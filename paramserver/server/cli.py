@@ -22,11 +22,17 @@ import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING
 
 from paramserver.plumbing import clusterfile, daemon
 from paramserver.plumbing.daemon import DaemonError
-from paramserver.plumbing.settings import SettingsError, add_flags, load_settings
+from paramserver.plumbing.settings import (
+    OneLineErrorParser,
+    SettingsError,
+    add_flags,
+    load_settings,
+)
+from paramserver.plumbing.validate import endpoint_problem
 from paramserver.server.config import ShardConfig
 
 if TYPE_CHECKING:
@@ -37,14 +43,6 @@ ENV_PREFIX = "DILOCO_SERVER_"
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
 READY_TIMEOUT_S = 120.0
-
-
-class _Parser(argparse.ArgumentParser):
-    """An ArgumentParser whose errors are one line and exit 2."""
-
-    def error(self, message: str) -> NoReturn:
-        sys.stderr.write(f"{PROG}: error: {message} (see {self.prog} --help)\n")
-        sys.exit(EXIT_USAGE)
 
 
 def _cluster_help() -> str:
@@ -58,13 +56,13 @@ def build_parser() -> argparse.ArgumentParser:
     Returns:
         The parser (sub-commands start, status, stop).
     """
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog=PROG,
         description="Asynchronous, sharded outer parameter server (DiLoCo-style training).",
         allow_abbrev=False,
     )
     sub = parser.add_subparsers(
-        dest="command", metavar="{start,status,stop,keys}", parser_class=_Parser
+        dest="command", metavar="{start,status,stop,keys}", parser_class=OneLineErrorParser
     )
     sub.required = True
 
@@ -149,12 +147,19 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     keys.add_argument("--out", required=True, metavar="DIR", help="directory for the key files")
-    keys.add_argument("--name", default="server", metavar="NAME", help="file stem (default server)")
+    keys.add_argument(
+        "--name",
+        default="server",
+        metavar="NAME",
+        help="file stem of the pair: NAME.key and NAME.key_secret (default server)",
+    )
     keys.set_defaults(func=cmd_keys)
 
     shard = sub.add_parser("shard", allow_abbrev=False)  # internal: one shard of a local cluster
-    shard.add_argument("--index", type=int, required=True)
-    shard.add_argument("--settings-json", required=True)
+    shard.add_argument("--index", type=int, required=True, help="which shard of the cluster to run")
+    shard.add_argument(
+        "--settings-json", required=True, help="the ShardConfig fields as one JSON object"
+    )
     shard.set_defaults(func=cmd_shard)
     return parser
 
@@ -288,9 +293,11 @@ def cmd_status(args: argparse.Namespace) -> int:
     """
     from paramserver.plumbing import probe
 
-    if not args.connect.startswith(("tcp://", "ipc://")):
+    problem = endpoint_problem(args.connect, ("tcp://", "ipc://"))
+    if problem is not None:
         raise SettingsError(
-            f"--connect: bad value {args.connect!r}: expected an endpoint like tcp://127.0.0.1:5555"
+            f"--connect: bad value {args.connect!r}: {problem}; "
+            "give the ROUTER of shard 0, like tcp://127.0.0.1:5555"
         )
     if not args.timeout > 0:
         raise SettingsError(f"--timeout: bad value {args.timeout!r}: expected > 0")

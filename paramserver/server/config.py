@@ -119,9 +119,8 @@ class ShardConfig:
     checkpoint_every_steps: int = 50  # checkpoint after this many outer steps (0 = never)
     checkpoint_every_s: float = 60.0  # ... or this many seconds since the last (0 = never)
     fsync: bool = True  # fsync the log before acking; False only for throwaway runs
-    downlink: Literal["float32", "int8"] = (
-        "int8"  # published updates: int8 deltas (error feedback) or full fp32
-    )
+    # published updates: int8 deltas (with the shard's error feedback) or full fp32 values
+    downlink: Literal["float32", "int8"] = "int8"
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     metrics_port: int = 0  # Prometheus metrics port; 0 = off
     metrics_host: str = ""  # bind address of the metrics endpoint; "" = the same as host
