@@ -6,7 +6,8 @@ islands' shares (`paramserver.server.weighting`), the merged delta
 handed to the step as `fill(lo, hi, out)`, which decodes them a piece at a
 time), the outer optimizer (`paramserver.server.outer`, applied in place chunk
 by chunk by `paramserver.server.chunked_step`; a plain SGD step when one
-island's work is merged alone and `single_island_outer_lr` is set) and the
+island's work is merged alone and `single_island_outer_lr` is set; sparse
+topk deltas: `paramserver.server.sparse_merge`'s per-entry merge and SGD) and the
 compressed downlink (`paramserver.server.downlink`: the fragment takes exactly
 the update replicas decode, chunk by chunk). Which deltas a step merges, and
 the bookkeeping around it (pending set, version, counters), are
@@ -28,6 +29,7 @@ from paramserver.server.events import Contribution
 from paramserver.server.fragment import FragmentState
 from paramserver.server.merge import chunk_merge, scaled
 from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
+from paramserver.server.sparse_merge import is_sparse, sparse_merge, sparse_optimizer
 from paramserver.server.weighting import IslandShare, island_shares, make_weighting
 from paramserver.wire.plan import Fragment
 
@@ -51,6 +53,8 @@ class FragmentStepper:
         # a step that merges one island's work when the quorum collapsed: plain SGD
         lr = cfg.single_island_outer_lr
         self._single = ChunkedStep(optax.sgd(lr), finish=finish) if lr else None
+        # sparse (topk) deltas: per-entry merge, SGD without momentum (sparse_merge)
+        self._sparse = ChunkedStep(sparse_optimizer(cfg.sparse_outer_lr), finish=finish)
 
     def init(self, params: np.ndarray) -> Any:
         """A fragment's fresh optimizer state, as host buffers the step updates in place.
@@ -89,6 +93,14 @@ class FragmentStepper:
             step, opt_state = self._single, self._single.init(frag.params)
         else:
             step, opt_state = self._step, frag.opt_state
+        if is_sparse(merged_in):  # topk: each entry over the islands that sent it, no momentum
+            coefficient = {x.island: x.coefficient for x in shares}
+            fill = sparse_merge(
+                [(c.island, scaled(c.delta, c.clip)) for c in merged_in],
+                [coefficient[c.island] for c in merged_in],
+                where.size,
+            ).fill
+            step, opt_state = self._sparse, self._sparse.init(frag.params)
         if not self.downlink.compressed:
             step.step(frag.params, opt_state, fill)
             return shares, None
