@@ -31,11 +31,9 @@ import numpy as np
 
 import codec
 from bench import cli
-from bench.async_outer import T0, InnerSteps, global_values, replace_args
+from bench.async_outer import T0, InnerSteps, global_values, replace_args, sim_cluster
 from bench.common import emit_json, progress
 from paramserver.server.config import ShardConfig
-from paramserver.server.state import ShardState
-from paramserver.wire.plan import leaf_specs, make_plan
 from worker import data, model
 from worker.train import InnerConfig
 
@@ -64,27 +62,17 @@ def _variants(lrs: str) -> list[tuple[str, str, bool, float]]:
 def simulate(args, variant, seed: int, corpus: bytes, inner: InnerSteps) -> dict:
     """One synchronous run; returns the final held-out loss and the delta bytes sent."""
     _, scheme, coded, lr = variant
-    mcfg = model.MODEL_CONFIGS[args.model]
     icfg = InnerConfig()
     cfg = ShardConfig(mode="sync", sparse_outer_lr=lr, fsync=False, dedup_window=1 << 20)
     make = codec.topk(density=args.density) if scheme == "topk" else codec.int8()
     raw32 = codec.raw("float32")
-    init = {k: np.asarray(v) for k, v in codec.flatten(model.init_params(mcfg, 0)).items()}
-    plan = make_plan(leaf_specs(init), cfg.shards, cfg.num_fragments)
-    state = ShardState(cfg, 0)
-    tree = {str(f.index): plan.gather(init, f.index) for f in plan.fragments}
-    state.initialize(plan.to_wire(), raw32.encode(tree)[0])
-    params, opt_states, samplers, ef = [], [], [], []
-    heldout = None
-    for i in range(args.islands):
-        train, heldout = data.split_corpus(corpus, args.islands, i)
-        samplers.append(data.BatchSampler(train, icfg.batch_size, icfg.seq_len, seed * 100 + i))
-        params.append(jax.tree.map(jnp.asarray, codec.unflatten(init)))
-        opt_states.append(inner.tx.init(params[i]))
-        state.hello(f"i{i}", T0)
-        ef.append(
-            {f.index: make.init({"delta": np.zeros(f.size, np.float32)}) for f in plan.fragments}
-        )
+    state, plan, init, params, opt_states, samplers, heldout = sim_cluster(
+        cfg, args, seed, corpus, inner
+    )
+    ef = [
+        {f.index: make.init({"delta": np.zeros(f.size, np.float32)}) for f in plan.fragments}
+        for _ in params
+    ]
     start, sent = init, 0
     for r in range(args.rounds):
         now = T0 + r + 1.0
