@@ -10,6 +10,7 @@ from conftest import wait_for
 from shard_helpers import init_payload, plan_for, push_header, small_flat
 
 import codec
+from bench import claims
 from paramserver.server.config import ShardConfig
 from paramserver.server.merge import ArrayDelta, MergeError
 from paramserver.server.sparse_merge import sparse_merge
@@ -203,3 +204,19 @@ def test_a_finally_refused_push_comes_back_from_the_client_for_its_error_feedbac
     np.testing.assert_array_equal(back, codec.decode(frames)["delta"])
     state = codec.refund(state, {"delta": back})
     np.testing.assert_allclose(state.residuals[0], v, atol=1e-6)
+
+
+def test_the_report_claim_reads_topk_against_int8_at_h30():
+    def runs(ratio, topk_loss):
+        return {
+            "h30-topk": {"ddp_over_this": ratio, "ddp_over_this_steady": 2000.0,
+                         "eval_final": topk_loss},
+            "h30-int8": {"ddp_over_this": 300.0, "eval_final": 2.0},
+        }  # fmt: skip
+
+    (met,) = claims._sparseloco_claims(runs(1100.0, 2.059))  # +2.95%
+    assert met["met"] is True
+    assert met["measured"]["loss_vs_int8_h30"] == pytest.approx(0.0295)
+    assert claims._sparseloco_claims(runs(900.0, 2.0))[0]["met"] is False  # bytes
+    assert claims._sparseloco_claims(runs(1100.0, 2.07))[0]["met"] is False  # +3.5%
+    assert claims._sparseloco_claims({}) == []
