@@ -220,3 +220,23 @@ def test_the_report_claim_reads_topk_against_int8_at_h30():
     assert claims._sparseloco_claims(runs(900.0, 2.0))[0]["met"] is False  # bytes
     assert claims._sparseloco_claims(runs(1100.0, 2.07))[0]["met"] is False  # +3.5%
     assert claims._sparseloco_claims({}) == []
+
+
+def test_a_sparse_step_publishes_zstd_int8_frames_a_replica_adds_bit_exactly():
+    cfg = ShardConfig(mode="sync", fsync=False, downlink="int8")
+    flat = {"w": np.random.default_rng(1).standard_normal(40_000).astype(np.float32)}
+    plan = plan_for(flat, cfg.shards, cfg.num_fragments)
+    state = ShardState(cfg, 0)
+    assert state.initialize(plan.to_wire(), init_payload(plan, flat)).status == ACCEPTED
+    state.hello("a", T0)
+    replica = plan.gather(flat, 0)
+    v = np.random.default_rng(2).standard_normal(plan.fragments[0].size).astype(np.float32)
+    frames, _ = codec.topk(density=0.02).encode({"delta": v})
+    assert state.submit_delta(push_header(plan, "a", 1, 0), frames, T0).status == ACCEPTED
+    _, update = state.step(0, T0)
+    published = list(update.frames)
+    assert codec.decode(published)["values"].dtype == np.float32
+    replica = np.add(replica, codec.decode(published)["values"], dtype=np.float32)
+    assert replica.tobytes() == state.snapshot(0)[1].tobytes()
+    dense = plan.fragments[0].size  # uncompressed int8: one byte per entry
+    assert sum(len(memoryview(f)) for f in published) < dense / 3  # 2% of the entries moved

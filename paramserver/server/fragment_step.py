@@ -29,7 +29,12 @@ from paramserver.server.events import Contribution
 from paramserver.server.fragment import FragmentState
 from paramserver.server.merge import chunk_merge, scaled
 from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
-from paramserver.server.sparse_merge import is_sparse, sparse_merge, sparse_optimizer
+from paramserver.server.sparse_merge import (
+    SPARSE_PUBLISH_ZSTD_LEVEL,
+    is_sparse,
+    sparse_merge,
+    sparse_optimizer,
+)
 from paramserver.server.weighting import IslandShare, island_shares, make_weighting
 from paramserver.wire.plan import Fragment
 
@@ -55,6 +60,7 @@ class FragmentStepper:
         self._single = ChunkedStep(optax.sgd(lr), finish=finish) if lr else None
         # sparse (topk) deltas: per-entry merge, SGD without momentum (sparse_merge)
         self._sparse = ChunkedStep(sparse_optimizer(cfg.sparse_outer_lr), finish=finish)
+        self._sparse_downlink = Downlink(cfg.downlink, zstd_level=SPARSE_PUBLISH_ZSTD_LEVEL)
 
     def init(self, params: np.ndarray) -> Any:
         """A fragment's fresh optimizer state, as host buffers the step updates in place.
@@ -93,6 +99,7 @@ class FragmentStepper:
             step, opt_state = self._single, self._single.init(frag.params)
         else:
             step, opt_state = self._step, frag.opt_state
+        downlink = self.downlink
         if is_sparse(merged_in):  # topk: each entry over the islands that sent it, no momentum
             coefficient = {x.island: x.coefficient for x in shares}
             fill = sparse_merge(
@@ -101,11 +108,12 @@ class FragmentStepper:
                 where.size,
             ).fill
             step, opt_state = self._sparse, self._sparse.init(frag.params)
+            downlink = self._sparse_downlink  # a mostly-zero update: zstd shrinks its codes
         if not self.downlink.compressed:
             step.step(frag.params, opt_state, fill)
             return shares, None
         if frag.residual is None:
             frag.residual = new_residual(frag.params.shape[0])
-        publication = self.downlink.begin(frag.params, frag.residual)
+        publication = downlink.begin(frag.params, frag.residual)
         step.step(frag.params, opt_state, fill, publication.apply, frag.residual)
         return shares, tuple(publication.frames())
