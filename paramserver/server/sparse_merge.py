@@ -25,7 +25,8 @@ applied, so a momentum buffer replays it a second time (every momentum variant
 of the issue-22 simulation rose late in a run; SGD decreased steadily). A
 shard knows a step is sparse from its pending deltas' codec (`is_sparse`: every
 delta merged is topk-coded) and then steps with plain SGD at
-`ShardConfig.sparse_outer_lr`, chosen by `diloco-bench topk_outer`. A cluster
+`ShardConfig.sparse_outer_lr` (default 1.0, the issue-22 simulation's value;
+`diloco-bench topk_outer` sweeps it). A cluster
 whose islands all run `--codec topk` thus has one outer optimizer for the
 whole run; islands of one cluster are meant to share a codec (a step mixing
 topk and dense deltas takes the dense mean and the configured optimizer).
