@@ -89,11 +89,42 @@ class InnerSteps:
         self.loss = jax.jit(lambda params, tokens: model.loss_fn(params, tokens, mcfg))
 
 
+def sim_cluster(cfg: ShardConfig, args, seed: int, corpus: bytes, inner: InnerSteps):
+    """A ShardState initialised with the model and `args.islands` islands that said hello.
+
+    Args:
+        cfg: the shard's settings.
+        args: the bench flags (model, islands).
+        seed: the data order's seed.
+        corpus: the training text.
+        inner: the jitted inner step.
+
+    Returns:
+        (state, plan, initial flat values, per-island params, AdamW states, samplers,
+        the held-out text).
+    """
+    icfg = InnerConfig()
+    mcfg = model.MODEL_CONFIGS[args.model]
+    init = {k: np.asarray(v) for k, v in codec.flatten(model.init_params(mcfg, 0)).items()}
+    plan = make_plan(leaf_specs(init), cfg.shards, cfg.num_fragments)
+    state = ShardState(cfg, 0)
+    tree = {str(f.index): plan.gather(init, f.index) for f in plan.fragments}
+    state.initialize(plan.to_wire(), codec.raw("float32").encode(tree)[0])
+    params, opt_states, samplers = [], [], []
+    heldout = None
+    for i in range(args.islands):
+        train, heldout = data.split_corpus(corpus, args.islands, i)
+        samplers.append(data.BatchSampler(train, icfg.batch_size, icfg.seq_len, seed * 100 + i))
+        params.append(jax.tree.map(jnp.asarray, codec.unflatten(init)))
+        opt_states.append(inner.tx.init(params[i]))
+        state.hello(f"i{i}", T0)
+    return state, plan, init, params, opt_states, samplers, heldout
+
+
 def simulate(
     args, lr: float, momentum: float, delay: int, seed: int, corpus: bytes, inner: InnerSteps
 ) -> dict:
     """One async run; returns the final held-out loss and what the shard saw."""
-    mcfg = model.MODEL_CONFIGS[args.model]
     icfg = InnerConfig()
     cfg = ShardConfig(
         mode="async",
@@ -104,21 +135,11 @@ def simulate(
         fsync=False,
         dedup_window=1 << 20,
     )
-    init = {k: np.asarray(v) for k, v in codec.flatten(model.init_params(mcfg, 0)).items()}
-    plan = make_plan(leaf_specs(init), cfg.shards, cfg.num_fragments)
-    state = ShardState(cfg, 0)
-    tree = {str(f.index): plan.gather(init, f.index) for f in plan.fragments}
-    state.initialize(plan.to_wire(), codec.raw("float32").encode(tree)[0])
+    state, plan, init, params, opt_states, samplers, heldout = sim_cluster(
+        cfg, args, seed, corpus, inner
+    )
     speeds = [float(s) for s in args.speeds.split(",")][: args.islands]
-    params, opt_states, samplers, starts = [], [], [], []
-    heldout = None
-    for i in range(args.islands):
-        train, heldout = data.split_corpus(corpus, args.islands, i)
-        samplers.append(data.BatchSampler(train, icfg.batch_size, icfg.seq_len, seed * 100 + i))
-        params.append(jax.tree.map(jnp.asarray, codec.unflatten(init)))
-        opt_states.append(inner.tx.init(params[i]))
-        state.hello(f"i{i}", T0)
-        starts.append((state.versions(), {k: v.copy() for k, v in init.items()}))
+    starts = [(state.versions(), {k: v.copy() for k, v in init.items()}) for _ in params]
     queue = [(args.inner_steps * speeds[i], i) for i in range(args.islands)]
     heapq.heapify(queue)
     raw32 = codec.raw("float32")
@@ -145,11 +166,11 @@ def simulate(
             assert out.status == "accepted", out
         for f in state.due_fragments(T0 + now)[0]:
             state.step(f, T0 + now)
-        glob = _global(state, plan, init)
+        glob = global_values(state, plan, init)
         params[i] = jax.tree.map(jnp.asarray, codec.unflatten(glob))  # AdamW state kept
         starts[i] = (state.versions(), glob)
         heapq.heappush(queue, (now + args.inner_steps * speeds[i], i))
-    final = jax.tree.map(jnp.asarray, codec.unflatten(_global(state, plan, init)))
+    final = jax.tree.map(jnp.asarray, codec.unflatten(global_values(state, plan, init)))
     batches = data.eval_batches(heldout, icfg.batch_size, icfg.seq_len, 8)
     loss = float(np.mean([float(inner.loss(final, b)) for b in batches]))
     status = state.status(T0)
@@ -160,7 +181,8 @@ def simulate(
     }
 
 
-def _global(state: ShardState, plan, template: dict) -> dict:
+def global_values(state: ShardState, plan, template: dict) -> dict:
+    """The shard's current values of every leaf (template: leaf name -> array)."""
     glob = {k: v.copy() for k, v in template.items()}
     for frag in plan.fragments:
         plan.scatter(frag.index, state.snapshot(frag.index)[1], glob)

@@ -59,7 +59,7 @@ def render(
         "codecs": "Delta codecs (quorum, homogeneous islands)",
         "slow": "One island 2x slower",
         "mix": "v6e/v5p-like mix (one island 1.2x slower, 10% step-time jitter)",
-        "comm": "Communication at H = 100 (600 steps per island)",
+        "comm": "Communication at equal tokens (600 steps per island, H in the run name)",
     }
     for group, title in groups.items():
         names = [n for n, r in records.items() if r["group"] == group]

@@ -139,4 +139,7 @@ def full(islands: int = 3) -> tuple[Budget, list[Scenario]]:
         # the same tokens in 60 rounds of H=10: error feedback needs ~1/density rounds
         Scenario("h10-int8", "quorum", "comm", codec="int8", inner_steps=10, steps_per_island=600),
         Scenario("h10-topk", "quorum", "comm", codec="topk", inner_steps=10, steps_per_island=600),
+        # SparseLoCo at H=30, 20 synchronous rounds: topk (per-entry merge, outer SGD) vs int8
+        Scenario("h30-int8", "sync", "comm", codec="int8", inner_steps=30, steps_per_island=600),
+        Scenario("h30-topk", "sync", "comm", codec="topk", inner_steps=30, steps_per_island=600),
     ]  # fmt: skip

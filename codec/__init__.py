@@ -45,7 +45,7 @@ from .errors import CodecError
 from .format import DEFAULT_MAX_ELEMENTS, FORMAT_VERSION
 from .framing import join, split
 from .schemes import Codec, int4, int8, raw, topk
-from .state import ErrorFeedbackState
+from .state import ErrorFeedbackState, refund
 from .tree import flatten, unflatten
 
 __all__ = [
@@ -60,6 +60,7 @@ __all__ = [
     "int8",
     "join",
     "raw",
+    "refund",
     "split",
     "topk",
     "unflatten",

@@ -14,7 +14,7 @@ from typing import NamedTuple
 import numpy as np
 
 from .errors import CodecError
-from .tree import build_tree
+from .tree import build_tree, leaf_items
 
 
 class _Ticket:
@@ -119,3 +119,28 @@ def advance(state: ErrorFeedbackState) -> ErrorFeedbackState:
     return state._replace(
         residuals=state.spare, spare=state.residuals, generation=state.ticket.generation
     )
+
+
+def refund(state: ErrorFeedbackState, tree) -> ErrorFeedbackState:
+    """Put values that were sent but never applied back into the error-feedback residuals.
+
+    An island whose push was finally refused (or whose entries the receiver
+    did not apply) adds the decoded values of what it sent (`codec.decode` of
+    the frames) back, so the next encode sends that mass again instead of
+    losing it: residual <- residual + values, tensor by tensor.
+
+    Args:
+        state: the current state (the one the last encode returned).
+        tree: mapping name -> array shaped like the encoded tree (nested allowed).
+
+    Returns:
+        The next state (the old one may no longer be used, as after an encode).
+
+    Raises:
+        CodecError: a tree that does not fit the state, or a stale state.
+    """
+    items = [(p, np.asarray(leaf)) for p, leaf in leaf_items(tree)]
+    check_state(state, [p for p, _ in items], [a.shape for _, a in items])
+    for (_, values), old, new in zip(items, state.residuals, state.spare, strict=True):
+        np.add(old, values.reshape(-1).astype(np.float32, copy=False), out=new)
+    return advance(state)

@@ -8,7 +8,8 @@ encodes it with the numpy codec, folds published versions with
 `FragmentSync.adopt` and places the whole tree back on the devices. It is the
 fallback of `worker.device_exchange` (codecs other than int8/int4, parameters
 held as numpy arrays) and the baseline the device path is measured against.
-`DeviceExchange` has the same methods.
+`DeviceExchange` has the same methods, but `refund` (a push the shards finally
+refused goes back into the error feedback, `codec.refund`) is this path's only.
 """
 
 from __future__ import annotations
@@ -115,6 +116,19 @@ class HostExchange:
                     {"delta": delta}, self.ef_state[index]
                 )
         return out
+
+    def refund(self, fragment: int, frames: Sequence[Any]) -> None:
+        """Put a refused push's values back into the fragment's error feedback (process 0).
+
+        The shards never applied them, so the next push of the fragment sends
+        them again (`codec.refund`) instead of the mass being lost.
+
+        Args:
+            fragment: the pushed fragment.
+            frames: the codec frames that push carried.
+        """
+        sent = codec.decode(list(frames))
+        self.ef_state[fragment] = codec.refund(self.ef_state[fragment], sent)
 
     def fold(self, leaves: list[Any], updates: Sequence[Update]) -> list[Any]:
         """Adopt new global versions on the host and place the tree back; returns its leaves."""

@@ -321,6 +321,10 @@ class Session:
         """
         versions = dict(self.exchange.versions)  # the versions the deltas are taken against
         t0 = time.perf_counter()
+        refund = getattr(self.exchange, "refund", None)  # the host exchange's error feedback
+        if refund is not None and self.client is not None:  # refused pushes: their mass goes back
+            for fragment, _, payload in self.client.take_refused():
+                refund(fragment, payload)
         frames = self.exchange.encode(leaves, fragments, self.client is not None)
         self.exchange_s += time.perf_counter() - t0
         return {index: (versions[index], f) for index, f in frames.items()}

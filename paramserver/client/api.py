@@ -320,6 +320,20 @@ class Client:
         with self._lock:
             return self._core.progress.take_updates()
 
+    def take_refused(self) -> list[tuple[int, int, list[Any]]]:
+        """The deltas the shards finally refused since the last call (then forgotten).
+
+        A refused delta never enters the model; an island with error feedback puts
+        its decoded values back into its residual (`codec.refund`) so its next push
+        carries them. Deferred (`too_many_pending`) and re-sent deltas are not here.
+
+        Returns:
+            (fragment, round, codec frames as pushed) per delta, oldest first.
+        """
+        self._check_alive()
+        with self._lock:
+            return self._core.progress.take_refused()
+
     def round_merged(self, round: int) -> bool:
         """Whether the global parameters this client holds include all of `round`'s deltas.
 

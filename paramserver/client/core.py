@@ -280,7 +280,7 @@ class ClientCore:
         elif decision == "resend":  # corrupted in transit (codec_error): again, at once
             self._send_push(key)
         else:
-            self.progress.record_ack(header, now - entry.queued_at)
+            self.progress.record_ack(header, now - entry.queued_at, entry.frames[1:])
             if header["outcome"] not in (protocol.ACCEPTED, protocol.DUPLICATE):
                 logger.warning(
                     "delta island=%s fragment=%d round=%d rejected: %s",

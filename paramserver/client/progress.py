@@ -20,6 +20,7 @@ from paramserver.client.types import Update
 
 _MAX_LATENCIES = 100_000  # ack latencies kept until `take_ack_latencies` (bounded memory)
 _MAX_MERGE_ROUNDS = 1024  # rounds whose merge versions are kept for `round_merged`
+_MAX_REFUSED = 256  # finally refused deltas kept for `take_refused` (the oldest go first)
 
 
 @dataclass
@@ -59,6 +60,8 @@ class Progress:
         # round -> fragment -> first version that includes the delta (None: rejected)
         self._merge_targets: dict[int, dict[int, int | None]] = {}
         self._credited: dict[int, float] = {}  # shard -> tokens of ours that entered the model
+        # (fragment, round, codec frames) of deltas finally refused, until `take_refused`
+        self._refused: deque[tuple[int, int, list[Any]]] = deque(maxlen=_MAX_REFUSED)
 
     # -- written by the core ------------------------------------------------------------------
 
@@ -79,13 +82,14 @@ class Progress:
         """A shard named `version` of `fragment` (ack, snapshot or update): track the newest."""
         self._known[fragment] = max(self._known.get(fragment, 0), version)
 
-    def record_ack(self, ack: dict, latency_s: float) -> None:
+    def record_ack(self, ack: dict, latency_s: float, payload: list[Any] | None = None) -> None:
         """Count a delta's final ack and remember which version will include it.
 
         Args:
             ack: the ack header (outcome, reason, round, fragment, version,
                 merged_version when the shard says).
             latency_s: seconds since the delta was pushed.
+            payload: the delta's codec frames, kept for `take_refused` when it was refused.
         """
         target = ack.get("merged_version")
         if ack["outcome"] == "rejected":
@@ -101,6 +105,8 @@ class Progress:
             self._counters.duplicates += ack["outcome"] == "duplicate"
         else:
             self._counters.rejected[ack.get("reason") or "unknown"] += 1
+            if payload is not None:
+                self._refused.append((ack["fragment"], ack["round"], payload))
 
     def credit(self, shard: int, credited: object) -> None:
         """A shard's cumulative credit of this island's tokens (ignored unless a number)."""
@@ -117,6 +123,16 @@ class Progress:
             self._counters.updates_applied += 1
 
     # -- read by the API ------------------------------------------------------------------------
+
+    def take_refused(self) -> list[tuple[int, int, list[Any]]]:
+        """The deltas finally refused since the last call, oldest first (then forgotten).
+
+        Returns:
+            (fragment, round, codec frames) per delta.
+        """
+        out = list(self._refused)
+        self._refused.clear()
+        return out
 
     def take_updates(self) -> list[Update]:
         """Pop the newest update of every fragment that changed.

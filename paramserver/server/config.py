@@ -39,6 +39,11 @@ OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server
 DOWNLINKS = ("float32", "int8")  # paramserver.server.downlink
 ASYNC_OUTER_LR = 0.7
 ASYNC_OUTER_MOMENTUM = 0.0
+# Steps of sparse (topk) deltas: plain SGD, the islands' error feedback is the momentum.
+# 1.0: the issue-22 sync simulation (3 islands, 300 steps: outer SGD lr 1 with the
+# per-entry merge 2.378 / 2.226 at H=30 / 10 against 2.716 / 2.547 as shipped);
+# `diloco-bench topk_outer` sweeps it.
+SPARSE_OUTER_LR = 1.0
 
 
 PENDING_MEMORY_SHARE = 4  # default max_pending_bytes: 1/4 of the machine's physical memory
@@ -105,6 +110,9 @@ class ShardConfig:
     outer_lr: float | None = None  # None: 0.7 (sync/quorum) or ASYNC_OUTER_LR (async, quorum 1)
     outer_momentum: float | None = None  # None: 0.9 (sync/quorum) or ASYNC_OUTER_MOMENTUM
     nesterov_delay: int = 1  # contributions between momentum updates (delayed Nesterov)
+    # outer lr of steps whose deltas are all topk-coded: SGD without momentum, each entry
+    # merged over the islands that sent it (paramserver.server.sparse_merge)
+    sparse_outer_lr: float = SPARSE_OUTER_LR
     heartbeat_interval_s: float = 1.0  # PUB heartbeat period when idle; liveness unit
     liveness: int = 5  # an island silent this many heartbeat intervals is dead
     max_message_bytes: int = 64 * MIB  # larger requests are rejected "oversize"
@@ -164,6 +172,7 @@ class ShardConfig:
         if self.outer_momentum is not None:
             check.number("outer_momentum", self.outer_momentum, low=0.0, below=1.0)
         check.integer("nesterov_delay", self.nesterov_delay, 1)
+        check.number("sparse_outer_lr", self.sparse_outer_lr, above=0.0)
         check.require(
             not (self.outer_optimizer == "sgd" and self.nesterov_delay != 1),
             "nesterov_delay",

@@ -6,7 +6,8 @@ islands' shares (`paramserver.server.weighting`), the merged delta
 handed to the step as `fill(lo, hi, out)`, which decodes them a piece at a
 time), the outer optimizer (`paramserver.server.outer`, applied in place chunk
 by chunk by `paramserver.server.chunked_step`; a plain SGD step when one
-island's work is merged alone and `single_island_outer_lr` is set) and the
+island's work is merged alone and `single_island_outer_lr` is set; sparse
+topk deltas: `paramserver.server.sparse_merge`'s per-entry merge and SGD) and the
 compressed downlink (`paramserver.server.downlink`: the fragment takes exactly
 the update replicas decode, chunk by chunk). Which deltas a step merges, and
 the bookkeeping around it (pending set, version, counters), are
@@ -28,6 +29,12 @@ from paramserver.server.events import Contribution, PieceGram
 from paramserver.server.fragment import FragmentState
 from paramserver.server.merge import chunk_merge, scaled
 from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
+from paramserver.server.sparse_merge import (
+    SPARSE_PUBLISH_ZSTD_LEVEL,
+    is_sparse,
+    sparse_merge,
+    sparse_optimizer,
+)
 from paramserver.server.tensor_groups import TensorGroups, partials
 from paramserver.server.weighting import IslandShare, island_shares, make_weighting
 from paramserver.wire.plan import Fragment
@@ -53,6 +60,9 @@ class FragmentStepper:
         lr = cfg.single_island_outer_lr
         self._single = ChunkedStep(optax.sgd(lr), finish=finish) if lr else None
         self.groups = TensorGroups(cfg.merge)  # rda: a cut tensor's other pieces on this shard
+        # sparse (topk) deltas: per-entry merge, SGD without momentum (sparse_merge)
+        self._sparse = ChunkedStep(sparse_optimizer(cfg.sparse_outer_lr), finish=finish)
+        self._sparse_downlink = Downlink(cfg.downlink, zstd_level=SPARSE_PUBLISH_ZSTD_LEVEL)
 
     def init(self, params: np.ndarray) -> Any:
         """A fragment's fresh optimizer state, as host buffers the step updates in place.
@@ -86,23 +96,31 @@ class FragmentStepper:
         """
         shares = island_shares(self.weighting, merged_in, frag.version)
         coefficients = {x.island: x.coefficient for x in shares}
-        merged = chunk_merge(
-            self.merge,
-            [(c.island, scaled(c.delta, c.clip)) for c in merged_in],
-            coefficients,
-            where,
-            partials(outside, merged_in, coefficients),
-        )  # decodes the coded pending deltas a piece at a time, chunk by chunk
-        fill = merged.fill
-        if self._single is not None and len(shares) == 1:
-            step, opt_state = self._single, self._single.init(frag.params)
+        sources = [(c.island, scaled(c.delta, c.clip)) for c in merged_in]
+        downlink = self.downlink
+        if is_sparse(merged_in):  # topk: each entry over the islands that sent it, no momentum
+            fill = sparse_merge(
+                sources, [coefficients[c.island] for c in merged_in], where.size
+            ).fill
+            step, opt_state = self._sparse, self._sparse.init(frag.params)
+            downlink = self._sparse_downlink  # a mostly-zero update: zstd shrinks its codes
         else:
-            step, opt_state = self._step, frag.opt_state
+            fill = chunk_merge(
+                self.merge,
+                sources,
+                coefficients,
+                where,
+                partials(outside, merged_in, coefficients),
+            ).fill  # decodes the coded pending deltas a piece at a time, chunk by chunk
+            if self._single is not None and len(shares) == 1:
+                step, opt_state = self._single, self._single.init(frag.params)
+            else:
+                step, opt_state = self._step, frag.opt_state
         if not self.downlink.compressed:
             step.step(frag.params, opt_state, fill)
             return shares, None
         if frag.residual is None:
             frag.residual = new_residual(frag.params.shape[0])
-        publication = self.downlink.begin(frag.params, frag.residual)
+        publication = downlink.begin(frag.params, frag.residual)
         step.step(frag.params, opt_state, fill, publication.apply, frag.residual)
         return shares, tuple(publication.frames())
