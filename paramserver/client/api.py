@@ -293,6 +293,22 @@ class Client:
         with self._lock:
             return self._core.progress.round_merged(round)
 
+    def delta_merged(self, round: int, fragment: int) -> bool:
+        """Whether one delta is in the global parameters this client holds.
+
+        Args:
+            round: a round id passed to `push`.
+            fragment: the fragment of that push.
+
+        Returns:
+            True once it is acked and a version that merged it has arrived (a
+            rejected delta counts as resolved); False before, also while it is
+            deferred (`too_many_pending`) or pending on its shard.
+        """
+        self._check_alive()
+        with self._lock:
+            return self._core.progress.delta_merged(round, fragment)
+
     def stats(self) -> dict[str, Any]:
         """Counters of this client.
 
