@@ -13,7 +13,9 @@ in ``<data_dir>/outbox.bin`` (`worker.outbox`) and hands out the global model
 placed like `params`. `Session.step` counts inner steps; when a fragment's
 delta is due (every `inner_steps` calls, or per fragment at its own step with
 streaming: `worker.push_schedule`) it pushes each due fragment's work since
-its last push (`worker.exchange`'s rule, encoded with error feedback), and
+its last push (`worker.exchange`'s rule, encoded with error feedback; a
+fragment whose previous delta is not merged yet skips a push and carries the
+work into its next one, see `Session._unblocked`), and
 folds in every newer published version with the merge rule. The exchange
 runs on the parameters' own devices (`worker.device_exchange`: only codes and
 scales cross to the host) when `exchange="device"` (the default), the codec
@@ -207,6 +209,7 @@ class Session:
         self.round = 0
         self.in_round = 0  # step calls of the current round
         self.pushed_in_round = False
+        self.last_push: dict[int, int] = {}  # fragment -> round id of its newest push
         self.steps = self.tokens = 0
         self.adopted = 0
         self._round_losses: list[Any] = []  # the `loss` values of this round's steps
@@ -295,6 +298,7 @@ class Session:
             due = due_fragments(in_round, self.inner_steps, len(self.sizes))
         else:
             due = list(range(len(self.sizes))) if round_end else []
+        due = self._unblocked(due)
         frames = self._encode(leaves, due) if due else {}  # before anything is counted
         self.steps, self.tokens, self.in_round = self.steps + 1, self.tokens + tokens, in_round
         if due:
@@ -313,6 +317,25 @@ class Session:
             self._report_training()
         self.clock.step_ended(time.monotonic())
         return out
+
+    def _unblocked(self, due: list[int]) -> list[int]:
+        """The due fragments whose previous delta is merged: the others keep their work.
+
+        An island has at most one unmerged delta per fragment (quorum and async
+        mode, single-process islands): a fragment whose last push is still
+        pending, deferred (`too_many_pending`) or unacked skips this push, and
+        its next push carries the work of both rounds against a newer base. A
+        shard slower than the islands thus gets fewer, larger deltas instead of
+        a queue of stale ones that it refuses, has re-sent and merges late.
+        (Sync mode waits for each round's merge; a multi-process island pushes
+        on schedule: its processes must agree on what each step pushes.)
+        """
+        if self.client is None or self.mode == "sync" or self.group.multi:
+            return due
+        waiting = [(self.last_push[f], f) for f in due if f in self.last_push]
+        outcomes = self.client.delta_outcomes(waiting)  # rejected: resolved, never merged
+        settled = {f for (r, f), o in outcomes.items() if o in ("merged", "rejected")}
+        return [f for f in due if f not in self.last_push or f in settled]
 
     def _encode(self, leaves: list[Any], fragments: list[int]) -> dict[int, tuple[int, list]]:
         """Each due fragment's (base version, frames) of its work since its last push.
@@ -340,6 +363,7 @@ class Session:
                 self.clock.pushed(round_id, index, self.sizes[index] / sum(self.sizes))
                 version, payload = frames[index]
                 self.client.push(index, round_id, version, tokens, steps, payload, stop=self.stop)
+            self.last_push[index] = round_id
         self.pushed_in_round = True
 
     def _fold(self, leaves: list[Any], params: Any) -> Any:

@@ -153,6 +153,19 @@ class Progress:
         self._ack_latencies.clear()
         return out
 
+    def delta_merged(self, round: int, fragment: int) -> bool:
+        """Whether the delta of (`round`, `fragment`) is resolved and in the replica.
+
+        Args:
+            round: the round id given to `push`.
+            fragment: the fragment index.
+
+        Returns:
+            True once it is acked and the replica holds a version that includes
+            it, or it was rejected (it never will be: resolved).
+        """
+        return self.delta_outcome(round, fragment) in ("merged", "rejected")
+
     def round_merged(self, round: int) -> bool:
         """Whether every fragment's delta of `round` is resolved and in the replica.
 
@@ -169,10 +182,7 @@ class Progress:
             return False
         if len(targets) < self.num_fragments:
             return False
-        return all(
-            target is None or (f in self.replica and self.replica[f].version >= target)
-            for f, target in targets.items()
-        )
+        return all(self.delta_merged(round, f) for f in targets)
 
     def delta_outcome(self, round: int, fragment: int) -> str:
         """What became of one pushed delta, as far as this client knows.
