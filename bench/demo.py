@@ -297,7 +297,8 @@ def _run(args: argparse.Namespace, interrupt: _Interrupt) -> int:
     quorum = max(1, args.islands - 1)
     live = not args.no_live and sys.stdout.isatty() and sys.stderr.isatty()
     log = sys.stderr
-    with LocalCluster(out, shards=args.shards, server_args=("--quorum", str(quorum))) as cluster:
+    server_args = ("--quorum", str(quorum), "--inner-steps", str(args.inner_steps))  # H: outer lr
+    with LocalCluster(out, shards=args.shards, server_args=server_args) as cluster:
         print(f"starting {args.shards} shards on {cluster.connect} ...", file=log)
         interrupt.shielded(cluster.start_server)
         print(f"starting {args.islands} islands (JAX import + compile takes a while) ...", file=log)

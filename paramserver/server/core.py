@@ -99,6 +99,7 @@ class ShardCore:
         self.last_checkpoint = last_checkpoint
         self.checkpoint_failures = 0  # failed attempts since the last written checkpoint
         self.checkpoint_error: str | None = None  # the last failure
+        self._h_warned: set[str] = set()  # islands told their H takes other outer defaults
         # asked before each outer step: may this fragment be stepped now? (see module docstring;
         # the flag says its pending deltas near the per-island limit: deferring risks refusals)
         self.step_guard: Callable[[int, bool], bool] = lambda fragment, urgent: True
@@ -249,7 +250,14 @@ class ShardCore:
             outcome = outcomes.count(self.state.counters, outcomes.unknown_island(header["island"]))
         else:
             outcome = self.state.submit_delta(header, payload, now)
+            self._check_inner_steps(header["island"], header["steps"])
         return self._answer(request, header, outcome)
+
+    def _check_inner_steps(self, island: str, steps: int) -> None:
+        """Warn once per island whose H would take other default outer settings than ours."""
+        if island not in self._h_warned and (text := self.cfg.inner_steps_mismatch(island, steps)):
+            self._h_warned.add(island)
+            logger.warning("%s", text)
 
     def _on_heartbeat(self, request: Request, header: dict, payload, now: float, known: bool):
         if not known:
@@ -264,6 +272,7 @@ class ShardCore:
         status = self.state.status(now)
         status.update(self.checkpoint_report())
         status["seq"] = self.seq
+        status["outer"] = self.cfg.outer_report()
         status["endpoints"] = [list(e) for e in self.endpoints]  # the cluster map, without hello
         return self._reply(request, header, "status_reply", status=status)
 
