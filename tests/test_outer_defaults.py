@@ -12,14 +12,14 @@ from shard_sim import Island, ShardSim
 from paramserver.plumbing.settings import SettingsError, load_settings
 from paramserver.server.config import ShardConfig, sync_outer_defaults
 
-# the rule, written out by hand: (lr, momentum) SHORT for H <= 17, LONG above
-SHORT, LONG = (0.4, 0.8), (0.7, 0.8)
+# the rule, written out by hand: (lr, momentum) SHORT for H <= 17, MIDDLE to 55, LONG above
+SHORT, MIDDLE, LONG = (0.4, 0.8), (0.5, 0.8), (0.7, 0.8)
 
 
 @pytest.mark.parametrize(
     ("h", "expected"),
-    [(1, SHORT), (10, SHORT), (17, SHORT), (18, LONG), (30, LONG), (50, LONG), (100, LONG),
-     (500, LONG)],
+    [(1, SHORT), (10, SHORT), (17, SHORT), (18, MIDDLE), (30, MIDDLE), (50, MIDDLE),
+     (55, MIDDLE), (56, LONG), (100, LONG), (500, LONG)],
 )  # fmt: skip
 def test_default_outer_settings_by_h(h, expected):
     assert sync_outer_defaults(h) == expected
@@ -33,7 +33,7 @@ def test_default_outer_settings_by_h(h, expected):
 
 def test_the_shard_defaults_to_the_islands_default_h():
     assert ShardConfig().inner_steps == 50  # worker.config.IslandConfig.inner_steps
-    assert ShardConfig(mode="sync").effective_outer_lr == LONG[0]
+    assert ShardConfig(mode="sync").effective_outer_lr == MIDDLE[0]
 
 
 def test_explicit_settings_override_the_default_of_h():

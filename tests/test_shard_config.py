@@ -21,7 +21,7 @@ def test_single_delta_steps_take_the_async_outer_defaults(mode, quorum, single):
     cfg = ShardConfig(mode=mode, quorum=quorum)
     assert cfg.steps_on_single_deltas is single
     # sync and quorum steps: the default of the islands' default H (50), written out by hand
-    lr, momentum = (ASYNC_OUTER_LR, ASYNC_OUTER_MOMENTUM) if single else (0.7, 0.8)
+    lr, momentum = (ASYNC_OUTER_LR, ASYNC_OUTER_MOMENTUM) if single else (0.5, 0.8)
     assert (cfg.effective_outer_lr, cfg.effective_outer_momentum) == (lr, momentum)
 
 

@@ -45,10 +45,10 @@ DEFAULT_INNER_STEPS = 50  # the islands' default H (worker.config.IslandConfig.i
 # (0.017) over seeds 0-2, 2.293 on seed 0). H=10: lr/momentum 0.4/0.8 2.265 (0.047, below
 # DDP on every seed), 0.7/0.9 2.348 (0.024), 0.4/0.9 2.292, 0.2/0.9 2.325, 0.3/0.8 2.290,
 # 0.6/0.8 2.305, 0.5/0.7 2.296, 0.7/0.6 2.279. H=30: 0.7/0.8 2.301 (0.029), 0.7/0.9 2.307
-# (0.017), 0.5/0.8 2.287, 0.6/0.7 2.288, 0.4/0.9 2.302, 1.0/0.9 2.344. H=100 (5 rounds):
+# (0.017), 0.5/0.8 2.289 (0.023), 0.6/0.7 2.288, 0.4/0.9 2.302, 1.0/0.9 2.344. H=100 (5 rounds):
 # 0.7/0.8 2.346 (0.040), 0.7/0.9 2.359 (0.066), 0.6/0.7 2.329, 0.5/0.8 2.357, 1.0/0.9 2.410,
-# 0.4/0.9 2.444. The boundary H=17 is the geometric mean of the measured 10 and 30.
-SYNC_OUTER_BY_H = ((17, 0.4, 0.8),)
+# 0.4/0.9 2.444. The boundaries 17 and 55 are geometric means of the measured H.
+SYNC_OUTER_BY_H = ((17, 0.4, 0.8), (55, 0.5, 0.8))
 SYNC_OUTER_LONG_H = (0.7, 0.8)  # H above the table's last row
 
 
@@ -134,7 +134,7 @@ class ShardConfig:
     # would take other defaults gets one warning per island
     inner_steps: int = DEFAULT_INNER_STEPS
     # outer learning rate; unset, sync and quorum steps take the default of --inner-steps
-    # (0.4 for H <= 17, 0.7 above) and async mode and a quorum of 1 take 0.7
+    # (0.4 for H <= 17, 0.5 up to 55, 0.7 above) and async mode and a quorum of 1 take 0.7
     outer_lr: float | None = None
     # outer (Nesterov) momentum in [0, 1); unset, sync and quorum steps take the default of
     # --inner-steps (0.8) and async mode and a quorum of 1 take 0 (no momentum)
