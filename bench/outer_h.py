@@ -43,7 +43,7 @@ from worker.config import IslandConfig
 from worker.train import InnerConfig
 
 T0 = 1_000_000.0
-GRID = "default;0.3,0.9;0.5,0.9;0.7,0.9;1.0,0.9"
+GRID = "default;0.7,0.9"  # the rule against the DiLoCo paper's values
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -66,7 +66,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--grid", default=GRID,
                         help="outer settings tried at every H: 'lr,momentum' items or 'default' "
                              "(the shard's default for that H), separated by ';'")  # fmt: skip
-    parser.add_argument("--seeds", default="0", help="seeds, comma-separated (e.g. 0,1,2)")
+    parser.add_argument("--seeds", default="0,1,2", help="seeds, comma-separated")
     parser.add_argument("--no-ddp", action="store_true", help="skip the DDP baseline")
 
 
@@ -77,9 +77,20 @@ def _parse(
     hs = [int(h) for h in args.hs.split(",")]
     grid: list[tuple[float, float] | None] = []
     for item in args.grid.split(";"):
-        lr, momentum = (None, None) if item.strip() == "default" else item.split(",")
-        grid.append(None if lr is None else (float(lr), float(momentum)))
+        if item.strip() == "default":
+            grid.append(None)
+            continue
+        try:
+            lr, momentum = item.split(",")
+            grid.append((float(lr), float(momentum)))
+        except ValueError:
+            raise ValueError(f"--grid item {item!r} must be 'lr,momentum' or 'default'") from None
+        ShardConfig(mode="sync", outer_lr=grid[-1][0], outer_momentum=grid[-1][1])  # refuses bad
     seeds = [int(s) for s in args.seeds.split(",")]
+    sizes = ("islands", "steps_per_island", "batch_size", "seq_len", "eval_batches")
+    for name, value in [("hs", h) for h in hs] + [(k, getattr(args, k)) for k in sizes]:
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} {value} must be >= 1")
     return hs, grid, seeds
 
 
@@ -195,8 +206,8 @@ def run(args: argparse.Namespace) -> int:
     """
     try:
         hs, grid, seeds = _parse(args)
-    except ValueError as exc:
-        print(f"diloco-bench outer_h: bad --hs/--grid/--seeds ({exc}); see --help", file=sys.stderr)
+    except ValueError as exc:  # ConfigError is one
+        print(f"diloco-bench outer_h: {exc} (see --help)", file=sys.stderr)
         return 2
     mcfg = model.MODEL_CONFIGS[args.model]
     icfg = InnerConfig(batch_size=args.batch_size, seq_len=args.seq_len)
