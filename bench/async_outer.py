@@ -166,11 +166,11 @@ def simulate(
             assert out.status == "accepted", out
         for f in state.due_fragments(T0 + now)[0]:
             state.step(f, T0 + now)
-        glob = global_values(state, plan, init)
+        glob = global_params(state, plan, init)
         params[i] = jax.tree.map(jnp.asarray, codec.unflatten(glob))  # AdamW state kept
         starts[i] = (state.versions(), glob)
         heapq.heappush(queue, (now + args.inner_steps * speeds[i], i))
-    final = jax.tree.map(jnp.asarray, codec.unflatten(global_values(state, plan, init)))
+    final = jax.tree.map(jnp.asarray, codec.unflatten(global_params(state, plan, init)))
     batches = data.eval_batches(heldout, icfg.batch_size, icfg.seq_len, 8)
     loss = float(np.mean([float(inner.loss(final, b)) for b in batches]))
     status = state.status(T0)
@@ -181,8 +181,17 @@ def simulate(
     }
 
 
-def global_values(state: ShardState, plan, template: dict) -> dict:
-    """The shard's current values of every leaf (template: leaf name -> array)."""
+def global_params(state: ShardState, plan, template: dict) -> dict:
+    """The shard's global parameters as a flat tree.
+
+    Args:
+        state: a shard owning every fragment of `plan`.
+        plan: the fragment plan.
+        template: a flat tree of the model's leaves (copied, then overwritten).
+
+    Returns:
+        {leaf name: array} of the shard's current parameters.
+    """
     glob = {k: v.copy() for k, v in template.items()}
     for frag in plan.fragments:
         plan.scatter(frag.index, state.snapshot(frag.index)[1], glob)

@@ -102,6 +102,7 @@ def server_settings(setup: Setup) -> dict[str, Any]:
         "mode": "quorum",
         # as the report: all islands but one, so one faulty island never holds up the steps
         "quorum": max(1, setup.islands - 1),
+        "inner_steps": setup.inner_steps,  # the islands' H: picks the default outer lr
         "heartbeat_interval_s": setup.heartbeat_s,
         "liveness": 5,
         "checkpoint_every_steps": 25,

@@ -318,6 +318,7 @@ def _run(args: argparse.Namespace, interrupt: _Interrupt) -> int:
     log = sys.stderr
     metrics_port = free_base_port(1) if args.metrics_port is None else args.metrics_port
     server_args = ("--quorum", str(quorum), "--metrics-port", str(metrics_port))
+    server_args += ("--inner-steps", str(args.inner_steps))  # H: the default outer lr
     with LocalCluster(out, shards=args.shards, server_args=server_args) as cluster:
         print(f"starting {args.shards} shards on {cluster.connect} ...", file=log)
         interrupt.shielded(cluster.start_server)

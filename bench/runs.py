@@ -81,6 +81,7 @@ def server_settings(scenario: Scenario, budget: Budget) -> dict[str, Any]:
     return {
         "mode": scenario.method,
         "quorum": scenario.quorum_of(budget.islands),
+        "inner_steps": budget.inner_steps,  # the islands' H: picks the default outer lr
         "grace_rule": scenario.grace_rule,
         "merge": scenario.merge,
         "weighting": scenario.weighting,

@@ -31,7 +31,7 @@ import numpy as np
 
 import codec
 from bench import cli
-from bench.async_outer import T0, InnerSteps, global_values, replace_args, sim_cluster
+from bench.async_outer import T0, InnerSteps, global_params, replace_args, sim_cluster
 from bench.common import emit_json, progress
 from paramserver.server.config import ShardConfig
 from worker import data, model
@@ -100,7 +100,7 @@ def simulate(args, variant, seed: int, corpus: bytes, inner: InnerSteps) -> dict
                 assert out.status == "accepted", out
         for f in state.due_fragments(now)[0]:
             state.step(f, now)
-        start = global_values(state, plan, init)
+        start = global_params(state, plan, init)
         for i in range(args.islands):  # everyone adopts the new version; AdamW state kept
             params[i] = jax.tree.map(jnp.asarray, codec.unflatten(start))
     final = jax.tree.map(jnp.asarray, codec.unflatten(start))

@@ -110,6 +110,8 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
             *SERVER_CLI, "start", "--shards", str(args.shards), "--port", str(port),
             "--mode", args.mode, "--data-dir", str(server_dir),
         ]  # fmt: skip
+        if getattr(args, "inner_steps", None):  # the islands' H: picks the default outer lr
+            argv += ["--inner-steps", str(args.inner_steps)]
         try:
             _run([*argv, "--detach"], "diloco-server start")  # a failed start leaves nothing
         except KeyboardInterrupt:  # Ctrl-C while it starts: it may be up already

@@ -8,8 +8,6 @@ from paramserver.plumbing.settings import SettingsError, load_settings
 from paramserver.server.config import (
     ASYNC_OUTER_LR,
     ASYNC_OUTER_MOMENTUM,
-    SYNC_OUTER_LR,
-    SYNC_OUTER_MOMENTUM,
     ConfigError,
     ShardConfig,
 )
@@ -22,9 +20,8 @@ from paramserver.server.config import (
 def test_single_delta_steps_take_the_async_outer_defaults(mode, quorum, single):
     cfg = ShardConfig(mode=mode, quorum=quorum)
     assert cfg.steps_on_single_deltas is single
-    lr, momentum = (
-        (ASYNC_OUTER_LR, ASYNC_OUTER_MOMENTUM) if single else (SYNC_OUTER_LR, SYNC_OUTER_MOMENTUM)
-    )
+    # sync and quorum steps: the default of the islands' default H (50), written out by hand
+    lr, momentum = (ASYNC_OUTER_LR, ASYNC_OUTER_MOMENTUM) if single else (0.5, 0.8)
     assert (cfg.effective_outer_lr, cfg.effective_outer_momentum) == (lr, momentum)
 
 

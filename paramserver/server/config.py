@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from paramserver.plumbing.validate import LOG_LEVELS, Checks
 from paramserver.server.merge import MERGES
@@ -22,9 +22,7 @@ from paramserver.server.weighting import WEIGHTINGS
 MIB = 1024 * 1024
 
 # Outer lr / momentum used when outer_lr / outer_momentum are left at None.
-# Synchronous and quorum modes: the DiLoCo values (lr 0.7, Nesterov 0.9).
-SYNC_OUTER_LR = 0.7
-SYNC_OUTER_MOMENTUM = 0.9
+# Synchronous and quorum modes: a function of the islands' H (sync_outer_defaults below).
 # Fully async mode (and a quorum of 1) steps once per delta: each step carries one
 # island's stale pseudo-gradient. Chosen by `diloco-bench async_outer --rounds 48
 # --seeds 2` (2026-11-30, after the merge fix: per-island sums, absolute staleness
@@ -44,6 +42,35 @@ ASYNC_OUTER_MOMENTUM = 0.0
 # per-entry merge 2.378 / 2.226 at H=30 / 10 against 2.716 / 2.547 as shipped);
 # `diloco-bench topk_outer` sweeps it.
 SPARSE_OUTER_LR = 1.0
+DEFAULT_INNER_STEPS = 50  # the islands' default H (worker.config.IslandConfig.inner_steps)
+# (largest H, outer lr, outer momentum) of synchronous / quorum steps, by the islands' H.
+# Chosen by `diloco-bench outer_h --seq-len 32` (2026-12-01: 2 islands, tiny model, batch
+# 8, 480 steps per island, sync DiLoCo through a real ShardState against DDP at equal
+# tokens; held-out nats/byte, seed 0 unless 3 seeds are given as mean (spread); DDP 2.287
+# (0.017) over seeds 0-2, 2.293 on seed 0). H=10: lr/momentum 0.4/0.8 2.265 (0.047, below
+# DDP on every seed), 0.7/0.9 2.348 (0.024), 0.4/0.9 2.292, 0.2/0.9 2.325, 0.3/0.8 2.290,
+# 0.6/0.8 2.305, 0.5/0.7 2.296, 0.7/0.6 2.279. H=30: 0.7/0.8 2.301 (0.029), 0.7/0.9 2.307
+# (0.017), 0.5/0.8 2.289 (0.023), 0.6/0.7 2.288, 0.4/0.9 2.302, 1.0/0.9 2.344. H=100 (5 rounds):
+# 0.7/0.8 2.346 (0.040), 0.7/0.9 2.359 (0.066), 0.6/0.7 2.329, 0.5/0.8 2.357, 1.0/0.9 2.410,
+# 0.4/0.9 2.444. The boundaries 17 and 55 are geometric means of the measured H.
+SYNC_OUTER_BY_H = ((17, 0.4, 0.8), (55, 0.5, 0.8))
+SYNC_OUTER_LONG_H = (0.7, 0.8)  # H above the table's last row
+
+
+def sync_outer_defaults(inner_steps: int) -> tuple[float, float]:
+    """The default outer (lr, momentum) of sync and quorum steps for islands running H steps.
+
+    Args:
+        inner_steps: H, the islands' inner steps per round (>= 1).
+
+    Returns:
+        (lr, momentum) of the first SYNC_OUTER_BY_H row whose H is >= inner_steps,
+        SYNC_OUTER_LONG_H past the table.
+    """
+    for largest_h, lr, momentum in SYNC_OUTER_BY_H:
+        if inner_steps <= largest_h:
+            return lr, momentum
+    return SYNC_OUTER_LONG_H
 
 
 PENDING_MEMORY_SHARE = 4  # default max_pending_bytes: 1/4 of the machine's physical memory
@@ -107,8 +134,16 @@ class ShardConfig:
     merge: str = "mean"  # combining the islands' deltas: mean or rda (paramserver.server.merge)
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
     outer_optimizer: str = "nesterov"  # nesterov, sgd or delayed-nesterov
-    outer_lr: float | None = None  # None: 0.7 (sync/quorum) or ASYNC_OUTER_LR (async, quorum 1)
-    outer_momentum: float | None = None  # None: 0.9 (sync/quorum) or ASYNC_OUTER_MOMENTUM
+    # H, the inner steps per round the islands run (set it to their --inner-steps): it picks
+    # the default outer lr and momentum of sync and quorum steps; a push of another H that
+    # would take other defaults gets one warning per island
+    inner_steps: int = DEFAULT_INNER_STEPS
+    # outer learning rate; unset, sync and quorum steps take the default of --inner-steps
+    # (0.4 for H <= 17, 0.5 up to 55, 0.7 above) and async mode and a quorum of 1 take 0.7
+    outer_lr: float | None = None
+    # outer (Nesterov) momentum in [0, 1); unset, sync and quorum steps take the default of
+    # --inner-steps (0.8) and async mode and a quorum of 1 take 0 (no momentum)
+    outer_momentum: float | None = None
     nesterov_delay: int = 1  # contributions between momentum updates (delayed Nesterov)
     # outer lr of steps whose deltas are all topk-coded: SGD without momentum, each entry
     # merged over the islands that sent it (paramserver.server.sparse_merge)
@@ -167,6 +202,7 @@ class ShardConfig:
         check.choice("merge", self.merge, MERGES)
         check.number("staleness_exponent", self.staleness_exponent, low=0.0)
         check.choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        check.integer("inner_steps", self.inner_steps, 1)
         if self.outer_lr is not None:
             check.number("outer_lr", self.outer_lr, above=0.0)
         if self.outer_momentum is not None:
@@ -279,14 +315,62 @@ class ShardConfig:
         """The outer learning rate after resolving the mode-dependent default."""
         if self.outer_lr is not None:
             return float(self.outer_lr)
-        return ASYNC_OUTER_LR if self.steps_on_single_deltas else SYNC_OUTER_LR
+        if self.steps_on_single_deltas:
+            return ASYNC_OUTER_LR
+        return sync_outer_defaults(self.inner_steps)[0]
 
     @property
     def effective_outer_momentum(self) -> float:
         """The outer momentum after resolving the mode-dependent default."""
         if self.outer_momentum is not None:
             return float(self.outer_momentum)
-        return ASYNC_OUTER_MOMENTUM if self.steps_on_single_deltas else SYNC_OUTER_MOMENTUM
+        if self.steps_on_single_deltas:
+            return ASYNC_OUTER_MOMENTUM
+        return sync_outer_defaults(self.inner_steps)[1]
+
+    @property
+    def outer_from_inner_steps(self) -> bool:
+        """Whether the outer lr or momentum is the default of `inner_steps` (not given, sync/quorum)."""
+        defaulted = self.outer_lr is None or self.outer_momentum is None
+        return defaulted and not self.steps_on_single_deltas
+
+    def outer_report(self) -> dict[str, Any]:
+        """The outer optimizer in effect, JSON-ready (for status).
+
+        Returns:
+            optimizer, lr, momentum, inner_steps and whether lr/momentum were
+            defaulted from inner_steps.
+        """
+        return {
+            "optimizer": self.outer_optimizer,
+            "lr": self.effective_outer_lr,
+            "momentum": self.effective_outer_momentum,
+            "inner_steps": self.inner_steps,
+            "from_inner_steps": self.outer_from_inner_steps,
+        }
+
+    def inner_steps_mismatch(self, island: str, steps: int) -> str | None:
+        """What to tell the operator when a push's H would take other default outer settings.
+
+        Args:
+            island: the pushing island.
+            steps: the inner steps of its push (its round length H).
+
+        Returns:
+            A one-line warning, or None when the push's H takes the same
+            defaults as `inner_steps` (or the outer settings are not defaulted).
+        """
+        if not self.outer_from_inner_steps:
+            return None
+        ours, theirs = sync_outer_defaults(self.inner_steps), sync_outer_defaults(steps)
+        if ours == theirs:
+            return None
+        return (
+            f"island {island} pushes rounds of {steps} inner steps, but the default outer "
+            f"lr/momentum {ours[0]}/{ours[1]} were chosen for inner_steps={self.inner_steps} "
+            f"(H={steps} takes {theirs[0]}/{theirs[1]}): start the shards with "
+            f"--inner-steps {steps}, or give --outer-lr and --outer-momentum"
+        )
 
     @property
     def max_frame_bytes(self) -> int:

@@ -102,6 +102,7 @@ class ShardCore:
         self.last_checkpoint = last_checkpoint
         self.checkpoint_failures = 0  # failed attempts since the last written checkpoint
         self.checkpoint_error: str | None = None  # the last failure
+        self._h_warned: set[str] = set()  # islands told their H takes other outer defaults
         # asked before each outer step: may this fragment be stepped now? (see module docstring;
         # the flag says its pending deltas near the per-island limit: deferring risks refusals)
         self.step_guard: Callable[[int, bool], bool] = lambda fragment, urgent: True
@@ -256,7 +257,14 @@ class ShardCore:
             self.islands.heard(header["island"], header, now)
             if outcome.status == ACCEPTED:
                 self.islands.accepted(header["island"], header["round"], now)
+            self._check_inner_steps(header["island"], header["steps"])
         return self._answer(request, header, outcome)
+
+    def _check_inner_steps(self, island: str, steps: int) -> None:
+        """Warn once per island whose H would take other default outer settings than ours."""
+        if island not in self._h_warned and (text := self.cfg.inner_steps_mismatch(island, steps)):
+            self._h_warned.add(island)
+            logger.warning("%s", text)
 
     def _on_heartbeat(self, request: Request, header: dict, payload, now: float, known: bool):
         if not known:
@@ -273,6 +281,7 @@ class ShardCore:
         status.update(self.checkpoint_report())
         status["seq"] = self.seq
         status["islands"] = self.islands.status()
+        status["outer"] = self.cfg.outer_report()
         status["endpoints"] = [list(e) for e in self.endpoints]  # the cluster map, without hello
         return self._reply(request, header, "status_reply", status=status)
 
