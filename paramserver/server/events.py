@@ -90,11 +90,17 @@ class AcceptEvent:
 
 @dataclass(frozen=True)
 class StepEvent:
-    """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round))."""
+    """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round)).
+
+    `expected` is the islands the shard expected that round (its live islands
+    and the merged ones, `weighting.round_share`); 0 (a log written before it
+    was recorded) counts the merged islands, a whole round.
+    """
 
     fragment: int
     keys: tuple[tuple[str, int], ...]
     at: float
+    expected: int = 0
 
 
 Event = InitEvent | InitBeginEvent | InitPieceEvent | AcceptEvent | StepEvent

@@ -5,8 +5,9 @@ islands' shares (`paramserver.server.weighting`), the merged delta
 (`paramserver.server.merge`: a `ChunkMerge` of the coded pending deltas,
 handed to the step as `fill(lo, hi, out)`, which decodes them a piece at a
 time), the outer optimizer (`paramserver.server.outer`, applied in place chunk
-by chunk by `paramserver.server.chunked_step`; a plain SGD step when one
-island's work is merged alone and `single_island_outer_lr` is set) and the
+by chunk by `paramserver.server.chunked_step`: one optimizer for every step
+of a run; a step that merges fewer islands than the shard expected is a
+smaller share of a round, `weighting.round_share`) and the
 compressed downlink (`paramserver.server.downlink`: the fragment takes exactly
 the update replicas decode, chunk by chunk). Which deltas a step merges, and
 the bookkeeping around it (pending set, version, counters), are
@@ -19,7 +20,6 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import optax
 
 from paramserver.server.chunked_step import ChunkedStep
 from paramserver.server.config import ShardConfig
@@ -28,7 +28,7 @@ from paramserver.server.events import Contribution
 from paramserver.server.fragment import FragmentState
 from paramserver.server.merge import chunk_merge, scaled
 from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
-from paramserver.server.weighting import IslandShare, island_shares, make_weighting
+from paramserver.server.weighting import IslandShare, make_weighting, merge_coefficients
 from paramserver.wire.plan import Fragment
 
 
@@ -42,15 +42,12 @@ class FragmentStepper:
             cfg: weighting, merge, outer optimizer and downlink settings.
         """
         self.merge = cfg.merge
-        self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent)
+        self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent, cfg.step_rule)
         outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
         self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
         self.downlink = Downlink(cfg.downlink)
         finish = self.downlink.finish if self.downlink.compressed else None
         self._step = ChunkedStep(self.optimizer.tx, finish=finish)  # the outer step, in place
-        # a step that merges one island's work when the quorum collapsed: plain SGD
-        lr = cfg.single_island_outer_lr
-        self._single = ChunkedStep(optax.sgd(lr), finish=finish) if lr else None
 
     def init(self, params: np.ndarray) -> Any:
         """A fragment's fresh optimizer state, as host buffers the step updates in place.
@@ -64,7 +61,11 @@ class FragmentStepper:
         return self._step.init(params)
 
     def step(
-        self, frag: FragmentState, merged_in: Sequence[Contribution], where: Fragment
+        self,
+        frag: FragmentState,
+        merged_in: Sequence[Contribution],
+        where: Fragment,
+        expected: int | None = None,
     ) -> tuple[list[IslandShare], tuple[Any, ...] | None]:
         """Merge `merged_in` into `frag` and take one outer step (params, opt_state, residual).
 
@@ -72,28 +73,28 @@ class FragmentStepper:
             frag: the fragment's state (changed in place; version and pending are not).
             merged_in: the pending deltas this step merges (at least one).
             where: the fragment in the plan (its leaves, for per-tensor merges).
+            expected: islands the shard expected this round (its live
+                islands at the step); None: the step's own islands.
 
         Returns:
             (the islands' shares, the published update's codec frames or None
             for the float32 downlink).
         """
-        shares = island_shares(self.weighting, merged_in, frag.version)
+        coefficients, shares = merge_coefficients(
+            self.weighting, merged_in, frag.version, expected
+        )
         merged = chunk_merge(
             self.merge,
             [(c.island, scaled(c.delta, c.clip)) for c in merged_in],
-            {x.island: x.coefficient for x in shares},
+            coefficients,
             where,
         )  # decodes the coded pending deltas a piece at a time, chunk by chunk
         fill = merged.fill
-        if self._single is not None and len(shares) == 1:
-            step, opt_state = self._single, self._single.init(frag.params)
-        else:
-            step, opt_state = self._step, frag.opt_state
         if not self.downlink.compressed:
-            step.step(frag.params, opt_state, fill)
+            self._step.step(frag.params, frag.opt_state, fill)
             return shares, None
         if frag.residual is None:
             frag.residual = new_residual(frag.params.shape[0])
         publication = self.downlink.begin(frag.params, frag.residual)
-        step.step(frag.params, opt_state, fill, publication.apply, frag.residual)
+        self._step.step(frag.params, frag.opt_state, fill, publication.apply, frag.residual)
         return shares, tuple(publication.frames())

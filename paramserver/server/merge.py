@@ -3,18 +3,19 @@
 This module owns the `--merge mean|rda` rule of one fragment's step (numpy
 only). `mean` is `sum_i c_i * delta_i` (`merge_deltas`). `rda` is radial-
 directional averaging: island deltas merged by mean norm and mean direction.
-With the step's island coefficients c_i = w_i * g(s_i)
-(`paramserver.server.weighting`), C = sum c_i and p_i = c_i / C, each tensor
-segment of the fragment is merged as::
+With one coefficient c_ik per pending delta d_ik (`paramserver.server.weighting`:
+the island's weight times the delta's own staleness factor), island i's vector
+u_i = sum_k c_ik * d_ik and its weight C_i = sum_k c_ik, each tensor segment
+of the fragment is merged as::
 
-    merged = C * (sum_i p_i * |v_i|) * phi(sum_i p_i * phi(v_i)),   phi(x) = x / |x|
+    merged = (sum_i |u_i|) * phi(sum_i C_i * phi(u_i)),   phi(x) = x / |x|
 
-where v_i is island i's delta (its pushes summed) restricted to the segment. The
-mean direction keeps what the islands agree on; the mean norm keeps the step's
-size, so it does not shrink like 1/sqrt(M) for M nearly orthogonal deltas as the
-plain mean does. C carries the staleness factors, so one island's delta gives
-exactly `c_1 * v_1` as with the mean (a lone stale delta still moves the model
-less), and a fresh lone delta is merged unchanged.
+restricted to the segment. The mean direction keeps what the islands agree
+on; the mean norm keeps the step's size, so it does not shrink like
+1/sqrt(M) for M nearly orthogonal deltas as the plain mean does. The
+coefficients carry the staleness factors, so one island's delta gives exactly
+`u_1` as with the mean (a lone stale delta still moves the model less), and a
+fresh lone delta is merged unchanged.
 
 Segments: the fragment's slices (`plan.Slice`), one per tensor or tensor piece.
 Where the byte-balanced plan splits a tensor across fragments (possibly on
@@ -40,7 +41,7 @@ delta order does.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -257,33 +258,35 @@ class _MeanMerge(ChunkMerge):
 
 
 class _RdaMerge(ChunkMerge):
-    """Per segment, sum_i a_i * v_i in float64 with factors a_i from a Gram pass at build time."""
+    """Per segment, sum_i a_i * u_i in float64 with factors a_i from a Gram pass at build time.
+
+    u_i = sum_k c_ik * d_ik is island i's coefficient-weighted sum of its deltas.
+    """
 
     def __init__(
         self,
-        islands: Sequence[Sequence[DeltaSource]],
-        coefficients: Sequence[float],
+        islands: Sequence[Sequence[tuple[DeltaSource, float]]],
         segments: Sequence[Segment],
     ) -> None:
-        super().__init__(islands[0][0].size)
-        self.islands = [list(parts) for parts in islands]
+        super().__init__(islands[0][0][0].size)
+        self.islands = [[(s, np.float32(c)) for s, c in parts] for parts in islands]
         self.segments = list(segments)
-        coef = np.asarray(coefficients, dtype=np.float64)
-        total = float(coef.sum())
-        share = coef / total
-        self.factors = [self._factors(seg, share, total) for seg in self.segments]
+        weights = np.array([sum(c for _, c in parts) for parts in islands], dtype=np.float64)
+        self.factors = [self._factors(seg, weights) for seg in self.segments]
 
     def _island_piece(self, i: int, a: int, b: int, out: np.ndarray, tmp: np.ndarray) -> None:
-        """Island i's pushes summed (float32, in order) over [a, b) into `out`."""
-        parts = self.islands[i]
-        parts[0].decode_into(a, b, out)
-        for part in parts[1:]:
+        """u_i over [a, b) into `out`: island i's deltas times their coefficients, summed (float32)."""
+        (first, c0), *rest = self.islands[i]
+        first.decode_into(a, b, out)
+        np.multiply(out, c0, out=out)
+        for part, c in rest:
             part.decode_into(a, b, tmp)
+            np.multiply(tmp, c, out=tmp)
             out += tmp
 
-    def _factors(self, seg: Segment, share: np.ndarray, total: float) -> np.ndarray:
-        mean = total * share  # the weighted mean's factors
+    def _factors(self, seg: Segment, weights: np.ndarray) -> np.ndarray:
         count = len(self.islands)
+        mean = np.ones(count)  # the weighted mean: sum_i u_i
         if seg.mean_only or count == 1:
             return mean
         gram = np.zeros((count, count))
@@ -297,11 +300,11 @@ class _RdaMerge(ChunkMerge):
             block = wide[:, : b - a]
             gram += block @ block.T
         norms = np.sqrt(np.maximum(np.diag(gram), 0.0))
-        unit = np.divide(share, norms, out=np.zeros(count), where=norms > 0)  # p_i / |v_i|
-        length = float(np.sqrt(max(float(unit @ gram @ unit), 0.0)))  # |sum_i p_i phi(v_i)|
-        if length < _CANCEL_TOL:
+        unit = np.divide(weights, norms, out=np.zeros(count), where=norms > 0)  # C_i / |u_i|
+        length = float(np.sqrt(max(float(unit @ gram @ unit), 0.0)))  # |sum_i C_i phi(u_i)|
+        if length < _CANCEL_TOL * float(weights.sum()):
             return mean
-        return total * float(share @ norms) * unit / length
+        return float(norms.sum()) * unit / length
 
     def _fill(self, lo: int, hi: int, out: np.ndarray) -> None:
         width = min(PIECE, hi - lo)
@@ -364,7 +367,7 @@ def rda_merge(
         raise MergeError(f"deltas must be 1-D of one length, got {[s.size for s in sources]}")
     _check_coefficients(coefficients)
     _check_segments(segments, sources[0].size)
-    return _RdaMerge([[s] for s in sources], coefficients, segments).whole(out)
+    return _RdaMerge([[(s, c)] for s, c in zip(sources, coefficients)], segments).whole(out)
 
 
 def merge_deltas(
@@ -396,16 +399,18 @@ def merge_deltas(
 def chunk_merge(
     rule: str,
     deltas: Sequence[tuple[str, DeltaSource | np.ndarray]],
-    coefficients: Mapping[str, float],
+    coefficients: Sequence[float],
     fragment: Fragment,
 ) -> ChunkMerge:
     """A step's merged pseudo-gradient under a merge rule, to be written range by range.
 
     Args:
-        rule: "mean" (sum of c_i * delta) or "rda" (this module).
+        rule: "mean" (sum of c_k * delta_k) or "rda" (this module).
         deltas: (island, delta) of every pending delta the step merges; an
-            island's deltas are disjoint increments and are summed first (rda).
-        coefficients: island -> c_i = w_i * g(s_i).
+            island's deltas are disjoint increments, summed with their
+            coefficients first (rda).
+        coefficients: one c_k >= 0 per delta, aligned with `deltas`
+            (`weighting.merge_coefficients`), with a positive sum.
         fragment: the plan fragment (its slices are the RDA segments).
 
     Returns:
@@ -414,12 +419,16 @@ def chunk_merge(
         the deltas); the sources must not change while it is used.
 
     Raises:
-        MergeError: an unknown rule, no deltas, or deltas of the wrong size.
+        MergeError: an unknown rule, no deltas, deltas of the wrong size, or
+            coefficients that do not match them.
     """
     if rule not in MERGES:
         raise MergeError(f"merge={rule!r} is unknown; choose one of {MERGES}")
     if not deltas:
         raise MergeError("a merge needs at least one delta")
+    if len(coefficients) != len(deltas):
+        raise MergeError(f"{len(deltas)} deltas but {len(coefficients)} coefficients")
+    _check_coefficients(coefficients)
     sources = [(island, as_source(d)) for island, d in deltas]
     if any(s.size != fragment.size for _, s in sources):
         sizes = sorted({s.size for _, s in sources})
@@ -427,28 +436,26 @@ def chunk_merge(
             f"deltas of sizes {sizes} for fragment {fragment.index} of {fragment.size}"
         )
     if rule == "mean":
-        return _MeanMerge([s for _, s in sources], [coefficients[i] for i, _ in sources])
-    per_island: dict[str, list[DeltaSource]] = {}
-    for island, source in sources:
-        per_island.setdefault(island, []).append(source)
-    weights = [coefficients[i] for i in per_island]
-    _check_coefficients(weights)
-    return _RdaMerge(list(per_island.values()), weights, fragment_segments(fragment))
+        return _MeanMerge([s for _, s in sources], list(coefficients))
+    per_island: dict[str, list[tuple[DeltaSource, float]]] = {}
+    for (island, source), c in zip(sources, coefficients, strict=True):
+        per_island.setdefault(island, []).append((source, float(c)))
+    return _RdaMerge(list(per_island.values()), fragment_segments(fragment))
 
 
 def merge_pending(
     rule: str,
     deltas: Sequence[tuple[str, DeltaSource | np.ndarray]],
-    coefficients: Mapping[str, float],
+    coefficients: Sequence[float],
     fragment: Fragment,
     out: np.ndarray | None = None,
 ) -> np.ndarray:
     """A step's merged pseudo-gradient under a merge rule, whole (`chunk_merge` filled once).
 
     Args:
-        rule: "mean" (sum of c_i * delta) or "rda" (this module).
+        rule: "mean" (sum of c_k * delta_k) or "rda" (this module).
         deltas: (island, delta) of every pending delta the step merges.
-        coefficients: island -> c_i = w_i * g(s_i).
+        coefficients: one c_k per delta, aligned with `deltas`.
         fragment: the plan fragment (its slices are the RDA segments).
         out: optional float32 buffer of the deltas' shape.
 

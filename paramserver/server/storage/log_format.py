@@ -16,7 +16,9 @@ Log records (msgpack header + raw payload):
             frames as received, back to back (read again on replay into the
             same coded pending delta: `codec.coded.read` is deterministic), or
             the float32 delta when codec is nil (an event built without frames)
-    step    {"t": "step", fragment, keys: [[island, round], ...], at}
+    step    {"t": "step", fragment, keys: [[island, round], ...], at, expected}
+            (expected: the islands the step's round expected; absent in older
+            logs, read as 0: a whole round)
 """
 
 from __future__ import annotations
@@ -72,6 +74,7 @@ def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
             "fragment": event.fragment,
             "keys": [list(k) for k in event.keys],
             "at": event.at,
+            "expected": event.expected,
         }
         return header, []
     if isinstance(event, InitEvent):
@@ -131,7 +134,8 @@ def record_to_event(record: Record) -> Event:
             return AcceptEvent(c)
         if kind == "step":
             keys = tuple((str(island), int(rnd)) for island, rnd in h["keys"])
-            return StepEvent(int(h["fragment"]), keys, float(h["at"]))
+            expected = int(h.get("expected", 0))
+            return StepEvent(int(h["fragment"]), keys, float(h["at"]), expected)
         if kind == "init":
             flat = np.frombuffer(record.payload, dtype=np.float32)
             values, offset = {}, 0
