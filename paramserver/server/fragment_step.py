@@ -27,8 +27,13 @@ from paramserver.server.downlink import Downlink, new_residual
 from paramserver.server.events import Contribution
 from paramserver.server.fragment import FragmentState
 from paramserver.server.merge import chunk_merge, scaled
-from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
-from paramserver.server.weighting import IslandShare, make_weighting, merge_coefficients
+from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer, set_round_share
+from paramserver.server.weighting import (
+    IslandShare,
+    make_weighting,
+    merge_coefficients,
+    round_share,
+)
 from paramserver.wire.plan import Fragment
 
 
@@ -90,6 +95,8 @@ class FragmentStepper:
             where,
         )  # decodes the coded pending deltas a piece at a time, chunk by chunk
         fill = merged.fill
+        share = round_share(len(shares), expected) if self.weighting.scales_by_share else 1.0
+        set_round_share(frag.opt_state, share)  # the momentum moves once per round
         if not self.downlink.compressed:
             self._step.step(frag.params, frag.opt_state, fill)
             return shares, None
