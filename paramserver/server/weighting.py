@@ -22,8 +22,10 @@ the island count. A round is one delta from each of the N islands. A step
 that merges n of them is n/N of a round: its merged delta is scaled by n/N
 (sync: n = N, 1; async: 1/N per delta; a collapsed quorum: a smaller share,
 never another optimizer), and a version it adds is n/N of a round of
-staleness, so K islands pushing the same delta d in one round move the model
-by about lr * |d| for every K: exactly with g = 1, and within
+staleness, and the outer momentum moves once per round
+(`paramserver.server.outer.round_nesterov`, told each step's share), so K
+islands pushing the same delta d in one round move the model by about one
+step's worth for every K (lr * |d| without momentum): exactly with g = 1, and within
 2 * (sqrt(2) - 1) = 0.83 of it as K grows (the k-th delta of the round is
 (k - 1)/K rounds stale), where counting versions gave 0.70|d| sqrt(K).
 `diloco-bench step_rule` measures it against the other candidates:
@@ -148,7 +150,7 @@ class Weighting:
         """The absolute staleness factor g, with g(0) = 1.
 
         Args:
-            staleness: versions between the island's oldest base and now, >= 0.
+            staleness: a delta's staleness (rounds or versions: the step rule), >= 0.
 
         Returns:
             g(staleness) in (0, 1].
