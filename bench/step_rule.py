@@ -283,7 +283,9 @@ def loss_table(args, corpus, inner, p, task) -> dict:
     for k in (int(x) for x in args.loss_ks.split(",")):
         speeds = [1.0 + i / (2 * k) for i in range(k)]
         row: dict = {"speeds": speeds}
-        sync = [train_run(args, "round", "sync", k, s, speeds, corpus, inner) for s in range(args.seeds)]
+        sync = [
+            train_run(args, "round", "sync", k, s, speeds, corpus, inner) for s in range(args.seeds)
+        ]
         row["sync"] = float(np.mean([r["heldout_loss"] for r in sync]))
         p.advance(task)
         for candidate in args.loss_rules.split(","):
@@ -306,7 +308,9 @@ def harsh_table(args, corpus, inner, p, task) -> dict:
     """Quorum mode (quorum 2, eq3) on the harsh mix, per candidate, with sync as reference."""
     speeds = [1.0 / s for s, _ in HARSH]  # time per inner step: the slow island takes 2
     out: dict = {"step_time": speeds}
-    sync = [train_run(args, "round", "sync", 4, s, speeds, corpus, inner) for s in range(args.seeds)]
+    sync = [
+        train_run(args, "round", "sync", 4, s, speeds, corpus, inner) for s in range(args.seeds)
+    ]
     out["sync"] = float(np.mean([r["heldout_loss"] for r in sync]))
     p.advance(task)
     for candidate in args.loss_rules.split(","):
@@ -329,7 +333,11 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         exit status 0.
     """
-    result: dict = {"command": " ".join(sys.argv), "settings": vars(replace_args(args)), "has_step_rule": HAS_RULE}
+    result: dict = {
+        "command": " ".join(sys.argv),
+        "settings": vars(replace_args(args)),
+        "has_step_rule": HAS_RULE,
+    }
     parts = ("movement", "loss", "harsh") if args.part == "all" else (args.part,)
     n_rules = len(args.rules.split(","))
     n_loss = len(args.loss_rules.split(","))

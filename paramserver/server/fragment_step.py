@@ -85,9 +85,7 @@ class FragmentStepper:
             (the islands' shares, the published update's codec frames or None
             for the float32 downlink).
         """
-        coefficients, shares = merge_coefficients(
-            self.weighting, merged_in, frag.version, expected
-        )
+        coefficients, shares = merge_coefficients(self.weighting, merged_in, frag.version, expected)
         merged = chunk_merge(
             self.merge,
             [(c.island, scaled(c.delta, c.clip)) for c in merged_in],

@@ -367,7 +367,8 @@ def rda_merge(
         raise MergeError(f"deltas must be 1-D of one length, got {[s.size for s in sources]}")
     _check_coefficients(coefficients)
     _check_segments(segments, sources[0].size)
-    return _RdaMerge([[(s, c)] for s, c in zip(sources, coefficients)], segments).whole(out)
+    islands = [[(s, float(c))] for s, c in zip(sources, coefficients, strict=True)]
+    return _RdaMerge(islands, segments).whole(out)
 
 
 def merge_deltas(

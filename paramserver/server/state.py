@@ -66,7 +66,6 @@ from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
 from paramserver.server.fragment_step import FragmentStepper
 from paramserver.server.init_pieces import PartialInit
 from paramserver.server.outcomes import Outcome
-from paramserver.server.state_init import ShardInit
 from paramserver.server.policy import (
     IslandPace,
     decide,
@@ -75,6 +74,7 @@ from paramserver.server.policy import (
     pace_report,
     quorum_time,
 )
+from paramserver.server.state_init import ShardInit
 from paramserver.wire import liveness
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import ACCEPTED
