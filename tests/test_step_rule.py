@@ -9,6 +9,8 @@ written out by hand from the rule (weighting.py's module docstring).
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -115,3 +117,16 @@ def test_the_version_rule_is_the_rule_before_the_round_share():
     weighting = make_weighting("uniform", step_rule="version")
     coefficients, _ = merge_coefficients(weighting, contributions, 10, expected=8)
     assert coefficients == pytest.approx([0.5 * 2**-0.5, 0.5])  # no share, versions
+
+
+def test_the_bench_prints_the_round_movement_table(capsys):
+    from bench import cli
+
+    assert (
+        cli.main(["step_rule", "--part", "movement", "--rules", "round,version", "--ks", "1,4"])
+        == 0
+    )
+    table = json.loads(capsys.readouterr().out)["movement"]
+    assert table["round"]["async"]["max_deviation"] <= 0.2
+    # counting versions: 0.7 * (1 + 2^-0.5 + 3^-0.5 + 4^-0.5) = 1.949 |d| at K = 4
+    assert table["version"]["async"]["4"]["movement"] == pytest.approx(1.949, abs=1e-3)
