@@ -20,6 +20,7 @@ from bench.outdir import OutDirError
 COMMANDS: dict[str, tuple[str, str]] = {
     "async_outer": ("bench.async_outer", "Outer lr / momentum sweep for fully asynchronous merging (picks the mode=async defaults)."),
     "topk_outer": ("bench.topk_outer", "Outer lr sweep for sparse top-k deltas (picks sparse_outer_lr): per-entry merge + SGD vs the dense mean + Nesterov vs int8."),
+    "step_rule": ("bench.step_rule", "The step rule as islands multiply: round movement for K = 1..16, async vs sync loss, the harsh mix."),
     "chaos": ("bench.chaos", "Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed."),
     "codec": ("bench.codec", "Codec benchmark: ratio, error, error feedback and throughput of every scheme."),
     "demo": ("bench.demo", "The main job: a local cluster (2 shards, 3 islands, one at half speed) training on the embedded corpus."),

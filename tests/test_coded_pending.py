@@ -143,7 +143,7 @@ def test_fills_over_any_split_equal_one_whole_fill():
     for k, (island, c) in enumerate(islands):
         frames, _ = c.encode({"delta": random_delta(n, 20 + k)})
         deltas.append((island, read(frames)[0]))
-    coefficients = {"a": 0.5, "b": 0.3, "c": 0.2}
+    coefficients = [0.5, 0.3, 0.4, 0.2]  # one per delta
     for rule in ("mean", "rda"):
         merge = chunk_merge(rule, deltas, coefficients, frag)
         whole = merge.whole()
@@ -158,16 +158,23 @@ def test_rda_of_coded_deltas_matches_a_float64_reference():
     frames = [codec.int8().encode({"delta": random_delta(n, 30 + k)})[0] for k in range(3)]
     sums = {"a": numpy_decode(frames[0]) + numpy_decode(frames[1]), "b": numpy_decode(frames[2])}
     deltas = [("a", read(frames[0])[0]), ("b", read(frames[2])[0]), ("a", read(frames[1])[0])]
-    got = chunk_merge("rda", deltas, {"a": 0.6, "b": 0.2}, Fragment(0, 0, (Slice("w", 0, n),), n))
-    v = {k: d.astype(np.float64) for k, d in sums.items()}
-    p = {"a": 0.75, "b": 0.25}
-    norm = sum(p[k] * np.linalg.norm(v[k]) for k in v)
-    direction = sum(p[k] * v[k] / np.linalg.norm(v[k]) for k in v)
-    want = 0.8 * norm * direction / np.linalg.norm(direction)
+    frag = Fragment(0, 0, (Slice("w", 0, n),), n)
+    got = chunk_merge("rda", deltas, [0.6, 0.2, 0.6], frag)
+    # u_i = sum_k c_ik d_ik, C_i = sum_k c_ik: u_a = 0.6 * sum_a, C_a = 1.2; u_b = 0.2 * d_b
+    u = {"a": 0.6 * sums["a"].astype(np.float64), "b": 0.2 * sums["b"].astype(np.float64)}
+    weight = {"a": 1.2, "b": 0.2}
+    norm = sum(np.linalg.norm(u[k]) for k in u)
+    direction = sum(weight[k] * u[k] / np.linalg.norm(u[k]) for k in u)
+    want = norm * direction / np.linalg.norm(direction)
     np.testing.assert_allclose(got.whole(), want, rtol=2e-5, atol=1e-9)
-    # the same deltas as arrays through the array path give the same bits
-    again = rda_merge([sums["a"], sums["b"]], [0.6, 0.2], [Segment(0, n)])
-    assert again.tobytes() == got.whole().tobytes()
+    # one delta per island: the per-island factor of rda_merge (C_i = c_i) is the
+    # old one, (sum_i c_i |v_i|) * phi(sum_i c_i phi(v_i))
+    one = rda_merge([sums["a"], sums["b"]], [0.6, 0.2], [Segment(0, n)])
+    v = {k: d.astype(np.float64) for k, d in sums.items()}
+    direction = 0.6 * v["a"] / np.linalg.norm(v["a"]) + 0.2 * v["b"] / np.linalg.norm(v["b"])
+    norm = 0.6 * np.linalg.norm(v["a"]) + 0.2 * np.linalg.norm(v["b"])
+    want = norm * direction / np.linalg.norm(direction)
+    np.testing.assert_allclose(one, want, rtol=2e-5, atol=1e-9)
 
 
 def test_pending_deltas_keep_their_coded_size_not_a_decoded_copy():

@@ -103,12 +103,17 @@ def test_merge_pending_sums_an_islands_increments_before_averaging():
     a1 = np.array([1.0, 0.0], np.float32)
     a2 = np.array([1.0, 0.0], np.float32)  # island a's two increments: (2, 0)
     b = np.array([0.0, 2.0], np.float32)
-    merged = merge_pending("rda", [("a", a1), ("b", b), ("a", a2)], {"a": 0.5, "b": 0.5}, frag)
-    np.testing.assert_allclose(merged, [np.sqrt(2), np.sqrt(2)], rtol=1e-6)
-    mean = merge_pending("mean", [("a", a1), ("b", b), ("a", a2)], {"a": 0.5, "b": 0.5}, frag)
+    deltas = [("a", a1), ("b", b), ("a", a2)]
+    merged = merge_pending("rda", deltas, [0.5, 0.5, 0.5], frag)
+    # u_a = 0.5 * (2, 0) = (1, 0), C_a = 1; u_b = 0.5 * (0, 2) = (0, 1), C_b = 0.5:
+    # (|u_a| + |u_b|) * phi(1 * (1, 0) + 0.5 * (0, 1)) = 2 * (2, 1) / sqrt(5)
+    np.testing.assert_allclose(merged, [4 / np.sqrt(5), 2 / np.sqrt(5)], rtol=1e-6)
+    mean = merge_pending("mean", deltas, [0.5, 0.5, 0.5], frag)
     np.testing.assert_allclose(mean, [1.0, 1.0], rtol=1e-6)
     with pytest.raises(MergeError, match="unknown"):
-        merge_pending("median", [("a", a1)], {"a": 1.0}, frag)
+        merge_pending("median", [("a", a1)], [1.0], frag)
+    with pytest.raises(MergeError, match="3 deltas but 2 coefficients"):
+        merge_pending("mean", deltas, [0.5, 0.5], frag)
 
 
 def test_config_refuses_an_unknown_merge():

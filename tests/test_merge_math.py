@@ -137,7 +137,8 @@ def test_acks_name_the_version_that_will_include_the_delta():
 
 # Conservation: any interleaving of pushes (random order, re-sent duplicates, deferred
 # pushes refused with too_many_pending and sent again later, stale bases) and steps, with
-# SGD lr 1, uniform weights and g = 1, lands exactly on G0 minus the hand merge of each step.
+# SGD lr 1, uniform weights and g = 1, lands exactly on G0 minus the hand merge of each step
+# (the 3 islands are live: a step of n of them is n/3 of a round).
 _ops = st.lists(
     st.one_of(
         st.tuples(st.just("push"), st.integers(0, 2), st.integers(0, 3)),  # island, base lag
@@ -186,7 +187,8 @@ def test_conservation_over_any_interleaving(ops, seed):
             by_island: dict[str, np.ndarray] = {}
             for (i, _r), d in pending.items():
                 by_island[i] = by_island.get(i, 0.0) + d
-            expected = expected - sum(by_island.values()) / len(by_island)
+            # uniform w = 1/n over the n merged islands, times the round share n/3
+            expected = expected - sum(by_island.values()) / len(islands)
             state.step(0, T0)
             version += 1
             pending.clear()
@@ -207,23 +209,24 @@ def _quorum_state(**kw):
     return state, plan
 
 
-def test_a_quorum_collapsed_to_one_island_steps_without_momentum_at_the_async_lr():
-    # default outer settings: a step that merges one island is plain SGD at lr 0.7
-    # (ASYNC_OUTER_LR) and leaves the Nesterov momentum alone; a step of two islands is
-    # Nesterov (lr 0.7, momentum 0.9) from the untouched zero momentum.
+def test_a_quorum_collapsed_to_one_island_is_half_a_round_of_the_same_nesterov():
+    # default outer settings (Nesterov lr 0.7, momentum 0.9): a step that merges one of
+    # the two live islands is half a round, merged = d / 2, under the same optimizer
     state, plan = _quorum_state()
     g0 = params(state)
-    d = delta(plan, 1)
-    push(state, plan, "a", 1, d)  # b never comes: the grace window closes on one island
+    d = delta(plan, 1).astype(np.float64)
+    push(state, plan, "a", 1, d.astype(np.float32))  # b never comes: the window closes
     state.step(0, T0)
-    after_one = g0 - 0.7 * d.astype(np.float64)
+    m1 = 0.5 * d  # momentum m = g; half a round: no momentum move yet, update = lr * g
+    after_one = g0 - 0.7 * 0.5 * d
     np.testing.assert_allclose(params(state), after_one, atol=1e-6)
     da, db = delta(plan, 2), delta(plan, 3)
     push(state, plan, "a", 2, da, base=1)
     push(state, plan, "b", 1, db, base=1)
     state.step(0, T0)
-    g = (da.astype(np.float64) + db) / 2  # equal work, fresh: w = 1/2 each
-    expected = after_one - 0.7 * (g + 0.9 * g)  # Nesterov from zero momentum: m = g
+    g = (da.astype(np.float64) + db) / 2  # equal work, fresh, a whole round: w = 1/2 each
+    m2 = m1 + g  # the round begun by the half step completes: momentum moves
+    expected = after_one - 0.7 * (0.9 * m2 + g)
     np.testing.assert_allclose(params(state), expected, atol=1e-5)
 
 
@@ -233,4 +236,5 @@ def test_explicit_outer_settings_apply_to_single_island_steps_too():
     d = delta(plan, 1)
     push(state, plan, "a", 1, d)
     state.step(0, T0)
-    np.testing.assert_allclose(params(state), g0 - 0.4 * 1.5 * d.astype(np.float64), atol=1e-6)
+    # half a round (b is live): merged d / 2 at lr 0.4, the momentum waits for the round
+    np.testing.assert_allclose(params(state), g0 - 0.4 * 0.5 * d.astype(np.float64), atol=1e-6)

@@ -164,8 +164,8 @@ def test_state_from_arrays_rejects_mismatch():
     params = np.zeros(4, np.float32)
     with pytest.raises(OuterError, match="2 state arrays given"):
         fo.state_from_arrays([np.zeros(4), np.zeros(4)], params)
-    with pytest.raises(OuterError, match="shape"):
-        fo.state_from_arrays([np.zeros(5)], params)
+    with pytest.raises(OuterError, match="shape"):  # share, phase, momentum
+        fo.state_from_arrays([np.ones(()), np.zeros(()), np.zeros(5)], params)
 
 
 def test_step_rejects_bad_arrays():

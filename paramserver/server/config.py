@@ -17,7 +17,7 @@ from typing import Any, Literal
 from paramserver.plumbing.validate import LOG_LEVELS, Checks
 from paramserver.server.merge import MERGES
 from paramserver.server.policy import PolicyConfig, PolicyError
-from paramserver.server.weighting import WEIGHTINGS
+from paramserver.server.weighting import STEP_RULES, WEIGHTINGS
 
 MIB = 1024 * 1024
 
@@ -133,6 +133,9 @@ class ShardConfig:
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
     merge: str = "mean"  # combining the islands' deltas: mean or rda (paramserver.server.merge)
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
+    # how a step's share n/N of a round (n islands merged, N live) scales it and its
+    # staleness: round (default), version, share or round-staleness (weighting.py)
+    step_rule: str = "round"
     outer_optimizer: str = "nesterov"  # nesterov, sgd or delayed-nesterov
     # H, the inner steps per round the islands run (set it to their --inner-steps): it picks
     # the default outer lr and momentum of sync and quorum steps; a push of another H that
@@ -201,6 +204,7 @@ class ShardConfig:
         check.choice("weighting", self.weighting, WEIGHTINGS)
         check.choice("merge", self.merge, MERGES)
         check.number("staleness_exponent", self.staleness_exponent, low=0.0)
+        check.choice("step_rule", self.step_rule, STEP_RULES)
         check.choice("outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
         check.integer("inner_steps", self.inner_steps, 1)
         if self.outer_lr is not None:
@@ -287,28 +291,6 @@ class ShardConfig:
         single deltas diverged in `diloco-bench async_outer`.
         """
         return self.mode == "async" or (self.mode == "quorum" and self.quorum == 1)
-
-    @property
-    def single_island_outer_lr(self) -> float | None:
-        """The lr of a momentum-free step taken when a step merges one island's work.
-
-        In sync and quorum mode with the default outer optimizer, a step that
-        merges a single island (the quorum collapsed to 1 at run time: the
-        others are dead, or the grace window closed on one) takes the
-        single-delta defaults, plain SGD at ASYNC_OUTER_LR, and leaves the
-        Nesterov momentum untouched. None where every step uses the configured
-        optimizer (async, quorum 1, or an explicit outer_lr / outer_momentum /
-        outer_optimizer / nesterov_delay).
-        """
-        explicit = (
-            self.outer_lr is not None
-            or self.outer_momentum is not None
-            or self.outer_optimizer != "nesterov"
-            or self.nesterov_delay != 1
-        )
-        if explicit or self.steps_on_single_deltas or ASYNC_OUTER_MOMENTUM != 0:
-            return None
-        return ASYNC_OUTER_LR
 
     @property
     def effective_outer_lr(self) -> float:

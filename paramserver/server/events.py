@@ -106,12 +106,16 @@ class StepEvent:
     """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round)).
 
     `outside`: the other pieces' Grams its RDA merge added (logged: replay uses these).
+    `expected` is the islands the shard expected that round (its live islands
+    and the merged ones, `weighting.round_share`); 0 (a log written before it
+    was recorded) counts the merged islands, a whole round.
     """
 
     fragment: int
     keys: tuple[tuple[str, int], ...]
     at: float
     outside: tuple[PieceGram, ...] = ()
+    expected: int = 0
 
 
 Event = InitEvent | InitBeginEvent | InitPieceEvent | AcceptEvent | StepEvent

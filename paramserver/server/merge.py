@@ -403,7 +403,7 @@ def rda_merge(
 
     Args:
         deltas: equal-sized 1-D float arrays (or sources), one per island (pushes summed).
-        coefficients: c_i = w_i * g(s_i) per island, >= 0 with a positive sum.
+        coefficients: c_i per island (C_i = c_i, u_i = c_i * delta_i), >= 0 with a positive sum.
         segments: contiguous ranges covering the vector (`fragment_segments`).
         out: optional float32 buffer of the deltas' shape (must not alias a delta).
 

@@ -93,14 +93,87 @@ def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTr
     return optax.GradientTransformation(init_fn, update_fn)
 
 
+ROUND_TOL = 1e-4  # shares summing to within this of 1 complete a round (1/3 + 1/3 + 1/3)
+
+
+class RoundNesterovState(NamedTuple):
+    """State of `round_nesterov`: this step's share of a round, the round so far, momentum."""
+
+    share: jax.Array  # float32 scalar in (0, 1]: set by the caller before each step
+    phase: jax.Array  # float32 scalar: shares summed since the momentum last moved
+    momentum: Any  # tree like params
+
+
+def round_nesterov(lr: float, momentum: float) -> optax.GradientTransformation:
+    """Nesterov momentum that moves once per round, however many steps the round takes.
+
+    A step carries `share`, its share of a round (`weighting.round_share`,
+    already applied to the pseudo-gradient g it is given). With momentum
+    buffer m and phase p (the shares summed so far this round)::
+
+        m <- beta * m + g  on the round's first step (p = 0), else  m <- m + g
+        p <- p + share
+        if p >= 1:   update = -lr * (g + beta * m);  p <- 0     (the round is complete)
+        else:        update = -lr * g
+
+    so the steps g_1..g_n of one round (shares summing to 1) move the
+    parameters by exactly one Nesterov step on their sum G: m' = beta * m + G
+    and, in total, -lr * (G + beta * m'). With share 1 on every step (sync, or
+    a quorum step of every live island) it is `optax.sgd(lr, momentum,
+    nesterov=True)` bit for bit; it is Async Local-SGD's delayed Nesterov with
+    the delay counted in rounds of the live islands rather than in deltas.
+
+    Args:
+        lr: outer learning rate.
+        momentum: momentum decay beta in [0, 1).
+
+    Returns:
+        The optax transformation (state: RoundNesterovState, share 1 at init).
+    """
+
+    def init_fn(params: Any) -> RoundNesterovState:
+        one, zero = jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32)
+        return RoundNesterovState(one, zero, optax.tree.zeros_like(params))
+
+    def update_fn(
+        updates: Any, state: RoundNesterovState, params: Any = None
+    ) -> tuple[Any, RoundNesterovState]:
+        del params
+        fresh = state.phase <= 0
+        phase = state.phase + state.share
+        due = phase >= 1 - ROUND_TOL
+        mom = jax.tree.map(
+            lambda m, g: jnp.where(fresh, g + momentum * m, m + g), state.momentum, updates
+        )
+        out = jax.tree.map(
+            lambda g, m: jnp.where(due, -lr * (g + momentum * m), -lr * g), updates, mom
+        )
+        phase = jnp.where(due, jnp.zeros_like(phase), phase)
+        return out, RoundNesterovState(state.share, phase, mom)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def set_round_share(state: Any, share: float) -> None:
+    """Tell a host-buffer optimizer state the share of a round its next step is.
+
+    Args:
+        state: a fragment's optimizer state (numpy leaves, `chunked_step.host_state`).
+        share: in (0, 1]; a state without a share (sgd, delayed Nesterov) is left alone.
+    """
+    if isinstance(state, RoundNesterovState):
+        np.copyto(state.share, np.float32(share))
+
+
 def make_outer_optimizer(
     name: str = "nesterov", lr: float = 0.7, momentum: float = 0.9, delay: int = 1
 ) -> optax.GradientTransformation:
     """Build the outer optax transformation.
 
     Args:
-        name: "nesterov" (delayed Nesterov when delay > 1), "sgd" (plain, no
-            momentum; delay must be 1) or "delayed-nesterov".
+        name: "nesterov" (`round_nesterov`: momentum moved once per round;
+            delayed Nesterov when delay > 1), "sgd" (plain, no momentum; delay
+            must be 1) or "delayed-nesterov".
         lr: outer learning rate, > 0.
         momentum: in [0, 1); ignored by "sgd".
         delay: contributions between momentum updates, >= 1.
@@ -121,7 +194,7 @@ def make_outer_optimizer(
             raise OuterError(f"delay={delay} needs momentum: use 'delayed-nesterov', not 'sgd'")
         return optax.sgd(lr)
     if name == "nesterov" and delay == 1:
-        return optax.sgd(lr, momentum=momentum, nesterov=True)
+        return round_nesterov(lr, momentum)
     return delayed_nesterov(lr, momentum, delay)
 
 

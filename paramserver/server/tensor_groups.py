@@ -130,13 +130,14 @@ class TensorGroups:
         # (fragment, path) -> (keys, Gram): the newest Gram computed of each cut piece
         self.last: dict[tuple[int, str], tuple[tuple[Key, ...], np.ndarray]] = {}
 
-    def step_event(self, state: Any, fragment: int, at: float) -> StepEvent:
+    def step_event(self, state: Any, fragment: int, at: float, expected: int = 0) -> StepEvent:
         """The StepEvent of a live step of `fragment` merging all its pending deltas.
 
         Args:
             state: the `ShardState` (its plan, index and fragments; before the step).
             fragment: an owned fragment with pending deltas.
             at: the step's wall-clock time.
+            expected: the islands the step's round expected (`StepEvent.expected`).
 
         Returns:
             The event, with the PieceGrams of `outside` under rda.
@@ -145,7 +146,7 @@ class TensorGroups:
         outside: tuple[PieceGram, ...] = ()
         if self.merge == "rda" and state.plan is not None:
             outside = self.outside(state.plan, state.index, state.fragments, fragment, keys)
-        return StepEvent(fragment, keys, at, outside)
+        return StepEvent(fragment, keys, at, outside, expected)
 
     def ready(self, state: Any, due: Sequence[int]) -> list[int]:
         """The due fragments that may step now: in sync mode under rda, a cut tensor's pieces together.

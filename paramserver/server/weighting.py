@@ -3,18 +3,35 @@
 This module owns the merge rule of one fragment's step (DESIGN.md, "The outer
 merge, exactly"). Pending deltas are first grouped per island: an island sends
 ``anchor - local``, so its pushes are disjoint increments of work and are
-**summed**, with their tokens and inner steps; the island's staleness is the
-fragment's current version minus the oldest base version among them. Then,
-across the islands i of the step::
+**summed**, with their tokens and inner steps, each increment k damped by its
+own staleness. Then, across the n islands i of a step that the shard expected
+N islands for (its live islands, at least n)::
 
-    merged = sum_i  w_i * g(s_i) * delta_i
+    merged = sum_i  c_i * sum_k g(s_ik) * delta_ik,   c_i = (n / N) * w_i
     w_i    = f(tokens_i, steps_i) / sum_j f(tokens_j, steps_j)
-    g(s)   = (1 + s)^-a              (absolute: g(0) = 1, never renormalised)
+    g(s)   = (1 + s)^-a                   (absolute: g(0) = 1, never renormalised)
+    s_ik   = (version - base_ik) * n / N  (staleness in rounds, not versions)
 
 `f` is the work weight (Decoupled DiLoCo's tokens^2/steps by default: more
 tokens per inner step, bigger batches, count more) and `g` the staleness
 factor (FedAsync's polynomial decay), so a lone stale delta moves the model
 less, and a fast island's extra rounds add work instead of diluting everyone's.
+
+The step rule ("round", the default) makes the step per round independent of
+the island count. A round is one delta from each of the N islands. A step
+that merges n of them is n/N of a round: its merged delta is scaled by n/N
+(sync: n = N, 1; async: 1/N per delta; a collapsed quorum: a smaller share,
+never another optimizer), and a version it adds is n/N of a round of
+staleness, and the outer momentum moves once per round
+(`paramserver.server.outer.round_nesterov`, told each step's share), so K
+islands pushing the same delta d in one round move the model by about one
+step's worth for every K (lr * |d| without momentum): exactly with g = 1, and within
+2 * (sqrt(2) - 1) = 0.83 of it as K grows (the k-th delta of the round is
+(k - 1)/K rounds stale), where counting versions gave 0.70|d| sqrt(K).
+`diloco-bench step_rule` measures it against the other candidates:
+``version`` (the rule before: no share, staleness in versions), ``share``
+(share, staleness in versions) and ``round-staleness`` (staleness in rounds,
+no share).
 
 Named weightings: ``default`` (f = tokens^2/steps, g polynomial), ``uniform``
 (f = 1), ``tokens`` (f = tokens), ``no-staleness`` (f = tokens^2/steps, g = 1).
@@ -29,6 +46,8 @@ from dataclasses import dataclass
 from typing import Any
 
 WEIGHTINGS = ("default", "uniform", "tokens", "no-staleness")
+# how a step's share of a round scales it and its staleness (module docstring)
+STEP_RULES = ("round", "version", "share", "round-staleness")
 
 
 class WeightingError(ValueError):
@@ -82,10 +101,12 @@ class Weighting:
     Attributes:
         name: one of WEIGHTINGS.
         staleness_exponent: a in g(s) = (1 + s)^-a (unused by "no-staleness").
+        step_rule: one of STEP_RULES (the module docstring).
     """
 
     name: str = "default"
     staleness_exponent: float = 0.5
+    step_rule: str = "round"
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHTINGS:
@@ -93,6 +114,20 @@ class Weighting:
         a = self.staleness_exponent
         if not isinstance(a, numbers.Real) or isinstance(a, bool) or not math.isfinite(a) or a < 0:
             raise WeightingError(f"staleness_exponent={a!r} must be a finite number >= 0")
+        if self.step_rule not in STEP_RULES:
+            raise WeightingError(
+                f"unknown step rule {self.step_rule!r}; choose one of {STEP_RULES}"
+            )
+
+    @property
+    def scales_by_share(self) -> bool:
+        """Whether a step's merged delta is scaled by its share n/N of a round."""
+        return self.step_rule in ("round", "share")
+
+    @property
+    def staleness_in_rounds(self) -> bool:
+        """Whether staleness counts rounds (versions times n/N) rather than versions."""
+        return self.step_rule in ("round", "round-staleness")
 
     def work(self, tokens: float, steps: float) -> float:
         """The work weight f of one island's contribution (before normalisation).
@@ -115,7 +150,7 @@ class Weighting:
         """The absolute staleness factor g, with g(0) = 1.
 
         Args:
-            staleness: versions between the island's oldest base and now, >= 0.
+            staleness: a delta's staleness (rounds or versions: the step rule), >= 0.
 
         Returns:
             g(staleness) in (0, 1].
@@ -126,17 +161,20 @@ class Weighting:
         return polynomial_staleness(staleness, self.staleness_exponent)
 
 
-def make_weighting(name: str = "default", staleness_exponent: float = 0.5) -> Weighting:
+def make_weighting(
+    name: str = "default", staleness_exponent: float = 0.5, step_rule: str = "round"
+) -> Weighting:
     """Build a weighting by name.
 
     Args:
         name: one of WEIGHTINGS (see the module docstring).
         staleness_exponent: a >= 0 of g(s) = (1 + s)^-a.
+        step_rule: one of STEP_RULES.
 
     Returns:
         The validated Weighting.
     """
-    return Weighting(name, staleness_exponent)
+    return Weighting(name, staleness_exponent, step_rule)
 
 
 @dataclass(frozen=True)
@@ -149,7 +187,8 @@ class IslandShare:
         steps: inner steps summed over them.
         staleness: current version minus the oldest base version among them.
         weight: normalised work weight w_i (the weights of a step sum to 1).
-        factor: staleness factor g(staleness).
+        factor: the tokens-weighted mean of g(s_ik) over its deltas.
+        coefficient: sum_k c_i * g(s_ik): the sum of its deltas' coefficients.
     """
 
     island: str
@@ -158,11 +197,7 @@ class IslandShare:
     staleness: int
     weight: float
     factor: float
-
-    @property
-    def coefficient(self) -> float:
-        """w_i * g(s_i): what each of the island's deltas is multiplied by."""
-        return self.weight * self.factor
+    coefficient: float
 
 
 def _fields(contribution: Any) -> tuple[str, float, float, int]:
@@ -173,19 +208,40 @@ def _fields(contribution: Any) -> tuple[str, float, float, int]:
     return c.island, c.tokens, c.steps, c.base_version
 
 
-def island_shares(
-    weighting: Weighting, contributions: Sequence[Any], current_version: int
-) -> list[IslandShare]:
-    """Group a step's contributions per island and weigh each island.
+def round_share(islands: int, expected: int | None) -> float:
+    """The share of a round that a step merging `islands` distinct islands is.
+
+    Args:
+        islands: distinct islands the step merges, >= 1.
+        expected: islands the shard expects per round (its live islands);
+            None or fewer than `islands` counts as `islands`.
+
+    Returns:
+        n / max(n, N), in (0, 1].
+    """
+    return islands / max(islands, expected or 0)
+
+
+def merge_coefficients(
+    weighting: Weighting,
+    contributions: Sequence[Any],
+    current_version: int,
+    expected: int | None = None,
+) -> tuple[list[float], list[IslandShare]]:
+    """The coefficient of each pending delta in the merged pseudo-gradient, and each island's share.
 
     Args:
         weighting: from make_weighting.
         contributions: objects with island, tokens, steps, base_version
             attributes, or (island, tokens, steps, base_version) tuples.
         current_version: the fragment's version now; staleness = current - base.
+        expected: islands expected per round (the live islands); None: the
+            step's own islands (a whole round).
 
     Returns:
-        One IslandShare per distinct island, in order of first appearance.
+        (c_ik = share * w_i * g(s_ik) per contribution, in order, so that
+        merged = sum c_ik * delta_ik; one IslandShare per distinct island, in
+        order of first appearance).
 
     Raises:
         WeightingError: no contributions, a base newer than current, bad numbers.
@@ -209,33 +265,43 @@ def island_shares(
     total = math.fsum(work.values())
     if not (math.isfinite(total) and total > 0):
         raise WeightingError(f"work weights {work} do not sum to a finite positive number")
-    return [
+    share = round_share(len(totals), expected)
+    unit = share if weighting.staleness_in_rounds else 1.0
+    scale = share if weighting.scales_by_share else 1.0
+    coefficients, factors = [], {island: [0.0, 0.0] for island in totals}
+    for c in contributions:
+        island, tokens, _, base_version = _fields(c)
+        g = weighting.staleness_factor((current_version - base_version) * unit)
+        coefficients.append(scale * work[island] / total * g)
+        factors[island][0] += tokens * g
+        factors[island][1] += coefficients[-1]
+    shares = [
         IslandShare(
             island=island,
             tokens=int(t[0]),
             steps=int(t[1]),
             staleness=int(current_version - t[2]),
             weight=work[island] / total,
-            factor=weighting.staleness_factor(current_version - t[2]),
+            factor=factors[island][0] / t[0],
+            coefficient=factors[island][1],
         )
         for island, t in totals.items()
     ]
+    return coefficients, shares
 
 
-def merge_coefficients(
-    weighting: Weighting, contributions: Sequence[Any], current_version: int
-) -> tuple[list[float], list[IslandShare]]:
-    """The factor of each pending delta in the merged pseudo-gradient.
+def island_shares(
+    weighting: Weighting,
+    contributions: Sequence[Any],
+    current_version: int,
+    expected: int | None = None,
+) -> list[IslandShare]:
+    """Group a step's contributions per island and weigh each island.
 
     Args:
-        weighting: from make_weighting.
-        contributions: as for `island_shares`.
-        current_version: the fragment's version now.
+        weighting, contributions, current_version, expected: as for `merge_coefficients`.
 
     Returns:
-        (one coefficient per contribution, w_i * g(s_i) of its island, so that
-        merged = sum coefficient * delta; the island shares).
+        One IslandShare per distinct island, in order of first appearance.
     """
-    shares = island_shares(weighting, contributions, current_version)
-    by_island = {s.island: s.coefficient for s in shares}
-    return [by_island[_fields(c)[0]] for c in contributions], shares
+    return merge_coefficients(weighting, contributions, current_version, expected)[1]

@@ -16,9 +16,11 @@ Log records (msgpack header + raw payload):
             frames as received, back to back (read again on replay into the
             same coded pending delta: `codec.coded.read` is deterministic), or
             the float32 delta when codec is nil (an event built without frames)
-    step    {"t": "step", fragment, keys: [[island, round], ...], at, outside?:
-            [[path, fragment, [[island, round], ...], [float64 row-major]], ...]}
-            (outside: an RDA step's PieceGrams; absent when none)
+    step    {"t": "step", fragment, keys: [[island, round], ...], at, expected,
+            outside?: [[path, fragment, [[island, round], ...], [float64 row-major]], ...]}
+            (expected: the islands the step's round expected; absent in older
+            logs, read as 0: a whole round; outside: an RDA step's PieceGrams;
+            absent when none)
 """
 
 from __future__ import annotations
@@ -82,6 +84,7 @@ def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
             "fragment": event.fragment,
             "keys": [list(k) for k in event.keys],
             "at": event.at,
+            "expected": event.expected,
         }
         if event.outside:
             header["outside"] = [
@@ -147,7 +150,8 @@ def record_to_event(record: Record) -> Event:
         if kind == "step":
             keys = tuple((str(island), int(rnd)) for island, rnd in h["keys"])
             outside = tuple(_piece_gram(g) for g in h.get("outside", ()))
-            return StepEvent(int(h["fragment"]), keys, float(h["at"]), outside)
+            expected = int(h.get("expected", 0))
+            return StepEvent(int(h["fragment"]), keys, float(h["at"]), outside, expected)
         if kind == "init":
             flat = np.frombuffer(record.payload, dtype=np.float32)
             values, offset = {}, 0
