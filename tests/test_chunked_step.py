@@ -212,7 +212,9 @@ def test_a_shard_step_with_delayed_nesterov_is_the_reference_step_bit_for_bit():
 
 
 def test_a_step_merging_one_of_two_islands_is_half_a_round_of_the_same_nesterov():
-    cfg = ShardConfig(mode="sync", fsync=False, downlink="float32")
+    cfg = ShardConfig(
+        mode="sync", fsync=False, downlink="float32", outer_lr=0.7, outer_momentum=0.9
+    )
     state, plan = shard_with(cfg, 600_000)
     size = plan.fragments[0].size
     start = state.snapshot(0)[1].astype(np.float64)

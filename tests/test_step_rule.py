@@ -23,6 +23,9 @@ from paramserver.wire.plan import leaf_specs, make_plan
 pytestmark = pytest.mark.timeout(120)
 
 T0 = 1_000_000.0
+# the hand values below take DiLoCo's Nesterov 0.7 / 0.9 for quorum steps (the default of
+# sync and quorum steps depends on H: config.sync_outer_defaults) and async's 0.7 / 0
+OUTER = {"quorum": {"outer_lr": 0.7, "outer_momentum": 0.9}}
 SIZE = 2048
 
 
@@ -31,7 +34,7 @@ def _round(mode: str, k: int, spaced: bool = True) -> float:
     rng = np.random.default_rng(7)
     init = {"w": rng.standard_normal(SIZE).astype(np.float32)}
     d = (rng.standard_normal(SIZE) * 0.01).astype(np.float32)
-    cfg = ShardConfig(mode=mode, fsync=False, downlink="float32", fragments=1)
+    cfg = ShardConfig(mode=mode, fsync=False, downlink="float32", fragments=1, **OUTER.get(mode, {}))
     plan = make_plan(leaf_specs(init), 1, 1)
     state = ShardState(cfg, 0)
     state.initialize(plan.to_wire(), codec.raw("float32").encode({"0": init["w"]})[0])
