@@ -19,7 +19,7 @@ from bench.outdir import OutDirError
 # fmt: off
 COMMANDS: dict[str, tuple[str, str]] = {
     "async_outer": ("bench.async_outer", "Outer lr / momentum sweep for fully asynchronous merging (picks the mode=async defaults)."),
-    "topk_outer": ("bench.topk_outer", "Outer lr sweep for sparse top-k deltas (picks sparse_outer_lr): per-entry merge + SGD vs the dense mean + Nesterov vs int8."),
+    "topk_outer": ("bench.topk_outer", "Outer lr sweep for sparse top-k deltas (picks `ShardConfig.sparse_outer_lr`)."),
     "step_rule": ("bench.step_rule", "The step rule as islands multiply: round movement for K = 1..16, async vs sync loss, the harsh mix."),
     "chaos": ("bench.chaos", "Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed."),
     "codec": ("bench.codec", "Codec benchmark: ratio, error, error feedback and throughput of every scheme."),
@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "island_memory": ("bench.island_memory", "Bytes of parameters + AdamW state per device of an island, replicated against fsdp."),
     "load": ("bench.load", "Load test: many lightweight simulated islands (client only, random int8 deltas) against N shards."),
     "report": ("bench.report", "Benchmarks that reproduce the seed's claims: DDP vs synchronous DiLoCo vs this system on WAN links."),
-    "outer_h": ("bench.outer_h", "Outer lr / momentum per H: synchronous DiLoCo against DDP at equal tokens, in process (picks the sync defaults)."),
+    "outer_h": ("bench.outer_h", "Outer lr / momentum per H: synchronous DiLoCo against DDP at equal tokens (picks the sync defaults)."),
     "restart": ("bench.restart", "Restart-to-first-step of an island, cold and warm JAX compilation cache."),
     "session_overhead": ("bench.session_overhead", "What the public island API costs: `Session.step` per call between pushes and per round."),
     "scale": ("bench.scale", "Shard memory, step, checkpoint stalls and the island exchange at scale, against issue 21's targets."),

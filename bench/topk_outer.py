@@ -44,10 +44,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     Args:
         parser: the subcommand's parser.
     """
-    parser.add_argument("--model", default="tiny", choices=sorted(model.MODEL_CONFIGS))
-    parser.add_argument("--islands", type=int, default=3)
+    parser.add_argument("--model", default="tiny", choices=sorted(model.MODEL_CONFIGS),
+                        help="model configuration to train (default tiny)")  # fmt: skip
+    parser.add_argument("--islands", type=int, default=3, help="islands trained side by side")
     parser.add_argument("--inner-steps", type=int, default=30, help="inner steps per round (H)")
-    parser.add_argument("--rounds", type=int, default=20, help="synchronous rounds")
+    parser.add_argument("--rounds", type=int, default=20, help="synchronous outer rounds per run")
     parser.add_argument("--seeds", type=int, default=1, help="repeats with other data orders")
     parser.add_argument("--density", type=float, default=0.02, help="topk share of entries")
     parser.add_argument("--lrs", default="0.5,0.7,1.0,1.4", help="sparse outer lrs to try")
