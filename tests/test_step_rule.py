@@ -34,7 +34,9 @@ def _round(mode: str, k: int, spaced: bool = True) -> float:
     rng = np.random.default_rng(7)
     init = {"w": rng.standard_normal(SIZE).astype(np.float32)}
     d = (rng.standard_normal(SIZE) * 0.01).astype(np.float32)
-    cfg = ShardConfig(mode=mode, fsync=False, downlink="float32", fragments=1, **OUTER.get(mode, {}))
+    cfg = ShardConfig(
+        mode=mode, fsync=False, downlink="float32", fragments=1, **OUTER.get(mode, {})
+    )
     plan = make_plan(leaf_specs(init), 1, 1)
     state = ShardState(cfg, 0)
     state.initialize(plan.to_wire(), codec.raw("float32").encode({"0": init["w"]})[0])
