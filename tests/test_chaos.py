@@ -26,6 +26,9 @@ def test_quick_chaos_run_loses_nothing_acked_and_every_fault_fires(tmp_path):
         [
             sys.executable, "-m", "bench.cli", "chaos", "--quick", "--faults", "4",
             "--seed", "9", "--kinds", KINDS, "--out", str(tmp_path),
+            # 28 s: each fault lasts 2.75 s, so a window sees pushes even when an island
+            # waits for its last delta's merge before the next push (worker.session)
+            "--duration", "28",
         ],
         capture_output=True,
         text=True,

@@ -20,6 +20,7 @@ import pytest
 from conftest import Cluster
 
 import worker
+from worker import push_schedule
 
 pytestmark = pytest.mark.timeout(90)
 FAST = {"heartbeat_interval_s": 0.2, "join_timeout_s": 30.0, "flush_timeout_s": 10.0}
@@ -60,3 +61,11 @@ def test_islands_faster_than_the_shard_get_no_too_many_pending_refusals(tmp_path
             assert stats[name]["rejected"] == {}, (name, stats[name])
     finally:
         cluster.stop()
+
+
+def test_a_fragment_pushes_again_only_once_its_last_delta_is_settled():
+    last_push = {0: 7, 1: 7, 2: 6}  # fragment 3 was never pushed
+    outcomes = {(7, 0): "merged", (7, 1): "pending", (6, 2): "rejected"}
+    assert push_schedule.unblocked([0, 1, 2, 3], last_push, outcomes) == [0, 2, 3]
+    acked = {(7, 0): "acked", (7, 1): "acked", (6, 2): "merged"}  # acked: not merged yet
+    assert push_schedule.unblocked([0, 1, 2, 3], last_push, acked) == [2, 3]

@@ -100,3 +100,31 @@ def check_streaming_mode(streaming: bool, mode: str) -> None:
             "mode sync (islands wait for the merge after each round: nothing to overlap); "
             "start the island with --streaming false or the shards with --mode quorum"
         )
+
+
+def unblocked(
+    due: list[int], last_push: Mapping[int, int], outcomes: Mapping[tuple[int, int], str]
+) -> list[int]:
+    """The due fragments of a quorum-mode island whose previous delta is settled.
+
+    An island keeps at most one unmerged delta per fragment in quorum mode: a
+    fragment whose last push is still pending, deferred (`too_many_pending`)
+    or unacked skips this push, and its next push carries the work of both
+    rounds against a newer base. A shard slower than the islands thus gets
+    fewer, larger deltas instead of a queue of stale ones that it refuses, has
+    re-sent and merges late under the outer momentum. (Sync mode waits for
+    each round's merge; async mode steps on every delta as it comes, so its
+    islands push every round: examples/own_mlp.py, async, ended at 0.028
+    without the skip and 0.049 with it. A multi-process island pushes on
+    schedule: its processes must agree on what each step pushes.)
+
+    Args:
+        due: fragments due to push now.
+        last_push: fragment -> round id of its last push.
+        outcomes: (round, fragment) -> `Client.delta_outcomes` of those pushes.
+
+    Returns:
+        The due fragments never pushed, or whose last push was merged or rejected.
+    """
+    settled = {f for (_, f), outcome in outcomes.items() if outcome in ("merged", "rejected")}
+    return [f for f in due if f not in last_push or f in settled]

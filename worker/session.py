@@ -14,8 +14,8 @@ placed like `params`. `Session.step` counts inner steps; when a fragment's
 delta is due (every `inner_steps` calls, or per fragment at its own step with
 streaming: `worker.push_schedule`) it pushes each due fragment's work since
 its last push (`worker.exchange`'s rule, encoded with error feedback; a
-fragment whose previous delta is not merged yet skips a push and carries the
-work into its next one, see `Session._unblocked`), and
+fragment whose previous delta is not merged yet skips a push in quorum mode and
+carries the work into its next one, see `Session._unblocked`), and
 folds in every newer published version with the merge rule. The exchange
 runs on the parameters' own devices (`worker.device_exchange`: only codes and
 scales cross to the host) when `exchange="device"` (the default), the codec
@@ -58,7 +58,7 @@ from worker.device_exchange import DeviceExchange
 from worker.host_exchange import HostExchange
 from worker.leader_sync import LeaderSync
 from worker.param_tree import TreeError, TreeLayout
-from worker.push_schedule import check_streaming_mode, due_fragments, flush_fragments
+from worker.push_schedule import check_streaming_mode, due_fragments, flush_fragments, unblocked
 from worker.session_config import make_codec, session_config
 from worker.session_stats import RoundClock, cluster_difference
 
@@ -319,23 +319,11 @@ class Session:
         return out
 
     def _unblocked(self, due: list[int]) -> list[int]:
-        """The due fragments whose previous delta is merged: the others keep their work.
-
-        An island has at most one unmerged delta per fragment (quorum and async
-        mode, single-process islands): a fragment whose last push is still
-        pending, deferred (`too_many_pending`) or unacked skips this push, and
-        its next push carries the work of both rounds against a newer base. A
-        shard slower than the islands thus gets fewer, larger deltas instead of
-        a queue of stale ones that it refuses, has re-sent and merges late.
-        (Sync mode waits for each round's merge; a multi-process island pushes
-        on schedule: its processes must agree on what each step pushes.)
-        """
-        if self.client is None or self.mode == "sync" or self.group.multi:
+        """The due fragments that push now (`push_schedule.unblocked`; quorum, one process)."""
+        if self.client is None or self.mode != "quorum" or self.group.multi:
             return due
         waiting = [(self.last_push[f], f) for f in due if f in self.last_push]
-        outcomes = self.client.delta_outcomes(waiting)  # rejected: resolved, never merged
-        settled = {f for (r, f), o in outcomes.items() if o in ("merged", "rejected")}
-        return [f for f in due if f not in self.last_push or f in settled]
+        return unblocked(due, self.last_push, self.client.delta_outcomes(waiting))
 
     def _encode(self, leaves: list[Any], fragments: list[int]) -> dict[int, tuple[int, list]]:
         """Each due fragment's (base version, frames) of its work since its last push.
