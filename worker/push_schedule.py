@@ -107,10 +107,12 @@ def unblocked(
 ) -> list[int]:
     """The due fragments of a quorum-mode island whose previous delta is settled.
 
-    An island keeps at most one unmerged delta per fragment in quorum mode: a
-    fragment whose last push is still pending, deferred (`too_many_pending`)
-    or unacked skips this push, and its next push carries the work of both
-    rounds against a newer base. A shard slower than the islands thus gets
+    An island keeps at most one unmerged delta per fragment in quorum mode
+    while its shards are up: a fragment whose last push is still pending,
+    deferred (`too_many_pending`) or acked but not merged skips this push, and
+    its next push carries the work of both rounds against a newer base. (With
+    a shard down the session does not ask: the client queues pushes as before
+    and re-sends them when the shard is back.) A shard slower than the islands thus gets
     fewer, larger deltas instead of a queue of stale ones that it refuses, has
     re-sent and merges late under the outer momentum. (Sync mode waits for
     each round's merge; async mode steps on every delta as it comes, so its

@@ -14,7 +14,7 @@ placed like `params`. `Session.step` counts inner steps; when a fragment's
 delta is due (every `inner_steps` calls, or per fragment at its own step with
 streaming: `worker.push_schedule`) it pushes each due fragment's work since
 its last push (`worker.exchange`'s rule, encoded with error feedback; a
-fragment whose previous delta is not merged yet skips a push in quorum mode and
+fragment whose previous delta is not merged skips a push in quorum mode and
 carries the work into its next one, see `Session._unblocked`), and
 folds in every newer published version with the merge rule. The exchange
 runs on the parameters' own devices (`worker.device_exchange`: only codes and
@@ -318,9 +318,9 @@ class Session:
         self.clock.step_ended(time.monotonic())
         return out
 
-    def _unblocked(self, due: list[int]) -> list[int]:
-        """The due fragments that push now (`push_schedule.unblocked`; quorum, one process)."""
-        if self.client is None or self.mode != "quorum" or self.group.multi:
+    def _unblocked(self, due: list[int]) -> list[int]:  # `push_schedule.unblocked`
+        down = self.client is not None and self.client.stats().get("shards_down")  # queue
+        if self.client is None or self.mode != "quorum" or self.group.multi or down:
             return due
         waiting = [(self.last_push[f], f) for f in due if f in self.last_push]
         return unblocked(due, self.last_push, self.client.delta_outcomes(waiting))
