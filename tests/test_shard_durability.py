@@ -225,7 +225,9 @@ def spawn_shard(port, data_dir):
 
 def connect(ctx, port):
     p = Peer(ctx, f"tcp://127.0.0.1:{port}", "a")
-    p.hello()  # waits (up to the reply timeout) for the process to serve
+    p.send({"kind": "hello", "island": "a"})  # queued until the process serves
+    reply, _ = p.recv(timeout_s=60)  # a loaded machine: importing JAX alone can take 10 s
+    assert reply["kind"] == "welcome", reply
     return p
 
 
