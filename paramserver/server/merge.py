@@ -296,14 +296,12 @@ class _RdaMerge(ChunkMerge):
         parts: Sequence[Sequence[tuple[DeltaSource, float]]],
         segments: Sequence[Segment],
         outside: Sequence[Mapping[str, TensorPartial]] = (),
-        weights: Sequence[float] | None = None,
     ) -> None:
         super().__init__(parts[0][0][0].size)
         self.islands = tuple(islands)
         self.parts = [[(s, float(c)) for s, c in island] for island in parts]
         self.segments = list(segments)
-        if weights is None:  # C_i = sum_k c_ik
-            weights = [sum(c for _, c in island) for island in self.parts]
+        weights = [sum(c for _, c in island) for island in self.parts]  # C_i = sum_k c_ik
         self.weights = np.asarray(weights, dtype=np.float64)
         count = len(self.islands)
         grams: dict[str, np.ndarray] = {}
@@ -452,7 +450,7 @@ def merge_deltas(
     return _MeanMerge(sources, weights).whole(out)
 
 
-Coefficients = Sequence[float] | Mapping[str, float]
+Coefficients = Sequence[float]  # one c_k per pending delta, aligned with the deltas
 
 
 def _grouped(
@@ -472,30 +470,23 @@ def _grouped(
         raise MergeError(
             f"deltas of sizes {sizes} for fragment {fragment.index} of {fragment.size}"
         )
-    if isinstance(coefficients, Mapping):
-        coef = [coefficients[island] for island, _ in sources]
-    else:
-        coef = list(coefficients)
-        if len(coef) != len(sources):
-            raise MergeError(f"{len(sources)} deltas but {len(coef)} coefficients")
+    coef = list(coefficients)
+    if len(coef) != len(sources):
+        raise MergeError(f"{len(sources)} deltas but {len(coef)} coefficients")
     return [(island, s, c) for (island, s), c in zip(sources, coef, strict=True)]
 
 
 def _rda(
     rows: Sequence[tuple[str, DeltaSource, float]],
-    coefficients: Coefficients,
     fragment: Fragment,
     outside: Sequence[Mapping[str, TensorPartial]] = (),
 ) -> _RdaMerge:
     per_island: dict[str, list[tuple[DeltaSource, float]]] = {}
     for island, source, c in rows:
         per_island.setdefault(island, []).append((source, c))
-    weights = None  # C_i = sum_k c_ik; an island -> c_i mapping: C_i = c_i (u_i = c_i * v_i)
-    if isinstance(coefficients, Mapping):
-        weights = [coefficients[i] for i in per_island]
-    _check_coefficients(weights or [c for _, _, c in rows])
+    _check_coefficients([c for _, _, c in rows])
     segments = fragment_segments(fragment)
-    return _RdaMerge(list(per_island), list(per_island.values()), segments, outside, weights)
+    return _RdaMerge(list(per_island), list(per_island.values()), segments, outside)
 
 
 def chunk_merge(
@@ -511,9 +502,7 @@ def chunk_merge(
         rule: "mean" (sum of c_k * delta_k) or "rda" (this module).
         deltas: (island, delta) of every pending delta the step merges; an
             island's deltas are disjoint increments, u_i = sum_k c_ik * d_ik (rda).
-        coefficients: one c_k per delta, aligned with `deltas` (C_i = sum_k c_ik);
-            or a mapping island -> c_i, the same c_i for each of that island's
-            deltas and C_i = c_i (the per-island rule: u_i = c_i * its deltas' sum).
+        coefficients: one c_k per delta, aligned with `deltas` (C_i = sum_k c_ik).
         fragment: the plan fragment (its slices are the RDA segments).
         outside: rda only: the partial sums (`rda_partials`) of the other pieces
             of this fragment's tensors, merging the same deltas; added to this
@@ -531,7 +520,7 @@ def chunk_merge(
     rows = _grouped(rule, deltas, coefficients, fragment)
     if rule == "mean":
         return _MeanMerge([s for _, s, _ in rows], [c for _, _, c in rows])
-    return _rda(rows, coefficients, fragment, outside)
+    return _rda(rows, fragment, outside)
 
 
 def rda_partials(
@@ -551,7 +540,7 @@ def rda_partials(
         steps of the tensor's other pieces take as `outside`.
     """
     rows = _grouped("rda", deltas, coefficients, fragment)
-    return _rda(rows, coefficients, fragment).partials
+    return _rda(rows, fragment).partials
 
 
 def merge_pending(
@@ -566,7 +555,7 @@ def merge_pending(
     Args:
         rule: "mean" (sum of c_k * delta_k) or "rda" (this module).
         deltas: (island, delta) of every pending delta the step merges.
-        coefficients: one c_k per delta, or island -> c_i (`chunk_merge`).
+        coefficients: one c_k per delta (`chunk_merge`).
         fragment: the plan fragment (its slices are the RDA segments).
         out: optional float32 buffer of the deltas' shape.
 

@@ -239,14 +239,14 @@ class TensorGroups:
 def partials(
     outside: Sequence[PieceGram],
     merged_in: Sequence[Contribution],
-    coefficients: Sequence[float] | Mapping[str, float],
+    coefficients: Sequence[float],
 ) -> list[dict[str, TensorPartial]]:
     """RDA partial sums of the sibling pieces under a step's coefficients.
 
     Args:
         outside: the step's PieceGrams (keys in the step's order).
         merged_in: the step's pending deltas.
-        coefficients: one c_k per delta, or island -> c_k (as `chunk_merge` takes).
+        coefficients: one c_k per delta (as `chunk_merge` takes).
 
     Returns:
         One {path: TensorPartial} per PieceGram, for `chunk_merge(..., outside=)`.
@@ -254,10 +254,7 @@ def partials(
     if not outside:
         return []
     islands = tuple(dict.fromkeys(c.island for c in merged_in))
-    if isinstance(coefficients, Mapping):
-        coef = {(c.island, c.round): float(coefficients[c.island]) for c in merged_in}
-    else:
-        coef = {(c.island, c.round): float(x) for c, x in zip(merged_in, coefficients, strict=True)}
+    coef = {(c.island, c.round): float(x) for c, x in zip(merged_in, coefficients, strict=True)}
     out = []
     for piece in outside:
         weights = np.zeros((len(islands), len(piece.keys)))
