@@ -26,6 +26,7 @@ from bench import child
 from bench.child import LaunchError
 from paramserver.plumbing import daemon, probe
 from paramserver.plumbing.clusterfile import ShardAddress, render_cluster_file
+from paramserver.plumbing.exposure import is_loopback
 from worker import progress
 
 
@@ -244,6 +245,9 @@ class LocalCluster:
             "--connect", self.connect, "--island", spec.name,
             "--speed", str(spec.speed), "--data-dir", str(data_dir),
             "--cpu", str(cpu), *spec.extra,
+            # the WAN emulation's hub (a bridge on this machine) is not loopback: its plain
+            # TCP is the emulated trusted network, so the islands say --insecure there
+            *(() if is_loopback(self.host) else ("--insecure",)),
         ]  # fmt: skip
 
     @staticmethod

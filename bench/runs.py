@@ -30,6 +30,7 @@ from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 from bench.scenarios import Budget, Scenario
 from bench.wan import Wan
 from paramserver.plumbing import daemon, probe
+from paramserver.plumbing.exposure import is_loopback
 from worker import progress as progress_files
 
 POLL_S = 0.5
@@ -248,6 +249,8 @@ def run_ddp(
                     *(wan.prefix(i) if wan is not None else ()), sys.executable, "-m",
                     "bench.children.ddp_rank", "--rank", str(i), "--world", str(budget.islands),
                     "--island", name, "--connect", f"tcp://{hub}:{connect_port}",
+                    # the WAN hub is a bridge address, not loopback: the emulated trusted network
+                    *(() if is_loopback(hub) else ("--insecure",)),
                     "--data-dir", str(data_dir), "--cpu", str(i),
                     "--max-rounds", str(budget.steps_per_island // budget.inner_steps),
                     *common_flags(budget, i),

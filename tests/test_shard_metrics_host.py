@@ -60,7 +60,8 @@ def test_metrics_listen_on_the_shards_host_only(tmp_path):
 
 def test_metrics_host_defaults_to_host():
     assert ShardConfig(host="127.0.0.1").metrics_bind_host == "127.0.0.1"
-    assert ShardConfig(host="10.1.2.3", metrics_host="127.0.0.1").metrics_bind_host == "127.0.0.1"
-    assert ShardConfig(host="*").metrics_bind_host == "0.0.0.0"
+    wide = {"metrics_host": "127.0.0.1", "insecure": True}  # plain TCP off loopback: insecure
+    assert ShardConfig(host="10.1.2.3", **wide).metrics_bind_host == "127.0.0.1"
+    assert ShardConfig(host="*", insecure=True).metrics_bind_host == "0.0.0.0"
     with pytest.raises(ValueError, match="metrics_host"):
         ShardConfig(metrics_host=5)

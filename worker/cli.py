@@ -18,6 +18,8 @@ reads the global parameters from the shards and evaluates them once on the
 common held-out set; run it with the islands' model and data settings. On a
 CURVE cluster give an island's keys (--curve-secret-key-file,
 --curve-server-key-file) and its --island: the probe says hello as that id.
+`start` and `eval` refuse a --connect that is not loopback without those keys
+unless --insecure (plain TCP, a trusted network only), before connecting.
 
 An island of several processes (worker.process_group; JAX_COORDINATOR_ADDRESS,
 JAX_NUM_PROCESSES and JAX_PROCESS_ID serve when the flags are not given): every
@@ -67,6 +69,7 @@ EVAL_SETTINGS = (
     "devices",
     "curve_secret_key_file",
     "curve_server_key_file",
+    "insecure",
     "log_level",
 )
 

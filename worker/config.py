@@ -27,7 +27,9 @@ class IslandConfigError(ValueError):
 class IslandConfig:
     """Settings of one island (one worker process)."""
 
-    connect: str = "tcp://127.0.0.1:5555"  # ROUTER endpoint of any shard (normally shard 0)
+    # ROUTER endpoint of any shard (normally shard 0); one that is not loopback needs the
+    # CURVE key files or insecure
+    connect: str = "tcp://127.0.0.1:5555"
     island: str = "island-0"  # stable island id; a restarted island keeps it
     data_dir: str = "runs/worker"  # pid, log, status.json and metrics.jsonl go here
     # JAX persistent compilation cache: "" = <data_dir>/jax-cache, "off" = none, or a shared
@@ -83,6 +85,9 @@ class IslandConfig:
     max_unacked: int = ClientConfig.max_unacked  # deltas outstanding before a push blocks
     curve_secret_key_file: str = ""  # CURVE: this island's NAME.key_secret; "" = no CURVE
     curve_server_key_file: str = ""  # CURVE: the shards' public key file (server.key)
+    # send in plain TCP (no CURVE) to a shard that is not on loopback: only on a trusted,
+    # firewalled network (without it such an endpoint is refused)
+    insecure: bool = False
     log_level: str = "INFO"  # DEBUG | INFO | WARNING | ERROR
 
     def __post_init__(self) -> None:
@@ -147,4 +152,5 @@ class IslandConfig:
             max_unacked=self.max_unacked,
             curve_secret_key_file=self.curve_secret_key_file,
             curve_server_key_file=self.curve_server_key_file,
+            insecure=self.insecure,
         )

@@ -32,6 +32,7 @@ SESSION_SETTINGS = (
     "heartbeat_interval_s",
     "curve_secret_key_file",
     "curve_server_key_file",
+    "insecure",
     "compile_cache_dir",
 )
 

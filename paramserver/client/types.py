@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from codec.prequantized import Coded
+from paramserver.plumbing.exposure import refusal
 from paramserver.plumbing.validate import Checks
 from paramserver.wire.plan import Plan
 
@@ -59,6 +60,9 @@ class ClientConfig:
     # pushes, acks, round_merged and stats work as with a replica. Memory does not grow
     # with the model.
     replica: bool = True
+    # True: send in plain TCP (no CURVE) to endpoints that are not loopback, here `connect`
+    # and every shard a welcome names; only on a trusted, firewalled network
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         check = Checks("ClientConfig", ClientConfigError)
@@ -95,10 +99,35 @@ class ClientConfig:
             self.curve_server_key_file,
         )
         check.require(
+            isinstance(self.insecure, bool), "insecure", self.insecure, "must be True or False"
+        )
+        refused = self.plain_tcp_refusal(self.connect)
+        check.require(refused is None, "connect", self.connect, str(refused))
+        check.require(
             self.reconnect_cap_s >= self.heartbeat_interval_s,
             "reconnect_cap_s",
             self.reconnect_cap_s,
             f"must be >= heartbeat_interval_s={self.heartbeat_interval_s}",
+        )
+
+    def plain_tcp_refusal(self, endpoint: str) -> str | None:
+        """Why this client may not talk plain TCP to `endpoint`, or None when it may.
+
+        Args:
+            endpoint: a shard's ROUTER or PUB endpoint.
+
+        Returns:
+            One line naming the endpoint's host, the risk and both ways out (CURVE
+            keys or `insecure`); None under CURVE, with `insecure`, on loopback
+            and for ipc:// and inproc:// (`paramserver.plumbing.exposure`).
+        """
+        return refusal(
+            endpoint,
+            curve=bool(self.curve_secret_key_file),
+            insecure=self.insecure,
+            risk="anyone on the way could read the deltas or pose as the server",
+            keys="curve_secret_key_file and curve_server_key_file",
+            opt_out="insecure=True (--insecure)",
         )
 
 

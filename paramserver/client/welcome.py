@@ -1,10 +1,13 @@
 """What a shard's welcome tells an island, checked against the island's own plan.
 
-This module owns, with no I/O, the checks of a `welcome` reply: the cluster
-map and the plan this island computes from it (`read_welcome`), whether a
-shard is initialised with that plan (`shard_initialized`), the size limit it
-announces (`welcome_limit`), the welcome of a shard said hello to again after
-a reconnect (`check_rewelcome`), and the error message of a plan mismatch.
+This module owns, with no I/O (but the name lookup of a shard given by host
+name in a plain-TCP cluster), the checks of a `welcome` reply: the cluster
+map, whether this client may reach every shard it names (plain TCP only on
+loopback unless `insecure`), and the plan this island computes from it
+(`read_welcome`), whether a shard is initialised with that plan
+(`shard_initialized`), the size limit it announces (`welcome_limit`), the
+welcome of a shard said hello to again after a reconnect (`check_rewelcome`),
+and the error message of a plan mismatch.
 The join's handshake (`paramserver.client.handshake`) and the client's core
 (`paramserver.client.core`) call them.
 """
@@ -89,8 +92,9 @@ def read_welcome(welcome: dict, cfg: ClientConfig, leaves: list[LeafSpec]) -> Cl
         The cluster as this island will use it.
 
     Raises:
-        ClientError: the map is inconsistent, the model cannot be sharded over
-            the cluster, or an initialized cluster's plan differs from ours.
+        ClientError: the map is inconsistent, names a shard this client may not
+            reach in plain TCP (`ClientConfig.plain_tcp_refusal`), the model cannot
+            be sharded over the cluster, or an initialized cluster's plan differs from ours.
     """
     endpoints = welcome["endpoints"]
     pub_interval_s = max(cfg.heartbeat_interval_s, welcome["heartbeat_interval_s"])
@@ -101,6 +105,14 @@ def read_welcome(welcome: dict, cfg: ClientConfig, leaves: list[LeafSpec]) -> Cl
             f"join: welcome lists {len(endpoints)} endpoints for {num_shards} shards "
             f"(shard {welcome['shard']}); the cluster is misconfigured"
         )
+    for index, pair in enumerate(endpoints):
+        for endpoint in pair:  # a loopback shard may name shards elsewhere
+            refusal = cfg.plain_tcp_refusal(str(endpoint))
+            if refusal is not None:
+                raise ClientError(
+                    f"join: the welcome of {cfg.connect} names shard {index} at {endpoint}: "
+                    f"{refusal}"
+                )
     try:
         plan = make_plan(leaves, num_shards, num_fragments)
     except PlanError as exc:

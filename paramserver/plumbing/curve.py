@@ -65,6 +65,19 @@ def _key_text(public: bytes, secret: bytes | None) -> str:
     return "\n".join(lines) + "\n"
 
 
+def check_key_name(name: str) -> None:
+    """Refuse a key name that is no plain file stem.
+
+    Args:
+        name: e.g. "server" or an island id.
+
+    Raises:
+        CurveError: empty, starting with ".", or holding other than letters, digits, "-", "_", ".".
+    """
+    if not name or not all(ch.isalnum() or ch in "-_." for ch in name) or name.startswith("."):
+        raise CurveError(f"key name {name!r}: use letters, digits, '-', '_' or '.'")
+
+
 def write_keypair(out_dir: str | Path, name: str) -> tuple[Path, Path]:
     """Create a new CURVE key pair as NAME.key (public) and NAME.key_secret (mode 0600).
 
@@ -78,8 +91,7 @@ def write_keypair(out_dir: str | Path, name: str) -> tuple[Path, Path]:
     Raises:
         CurveError: a bad name, or either file exists already (never overwritten).
     """
-    if not name or not all(ch.isalnum() or ch in "-_." for ch in name) or name.startswith("."):
-        raise CurveError(f"key name {name!r}: use letters, digits, '-', '_' or '.'")
+    check_key_name(name)
     if not zmq.has("curve"):
         raise CurveError("this libzmq was built without CURVE support")
     directory = Path(out_dir)

@@ -7,7 +7,8 @@ Keys are the dataclass field names, flat: ``mode = "sync"`` in TOML (at the top
 or in one named table such as ``[server]``), ``DILOCO_SERVER_MODE`` in the
 environment, ``--mode`` on the command line. Strings from the environment and
 the command line are coerced to the field's type (int, float, bool, str,
-``Literal`` choices, ``X | None``, ``tuple[X, ...]`` as a comma list).
+``Literal`` choices, ``X | None``, ``tuple[X, ...]`` as a comma list); a bool
+flag alone means true (``--insecure``).
 
 Every problem (unknown key, bad value, a failed ``__post_init__`` check) is a
 `SettingsError` whose one-line message names the source of the value
@@ -367,7 +368,8 @@ def add_flags(
 
     Options default to ``argparse.SUPPRESS`` so the parsed Namespace holds only the
     flags that were given, which is what `load_settings(flags=...)` expects. Values
-    stay strings here; `load_settings` coerces and names the flag on error.
+    stay strings here; `load_settings` coerces and names the flag on error. A bool
+    field's flag given without a value means true (``--insecure`` = ``--insecure true``).
 
     Args:
         parser: an ArgumentParser (or argument group).
@@ -383,13 +385,15 @@ def add_flags(
         default = defaults.get(leaf.key, dataclasses.MISSING)
         if default is not dataclasses.MISSING:
             text = f"{text} (default: {default!r})"
-        metavar = _metavar(leaf.type)
+        # a bool flag alone means true (`--insecure`); `--insecure false` still works
+        alone = {"nargs": "?", "const": "true"} if leaf.type is bool else {}
         parser.add_argument(
             "--" + leaf.key.replace("_", "-"),
             dest=leaf.key,
             default=argparse.SUPPRESS,
-            metavar=metavar,
+            metavar=_metavar(leaf.type),
             help=argparse.SUPPRESS if leaf.key in hide else text.replace("%", "%%"),
+            **alone,
         )
 
 

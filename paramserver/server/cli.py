@@ -9,10 +9,13 @@ The work is done by `supervisor` (local cluster), `serve` (one shard),
 
     diloco-server start --shards 2 --port 5555 --data-dir runs/server [--detach]
     diloco-server start --cluster cluster.toml --shard 0 [--detach]
+        (a bind host off loopback needs --curve-secret-key-file + --curve-allow-dir,
+         or --insecure)
     diloco-server status --connect tcp://127.0.0.1:5555 [--json]
         [--curve-secret-key-file K.key_secret --curve-server-key-file server.key]
     diloco-server stop --data-dir runs/server
-    diloco-server keys --out keys/ [--name server]     # CURVE key pair (see README, Security)
+    diloco-server keys --out keys --islands a,b        # a cluster's CURVE keys + the lines to use
+    diloco-server keys --out keys/ [--name server]     # one CURVE key pair (see README, Security)
 """
 
 from __future__ import annotations
@@ -72,7 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Start a local cluster of --shards processes (shard i: ROUTER port+2i, PUB port+2i+1), "
             "or one shard of a multi-host cluster (--cluster FILE --shard I). Settings: defaults "
-            f"<- --config TOML <- {ENV_PREFIX}<FIELD> environment <- flags."
+            f"<- --config TOML <- {ENV_PREFIX}<FIELD> environment <- flags. Binding a host that is "
+            "not loopback (--host, or a cluster file's binds) needs CURVE keys "
+            "(--curve-secret-key-file, --curve-allow-dir; `diloco-server keys --islands` writes "
+            "them) or --insecure (plain TCP: a trusted, firewalled network only)."
         ),
         epilog=_cluster_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -133,11 +139,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     keys = sub.add_parser(
         "keys",
-        help="create a CURVE key pair: NAME.key (public) and NAME.key_secret (mode 0600)",
+        help="create CURVE keys: a pair (NAME.key, NAME.key_secret), or a whole cluster's "
+        "(--islands)",
         description=(
-            "Create a CURVE key pair for a shard (--name server) or an island. Give shards "
+            "With --islands a,b: the keys of a whole cluster in one command: the server pair "
+            "OUT/NAME.key(_secret) (kept if it exists), a pair per island in "
+            "OUT/islands/ISLAND/ (with a copy of the server's .key: copy that directory to the "
+            "island's host) and the allow dir OUT/allow/ (the islands' public keys); then it "
+            "prints the diloco-server start, diloco-worker start and status lines that use them. "
+            "Without --islands: one key pair for a shard (--name server) or an island. Give shards "
             "curve_secret_key_file=NAME.key_secret and curve_allow_dir=a directory holding the "
             "islands' NAME.key files; give islands their own NAME.key_secret and the server's .key. "
+            "No key file is ever overwritten; secret files are mode 0600. "
             "A key NAME.key in the allow dir may act only as island NAME; to let it act as more "
             "ids, give shards curve_allow_map=a TOML file with one line per key, "
             'NAME = ["id-b", "id-c"]. Any other id is refused forbidden_island. '
@@ -151,7 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--name",
         default="server",
         metavar="NAME",
-        help="file stem of the pair: NAME.key and NAME.key_secret (default server)",
+        help="file stem of the pair: NAME.key and NAME.key_secret (default server; with "
+        "--islands: the server pair's)",
+    )
+    keys.add_argument(
+        "--islands",
+        metavar="A,B,...",
+        help="also a key pair per island and the shards' allow dir, and print the lines to use",
     )
     keys.set_defaults(func=cmd_keys)
 
@@ -237,6 +256,12 @@ def _start_cluster_shard(args: argparse.Namespace) -> int:
         overrides={"shards": count},
     )
     address = cluster.shards[args.shard]
+    for key, bind in (("router_bind", address.router_bind), ("pub_bind", address.pub_bind)):
+        refusal = cfg.plain_bind_refusal(bind)  # the host rule of ShardConfig, on the file's binds
+        if refusal is not None:
+            raise SettingsError(
+                f"{args.cluster}:shard[{args.shard}] binds {bind} ({key}): {refusal}"
+            )
     directory = serve.shard_dir(cfg, args.shard)
     supervisor.check_not_running(directory)
     supervisor.check_binds(
@@ -353,21 +378,48 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_keys(args: argparse.Namespace) -> int:
-    """`keys`: write a new CURVE key pair.
+    """`keys`: write a new CURVE key pair, or with --islands a whole cluster's keys.
 
     Args:
-        args: the parsed command line (`out`, `name`).
+        args: the parsed command line (`out`, `name`, `islands`).
 
     Returns:
-        Exit code: 0, or 2 when the name is bad or a key file exists.
+        Exit code: 0, or 2 when a name is bad or a key file exists.
     """
     from paramserver.plumbing.curve import CurveError, write_keypair
 
     try:
+        if args.islands is not None:
+            return _cluster_keys(args)
         public, secret = write_keypair(args.out, args.name)
     except CurveError as exc:
         return _fail(str(exc), EXIT_USAGE)
     print(f"{PROG}: public key {public} (share it); secret key {secret} (mode 0600, keep private)")
+    return 0
+
+
+def _cluster_keys(args: argparse.Namespace) -> int:
+    """`keys --islands`: write the key set, then print where it lies and the lines to use."""
+    import socket
+
+    from paramserver.plumbing.keyset import parse_islands, usage_lines, write_key_set
+
+    keys = write_key_set(args.out, parse_islands(args.islands), args.name)
+    connect = f"tcp://{socket.gethostname()}:{ShardConfig.port}"
+    server_line, *island_lines, status_line = usage_lines(keys, connect)
+    kept = "kept (it existed)" if keys.server_kept else "new"
+    print(
+        f"{PROG}: CURVE keys in {args.out} (secret files mode 0600, nothing overwritten)\n"
+        f"  {keys.server_secret}: the shards' key pair, {kept}; keep it on the shard hosts\n"
+        f"  {keys.allow_dir}/: the islands' public keys, the shards' allow dir"
+    )
+    for island, directory in keys.island_dirs.items():
+        print(f"  {directory}/: {island}'s pair and the shards' key; copy it to {island}'s host")
+    print("start the shards (on every interface; add --port, --data-dir, ... as usual):")
+    print(f"  {server_line}")
+    print(f"start each island ({connect}: this host, the default port; adjust if not):")
+    print("\n".join(f"  {line}" for line in island_lines))
+    print(f"and check the cluster:\n  {status_line}")
     return 0
 
 

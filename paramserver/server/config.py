@@ -14,6 +14,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from paramserver.plumbing.exposure import refusal
 from paramserver.plumbing.validate import LOG_LEVELS, Checks
 from paramserver.server.merge import MERGES
 from paramserver.server.policy import PolicyConfig, PolicyError
@@ -117,7 +118,9 @@ class ConfigError(ValueError):
 class ShardConfig:
     """Settings of one shard process (every shard of a cluster gets the same config)."""
 
-    host: str = "127.0.0.1"  # bind address of the ROUTER and PUB sockets
+    # bind address of the ROUTER and PUB sockets; one that is not loopback (0.0.0.0, a LAN
+    # address) needs CURVE keys (curve_secret_key_file, curve_allow_dir) or insecure
+    host: str = "127.0.0.1"
     port: int = 5555  # base port: shard i binds ROUTER port+2i and PUB port+2i+1
     shards: int = 1  # number of shard processes in the cluster
     fragments: int = 0  # fragments in the plan; 0 = 2 per shard
@@ -175,6 +178,9 @@ class ShardConfig:
     # with CURVE: TOML file granting a key more island ids than its file's stem (NAME.key acts
     # as island NAME), one line per key: NAME = ["id-b", "id-c"]; "" = only the stems
     curve_allow_map: str = ""
+    # serve plain TCP (no CURVE) on a host that is not loopback: anyone who reaches the
+    # ports may join, init and push; only on a trusted, firewalled network
+    insecure: bool = False
 
     def __post_init__(self) -> None:
         check = Checks("ShardConfig", ConfigError)
@@ -270,6 +276,29 @@ class ShardConfig:
             "curve_allow_map",
             self.curve_allow_map,
             "an allow map needs CURVE: set curve_secret_key_file and curve_allow_dir too",
+        )
+        check.boolean("insecure", self.insecure)
+        refused = self.plain_bind_refusal(self.host)
+        check.require(refused is None, "host", self.host, str(refused))
+
+    def plain_bind_refusal(self, address: str) -> str | None:
+        """Why this shard may not bind `address` (a host or endpoint) without CURVE, or None.
+
+        Args:
+            address: a bind host such as "0.0.0.0", or a bind endpoint tcp://HOST:PORT.
+
+        Returns:
+            One line naming the address, the risk and both ways out (CURVE keys
+            or --insecure); None with CURVE, with `insecure`, or on loopback
+            (`paramserver.plumbing.exposure`).
+        """
+        return refusal(
+            address,
+            curve=bool(self.curve_secret_key_file),
+            insecure=self.insecure,
+            risk="anyone who reaches the port may join, init and push",
+            keys="--curve-secret-key-file and --curve-allow-dir",
+            opt_out="--insecure",
         )
 
     @property

@@ -20,6 +20,7 @@ from typing import Any
 import zmq
 
 from paramserver.plumbing.curve import ClientKeys, CurveError, load_keypair
+from paramserver.plumbing.exposure import is_loopback
 from paramserver.plumbing.probe import ProbeError, shard_status
 
 logger = logging.getLogger(__name__)
@@ -185,4 +186,13 @@ def serve_metrics(
     logger.info(
         "metrics on http://%s:%d/metrics, cluster page on http://%s:%d/", host, port, host, port
     )
+    if not is_loopback(host):  # read-only, but unauthenticated: say so (README, Security)
+        logger.warning(
+            "the metrics endpoint and cluster page on %s:%d are plain HTTP without "
+            "authentication: anyone who reaches the port reads island ids, losses, versions and "
+            "counters (nothing there changes the cluster); bind --metrics-host 127.0.0.1 or "
+            "firewall the port if that matters",
+            host,
+            port,
+        )
     return server
