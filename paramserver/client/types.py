@@ -16,6 +16,7 @@ import numpy as np
 from codec.prequantized import Coded
 from paramserver.plumbing.validate import Checks
 from paramserver.wire.plan import Plan
+from paramserver.wire.protocol import is_island_id
 
 
 class ClientError(RuntimeError):
@@ -59,6 +60,11 @@ class ClientConfig:
     # pushes, acks, round_merged and stats work as with a replica. Memory does not grow
     # with the model.
     replica: bool = True
+    # The token every hello carries (docs/protocol.md, `session`): a shard lets a hello with
+    # the token of the connection an island id is bound to take the id over at once. Keep it
+    # (secret) where the island keeps its state, so a restart after a crash is welcomed at
+    # once (`worker.session_token`); "" = a fresh random token per Client.
+    session: str = ""
 
     def __post_init__(self) -> None:
         check = Checks("ClientConfig", ClientConfigError)
@@ -87,6 +93,12 @@ class ClientConfig:
         )
         check.require(
             isinstance(self.replica, bool), "replica", self.replica, "must be True or False"
+        )
+        check.require(
+            self.session == "" or is_island_id(self.session),
+            "session",
+            self.session,
+            'give a string of 1-128 characters, or "" for a fresh token per client',
         )
         check.together(
             "curve_secret_key_file",
