@@ -236,7 +236,7 @@ while True:
 @pytest.mark.timeout(60)
 def test_kill_9_in_the_middle_of_appends_leaves_a_readable_file(tmp_path):
     path = tmp_path / "outbox.bin"
-    for attempt in range(3):
+    for _ in range(3):  # three kills at other moments
         proc = subprocess.Popen(
             [sys.executable, "-c", _WRITER, str(path), str(ROOT)],
             stdout=subprocess.PIPE,
