@@ -72,9 +72,7 @@ def test_client_config_session_is_checked():
 
 
 @pytest.mark.timeout(60)
-def test_the_same_token_takes_a_live_id_over_at_once_and_another_is_refused(
-    cluster, client, peer
-):
+def test_the_same_token_takes_a_live_id_over_at_once_and_another_is_refused(cluster, client, peer):
     # heartbeats every 5 s: the first client's connection stays "live" for 10 s, so
     # only the token can let a second connection in
     c = cluster(1, heartbeat_interval_s=5.0)
