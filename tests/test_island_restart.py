@@ -48,9 +48,7 @@ def accepted_keys(server_dir: Path, island: str) -> list[tuple[int, int]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_kill_9_island_resends_its_unacked_deltas_once_and_is_welcomed_at_once(
-    tmp_path, zmq_ctx
-):
+def test_kill_9_island_resends_its_unacked_deltas_once_and_is_welcomed_at_once(tmp_path, zmq_ctx):
     server_dir, data_dir = tmp_path / "server", tmp_path / "island"
     # the shard's heartbeat of 30 s: an island's connection counts as live for 60 s after it
     # was last heard, so only the session token can let the restarted island in sooner
