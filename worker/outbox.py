@@ -115,7 +115,7 @@ class Outbox:
     """The open outbox file of a running island; every method is thread-safe."""
 
     def __init__(self, path: Path, island: str, plan_hash: str) -> None:
-        """Open `path` for `island` (see `open`, which reads what is there first)."""
+        """An outbox of `island` at `path`, not open yet: use `open`, which reads what is there."""
         self.path, self.island, self.plan_hash = path, island, plan_hash
         self.to_resend: list[PushRequest] = []  # live deltas of a previous run (until resent)
         self.newest_round = -1  # the newest round id the file held at open
