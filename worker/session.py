@@ -36,7 +36,8 @@ opens sockets and `worker.leader_sync` shares its decisions.
 
 (Over 400 lines: `Session` is the API's one class; its decisions live in
 `worker.exchange`, `worker.push_schedule`, `worker.session_stats`,
-`worker.outbox` and `worker.leader_sync`, what remains is its state and documented methods.)
+`worker.outbox` and `worker.leader_sync`, what remains is its state and
+documented methods.)
 """
 
 from __future__ import annotations
@@ -345,7 +346,8 @@ class Session:
         for d in batch:
             assert self.client is not None
             self.clock.pushed(round_id, d.fragment, self.sizes[d.fragment] / sum(self.sizes))
-            self.client.push(*dataclasses.astuple(d), stop=self.stop)
+            self.client.push(d.fragment, d.round, d.base_version, d.tokens, d.steps, d.frames,
+                             stop=self.stop)  # fmt: skip
         self.pushed_in_round = True
 
     def _fold(self, leaves: list[Any], params: Any) -> Any:
