@@ -31,7 +31,9 @@ class IslandConfig:
     # CURVE key files or insecure
     connect: str = "tcp://127.0.0.1:5555"
     island: str = "island-0"  # stable island id; a restarted island keeps it
-    data_dir: str = "runs/worker"  # pid, log, status.json and metrics.jsonl go here
+    # pid, log, status.json, metrics.jsonl, outbox.bin (deltas until acked: worker.outbox) and
+    # session.token (worker.session_token) go here; one running island process per data dir
+    data_dir: str = "runs/worker"
     # JAX persistent compilation cache: "" = <data_dir>/jax-cache, "off" = none, or a shared
     # directory (trusted: never one that others can write to)
     compile_cache_dir: str = ""

@@ -17,8 +17,9 @@ process 0 alone talks to the shards and the session shares its decisions
 (`worker.leader_sync`), so every process stops after the same step.
 
 Stopping: every wait ends when the stop event is set (SIGTERM); the session's
-close then pushes the partial round and keeps what stays unacked in
-``<data_dir>/outbox.bin`` (`worker.outbox`) for the next start.
+close then pushes the partial round and leaves what stays unacked in
+``<data_dir>/outbox.bin`` (`worker.outbox`, where every delta is written
+before it leaves) for the next start.
 """
 
 from __future__ import annotations

@@ -1,20 +1,28 @@
-"""An island's outbox file: the deltas it could not deliver before it stopped, sent at its next start.
+"""An island's outbox file: every delta is written there before it leaves, until its fate is known.
 
-This module owns the file (``<data_dir>/outbox.bin``) and the rules around it.
-When an island stops with deltas still unacked (the server is gone, say),
-`save` writes them there: per delta its (fragment, round) key, base version,
-tokens, steps and codec frames, with the island id and the plan hash, written
-atomically (temporary file, fsync, rename, fsync of the directory). When the
-island starts again with the same data dir, `resend` pushes them again with
-their original round ids and base versions before any new round; the shards'
-(island, round, fragment) dedup answers `duplicate` for a delta they had
-accepted (its ack was lost), so every delta counts exactly once. The file is
-removed once they are resolved (`save` of nothing). A file this island cannot
-use (another island id or plan, or unreadable) is renamed aside, never deleted.
+This module owns the file (``<data_dir>/outbox.bin``, bytes in
+`worker.outbox_format`) while an island runs (process 0, the one with a
+client). `Outbox.open` reads what a previous run left (either format; a torn
+last record, from a kill -9 in the middle of an append, is ignored), sets
+aside a file it cannot use (another island or plan, unreadable: renamed,
+never deleted) and rewrites the rest compactly. Before each batch of pushes
+(`Session._push`: one round's fragments, or one streamed fragment)
+`Outbox.before_push` appends a "resolved" record for the deltas the client
+saw acked or refused since the last batch, then a record per new delta, with
+one fsync for the batch; only then are the deltas handed to the client. When
+the resolved records dominate the file (it is over twice its live records
+and over `COMPACT_MIN_BYTES`), the batch is written as a fresh file instead:
+the live records and the new ones, fsynced, renamed over the old, directory
+fsynced. So the file stays within about twice the unacked deltas (at most
+`max_unacked` plus a batch) however long the island runs.
 
-Layout: MAGIC, crc32 of the body (4 bytes, big-endian), body (msgpack map:
-version, island, plan_hash, saved_at, deltas: list of maps with fragment,
-round, base_version, tokens, steps, frames: list of bytes).
+After a kill -9 the next start with the same island id and data dir pushes
+the live deltas again (`Outbox.resend`), with their round ids and base
+versions, before any new round: the shards' (island, round, fragment) dedup
+answers `duplicate` for those they had accepted (only the ack was lost), so
+each counts exactly once; only the round being computed is lost. At a
+graceful stop `Outbox.keep` rewrites the file with exactly what the client
+left unacked after its flush, and removes it when that is nothing.
 """
 
 from __future__ import annotations
@@ -24,143 +32,53 @@ import logging
 import os
 import threading
 import time
-import zlib
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-import msgpack
-
 from paramserver.client import Client, PushRequest
+from worker import outbox_format as fmt
+from worker.outbox_format import Key, OutboxFileError, Saved, key_of
 
 logger = logging.getLogger(__name__)
 
 OUTBOX_FILE = "outbox.bin"
-MAGIC = b"DILOCO-OUTBOX\n"
-FORMAT_VERSION = 1
-_FIELDS = ("fragment", "round", "base_version", "tokens", "steps")
+COMPACT_MIN_BYTES = 1 << 20  # below this size the file is never rewritten to drop resolved deltas
+COMPACT_FACTOR = 2  # rewrite once the file is over this many times its live records
+
+__all__ = ["OUTBOX_FILE", "Outbox", "OutboxFileError", "Saved", "load", "set_aside"]
 
 
-class OutboxFileError(RuntimeError):
-    """The outbox file cannot be read; the message names the file and the fault."""
-
-
-@dataclass(frozen=True)
-class Saved:
-    """What an outbox file holds: whose deltas, for which plan, and the deltas."""
-
-    island: str
-    plan_hash: str
-    deltas: list[PushRequest]
-
-
-def save(path: Path, island: str, plan_hash: str, deltas: list[PushRequest]) -> None:
-    """Write `deltas` to `path` atomically and durably; with none, remove the file.
-
-    Args:
-        path: the outbox file.
-        island: the island id the deltas were pushed as.
-        plan_hash: the plan they were computed for.
-        deltas: unacked deltas (`Client.unacked`), in push order.
-
-    Raises:
-        OSError: the file cannot be written.
-    """
-    if not deltas:
-        with contextlib.suppress(FileNotFoundError):
-            path.unlink()
-        return
-    body = msgpack.packb(
-        {
-            "version": FORMAT_VERSION,
-            "island": island,
-            "plan_hash": plan_hash,
-            "saved_at": time.time(),
-            "deltas": [
-                {**{k: getattr(d, k) for k in _FIELDS}, "frames": [bytes(f) for f in d.frames]}
-                for d in deltas
-            ],
-        },
-        use_bin_type=True,
-    )
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as fh:
-        fh.write(MAGIC + zlib.crc32(body).to_bytes(4, "big") + body)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
-    fd = os.open(path.parent, os.O_RDONLY)
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def keep(path: Path, island: str, plan_hash: str, unacked: list[PushRequest]) -> bool:
-    """`save` at an island's stop, logging what was kept (or lost: the file cannot be written).
-
-    Args:
-        path: the outbox file.
-        island: the island id.
-        plan_hash: the cluster's plan hash.
-        unacked: `Client.unacked()` after `close`.
-
-    Returns:
-        Whether the file now holds exactly `unacked` (False: the write failed).
-    """
-    try:
-        save(path, island, plan_hash, unacked)
-    except OSError as exc:
-        logger.error(
-            "island %s: %d unacked deltas lost: cannot write %s: %s",
-            island,
-            len(unacked),
-            path,
-            exc,
-        )
-        return False
-    if unacked:
-        logger.warning(
-            "island %s stopped with %d unacked deltas: kept in %s, sent again at the next "
-            "start with this data dir",
-            island,
-            len(unacked),
-            path,
-        )
-    return True
+def _write_all(fd: int, data: bytes | memoryview) -> None:
+    view = memoryview(data)
+    while view:
+        view = view[os.write(fd, view) :]
 
 
 def load(path: Path) -> Saved | None:
-    """Read an outbox file.
+    """Read an outbox file of either format (for tools and tests).
 
     Args:
-        path: the outbox file.
+        path: the file.
 
     Returns:
-        Its content, or None when there is no file.
+        Its live deltas (a torn tail left out), or None when there is no file.
 
     Raises:
-        OutboxFileError: it is truncated, corrupt or of an unknown format.
+        OutboxFileError: it is not an outbox file, or unusable.
     """
     try:
         data = path.read_bytes()
     except FileNotFoundError:
         return None
-    head = len(MAGIC) + 4
-    if not data.startswith(MAGIC) or len(data) < head:
-        raise OutboxFileError(f"{path} is not an outbox file (bad magic)")
-    body = data[head:]
-    if zlib.crc32(body) != int.from_bytes(data[len(MAGIC) : head], "big"):
-        raise OutboxFileError(f"{path} is corrupt (checksum mismatch)")
-    try:
-        obj = msgpack.unpackb(body, raw=False)
-        if obj["version"] != FORMAT_VERSION:
-            raise OutboxFileError(f"{path} has format version {obj['version']!r}, not 1")
-        deltas = [
-            PushRequest(*(int(d[k]) for k in _FIELDS), list(d["frames"])) for d in obj["deltas"]
-        ]
-        return Saved(str(obj["island"]), str(obj["plan_hash"]), deltas)
-    except (ValueError, KeyError, TypeError, msgpack.UnpackException) as exc:
-        raise OutboxFileError(f"{path} is malformed: {exc}") from None
+    return fmt.parse(data, str(path))
 
 
 def set_aside(path: Path, why: str) -> Path:
@@ -173,44 +91,293 @@ def set_aside(path: Path, why: str) -> Path:
     Returns:
         The new name.
     """
-    aside = path.with_name(f"{path.name}.unused-{int(time.time())}")
+    aside = path.with_name(f"{path.name}.unused-{time.time_ns()}")
     os.replace(path, aside)
     logger.warning("outbox file %s not used (%s); kept as %s", path, why, aside)
     return aside
 
 
-def resend(client: Client, path: Path, island: str, plan_hash: str, stop: threading.Event) -> int:
-    """Push the deltas a previous run of this island left in its outbox file.
-
-    Call it right after `Client.join`, before pushing new rounds (a delta far
-    older than the newest round a shard saw from the island is refused there
-    as `replayed_round`). The file stays until `save` replaces or removes it.
+def should_compact(size: int, live: int) -> bool:
+    """Whether a file of `size` bytes holding `live` bytes of live records is rewritten.
 
     Args:
-        client: the joined client.
-        path: the outbox file.
-        island: this island's id.
-        plan_hash: the joined cluster's plan hash.
-        stop: the island's stop event (a push never blocks once it is set).
+        size: the file's size after the pending write.
+        live: its live records' bytes after it (header excluded).
 
     Returns:
-        How many deltas were pushed again (0: no usable file).
+        True when resolved records dominate: over `COMPACT_FACTOR` x live and
+        over `COMPACT_MIN_BYTES`.
     """
-    try:
-        saved = load(path)
-    except OutboxFileError as exc:
-        set_aside(path, str(exc))
-        return 0
-    if saved is None:
-        return 0
-    if saved.island != island or saved.plan_hash != plan_hash:
-        set_aside(
-            path,
-            f"it holds deltas of island {saved.island!r} for plan {saved.plan_hash}; "
-            f"this is island {island!r} with plan {plan_hash}",
-        )
-        return 0
-    for d in saved.deltas:
-        client.push(d.fragment, d.round, d.base_version, d.tokens, d.steps, d.frames, stop=stop)
-    logger.info("island %s: re-sent %d deltas kept in %s", island, len(saved.deltas), path)
-    return len(saved.deltas)
+    return size > max(COMPACT_FACTOR * live, COMPACT_MIN_BYTES)
+
+
+class Outbox:
+    """The open outbox file of a running island; every method is thread-safe."""
+
+    def __init__(self, path: Path, island: str, plan_hash: str) -> None:
+        """An outbox of `island` at `path`, not open yet: use `open`, which reads what is there."""
+        self.path, self.island, self.plan_hash = path, island, plan_hash
+        self.to_resend: list[PushRequest] = []  # live deltas of a previous run (until resent)
+        self.newest_round = -1  # the newest round id the file held at open
+        self.persist_s = 0.0  # seconds spent writing and fsyncing
+        self.bytes_written = 0
+        self.compactions = 0
+        self._lock = threading.Lock()
+        self._fd: int | None = None
+        self._live: dict[Key, tuple[int, int]] = {}  # key -> (offset, length) in the file
+        self._size = 0  # the file's size
+        self._live_bytes = 0
+        self._broken = False  # the last write failed: the next one rewrites the file
+
+    @classmethod
+    def open(cls, path: Path, island: str, plan_hash: str) -> Outbox:
+        """Take over the outbox file: read what a previous run left, rewrite it compactly.
+
+        Args:
+            path: the file (``<data_dir>/outbox.bin``).
+            island: this island's id.
+            plan_hash: the joined cluster's plan hash.
+
+        Returns:
+            The open Outbox; `to_resend` holds the previous run's live deltas.
+
+        Raises:
+            OSError: the file cannot be written.
+        """
+        box = cls(path, island, plan_hash)
+        saved = box._read_previous()
+        if saved is not None:
+            box.to_resend = list(saved.deltas)
+            box.newest_round = max((d.round for d in saved.deltas), default=-1)
+        with box._lock:
+            box._rewrite([(key_of(d), fmt.delta_record(d)) for d in box.to_resend])
+        return box
+
+    def _read_previous(self) -> Saved | None:
+        try:
+            saved = load(self.path)
+        except OutboxFileError as exc:
+            set_aside(self.path, str(exc))
+            return None
+        if saved is None:
+            return None
+        if saved.island != self.island or saved.plan_hash != self.plan_hash:
+            set_aside(
+                self.path,
+                f"it holds deltas of island {saved.island!r} for plan {saved.plan_hash}; "
+                f"this is island {self.island!r} with plan {self.plan_hash}",
+            )
+            return None
+        if saved.torn:
+            logger.warning(
+                "outbox file %s: %d bytes after its last intact record ignored (a write cut short)",
+                self.path,
+                saved.torn,
+            )
+        if saved.version != fmt.FORMAT_VERSION:
+            logger.info("outbox file %s: format %d read, rewritten as format 2", self.path,
+                        saved.version)  # fmt: skip
+        return saved
+
+    # -- what the file holds --------------------------------------------------------
+
+    @property
+    def live(self) -> list[Key]:
+        """Keys of the deltas in the file whose fate is not known yet, oldest first."""
+        with self._lock:
+            return list(self._live)
+
+    @property
+    def size(self) -> int:
+        """The file's size in bytes (0 once closed and removed)."""
+        return self._size
+
+    # -- writes -----------------------------------------------------------------------
+
+    def resend(self, client: Client, stop: threading.Event) -> int:
+        """Push the deltas a previous run left (`to_resend`), with their round ids.
+
+        Call it right after `Client.join`, before pushing new rounds (a delta far
+        older than the newest round a shard saw from the island is refused there
+        as `replayed_round`).
+
+        Args:
+            client: the joined client.
+            stop: the island's stop event (a push never blocks once it is set).
+
+        Returns:
+            How many deltas were pushed again.
+        """
+        deltas, self.to_resend = self.to_resend, []
+        for d in deltas:
+            client.push(d.fragment, d.round, d.base_version, d.tokens, d.steps, d.frames, stop=stop)
+        if deltas:
+            logger.info("island %s: re-sent %d deltas kept in %s", self.island, len(deltas),
+                        self.path)  # fmt: skip
+        return len(deltas)
+
+    def wait_resent(self, client: Client, stop: threading.Event, count: int) -> bool:
+        """Before the first new round: wait until the `count` re-sent deltas are resolved.
+
+        (A shard refuses a round far below the newest it saw from this island, so
+        the previous run's deltas must land first.)
+
+        Returns:
+            False when `stop` ended the wait.
+        """
+        while client.stats()["pending"] and not stop.is_set():
+            stop.wait(0.01)
+        if stop.is_set():
+            return False
+        logger.info("island %s: the %d re-sent deltas are resolved", self.island, count)
+        return True
+
+    def before_push(self, client: Client, deltas: Sequence[PushRequest]) -> None:
+        """Persist `deltas` (one fsync) before they are pushed; drop those `client` resolved.
+
+        Args:
+            client: the island's client (asked which live deltas are no longer pending).
+            deltas: the batch about to be pushed.
+        """
+        live = self.live
+        outcomes = client.delta_outcomes(live) if live else {}
+        self.record([k for k, how in outcomes.items() if how != "pending"], deltas)
+
+    def record(self, resolved: Iterable[Key], deltas: Sequence[PushRequest]) -> None:
+        """Mark `resolved` deltas done and append `deltas`, durably (one fsync), in one write.
+
+        A failed write is logged (the deltas are pushed unpersisted: a kill -9
+        would lose them); the next write rewrites the file whole.
+
+        Args:
+            resolved: keys of live deltas that need no further push.
+            deltas: new deltas, in push order.
+        """
+        t0 = time.perf_counter()
+        with self._lock:
+            if self._fd is None:
+                return  # closed (an abandoned session): the client is closed too
+            gone = [k for k in resolved if k in self._live]
+            for k in gone:
+                self._live_bytes -= self._live.pop(k)[1]
+            new = [(key_of(d), fmt.delta_record(d)) for d in deltas]
+            if not new and not gone:
+                return
+            head = fmt.resolved_record(gone) if gone else b""
+            added = len(head) + sum(len(r) for _, r in new)
+            live = self._live_bytes + sum(len(r) for _, r in new)
+            try:
+                if self._broken or should_compact(self._size + added, live):
+                    self._rewrite(new)
+                else:
+                    self._append(head, new)
+                self._broken = False
+            except OSError as exc:
+                self._broken = True
+                logger.error(
+                    "island %s: cannot persist %d deltas to %s (%s): pushed unpersisted, a "
+                    "kill -9 now loses them",
+                    self.island,
+                    len(new),
+                    self.path,
+                    exc,
+                )
+        self.persist_s += time.perf_counter() - t0
+
+    def _append(self, head: bytes, new: list[tuple[Key, bytes]]) -> None:
+        assert self._fd is not None
+        offset = self._size + len(head)
+        chunk = head + b"".join(r for _, r in new)
+        _write_all(self._fd, chunk)
+        os.fdatasync(self._fd)
+        self._size += len(chunk)
+        self.bytes_written += len(chunk)
+        for key, rec in new:
+            self._live[key] = (offset, len(rec))
+            self._live_bytes += len(rec)
+            offset += len(rec)
+
+    def _rewrite(self, new: list[tuple[Key, bytes]]) -> None:
+        """Write a fresh file of the live records and `new` ones; rename it over the old one."""
+        kept = [(k, os.pread(self._fd, n, at)) for k, (at, n) in self._live.items()]
+        self._replace(kept + new)
+
+    def _replace(self, records: list[tuple[Key, bytes]]) -> None:
+        header = fmt.header(self.island, self.plan_hash)
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        try:
+            data = header + b"".join(r for _, r in records)
+            _write_all(fd, data)
+            os.fsync(fd)
+            os.replace(tmp, self.path)
+        except BaseException:
+            os.close(fd)
+            raise
+        if self._fd is not None:
+            os.close(self._fd)
+        self._fd, self._size = fd, len(data)
+        self.bytes_written += len(data)
+        self.compactions += 1
+        self._live, offset = {}, len(header)
+        for key, rec in records:
+            self._live[key] = (offset, len(rec))
+            offset += len(rec)
+        self._live_bytes = offset - len(header)
+        _fsync_dir(self.path.parent)
+
+    # -- the end ----------------------------------------------------------------------
+
+    def close(self) -> None:
+        """Close the file as it is (a session that failed to open: nothing is lost)."""
+        with self._lock:
+            if self._fd is not None:
+                os.close(self._fd)
+                self._fd = None
+
+    def keep(self, unacked: list[PushRequest]) -> bool:
+        """At the island's stop: leave exactly `unacked` in the file (none: remove it), close.
+
+        Args:
+            unacked: `Client.unacked()` after `close`, in push order.
+
+        Returns:
+            Whether the file now holds exactly `unacked` (False: the write failed, logged).
+        """
+        with self._lock:
+            if self._fd is None:
+                return True
+            try:
+                if unacked:
+                    records = []
+                    for d in unacked:
+                        at = self._live.get(key_of(d))
+                        raw = os.pread(self._fd, at[1], at[0]) if at else fmt.delta_record(d)
+                        records.append((key_of(d), raw))
+                    self._replace(records)
+                else:
+                    with contextlib.suppress(FileNotFoundError):
+                        self.path.unlink()
+                    _fsync_dir(self.path.parent)
+                    self._size = 0
+            except OSError as exc:
+                logger.error(
+                    "island %s: %d unacked deltas may be lost: cannot write %s: %s",
+                    self.island,
+                    len(unacked),
+                    self.path,
+                    exc,
+                )
+                return False
+            finally:
+                os.close(self._fd)
+                self._fd = None
+        if unacked:
+            logger.warning(
+                "island %s stopped with %d unacked deltas: kept in %s, sent again at the next "
+                "start with this data dir",
+                self.island,
+                len(unacked),
+                self.path,
+            )
+        return True

@@ -8,12 +8,14 @@
             params = session.step(params, tokens=batch_tokens)
 
 `join` names the tree's leaves (`worker.param_tree`), joins the cluster
-(initialising a fresh one with `params`), re-sends what a previous run left
-in ``<data_dir>/outbox.bin`` (`worker.outbox`) and hands out the global model
-placed like `params`. `Session.step` counts inner steps; when a fragment's
-delta is due (every `inner_steps` calls, or per fragment at its own step with
-streaming: `worker.push_schedule`) it pushes each due fragment's work since
-its last push (`worker.exchange`'s rule, encoded with error feedback; a
+(initialising a fresh one with `params`; with a data dir its hellos carry the
+island's persisted session token, `worker.session_token`), re-sends what a
+previous run left in ``<data_dir>/outbox.bin`` (`worker.outbox`) and hands out
+the global model placed like `params`. `Session.step` counts inner steps;
+when a fragment's delta is due (every `inner_steps` calls, or per fragment at
+its own step with streaming: `worker.push_schedule`) it pushes each due
+fragment's work since its last push (`worker.exchange`'s rule, encoded with
+error feedback, written to the outbox file before it leaves; a
 fragment whose previous delta is not merged skips a push in quorum mode and
 carries the work into its next one, see `Session._unblocked`), and
 folds in every newer published version with the merge rule. The exchange
@@ -33,15 +35,16 @@ A session runs in any thread and installs no signal handler; `stop` (a
 opens sockets and `worker.leader_sync` shares its decisions.
 
 (Over 400 lines: `Session` is the API's one class; its decisions live in
-`worker.exchange`, `worker.push_schedule`, `worker.session_stats` and
-`worker.leader_sync`, what remains is its state and documented methods.)
+`worker.exchange`, `worker.push_schedule`, `worker.session_stats`,
+`worker.outbox` and `worker.leader_sync`, what remains is its state and
+documented methods.)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
-import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -51,15 +54,16 @@ from typing import Any
 import jax
 import numpy as np
 
-from paramserver.client import Client, ClientError, JoinResult, Update
-from worker import compile_cache, outbox, progress
+from paramserver.client import Client, ClientError, JoinResult, PushRequest, Update
+from worker import compile_cache, progress, session_token
 from worker.config import IslandConfig
 from worker.device_exchange import DeviceExchange
 from worker.host_exchange import HostExchange
 from worker.leader_sync import LeaderSync
+from worker.outbox import OUTBOX_FILE, Outbox
 from worker.param_tree import TreeError, TreeLayout
 from worker.push_schedule import check_streaming_mode, due_fragments, flush_fragments, unblocked
-from worker.session_config import make_codec, session_config
+from worker.session_config import check_loss, check_tokens, make_codec, session_config
 from worker.session_stats import RoundClock, cluster_difference
 
 logger = logging.getLogger(__name__)
@@ -86,44 +90,28 @@ def join(
         params: a pytree of floating arrays; it initialises a fresh cluster and
             must match the model of one that already holds one.
         inner_steps: `step` calls per round (a push every `inner_steps` calls).
-        data_dir: where ``metrics.jsonl``, the outbox of unacked deltas and the
-            compile cache go; None = nowhere (unacked deltas are then dropped at close).
+        data_dir: where ``metrics.jsonl``, the outbox of unacked deltas (written before
+            each push, so a kill -9 loses none), the session token and the compile
+            cache go; None = nowhere (unacked deltas are then dropped at close).
         stop: an event that, once set, ends every wait of the session.
         **settings: island options of the exchange (`worker.session_config.SESSION_SETTINGS`:
             exchange ("device" | "host"), codec, block_size, topk_density, topk_bits,
             streaming, merge_rule,
             max_unacked, flush_timeout_s, join_timeout_s, heartbeat_interval_s, the
-            CURVE key files, compile_cache_dir), validated as `IslandConfig` does.
+            CURVE key files, insecure, compile_cache_dir), validated as `IslandConfig` does.
 
     Returns:
         An open Session (a context manager).
 
     Raises:
         ValueError: a bad setting, `inner_steps` or params tree (naming the leaf).
-        RuntimeError: this process already has an open session with this island id.
+        RuntimeError: this process already has an open session with this island id, or
+            another live process holds `data_dir` (`session_token.TokenInUse`).
         ClientError: the cluster did not answer within the join timeout, or its
             model differs from `params` (naming the first differing leaf).
     """
     cfg = session_config(connect, island, inner_steps, data_dir, settings)
     return Session(cfg, params, stop=stop)
-
-
-def _check_tokens(tokens: Any) -> int:
-    if isinstance(tokens, bool) or not isinstance(tokens, int | np.integer) or tokens < 1:
-        raise ValueError(
-            f"tokens must be an int >= 1 (the tokens this inner step trained), got {tokens!r}"
-        )
-    return int(tokens)
-
-
-def _check_loss(loss: Any) -> Any:
-    """`loss` itself when it is a number or a one-element array (read at the round's end,
-    so that a device scalar is not waited for at every step)."""
-    if isinstance(loss, bool) or not (
-        isinstance(loss, numbers.Real) or getattr(loss, "size", None) == 1
-    ):
-        raise ValueError(f"loss must be a number (the inner step's train loss), got {loss!r}")
-    return loss
 
 
 class Session:
@@ -171,6 +159,8 @@ class Session:
         self.closed = False
         self.last_row: dict[str, Any] = {}
         self.client: Client | None = None
+        self.outbox: Outbox | None = None  # process 0 with a data dir: `worker.outbox`
+        self.token: session_token.HeldToken | None = None
         try:
             self._open(params, client_factory)
         except BaseException:
@@ -187,7 +177,11 @@ class Session:
         host = self.layout.to_host(self.group.gather(self.layout.leaves(params)))
         joined: JoinResult | None = None
         if self.group.leader:
-            self.client = client_factory(cfg.client_config())
+            client_cfg = cfg.client_config()
+            if self.data_dir is not None:  # a restart proves it is this island (its token)
+                self.token = session_token.hold(self.data_dir)
+                client_cfg = dataclasses.replace(client_cfg, session=self.token.value)
+            self.client = client_factory(client_cfg)
             try:
                 joined = self.client.join(self._join_values(host), stop=self.stop)
             except ClientError as exc:
@@ -213,18 +207,17 @@ class Session:
         self.steps = self.tokens = 0
         self.adopted = 0
         self._round_losses: list[Any] = []  # the `loss` values of this round's steps
-        # Round ids are the idempotency key (island, round, fragment) on the shards: start
-        # each run's rounds from its start time so a restarted island never reuses one.
-        self.round_base = int(time.time()) * 1_000_000
         self.clock = RoundClock(time.monotonic())
         self._leader_stop = False  # process 0's stop as of the last step (multi-process)
-        # Deltas of a previous run pushed again and not resolved yet; None until the outbox
-        # file was read: only then may it be rewritten.
-        self.resending: int | None = None
+        self.resending = 0  # deltas of a previous run pushed again and not resolved yet
         if self.client is not None and self.data_dir is not None:
-            self.resending = outbox.resend(
-                self.client, self._outbox_path(), cfg.island, self.plan.hash, self.stop
-            )
+            self.outbox = Outbox.open(self.data_dir / OUTBOX_FILE, cfg.island, self.plan.hash)
+            self.resending = self.outbox.resend(self.client, self.stop)
+        # Round ids are the idempotency key (island, round, fragment) on the shards: start
+        # each run's rounds from its start time in microseconds (a round takes longer), and
+        # past any round of its outbox, so a restarted island never reuses one.
+        newest_kept = self.outbox.newest_round if self.outbox is not None else -1
+        self.round_base = max(time.time_ns() // 1000, newest_kept + 1)
         logger.info(
             "island %s joined: %d fragments, versions %s, mode %s",
             cfg.island,
@@ -261,10 +254,6 @@ class Session:
             n: host[n].astype(d) for n, d in zip(self.layout.names, self.layout.dtypes, strict=True)
         }
 
-    def _outbox_path(self) -> Path:
-        assert self.data_dir is not None
-        return self.data_dir / outbox.OUTBOX_FILE
-
     # -- the step -------------------------------------------------------------------
 
     def step(self, params: Any, *, tokens: int, loss: float | None = None) -> Any:
@@ -286,8 +275,8 @@ class Session:
             RuntimeError: the session is closed.
         """
         self._check_open()
-        tokens = _check_tokens(tokens)
-        loss = None if loss is None else _check_loss(loss)
+        tokens = check_tokens(tokens)
+        loss = None if loss is None else check_loss(loss)
         leaves = self.layout.leaves(params)
         self.clock.step_started(time.monotonic())
         in_round = self.in_round + 1
@@ -341,17 +330,24 @@ class Session:
         return {index: (versions[index], f) for index, f in frames.items()}
 
     def _push(self, fragments: list[int], frames: dict[int, tuple[int, list]], round_id: int):
-        """Push each fragment's encoded work (process 0); note what each push covered."""
+        """Push each fragment's encoded work (process 0: persisted first); note what each covered."""
         self._settle_resent()
+        batch = []
         for index in fragments:
             steps_then, tokens_then = self.pushed_at[index]
             steps, tokens = self.steps - steps_then, self.tokens - tokens_then
             self.pushed_at[index] = (self.steps, self.tokens)
-            if self.client is not None:
-                self.clock.pushed(round_id, index, self.sizes[index] / sum(self.sizes))
-                version, payload = frames[index]
-                self.client.push(index, round_id, version, tokens, steps, payload, stop=self.stop)
             self.last_push[index] = round_id
+            if self.client is not None:
+                version, payload = frames[index]
+                batch.append(PushRequest(index, round_id, version, tokens, steps, payload))
+        if self.outbox is not None and self.client is not None:
+            self.outbox.before_push(self.client, batch)  # one fsync, before anything leaves
+        for d in batch:
+            assert self.client is not None
+            self.clock.pushed(round_id, d.fragment, self.sizes[d.fragment] / sum(self.sizes))
+            self.client.push(d.fragment, d.round, d.base_version, d.tokens, d.steps, d.frames,
+                             stop=self.stop)  # fmt: skip
         self.pushed_in_round = True
 
     def _fold(self, leaves: list[Any], params: Any) -> Any:
@@ -385,20 +381,10 @@ class Session:
         self.clock.waited(time.monotonic() - t0)
 
     def _settle_resent(self) -> None:
-        """Before the first new round: wait until the re-sent deltas are resolved, drop the file.
-
-        (A shard refuses a round far below the newest it saw from this island, so the
-        previous run's deltas must land first.)
-        """
-        if not self.resending or self.client is None:
-            return
-        while self.client.stats()["pending"] and not self.stop.is_set():
-            self.stop.wait(0.01)
-        if self.stop.is_set():
-            return  # the file stays; close() rewrites it with what is still unacked
-        logger.info("island %s: the %d re-sent deltas are resolved", self.island, self.resending)
-        outbox.save(self._outbox_path(), self.island, self.plan.hash, [])
-        self.resending = 0
+        """Before the first new round: wait until the re-sent deltas are resolved."""
+        box, client = self.outbox, self.client
+        if self.resending and box and client and box.wait_resent(client, self.stop, self.resending):
+            self.resending = 0
 
     # -- what the caller reads ------------------------------------------------------
 
@@ -428,12 +414,16 @@ class Session:
             The dict of `Client.stats` on process 0 ({} on the other processes), plus
             on every process `exchange_s` (seconds `step` spent on delta, quantize,
             encode, fold and placement, not on network waits) and `host_device_bytes`
-            (bytes the exchange moved between host and device memory, both ways).
+            (bytes the exchange moved between host and device memory, both ways); with
+            an outbox (process 0, a data dir) `outbox_s` (seconds spent writing and
+            fsyncing it) and `outbox_bytes` (its size).
         """
         own = {
             "exchange_s": self.exchange_s,
             "host_device_bytes": self.exchange.host_device_bytes,
         }
+        if self.outbox is not None:
+            own.update(outbox_s=self.outbox.persist_s, outbox_bytes=self.outbox.size)
         return {**(self.client.stats() if self.client is not None else {}), **own}
 
     @property
@@ -571,8 +561,8 @@ class Session:
             if self.client is not None:
                 self.client.close(flush_timeout_s=flush_timeout_s)
                 unacked = self.client.unacked()
-                if self.resending is not None:
-                    outbox.keep(self._outbox_path(), self.island, self.plan.hash, unacked)
+                if self.outbox is not None:
+                    self.outbox.keep(unacked)
                 elif unacked:
                     logger.warning(
                         "island %s closed with %d unacked deltas and no data_dir to keep them",
@@ -587,6 +577,10 @@ class Session:
             self._release()
 
     def _release(self) -> None:
+        if self.outbox is not None:
+            self.outbox.close()
+        if self.token is not None:
+            self.token.release()
         with _open_lock:
             _open_islands.discard(self.island)
 

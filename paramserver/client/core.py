@@ -59,8 +59,9 @@ class ClientCore:
 
         Args:
             cfg: client settings.
-            session: a token drawn once per client and sent in every hello, so that
-                a shard lets this client's reconnect take its island id over at once.
+            session: a token drawn once per client, sent in every hello (unless
+                `cfg.session` gives the island's own), so that a shard lets this client's
+                reconnect take its island id over at once.
         """
         self.cfg = cfg
         self.progress = Progress()
@@ -79,7 +80,7 @@ class ClientCore:
         self.join_outcome: JoinResult | ClientError | None = None
         self.dropped: list[PushRequest] = []  # what close left unacked
         self._join: Join | None = None  # the join in progress
-        self._net = Shards(cfg.island, session, cfg.replica)
+        self._net = Shards(cfg.island, cfg.session or session, cfg.replica)
         self._storage_warning = StorageWarning()
         self._close_at: float | None = None
         # The PUB stream heartbeats at the server's interval: judge its silence by

@@ -17,6 +17,7 @@ from codec.prequantized import Coded
 from paramserver.plumbing.exposure import refusal
 from paramserver.plumbing.validate import Checks
 from paramserver.wire.plan import Plan
+from paramserver.wire.protocol import is_island_id
 
 
 class ClientError(RuntimeError):
@@ -63,6 +64,11 @@ class ClientConfig:
     # True: send in plain TCP (no CURVE) to endpoints that are not loopback, here `connect`
     # and every shard a welcome names; only on a trusted, firewalled network
     insecure: bool = False
+    # The token every hello carries (docs/protocol.md, `session`): a shard lets a hello with
+    # the token of the connection an island id is bound to take the id over at once. Keep it
+    # (secret) where the island keeps its state, so a restart after a crash is welcomed at
+    # once (`worker.session_token`); "" = a fresh random token per Client.
+    session: str = ""
 
     def __post_init__(self) -> None:
         check = Checks("ClientConfig", ClientConfigError)
@@ -91,6 +97,12 @@ class ClientConfig:
         )
         check.require(
             isinstance(self.replica, bool), "replica", self.replica, "must be True or False"
+        )
+        check.require(
+            self.session == "" or is_island_id(self.session),
+            "session",
+            self.session,
+            'give a string of 1-128 characters, or "" for a fresh token per client',
         )
         check.together(
             "curve_secret_key_file",
