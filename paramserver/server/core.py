@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import codec
@@ -113,6 +114,9 @@ class ShardCore:
     def handle(self, now: float, request: Request) -> Effects:
         """Answer one request.
 
+        A request whose first frame is empty came from a REQ socket: the empty
+        delimiter is stripped and put back before the reply's header.
+
         Args:
             now: wall-clock seconds.
             request: the connection and frames as received.
@@ -122,12 +126,14 @@ class ShardCore:
         """
         size = protocol.message_bytes(request.frames)
         self.state.counters.bytes_in += size
+        if request.frames and memoryview(request.frames[0]).nbytes == 0:
+            request = replace(request, frames=request.frames[1:], envelope=(b"",))
         try:
             header, payload = protocol.unpack(request.frames)
         except protocol.ProtocolError as exc:
             refusal = self.state.reject(exc.reason, exc.detail)
             header = outcomes.render_rejected(exc.header, refusal)
-            return Effects(replies=[Reply(request.conn, header, [], None)])
+            return Effects(replies=[Reply(request.conn, header, [], None, request.envelope)])
         island, kind = header.get("island"), header["kind"]
         if self.guard is not None and isinstance(island, str):
             refusal = self.guard.refusal(request.user_id, island, kind, now)
@@ -152,12 +158,15 @@ class ShardCore:
 
     def _reply(self, request: Request, header: dict, kind: str, payload=(), **fields) -> Effects:
         reply = protocol.reply_header(header, kind, **fields)
-        return Effects(replies=[Reply(request.conn, reply, list(payload), header)])
+        return Effects(
+            replies=[Reply(request.conn, reply, list(payload), header, request.envelope)]
+        )
 
     def _answer(self, request: Request, header: dict, outcome: Outcome) -> Effects:
         """Reply with an outcome (`ack` for a push, else `rejected`); log its event if any."""
         version = self.state.version_of(header.get("fragment"))
-        reply = Reply(request.conn, outcomes.render(header, outcome, version), [], header)
+        rendered = outcomes.render(header, outcome, version)
+        reply = Reply(request.conn, rendered, [], header, request.envelope)
         records = [outcome.event] if outcome.event is not None else []
         return Effects(records=records, replies=[reply])
 
@@ -371,7 +380,7 @@ class ShardCore:
                 refusal = self.state.reject("storage_error", detail)
                 version = self.state.version_of(reply.header.get("fragment"))
                 header = outcomes.render(reply.request, refusal, version)
-                reply = Reply(reply.conn, header, [], reply.request)
+                reply = replace(reply, header=header, payload=[])
             replies.append(reply)
         return Effects([], replies, [p for p in effects.publishes if not p.is_update])
 
@@ -389,7 +398,8 @@ class ShardCore:
         self._steps_since += sum(isinstance(e, StepEvent) for e in effects.records)
         messages: list[tuple[bytes | None, list[Any]]] = []
         for reply in effects.replies:
-            messages.append((reply.conn, protocol.pack(reply.header, reply.payload)))
+            packed = protocol.pack(reply.header, reply.payload)
+            messages.append((reply.conn, [*reply.envelope, *packed]))
         for publish in effects.publishes:
             if publish.is_update:
                 self.seq += 1
