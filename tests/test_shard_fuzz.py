@@ -8,8 +8,10 @@ and `duplicates` grow by the hostile messages acked so plus the honest
 island's accepted and duplicate acks. The remaining replies are served
 requests (welcome, heartbeat, status, snapshot, bye) that count nowhere.
 The shard runs in sync mode with a silent second island, so no outer step
-happens and the parameters must come out bit-identical. A message whose
-first frame is empty is answered like a REQ socket's: the empty frame first.
+happens and the parameters must come out bit-identical. Its request limits are
+off (`max_requests_per_s` and `max_refusals_per_s` 0: every message answered;
+tests/test_shard_fairness.py tests them), and a message whose first frame is
+empty is answered like a REQ socket's: the empty frame first.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ def _wait_acked(client: Client, pushes: int) -> dict:
 
 def test_ten_thousand_hostile_messages(start_shard, peer):
     shard = start_shard(
-        mode="sync", max_message_bytes=MAX_BYTES, max_pending_per_island=4, **SLOW_HB
-    )
+        mode="sync", max_message_bytes=MAX_BYTES, max_pending_per_island=4,
+        max_requests_per_s=0.0, max_refusals_per_s=0.0, **SLOW_HB,
+    )  # fmt: skip
     flat = small_flat()
     honest = Client(
         ClientConfig(connect=shard.router, island="honest", heartbeat_interval_s=5.0, liveness=20)
