@@ -3,6 +3,8 @@
     diloco-bench load [--islands 32] [--shards 4] [--rounds 10] [--params 262144]
                       [--max-rss-mb 2048] [--timeout 300] [--out runs/load]
                       [--profile-shard I]
+    diloco-bench load --flood [--islands 8] [--shards 1] [--flood-seconds 20]
+                      [--pace-s 0.25] [--garbage-rate 10000]   (bench.load_flood)
 
 Starts the shards as real daemons (`diloco-server start --detach`, async mode),
 joins `--islands` `paramserver.client.Client`s from this process (no JAX, no
@@ -12,13 +14,16 @@ as JSON on stdout: every push acked (nothing lost), the shards' accepted
 counts equal the pushes, the whole run finished within `--timeout` (no
 deadlock), and the shards' peak RSS stayed under `--max-rss-mb`; plus pushes
 per second and p50/p99 ack latency (push call to ack), the islands' re-sends
-and how many were spurious (the shard already had the delta), and what bounds
+and how many were spurious (the shard already had the delta), the requests
+the shards' request limits refused `throttled` or dropped, and what bounds
 the rate: the fsync rate of the shards' data dir's disk in the same run
 (`fsync_per_s`: write + fsync of one push-sized record in a loop, before and
 after the pushes) and the CPU the shards, this process and the machine used
 while pushing. `--profile-shard I` runs shard I under cProfile
 (`bench.shard_profile`) and adds the seconds per part of its loop. Exit 1
-when a check fails.
+when a check fails. `--flood` runs the fairness bench instead: honest
+islands' ack latency without and with a flat-out pusher and a hostile peer
+(`bench.load_flood`, which says what it reports).
 """
 
 from __future__ import annotations
@@ -55,10 +60,17 @@ from paramserver.client import Client, ClientConfig, ClientError
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `diloco-bench load`."""
     parser.add_argument(
-        "--islands", type=int, default=32, help="simulated islands that push at once (default 32)"
+        "--islands",
+        type=int,
+        default=None,
+        help=f"simulated islands that push at once (default {ISLANDS}; "
+        f"{FLOOD_ISLANDS} honest ones with --flood)",
     )
     parser.add_argument(
-        "--shards", type=int, default=4, help="shard processes of the server (default 4)"
+        "--shards",
+        type=int,
+        default=None,
+        help=f"shard processes of the server (default {SHARDS}; {FLOOD_SHARDS} with --flood)",
     )
     parser.add_argument("--rounds", type=int, default=10, help="rounds per island (default 10)")
     parser.add_argument(
@@ -81,6 +93,46 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="I",
         help="run shard I under cProfile; report seconds per part of its loop",
     )
+    flood = parser.add_argument_group("fairness under a flood (--flood)")
+    flood.add_argument(
+        "--flood",
+        action="store_true",
+        help="measure the honest islands' ack latency without, then with, a flat-out pusher "
+        "and a hostile peer against shard 0 (JSON: p50/p99 both ways and their ratio)",
+    )
+    flood.add_argument(
+        "--flood-seconds", type=float, default=20.0, help="length of each phase (default 20)"
+    )
+    flood.add_argument(
+        "--pace-s",
+        type=float,
+        default=0.25,
+        help="an honest island pushes every fragment once per this many seconds (default 0.25)",
+    )
+    flood.add_argument(
+        "--flood-peers",
+        choices=("both", "flooder", "hostile"),
+        default="both",
+        help="who floods in the flood phase: the flat-out pusher and the hostile peer (default "
+        "both), or one of them alone",
+    )
+    flood.add_argument(
+        "--flooder-window",
+        type=int,
+        default=256,
+        help="pushes the flooder keeps outstanding (answered or 2 s old) at most; 0: no bound, "
+        "as fast as its socket takes them (default 256, a client with a big max_unacked)",
+    )
+    flood.add_argument(
+        "--garbage-rate",
+        type=float,
+        default=10_000.0,
+        help="messages per second the hostile peer sends (default 10000)",
+    )
+
+
+ISLANDS, SHARDS = 32, 4  # --islands / --shards when not given (without --flood)
+FLOOD_ISLANDS, FLOOD_SHARDS = 8, 1  # and with --flood (bench.load_flood)
 
 
 def shard_pids(cluster: LocalCluster) -> list[int]:
@@ -225,6 +277,11 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
         "acked": acked,
         "shard_accepted": accepted,
         "shard_duplicates": sum(s.get("duplicates", 0) for s in server.get("shards", [])),
+        # requests the shards' request limits refused (answered) or dropped (unanswered)
+        "shard_throttled": sum(
+            s.get("rejected", {}).get("throttled", 0) for s in server.get("shards", [])
+        ),
+        "shard_dropped": sum(sum(s.get("dropped", {}).values()) for s in server.get("shards", [])),
         "resent": sum(s["resent"] for s in stats),
         "spurious_resends": sum(s["spurious_resends"] for s in stats),
         "ack_timeout_s": spread([s["ack_timeout_s"] for s in stats]),
@@ -247,7 +304,7 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
         "ok": all(checks.values()),
     }
     if profiled:
-        report["shard_profile"] = _profile_report(out / "profile", args.profile_shard, server)
+        report["shard_profile"] = profile_report(out / "profile", args.profile_shard, server)
     (out / "load.json").write_text(json.dumps(report, indent=2))
     return report
 
@@ -274,8 +331,17 @@ def environ(extra: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _profile_report(directory: Path, index: int, server: dict[str, Any]) -> dict[str, Any]:
-    """The profiled shard's seconds per part of its loop (its pstats file, once it exited)."""
+def profile_report(directory: Path, index: int, server: dict[str, Any]) -> dict[str, Any]:
+    """The profiled shard's seconds per part of its loop (its pstats file, once it exited).
+
+    Args:
+        directory: where `shard_profile.profile_env` had it written.
+        index: the shard's index.
+        server: the cluster's status (for the shard's accepted count).
+
+    Returns:
+        {"shard", "accepted", <section>: seconds, ...}, or {"shard", "error"}.
+    """
     path = directory / f"shard-{index}.pstats"
     if not path.exists():
         return {"shard": index, "error": f"{path} was not written (did the shard exit cleanly?)"}
@@ -285,12 +351,28 @@ def _profile_report(directory: Path, index: int, server: dict[str, Any]) -> dict
 
 def run(args: argparse.Namespace) -> int:
     """Run `diloco-bench load`; prints the JSON report; returns 0 when every check passed."""
+    from bench.load_flood import run_flood
+
     for name in ("islands", "shards", "rounds", "params"):
-        if getattr(args, name) < 1:
-            print(f"diloco-bench load: --{name} must be >= 1", file=sys.stderr)
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            print(f"diloco-bench load: --{name} must be >= 1, got {value}", file=sys.stderr)
             return 2
+    if args.flooder_window < 0:
+        print(f"diloco-bench load: --flooder-window must be >= 0, got {args.flooder_window}",
+              file=sys.stderr)  # fmt: skip
+        return 2
+    for name in ("flood_seconds", "pace_s", "garbage_rate"):
+        value = getattr(args, name)
+        if not value > 0:
+            flag = "--" + name.replace("_", "-")
+            print(f"diloco-bench load: {flag} must be > 0, got {value}", file=sys.stderr)
+            return 2
+    if not args.flood:
+        args.islands = ISLANDS if args.islands is None else args.islands
+        args.shards = SHARDS if args.shards is None else args.shards
     try:
-        report = run_load(args)
+        report = run_flood(args) if args.flood else run_load(args)
     except (LaunchError, ClientError) as exc:
         print(f"diloco-bench load: {exc}", file=sys.stderr)
         return 1

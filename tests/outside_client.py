@@ -12,7 +12,9 @@ in one `init`), joins (snapshots of shard 0 in pieces), follows both PUB streams
 raw float32 frame with crc32, one int8 frame with zstd, both encoded here),
 decodes the published updates (int8 deltas or full float32 values), checks
 them against snapshots bit for bit, and exercises duplicate and rejected
-acks, heartbeats, status and bye. It prints one JSON summary line and exits 0,
+acks, strict headers (`v` true, a push header that fails validation, a
+header over 4 MiB: each `rejected` with its id), a REQ socket, heartbeats,
+status and bye. It prints one JSON summary line and exits 0,
 or fails with an AssertionError.
 
 The project's packages are blocked: importing any of them raises ImportError,
@@ -346,6 +348,44 @@ def init_in_pieces(shard: Shard, plan: dict, values: dict[int, np.ndarray], most
     return reply
 
 
+def strict_header_cases(shard: Shard, header: dict, frames: list) -> None:
+    """Sections 1-3: `v` is the int 1, a push header that fails its checks is `rejected` with
+    its id, a header over 4 MiB is refused with its id."""
+    for v in (True, 1.0):  # a bool is never an int (section 1), nor is a float
+        reply, _ = shard.request({**header, "round": 1, "v": v}, frames)
+        assert reply["kind"] == "rejected" and reply["reason"] == "bad_version", reply
+    for bad in ({"round": -1}, {"tokens": True}, {"plan_hash": None}):
+        reply, _ = shard.request({**header, **bad}, frames)  # decodes, fails validation
+        assert reply["kind"] == "rejected" and reply["reason"] == "malformed", reply
+        assert isinstance(reply["detail"], str) and reply["detail"], reply
+    huge = {"kind": "status", "pad": "x" * (4 * 1024 * 1024)}  # a header frame over 4 MiB
+    reply, _ = shard.request(huge)
+    assert reply["kind"] == "rejected" and reply["reason"] == "malformed", reply
+
+
+def req_socket_round_trip(ctx: zmq.Context, router: str) -> list[str]:
+    """Section 1: a REQ socket gets every reply (the shard repeats its delimiter)."""
+    req = ctx.socket(zmq.REQ)
+    req.setsockopt(zmq.LINGER, 0)
+    req.connect(router)
+    island = "outside-req"  # its own id: a hello would move ours to this socket
+    kinds = []
+    try:
+        for rid, ask in enumerate(({"kind": "hello", "island": island},
+                                   {"kind": "heartbeat", "island": island},
+                                   {"kind": "status"},
+                                   {"kind": "bye", "island": island}), start=1):  # fmt: skip
+            req.send_multipart([msgpack.packb({"v": 1, "id": rid, **ask}, use_bin_type=True)])
+            assert req.poll(int(TIMEOUT_S * 1000)), f"the REQ socket got no reply to {ask}"
+            reply = msgpack.unpackb(req.recv_multipart()[0], raw=False)
+            assert reply["id"] == rid and reply["kind"] != "rejected", reply
+            kinds.append(reply["kind"])
+        assert kinds == ["welcome", "heartbeat", "status_reply", "bye_ok"], kinds
+    finally:
+        req.close(0)
+    return kinds
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--connect", required=True)
@@ -521,6 +561,8 @@ def main() -> None:
         raw = msgpack.unpackb(shards[0].dealer.recv_multipart()[0], raw=False)
         assert raw["kind"] == "rejected" and raw["reason"] == "bad_version", raw
         assert raw["id"] == rid and isinstance(raw["detail"], str)
+        strict_header_cases(shards[0], header, frames)
+        summary["req_socket"] = req_socket_round_trip(ctx, shards[0].router)
         # another connection cannot act as this island while we are live (heard just now)
         intruder = Shard(ctx, shards[0].router)
         try:

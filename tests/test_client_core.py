@@ -181,6 +181,20 @@ def test_an_init_piece_refused_storage_error_is_sent_again_after_the_ack_timeout
         np.testing.assert_array_equal(result.params[name], value)
 
 
+def test_a_hello_refused_throttled_is_sent_again_after_retry_after_s_and_the_join_goes_on():
+    sim = make_sim(ack_timeout_s=5.0)
+    shard = sim.shards[0]
+    shard.refuse["hello"] = {"reason": "throttled", "detail": "over", "retry_after_s": 0.3}
+    sim.perform(sim.core.start_join(sim.now, small_flat(0)))
+    sim.run(0.2)
+    assert sim.core.join_outcome is None and len(sim.kinds("hello")) == 1  # not failed: later
+    del shard.refuse["hello"]
+    sim.run(1.0)
+    assert isinstance(sim.core.join_outcome, JoinResult), sim.core.join_outcome
+    first, again = sim.times("hello")[:2]
+    assert 0.3 <= again - first < 0.5  # after retry_after_s (the reply took a tick), not 5 s
+
+
 def test_an_unanswered_init_piece_is_re_sent_with_a_doubling_back_off():
     sim = make_sim(ack_timeout_s=1.0, ack_timeout_cap_s=2.0, join_timeout_s=9.0)
     sim.shards[0].max_message_bytes = 200  # pieces of 43 elements: 2 a fragment

@@ -237,6 +237,31 @@ def test_the_budget_refuses_too_many_pending_and_a_step_frees_it():
     assert replica.snapshot(0)[1].tobytes() == state.snapshot(0)[1].tobytes()
 
 
+def test_one_island_cannot_fill_the_budget_the_others_still_get_in():
+    kept = 75_000 + 4 * -(-75_000 // 256)  # what an int8 delta of a fragment keeps
+    state, plan, _ = _state(max_pending_bytes=10 * kept, max_pending_bytes_per_island=2 * kept)
+    assert state.status(T0)["max_pending_bytes_per_island"] == 2 * kept
+    for island in ("flood", "b"):
+        state.hello(island, T0)
+
+    def push(island, rnd, fragment):
+        size = plan.fragments[fragment].size
+        frames, _ = codec.int8().encode({"delta": random_delta(size, rnd)})
+        return state.submit_delta(push_header(plan, island, rnd, fragment), frames, T0)
+
+    assert push("flood", 1, 0).status == ACCEPTED
+    assert push("flood", 1, 1).status == ACCEPTED  # 2 x kept: at its share
+    refused = push("flood", 2, 0)  # refused before its payload is read
+    assert (refused.reason, state.pending_bytes("flood")) == ("too_many_pending", 2 * kept)
+    assert "max_pending_bytes_per_island" in refused.detail
+    assert push("b", 1, 0).status == ACCEPTED  # the shard's budget has room for the others
+    assert state.pending_bytes() == 3 * kept
+    state.step(0, T0)
+    assert push("flood", 2, 0).status == ACCEPTED  # its step freed flood's share
+    # the default share is a quarter of the shard's budget
+    assert ShardConfig(max_pending_bytes=1000).pending_bytes_per_island == 250
+
+
 @pytest.mark.slow
 def test_a_client_defers_a_push_over_the_budget_and_lands_it_after_the_step(start_shard, peer):
     # quorum 1 with a fixed 3 s grace window: b's delta waits 3 s for company, long enough

@@ -2,7 +2,7 @@
 
 import pytest
 
-from paramserver.client.ledger import DECODE_RETRIES, Ledger
+from paramserver.client.ledger import DECODE_RETRIES, THROTTLED_RETRY_S, Ledger
 
 ACK_S, CAP_S = 1.0, 4.0  # first re-send after 1 s, doubling, at most every 4 s
 T0 = 10.0  # when `ledger` pushes and sends (an ack at T0 is a 0 s sample: the floor, 1 s)
@@ -26,6 +26,7 @@ ACKS = [
     ("rejected", "unknown_island", "rejoin", True, False),
     ("rejected", "too_many_pending", "defer", True, True),
     ("rejected", "storage_error", "defer", True, True),  # nothing kept: again after the back-off
+    ("rejected", "throttled", "defer", True, True),  # over the shard's rate: after retry_after_s
     ("rejected", "codec_error", "resend", True, False),
     ("rejected", "plan_mismatch", "done", False, False),
     ("rejected", "replayed_round", "done", False, False),
@@ -51,6 +52,23 @@ def test_ack_decision_table(outcome, reason, decision, kept, deferred):
         assert box.get(KEY).deferred is deferred
     else:
         assert box.get(KEY) is None
+
+
+@pytest.mark.timeout(10)
+def test_a_throttled_delta_is_re_sent_after_retry_after_not_when_its_fragment_steps():
+    box = ledger(KEY, (1, 7))
+    timeout_before = box.timer.timeout_s(0)
+    assert box.on_ack(KEY, "rejected", "throttled", T0, retry_after_s=0.25) == "defer"
+    assert box.on_ack((1, 7), "rejected", "throttled", T0) == "defer"  # no retry_after_s
+    assert box.on_step(0) == []  # a step does not lift a rate limit
+    assert box.due(T0 + 0.2, up={0}) == []
+    assert box.due(T0 + 0.25, up={0}) == [KEY]  # T0 + retry_after_s
+    box.sent(KEY, T0 + 0.25)
+    assert box.due(T0 + THROTTLED_RETRY_S - 0.01, up={0}) == []
+    assert box.due(T0 + THROTTLED_RETRY_S, up={0}) == [(1, 7)]
+    assert box.get(KEY).attempt == 0 and not box.get(KEY).deferred  # not late: no back-off
+    assert box.timer.timeout_s(0) == timeout_before  # a throttle answer is no latency sample
+    assert box.on_ack(KEY, "accepted", None, T0 + 0.3) == "done"  # not lost: it got in
 
 
 @pytest.mark.timeout(10)

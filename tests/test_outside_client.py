@@ -78,3 +78,5 @@ def test_outside_client_inits_joins_pushes_and_follows(cluster, downlink):
     rejected = {k: v for counts in summary["rejected"].values() for k, v in counts.items()}
     for reason in ("plan_mismatch", "codec_error", "bad_shape", "non_finite", "island_in_use"):
         assert rejected.get(reason, 0) >= 1, rejected
+    assert rejected["bad_version"] >= 3 and rejected["malformed"] >= 4, rejected  # strict headers
+    assert summary["req_socket"] == ["welcome", "heartbeat", "status_reply", "bye_ok"]

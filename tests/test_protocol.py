@@ -42,6 +42,8 @@ def test_unknown_fields_are_ignored():
         ([msgpack.packb([1, 2])], "malformed"),
         ([msgpack.packb({"v": 2, "kind": "push"})], "bad_version"),
         ([msgpack.packb({"kind": "push"})], "bad_version"),
+        ([msgpack.packb({**PUSH, "v": True})], "bad_version"),  # a bool is never an int
+        ([msgpack.packb({**PUSH, "v": 1.0})], "bad_version"),
         ([msgpack.packb({"v": 1, "kind": "explode"})], "unknown_kind"),
         ([msgpack.packb({"v": 1, "kind": 5})], "unknown_kind"),
         ([msgpack.packb({"v": 1, "kind": "hello"})], "malformed"),
@@ -67,6 +69,45 @@ def test_error_carries_the_header_when_decoded_so_replies_can_echo_the_id():
     assert info.value.header["id"] == 7
     reply = protocol.reply_header(info.value.header, "rejected", reason="malformed", detail="x")
     assert reply["id"] == 7
+
+
+def _oversize(fields: dict) -> bytes:
+    frame = msgpack.packb(fields, use_bin_type=True)
+    assert len(frame) > protocol.MAX_HEADER_BYTES
+    return frame
+
+
+PAD = "x" * protocol.MAX_HEADER_BYTES
+
+
+@pytest.mark.parametrize(
+    ("frame", "rid"),
+    [
+        (_oversize({"v": 1, "kind": "init", "plan": {"pad": PAD}, "id": 9}), 9),  # id after it
+        (_oversize({"id": -3, "pad": PAD}), -3),
+        (_oversize({"id": True, "pad": PAD}), None),  # not an int: nothing to echo
+        (_oversize({"id": "9", "pad": PAD}), None),
+        (
+            _oversize(
+                {**{f"k{i}": 0 for i in range(protocol.OVERSIZE_ID_KEYS)}, "id": 9, "pad": PAD}
+            ),
+            None,
+        ),  # past the keys looked at  # fmt: skip
+        (_oversize([9, PAD]), None),  # not a map
+        (b"\x81\xa2id\xc1" + b"\x00" * protocol.MAX_HEADER_BYTES, None),  # garbage for a value
+    ],
+)
+def test_a_header_over_the_limit_is_malformed_and_keeps_its_int_id(frame, rid):
+    with pytest.raises(ProtocolError) as info:
+        unpack([frame])
+    assert info.value.reason == "malformed" and "limit" in info.value.detail
+    assert info.value.header == (None if rid is None else {"id": rid})
+
+
+def test_bytes_after_the_header_map_are_malformed_with_its_id():
+    with pytest.raises(ProtocolError) as info:
+        unpack([msgpack.packb({**PUSH, "v": 1}) + b"\x00"])
+    assert info.value.reason == "malformed" and info.value.header["id"] == 7
 
 
 def test_roles_pick_the_table():

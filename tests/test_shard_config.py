@@ -47,3 +47,31 @@ def test_the_pending_budget_defaults_to_a_quarter_of_physical_memory(tmp_path):
     toml.write_text("max_pending_bytes = 0\n")
     with pytest.raises(SettingsError, match=f"{toml}:max_pending_bytes.*int >= 1"):
         load_settings(ShardConfig, file=toml)
+
+
+@pytest.mark.parametrize(
+    ("field", "bad"),
+    [
+        ("max_requests_per_s", -1.0),
+        ("max_requests_per_s", float("nan")),
+        ("request_burst", 0),
+        ("request_burst", 2.5),
+        ("max_refusals_per_s", -0.5),
+        ("max_pending_bytes_per_island", -1),
+        ("max_pending_bytes_per_island", True),
+    ],
+)
+def test_the_request_limits_refuse_a_bad_value_naming_it(field, bad):
+    with pytest.raises(ConfigError, match=field):
+        ShardConfig(**{field: bad})
+
+
+def test_the_request_limits_load_from_toml_and_the_environment(tmp_path, monkeypatch):
+    cfg = ShardConfig()
+    assert (cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s) == (100.0, 50, 20.0)
+    toml = tmp_path / "server.toml"
+    toml.write_text("max_requests_per_s = 0\nmax_pending_bytes_per_island = 4096\n")
+    monkeypatch.setenv("DILOCO_SERVER_REQUEST_BURST", "7")
+    cfg = load_settings(ShardConfig, file=toml, env_prefix="DILOCO_SERVER_")
+    assert (cfg.max_requests_per_s, cfg.request_burst) == (0.0, 7)  # 0: no limit
+    assert cfg.pending_bytes_per_island == 4096

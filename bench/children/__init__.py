@@ -7,6 +7,7 @@
 - `ddp_rank`: one rank of the data-parallel baseline (`bench.runs`).
 
 - `meter`: a relay that counts the bytes of each link per time bucket (`bench.streaming`).
+- `flood_peer`: a flat-out pusher or a hostile sender against one shard (`bench.load_flood`).
 
 Each stops on SIGTERM / SIGINT and the servers among them print ``ready`` once
 they listen; both through `bench.child`, which also starts and stops them.

@@ -6,7 +6,8 @@ This module owns, with no I/O and no clock, the join of `ClientCore.start_join`
 re-sends an unanswered hello every `ack_timeout_s`, an unanswered
 `init_begin` or `init_piece` after `ack_timeout_s`, doubling per re-send up
 to `ack_timeout_cap_s` (all three are idempotent: a lost piece or reply is
-sent again),
+sent again), and one refused `throttled` (the shard's request limit) after
+its `retry_after_s`,
 routes each reply back to the handshake, opens a DEALER to every shard once
 the first welcome named them, and, once the cluster is initialised,
 subscribes to every shard and snapshots its fragments (Clone pattern:
@@ -93,9 +94,15 @@ class Join:
         """Take the reply to one of the join's requests (`owns(rid)`).
 
         An init request refused `storage_error` (the shard's disk failed, nothing
-        was kept) stays in flight and is sent again after `ack_timeout_s`.
+        was kept) stays in flight and is sent again after `ack_timeout_s`; any
+        request refused `throttled` (over the shard's request limit), after the
+        reply's `retry_after_s`.
         """
         call = self._calls.pop(rid)
+        if header.get("reason") == "throttled" and call.kind in _IDEMPOTENT:
+            call.resend_at = now + header.get("retry_after_s", self.cfg.ack_timeout_s)
+            self._calls[rid] = call
+            return
         if call.kind.startswith("init_") and header.get("reason") == "storage_error":
             logger.warning(
                 "shard %s: %s not stored (%s); again", call.name, call.kind, header["detail"]

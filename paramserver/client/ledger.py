@@ -33,7 +33,12 @@ The rules:
     steps (`on_step`) or on the ack back-off, whichever comes first (the
     back-off doubles, so a shard with a broken disk is not hammered);
   - `codec_error` (corrupted in transit, as this client keeps frames intact):
-    re-sent at once ("resend"), up to `DECODE_RETRIES` times, then final.
+    re-sent at once ("resend"), up to `DECODE_RETRIES` times, then final;
+  - `throttled` (the island sent more requests than the shard's rate limit
+    while others waited): it stays pending, deferred ("defer"), and is re-sent
+    once the ack's `retry_after_s` has passed (`due`; `THROTTLED_RETRY_S`
+    when the ack did not say), not when its fragment steps. Like the others
+    kept, it is not lost work: the round is merged once a re-send gets in.
 """
 
 from __future__ import annotations
@@ -60,8 +65,11 @@ until its fragment steps, or keep it and say hello to the shard again."""
 STORAGE_WARNING_EVERY_S = 60.0  # one warning per shard per minute while its disk fails
 _MAX_RESENT_KEPT = 1024  # re-sent deltas whose first copy's latency waits for a duplicate
 
-RETRYABLE_REASONS = frozenset({"too_many_pending", "storage_error"})
+RETRYABLE_REASONS = frozenset({"too_many_pending", "storage_error", "throttled"})
 """Rejections that say "not now" rather than "never": the delta is kept and re-sent."""
+
+THROTTLED_RETRY_S = 1.0
+"""Wait before re-sending a `throttled` delta whose ack carried no `retry_after_s`."""
 
 DECODE_RETRIES = 3
 """A push the shard could not decode (codec_error) was corrupted in transit, since this
@@ -83,6 +91,7 @@ class Entry:
     first_sent_at: float | None = None  # the first send that went out
     decode_retries: int = 0  # re-sends after the shard could not decode it (codec_error)
     deferred: bool = False  # refused for now (RETRYABLE_REASONS): re-sent when its fragment steps
+    retry_at: float | None = None  # throttled: re-sent at this time (`due`), not on a step
 
 
 class Ledger:
@@ -168,7 +177,14 @@ class Ledger:
         """
         self._entries[key].sent_at = now
 
-    def on_ack(self, key: Key, outcome: str, reason: str | None, now: float) -> Decision:
+    def on_ack(
+        self,
+        key: Key,
+        outcome: str,
+        reason: str | None,
+        now: float,
+        retry_after_s: float | None = None,
+    ) -> Decision:
         """Apply a shard's ack of a pending delta (see the module docstring for the rules).
 
         Args:
@@ -178,6 +194,7 @@ class Ledger:
             reason: the rejection reason, or None.
             now: when the ack arrived; if the delta went out once and never
                 timed out, now - its send is a latency sample for the timer.
+            retry_after_s: the ack's `retry_after_s` (a `throttled` refusal), if any.
 
         Returns:
             "done": resolved and removed (accepted, duplicate, or finally rejected);
@@ -191,11 +208,15 @@ class Ledger:
         entry = self._entries.get(key)
         if entry is None:
             raise KeyError(f"delta {key} is not pending; check `key in ledger` before on_ack")
-        if entry.sends == 1 and entry.attempt == 0:  # Karn: the ack answers the only copy
-            self.timer = self.timer.sample(now - entry.sent_at)
+        if entry.sends == 1 and entry.attempt == 0 and reason != "throttled":
+            self.timer = self.timer.sample(now - entry.sent_at)  # Karn: it answers the only copy
         if outcome == REJECTED:
             if reason == "unknown_island":
                 return "rejoin"
+            if reason == "throttled":
+                wait = THROTTLED_RETRY_S if retry_after_s is None else retry_after_s
+                entry.deferred, entry.retry_at = True, now + wait
+                return "defer"
             if reason in RETRYABLE_REASONS:
                 entry.deferred = True
                 return "defer"
@@ -218,14 +239,23 @@ class Ledger:
 
         Returns:
             Keys, in push order, of the deltas last sent (or tried) at least
-            `timer.timeout_s(attempt)` ago, as the timer stood before this call.
-            Deferred deltas are included and stay deferred. The timeout of a
-            delta that was not deferred (its ack is late) backs the timer off.
+            `timer.timeout_s(attempt)` ago, as the timer stood before this call,
+            and of the throttled ones whose `retry_at` has come (no attempt
+            counted: they are due again, not late). Deferred deltas are included
+            and stay deferred. The timeout of a delta that was not deferred (its
+            ack is late) backs the timer off.
         """
         keys = []
         timer = self.timer
         for key, entry in self._entries.items():
-            if entry.shard in up and now - entry.sent_at >= timer.timeout_s(entry.attempt):
+            if entry.shard not in up:
+                continue
+            if entry.retry_at is not None:
+                if now >= entry.retry_at:
+                    entry.retry_at, entry.deferred = None, False
+                    keys.append(key)
+                continue
+            if now - entry.sent_at >= timer.timeout_s(entry.attempt):
                 if not entry.deferred:
                     self.timer = self.timer.timed_out(entry.attempt)
                 entry.attempt += 1
@@ -268,11 +298,12 @@ class Ledger:
 
         Returns:
             Keys, in push order, of the deltas of `fragment` that were deferred
-            (they are not deferred any more).
+            (they are not deferred any more), throttled ones excepted: a step
+            does not lift a rate limit, they wait for their `retry_at`.
         """
         keys = []
         for key, entry in self._entries.items():
-            if entry.deferred and key[0] == fragment:
+            if entry.deferred and entry.retry_at is None and key[0] == fragment:
                 entry.deferred = False
                 keys.append(key)
         return keys

@@ -163,6 +163,18 @@ class ShardConfig:
     # 4 for raw float32); beyond it a push is refused too_many_pending (the island re-sends
     # it later). Default: a quarter of this machine's physical memory, per shard process
     max_pending_bytes: int = field(default_factory=default_max_pending_bytes)
+    # bytes one island's pending deltas may keep on this shard (counted like max_pending_bytes);
+    # beyond it its push is refused too_many_pending, so one island cannot fill the shard's
+    # budget; 0 = a quarter of max_pending_bytes
+    max_pending_bytes_per_island: int = 0
+    # requests per second one island (or one connection that has not said hello) may send
+    # while another island or connection was heard within the last second; beyond it a request
+    # is refused `throttled` with retry_after_s, before anything of it is decoded; 0 = no limit
+    max_requests_per_s: float = 100.0
+    request_burst: int = 50  # requests one island may send at once above max_requests_per_s
+    # answers per second to one island's (or connection's) throttled requests and headers that
+    # do not decode; the rest are dropped unanswered (counted: status `dropped`); 0 = answer all
+    max_refusals_per_s: float = 20.0
     dedup_window: int = 64  # rounds below an island's newest that are still deduplicated
     clip_norm_multiple: float = 0.0  # clip a delta's norm to this x the recent median; 0 = off
     checkpoint_every_steps: int = 50  # checkpoint after this many outer steps (0 = never)
@@ -245,6 +257,10 @@ class ShardConfig:
             "give the byte budget of all pending deltas as an int >= 1, e.g. 4294967296 "
             f"(4 GiB); the default is 1/{PENDING_MEMORY_SHARE} of physical memory",
         )
+        check.integer("max_pending_bytes_per_island", self.max_pending_bytes_per_island, 0)
+        check.number("max_requests_per_s", self.max_requests_per_s, low=0.0)
+        check.integer("request_burst", self.request_burst, 1)
+        check.number("max_refusals_per_s", self.max_refusals_per_s, low=0.0)
         check.integer("dedup_window", self.dedup_window, 1)
         check.number("clip_norm_multiple", self.clip_norm_multiple, low=0.0)
         check.require(
@@ -382,6 +398,11 @@ class ShardConfig:
             f"(H={steps} takes {theirs[0]}/{theirs[1]}): start the shards with "
             f"--inner-steps {steps}, or give --outer-lr and --outer-momentum"
         )
+
+    @property
+    def pending_bytes_per_island(self) -> int:
+        """One island's pending byte budget: max_pending_bytes_per_island, or 1/4 of the shard's."""
+        return self.max_pending_bytes_per_island or max(1, self.max_pending_bytes // 4)
 
     @property
     def max_frame_bytes(self) -> int:

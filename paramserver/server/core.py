@@ -35,11 +35,12 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import codec
 from paramserver.plumbing.identity import IslandGuard
-from paramserver.server import binding, outcomes
+from paramserver.server import binding, outcomes, throttle
 from paramserver.server.config import ShardConfig
 from paramserver.server.effects import Effects, Publish, Reply, Request
 from paramserver.server.events import StepEvent
@@ -55,7 +56,9 @@ CHECKPOINT_RETRY_S = 10.0  # a failed checkpoint is tried again after this long
 # Requests that act as an island, refused from a connection the island is not bound to.
 _BOUND_KINDS = ("push", "heartbeat", "bye")
 # The state's counters of requests (not of durable events): kept across a rebuild from disk.
-_REQUEST_COUNTERS = ("duplicates", "rejected", "bytes_in", "bytes_out", "hello_requests")
+_REQUEST_COUNTERS = (
+    "duplicates", "rejected", "bytes_in", "bytes_out", "hello_requests", "dropped",
+)  # fmt: skip
 
 
 class ShardCore:
@@ -107,27 +110,46 @@ class ShardCore:
         # the flag says its pending deltas near the per-island limit: deferring risks refusals)
         self.step_guard: Callable[[int, bool], bool] = lambda fragment, urgent: True
         self.islands = IslandReports()  # what `status` shows of each island (not durable)
+        # request rate limits, checked before a request is decoded
+        self.throttle = throttle.Throttle(
+            throttle.Limits(cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s)
+        )
 
     # ----- requests ----------------------------------------------------------------
 
     def handle(self, now: float, request: Request) -> Effects:
         """Answer one request.
 
+        A request whose first frame is empty came from a REQ socket: the empty
+        delimiter is stripped and put back before the reply's header. Before
+        anything is decoded the request is charged to its island's (or
+        connection's) bucket (`paramserver.server.throttle`): over it, it is
+        answered `throttled` or, past the answers allowed, dropped unanswered,
+        like a header that does not decode past them.
+
         Args:
             now: wall-clock seconds.
             request: the connection and frames as received.
 
         Returns:
-            Its effects (to be made durable, then sent).
+            Its effects (to be made durable, then sent); none for a dropped request.
         """
         size = protocol.message_bytes(request.frames)
         self.state.counters.bytes_in += size
+        if request.frames and memoryview(request.frames[0]).nbytes == 0:
+            request = replace(request, frames=request.frames[1:], envelope=(b"",))
+        verdict, retry_after = self.throttle.admit(now, request.conn)
+        if verdict != throttle.ADMIT:
+            return self._throttled(request, verdict, retry_after)
         try:
             header, payload = protocol.unpack(request.frames)
         except protocol.ProtocolError as exc:
+            if not self.throttle.may_answer(now, request.conn):
+                self.state.counters.drop(exc.reason)
+                return Effects()
             refusal = self.state.reject(exc.reason, exc.detail)
             header = outcomes.render_rejected(exc.header, refusal)
-            return Effects(replies=[Reply(request.conn, header, [], None)])
+            return Effects(replies=[Reply(request.conn, header, [], None, request.envelope)])
         island, kind = header.get("island"), header["kind"]
         if self.guard is not None and isinstance(island, str):
             refusal = self.guard.refusal(request.user_id, island, kind, now)
@@ -150,14 +172,32 @@ class ShardCore:
             outcome = self.state.reject("internal_error", f"{type(exc).__name__}: {exc}")
             return self._answer(request, header, outcome)
 
+    def _throttled(self, request: Request, verdict: str, retry_after: float) -> Effects:
+        """Refuse a request over its bucket: `throttled` (an ack for a push), or drop it."""
+        if verdict == throttle.DROP:
+            self.state.counters.drop("throttled")
+            return Effects()
+        limits = self.throttle.limits
+        refusal = outcomes.throttled(retry_after, limits.rate, limits.burst)
+        outcomes.count(self.state.counters, refusal)
+        try:  # only the answered few are decoded: for their id (and a push's ack fields)
+            header, _ = protocol.unpack(request.frames)
+        except protocol.ProtocolError as exc:
+            reply = outcomes.render_rejected(exc.header, refusal)
+            return Effects(replies=[Reply(request.conn, reply, [], None, request.envelope)])
+        return self._answer(request, header, refusal)
+
     def _reply(self, request: Request, header: dict, kind: str, payload=(), **fields) -> Effects:
         reply = protocol.reply_header(header, kind, **fields)
-        return Effects(replies=[Reply(request.conn, reply, list(payload), header)])
+        return Effects(
+            replies=[Reply(request.conn, reply, list(payload), header, request.envelope)]
+        )
 
     def _answer(self, request: Request, header: dict, outcome: Outcome) -> Effects:
         """Reply with an outcome (`ack` for a push, else `rejected`); log its event if any."""
         version = self.state.version_of(header.get("fragment"))
-        reply = Reply(request.conn, outcomes.render(header, outcome, version), [], header)
+        rendered = outcomes.render(header, outcome, version)
+        reply = Reply(request.conn, rendered, [], header, request.envelope)
         records = [outcome.event] if outcome.event is not None else []
         return Effects(records=records, replies=[reply])
 
@@ -170,6 +210,7 @@ class ShardCore:
         if outcome.status == REJECTED:
             return self._answer(request, header, outcome)
         self.bindings.bind(island, binding.Binding(request.conn, session, now))
+        self.throttle.bind(request.conn, island)
         if len(self.bindings) > len(self.state.last_seen):
             self.bindings.prune(self.state.last_seen)
         plan = self.state.plan
@@ -289,6 +330,7 @@ class ShardCore:
         if known:  # a bye from a connection that lost the id to another changes nothing
             self.state.bye(header["island"])
             self.bindings.forget(header["island"])
+            self.throttle.unbind(header["island"])
         return self._reply(request, header, "bye_ok")
 
     # ----- time ------------------------------------------------------------------------
@@ -371,7 +413,7 @@ class ShardCore:
                 refusal = self.state.reject("storage_error", detail)
                 version = self.state.version_of(reply.header.get("fragment"))
                 header = outcomes.render(reply.request, refusal, version)
-                reply = Reply(reply.conn, header, [], reply.request)
+                reply = replace(reply, header=header, payload=[])
             replies.append(reply)
         return Effects([], replies, [p for p in effects.publishes if not p.is_update])
 
@@ -389,7 +431,8 @@ class ShardCore:
         self._steps_since += sum(isinstance(e, StepEvent) for e in effects.records)
         messages: list[tuple[bytes | None, list[Any]]] = []
         for reply in effects.replies:
-            messages.append((reply.conn, protocol.pack(reply.header, reply.payload)))
+            packed = protocol.pack(reply.header, reply.payload)
+            messages.append((reply.conn, [*reply.envelope, *packed]))
         for publish in effects.publishes:
             if publish.is_update:
                 self.seq += 1

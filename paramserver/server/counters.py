@@ -1,4 +1,4 @@
-"""What a shard counts for `status`: accepted, duplicates, rejections, bytes, steps, credit.
+"""What a shard counts for `status`: accepted, duplicates, rejections, drops, bytes, steps, credit.
 
 Plain data and its arithmetic; `paramserver.server.outcomes` decides how a
 refusal is counted, `paramserver.server.state` counts steps and accepts.
@@ -26,6 +26,9 @@ class Counters:
     # hello"); expected after a restart or before an island's first hello here, so
     # they are not rejections
     hello_requests: int = 0
+    # requests dropped unanswered, by reason (throttled, or a header that did not decode:
+    # malformed, bad_version, unknown_kind): over max_refusals_per_s (paramserver.server.throttle)
+    dropped: dict[str, int] = field(default_factory=dict)
     # island -> tokens that entered the model: merged tokens * fragment share (no g(s))
     credited: dict[str, float] = field(default_factory=dict)
 
@@ -47,7 +50,7 @@ class Counters:
 
         Returns:
             accepted, duplicates, rejected (reason -> count), hello_requests,
-            bytes_in, bytes_out, staleness_histogram, steps, clipped and credited_tokens (island ->
+            dropped (reason -> requests left unanswered), bytes_in, bytes_out, staleness_histogram, steps, clipped and credited_tokens (island ->
             merged tokens * fragment share, staleness not counted, rounded to 3 decimals).
         """
         return {
@@ -55,6 +58,7 @@ class Counters:
             "duplicates": self.duplicates,
             "rejected": dict(sorted(self.rejected.items())),
             "hello_requests": self.hello_requests,
+            "dropped": dict(sorted(self.dropped.items())),
             "bytes_in": self.bytes_in,
             "bytes_out": self.bytes_out,
             "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
@@ -62,3 +66,11 @@ class Counters:
             "clipped": self.clipped,
             "credited_tokens": {k: round(v, 3) for k, v in sorted(self.credited.items())},
         }
+
+    def drop(self, reason: str) -> None:
+        """Count a request dropped unanswered.
+
+        Args:
+            reason: why it was refused (throttled, malformed, bad_version, unknown_kind).
+        """
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1

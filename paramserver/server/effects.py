@@ -17,21 +17,30 @@ from paramserver.wire.protocol import REJECTED
 
 @dataclass(frozen=True)
 class Request:
-    """One request off the ROUTER: the connection, the message's frames, its CURVE User-Id."""
+    """One request off the ROUTER: the connection, the message's frames, its CURVE User-Id.
+
+    `envelope` holds the frames before the header that a reply must repeat: the
+    empty delimiter frame of a REQ socket (the core strips it from `frames`).
+    """
 
     conn: bytes
     frames: list[Any]
     user_id: str | None = None
+    envelope: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
 class Reply:
-    """A reply to send to `conn`; `request` is kept to render it again after a storage fault."""
+    """A reply to send to `conn`; `request` is kept to render it again after a storage fault.
+
+    `envelope` (the request's, e.g. a REQ socket's empty delimiter) goes before the header.
+    """
 
     conn: bytes
     header: dict[str, Any]
     payload: list[Any]
     request: dict[str, Any] | None
+    envelope: tuple[bytes, ...] = ()
 
     @property
     def promises_durability(self) -> bool:

@@ -14,6 +14,7 @@ plain values, so they import nothing of the shard's state.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -39,7 +40,8 @@ class Outcome:
     `version` is the fragment's version after the request (pushes), else 0.
     `merged_version` (pushes accepted or duplicate) is the first version of the
     fragment that includes the delta: a step merges every pending delta, so a
-    delta still pending is in the next version.
+    delta still pending is in the next version. `retry_after_s` (a `throttled`
+    refusal) is when the request may be sent again.
     """
 
     status: str
@@ -48,6 +50,7 @@ class Outcome:
     event: Event | None = None
     version: int = 0
     merged_version: int | None = None
+    retry_after_s: float | None = None
 
 
 def refused(reason: str, detail: str) -> Outcome:
@@ -95,6 +98,8 @@ def render(request: Mapping[str, Any] | None, outcome: Outcome, version: int) ->
     """
     if request is not None and request.get("kind") == "push":
         detail = {"detail": outcome.detail} if outcome.status == REJECTED else {}
+        if outcome.retry_after_s is not None:
+            detail["retry_after_s"] = outcome.retry_after_s
         return protocol.reply_header(
             request,
             "ack",
@@ -119,7 +124,32 @@ def render_rejected(request: Mapping[str, Any] | None, outcome: Outcome) -> dict
     Returns:
         The reply header (echoing the request's `id`).
     """
-    return protocol.reply_header(request, "rejected", reason=outcome.reason, detail=outcome.detail)
+    extra = {} if outcome.retry_after_s is None else {"retry_after_s": outcome.retry_after_s}
+    return protocol.reply_header(
+        request, "rejected", reason=outcome.reason, detail=outcome.detail, **extra
+    )
+
+
+def throttled(retry_after_s: float, rate: float, burst: int) -> Outcome:
+    """The refusal of a request over its island's (or connection's) request rate.
+
+    Args:
+        retry_after_s: seconds until the island's bucket holds a token (> 0).
+        rate: the shard's max_requests_per_s.
+        burst: the shard's request_burst.
+
+    Returns:
+        A rejected `throttled` outcome carrying retry_after_s (rounded up to the
+        millisecond), not yet counted.
+    """
+    wait = max(0.001, math.ceil(retry_after_s * 1000) / 1000)
+    return Outcome(
+        REJECTED,
+        "throttled",
+        f"over max_requests_per_s={rate:g} (request_burst={burst}) while requests wait: "
+        f"send it again after {wait:g} s",
+        retry_after_s=wait,
+    )
 
 
 def read_plan(plan_wire: Any, cfg: Any) -> Plan | Outcome:
@@ -237,6 +267,33 @@ def budget_refusal(pending_bytes: int, incoming: int, budget: int) -> Outcome | 
         "too_many_pending",
         f"pending deltas keep {pending_bytes} bytes and this one {incoming}: over "
         f"max_pending_bytes={budget}; re-send after a step",
+    )
+
+
+def island_budget_refusal(
+    island: str, mine: int, incoming: int | None, limit: int
+) -> Outcome | None:
+    """The refusal of a delta that would take one island's pending deltas over its byte budget.
+
+    Args:
+        island: the pushing island.
+        mine: bytes the island's pending deltas on this shard keep now.
+        incoming: bytes the new delta would keep (its coded size); None before
+            the payload is read (then only an island already at its limit is refused).
+        limit: the shard's max_pending_bytes_per_island (resolved).
+
+    Returns:
+        A rejected `too_many_pending` outcome (not yet counted), or None when it
+        fits or the island has nothing pending (its lone delta is always admitted).
+    """
+    fits = mine < limit if incoming is None else mine + incoming <= limit
+    if mine == 0 or fits:
+        return None
+    return refused(
+        "too_many_pending",
+        f"deltas of {island!r} pending here keep {mine} bytes"
+        + ("" if incoming is None else f" and this one {incoming}")
+        + f": over max_pending_bytes_per_island={limit}; re-send after a step",
     )
 
 

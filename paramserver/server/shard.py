@@ -5,8 +5,12 @@ for sequenced updates and heartbeats (wire format: `paramserver.wire.protocol`),
 and the order of I/O. Every decision is the core's (`paramserver.server.core`);
 the files are `paramserver.server.storage`'s. One loop turn:
 
-    1. poll the ROUTER until the core's next wake-up (or a stop check);
-    2. `run_batch`: hand every queued request (up to a batch) to
+    1. poll the ROUTER until the core's next wake-up (or a stop check), then
+       read what is queued, up to a batch (ZeroMQ takes one message from each
+       peer with messages waiting in turn; the core refuses an island over its
+       request rate before decoding anything, `paramserver.server.throttle`,
+       so a flood costs a bucket check per message);
+    2. `run_batch`: hand every request read to
        `core.handle`, then `core.on_tick` (due outer steps, heartbeat),
        collecting their effects; `make_durable`: append the batch's events
        to the log and fsync ONCE (if that fails the core gets the state

@@ -169,13 +169,21 @@ class ShardState(ShardInit):
         values.flags.writeable = False
         return frag.version, values
 
-    def pending_bytes(self) -> int:
-        """Bytes all pending deltas of the shard keep (coded: `Contribution.delta.nbytes`).
+    def pending_bytes(self, island: str | None = None) -> int:
+        """Bytes pending deltas of the shard keep (coded: `Contribution.delta.nbytes`).
+
+        Args:
+            island: count only this island's deltas (None: every island's).
 
         Returns:
-            The sum over every owned fragment's pending deltas.
+            The sum over every owned fragment's pending deltas (of `island`).
         """
-        return sum(c.delta.nbytes for f in self.fragments.values() for c in f.pending)
+        return sum(
+            c.delta.nbytes
+            for f in self.fragments.values()
+            for c in f.pending
+            if island is None or c.island == island
+        )
 
     def status(self, now: float) -> dict[str, Any]:
         """Counters and versions, JSON-ready (str keys).
@@ -188,7 +196,7 @@ class ShardState(ShardInit):
             islands_known, accepted, duplicates, rejected, bytes_in, bytes_out,
             staleness_histogram, steps, clipped, pending (fragment -> count),
             pending_bytes (what the pending deltas keep, against
-            max_pending_bytes), paces (island -> reported step_s, steps, round_s)
+            max_pending_bytes; one island's against max_pending_bytes_per_island), paces (island -> reported step_s, steps, round_s)
             and credited_tokens (island -> tokens that entered the model through
             this shard: each merged delta's tokens * the fragment's share of all
             parameters, staleness not counted; summed over shards, an island's
@@ -204,6 +212,7 @@ class ShardState(ShardInit):
             "pending": {str(i): len(f.pending) for i, f in sorted(self.fragments.items())},
             "pending_bytes": self.pending_bytes(),
             "max_pending_bytes": self.cfg.max_pending_bytes,
+            "max_pending_bytes_per_island": self.cfg.pending_bytes_per_island,
             "paces": {i: p.report() for i, p in sorted(self.paces.items())},
             **self.counters.report(),
         }
@@ -286,7 +295,9 @@ class ShardState(ShardInit):
         Returns:
             accepted (with its AcceptEvent), duplicate, or rejected with a
             reason (too_many_pending too when the delta, at its coded size,
-            would take the pending deltas over max_pending_bytes); counted.
+            would take the island's pending deltas over its share,
+            max_pending_bytes_per_island, checked once before the payload is
+            read, or the shard's over max_pending_bytes); counted.
             Parameters are never touched here.
         """
         key = (header["island"], header["fragment"])
@@ -301,12 +312,18 @@ class ShardState(ShardInit):
         if early is not None:
             return outcomes.count(self.counters, early)
         frag = self.fragments[header["fragment"]]
+        island, limit = header["island"], self.cfg.pending_bytes_per_island
+        mine = self.pending_bytes(island)
+        full = outcomes.island_budget_refusal(island, mine, None, limit)  # before decoding
+        if full is not None:
+            return outcomes.count(self.counters, full)
         delta = outcomes.read_delta(payload, frag.params.shape[0])
         if isinstance(delta, Outcome):
             return outcomes.count(self.counters, delta)
-        over = outcomes.budget_refusal(
-            self.pending_bytes(), delta.nbytes, self.cfg.max_pending_bytes
-        )
+        over = outcomes.island_budget_refusal(island, mine, delta.nbytes, limit)
+        if over is None:
+            budget = self.cfg.max_pending_bytes
+            over = outcomes.budget_refusal(self.pending_bytes(), delta.nbytes, budget)
         if over is not None:
             return outcomes.count(self.counters, over)
         contribution = Contribution(

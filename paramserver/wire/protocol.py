@@ -24,6 +24,9 @@ PROTOCOL_VERSION = 1
 
 # Largest header frame accepted; headers are small (a wire plan is the biggest).
 MAX_HEADER_BYTES = 4 * 1024 * 1024
+# A larger header frame is refused unread, but its `id` is looked for among this many
+# of its map's first keys, so that the refusal can echo it (`oversize_header_id`).
+OVERSIZE_ID_KEYS = 256
 # A shard's `max_message_bytes` when its welcome does not say (the shards' default).
 DEFAULT_MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 
@@ -60,6 +63,7 @@ REASONS = (
     "storage_error",
     "island_in_use",
     "forbidden_island",
+    "throttled",
 )
 
 
@@ -218,6 +222,7 @@ _OPTIONAL: dict[str, dict[str, str]] = {
         "detail": "str",
         "offset": "uint",
         "size": "uint",
+        "retry_after_s": "seconds",
     },
     PUB: {"credited": "map"},
 }
@@ -276,7 +281,10 @@ def unpack(frames: Sequence[Any], role: str = REQUEST) -> tuple[dict[str, Any], 
 
     Raises:
         ProtocolError: reason "malformed" (no frames, header not a msgpack map,
-            too big, missing or mistyped field), "bad_version" or "unknown_kind".
+            too big, missing or mistyped field), "bad_version" (`v` is not the int
+            1: `true` and `1.0` are not ints) or "unknown_kind". Its `header` is
+            what decoded of a map header (for a header over MAX_HEADER_BYTES,
+            only its int `id`, see `oversize_header_id`), so a reply can echo the id.
     """
     if role not in SCHEMAS:
         raise ValueError(f"role={role!r}: use one of {tuple(SCHEMAS)}")
@@ -284,17 +292,23 @@ def unpack(frames: Sequence[Any], role: str = REQUEST) -> tuple[dict[str, Any], 
         raise ProtocolError("malformed", "empty message: frame 0 must be a msgpack header")
     raw = memoryview(frames[0])
     if raw.nbytes > MAX_HEADER_BYTES:
+        rid = oversize_header_id(raw)
         raise ProtocolError(
-            "malformed", f"header frame is {raw.nbytes} bytes; limit {MAX_HEADER_BYTES}"
+            "malformed",
+            f"header frame is {raw.nbytes} bytes; limit {MAX_HEADER_BYTES}",
+            None if rid is None else {"id": rid},
         )
     try:
         header = msgpack.unpackb(raw, raw=False, strict_map_key=False)
+    except msgpack.ExtraData as exc:  # a map followed by more bytes: its id can be echoed
+        decoded = exc.unpacked if isinstance(exc.unpacked, dict) else None
+        raise ProtocolError("malformed", "header frame has bytes after the map", decoded) from exc
     except Exception as exc:  # msgpack raises many types on garbage input
         raise ProtocolError("malformed", f"header is not msgpack: {exc!r}") from exc
     if not isinstance(header, dict):
         raise ProtocolError("malformed", f"header must be a map, got {type(header).__name__}")
     version = header.get("v")
-    if version != PROTOCOL_VERSION:
+    if not _is_int(version) or version != PROTOCOL_VERSION:
         raise ProtocolError(
             "bad_version",
             f"protocol version {version!r}; this build speaks {PROTOCOL_VERSION}",
@@ -314,6 +328,33 @@ def unpack(frames: Sequence[Any], role: str = REQUEST) -> tuple[dict[str, Any], 
         if field in header:
             _check_field(kind, field, header[field], type_name, header)
     return header, list(frames[1:])
+
+
+def oversize_header_id(raw: memoryview) -> int | None:
+    """The int `id` of a header frame too large to decode, read without building the map.
+
+    The frame is walked as a msgpack map (values skipped unread) through its first
+    OVERSIZE_ID_KEYS keys; its size is bounded by the receiver's frame limit.
+
+    Args:
+        raw: the header frame.
+
+    Returns:
+        The value of the key "id" when the frame starts as a map with that key among
+        its first OVERSIZE_ID_KEYS keys and the value is an int; else None.
+    """
+    size = raw.nbytes
+    reader = msgpack.Unpacker(raw=False, strict_map_key=False, max_buffer_size=max(size, 1))
+    try:
+        reader.feed(raw)
+        for _ in range(min(reader.read_map_header(), OVERSIZE_ID_KEYS)):
+            if reader.unpack() == "id":
+                rid = reader.unpack()
+                return rid if _is_int(rid) else None
+            reader.skip()
+    except Exception:  # not a map, truncated, or garbage: no id to echo
+        return None
+    return None
 
 
 def _check_field(kind: str, field: str, value: object, type_name: str, header: dict) -> None:
