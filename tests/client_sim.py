@@ -44,7 +44,8 @@ class SimShard:
     known: set = field(default_factory=set)  # islands said hello since the (re)start
     received: list[dict] = field(default_factory=list)  # every request header, in order
     refuse: dict[str, dict] = field(default_factory=dict)  # kind -> rejected reply fields
-    push_refusals: list[str] = field(default_factory=list)  # reasons for the next pushes' acks
+    # the next pushes' refusals: a reason, or a dict of the ack's fields (reason, retry_after_s)
+    push_refusals: list[str | dict] = field(default_factory=list)
     init_owner: str | None = None  # the island whose init_begin was taken
     max_message_bytes: int | None = None  # sent in the welcome when set
     partial: dict[int, dict[int, np.ndarray]] = field(default_factory=dict)  # init pieces in
@@ -113,7 +114,9 @@ class SimShard:
             if header["island"] not in self.known:
                 ack = {"outcome": "rejected", "reason": "unknown_island", "detail": "sim"}
             elif self.push_refusals:
-                ack = {"outcome": "rejected", "reason": self.push_refusals.pop(0), "detail": "sim"}
+                refusal = self.push_refusals.pop(0)
+                fields = refusal if isinstance(refusal, dict) else {"reason": refusal}
+                ack = {"outcome": "rejected", "detail": "sim", **fields}
             else:
                 key = (header["island"], header["round"], header["fragment"])
                 outcome = "duplicate" if key in self.keys else "accepted"

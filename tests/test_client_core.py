@@ -342,6 +342,20 @@ def test_a_refused_for_now_delta_waits_for_its_fragment_to_step():
     assert len(sim.kinds("push")) == 2 and sim.core.stats()["pending"] == 0
 
 
+def test_a_throttled_push_is_re_sent_after_the_acks_retry_after_s():
+    sim, _ = joined_sim(ack_timeout_s=5.0, ack_timeout_floor_s=2.0)
+    shard = sim.shards[0]
+    shard.push_refusals.append({"reason": "throttled", "retry_after_s": 0.3})
+    pushed_at = sim.now
+    sim.push(0, 1, delta(sim, 0))
+    assert sim.core.stats()["pending"] == 1  # kept, not lost
+    sim.run(1.0)
+    times = sim.times("push")
+    # again after the shard's 0.3 s (ticks of 0.05 s), not the ledger's 1 s default nor 5 s
+    assert len(times) == 2 and 0.3 <= times[1] - pushed_at < 0.4, times
+    assert sim.core.stats()["pending"] == 0 and len(shard.keys) == 1
+
+
 def test_pending_counts_every_unacked_delta_up_to_max_unacked():
     sim, _ = joined_sim(max_unacked=3)
     sim.shards[0].answering = False

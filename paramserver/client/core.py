@@ -269,7 +269,9 @@ class ClientCore:
         entry = self.ledger.get(key)
         if entry is None:
             return  # ack of a re-send whose first copy was already acked
-        decision = self.ledger.on_ack(key, header["outcome"], header.get("reason"), now)
+        decision = self.ledger.on_ack(
+            key, header["outcome"], header.get("reason"), now, header.get("retry_after_s")
+        )
         if decision == "rejoin":
             self._net.request(shard, "hello")  # the shard forgot us; the delta stays pending
         elif decision == "defer":
