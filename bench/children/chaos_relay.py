@@ -11,8 +11,8 @@ do not pass through it (islands subscribe to the shards' PUB directly).
 
 It also records every ack the shards send (`acked_by_shard`), every ack
 that reached an island (`acked_delivered`), with times, the tokens of every
-push key, and how often each fault fired; on SIGTERM it writes them as JSON
-to `--stats`.
+push key, when each push key first went on to its shard (`pushed`), and how
+often each fault fired; on SIGTERM it writes them as JSON to `--stats`.
 
     python -m bench.children.chaos_relay --pair LISTEN=TARGET [--pair ...] --schedule FILE
         --start-file FILE --seed S --stats FILE
@@ -103,6 +103,7 @@ class Relay:
         self.acked_delivered: list[list[Any]] = []
         self.forwarded = 0
         self.tokens: dict[tuple[str, Any, Any], Any] = {}
+        self.pushed: dict[tuple[str, Any, Any], float] = {}
         for listen, _ in pairs:
             sock = self.ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -172,6 +173,10 @@ class Relay:
     def _emit(self, direction: str, shard: int, ident: bytes, frames: list[bytes]) -> None:
         if direction == "up":
             self._backend(shard, ident).send_multipart(frames)
+            h = _header(frames)
+            if h.get("kind") == "push":  # when each delta first went on to its shard
+                key = (str(h.get("island")), h.get("fragment"), h.get("round"))
+                self.pushed.setdefault(key, time.time())
         else:
             self.fronts[shard].send_multipart([ident, *frames])
             h = _header(frames)
@@ -243,6 +248,7 @@ class Relay:
             "acked_by_shard": self.acked_by_shard,
             "acked_delivered": self.acked_delivered,
             "tokens": [[*key, n] for key, n in self.tokens.items()],
+            "pushed": [[*key, t] for key, t in self.pushed.items()],
         }
 
     def close(self) -> None:
