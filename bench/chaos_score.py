@@ -341,8 +341,8 @@ def lost_time(
     """Goodput's terms and where the islands' time went (pure).
 
     An island's capacity is what it could have trained over [t0, its stop] (its
-    last row, at least `end`) at its `Pace` (its rounds clear of `spans`); its
-    useful tokens are its credit less what it trained before t0.
+    last row, at least `end`) at its `Pace` (its rounds ending after t0 clear of
+    `spans`); its useful tokens are its credit less what it trained before t0.
 
     Args:
         rows: island -> its metrics rows.
@@ -364,7 +364,7 @@ def lost_time(
     rates: dict[str, float] = {}
     per_fault = [0.0] * len(spans)
     for island, island_rows in rows.items():
-        every = training_rounds(island_rows)
+        every = [r for r in training_rounds(island_rows) if r[0] > t0]  # not the warm-up's
         clean = [r for r in every if not any(r[0] - r[1] < b and r[0] > a for a, b in spans)]
         pace = Pace(clean or every, window_s)
         curve = cumulative_tokens(island_rows)

@@ -60,10 +60,12 @@ def test_goodput_terms_count_the_mean_pace_and_the_time_a_fault_took():
     assert less["capacity_tokens"] == pytest.approx(80.0 * 11 + 100.0 * 10)
     assert less["useful_tokens"] == pytest.approx(1300.0)
     assert less["not_credited"] == pytest.approx(3.0)
-    # tokens trained before the window's start (200 by t = 2) are not the window's
+    # tokens trained before the window's start (200 by t = 2) are not the window's, nor is
+    # the pace of its rounds: from t = 2, 700 tokens in 9 s of rounds, so goodput 1
     late = chaos_score.lost_time({"a": A}, {"a": 900.0}, 2.0, 10.0, [])
     assert late["useful_tokens"] == pytest.approx(700.0)
-    assert late["capacity_tokens"] == pytest.approx(80.0 * 9)
+    assert late["rates"]["a"] == pytest.approx(700.0 / 9, abs=0.05)  # rounded to 0.1
+    assert late["capacity_tokens"] == pytest.approx(700.0)
 
 
 @pytest.mark.timeout(10)
