@@ -8,12 +8,14 @@ Goodput is the share of the islands' time spent on inner steps whose work
 entered the model (`worker.goodput`): the tokens the shards credited after the
 final merges (staleness not counted), less what the islands trained before the
 measured window, over what they could have trained from the window's start
-to their stop at their own rate. An island's rate is its tokens per second
-over its rounds clear of every fault span (a fault's start to its end plus
-its recovery and one round): a mean, since the time base is wall time (the
-median round of a loaded machine overstates it), over rounds no fault
-slowed. `lost_island_s` says where the rest went: island-seconds lost in each
-fault's span, outside them, and work trained but never credited.
+to their stop at their own pace (`Pace`: tokens per second of their rounds in
+the window clear of every fault span, a fault's start to its end plus its
+recovery and one round, within 30 s of each time). A mean over rounds, not the
+median round: the time base is wall time, and the median round of a loaded
+machine is 15-20% shorter than the mean one; local, because the machine's
+speed drifts with the work beside the run. `lost_island_s` says where the
+rest went: island-seconds lost in each fault's span, outside them, and work
+trained but never credited.
 
 Uptime is `bench.analysis.step_uptime` (our figure: the share of the window in
 which no fragment stood still past its due step), and `uptime_windowed` the

@@ -8,8 +8,9 @@ processes or files:
 
 - `rss_slope`: one daemon's memory growth in MB (10^6 bytes) per 10 minutes: a
   least-squares slope shared by all its processes, each with its own level
-  (a restarted process starts from its own baseline), over the samples after
-  the run's settling time and each process's own warm-up;
+  (a restarted process starts from its own baseline), over each minute's
+  median RSS (an island's RSS has transient peaks of 15-35 MB) after the
+  run's settling time and each process's own warm-up, up to the run's end;
 - `growth`: whether a directory's size stays bounded: its peak over the
   second half of the measured span against the first half, and its slope;
 - `soak_summary` and `soak_table`: the report's section and its text table.
@@ -17,12 +18,14 @@ processes or files:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 MB = 1e6
 TEN_MIN_S = 600.0
 SETTLE_S = 600.0  # the run's first 10 minutes are not fitted (JAX, caches, first checkpoints)
+BUCKET_S = 60.0  # the slope is fitted to each minute's median RSS of each process
 WARM_S = 120.0  # nor each process's first 2 minutes (a restarted island compiles, joins,
 # and its heap grows for a minute or two: 340 -> 430 MB in one run, 580 -> 626 MB in another)
 RSS_TARGET_MB = 1.0  # per 10 minutes, every shard and island (issue 23)
@@ -43,25 +46,35 @@ def settle_s(duration_s: float) -> float:
 
 
 def rss_slope(
-    samples: Sequence[tuple[float, int, float]], after: float, warm_s: float = WARM_S
+    samples: Sequence[tuple[float, int, float]],
+    after: float,
+    end: float = math.inf,
+    warm_s: float = WARM_S,
+    bucket_s: float = BUCKET_S,
 ) -> float | None:
     """One daemon's memory growth: MB per 10 minutes, shared by its processes.
 
-    Each process (pid) keeps its own mean; the slope is fitted to every process's
-    deviations from its own means at once (pooled within-process least squares), so
-    a restart's drop or jump is no growth, and a leak inside each process is.
+    Each process's samples are cut into `bucket_s` buckets, each reduced to its
+    median (time, RSS): a transient peak (a step's scratch, a flush) is no
+    trend. Each process keeps its own level; the slope is fitted to every
+    process's deviations from its own means at once (pooled within-process least
+    squares), so a restart's drop or jump is no growth, and a leak inside each
+    process is.
 
     Args:
         samples: (time, pid, rss bytes) of one daemon, any order.
         after: only samples from this time on (e.g. the run's start + 10 minutes).
+        end: and up to this time (the run's end: not its shutdown).
         warm_s: and only from each process's first sample + this.
+        bucket_s: bucket length (0: every sample as it is).
 
     Returns:
         The slope in MB per 10 minutes; None without a process of two or more
-        samples at distinct times in the fitted span.
+        buckets in the fitted span.
     """
     num = den = 0.0
-    for points in _fitted(samples, after, warm_s).values():
+    for points in _fitted(samples, after, end, warm_s).values():
+        points = _medians(points, bucket_s) if bucket_s > 0 else points
         if len(points) < 2:
             continue
         mt = sum(t for t, _ in points) / len(points)
@@ -73,34 +86,57 @@ def rss_slope(
     return num / den * TEN_MIN_S / MB
 
 
+def _median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
+def _medians(points: list[tuple[float, float]], bucket_s: float) -> list[tuple[float, float]]:
+    """(median time, median value) of each `bucket_s` bucket, from the first point on; a
+    bucket whose points span less than half of it (the cut-off last one) is left out."""
+    buckets: dict[int, list[tuple[float, float]]] = {}
+    for t, y in points:
+        buckets.setdefault(int((t - points[0][0]) // bucket_s), []).append((t, y))
+    return [
+        (_median([t for t, _ in b]), _median([y for _, y in b]))
+        for _k, b in sorted(buckets.items())
+        if b[-1][0] - b[0][0] >= bucket_s / 2
+    ]
+
+
 def _fitted(
-    samples: Sequence[tuple[float, int, float]], after: float, warm_s: float
+    samples: Sequence[tuple[float, int, float]], after: float, end: float, warm_s: float
 ) -> dict[int, list[tuple[float, float]]]:
-    """pid -> its (time, rss) samples from `after` and its own first sample + `warm_s` on."""
+    """pid -> its sorted (time, rss) samples in [after, end] and from its first + `warm_s`."""
     first: dict[int, float] = {}
     for t, pid, _rss in samples:
         first[pid] = min(t, first.get(pid, t))
     by_pid: dict[int, list[tuple[float, float]]] = {}
-    for t, pid, rss in samples:
-        if t >= after and t >= first[pid] + warm_s:
+    for t, pid, rss in sorted(samples):
+        if after <= t <= end and t >= first[pid] + warm_s:
             by_pid.setdefault(pid, []).append((t, rss))
     return by_pid
 
 
 def fitted_s(
-    samples: Sequence[tuple[float, int, float]], after: float, warm_s: float = WARM_S
+    samples: Sequence[tuple[float, int, float]],
+    after: float,
+    end: float = math.inf,
+    warm_s: float = WARM_S,
 ) -> float:
     """Seconds of samples `rss_slope` fits: each process's fitted span, summed.
 
     Args:
         samples: (time, pid, rss bytes) of one daemon.
         after: as for `rss_slope`.
+        end: as for `rss_slope`.
         warm_s: as for `rss_slope`.
 
     Returns:
         The sum over processes of (last - first fitted sample time).
     """
-    return sum(p[-1][0] - p[0][0] for p in _fitted(samples, after, warm_s).values())
+    return sum(p[-1][0] - p[0][0] for p in _fitted(samples, after, end, warm_s).values())
 
 
 def growth(samples: Sequence[tuple[float, float]], after: float, end: float) -> dict[str, Any]:
@@ -124,7 +160,7 @@ def growth(samples: Sequence[tuple[float, float]], after: float, end: float) -> 
     out: dict[str, Any] = {
         "peak_first_mb": round(max(first) / MB, 3) if first else None,
         "peak_second_mb": round(max(second) / MB, 3) if second else None,
-        "slope_mb_per_10min": _round(rss_slope(span, after, warm_s=0.0)),
+        "slope_mb_per_10min": _round(rss_slope(span, after, end, warm_s=0.0, bucket_s=0.0)),
         "bounded": None,
     }
     if first and second:
@@ -160,10 +196,10 @@ def soak_summary(
     after, end = t0 + settle_s(duration_s), t0 + duration_s
     out_rss: dict[str, Any] = {}
     for name, samples in sorted(rss.items()):
-        slope = rss_slope(samples, after)
+        slope = rss_slope(samples, after, end)
         out_rss[name] = {
             "slope_mb_per_10min": _round(slope),
-            "fitted_s": round(fitted_s(samples, after), 1),
+            "fitted_s": round(fitted_s(samples, after, end), 1),
             "processes": len({pid for _t, pid, _b in samples}),
             "samples": len(samples),
             "last_mb": round(samples[-1][2] / MB, 1) if samples else None,

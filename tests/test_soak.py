@@ -15,15 +15,16 @@ def test_rss_slope_is_shared_by_a_daemons_processes_each_at_its_own_level():
     # grows 50 -> 51 MB over 600 s: 1 MB per 10 minutes in each
     samples = [(0.0, 1, 100 * MB), (300.0, 1, 100.5 * MB), (600.0, 1, 101 * MB)]
     samples += [(1000.0, 2, 50 * MB), (1300.0, 2, 50.5 * MB), (1600.0, 2, 51 * MB)]
-    assert soak.rss_slope(samples, after=0.0, warm_s=0.0) == pytest.approx(1.0)
+    raw = {"warm_s": 0.0, "bucket_s": 0.0}  # every sample as it is (no minute medians)
+    assert soak.rss_slope(samples, after=0.0, **raw) == pytest.approx(1.0)
     # one line through all the points would read the restart's drop as shrinking memory
     as_one = [(t, 0, b) for t, _pid, b in samples]
-    assert soak.rss_slope(as_one, after=0.0, warm_s=0.0) < 0
+    assert soak.rss_slope(as_one, after=0.0, **raw) < 0
     # only samples after `after` and each process's warm-up: process 2 alone, from 1300
-    assert soak.rss_slope(samples, after=700.0, warm_s=300.0) == pytest.approx(1.0)
+    assert soak.rss_slope(samples, 700.0, warm_s=300.0, bucket_s=0.0) == pytest.approx(1.0)
     assert soak.fitted_s(samples, after=700.0, warm_s=300.0) == 300.0
     assert soak.fitted_s(samples, after=0.0, warm_s=0.0) == 600.0 + 600.0
-    assert soak.rss_slope(samples, after=1500.0, warm_s=0.0) is None  # one sample left
+    assert soak.rss_slope(samples, after=1500.0, **raw) is None  # one sample left
     assert soak.rss_slope([], after=0.0) is None
 
 
@@ -31,11 +32,27 @@ def test_rss_slope_is_shared_by_a_daemons_processes_each_at_its_own_level():
 def test_rss_slope_leaves_out_a_processs_warm_up():
     # 10 MB at start, 100 MB after its first minute (compile, join), flat after
     samples = [(0.0, 7, 10 * MB), (60.0, 7, 100 * MB), (120.0, 7, 100 * MB), (180.0, 7, 100 * MB)]
-    assert soak.rss_slope(samples, after=0.0, warm_s=60.0) == 0.0
+    assert soak.rss_slope(samples, after=0.0, warm_s=60.0, bucket_s=0.0) == 0.0
     # with the warm-up: points (0, 10) (60, 100) (120, 100) (180, 100): mean t 90, mean y
     # 77.5; sum (t - 90)(y - 77.5) = (-90)(-67.5) + (-30)(22.5) + 30(22.5) + 90(22.5) = 8100;
     # sum (t - 90)^2 = 18000; 0.45 MB/s = 270 MB per 10 minutes
-    assert soak.rss_slope(samples, after=0.0, warm_s=0.0) == pytest.approx(270.0)
+    assert soak.rss_slope(samples, after=0.0, warm_s=0.0, bucket_s=0.0) == pytest.approx(270.0)
+
+
+@pytest.mark.timeout(10)
+def test_rss_slope_ignores_transient_peaks_and_the_shutdown():
+    # flat at 100 MB, polled every 5 s for 10 minutes, with one poll at 130 MB near the end
+    # (a step's scratch); after the run's end (t = 600) a minute at 200 MB (its shutdown)
+    samples = [(float(t), 3, 100 * MB) for t in range(0, 600, 5)]
+    samples[118] = (590.0, 3, 130 * MB)
+    samples += [(float(t), 3, 200 * MB) for t in range(600, 665, 5)]
+    # each minute's median is 100 MB: no growth
+    assert soak.rss_slope(samples, after=0.0, end=600.0, warm_s=0.0) == 0.0
+    # every poll as it is, the one peak near the end reads as growth
+    assert soak.rss_slope(samples, after=0.0, end=600.0, warm_s=0.0, bucket_s=0.0) > 1.0
+    assert soak.rss_slope(samples, after=0.0, warm_s=0.0) > 0.0  # the shutdown, without `end`
+    # a bucket cut off after less than half a minute is left out (its median is no minute's)
+    assert soak.rss_slope(samples[:-12], after=0.0, warm_s=0.0) == 0.0  # 600 alone at 200
 
 
 @pytest.mark.timeout(10)
