@@ -11,8 +11,9 @@ processes or files:
   (a restarted process starts from its own baseline), over each minute's
   median RSS (an island's RSS has transient peaks of 15-35 MB) after the
   run's settling time and each process's own warm-up, up to the run's end;
-- `growth`: whether a directory's size stays bounded: its peak over the
-  second half of the measured span against the first half, and its slope;
+- `growth`: whether a directory's size stays bounded: its level (median)
+  over the second half of the measured span against the first half, its
+  peaks and its slope;
 - `soak_summary` and `soak_table`: the report's section and its text table.
 """
 
@@ -29,7 +30,7 @@ BUCKET_S = 60.0  # the slope is fitted to each minute's median RSS of each proce
 WARM_S = 120.0  # nor each process's first 2 minutes (a restarted island compiles, joins,
 # and its heap grows for a minute or two: 340 -> 430 MB in one run, 580 -> 626 MB in another)
 RSS_TARGET_MB = 1.0  # per 10 minutes, every shard and island (issue 23)
-GROWTH_TOLERANCE = 1.25  # a bounded directory's late peak stays within this of its early peak
+GROWTH_TOLERANCE = 1.25  # a bounded directory's late level stays within this of its early one
 GROWTH_FLOOR_BYTES = 1_000_000  # ... plus this, for directories of a few log records
 
 
@@ -142,29 +143,39 @@ def fitted_s(
 def growth(samples: Sequence[tuple[float, float]], after: float, end: float) -> dict[str, Any]:
     """Whether a size over time stays bounded (a directory: log segments, checkpoints).
 
+    A shard back from a kill takes the deltas the islands queued meanwhile into
+    its log at once: its log peaks for a checkpoint or two (twice its usual
+    size in one run) and is cut back. So two halves are compared by their
+    levels (medians), which such peaks do not move and a log that is never cut
+    back does.
+
     Args:
         samples: (time, bytes), any order.
         after: the measured span's start (the run's start + its settling time).
         end: its end.
 
     Returns:
-        dict: peak_first_mb and peak_second_mb (peaks over the two halves of
-        [after, end]), slope_mb_per_10min (least squares over the span), and
-        bounded: peak_second <= GROWTH_TOLERANCE x peak_first + GROWTH_FLOOR_BYTES
-        (None without samples in both halves).
+        dict: level_first_mb and level_second_mb (medians over the two halves of
+        [after, end]), peak_first_mb and peak_second_mb (their peaks),
+        slope_mb_per_10min (least squares over the span), and bounded:
+        level_second <= GROWTH_TOLERANCE x level_first + GROWTH_FLOOR_BYTES (None
+        without samples in both halves).
     """
     mid = (after + end) / 2
-    first = [b for t, b in samples if after <= t < mid]
-    second = [b for t, b in samples if mid <= t <= end]
+    first = sorted(b for t, b in samples if after <= t < mid)
+    second = sorted(b for t, b in samples if mid <= t <= end)
     span = [(t, 0, b) for t, b in samples if after <= t <= end]
     out: dict[str, Any] = {
-        "peak_first_mb": round(max(first) / MB, 3) if first else None,
-        "peak_second_mb": round(max(second) / MB, 3) if second else None,
+        "level_first_mb": round(_median(first) / MB, 3) if first else None,
+        "level_second_mb": round(_median(second) / MB, 3) if second else None,
+        "peak_first_mb": round(first[-1] / MB, 3) if first else None,
+        "peak_second_mb": round(second[-1] / MB, 3) if second else None,
         "slope_mb_per_10min": _round(rss_slope(span, after, end, warm_s=0.0, bucket_s=0.0)),
         "bounded": None,
     }
     if first and second:
-        out["bounded"] = max(second) <= GROWTH_TOLERANCE * max(first) + GROWTH_FLOOR_BYTES
+        limit = GROWTH_TOLERANCE * _median(first) + GROWTH_FLOOR_BYTES
+        out["bounded"] = _median(second) <= limit
     return out
 
 
@@ -233,8 +244,8 @@ def soak_table(runs: Mapping[str, Mapping[str, Any]]) -> str:
 
     Returns:
         One line per daemon and run: RSS slope, processes, last and peak RSS; then
-        one per shard directory: WAL and checkpoint peaks (first / second half) and
-        the most files seen.
+        one per shard directory: WAL and checkpoint levels (first / second half),
+        the WAL's peak, the most files seen and whether both stay bounded.
     """
     lines = [
         f"{'run':<11} {'daemon':<10} {'RSS MB/10min':>12} {'procs':>5} {'last MB':>8} "
@@ -248,14 +259,15 @@ def soak_table(runs: Mapping[str, Mapping[str, Any]]) -> str:
                 f"{r['last_mb'] or 0:>8.1f} {r['peak_mb'] or 0:>8.1f}"
             )
     lines.append(
-        f"{'run':<11} {'shard dir':<10} {'WAL MB 1st/2nd half':>20} {'ckpt MB 1st/2nd':>16} "
-        f"{'segs':>4} {'ckpts':>5} bounded"
+        f"{'run':<11} {'shard dir':<10} {'WAL MB level 1st/2nd':>20} {'peak':>6} "
+        f"{'ckpt MB level':>14} {'segs':>4} {'ckpts':>5} bounded"
     )
     for run, report in runs.items():
         for name, d in report.get("soak", {}).get("dirs", {}).items():
             wal, ckpt = d["wal"], d["checkpoints"]
+            peak = max(wal["peak_first_mb"] or 0.0, wal["peak_second_mb"] or 0.0)
             lines.append(
-                f"{run:<11} {name:<10} {_pair(wal):>20} {_pair(ckpt):>16} "
+                f"{run:<11} {name:<10} {_pair(wal):>20} {peak:>6.2f} {_pair(ckpt):>14} "
                 f"{d['wal_segments_max']:>4} {d['checkpoints_max']:>5} "
                 f"{wal['bounded'] and ckpt['bounded']}"
             )
@@ -263,5 +275,5 @@ def soak_table(runs: Mapping[str, Mapping[str, Any]]) -> str:
 
 
 def _pair(g: Mapping[str, Any]) -> str:
-    a, b = g["peak_first_mb"], g["peak_second_mb"]
+    a, b = g["level_first_mb"], g["level_second_mb"]
     return "-" if a is None or b is None else f"{a:.2f} / {b:.2f}"

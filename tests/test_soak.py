@@ -62,7 +62,16 @@ def test_growth_tells_a_sawtooth_from_a_leak():
     got = soak.growth(saw, after=0.0, end=100.0)
     assert got["bounded"] is True
     assert (got["peak_first_mb"], got["peak_second_mb"]) == (0.9, 0.9)
-    # never cut back: 4.9 MB peak before t = 50, 10 MB after > 1.25 x 4.9 + 1 MB
+    # a shard back from a kill logs the islands' queued deltas at once: a 3-MB peak for
+    # five polls, cut back at the next checkpoint. Levels (medians): over t = 0..49 the
+    # mean of the 25th and 26th of 50 values, (0.4 + 0.5) / 2; over 50..100 the 26th of
+    # 51 values, 0.4 without the peak, 0.5 with it (it replaced 0, .1, .2, .3, .4)
+    assert (got["level_first_mb"], got["level_second_mb"]) == (0.45, 0.4)
+    catch_up = [(t, 3 * MB if 80.0 <= t < 85.0 else b) for t, b in saw]
+    got = soak.growth(catch_up, after=0.0, end=100.0)
+    assert got["bounded"] is True and got["peak_second_mb"] == 3.0
+    assert (got["level_first_mb"], got["level_second_mb"]) == (0.45, 0.5)
+    # never cut back: levels 2.45 MB (t < 50) and 7.5 MB > 1.25 x 2.45 + 1 MB
     leak = [(float(t), t * 0.1 * MB) for t in range(101)]
     got = soak.growth(leak, after=0.0, end=100.0)
     assert got["bounded"] is False
