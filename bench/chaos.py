@@ -20,9 +20,9 @@ own pace, tokens per second over their rounds clear of the faults; kills,
 pauses, back-pressure and rejected work are lost), `lost_island_s` (where the
 rest went: per fault and kind, outside the faults, trained but not credited),
 `uptime` (our step uptime, `bench.analysis.step_uptime`: the share of the
-window in which no fragment stood still past its due step, the quorum's next
-push plus two typical rounds; reads 1 without faults however uneven the
-rounds), `uptime_outside_shard_outages` (the same, leaving out each shard's
+window in which no fragment stood still past its due step, the arrival of
+the quorum's next delta at its shard plus two typical rounds; reads 1 without
+faults however uneven the rounds), `uptime_outside_shard_outages` (the same, leaving out each shard's
 outage, from its kill to its first step after the restart: the uptime the
 island and link faults leave), `uptime_windowed` (the earlier figure: share of
 fixed windows of two fault-free median rounds in which some version advanced),
@@ -35,7 +35,7 @@ whether each shard's log segments and checkpoints stay bounded, from
 `bench.chaos_samplers`). A progress line every 30 s; at the end a text table
 of the soak figures on stderr. Exit 1 if acked != applied.
 
-(About 390 lines: the harness's fault injection and its two runs share the
+(About 450 lines: the harness's fault injection and its two runs share the
 `ChaosRun` state; the pollers are in `bench.chaos_samplers`, the scoring in
 `bench.chaos_score` and `bench.soak`.)
 """
