@@ -15,6 +15,7 @@ process started training), ``round``, ``tokens``, ``steps``, ``bytes_sent``,
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -198,7 +199,11 @@ def uptime(
     end: float,
     exclude: Sequence[tuple[float, float]] = (),
 ) -> float | None:
-    """Share of time windows in which at least one fragment version advanced.
+    """Share of fixed time windows in which at least one fragment version advanced.
+
+    The report's and fidelity's `uptime`, and chaos's `uptime_windowed`. A window
+    shorter than the rounds of a loaded machine reads as downtime though nothing
+    failed; chaos's `uptime` is `step_uptime`, which follows the islands' rounds.
 
     Args:
         timeline: (seconds, sum of every fragment's version) samples, sorted by
@@ -229,6 +234,144 @@ def uptime(
     if not counted:
         return None
     return sum(version_at(b) > version_at(a) for a, b in counted) / len(counted)
+
+
+def typical_round_s(rounds: Sequence[tuple[float, float]], at: float, each_side: int = 10) -> float:
+    """The median length of the rounds that ended nearest a time (the islands' pace then).
+
+    Args:
+        rounds: (end time, seconds) of every island's rounds, sorted by end time.
+        at: the time.
+        each_side: rounds taken on each side of `at`.
+
+    Returns:
+        The median seconds of up to `each_side` rounds ending before `at` and as many
+        after; 0.0 without rounds.
+    """
+    i = bisect.bisect_left(rounds, (at, -math.inf))
+    near = sorted(s for _e, s in rounds[max(0, i - each_side) : i + each_side])
+    if not near:
+        return 0.0
+    mid = len(near) // 2
+    return near[mid] if len(near) % 2 else (near[mid - 1] + near[mid]) / 2
+
+
+def stuck_spans(
+    samples: Sequence[tuple[float, int | None]],
+    pushes: Mapping[str, Sequence[float]],
+    rounds: Sequence[tuple[float, float]],
+    quorum: int = 1,
+    slack_rounds: float = 2.0,
+) -> list[tuple[float, float]]:
+    """When one fragment stood still although the islands' pushes should have moved it.
+
+    After each advance of the fragment's version, its next step is due once
+    deltas of `quorum` islands reached its shard, plus `slack_rounds` typical
+    rounds (`typical_round_s`) for the merge rule's grace window, the step and
+    the machine's noise. The fragment is stuck from then until the last sample
+    before its next observed advance (the advance happened after that sample:
+    the span is never longer than the real one). Islands that push nothing
+    (paused, killed, blocked, or skipping while their last delta is unmerged)
+    make no step due: an island's fault does not count here, the servers' do.
+
+    Args:
+        samples: (time, version) polls of the fragment, sorted by time; version None
+            when its shard did not answer (not advanced then).
+        pushes: island -> sorted times its pushes of this fragment reached the shard
+            (each delta's first arrival).
+        rounds: (end time, seconds) of every island's rounds, sorted (their pace).
+        quorum: islands whose deltas a step needs (1 in async mode).
+        slack_rounds: typical rounds allowed between the quorum's push and the step.
+
+    Returns:
+        Sorted, disjoint (from, to) spans.
+    """
+    times = [list(ts) for ts in pushes.values()]
+
+    def due(after: float) -> float:
+        firsts = sorted(ts[i] for ts in times if (i := bisect.bisect_right(ts, after)) < len(ts))
+        if len(firsts) < quorum:
+            return math.inf
+        return firsts[quorum - 1] + slack_rounds * typical_round_s(rounds, after)
+
+    spans: list[tuple[float, float]] = []
+    known: int | None = None
+    last_advance = prev_t = None
+    for t, version in samples:
+        if version is not None and known is not None and version > known:
+            if last_advance is not None and prev_t is not None and prev_t > due(last_advance):
+                spans.append((due(last_advance), prev_t))
+            last_advance = t
+        if version is not None:
+            known = version if known is None else max(known, version)
+        if last_advance is None:
+            last_advance = t
+        prev_t = t
+    if last_advance is not None and prev_t is not None and prev_t > due(last_advance):
+        spans.append((due(last_advance), prev_t))
+    return spans
+
+
+def _union(spans: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[tuple[float, float]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        elif b > a:
+            out.append((a, b))
+    return out
+
+
+def _overlap(spans: Sequence[tuple[float, float]], start: float, end: float) -> float:
+    return sum(max(0.0, min(b, end) - max(a, start)) for a, b in spans)
+
+
+def step_uptime(
+    fragments: Mapping[Any, Sequence[tuple[float, int | None]]],
+    pushes: Mapping[Any, Mapping[str, Sequence[float]]],
+    rounds: Sequence[tuple[float, float]],
+    start: float,
+    end: float,
+    quorum: int = 1,
+    exclude: Sequence[tuple[float, float]] = (),
+    slack_rounds: float = 2.0,
+) -> float | None:
+    """Share of [start, end] in which no fragment was stuck (`stuck_spans`): our step uptime.
+
+    Downtime is the time by which some fragment's version stood still beyond
+    its due step (the quorum's next delta plus `slack_rounds` typical rounds),
+    so uneven rounds on a loaded machine cost nothing, and a shard that is
+    down while the islands keep pushing costs its outage less that allowance.
+
+    Args:
+        fragments: fragment -> its (time, version or None) polls, sorted by time.
+        pushes: fragment -> island -> sorted arrival times of its deltas.
+        rounds: (end time, seconds) of every island's rounds, sorted.
+        start: the measured span's start (same clock).
+        end: its end.
+        quorum: islands whose deltas a step needs.
+        exclude: (from, to) spans left out of both the downtime and the span
+            (e.g. shard outages, to judge the island and link faults alone).
+        slack_rounds: see `stuck_spans`.
+
+    Returns:
+        1 - downtime / counted time, in [0, 1]; None without samples, pushes or counted time.
+    """
+    if not fragments or not pushes or end <= start:
+        return None
+    gaps = _union(
+        [
+            span
+            for f, samples in fragments.items()
+            for span in stuck_spans(samples, pushes.get(f, {}), rounds, quorum, slack_rounds)
+        ]
+    )
+    left_out = _union([(max(a, start), min(b, end)) for a, b in exclude if b > start and a < end])
+    counted = (end - start) - _overlap(left_out, start, end)
+    if counted <= 0:
+        return None
+    down = _overlap(gaps, start, end) - sum(_overlap(gaps, a, b) for a, b in left_out)
+    return max(0.0, 1.0 - down / counted)
 
 
 def mean(values: Sequence[float]) -> float | None:

@@ -11,22 +11,33 @@ SIGCONT an island) and by the relay (cut or slow an island's link; drop,
 duplicate, delay or corrupt its pushes and acks). Both runs train for the
 same wall time; the fault-free run uses the same seed and an empty schedule.
 
-Reported per run (JSON on stdout and in DIR/chaos.json): `goodput` (the share
-of the islands' time spent on inner steps whose work entered the model: the
-tokens the shards credit after the final merges, staleness not counted / what
-the islands would have trained in the window at their own median round rate;
-kills, pauses, back-pressure and rejected work are lost; machine-speed independent),
-`uptime` (share of windows in which some fragment version advanced),
-`uptime_outside_shard_outages` (the same, leaving out the windows of a shard's
+Reported per run (JSON on stdout and in DIR/chaos.json; `bench.chaos_score`
+computes it): `goodput` (the share of the islands' time spent on inner steps
+whose work entered the model: the tokens the shards credit after the final
+merges, staleness not counted, less what was trained before the window / what
+the islands would have trained from the window's start to their stop at their
+own pace, tokens per second over their rounds clear of the faults; kills,
+pauses, back-pressure and rejected work are lost), `lost_island_s` (where the
+rest went: per fault and kind, outside the faults, trained but not credited),
+`uptime` (our step uptime, `bench.analysis.step_uptime`: the share of the
+window in which no fragment stood still past its due step, the arrival of
+the quorum's next delta at its shard plus two typical rounds; reads 1 without
+faults however uneven the rounds), `uptime_outside_shard_outages` (the same, leaving out each shard's
 outage, from its kill to its first step after the restart: the uptime the
-island and link faults leave),
+island and link faults leave), `uptime_windowed` (the earlier figure: share of
+fixed windows of two fault-free median rounds in which some version advanced),
 `deltas_acked` (unique keys the shards acked, seen by the relay),
 `deltas_applied` (the shards' durable accepted count: merged or pending),
 `final_eval_loss` (held-out loss of the final global parameters), recovery
-time per fault, and the faults that fired. Exit 1 if acked != applied.
+time per fault, the faults that fired, and `soak` (`bench.soak`: each shard's
+and island's RSS slope in MB per 10 minutes after the first 10 minutes, and
+whether each shard's log segments and checkpoints stay bounded, from
+`bench.chaos_samplers`). A progress line every 30 s; at the end a text table
+of the soak figures on stderr. Exit 1 if acked != applied.
 
-(About 420 lines: the harness's fault injection, its version sampler and its
-two runs share the `ChaosRun` state; the scoring is apart, in `bench.chaos_score`.)
+(About 450 lines: the harness's fault injection and its two runs share the
+`ChaosRun` state; the pollers are in `bench.chaos_samplers`, the scoring in
+`bench.chaos_score` and `bench.soak`.)
 """
 
 from __future__ import annotations
@@ -46,13 +57,15 @@ from typing import Any
 
 import zmq
 
-from bench import chaos_score, child, outdir
+from bench import chaos_score, child, outdir, soak
 from bench import faults as fl
+from bench.chaos_samplers import ResourceSampler, VersionSampler
 from bench.common import emit_json
 from bench.launcher import IslandSpec, LaunchError, LocalCluster, free_base_port
 from paramserver.plumbing import daemon, probe
 
-SAMPLE_S = 0.25
+PROGRESS_S = 30.0  # a progress line this often while a run trains
+WARM_ROUNDS = 5  # rounds every island ends after the shards' first steps, before the window
 
 
 @dataclass(frozen=True)
@@ -67,6 +80,12 @@ class Setup:
     batch_size: int = 8
     seq_len: int = 64
     heartbeat_s: float = 0.5
+    # The islands' buffer of unacked deltas, sized to this bench's time scale: its rounds
+    # last ~0.3 s, so the default 16 (4 rounds of 4 fragments) runs out 1.2 s into a
+    # shard's outage (detected after 5 beats = 2.5 s, restarted after 4 s) and the island
+    # stops training; 64 is 16 rounds, ~5 s. A deployment sizes it to its own outages in
+    # rounds: 16 deltas there are 4 rounds of minutes each.
+    max_unacked: int = 64
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -110,53 +129,6 @@ def server_settings(setup: Setup) -> dict[str, Any]:
     }
 
 
-class VersionSampler(threading.Thread):
-    """Polls every shard's versions; keeps (time, shard, version sum) samples."""
-
-    def __init__(self, routers: list[str]) -> None:
-        """Args:
-        routers: every shard's loopback ROUTER, in shard order.
-        """
-        super().__init__(name="version-sampler", daemon=True)
-        self.routers = routers
-        self.samples: list[tuple[float, int, int]] = []
-        self.stop_event = threading.Event()
-
-    def run(self) -> None:
-        """Sample until `stop_event` is set (a shard that does not answer keeps its last value)."""
-        ctx = zmq.Context()
-        try:
-            while not self.stop_event.is_set():
-                for i, router in enumerate(self.routers):
-                    with contextlib.suppress(probe.ProbeError):
-                        st = probe.shard_status(ctx, router, timeout_s=0.3)
-                        total = sum(int(v) for v in st.get("versions", {}).values())
-                        self.samples.append((time.time(), i, total))
-                self.stop_event.wait(SAMPLE_S)
-        finally:
-            ctx.destroy(linger=0)
-
-    def timeline(self) -> list[tuple[float, int]]:
-        """(time, sum over shards of the latest known version sum), one point per sample."""
-        last: dict[int, int] = {}
-        out = []
-        for t, shard, total in self.samples:
-            last[shard] = max(total, last.get(shard, 0))
-            out.append((t, sum(last.values())))
-        return out
-
-    def advances(self, shard: int) -> list[float]:
-        """Times at which `shard`'s version sum grew."""
-        prev, out = None, []
-        for t, s, total in self.samples:
-            if s != shard:
-                continue
-            if prev is not None and total > prev:
-                out.append(t)
-            prev = total if prev is None else max(prev, total)
-        return out
-
-
 class ChaosRun:
     """One run: cluster up, faults executed on time, everything down, figures out."""
 
@@ -181,6 +153,7 @@ class ChaosRun:
         self.t0_file = self.out / "t0"  # the measured window's start, for the relay
         self.events: list[dict[str, Any]] = []
         self._restarts: list[threading.Thread] = []
+        self._spawned: list[subprocess.Popen] = []  # restarted daemons: reaped at the end
         self._relay: child.Child | None = None
 
     # -- processes -----------------------------------------------------------------
@@ -195,6 +168,7 @@ class ChaosRun:
                 "--seq-len", str(s.seq_len), "--inner-steps", str(s.inner_steps),
                 "--eval-every", "0", "--seed", str(self.seed), "--flush-timeout-s", "5",
                 "--heartbeat-interval-s", str(s.heartbeat_s), "--start-file", str(self.start_file),
+                "--max-unacked", str(s.max_unacked),
             ),
         )  # fmt: skip
 
@@ -232,13 +206,28 @@ class ChaosRun:
         thread.start()
         self._restarts.append(thread)
 
-    def _restart_island(self, name: str) -> None:
-        self.cluster.start_islands([self._spec(name)])
+    def _respawn(self, argv: list[str], directory: Path, name: str) -> None:
+        """Start a killed daemon again as a supervisor would: its foreground command, in
+        the background (`daemon.spawn`), without the `--detach` parent, whose own imports
+        (~2 s, more under load) would count as the daemon's restart time."""
+        self._spawned.append(
+            daemon.spawn(
+                [a for a in argv if a != "--detach"],
+                daemon.log_path(directory),
+                directory / "ready.json",
+            )
+        )
         self.events.append({"restarted": name, "t": time.time()})
 
+    def _restart_island(self, name: str) -> None:
+        self._respawn(
+            self.cluster.island_argv(self._spec(name)), self.cluster.island_dir(name), name
+        )
+
     def _restart_shard(self, i: int) -> None:
-        self.cluster.start_shard(i)
-        self.events.append({"restarted": f"shard-{i}", "t": time.time()})
+        argv = [sys.executable, "-m", "paramserver.server.cli", "start",
+                "--cluster", str(self.cluster.cluster_file), "--shard", str(i)]  # fmt: skip
+        self._respawn(argv, self.cluster.shard_dir(i), f"shard-{i}")
 
     def _inject(self, fault: fl.Fault) -> bool:
         """Execute a harness fault now; returns whether it fired."""
@@ -266,12 +255,18 @@ class ChaosRun:
     def run(self) -> dict[str, Any]:
         """Run it; returns the raw material for `summarize`."""
         s = self.setup
+        settings = server_settings(s)
         self.cluster.write_relayed_cluster_file(
-            self.out / "cluster.toml", server_settings(s), "127.0.0.1", self.relay_base, False
+            self.out / "cluster.toml", settings, "127.0.0.1", self.relay_base, False
         )
         relay_stats = self.out / "relay.json"
         sampler = VersionSampler(
             [f"tcp://127.0.0.1:{self.bind_base + 2 * i}" for i in range(s.shards)]
+        )
+        shard_dirs = {f"shard-{i}": self.cluster.shard_dir(i) for i in range(s.shards)}
+        resources = ResourceSampler(
+            lambda: {**shard_dirs, **{n: self.cluster.island_dir(n) for n in self.islands}},
+            shard_dirs,
         )
         fired: dict[str, bool] = {}
         final_status: list[dict[str, Any]] = []
@@ -283,8 +278,9 @@ class ChaosRun:
             _log(f"{self.name}: starting {s.islands} islands")
             self.cluster.start_islands([self._spec(n) for n in self.islands])
             sampler.start()
+            resources.start()
             self.start_file.touch()
-            self._wait_warm()  # the first round compiles the train step: not measured
+            self._wait_warm(sampler)  # compiles and first steps: not measured
             t0 = time.time()
             tmp = self.t0_file.with_suffix(".tmp")
             tmp.write_text(f"{t0:.6f}")
@@ -293,52 +289,100 @@ class ChaosRun:
             pending = sorted(
                 (f for f in self.faults if f.kind in fl.HARNESS_KINDS), key=lambda f: f.at_s
             )
+            next_progress = PROGRESS_S
             while (now := time.time() - t0) < s.duration_s:
                 while pending and pending[0].at_s <= now:
                     fault = pending.pop(0)
                     fired[f"{fault.kind}@{fault.at_s}"] = self._inject(fault)
                     _log(f"{self.name}: t={now:.1f}s {fault.kind} {fault.target}")
+                if now >= next_progress:
+                    next_progress += PROGRESS_S
+                    self._progress(now, sampler, resources)
                 time.sleep(0.05)
             for thread in self._restarts:
                 thread.join(180)
             stopped = time.time()
             self._stop_islands()
-            sampler.stop_event.set()
-            sampler.join(5)
+            for poller in (sampler, resources):
+                poller.stop_event.set()
+                poller.join(10)
             # the final eval waits until every acked delta is merged: status after it
             loss = self._final_loss()  # through the relay: the welcome lists its addresses
             final_status = self._final_status()
             self._stop_relay()
         finally:
             sampler.stop_event.set()
+            resources.stop_event.set()
             self._stop_islands()
             self._stop_relay()
             self.cluster.stop()
+            for proc in self._spawned:  # stopped through their pid files above: reap them
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=10)
         relay = json.loads(relay_stats.read_text()) if relay_stats.exists() else {}
         return {
             "t0": t0,
             "stopped": stopped,
+            "settings": settings,
             "fired_harness": fired,
             "events": self.events,
             "relay": relay,
             "status": final_status,
             "timeline": sampler.timeline(),
+            "fragments": sampler.fragments(),
             "advances": {i: sampler.advances(i) for i in range(s.shards)},
             "rows": {n: self.cluster.island_metrics(n) for n in self.islands},
+            "resources": resources.raw(),
             "final_eval_loss": loss,
         }
 
-    def _wait_warm(self, timeout_s: float = 240.0) -> None:
-        """Wait until every island finished its first round (JIT compile included)."""
+    def _progress(self, now: float, sampler: VersionSampler, resources: ResourceSampler) -> None:
+        """One progress line: time, faults so far, the model's version, each daemon's RSS."""
+        done = sum(1 for f in self.faults if f.at_s <= now)
+        timeline = sampler.timeline()
+        version = timeline[-1][1] if timeline else 0
+        rss = " ".join(f"{n}={mb:g}MB" for n, mb in sorted(resources.latest_mb().items()))
+        _log(
+            f"{self.name}: t={now:.0f}/{self.setup.duration_s:g}s faults {done}/"
+            f"{len(self.faults)} version sum {version} rss {rss}"
+        )
+
+    def _wait_warm(self, sampler: VersionSampler, timeout_s: float = 240.0) -> None:
+        """Wait until the cluster is warm: not measured.
+
+        Every island's first round compiles its train step; the shards compile
+        their step at their first one and the islands their fold and exchange
+        at the first update: rounds of the first seconds after that took up to
+        20x the usual time. So: every island finished a round, every fragment
+        stepped twice, then every island ended WARM_ROUNDS more rounds.
+        """
         deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if all(
-                any(r.get("round", 0) >= 1 for r in self.cluster.island_metrics(n))
+
+        def rounds() -> dict[str, int]:
+            return {
+                n: max((r.get("round", 0) for r in self.cluster.island_metrics(n)), default=0)
                 for n in self.islands
-            ):
-                return
-            time.sleep(0.2)
-        raise LaunchError(f"islands did not finish a first round within {timeout_s:g}s")
+            }
+
+        def stepped() -> bool:
+            parts = sampler.fragments()
+            return bool(parts) and all(
+                max((v for _t, v in p if v is not None), default=0) >= 2 for p in parts.values()
+            )
+
+        def wait(what: str, ready) -> None:
+            while not ready():
+                if time.monotonic() > deadline:
+                    raise LaunchError(f"{what} within {timeout_s:g}s")
+                time.sleep(0.2)
+
+        wait("islands did not finish a first round", lambda: min(rounds().values()) >= 1)
+        wait("fragments did not step twice", stepped)
+        then = rounds()
+        wait(
+            "islands stopped ending rounds",
+            lambda: all(r >= then[n] + WARM_ROUNDS for n, r in rounds().items()),
+        )
 
     def _stop_islands(self) -> None:
         threads = [
@@ -399,29 +443,9 @@ def run(args: argparse.Namespace) -> int:
         return 1
     for name, raw in (("fault_free", raw_free), ("faulted", raw_chaos)):
         (out / name / "raw.json").write_text(json.dumps(raw, default=str))
-    window = chaos_score.round_window(raw_free["rows"])
-    free = chaos_score.summarize(raw_free, [], setup, window)
-    chaos = chaos_score.summarize(raw_chaos, schedule, setup, window)
-    loss_ratio = (
-        chaos["final_eval_loss"] / free["final_eval_loss"]
-        if chaos["final_eval_loss"] and free["final_eval_loss"]
-        else None
-    )
-    report = {
-        "seed": args.seed,
-        "quick": bool(args.quick),
-        "setup": setup.__dict__,
-        "uptime_window_s": window,
-        "schedule": [f.to_json() for f in schedule],
-        "runs": {"fault_free": free, "faulted": chaos},
-        "final_loss_ratio": loss_ratio,
-        "targets": {
-            "uptime_1_with_island_faults": chaos["uptime_outside_shard_outages"],
-            "acked_equals_applied": free["acked_equals_applied"] and chaos["acked_equals_applied"],
-            "goodput_at_least_0.9": (chaos["goodput"] or 0) >= 0.9,
-            "final_loss_within_1pct": loss_ratio is not None and loss_ratio <= 1.01,
-        },
-    }
+    report = chaos_score.report(raw_free, raw_chaos, schedule, setup)
+    report.update(seed=args.seed, quick=bool(args.quick))
     (out / "chaos.json").write_text(json.dumps(report, indent=2))
+    _log("soak figures (RSS per daemon, shard directories):\n" + soak.soak_table(report["runs"]))
     emit_json(report)
     return 0 if report["targets"]["acked_equals_applied"] else 1

@@ -90,6 +90,68 @@ def test_uptime_outside_excluded_spans():
     assert analysis.uptime(timeline, 2.0, 0.0, 8.0, exclude=[(-1.0, 9.0)]) is None
 
 
+# Step uptime. Islands "a" and "b" with uneven rounds (0.5 to 2 s, as on a loaded machine);
+# each round end pushes the fragment, which then steps before the next poll.
+UNEVEN = {"a": [(1.0, 1.0), (3.0, 2.0)], "b": [(1.5, 1.5), (2.0, 0.5)]}
+UNEVEN_ROUNDS = sorted(UNEVEN["a"] + UNEVEN["b"])
+UNEVEN_PUSHES = {"a": [1.0, 3.0], "b": [1.5, 2.0]}
+UNEVEN_POLLS = [(0.5, 0), (1.2, 1), (1.7, 2), (2.2, 3), (2.9, 3), (3.2, 4), (4.0, 4)]
+
+
+@pytest.mark.timeout(10)
+def test_step_uptime_of_uneven_fault_free_rounds_is_one():
+    # typical round: median of 0.5, 1.0, 1.5, 2.0 = 1.25 s; a step is due 2 x 1.25 s after
+    # the next push. Each advance follows a push within one poll: nothing stuck.
+    assert analysis.typical_round_s(UNEVEN_ROUNDS, 2.0) == 1.25
+    assert analysis.stuck_spans(UNEVEN_POLLS, UNEVEN_PUSHES, UNEVEN_ROUNDS) == []
+    polls = {0: UNEVEN_POLLS, 1: UNEVEN_POLLS}
+    pushes = {0: UNEVEN_PUSHES, 1: UNEVEN_PUSHES}
+    assert analysis.step_uptime(polls, pushes, UNEVEN_ROUNDS, 0.5, 4.0) == 1.0
+    # the old fixed-window uptime reads these same uneven steps as downtime
+    assert analysis.uptime(UNEVEN_POLLS, 0.5, 0.5, 4.0) == pytest.approx(4 / 7)
+
+
+def _polls(down=None):
+    """Polls every 0.5 s over [0, 20): version = pushes (a at 1, 2, .., b at 1.5, 2.5, ..)
+    before t - 0.1; within `down` = (from, to) the shard does not answer (None)."""
+    ends = [float(k) for k in range(1, 21)] + [k + 0.5 for k in range(1, 20)]
+    out = []
+    for i in range(40):
+        t = i * 0.5
+        answered = not down or not down[0] <= t < down[1]
+        out.append((t, sum(e <= t - 0.1 for e in ends) if answered else None))
+    return out
+
+
+STEADY = {"a": [float(k) for k in range(1, 21)], "b": [k + 0.5 for k in range(1, 20)]}
+STEADY_ROUNDS = sorted((e, 1.0) for ends in STEADY.values() for e in ends)
+
+
+@pytest.mark.timeout(10)
+def test_step_uptime_falls_by_a_shard_outage_less_the_allowance():
+    up_shard, down_shard = _polls(), _polls(down=(8.0, 13.0))
+    # fragment 1's shard is down over [8, 13) while both islands keep pushing every 1 s
+    # (0.5 s apart). Its last advance before the outage is seen at 7.5; the next push is
+    # a's at 8.0, so its step is due at 8.0 + 2 x 1.0 (typical round) = 10.0. The next
+    # advance is seen at 13.0, so it was stuck at least until the poll before, 12.5:
+    # (10.0, 12.5), 2.5 s of the 5-s outage (less the 2-s allowance and the 0.5-s poll).
+    assert analysis.stuck_spans(up_shard, STEADY, STEADY_ROUNDS) == []
+    assert analysis.stuck_spans(down_shard, STEADY, STEADY_ROUNDS) == [(10.0, 12.5)]
+    polls, pushes = {0: up_shard, 1: down_shard}, {0: STEADY, 1: STEADY}
+    up = analysis.step_uptime(polls, pushes, STEADY_ROUNDS, 0.0, 20.0)
+    assert up == pytest.approx(1 - 2.5 / 20)
+    # left out, the outage costs nothing: 20 - 5 counted seconds, none stuck
+    out = [(8.0, 13.0)]
+    assert analysis.step_uptime(polls, pushes, STEADY_ROUNDS, 0.0, 20.0, exclude=out) == 1.0
+    # a quorum of 2 makes the step due at b's next push (8.5) + 2.0: stuck (10.5, 12.5)
+    assert analysis.stuck_spans(down_shard, STEADY, STEADY_ROUNDS, quorum=2) == [(10.5, 12.5)]
+    # islands that stopped pushing make no step due: their fault is not the servers'
+    silent = {"a": STEADY["a"][:7], "b": STEADY["b"][:6]}  # last pushes at 7.0 and 6.5
+    assert analysis.stuck_spans(down_shard, silent, STEADY_ROUNDS) == []
+    assert analysis.step_uptime({}, pushes, STEADY_ROUNDS, 0.0, 20.0) is None
+    assert analysis.step_uptime(polls, {}, STEADY_ROUNDS, 0.0, 20.0) is None
+
+
 def record(method, finals, islands, curve=(), **extra):
     return {
         "method": method,

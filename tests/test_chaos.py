@@ -38,8 +38,21 @@ def test_quick_chaos_run_loses_nothing_acked_and_every_fault_fires(tmp_path):
     report = json.loads(proc.stdout)
     assert [f["kind"] for f in report["schedule"]] == KINDS.split(",")
     for name, run in report["runs"].items():
-        for field in ("goodput", "uptime", "deltas_acked", "deltas_applied", "final_eval_loss"):
+        for field in (
+            "goodput",
+            "uptime",
+            "uptime_outside_shard_outages",
+            "uptime_windowed",
+            "deltas_acked",
+            "deltas_applied",
+            "final_eval_loss",
+            "lost_island_s",
+        ):
             assert field in run, (name, field)
+        # the soak figures: every daemon's RSS and both shards' directories were sampled
+        assert set(run["soak"]["rss"]) == {"shard-0", "shard-1", "island-0", "island-1"}, name
+        assert set(run["soak"]["dirs"]) == {"shard-0", "shard-1"}, name
+        assert all(d["checkpoints_max"] >= 1 for d in run["soak"]["dirs"].values()), name
         assert run["deltas_acked"] > 0, name
         assert run["deltas_acked"] == run["deltas_applied"], (name, run)
         assert run["final_eval_loss"] is not None, (name, run["errors"])

@@ -133,3 +133,35 @@ def test_an_island_whose_deltas_are_all_rejected_has_goodput_zero(relayed, tmp_p
     else:
         assert final["acked"] == final["pushes"] and final["goodput"] > 0
         assert final["credited_tokens"] > 0
+
+
+def test_a_replaced_connection_takes_what_it_queued_along(tmp_path, peer):
+    # the shard is down; island "a" says hello on a connection, then reconnects (a fresh
+    # DEALER, as the client does) and says hello again. Both wait in the relay's backends;
+    # once the shard is up, only the new connection's hello may reach it (the old one died
+    # with its TCP connection), else the shard binds "a" to a dead connection.
+    base = free_port(3)
+    router, pub, front = (f"tcp://127.0.0.1:{base + i}" for i in range(3))
+    relay = Relay([(front, router)], [], tmp_path / "t0", seed=0)
+    stop = threading.Event()
+    thread = threading.Thread(target=relay.serve, args=(stop,), daemon=True)
+    thread.start()
+    shard = None
+    try:
+        old, new = peer(front, "a"), peer(front, "a")
+        old.send({"kind": "hello", "island": "a"})
+        wait_for(lambda: len(relay.island_of) == 1, "the old connection's hello at the relay")
+        rid = new.send({"kind": "hello", "island": "a"})
+        wait_for(lambda: len(relay.island_of) == 2, "the new connection's hello at the relay")
+        cfg = ShardConfig(data_dir=str(tmp_path / "server"), fsync=False, heartbeat_interval_s=5.0)
+        shard = RunningShard(ShardServer(cfg, 0, [(front, pub)], router, pub))
+        reply, _ = new.recv()
+        assert (reply["kind"], reply["id"]) == ("welcome", rid)
+        assert not old.sock.poll(1000), "the replaced connection's hello reached the shard"
+        assert len(relay.closed) == 1
+    finally:
+        stop.set()
+        thread.join(10)
+        relay.close()
+        if shard is not None:
+            shard.stop()

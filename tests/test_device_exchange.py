@@ -209,3 +209,40 @@ def test_streamed_pushes_of_some_fragments_equal_the_codecs_and_leave_the_others
         got = dev.encode(layout.leaves({k: jnp.asarray(v) for k, v in local.items()}), due, True)
         want = ref.push(local, due)
         assert sorted(got) == due and all(_same_frames(got[i], want[i]) for i in due)
+
+
+def test_any_set_of_fragments_runs_on_one_of_few_compiled_functions():
+    # 3 fragments: every set of them pushed and folded (as skipped pushes and updates that
+    # arrive apart make them under faults) needs the push of all or of one (4 functions,
+    # not 7), the whole fold and per fragment its codes and its values fold (7, not 26+);
+    # each new one compiles in the middle of a round
+    rng = np.random.default_rng(5)
+    start, plan, layout, dev, ref = _both(rng, 1, "int8", 64)
+    local = {k: np.asarray(v) for k, v in start.items()}
+    downlink = codec.int8(block_size=64)
+    sets = [[0], [1], [2], [0, 1], [0, 2], [1, 2], [0, 1, 2]]
+    for due in sets:
+        local = {k: (v + rng.normal(size=v.shape) * 0.01).astype(v.dtype) for k, v in local.items()}
+        got = dev.encode(layout.leaves({k: jnp.asarray(v) for k, v in local.items()}), due, True)
+        want = ref.push(local, due)
+        assert all(_same_frames(got[i], want[i]) for i in due)
+    for due in sets:
+        updates = []
+        for f in due:
+            if f == 2:  # full values for fragment 2, codes for the others
+                updates.append(
+                    Update(f, dev.versions[f] + 1, (ref.base[f] + 0.5).astype(np.float32))
+                )
+                continue
+            frames, _ = downlink.encode(
+                {"values": np.full(plan.fragments[f].size, 0.1, np.float32)}
+            )
+            target = ref.base[f] + codec.decode(frames)["values"]
+            updates.append(Update(f, dev.versions[f] + 1, target, read_codes(frames, "values")))
+        folded = dev.fold(layout.leaves({k: jnp.asarray(v) for k, v in local.items()}), updates)
+        for u in updates:
+            local = ref.fold(local, u.fragment, u.values)
+        for name, leaf in zip(layout.names, folded, strict=True):
+            assert np.array_equal(np.asarray(leaf), local[name]), name
+    assert len(dev._pushes) == 3 + 1
+    assert len(dev._folds) <= 2 * 3 + 1

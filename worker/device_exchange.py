@@ -29,6 +29,15 @@ a push is one gather, one reduction and one elementwise pass.
 Every process of a multi-process island runs the same calls (SPMD); codes and
 scales come out replicated, so process 0 reads them from its own devices and
 only they travel between processes. Nothing here names a device type.
+
+One compiled function per set of fragments would be 2^P - 1 pushes and more
+folds, each compiled (or read from the cache) the first time its set comes
+up; sets other than all fragments come up when pushes are skipped or updates
+arrive apart, i.e. under faults: a chaos run's islands compiled ~35 of them
+mid-run, a third of a second each. So a push of some but not all fragments,
+and a fold that is not the whole increment one, run as one call per
+fragment: P + 1 pushes, the whole fold and two folds per fragment (codes or
+values), with the same results (every step is per element or per block).
 """
 
 from __future__ import annotations
@@ -168,6 +177,11 @@ class DeviceExchange:
             fragment -> codec frames (`Codec.encode`'s for the same delta and state).
         """
         key = tuple(sorted(fragments))
+        if 1 < len(key) < len(self.flat.offset):  # some, not all: one call each (module docstring)
+            out: dict[int, list] = {}
+            for f in key:
+                out.update(self.encode(leaves, [f], leader))
+            return out
         used = self.flat.leaves_of(key)
         fn = self._pushes.get(key) or self._pushes.setdefault(key, self._push_fn(key, used))
         self.anchor, self.residual, codes, scales = fn(
@@ -238,6 +252,10 @@ class DeviceExchange:
         whole = self._whole_increment(updates)
         if whole is not None:
             return self._fold_whole(leaves, updates, *whole)
+        if len(updates) > 1:  # not the whole increment: one call each (module docstring)
+            for u in sorted(updates, key=lambda u: u.fragment):
+                leaves = self.fold(leaves, [u])
+            return leaves
         key, incoming = [], []
         for u in sorted(updates, key=lambda u: u.fragment):
             coded = self.usable_increment(u)

@@ -2,7 +2,10 @@
 
 For each shard it binds a ROUTER where islands connect (the address the
 cluster file advertises) and opens one DEALER to the shard's real ROUTER per
-island connection, so the shard sees each island as its own peer. During a
+island connection, so the shard sees each island as its own peer; when an
+island shows up on a new connection (a reconnect, a restart) the DEALERs of
+its older ones are closed with what they still queue, as their TCP
+connections were. During a
 fault's window (`bench.faults`: cut_link, slow_link, drop, duplicate, delay,
 corrupt) it drops, holds, duplicates or corrupts (one payload byte flipped:
 the shard's codec checksum must catch it) the target island's messages, both
@@ -11,8 +14,8 @@ do not pass through it (islands subscribe to the shards' PUB directly).
 
 It also records every ack the shards send (`acked_by_shard`), every ack
 that reached an island (`acked_delivered`), with times, the tokens of every
-push key, and how often each fault fired; on SIGTERM it writes them as JSON
-to `--stats`.
+push key, when each push key first went on to its shard (`pushed`), and how
+often each fault fired; on SIGTERM it writes them as JSON to `--stats`.
 
     python -m bench.children.chaos_relay --pair LISTEN=TARGET [--pair ...] --schedule FILE
         --start-file FILE --seed S --stats FILE
@@ -93,6 +96,7 @@ class Relay:
         self.fronts: list[zmq.Socket] = []
         self.targets = [t for _, t in pairs]
         self.backends: dict[tuple[int, bytes], zmq.Socket] = {}
+        self.closed: set[tuple[int, bytes]] = set()  # connections an island replaced
         self.owner: dict[zmq.Socket, tuple[int, bytes]] = {}
         self.island_of: dict[tuple[int, bytes], str] = {}
         self.poller = zmq.Poller()
@@ -103,6 +107,7 @@ class Relay:
         self.acked_delivered: list[list[Any]] = []
         self.forwarded = 0
         self.tokens: dict[tuple[str, Any, Any], Any] = {}
+        self.pushed: dict[tuple[str, Any, Any], float] = {}
         for listen, _ in pairs:
             sock = self.ctx.socket(zmq.ROUTER)
             sock.setsockopt(zmq.LINGER, 0)
@@ -170,8 +175,14 @@ class Relay:
         return sock
 
     def _emit(self, direction: str, shard: int, ident: bytes, frames: list[bytes]) -> None:
+        if (shard, ident) in self.closed:
+            return  # held while its connection was replaced
         if direction == "up":
             self._backend(shard, ident).send_multipart(frames)
+            h = _header(frames)
+            if h.get("kind") == "push":  # when each delta first went on to its shard
+                key = (str(h.get("island")), h.get("fragment"), h.get("round"))
+                self.pushed.setdefault(key, time.time())
         else:
             self.fronts[shard].send_multipart([ident, *frames])
             h = _header(frames)
@@ -180,9 +191,34 @@ class Relay:
                 self.acked_delivered.append([island, h["fragment"], h["round"], time.time()])
         self.forwarded += 1
 
+    def _new_connection(self, shard: int, ident: bytes, island: str) -> None:
+        """An island speaks on a new connection to a shard: its older ones are gone.
+
+        A client reconnects with a fresh DEALER, and a restarted island is a new
+        peer; their old TCP connections closed, and what they still queued died
+        with them. Here the old backends would live on and, once a killed shard
+        is back, deliver their stale hellos after the new one (the shard would
+        bind the island to a dead connection and refuse its pushes
+        `island_in_use`): close them, dropping what they queue.
+        """
+        for key in [
+            k
+            for k, name in self.island_of.items()
+            if name == island and k[0] == shard and k != (shard, ident) and k in self.backends
+        ]:
+            sock = self.backends.pop(key)
+            del self.owner[sock]
+            self.poller.unregister(sock)
+            sock.close(linger=0)
+            self.closed.add(key)
+
     def _route(self, direction: str, shard: int, ident: bytes, frames: list[bytes]) -> None:
+        if direction == "up" and (shard, ident) in self.closed:
+            return  # a late message of a connection the island has replaced
         h = _header(frames)
         if direction == "up" and isinstance(h.get("island"), str):
+            if self.island_of.get((shard, ident)) != h["island"]:
+                self._new_connection(shard, ident, h["island"])
             self.island_of[(shard, ident)] = h["island"]
             if h.get("kind") == "push":
                 key = (h["island"], h.get("fragment"), h.get("round"))
@@ -243,6 +279,7 @@ class Relay:
             "acked_by_shard": self.acked_by_shard,
             "acked_delivered": self.acked_delivered,
             "tokens": [[*key, n] for key, n in self.tokens.items()],
+            "pushed": [[*key, t] for key, t in self.pushed.items()],
         }
 
     def close(self) -> None:
