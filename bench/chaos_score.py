@@ -8,12 +8,15 @@ Goodput is the share of the islands' time spent on inner steps whose work
 entered the model (`worker.goodput`): the tokens the shards credited after the
 final merges (staleness not counted), less what the islands trained before the
 measured window, over what they could have trained from the window's start
-to their stop at their own pace (`Pace`: tokens per second of their rounds in
-the window clear of every fault span, a fault's start to its end plus its
-recovery and one round, within 30 s of each time). A mean over rounds, not the
-median round: the time base is wall time, and the median round of a loaded
-machine is 15-20% shorter than the mean one; local, because the machine's
-speed drifts with the work beside the run. `lost_island_s` says where the
+to their stop at their own pace (`Pace`: tokens per inner-step second of
+their rounds in the window clear of every fault span, a fault's start to its
+end plus its recovery and one round, within 30 s of each time). Inner-step
+seconds are the island's `work_s`, the caller's time between `step` calls, so
+the session's own time (exchange, outbox, pushes, back-pressure, merge waits)
+is lost time, not pace. A mean over rounds, not the median round: the time
+base is wall time, and the median round of a loaded machine is 15-20% shorter
+than the mean one; local, because the machine's speed drifts with the work
+beside the run. `lost_island_s` says where the
 rest went: island-seconds lost in each fault's span, outside them, and work
 trained but never credited.
 
@@ -265,8 +268,13 @@ def _tokens_at(curve: list[tuple[float, float]], t: float) -> float:
     return curve[i - 1][1] if i else 0.0
 
 
-def training_rounds(rows: Rows) -> list[tuple[float, float, float]]:
-    """(end time, seconds, tokens) of each training round (not a process's first: it compiles).
+def training_rounds(rows: Rows) -> list[tuple[float, float, float, float]]:
+    """(end time, seconds, tokens, inner-step seconds) of each training round (not a process's first).
+
+    A process's first round compiles and is left out. The inner-step seconds are
+    the round's part of the island's `work_s` (the caller's time between `step`
+    calls: not the session's exchange, pushes or waits inside `step`); rows
+    without `work_s` (older islands) count the whole round.
 
     Args:
         rows: the island's metrics rows (restarts included).
@@ -274,14 +282,21 @@ def training_rounds(rows: Rows) -> list[tuple[float, float, float]]:
     Returns:
         One entry per round row after each process's first round.
     """
-    out, prev = [], 0
+    out, prev, prev_work = [], 0, 0.0
     for r in rows:
         if "round_s" not in r or "tokens" not in r:
             continue
-        tokens = r["tokens"] - prev if r["tokens"] >= prev else r["tokens"]
+        restarted = r["tokens"] < prev
+        tokens = r["tokens"] if restarted else r["tokens"] - prev
         prev = r["tokens"]
+        work = r.get("work_s")
+        if work is None:
+            work_s = float(r["round_s"])
+        else:
+            work_s = float(work) if restarted else float(work) - prev_work
+            prev_work = float(work)
         if r.get("round", 0) > 1:
-            out.append((float(r["wall"]), float(r["round_s"]), float(tokens)))
+            out.append((float(r["wall"]), float(r["round_s"]), float(tokens), work_s))
     return out
 
 
@@ -295,14 +310,15 @@ class Pace:
 
     The machine's speed drifts (other work beside the run), so the tokens an
     island could have trained during a fault are counted at its pace around
-    that time: tokens over seconds of its clean rounds ending within
+    that time: tokens over inner-step seconds of its clean rounds ending within
     `window_s` of it (at least PACE_MIN_ROUNDS of them, else its pace over the
     whole run).
     """
 
     def __init__(self, clean: Sequence[tuple[float, float, float]], window_s: float) -> None:
         """Args:
-        clean: (end time, seconds, tokens) of the island's rounds no fault slowed, sorted.
+        clean: (end time, inner-step seconds, tokens) of the island's rounds no fault
+            slowed, sorted.
         window_s: half-width of the window around a time.
         """
         self.ends = [e for e, _s, _n in clean]
@@ -368,7 +384,9 @@ def lost_time(
     for island, island_rows in rows.items():
         every = [r for r in training_rounds(island_rows) if r[0] > t0]  # not the warm-up's
         clean = [r for r in every if not any(r[0] - r[1] < b and r[0] > a for a, b in spans)]
-        pace = Pace(clean or every, window_s)
+        # the pace is tokens per inner-step second: time inside `step` (exchange, pushes,
+        # back-pressure, merge waits) is not training, so it counts as lost, not as pace
+        pace = Pace([(end, work, n) for end, _s, n, work in clean or every], window_s)
         curve = cumulative_tokens(island_rows)
         if not pace.overall or not curve:
             continue

@@ -29,9 +29,9 @@ B = rows([(k, 1.0, 100 * k) for k in (1.0, 2.0, 3.0, 4.0)]) + rows(
 def test_round_helpers_follow_restarts():
     assert chaos_score.cumulative_tokens(B)[-3:] == [(8.0, 500.0), (9.0, 600.0), (10.0, 700.0)]
     # each process's first round compiles: not a training round
-    assert chaos_score.training_rounds(B) == [
-        (2.0, 1.0, 100.0), (3.0, 1.0, 100.0), (4.0, 1.0, 100.0),
-        (9.0, 1.0, 100.0), (10.0, 1.0, 100.0),
+    assert chaos_score.training_rounds(B) == [  # rows without work_s: the whole round is work
+        (2.0, 1.0, 100.0, 1.0), (3.0, 1.0, 100.0, 1.0), (4.0, 1.0, 100.0, 1.0),
+        (9.0, 1.0, 100.0, 1.0), (10.0, 1.0, 100.0, 1.0),
     ]  # fmt: skip
     assert chaos_score.round_ends(B)[4] == (8.0, 2.0)
 
@@ -86,3 +86,24 @@ def test_the_pace_of_an_island_follows_the_machine_around_a_fault():
     narrow = chaos_score.Pace(clean, window_s=3.0)
     assert narrow.at(75.0) == pytest.approx(6400.0 / 88.0)  # no round ends in [72, 78]
     assert narrow.at(20.0) == 100.0
+
+
+@pytest.mark.timeout(10)
+def test_time_inside_step_is_lost_not_pace():
+    # 1-s rounds of 100 tokens over [0, 10], of which the island's loop trained 0.8 s and
+    # the session held 0.2 s (exchange, outbox, a back-pressure wait): cumulative work_s
+    # 0.8 per round. A second process (restart at t = 6) counts work_s from 0 again.
+    first = [{"wall": float(k), "round": k, "round_s": 1.0, "tokens": 100 * k, "work_s": 0.8 * k}
+             for k in range(1, 6)]  # fmt: skip
+    second = [{"wall": 6.0 + k, "round": k, "round_s": 1.0, "tokens": 100 * k, "work_s": 0.8 * k}
+              for k in range(1, 5)]  # fmt: skip
+    rounds = chaos_score.training_rounds(first + second)
+    assert [r[3] for r in rounds] == pytest.approx([0.8] * 4 + [0.8] * 3)
+    got = chaos_score.lost_time({"a": first + second}, {"a": 900.0}, 0.0, 10.0, [])
+    # pace 100 tokens per 0.8 s of training = 125/s; capacity 125 x 10 s; every trained
+    # token credited (900), yet goodput 900 / 1250 = 0.72: the session's 0.2 s a round and
+    # the restart's lost second are lost time
+    assert got["rates"]["a"] == pytest.approx(125.0)
+    assert got["capacity_tokens"] == pytest.approx(1250.0)
+    assert got["useful_tokens"] / got["capacity_tokens"] == pytest.approx(0.72)
+    assert got["total"] == pytest.approx(10.0 - 900.0 / 125.0)

@@ -111,6 +111,7 @@ class RoundClock:
             steps, tokens, version_lag, bytes, pushes, acked, rejected, pending,
             credited_tokens (the shards' word: merged tokens, no staleness factor),
             capacity_tokens (wall time x the island's median step rate), wait_s,
+            work_s (inner-step seconds so far: the caller's time between `step` calls),
             useful_s (inner-step seconds whose deltas entered the model), lost_s
             (wall time lost: waits, overheads, rejected or never-merged work),
             in_flight_s (not settled yet: left out) and goodput (`worker.goodput`).
@@ -134,6 +135,7 @@ class RoundClock:
             "credited_tokens": round(credited, 1),
             "capacity_tokens": round(capacity, 1),
             "wait_s": round(self.wait_s, 3),
+            "work_s": round(self.work_s, 3),
             "useful_s": round(useful, 3),
             "lost_s": round(max(0.0, wall - sum(unsettled) - useful), 3),
             "in_flight_s": round(sum(unsettled), 3),
