@@ -165,7 +165,9 @@ def test_steps_waiting_behind_another_fragments_copy_never_make_pushes_fail(tmp_
     # the bench's case: 31 fragments, async pushes each stepping its fragment while a
     # checkpoint is held; more pushes per fragment than max_pending_per_island (8)
     fragments, rounds = 31, 10
-    flags = ("--mode", "async", "--checkpoint-every-steps", "1", "--fragments", str(fragments))
+    # pushes and status polls back to back from one island, as the bench does: no request limit
+    flags = ("--mode", "async", "--checkpoint-every-steps", "1", "--fragments", str(fragments),
+             "--max-requests-per-s", "0")  # fmt: skip
     run = Run(zmq_ctx, tmp_path, fragments << 14, *flags, *EXACT, fragments=fragments)
     try:
         (run.dir / HOLD_NAME).touch()

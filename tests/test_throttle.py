@@ -21,6 +21,7 @@ from paramserver.server.throttle import (
     decide,
     heard,
     refill,
+    rekey,
 )
 
 pytestmark = pytest.mark.timeout(30)
@@ -68,7 +69,9 @@ def test_the_shard_is_shared_while_another_key_was_heard_within_a_second():
     assert contended(last, "b", 11.0) and not contended(last, "b", 11.01)  # a, 1.0 / 1.01 s
     last = heard(last, "b", 10.9)  # b again: a stays the newest other key
     assert last == (("b", 10.9), ("a", 10.0))
-    assert heard(last, "c", 11.0) == (("c", 11.0), ("b", 10.9))
+    last = heard(last, "c", 11.0)
+    assert last == (("c", 11.0), ("b", 10.9), ("a", 10.0))  # LAST_KEYS = 3
+    assert heard(last, "d", 11.1) == (("d", 11.1), ("c", 11.0), ("b", 10.9))
 
 
 def test_a_key_alone_is_never_throttled_one_that_shares_is():
@@ -108,6 +111,19 @@ def test_a_connection_is_charged_to_its_island_after_hello_and_a_reconnect_keeps
     assert t.key(b"c1") == b"c1"  # the old connection is charged to itself again
     t.unbind("a")
     assert t.key(b"c2") == b"c2"
+
+
+def test_an_islands_own_hello_does_not_make_it_contended():
+    # the hello is charged to the connection (the island is not known yet); once bound, the
+    # connection's entry is the island's: no other key was heard, so no limit applies
+    t = Throttle(LIM)
+    assert t.admit(0.0, b"c1")[0] == ADMIT  # the hello
+    t.bind(b"c1", "a")
+    assert [t.admit(0.1, b"c1")[0] for _ in range(50)] == [ADMIT] * 50  # a benchmark's pushes
+    # by hand: the entries of the old key become the new one's, each key kept once (newest)
+    assert rekey(((b"c1", 2.0), ("b", 1.0)), b"c1", "a") == (("a", 2.0), ("b", 1.0))
+    assert rekey((("a", 3.0), (b"c1", 2.0)), b"c1", "a") == (("a", 3.0),)
+    assert rekey((("b", 3.0),), b"c1", "a") == (("b", 3.0),)
 
 
 def test_a_connection_rebinding_to_another_island_forgets_the_first():

@@ -19,7 +19,7 @@ buckets, pure data refilled by `refill` from (now, bucket):
 `decide` is the whole decision as a pure function of (now, the key's buckets,
 the limits, whether others are being served: `contended`); `Throttle` keeps
 the buckets of every key (those that have refilled completely are forgotten:
-a full bucket equals a fresh one), the two keys heard last and the
+a full bucket equals a fresh one), the keys heard last and the
 connection -> island map. The core (`paramserver.server.core`) asks it
 before unpacking a request.
 """
@@ -35,6 +35,7 @@ Key = bytes | str  # what a request is charged to: an island id, or a connection
 Verdict = Literal["admit", "answer", "drop"]
 PRUNE_AT = 1024  # keys kept before full buckets are looked for and forgotten
 CONTENTION_S = 1.0  # another key heard this recently: the shard is shared, limits apply
+LAST_KEYS = 3  # keys heard last that are remembered (`heard`)
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,7 @@ def contended(last: Sequence[tuple[Key, float]], key: Key, now: float) -> bool:
     """Whether a key other than `key` was heard within CONTENTION_S of `now`.
 
     Args:
-        last: (key, when last heard) of the two keys heard last, newest first
+        last: (key, when last heard) of the keys heard last, newest first
             (`heard` keeps it); the newest other key is one of them.
         key: the key of the request at hand.
         now: seconds.
@@ -101,20 +102,43 @@ def contended(last: Sequence[tuple[Key, float]], key: Key, now: float) -> bool:
 
 
 def heard(last: Sequence[tuple[Key, float]], key: Key, now: float) -> tuple[tuple[Key, float], ...]:
-    """The two keys heard last, newest first, after a request of `key` at `now`.
+    """The LAST_KEYS keys heard last, newest first, after a request of `key` at `now`.
+
+    More than two are kept so that a `rekey` merging two of them (a connection
+    and the island it said hello as) still leaves the newest other key.
 
     Args:
-        last: as before it ((key, time), newest first; at most two).
+        last: as before it ((key, time), newest first, each key once).
         key: the request's key.
         now: seconds.
 
     Returns:
-        ((key, now), the newest other key's entry if any).
+        ((key, now), then the other keys' entries of `last`), at most LAST_KEYS.
     """
-    for entry in last:
-        if entry[0] != key:
-            return ((key, now), entry)
-    return ((key, now),)
+    return ((key, now), *(entry for entry in last if entry[0] != key))[:LAST_KEYS]
+
+
+def rekey(last: Sequence[tuple[Key, float]], old: Key, new: Key) -> tuple[tuple[Key, float], ...]:
+    """The keys heard last once `old`'s requests are charged to `new` (a connection's hello).
+
+    Without it the hello itself, charged to the connection before the island
+    was known, would count as another key heard: the island would be judged
+    contended by its own hello for CONTENTION_S.
+
+    Args:
+        last: (key, time) of the keys heard last, newest first.
+        old: the key that is renamed (the connection).
+        new: its new key (the island).
+
+    Returns:
+        `last` with `old` read as `new`, each key once (its newest entry).
+    """
+    out: list[tuple[Key, float]] = []
+    for key, when in last:
+        key = new if key == old else key
+        if all(key != k for k, _ in out):
+            out.append((key, when))
+    return tuple(out)
 
 
 def decide(
@@ -182,7 +206,7 @@ class Throttle:
             limits: the shard's limits.
         """
         self.limits = limits
-        self._last: tuple[tuple[Key, float], ...] = ()  # the two keys heard last (`heard`)
+        self._last: tuple[tuple[Key, float], ...] = ()  # the keys heard last (`heard`)
         self._requests: dict[Key, Bucket | None] = {}
         self._answers: dict[Key, Bucket | None] = {}
         self._island_of: dict[bytes, str] = {}  # connection -> island it said hello as
@@ -208,6 +232,7 @@ class Throttle:
             del self._conn_of[before]
         self._island_of[conn] = island
         self._conn_of[island] = conn
+        self._last = rekey(self._last, conn, island)
 
     def unbind(self, island: str) -> None:
         """`island` left (bye): its connection's requests are charged to the connection again."""
