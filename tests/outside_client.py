@@ -251,12 +251,19 @@ class Shard:
         return rid
 
     def request(self, header: dict, payload: list = ()) -> tuple[dict, list]:
-        rid = self.send(header, payload)
-        assert self.dealer.poll(int(TIMEOUT_S * 1000)), f"no reply to {header['kind']}"
-        frames = self.dealer.recv_multipart()
-        reply = msgpack.unpackb(frames[0], raw=False)
-        assert reply["v"] == 1 and reply.get("id") == rid, (reply, rid)
-        return reply, frames[1:]
+        """One request and its reply; a `throttled` one is sent again after retry_after_s."""
+        deadline = time.monotonic() + TIMEOUT_S
+        while True:
+            rid = self.send(header, payload)
+            assert self.dealer.poll(int(TIMEOUT_S * 1000)), f"no reply to {header['kind']}"
+            frames = self.dealer.recv_multipart()
+            reply = msgpack.unpackb(frames[0], raw=False)
+            assert reply["v"] == 1 and reply.get("id") == rid, (reply, rid)
+            if reply.get("reason") != "throttled":
+                return reply, frames[1:]
+            # section 8: over the shard's request rate; the request was not read
+            assert reply["retry_after_s"] > 0 and time.monotonic() < deadline, reply
+            time.sleep(reply["retry_after_s"])
 
     def published(self, kind: str) -> tuple[dict, list]:
         """The next PUB message of `kind` (others skipped)."""

@@ -41,6 +41,8 @@ def cluster(tmp_path):
             "--host", "127.0.0.1", "--port", str(port), "--data-dir", str(data_dir),
             "--mode", "async", "--outer-optimizer", "sgd", "--outer-lr", str(LR),
             "--downlink", downlink, "--heartbeat-interval-s", "0.5",
+            # its hostile cases go back to back (some read raw, not retried when throttled)
+            "--request-burst", "256",
             timeout=CMD_TIMEOUT_S,
         )  # fmt: skip
         assert proc.returncode == 0, proc.stderr

@@ -68,7 +68,7 @@ def test_the_request_limits_refuse_a_bad_value_naming_it(field, bad):
 
 def test_the_request_limits_load_from_toml_and_the_environment(tmp_path, monkeypatch):
     cfg = ShardConfig()
-    assert (cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s) == (100.0, 50, 20.0)
+    assert (cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s) == (20.0, 16, 20.0)
     toml = tmp_path / "server.toml"
     toml.write_text("max_requests_per_s = 0\nmax_pending_bytes_per_island = 4096\n")
     monkeypatch.setenv("DILOCO_SERVER_REQUEST_BURST", "7")
