@@ -139,7 +139,10 @@ def _bad_cases(plan, size):
 
 
 def test_bad_input_is_rejected_counted_and_never_touches_parameters(start_shard, peer):
-    shard = start_shard(mode="sync", max_message_bytes=65_536, dedup_window=4, **SLOW_HB)
+    # request limits off: the honest peer asks after every bad message, faster than 20 a second
+    shard = start_shard(
+        mode="sync", max_message_bytes=65_536, dedup_window=4, max_requests_per_s=0.0, **SLOW_HB
+    )
     honest, plan, _ = init_shard(peer, shard, island="h")
     peer(shard.router, "b").hello()  # a third live island: pushes of a and h alone never step
     size = plan.fragments[0].size
