@@ -29,22 +29,29 @@ islands' ack latency without and with a flat-out pusher and a hostile peer
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-import codec
 from bench import outdir, shard_profile
 from bench.common import emit_json
 from bench.launcher import LaunchError, LocalCluster
+from bench.load_cluster import (
+    FLOOD_ISLANDS,
+    FLOOD_SHARDS,
+    ISLANDS,
+    SHARDS,
+    environ,
+    profile_report,
+    random_frames,
+    shard_pids,
+)
 from bench.load_meters import (
     CpuMeter,
     RssSampler,
@@ -131,16 +138,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-ISLANDS, SHARDS = 32, 4  # --islands / --shards when not given (without --flood)
-FLOOD_ISLANDS, FLOOD_SHARDS = 8, 1  # and with --flood (bench.load_flood)
-
-
-def shard_pids(cluster: LocalCluster) -> list[int]:
-    """Pids of the cluster's shard processes (from the supervisor's ready file)."""
-    info = json.loads((cluster.server_dir / "ready.json").read_text())
-    return [int(p) for p in info["shard_pids"]]
-
-
 def _island(
     client: Client,
     fragments: int,
@@ -155,31 +152,6 @@ def _island(
                 client.push(f, r, 0, 1000, 10, choices[r % len(choices)])
     except ClientError as exc:
         errors.append(f"{client.cfg.island}: {exc}")
-
-
-def random_frames(
-    plan_sizes: dict[int, int], variants: int, seed: int
-) -> dict[int, list[list[Any]]]:
-    """A few int8-encoded random deltas per fragment (reused: encoding is not what is measured).
-
-    Args:
-        plan_sizes: fragment -> elements.
-        variants: deltas per fragment.
-        seed: of the random values.
-
-    Returns:
-        fragment -> [frames of one delta (bytes each), ...].
-    """
-    rng = np.random.default_rng(seed)
-    c = codec.int8()
-    out: dict[int, list[list[Any]]] = {}
-    for f, size in plan_sizes.items():
-        out[f] = []
-        for _ in range(variants):
-            delta = (rng.standard_normal(size) * 1e-3).astype(np.float32)
-            frames, _ = c.encode({"delta": delta})
-            out[f].append([bytes(x) for x in frames])
-    return out
 
 
 def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
@@ -307,46 +279,6 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
         report["shard_profile"] = profile_report(out / "profile", args.profile_shard, server)
     (out / "load.json").write_text(json.dumps(report, indent=2))
     return report
-
-
-@contextlib.contextmanager
-def environ(extra: dict[str, str]) -> Iterator[None]:
-    """Set environment variables for what starts inside (the shards), then restore them.
-
-    Args:
-        extra: variables to set.
-
-    Yields:
-        None, with them set.
-    """
-    saved = {k: os.environ.get(k) for k in extra}
-    os.environ.update(extra)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def profile_report(directory: Path, index: int, server: dict[str, Any]) -> dict[str, Any]:
-    """The profiled shard's seconds per part of its loop (its pstats file, once it exited).
-
-    Args:
-        directory: where `shard_profile.profile_env` had it written.
-        index: the shard's index.
-        server: the cluster's status (for the shard's accepted count).
-
-    Returns:
-        {"shard", "accepted", <section>: seconds, ...}, or {"shard", "error"}.
-    """
-    path = directory / f"shard-{index}.pstats"
-    if not path.exists():
-        return {"shard": index, "error": f"{path} was not written (did the shard exit cleanly?)"}
-    status = next((s for s in server.get("shards", []) if s.get("shard") == index), {})
-    return {"shard": index, "accepted": status.get("accepted"), **shard_profile.sections(path)}
 
 
 def run(args: argparse.Namespace) -> int:

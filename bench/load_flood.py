@@ -47,7 +47,7 @@ import numpy as np
 
 from bench import child, outdir, shard_profile
 from bench.launcher import LocalCluster
-from bench.load import (
+from bench.load_cluster import (
     FLOOD_ISLANDS,
     FLOOD_SHARDS,
     environ,

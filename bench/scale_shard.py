@@ -5,7 +5,7 @@ Two runs per size, each against a fresh one-shard server started through
 `islands` `paramserver.client.Client`s without a replica
 (`ClientConfig(replica=False)`: they push and follow versions, decoding no
 update, so this process holds no copy of the model per island) pushing the same random int8 deltas
-(`bench.load.random_frames`) and a raw SUB socket (`UpdateWatcher`) timing
+(`bench.load_cluster.random_frames`) and a raw SUB socket (`UpdateWatcher`) timing
 each fragment's published update without decoding it:
 
 - `measure_steady`: checkpoints off. The shard's RSS (/proc, `psutil`) idle
@@ -45,7 +45,7 @@ import numpy as np
 import psutil
 
 from bench.launcher import LaunchError, LocalCluster
-from bench.load import environ, random_frames, shard_pids
+from bench.load_cluster import environ, random_frames, shard_pids
 from bench.update_watcher import WAIT_S, UpdateWatcher
 from paramserver.client import Client, ClientConfig, ClientError
 from paramserver.server.config import MIB
