@@ -35,8 +35,11 @@ def _alive(pid: int) -> bool:
 
 
 def _killpg(pid: int, sig: int) -> None:
+    """Signal `pid`'s process group (never our own: then only `pid`), then `pid`."""
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(os.getpgid(pid), sig)
+        group = os.getpgid(pid)
+        if group != os.getpgid(0):
+            os.killpg(group, sig)
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.kill(pid, sig)
 
@@ -53,7 +56,8 @@ def live_daemons_under(root: Path) -> list[int]:
     if not Path(root).is_dir():
         return []
     pids = (daemon.running_pid(path) for path in Path(root).rglob(daemon.PID_FILE))
-    return sorted({pid for pid in pids if pid is not None})
+    ours = {os.getpid(), os.getppid(), 1}  # a test may write a pid file naming itself
+    return sorted({pid for pid in pids if pid is not None and pid not in ours})
 
 
 def stop_daemons_under(root: Path, grace_s: float = GRACE_S) -> list[int]:
@@ -99,7 +103,7 @@ def started(
     finally:
         if proc.poll() is None:
             _killpg(proc.pid, signal.SIGKILL)
-        else:  # the leader is gone; helpers it left in its group are not
+        else:  # the leader is gone; helpers it left in its group (pgid = its pid) may not be
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(proc.pid, signal.SIGKILL)
         with contextlib.suppress(subprocess.TimeoutExpired):
