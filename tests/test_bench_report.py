@@ -12,7 +12,6 @@ from bench.plots import PLOTS
 
 
 @pytest.mark.slow
-@pytest.mark.serial  # its runs stop at a wall-clock cap: they need the whole machine
 @pytest.mark.timeout(900)
 def test_quick_report_writes_json_markdown_and_plots_with_sane_values(tmp_path):
     out = tmp_path / "report"
