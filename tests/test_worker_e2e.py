@@ -67,7 +67,7 @@ def test_two_islands_one_slow_train_below_unigram_entropy_and_a_wrong_model_is_r
     assert sum(s["accepted"] for s in status["shards"]) >= 2 * 10 * 2  # both islands contributed
     for name in ("fast", "slow"):
         last = cluster.island_metrics(name)[-1]
-        assert last["final"] and last["acked"] == last["pushes"] > 0
+        assert last["final"] and last["acked"] == last["pushes"] >= 10  # a push a round at least
         assert last["bytes_sent"] > 0 and last["bytes_received"] > 0
     # a model that differs from the cluster's is refused at join, with a clear message
     proc = worker(
