@@ -214,7 +214,8 @@ def test_in_a_sync_cluster_the_rounds_last_step_returns_the_merged_round(tmp_pat
             moved = jax.tree_util.tree_map(lambda x: x - 0.5, p)
             merged = s.step(moved, tokens=1)  # pushes, then waits for the merge
             assert s.version == fragments  # every fragment's round-1 version is in
-            assert s.stats["pushes"] == fragments and s.stats["bytes_sent"] > 0
+            assert s.stats["pushes"] == fragments
+            assert s.stats["bytes_sent"] >= 4 * sum(s.sizes)  # the float32 init it uploaded
             assert s.round == 1 and s.goodput is not None and s.goodput >= 0.0
             assert merged is not moved
             assert not np.array_equal(
