@@ -177,7 +177,8 @@ def test_a_model_that_differs_from_the_clusters_is_refused_naming_the_leaf(clust
     before = cluster_params(cluster.connect)
     with worker.join(cluster.connect, island="d", params=params, inner_steps=2, **FAST) as s:
         train(s, s.params, 4, 1)  # the cluster still serves the right model
-    assert s.last_row["final"] and s.last_row["acked"] == s.last_row["pushes"] > 0
+    row = s.last_row  # 2 rounds: a push a fragment each, unless round 2 rode on round 1's
+    assert row["final"] and len(s.sizes) <= row["acked"] == row["pushes"] <= 2 * len(s.sizes)
     assert not np.array_equal(before["layers/0/w"], cluster_params(cluster.connect)["layers/0/w"])
 
 
