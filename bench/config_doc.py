@@ -21,6 +21,10 @@ from typing import Any
 
 # Where the settings loader lives (it owns the field -> TOML/env/flag mapping and the comments).
 SETTINGS_MODULE = "paramserver.plumbing.settings"
+# The module whose docstring holds the cluster file's format (after CLUSTER_FORMAT_MARK), as
+# `diloco-server start --help` shows it.
+CLUSTER_FILE_MODULE = "paramserver.plumbing.clusterfile"
+CLUSTER_FORMAT_MARK = "Format (TOML)::"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -103,7 +107,8 @@ or one the class's checks refuse is a one-line error naming where it came from
 
 Defaults shown as computed are evaluated when the daemon starts. The meaning
 column is the comment next to the field in the source, which is also the
-flag's `--help` text.
+flag's `--help` text. Options of a command that are not settings (`--config`,
+`--detach`, `--cluster`, `--shard`, `--json`, ...) are in its `--help`.
 """
 
 
@@ -165,6 +170,34 @@ def _section(source: ConfigSource, leaves: Any) -> list[str]:
     return lines
 
 
+def _cluster_file() -> list[str]:
+    """The cluster file's format, from the docstring of the module that reads it."""
+    doc = importlib.import_module(CLUSTER_FILE_MODULE).__doc__ or ""
+    if CLUSTER_FORMAT_MARK not in doc:
+        raise RuntimeError(f"{CLUSTER_FILE_MODULE}'s docstring lost {CLUSTER_FORMAT_MARK!r}")
+    example, prose = [], []
+    for line in doc[doc.index(CLUSTER_FORMAT_MARK) + len(CLUSTER_FORMAT_MARK) :].splitlines():
+        if line.startswith("    ") or (not line.strip() and not prose):
+            example.append(line[4:])
+        else:
+            prose.append(line)
+    body = "\n".join(example).strip("\n")
+    text = " ".join(" ".join(prose).split()).replace("``", "`")
+    return [
+        "## Cluster file (`diloco-server start --cluster FILE --shard I`)",
+        "",
+        "A multi-host cluster's shards read one TOML file: the `[server]` table takes any "
+        "`ShardConfig` key above, and one `[[shard]]` table per shard says where it listens.",
+        "",
+        "```toml",
+        body,
+        "```",
+        "",
+        text,
+        "",
+    ]
+
+
 def render() -> str:
     """The whole configuration page, as Markdown.
 
@@ -176,6 +209,7 @@ def render() -> str:
     lines = [HEADER]
     for source in CONFIGS:
         lines += _section(source, leaves)
+    lines += _cluster_file()
     return "\n".join(lines).rstrip("\n") + "\n"
 
 
