@@ -25,8 +25,8 @@ def test_configuration_page_matches_the_dataclasses():
 
 def test_every_settable_field_has_a_row_with_its_names():
     sections = config_doc.render().split("\n## ")[1:]
-    assert len(sections) == len(config_doc.CONFIGS)
-    for source, section in zip(config_doc.CONFIGS, sections, strict=True):
+    assert len(sections) == len(config_doc.CONFIGS) + 1  # + the cluster file
+    for source, section in zip(config_doc.CONFIGS, sections, strict=False):
         assert section.startswith(source.title)
         module, _, name = source.cls.partition(":")
         cls = getattr(importlib.import_module(module), name)
@@ -39,3 +39,9 @@ def test_every_settable_field_has_a_row_with_its_names():
             if source.env_prefix is not None:
                 assert f"`--{field.name.replace('_', '-')}`" in row
                 assert f"`{source.env_prefix}{field.name.upper()}`" in row
+
+
+def test_the_cluster_file_format_is_shown_as_toml():
+    section = config_doc.render().split("\n## ")[-1]
+    assert section.startswith("Cluster file")
+    assert "[server]" in section and "[[shard]]" in section and "```toml" in section
