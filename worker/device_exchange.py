@@ -51,14 +51,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from codec.format import LEVELS
 from codec.prequantized import Coded, code_dtype, frame_codes
 from paramserver.client import Update
 from worker.device_flat import FlatLayout
 from worker.device_quant import dequantize, quantize
 from worker.exchange import delta_since, folded
 from worker.param_tree import TreeLayout
-
-LEVELS = {"int8": 127, "int4": 7}
 
 
 def placed_bytes(array: jax.Array) -> int:
