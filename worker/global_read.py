@@ -9,7 +9,8 @@ placed on `like`'s sharding (numpy leaves stay numpy). It joins no island: the
 shards see only status and snapshot requests, and a hello under a probe id.
 
 `global_flat` is the same read without a tree: the plan's flat {"a/b": float32
-array} mapping, which `diloco-worker export` writes as an Orbax checkpoint.
+array} mapping, which `diloco-worker export` writes as an Orbax checkpoint; it
+imports no JAX.
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import numpy as np
 from paramserver.plumbing import probe
 from paramserver.plumbing.curve import ClientKeys, CurveError
 from paramserver.plumbing.exposure import plain_tcp_problem
-from worker.param_tree import TreeError, TreeLayout
 
 WAIT_S = 60.0  # how long `global_model` waits for the shards to merge what they acked
 
@@ -149,6 +149,8 @@ def global_model(
         GlobalModelError: a shard is down or silent, the cluster is not initialized,
             or deltas stayed pending past `wait_s` (one line, naming the endpoint).
     """
+    from worker.param_tree import TreeError, TreeLayout  # JAX: `global_flat` needs none
+
     layout = TreeLayout.of(like)
     model = global_flat(connect, wait_merged=wait_merged, wait_s=wait_s, stop=stop, **read)
     theirs = [_Spec(name, value.shape) for name, value in model.params.items()]
