@@ -24,8 +24,10 @@ import numpy as np
 from paramserver.plumbing import probe
 from paramserver.plumbing.curve import ClientKeys, CurveError
 from paramserver.plumbing.exposure import plain_tcp_problem
+from paramserver.plumbing.peer_peek import silence_cause
 
 WAIT_S = 60.0  # how long `global_model` waits for the shards to merge what they acked
+PEEK_S = 1.0  # a first look at `connect`: a server that is down fails at once, not after a timeout
 
 
 @dataclasses.dataclass(eq=False)
@@ -99,6 +101,9 @@ def global_flat(
         raise GlobalModelError(
             connect, f"{problem}; give an island's CURVE key files, or insecure=True"
         )
+    cause = silence_cause(connect, PEEK_S, curve=bool(curve_secret_key_file))
+    if cause is not None:  # nothing listens there, or not a shard's ROUTER: say so at once
+        raise GlobalModelError(connect, cause)
     try:
         curve = (
             ClientKeys.load(curve_secret_key_file, curve_server_key_file)
