@@ -25,6 +25,7 @@ from paramserver.plumbing import probe
 from paramserver.plumbing.curve import ClientKeys, CurveError
 from paramserver.plumbing.exposure import plain_tcp_problem
 from paramserver.plumbing.peer_peek import silence_cause
+from paramserver.plumbing.validate import endpoint_problem
 
 WAIT_S = 60.0  # how long `global_model` waits for the shards to merge what they acked
 PEEK_S = 1.0  # a first look at `connect`: a server that is down fails at once, not after a timeout
@@ -94,8 +95,12 @@ def global_flat(
         The `FlatModel` (params by plan name, versions per fragment).
 
     Raises:
+        ValueError: `connect` is not a tcp:// or ipc:// endpoint (naming what is wrong).
         GlobalModelError: see the class (one line, naming the endpoint).
     """
+    malformed = endpoint_problem(connect, ("tcp://", "ipc://"))
+    if malformed is not None:
+        raise ValueError(f"connect={connect!r} is not a shard's endpoint: {malformed}")
     problem = plain_tcp_problem(connect, curve=bool(curve_secret_key_file), insecure=insecure)
     if problem is not None:
         raise GlobalModelError(
@@ -151,6 +156,7 @@ def global_model(
     Raises:
         TreeError (a ValueError): `like` is not a tree of floating arrays, or it
             differs from the cluster's model (naming the first differing leaf).
+        ValueError: `connect` is not a tcp:// or ipc:// endpoint.
         GlobalModelError: a shard is down or silent, the cluster is not initialized,
             or deltas stayed pending past `wait_s` (one line, naming the endpoint).
     """
