@@ -150,8 +150,8 @@ def global_model(
         `like`'s dtype (the shards keep float32; a bfloat16 leaf is rounded) on
         `like`'s sharding (a numpy leaf comes back as numpy); version is the sum over
         fragments of the version read, as `Session.version` counts it (fragments step
-        on their own, so one number per fragment would not order two reads better:
-        the sum grows by one at every outer step of any fragment).
+        on their own; the sum grows by one at every outer step of any fragment, and
+        `global_flat(...).versions` has the version of each).
 
     Raises:
         TreeError (a ValueError): `like` is not a tree of floating arrays, or it
