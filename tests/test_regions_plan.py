@@ -1,0 +1,72 @@
+"""The regions bench's pure parts: the scaling rule, the RTT check, the default table, flags."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench import regions_plan
+from bench.children.wan_relay import chunk_loss_probability
+from bench.regions_plan import LINKS, REGIONS, Link, rescale
+
+
+def test_every_link_held_keeps_the_scale() -> None:
+    configured = {(0, 1): 20.0, (0, 2): 50.0}
+    achieved = {(0, 1): 19.0, (0, 2): 45.0}  # 95% and 90%: both at or above 90%
+    decision = rescale(0.01, configured, achieved)
+    assert decision.scale == 0.01
+    assert decision.factor == 1.0
+    assert decision.short == ()
+
+
+def test_the_worst_short_link_scales_every_link() -> None:
+    configured = {(0, 1): 20.0, (0, 2): 50.0, (1, 2): 40.0}
+    # 0-1 carries 95%, 0-2 carries 40/50 = 80%, 1-2 carries 34/40 = 85%
+    achieved = {(0, 1): 19.0, (0, 2): 40.0, (1, 2): 34.0}
+    decision = rescale(0.01, configured, achieved)
+    assert decision.factor == pytest.approx(0.8)
+    assert decision.scale == pytest.approx(
+        0.008
+    )  # 0.01 x 0.8: every rate is now Gbit/s x 1000 x 0.008
+    assert [(a, b) for a, b, _ in decision.short] == [(0, 2), (1, 2)]  # worst first
+    assert decision.short[0][2] == pytest.approx(0.8)
+    assert decision.short[1][2] == pytest.approx(0.85)
+
+
+def test_emulated_rate_is_real_rate_times_scale() -> None:
+    # 2 Gbit/s at scale 0.01 is 20 Mbit/s; the RTT is not scaled
+    link = Link(0, 2, 2.0, 80.0)
+    assert regions_plan.emulated_mbit(link, 0.01) == pytest.approx(20.0)
+    assert regions_plan.emulated_mbit(link, 0.008) == pytest.approx(16.0)
+
+
+def test_rtt_check_is_ten_percent_both_ways() -> None:
+    assert regions_plan.rtt_within(40.0, 43.9)
+    assert regions_plan.rtt_within(40.0, 36.1)
+    assert not regions_plan.rtt_within(40.0, 44.5)
+    assert not regions_plan.rtt_within(40.0, 35.5)
+
+
+def test_default_table() -> None:
+    assert len(REGIONS) == 4
+    assert sorted(r.island_speed for r in REGIONS) == [0.55, 0.55, 1.0, 1.0]
+    assert len(LINKS) == 6  # every pair of 4 regions
+    assert {(ln.a, ln.b) for ln in LINKS} == {(a, b) for a in range(4) for b in range(a + 1, 4)}
+    assert all(30.0 <= ln.rtt_ms <= 80.0 for ln in LINKS)
+    assert all(2.0 <= ln.gbit <= 5.0 for ln in LINKS)
+    assert [ln.loss for ln in LINKS if ln.loss] == [0.001]
+
+
+def test_shard_regions_flag() -> None:
+    assert regions_plan.parse_regions_list("0", 4) == [0]
+    assert regions_plan.parse_regions_list("us-west,0,2", 4) == [2, 0]
+    with pytest.raises(ValueError):
+        regions_plan.parse_regions_list("3", 3)
+    with pytest.raises(ValueError):
+        regions_plan.parse_regions_list("mars", 4)
+
+
+def test_chunk_loss_probability() -> None:
+    # one packet: p itself; two packets (1449 bytes): 1 - (1 - p)^2
+    assert chunk_loss_probability(100, 0.01) == pytest.approx(0.01)
+    assert chunk_loss_probability(1449, 0.01) == pytest.approx(1 - 0.99**2)
+    assert chunk_loss_probability(10_000, 0.0) == 0.0
