@@ -1,4 +1,4 @@
-"""`diloco-bench regions`: an emulated multi-region deployment on this machine.
+"""Emulated multi-region deployment: regions in network namespaces over shaped, delayed WAN links, probed first.
 
     diloco-bench regions --probe-only [--regions 4] [--scale 0.01] [--shard-regions 0]
                          [--probe-seconds 2] [--probe-rounds 3] [--prefix P] [--out DIR]
@@ -44,7 +44,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-only", action="store_true", help="build, probe, report, tear down")
     parser.add_argument("--cleanup", action="store_true", help="remove leftovers of dead runs")
     parser.add_argument("--prefix", default=None, help="the run's name prefix (drg...)")
-    parser.add_argument("--regions", type=int, default=len(REGIONS), help="2..4 regions")
+    parser.add_argument(
+        "--regions",
+        type=int,
+        default=len(REGIONS),
+        help="how many regions of the default table (2..4)",
+    )
     parser.add_argument(
         "--scale", type=float, default=0.01, help="emulated rate = real rate x scale"
     )
