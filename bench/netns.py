@@ -4,22 +4,27 @@ Layout of one run with prefix P (names are unique to the run; nothing is
 made in the root namespace):
 
     P-r0 ... P-rN   one namespace per region. Region i owns 10.9.i.2/24 on
-                    its veth end `Pr{i}` and routes everything through the WAN
-                    namespace (10.9.i.1).
+                    its veth end `Pr{i}`, routes everything through the WAN
+                    namespace (10.9.i.1), and holds its service address
+                    10.9.100.i on its loopback: its daemons bind 0.0.0.0 and
+                    advertise the service address, which every region reaches
+                    (region i itself locally, the others over the WAN).
     P-wan           the WAN namespace: the other veth end of every region
-                    (`Pw{i}`), one "pair address" 10.9.200.(10 i + j + 1)
-                    per ordered region pair (i, j) on its loopback, and one
-                    relay process per region pair (`bench.children.wan_relay`:
-                    delay, jitter, loss). IP forwarding stays off: region i
-                    reaches region j only through the relay, by connecting to
-                    pair_address(i, j) on the port it wants in region j.
+                    (`Pw{i}`), every region's service address on its
+                    loopback, and one relay process per region
+                    (`bench.children.wan_relay`: delay, jitter, loss) that
+                    listens on that region's service address, tells the link
+                    by the client's source address and connects on into the
+                    region from the client region's service address. IP
+                    forwarding stays off: regions reach each other only
+                    through the relays.
 
 Rates: on the WAN end of each region's veth (traffic towards that region) an
 `htb` qdisc has one class per link of that region, chosen by source address
-(the pair addresses of the link, which the relay binds for both directions),
-so each direction of each link is shaped once, by the kernel, and the
-connections of one link share its rate. The `netem`-free kernel here cannot
-delay; the relay does.
+(the other region's service address, which the relays use in both
+directions), so each direction of each link is shaped once, by the kernel,
+and the connections of one link share its rate. The `netem`-free kernel here
+cannot delay; the relays do.
 
 Cleanup: before it creates anything, a run writes a state file
 (`STATE_DIR/P.json`: its pid and start time). Everything the run makes lives
@@ -132,9 +137,9 @@ def region_address(i: int) -> str:
     return f"{BASE}.{i}.2"
 
 
-def pair_address(i: int, j: int) -> str:
-    """The address region i connects to in order to reach region j through the WAN relay."""
-    return f"{BASE}.200.{10 * i + j + 1}"
+def service_address(i: int) -> str:
+    """Region i's service address: what its daemons advertise; the same from every region."""
+    return f"{BASE}.100.{i}"
 
 
 def _start_time(pid: int) -> str:
@@ -297,40 +302,50 @@ class Topology:
             sh("ip", "-n", ns, "addr", "add", f"{region_address(i)}/24", "dev", f"{p}r{i}")
             sh("ip", "-n", ns, "link", "set", f"{p}r{i}", "up")
             sh("ip", "-n", ns, "link", "set", "lo", "up")
+            sh("ip", "-n", ns, "addr", "add", f"{service_address(i)}/32", "dev", "lo")
+            sh("ip", "-n", wan, "addr", "add", f"{service_address(i)}/32", "dev", "lo")
             sh("ip", "-n", ns, "route", "add", "default", "via", f"{BASE}.{i}.1")
             sh("tc", "-n", wan, "qdisc", "add", "dev", f"{p}w{i}", "root", "handle", "1:", "htb")
-        for link in self.links:
-            for i, j in ((link.a, link.b), (link.b, link.a)):
-                sh("ip", "-n", wan, "addr", "add", f"{pair_address(i, j)}/32", "dev", "lo")
         for k, link in enumerate(self.links):
-            for towards in (link.a, link.b):
+            for towards, other in ((link.a, link.b), (link.b, link.a)):
                 dev = f"{p}w{towards}"
                 cls = f"1:{10 + k}"
                 sh("tc", "-n", wan, "class", "add", "dev", dev, "parent", "1:", "classid", cls,
                    "htb", *htb_rate(link.mbit), "quantum", "60000")  # fmt: skip
-                for src in (pair_address(link.a, link.b), pair_address(link.b, link.a)):
-                    sh("tc", "-n", wan, "filter", "add", "dev", dev, "parent", "1:", "protocol",
-                       "ip", "prio", "1", "u32", "match", "ip", "src", f"{src}/32", "flowid", cls)  # fmt: skip
-        for k, link in enumerate(self.links):
-            self._start_relay(k, link)
+                sh("tc", "-n", wan, "filter", "add", "dev", dev, "parent", "1:", "protocol",
+                   "ip", "prio", "1", "u32", "match", "ip", "src", f"{service_address(other)}/32",
+                   "flowid", cls)  # fmt: skip
+        for region in range(self.regions):
+            self._start_relay(region)
 
-    def _start_relay(self, k: int, link: LinkShape) -> None:
-        routes = [
-            {
-                "listen": pair_address(i, j),
-                "target": region_address(j),
-                "ports": self.ports,
+    def _start_relay(self, region: int) -> None:
+        peers = {}
+        for k, link in enumerate(self.links):
+            if region not in (link.a, link.b):
+                continue
+            other = link.b if region == link.a else link.a
+            peers[region_address(other)] = {
+                "bind": service_address(other),
                 "one_way_ms": link.rtt_ms / 2,
                 "jitter_ms": min(link.jitter_ms, link.rtt_ms / 2),
                 "loss": link.loss,
                 "loss_penalty_ms": self.loss_penalty_ms,
-                "seed": 1000 * k + 10 * i + j,
+                "seed": 1000 * k + 10 * region + other,
             }
-            for i, j in ((link.a, link.b), (link.b, link.a))
-        ]
-        config = Path(self._tmp.name) / f"relay{k}.json"
-        config.write_text(json.dumps(routes))
-        stats = Path(self._tmp.name) / f"relay{k}.stats.json"
+        if not peers:
+            return
+        config = Path(self._tmp.name) / f"relay{region}.json"
+        config.write_text(
+            json.dumps(
+                {
+                    "listen": service_address(region),
+                    "target": region_address(region),
+                    "ports": self.ports,
+                    "peers": peers,
+                }
+            )
+        )
+        stats = Path(self._tmp.name) / f"relay{region}.stats.json"
         argv = _in_ns(
             wan_ns(self.prefix),
             *_pdeathsig(),
@@ -338,7 +353,7 @@ class Topology:
             "--stats",
             str(stats),
         )
-        self.relays.append(child.start(argv, f"wan relay {link.a}-{link.b}"))
+        self.relays.append(child.start(argv, f"wan relay into region {region}"))
 
     def set_rates(self, mbit: dict[tuple[int, int], float]) -> None:
         """Change links' rates in place (their htb classes).
@@ -361,9 +376,10 @@ class Topology:
         """The argv prefix that runs a command inside region `region` (dies with the bench)."""
         return (*_in_ns(region_ns(self.prefix, region)), *_pdeathsig())
 
-    def address(self, src: int, dst: int) -> str:
-        """The address a process in region `src` connects to for a port of region `dst`."""
-        return region_address(dst) if src == dst else pair_address(src, dst)
+    @staticmethod
+    def address(region: int) -> str:
+        """The address any region connects to for a port of region `region` (its service address)."""
+        return service_address(region)
 
     def probe(self, link: LinkShape, seconds: float, pings: int) -> dict[str, float]:
         """Measure one link with `bench.children.link_probe`, from region a to region b.
@@ -384,7 +400,7 @@ class Topology:
                 argv = (
                     *self.prefix_argv(i),
                     *child.module_argv(
-                        "bench.children.link_probe", "serve", "--host", region_address(i),
+                        "bench.children.link_probe", "serve", "--host", "0.0.0.0",
                         "--port", str(PROBE_PORT),
                     ),
                 )  # fmt: skip
@@ -392,7 +408,7 @@ class Topology:
         argv = (
             *self.prefix_argv(link.a),
             *child.module_argv(
-                "bench.children.link_probe", "measure", "--host", pair_address(link.a, link.b),
+                "bench.children.link_probe", "measure", "--host", service_address(link.b),
                 "--port", str(PROBE_PORT), "--bytes", str(int(link.mbit * 1e6 / 8 * seconds)),
                 "--pings", str(pings),
             ),
@@ -400,12 +416,13 @@ class Topology:
         out = sh(*argv, timeout_s=10 * seconds + pings * (link.rtt_ms + 500) / 1000 + 30)
         return json.loads(out.strip().splitlines()[-1])
 
-    def relay_stats(self) -> list[dict[str, Any]]:
-        """The relays' byte counters (after `stop_relays`), one dict per link."""
-        out = []
-        for k in range(len(self.links)):
-            path = Path(self._tmp.name) / f"relay{k}.stats.json"
-            out.append(json.loads(path.read_text()) if path.exists() else {})
+    def relay_stats(self) -> dict[int, dict[str, Any]]:
+        """The relays' byte counters (after `stop_relays`): region -> its relay's counters."""
+        out = {}
+        for region in range(self.regions):
+            path = Path(self._tmp.name) / f"relay{region}.stats.json"
+            if path.exists():
+                out[region] = json.loads(path.read_text())
         return out
 
     def stop_relays(self) -> None:

@@ -1,13 +1,13 @@
-"""A TCP relay for one WAN link between two regions: one-way delay, jitter and loss.
+"""A TCP relay into one region over the WAN: per source region one-way delay, jitter and loss.
 
 The kernel here has `tbf` and `htb` but no `netem`, so the round-trip time,
 its jitter and the cost of a lost packet are added in userspace, by this
-relay; the link's rate is the kernel's (an `htb` class per link in the WAN
-namespace, `bench.netns`). One relay process runs per region pair, inside the
-WAN namespace. Each route listens on an address of its own (the route's
-"pair address") and connects on to the target region with that same address
-as its source, so the kernel can tell the links apart by source address and
-shape each one.
+relay; the links' rates are the kernel's (an `htb` class per link in the WAN
+namespace, `bench.netns`). One relay process runs per region, inside the WAN
+namespace, on that region's service address: it takes connections from the
+other regions, tells the link by the client's source address, and connects
+on into its region with the client region's service address as source, so
+that the kernel can tell the links apart by source address and shape each.
 
 Every chunk read on one side is written to the other side `one_way_ms`
 +- `jitter_ms` (uniform) later; order is kept (a chunk is never due before
@@ -25,11 +25,13 @@ the loss.
 
     python -m bench.children.wan_relay --config FILE.json [--stats FILE.json]
 
-The config is a list of routes: {"listen": IP, "target": IP, "ports": [..],
-"one_way_ms", "jitter_ms", "loss", "loss_penalty_ms", "seed"}; each route
-relays listen:PORT -> target:PORT for each port, binding `listen` as the
-source of the outgoing connection. Prints ``ready`` once every listener is
-bound; runs until SIGTERM, then writes its byte counters to `--stats`.
+The config: {"listen": IP, "target": IP, "ports": [..], "peers": {SOURCE_IP:
+{"bind": IP, "one_way_ms", "jitter_ms", "loss", "loss_penalty_ms", "seed"}}}:
+it relays listen:PORT -> target:PORT for each port, for clients from each
+SOURCE_IP with that link's impairments, binding `bind` as the source of the
+outgoing connection; other clients are refused. Prints ``ready`` once every
+listener is bound; runs until SIGTERM, then writes its byte counters to
+`--stats`.
 """
 
 from __future__ import annotations
@@ -58,11 +60,10 @@ class WanRelayError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Route:
-    """One direction of address translation through the relay, with the link's impairments."""
+    """One link into the relay's region: the client region's source address, its impairments."""
 
-    listen: str
-    target: str
-    ports: tuple[int, ...]
+    source: str
+    bind: str
     one_way_ms: float
     jitter_ms: float = 0.0
     loss: float = 0.0
@@ -70,10 +71,11 @@ class Route:
     seed: int = 0
 
     @classmethod
-    def from_dict(cls, raw: dict[str, Any]) -> Route:
-        """Validate one route of the config.
+    def from_dict(cls, source: str, raw: dict[str, Any]) -> Route:
+        """Validate one peer of the config.
 
         Args:
+            source: the client region's address.
             raw: the JSON object.
 
         Returns:
@@ -84,9 +86,8 @@ class Route:
         """
         try:
             route = cls(
-                listen=str(raw["listen"]),
-                target=str(raw["target"]),
-                ports=tuple(int(p) for p in raw["ports"]),
+                source=source,
+                bind=str(raw["bind"]),
                 one_way_ms=float(raw["one_way_ms"]),
                 jitter_ms=float(raw.get("jitter_ms", 0.0)),
                 loss=float(raw.get("loss", 0.0)),
@@ -96,11 +97,11 @@ class Route:
         except (KeyError, TypeError, ValueError) as exc:
             raise WanRelayError(f"bad route {raw!r}: {exc}") from None
         if route.one_way_ms < 0 or route.jitter_ms < 0 or route.loss_penalty_ms < 0:
-            raise WanRelayError(f"route {route.listen}: delays must be >= 0")
+            raise WanRelayError(f"peer {source}: delays must be >= 0")
         if route.jitter_ms > route.one_way_ms:
-            raise WanRelayError(f"route {route.listen}: jitter_ms must not exceed one_way_ms")
+            raise WanRelayError(f"peer {source}: jitter_ms must not exceed one_way_ms")
         if not 0.0 <= route.loss < 1.0:
-            raise WanRelayError(f"route {route.listen}: loss must be in [0, 1)")
+            raise WanRelayError(f"peer {source}: loss must be in [0, 1)")
         return route
 
 
@@ -202,14 +203,19 @@ async def _pipe(
         counters.losses[key] = counters.losses.get(key, 0) + impairment.losses
 
 
-async def _serve(routes: list[Route], stats: Path | None) -> None:
+async def _serve(
+    listen: str, target: str, ports: list[int], routes: dict[str, Route], stats: Path | None
+) -> None:
     counters = Counters()
-    seeds = random.Random(sum(r.seed for r in routes))
+    seeds = random.Random(sum(r.seed for r in routes.values()))
 
-    async def handler(reader, writer, route: Route, port: int) -> None:
+    async def handler(reader, writer, port: int) -> None:
+        route = routes.get(writer.get_extra_info("peername")[0])
         try:
+            if route is None:  # not a region of this WAN
+                raise ConnectionRefusedError
             treader, twriter = await asyncio.open_connection(
-                route.target, port, local_addr=(route.listen, 0)
+                target, port, local_addr=(route.bind, 0)
             )
         except OSError:
             writer.close()
@@ -219,8 +225,8 @@ async def _serve(routes: list[Route], stats: Path | None) -> None:
         down = Impairment(route, random.Random(seeds.random()))
         try:
             await asyncio.gather(
-                _pipe(reader, twriter, up, counters, f"{route.listen}->{route.target}"),
-                _pipe(treader, writer, down, counters, f"{route.target}->{route.listen}"),
+                _pipe(reader, twriter, up, counters, f"{route.source}->{target}"),
+                _pipe(treader, writer, down, counters, f"{target}->{route.source}"),
             )
         finally:
             for w in (writer, twriter):
@@ -228,14 +234,10 @@ async def _serve(routes: list[Route], stats: Path | None) -> None:
                     w.close()
 
     stop = stop_on_signals()
-    servers = []
-    for route in routes:
-        for port in route.ports:
-            servers.append(
-                await asyncio.start_server(
-                    lambda r, w, rt=route, p=port: handler(r, w, rt, p), route.listen, port
-                )
-            )
+    servers = [
+        await asyncio.start_server(lambda r, w, p=port: handler(r, w, p), listen, port)
+        for port in ports
+    ]
     say_ready()
     await asyncio.to_thread(stop.wait)
     for server in servers:
@@ -255,18 +257,20 @@ async def _serve(routes: list[Route], stats: Path | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (2 for a bad config)."""
     parser = argparse.ArgumentParser(prog="python -m bench.children.wan_relay", description=__doc__)
-    parser.add_argument("--config", type=Path, required=True, help="JSON list of routes")
+    parser.add_argument("--config", type=Path, required=True, help="JSON: listen, target, peers")
     parser.add_argument("--stats", type=Path, default=None, help="write byte counters here on exit")
     args = parser.parse_args(argv)
     try:
         raw = json.loads(args.config.read_text())
-        if not isinstance(raw, list) or not raw:
-            raise WanRelayError("the config must be a non-empty list of routes")
-        routes = [Route.from_dict(r) for r in raw]
-    except (OSError, json.JSONDecodeError, WanRelayError) as exc:
-        print(f"wan_relay: {exc}", file=sys.stderr)
+        listen, target = str(raw["listen"]), str(raw["target"])
+        ports = [int(p) for p in raw["ports"]]
+        routes = {src: Route.from_dict(src, peer) for src, peer in raw["peers"].items()}
+        if not ports or not routes:
+            raise WanRelayError("the config needs ports and peers")
+    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+        print(f"wan_relay: bad config: {exc}", file=sys.stderr)
         return 2
-    asyncio.run(_serve(routes, args.stats))
+    asyncio.run(_serve(listen, target, ports, routes, args.stats))
     return 0
 
 
