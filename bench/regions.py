@@ -2,6 +2,7 @@
 
     diloco-bench regions --probe-only [--regions 4] [--scale 0.01] [--shard-regions 0]
                          [--probe-seconds 2] [--probe-rounds 3] [--prefix P] [--out DIR]
+    diloco-bench regions [same flags] [--params 2000000] [--rounds 3] [--compute-s 1.0]
     diloco-bench regions --cleanup [--prefix P]
 
 Builds one network namespace per region joined through a WAN namespace
@@ -11,7 +12,10 @@ multiplied by `--scale`. Then its own TCP probe measures, per link, what it
 carries and its round-trip time through the relay, and reports achieved
 against configured; a link under 90% of its rate scales every link down
 (`regions_plan.rescale`), stated in the report, and the links are probed
-again (up to `--probe-rounds`). Prints the report as JSON (and writes it to
+again (up to `--probe-rounds`). Without `--probe-only` it then runs shards
+and one island per region pushing synthetic int8 deltas through the real
+client (`bench.regions_run`: round time against bytes / bandwidth, control
+latency while transfers are in flight). Prints the report as JSON (and writes it to
 `--out DIR`/regions.json), then tears everything down.
 
 Everything lives in namespaces named after the run's prefix and is deleted
@@ -33,7 +37,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import child, netns, outdir, regions_plan
+from bench import child, netns, outdir, regions_plan, regions_run
 from bench.regions_plan import LINKS, REGIONS, Link
 
 LOSS_PENALTY_MS = 200.0
@@ -59,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--probe-seconds", type=float, default=2.0, help="stream time per link")
     parser.add_argument("--probe-pings", type=int, default=15, help="pings per link")
     parser.add_argument("--probe-rounds", type=int, default=3, help="probe/rescale rounds at most")
+    run = parser.add_argument_group("the run (without --probe-only)")
+    run.add_argument("--params", type=int, default=2_000_000, help="float32 parameters pushed")
+    run.add_argument("--rounds", type=int, default=3, help="rounds each island pushes")
+    run.add_argument(
+        "--compute-s", type=float, default=1.0, help="compute per round of a speed-1.0 island"
+    )
+    run.add_argument("--run-timeout", type=float, default=600.0, help="bound on the islands, s")
     parser.add_argument(
         "--out", type=Path, default=None, help="also write the report to DIR/regions.json"
     )
@@ -181,7 +192,8 @@ def run(args: argparse.Namespace) -> int:
     ]
     started = datetime.datetime.now(datetime.UTC)
     try:
-        with netns.Topology(args.regions, shapes, [], args.prefix, LOSS_PENALTY_MS) as topo:
+        ports = [] if args.probe_only else regions_run.shard_ports(len(shard_regions))
+        with netns.Topology(args.regions, shapes, ports, args.prefix, LOSS_PENALTY_MS) as topo:
             report: dict[str, Any] = {
                 "command": "regions",
                 "date": started.isoformat(timespec="seconds"),
@@ -202,6 +214,15 @@ def run(args: argparse.Namespace) -> int:
                 },
                 **probe_links(topo, links, args.scale, args),
             }
+            if not args.probe_only:
+                report["run"] = regions_run.run_islands(
+                    topo, links, report["scale"], shard_regions, args.params, args.rounds,
+                    args.compute_s, args.run_timeout,
+                )  # fmt: skip
+                topo.stop_relays()
+                report["relay_bytes"] = {
+                    REGIONS[r].name: stats for r, stats in topo.relay_stats().items()
+                }
     except netns.NetnsError as exc:
         print(f"diloco-bench regions: {exc}", file=sys.stderr)
         return 2
