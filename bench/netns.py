@@ -261,8 +261,10 @@ class Topology:
     def __enter__(self) -> Topology:
         if self.prefix is None:
             self.prefix = new_prefix()
-        elif any(ns.startswith(self.prefix + "-") for ns in namespaces()):
-            raise NetnsError(f"namespaces of prefix {self.prefix} exist already (--cleanup?)")
+        elif state_file(self.prefix).exists() or any(
+            ns.startswith(self.prefix + "-") for ns in namespaces()
+        ):
+            raise NetnsError(f"prefix {self.prefix} is in use (a live run, or --cleanup it)")
         STATE_DIR.mkdir(parents=True, exist_ok=True)
         state = {"prefix": self.prefix, "pid": os.getpid(), "start_time": _start_time(os.getpid())}
         state_file(self.prefix).write_text(json.dumps(state))

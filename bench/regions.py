@@ -173,11 +173,13 @@ def run(args: argparse.Namespace) -> int:
     if args.scale <= 0:
         print("diloco-bench regions: --scale must be > 0", file=sys.stderr)
         return 2
-    if args.prefix is not None and (
-        not args.prefix.startswith(netns.PREFIX_START) or len(args.prefix) > 7
+    if args.prefix is not None and not (
+        args.prefix.startswith(netns.PREFIX_START)
+        and len(args.prefix) <= 7
+        and args.prefix[len(netns.PREFIX_START) :].isalnum()
     ):
         print(
-            f"diloco-bench regions: --prefix must be {netns.PREFIX_START} + up to 4 characters",
+            f"diloco-bench regions: --prefix must be {netns.PREFIX_START} + 1-4 letters or digits",
             file=sys.stderr,
         )
         return 2

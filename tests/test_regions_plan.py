@@ -70,3 +70,38 @@ def test_chunk_loss_probability() -> None:
     assert chunk_loss_probability(100, 0.01) == pytest.approx(0.01)
     assert chunk_loss_probability(1449, 0.01) == pytest.approx(1 - 0.99**2)
     assert chunk_loss_probability(10_000, 0.0) == 0.0
+
+
+def test_island_report_against_bytes_over_bandwidth() -> None:
+    from bench.regions_run import island_report
+
+    link = Link(0, 2, 2.0, 80.0)  # at scale 0.01: 20 Mbit/s
+    result = {
+        "island": "island-us-west",
+        "speed": 1.0,
+        "rounds": [
+            # 1,000,000 bytes over 20 Mbit/s = 0.4 s, plus one RTT 0.08 s = 0.48 s
+            {"round": 0, "seconds": 0.6, "bytes_sent": 1_000_000, "ack_latency_s": [0.5, 0.59]},
+        ],
+        "status_rtt": [
+            {"at": 1.0, "seconds": 0.2, "in_transfer": True},
+            {"at": 2.0, "seconds": 6.0, "in_transfer": True},
+            {"at": 3.0, "seconds": 0.09, "in_transfer": False},
+        ],
+        "client": {},
+        "failed": "",
+    }
+    report = island_report(result, 2, 0, link, 20.0)
+    (line,) = report["rounds"]
+    assert line["bytes_over_bandwidth_s"] == pytest.approx(0.48)
+    assert line["ratio"] == pytest.approx(0.6 / 0.48)  # 1.25
+    assert line["ack_latency_s_max"] == pytest.approx(0.59)
+    control = report["control_latency_s"]
+    assert control["in_transfer"]["n"] == 2
+    assert control["in_transfer"]["max"] == pytest.approx(6.0)
+    assert control["idle"]["p50"] == pytest.approx(0.09)
+    assert control["liveness_interval_s"] == 5.0  # 1 s heartbeats x liveness 5
+    assert control["max_under_liveness"] is False  # 6 s > 5 s
+    # the island of the shard's own region has no link: no bandwidth figure
+    local = island_report({**result, "island": "island-us-east"}, 0, 0, None, None)
+    assert local["rounds"][0]["ratio"] is None

@@ -169,3 +169,56 @@ def test_without_root_it_exits_2_with_one_line() -> None:
     assert proc.stdout == ""
     assert len(proc.stderr.strip().splitlines()) == 1
     assert "root" in proc.stderr
+
+
+@pytest.mark.timeout(90)
+def test_sigterm_mid_run_removes_everything() -> None:
+    prefix = _prefix()
+    bench = subprocess.Popen(
+        [*BENCH, "--probe-only", "--regions", "2", "--scale", "0.001", "--prefix", prefix,
+         "--probe-seconds", "20"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ENV,
+    )  # fmt: skip
+    try:
+        pids = wait_for(
+            lambda: len(_ours(prefix)) == 3 and len(_pids_in(prefix)) >= 3 and _pids_in(prefix),
+            "the run's relay and probe servers",
+            timeout_s=40,
+        )
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=40) != 0
+        assert _ours(prefix) == []
+        assert not netns.state_file(prefix).exists()
+        assert not [p for p in pids if _alive(p)]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+            bench.wait()
+        if netns.state_file(prefix).exists():
+            netns.cleanup_prefix(prefix)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(420)
+def test_small_run_pushes_through_the_wan_and_reports_rounds() -> None:
+    prefix = _prefix()
+    proc = subprocess.run(
+        [*BENCH, "--regions", "2", "--scale", "0.002", "--prefix", prefix, "--probe-seconds",
+         "1", "--probe-rounds", "1", "--params", "200000", "--rounds", "2", "--compute-s", "0.2",
+         "--run-timeout", "300"],
+        capture_output=True, text=True, timeout=400, env=ENV,
+    )  # fmt: skip
+    assert proc.returncode in (0, 1), proc.stderr
+    report = json.loads(proc.stdout)
+    run = report["run"]
+    assert run["errors"] == []
+    assert len(run["islands"]) == 2
+    for island in run["islands"]:
+        assert island["failed"] == ""
+        assert island["client"]["acked"] == island["client"]["pushes"] > 0
+        assert [r["round"] for r in island["rounds"]] == [0, 1]
+    remote = next(i for i in run["islands"] if i["link"] is not None)
+    assert remote["link_mbit"] == pytest.approx(5.0 * 1000 * report["scale"])
+    assert all(r["ratio"] > 0 for r in remote["rounds"])
+    assert report["relay_bytes"]  # the relays counted what crossed the WAN
+    assert _ours(prefix) == []
