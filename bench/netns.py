@@ -37,6 +37,7 @@ leftovers, and only theirs.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -397,16 +398,7 @@ class Topology:
         Raises:
             NetnsError: the probe failed.
         """
-        if not self._probe_servers:
-            for i in range(self.regions):
-                argv = (
-                    *self.prefix_argv(i),
-                    *child.module_argv(
-                        "bench.children.link_probe", "serve", "--host", "0.0.0.0",
-                        "--port", str(PROBE_PORT),
-                    ),
-                )  # fmt: skip
-                self._probe_servers.append(child.start(argv, f"probe server {i}"))
+        self.start_probe_servers()
         argv = (
             *self.prefix_argv(link.a),
             *child.module_argv(
@@ -417,6 +409,33 @@ class Topology:
         )  # fmt: skip
         out = sh(*argv, timeout_s=10 * seconds + pings * (link.rtt_ms + 500) / 1000 + 30)
         return json.loads(out.strip().splitlines()[-1])
+
+    def start_probe_servers(self) -> None:
+        """Start a `link_probe serve` in every region (once)."""
+        if self._probe_servers:
+            return
+        for i in range(self.regions):
+            argv = (
+                *self.prefix_argv(i),
+                *child.module_argv(
+                    "bench.children.link_probe", "serve", "--host", "0.0.0.0",
+                    "--port", str(PROBE_PORT),
+                ),
+            )  # fmt: skip
+            self._probe_servers.append(child.start(argv, f"probe server {i}"))
+
+    def probe_together(self, seconds: float) -> list[dict[str, float]]:
+        """Stream over every link at once (what the relays and the CPUs carry together).
+
+        Args:
+            seconds: streaming time at each link's rate.
+
+        Returns:
+            One probe result per link, in `links` order (one ping each).
+        """
+        self.start_probe_servers()
+        with concurrent.futures.ThreadPoolExecutor(len(self.links)) as pool:
+            return list(pool.map(lambda link: self.probe(link, seconds, 1), self.links))
 
     def relay_stats(self) -> dict[int, dict[str, Any]]:
         """The relays' byte counters (after `stop_relays`): region -> its relay's counters."""

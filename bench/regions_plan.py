@@ -17,7 +17,8 @@ Rates are per direction. A userspace relay on this machine does not carry
 Gbit/s, so every rate is multiplied by one factor, `scale` (0.01: 2 Gbit/s is
 emulated as 20 Mbit/s); round-trip times, jitter and loss are not scaled.
 
-Scaling rule (`rescale`): each link is probed at its scaled rate. When the
+Scaling rule (`rescale`): each link is probed at its scaled rate, alone and
+with every link streaming at once, and counts with the lower of the two. When the
 worst link carries less than `THRESHOLD` (90%) of its rate, the scale is
 multiplied by that link's achieved / configured ratio, so that link is
 emulated at what it carried and every other link keeps its ratio to it; the
@@ -151,24 +152,29 @@ def parse_regions_list(text: str, regions: int) -> list[int]:
     return out
 
 
-def link_report(link: Link, configured: float, probe: dict[str, Any]) -> dict[str, Any]:
+def link_report(
+    link: Link, configured: float, probe: dict[str, Any], together_mbit: float | None = None
+) -> dict[str, Any]:
     """One link's line of the report: configured against achieved.
 
     Args:
         link: the link.
         configured: the Mbit/s it was emulated at.
-        probe: the probe's figures.
+        probe: the probe's figures with the link alone.
+        together_mbit: what it carried while every link streamed at once (None: not probed).
 
     Returns:
-        A JSON-ready dict.
+        A JSON-ready dict; `rate_ratio` is the lower of alone and together.
     """
-    ratio = probe["mbit_s"] / configured if configured > 0 else 0.0
+    achieved = probe["mbit_s"] if together_mbit is None else min(probe["mbit_s"], together_mbit)
+    ratio = achieved / configured if configured > 0 else 0.0
     return {
         "a": REGIONS[link.a].name,
         "b": REGIONS[link.b].name,
         "gbit": link.gbit,
         "configured_mbit": round(configured, 3),
         "achieved_mbit": round(probe["mbit_s"], 3),
+        "achieved_mbit_together": None if together_mbit is None else round(together_mbit, 3),
         "rate_ratio": round(ratio, 4),
         "rate_held": ratio >= THRESHOLD,
         "rtt_ms": link.rtt_ms,
