@@ -58,6 +58,7 @@ STATE_DIR = Path("/run/diloco-regions")
 PREFIX_START = "drg"
 BASE = "10.9"
 PROBE_PORT = 5201
+WORKDIR_START = "diloco-regions-"
 
 
 class NetnsError(RuntimeError):
@@ -185,10 +186,12 @@ def _stop_pids(pids: list[int], grace_s: float = 5.0) -> None:
 
 
 def cleanup_prefix(prefix: str) -> list[str]:
-    """Remove everything run `prefix` made: processes in its namespaces, the namespaces, its state file.
+    """Remove everything run `prefix` made: processes in its namespaces, the namespaces, its work dir.
 
     Only namespaces named `prefix-*` are touched, and only when the prefix is
-    a regions prefix; the veths go with their namespaces.
+    a regions prefix; the veths go with their namespaces; the work dir the
+    state file names is removed only if it is a `diloco-regions-*` directory
+    of the temporary directory, as `Topology` makes it.
 
     Args:
         prefix: the run's prefix.
@@ -208,6 +211,11 @@ def cleanup_prefix(prefix: str) -> list[str]:
     for ns in ours:
         with contextlib.suppress(NetnsError):
             sh("ip", "netns", "del", ns)
+    with contextlib.suppress(OSError, json.JSONDecodeError, KeyError):
+        workdir = Path(json.loads(state_file(prefix).read_text())["workdir"])
+        # only the run's own temporary directory, where Topology made it
+        if workdir.parent == Path(tempfile.gettempdir()) and workdir.name.startswith(WORKDIR_START):
+            shutil.rmtree(workdir, ignore_errors=True)
     with contextlib.suppress(FileNotFoundError):
         state_file(prefix).unlink()
     return ours
@@ -256,7 +264,8 @@ class Topology:
         self.loss_penalty_ms = loss_penalty_ms
         self.relays: list[child.Child] = []
         self._probe_servers: list[child.Child] = []
-        self._tmp = tempfile.TemporaryDirectory(prefix="diloco-regions-")
+        self._tmp: tempfile.TemporaryDirectory | None = None
+        self.workdir = Path()  # relay configs, counters, the run's data dirs (from __enter__)
 
     # ---- building
     def __enter__(self) -> Topology:
@@ -266,8 +275,15 @@ class Topology:
             ns.startswith(self.prefix + "-") for ns in namespaces()
         ):
             raise NetnsError(f"prefix {self.prefix} is in use (a live run, or --cleanup it)")
+        self._tmp = tempfile.TemporaryDirectory(prefix=WORKDIR_START)
+        self.workdir = Path(self._tmp.name)
         STATE_DIR.mkdir(parents=True, exist_ok=True)
-        state = {"prefix": self.prefix, "pid": os.getpid(), "start_time": _start_time(os.getpid())}
+        state = {
+            "prefix": self.prefix,
+            "pid": os.getpid(),
+            "start_time": _start_time(os.getpid()),
+            "workdir": str(self.workdir),
+        }
         state_file(self.prefix).write_text(json.dumps(state))
         try:
             self._build()
@@ -337,7 +353,7 @@ class Topology:
             }
         if not peers:
             return
-        config = Path(self._tmp.name) / f"relay{region}.json"
+        config = self.workdir / f"relay{region}.json"
         config.write_text(
             json.dumps(
                 {
@@ -348,7 +364,7 @@ class Topology:
                 }
             )
         )
-        stats = Path(self._tmp.name) / f"relay{region}.stats.json"
+        stats = self.workdir / f"relay{region}.stats.json"
         argv = _in_ns(
             wan_ns(self.prefix),
             *_pdeathsig(),
@@ -441,7 +457,7 @@ class Topology:
         """The relays' byte counters (after `stop_relays`): region -> its relay's counters."""
         out = {}
         for region in range(self.regions):
-            path = Path(self._tmp.name) / f"relay{region}.stats.json"
+            path = self.workdir / f"relay{region}.stats.json"
             if path.exists():
                 out[region] = json.loads(path.read_text())
         return out
@@ -463,4 +479,6 @@ class Topology:
                 cleanup_prefix(self.prefix)
             except NetnsError as exc:
                 print(f"regions: cleanup of {self.prefix}: {exc}", file=sys.stderr)
-        self._tmp.cleanup()
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None

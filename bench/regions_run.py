@@ -22,8 +22,6 @@ import json
 import statistics
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
 from typing import Any
 
 from bench import child, netns
@@ -131,73 +129,72 @@ def run_islands(
     Returns:
         The run part of the report.
     """
-    with tempfile.TemporaryDirectory(prefix="diloco-regions-run-") as tmp:
-        work = Path(tmp)
-        shards = [
-            ShardAddress(
-                router=f"tcp://{topo.address(region)}:{ROUTER_PORT + 2 * i}",
-                pub=f"tcp://{topo.address(region)}:{ROUTER_PORT + 2 * i + 1}",
-                router_bind=f"tcp://0.0.0.0:{ROUTER_PORT + 2 * i}",
-                pub_bind=f"tcp://0.0.0.0:{ROUTER_PORT + 2 * i + 1}",
+    work = topo.workdir / "run"  # removed with the topology's work dir
+    work.mkdir()
+    shards = [
+        ShardAddress(
+            router=f"tcp://{topo.address(region)}:{ROUTER_PORT + 2 * i}",
+            pub=f"tcp://{topo.address(region)}:{ROUTER_PORT + 2 * i + 1}",
+            router_bind=f"tcp://0.0.0.0:{ROUTER_PORT + 2 * i}",
+            pub_bind=f"tcp://0.0.0.0:{ROUTER_PORT + 2 * i + 1}",
+        )
+        for i, region in enumerate(shard_regions)
+    ]
+    server = {
+        "data_dir": str(work / "server"),
+        "mode": "async",
+        "insecure": True,
+        "heartbeat_interval_s": HEARTBEAT_S,
+        "liveness": LIVENESS,
+    }
+    cluster = work / "cluster.toml"
+    cluster.write_text(render_cluster_file(server, shards))
+    for i, region in enumerate(shard_regions):
+        argv = [*topo.prefix_argv(region), sys.executable, "-m", "paramserver.server.cli",
+                "start", "--cluster", str(cluster), "--shard", str(i), "--detach"]  # fmt: skip
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+        if proc.returncode != 0:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()
+            raise netns.NetnsError(f"shard {i} did not start: {tail[-1] if tail else ''}")
+    islands = []
+    for region in range(topo.regions):
+        speed = REGIONS[region].island_speed
+        argv = [*topo.prefix_argv(region), *child.module_argv(
+            "bench.children.region_island", "--connect", shards[0].router,
+            "--island", f"island-{REGIONS[region].name}", "--params", str(params),
+            "--rounds", str(rounds), "--compute-s", str(compute_s), "--speed", str(speed),
+            "--seed", str(region),
+        )]  # fmt: skip
+        err = open(work / f"island{region}.log", "w+b")  # noqa: SIM115 (read after the run)
+        islands.append(
+            (region, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True), err)
+        )
+    reports, errors = [], []
+    for region, proc, err in islands:
+        try:
+            out, _ = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, _ = proc.communicate()
+        lines = out.strip().splitlines()
+        if not lines:
+            err.seek(0)
+            tail = err.read().decode(errors="replace").strip().splitlines()
+            errors.append(
+                f"island in {REGIONS[region].name}: {tail[-1] if tail else proc.returncode}"
             )
-            for i, region in enumerate(shard_regions)
-        ]
-        server = {
-            "data_dir": str(work / "server"),
-            "mode": "async",
-            "insecure": True,
-            "heartbeat_interval_s": HEARTBEAT_S,
-            "liveness": LIVENESS,
-        }
-        cluster = work / "cluster.toml"
-        cluster.write_text(render_cluster_file(server, shards))
-        for i, region in enumerate(shard_regions):
-            argv = [*topo.prefix_argv(region), sys.executable, "-m", "paramserver.server.cli",
-                    "start", "--cluster", str(cluster), "--shard", str(i), "--detach"]  # fmt: skip
-            proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
-            if proc.returncode != 0:
-                tail = (proc.stderr or proc.stdout).strip().splitlines()
-                raise netns.NetnsError(f"shard {i} did not start: {tail[-1] if tail else ''}")
-        islands = []
-        for region in range(topo.regions):
-            speed = REGIONS[region].island_speed
-            argv = [*topo.prefix_argv(region), *child.module_argv(
-                "bench.children.region_island", "--connect", shards[0].router,
-                "--island", f"island-{REGIONS[region].name}", "--params", str(params),
-                "--rounds", str(rounds), "--compute-s", str(compute_s), "--speed", str(speed),
-                "--seed", str(region),
-            )]  # fmt: skip
-            err = open(work / f"island{region}.log", "w+b")  # noqa: SIM115 (read after the run)
-            islands.append(
-                (region, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True), err)
-            )
-        reports, errors = [], []
-        for region, proc, err in islands:
-            try:
-                out, _ = proc.communicate(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                out, _ = proc.communicate()
-            lines = out.strip().splitlines()
-            if not lines:
-                err.seek(0)
-                tail = err.read().decode(errors="replace").strip().splitlines()
-                errors.append(
-                    f"island in {REGIONS[region].name}: {tail[-1] if tail else proc.returncode}"
-                )
-                continue
-            link = _link_between(links, region, shard_regions[0])
-            mbit = None if link is None else link.gbit * 1000.0 * scale
-            reports.append(
-                island_report(json.loads(lines[-1]), region, shard_regions[0], link, mbit)
-            )
-            err.close()
-        for i, region in enumerate(shard_regions):
-            subprocess.run(
-                [*topo.prefix_argv(region), sys.executable, "-m", "paramserver.server.cli", "stop",
-                 "--data-dir", str(daemon.shard_dir(work / "server", i)), "--timeout", "30"],
-                capture_output=True, timeout=60,
-            )  # fmt: skip
+            continue
+        link = _link_between(links, region, shard_regions[0])
+        mbit = None if link is None else link.gbit * 1000.0 * scale
+        reports.append(island_report(json.loads(lines[-1]), region, shard_regions[0], link, mbit))
+    for _, _, err in islands:
+        err.close()
+    for i, region in enumerate(shard_regions):
+        subprocess.run(
+            [*topo.prefix_argv(region), sys.executable, "-m", "paramserver.server.cli", "stop",
+             "--data-dir", str(daemon.shard_dir(work / "server", i)), "--timeout", "30"],
+            capture_output=True, timeout=60,
+        )  # fmt: skip
     return {
         "params": params,
         "rounds": rounds,

@@ -124,6 +124,8 @@ def test_leftovers_of_a_killed_run_are_removed_and_only_its_own() -> None:
     try:
         pids_first = _start_and_kill(first)
         assert len(_ours(first)) == 3  # kill -9 left them
+        workdir = Path(json.loads(netns.state_file(first).read_text())["workdir"])
+        assert workdir.is_dir()  # and the relays' configs
         out = subprocess.run(
             [*BENCH, "--cleanup", "--prefix", first], capture_output=True, text=True,
             timeout=60, env=ENV,
@@ -134,6 +136,7 @@ def test_leftovers_of_a_killed_run_are_removed_and_only_its_own() -> None:
         )
         assert _ours(first) == []
         assert not netns.state_file(first).exists()
+        assert not workdir.exists()
         wait_for(lambda: not [p for p in pids_first if _alive(p)], "the first run's helpers gone")
 
         pids_second = _start_and_kill(second)
