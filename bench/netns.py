@@ -171,13 +171,22 @@ def stale_prefixes() -> list[str]:
     return found
 
 
+def _running(pid: int) -> bool:
+    """Whether `pid` exists and is not a zombie (an exited child nobody reaped yet)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
 def _stop_pids(pids: list[int], grace_s: float = 5.0) -> None:
     for pid in pids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + grace_s
     while pids and time.monotonic() < deadline:
-        pids = [p for p in pids if Path(f"/proc/{p}").exists() and _start_time(p)]
+        pids = [p for p in pids if _running(p)]
         if pids:
             time.sleep(0.05)
     for pid in pids:
