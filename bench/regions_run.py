@@ -10,7 +10,8 @@ deltas through the real client, round by round.
 
 Per island and round the report gives the round's seconds from the first
 push to the last ack against bytes / bandwidth (the bytes the client sent
-over the emulated rate of its link to the shard, plus one RTT), and the
+over the emulated links to the shards' regions, plus one RTT:
+`bytes_over_bandwidth_s`), and the
 control plane's latency (a status request on its own connection to the
 shard, over the same link) while transfers were in flight and while idle,
 against one liveness interval (heartbeat_interval_s x liveness of the shard).
@@ -48,24 +49,57 @@ def _link_between(links: list[Link], a: int, b: int) -> Link | None:
     return next((ln for ln in links if {ln.a, ln.b} == {a, b}), None)
 
 
+def bytes_over_bandwidth_s(
+    nbytes: int, region: int, shard_regions: list[int], links: list[Link], scale: float
+) -> float | None:
+    """The ideal time of a round: its bytes over the links to the shards, plus one RTT.
+
+    The plan is byte-balanced, so each of the S shards gets 1/S of the bytes;
+    the transfers to the shards run at once, so the slowest one sets the time:
+    max over remote shards of (bytes / S x 8 / rate of the link to it), plus the
+    largest RTT of those links. Shards in the island's own region cost nothing.
+
+    Args:
+        nbytes: the bytes the island sent in the round.
+        region: the island's region.
+        shard_regions: region of each shard.
+        links: the links at real rates.
+        scale: emulated Mbit/s = Gbit/s x 1000 x scale.
+
+    Returns:
+        Seconds, or None when every shard is in the island's region.
+    """
+    remote = [_link_between(links, region, r) for r in shard_regions if r != region]
+    remote = [ln for ln in remote if ln is not None]
+    if not remote:
+        return None
+    share = nbytes / len(shard_regions)
+    transfer = max(share * 8 / (ln.gbit * 1000.0 * scale * 1e6) for ln in remote)
+    return transfer + max(ln.rtt_ms for ln in remote) / 1000.0
+
+
 def island_report(
-    result: dict[str, Any], region: int, shard_region: int, link: Link | None, mbit: float | None
+    result: dict[str, Any],
+    region: int,
+    shard_regions: list[int],
+    links: list[Link],
+    scale: float,
 ) -> dict[str, Any]:
     """One island's rounds against bytes / bandwidth, and its control-plane latency.
 
     Args:
         result: the island child's JSON.
         region: its region.
-        shard_region: the region of shard 0 (the one this island's link leads to).
-        link: the link between the two (None: same region).
-        mbit: that link's emulated rate.
+        shard_regions: region of each shard.
+        links: the links at real rates.
+        scale: the run's scale.
 
     Returns:
         A JSON-ready dict.
     """
     rounds = []
     for r in result["rounds"]:
-        ideal = r["bytes_sent"] * 8 / (mbit * 1e6) + link.rtt_ms / 1000 if link and mbit else None
+        ideal = bytes_over_bandwidth_s(r["bytes_sent"], region, shard_regions, links, scale)
         rounds.append(
             {
                 "round": r["round"],
@@ -76,6 +110,7 @@ def island_report(
                 "ack_latency_s_max": round(max(r["ack_latency_s"], default=0.0), 4),
             }
         )
+    to_shards = [_link_between(links, region, r) for r in shard_regions if r != region]
     busy = [s["seconds"] for s in result["status_rtt"] if s["in_transfer"]]
     idle = [s["seconds"] for s in result["status_rtt"] if not s["in_transfer"]]
     liveness_s = HEARTBEAT_S * LIVENESS
@@ -83,10 +118,16 @@ def island_report(
         "island": result["island"],
         "region": REGIONS[region].name,
         "speed": result["speed"],
-        "link": None if link is None else f"{REGIONS[link.a].name}-{REGIONS[link.b].name}",
-        "link_mbit": mbit,
-        "rtt_ms": None if link is None else link.rtt_ms,
-        "shard_region": REGIONS[shard_region].name,
+        "links_to_shards": [
+            {
+                "link": f"{REGIONS[ln.a].name}-{REGIONS[ln.b].name}",
+                "mbit": round(ln.gbit * 1000.0 * scale, 3),
+                "rtt_ms": ln.rtt_ms,
+            }
+            for ln in to_shards
+            if ln is not None
+        ],
+        "shard_regions": [REGIONS[r].name for r in shard_regions],
         "rounds": rounds,
         "control_latency_s": {
             "in_transfer": {
@@ -184,9 +225,7 @@ def run_islands(
                 f"island in {REGIONS[region].name}: {tail[-1] if tail else proc.returncode}"
             )
             continue
-        link = _link_between(links, region, shard_regions[0])
-        mbit = None if link is None else link.gbit * 1000.0 * scale
-        reports.append(island_report(json.loads(lines[-1]), region, shard_regions[0], link, mbit))
+        reports.append(island_report(json.loads(lines[-1]), region, shard_regions, links, scale))
     for _, _, err in islands:
         err.close()
     for i, region in enumerate(shard_regions):

@@ -91,7 +91,7 @@ def test_island_report_against_bytes_over_bandwidth() -> None:
         "client": {},
         "failed": "",
     }
-    report = island_report(result, 2, 0, link, 20.0)
+    report = island_report(result, 2, [0], [link], 0.01)
     (line,) = report["rounds"]
     assert line["bytes_over_bandwidth_s"] == pytest.approx(0.48)
     assert line["ratio"] == pytest.approx(0.6 / 0.48)  # 1.25
@@ -102,6 +102,22 @@ def test_island_report_against_bytes_over_bandwidth() -> None:
     assert control["idle"]["p50"] == pytest.approx(0.09)
     assert control["liveness_interval_s"] == 5.0  # 1 s heartbeats x liveness 5
     assert control["max_under_liveness"] is False  # 6 s > 5 s
+    assert report["links_to_shards"] == [{"link": "us-east-us-west", "mbit": 20.0, "rtt_ms": 80.0}]
     # the island of the shard's own region has no link: no bandwidth figure
-    local = island_report({**result, "island": "island-us-east"}, 0, 0, None, None)
+    local = island_report({**result, "island": "island-us-east"}, 0, [0], [link], 0.01)
     assert local["rounds"][0]["ratio"] is None
+    assert local["links_to_shards"] == []
+
+
+def test_bytes_over_bandwidth_with_spread_shards() -> None:
+    from bench.regions_run import bytes_over_bandwidth_s
+
+    links = [Link(0, 1, 5.0, 30.0), Link(0, 2, 2.0, 80.0), Link(1, 2, 3.0, 50.0)]
+    # island in us-central, shards in us-east and us-west, scale 0.01: 50 and 30 Mbit/s.
+    # 3,000,000 bytes, half to each: 1.5e6 x 8 / 50e6 = 0.24 s, 1.5e6 x 8 / 30e6 = 0.4 s;
+    # the slower sets the time, plus the larger RTT (50 ms): 0.45 s
+    assert bytes_over_bandwidth_s(3_000_000, 1, [0, 2], links, 0.01) == pytest.approx(0.45)
+    # island in us-east: its own shard costs nothing, the other half goes at 20 Mbit/s
+    # (1.5e6 x 8 / 20e6 = 0.6 s) plus 80 ms
+    assert bytes_over_bandwidth_s(3_000_000, 0, [0, 2], links, 0.01) == pytest.approx(0.68)
+    assert bytes_over_bandwidth_s(3_000_000, 0, [0], links, 0.01) is None
