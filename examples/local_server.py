@@ -6,10 +6,10 @@
 
 `cluster(args)` does exactly that around an example (or uses the server of
 `--connect`, starting nothing), and stops what it started also on an error,
-Ctrl-C or SIGTERM. `global_model` reads the cluster's model at the end, the
-way any later island starts: by joining. Without `--out` every file goes to a
-temporary directory that the example creates and removes; a given `--out` is
-never deleted.
+Ctrl-C or SIGTERM. `global_model` reads the cluster's model at the end
+(`worker.global_model`: from the shards, without joining as an island).
+Without `--out` every file goes to a temporary directory that the example
+creates and removes; a given `--out` is never deleted.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -151,31 +150,6 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
         yield f"tcp://127.0.0.1:{port}", out
 
 
-def wait_merged(connect: str, wait_s: float = 60.0) -> None:
-    """Wait until no shard holds an acked but unmerged delta, as `diloco-server status` shows.
-
-    Call it once every island has closed: then nothing new arrives.
-
-    Args:
-        connect: the server's endpoint.
-        wait_s: how long to wait.
-    """
-    deadline = time.monotonic() + wait_s
-    while True:
-        proc = subprocess.run(
-            [*SERVER_CLI, "status", "--connect", connect, "--json"],
-            capture_output=True, text=True, timeout=60,
-        )  # fmt: skip
-        if proc.returncode == 0:
-            shards = json.loads(proc.stdout)["shards"]
-            if not any(n for s in shards for n in dict(s.get("pending", {})).values()):
-                return
-        if time.monotonic() >= deadline:
-            tail = (proc.stderr or proc.stdout).strip().splitlines()
-            raise SystemExit(f"not merged within {wait_s:g}s: {tail[-1] if tail else 'pending'}")
-        time.sleep(0.2)
-
-
 def global_model(connect: str, like: Any, wait_s: float = 60.0) -> tuple[Any, int]:
     """The cluster's global model once every acked delta is merged (after the islands closed).
 
@@ -185,8 +159,7 @@ def global_model(connect: str, like: Any, wait_s: float = 60.0) -> tuple[Any, in
         wait_s: how long to wait for the shards to merge what they acked.
 
     Returns:
-        (the global params as `like`'s tree type, the global version).
+        (the global params as `like`'s tree type and placement, the sum of the
+        fragments' versions).
     """
-    wait_merged(connect, wait_s)
-    with worker.join(connect, island="reader", params=like, inner_steps=1) as reader:
-        return reader.params, reader.version
+    return worker.global_model(connect, like=like, wait_s=wait_s)
