@@ -1,9 +1,10 @@
 """What the shard core asks its I/O loop to do: the `Effects` of a batch, and the messages in them.
 
 Plain data between `paramserver.server.core` (which builds them) and
-`paramserver.server.shard` (which appends, fsyncs, then sends them): a
-`Request` as received, the `Reply`s and `Publish`es to send and the events to
-log first.
+`paramserver.server.shard` (which appends, fsyncs, then has the core settle
+them): a `Request` as received, the events to log first, the `Reply`s to send
+whatever happens, the `DurableReply`s whose answer depends on the log, and the
+`Publish`es.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from paramserver.server.events import Event
-from paramserver.wire.protocol import REJECTED
+from paramserver.server.outcomes import Outcome
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class Request:
 
 @dataclass(frozen=True)
 class Reply:
-    """A reply to send to `conn`; `request` is kept to render it again after a storage fault.
+    """A reply to send to `conn` whatever the batch's storage outcome (a refusal, a welcome, ...).
 
     `envelope` (the request's, e.g. a REQ socket's empty delimiter) goes before the header.
     """
@@ -39,16 +40,26 @@ class Reply:
     conn: bytes
     header: dict[str, Any]
     payload: list[Any]
-    request: dict[str, Any] | None
     envelope: tuple[bytes, ...] = ()
 
-    @property
-    def promises_durability(self) -> bool:
-        """Whether it tells the island something is on disk (accepted / duplicate ack, init_*)."""
-        kind = self.header["kind"]
-        if kind in ("init_ok", "init_begun", "init_piece_ok"):
-            return True
-        return kind == "ack" and self.header["outcome"] != REJECTED
+
+@dataclass(frozen=True)
+class DurableReply:
+    """A reply that tells the island something is on disk (an accepted / duplicate ack, init_*).
+
+    It is rendered once, after the batch's storage outcome is known
+    (`paramserver.server.core.ShardCore.settle`): stored, it says `kind` with
+    `fields` (for an ack: the `outcome` and the fragment's `version` when
+    answered); not stored, it is a `storage_error` refusal instead.
+    """
+
+    conn: bytes
+    request: dict[str, Any]
+    kind: str  # "ack", "init_ok", "init_begun" or "init_piece_ok"
+    fields: dict[str, Any] = field(default_factory=dict)
+    outcome: Outcome | None = None  # an ack's outcome (accepted or duplicate)
+    version: int = 0  # an ack's fragment version when answered
+    envelope: tuple[bytes, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -69,7 +80,7 @@ class Effects:
     """What the I/O loop does for a batch: append `records`, fsync, then send the rest."""
 
     records: list[Event] = field(default_factory=list)
-    replies: list[Reply] = field(default_factory=list)
+    replies: list[Reply | DurableReply] = field(default_factory=list)
     publishes: list[Publish] = field(default_factory=list)
 
     def extend(self, other: Effects) -> None:

@@ -349,7 +349,9 @@ class ShardState(ShardInit):
             now: wall-clock seconds.
 
         Returns:
-            (fragments to step now, earliest wake_at of the others or None).
+            (fragments to step now, earliest wake_at of the others or None); under
+            rda in sync mode a due piece of a cut tensor waits for its siblings
+            (`paramserver.server.tensor_groups`).
         """
         live = self.live(now)
         due: list[int] = []
@@ -362,6 +364,10 @@ class ShardState(ShardInit):
                 due.append(index)
             elif decision.wake_at is not None:
                 wake = decision.wake_at if wake is None else min(wake, decision.wake_at)
+        # rda in sync mode: a cut tensor's pieces step together
+        due = self.stepper.groups.ready(
+            self.plan, self.index, self.policy.mode, self.fragments, due
+        )
         return due, wake
 
     def step(self, fragment: int, now: float) -> tuple[StepEvent, StepUpdate]:
@@ -380,7 +386,9 @@ class ShardState(ShardInit):
         live = self.live(now)
         quorum_s = quorum_time(frag.waiting(), live, self.policy)
         expected = len(live | {c.island for c in frag.pending})  # islands of a round
-        event = self.stepper.groups.step_event(self, fragment, float(now), expected)  # rda: Grams
+        event = self.stepper.groups.step_event(
+            self.plan, self.index, self.fragments, fragment, float(now), expected
+        )  # rda: Grams
         started = self.timer() if self.timer else 0.0
         update = self.apply(event)
         assert update is not None
