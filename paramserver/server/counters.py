@@ -11,7 +11,7 @@ from typing import Any
 
 
 @dataclass
-class Counters:
+class ShardCounters:
     """What `status` reports; `accepted`, `staleness` and `steps` are rebuilt by replay."""
 
     accepted: int = 0

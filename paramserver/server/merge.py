@@ -541,25 +541,3 @@ def rda_partials(
     """
     rows = _grouped("rda", deltas, coefficients, fragment)
     return _rda(rows, fragment).partials
-
-
-def merge_pending(
-    rule: str,
-    deltas: Sequence[tuple[str, DeltaSource | np.ndarray]],
-    coefficients: Coefficients,
-    fragment: Fragment,
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """A step's merged pseudo-gradient under a merge rule, whole (`chunk_merge` filled once).
-
-    Args:
-        rule: "mean" (sum of c_k * delta_k) or "rda" (this module).
-        deltas: (island, delta) of every pending delta the step merges.
-        coefficients: one c_k per delta (`chunk_merge`).
-        fragment: the plan fragment (its slices are the RDA segments).
-        out: optional float32 buffer of the deltas' shape.
-
-    Returns:
-        The merged float32 vector (`out` when given).
-    """
-    return chunk_merge(rule, deltas, coefficients, fragment).whole(out)

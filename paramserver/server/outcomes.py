@@ -24,7 +24,7 @@ import numpy as np
 import codec
 from codec import coded
 from codec.coded import CodedTensor
-from paramserver.server.counters import Counters
+from paramserver.server.counters import ShardCounters
 from paramserver.server.events import Event
 from paramserver.server.fragment import DedupEntry, FragmentState
 from paramserver.wire import protocol
@@ -66,7 +66,7 @@ def refused(reason: str, detail: str) -> Outcome:
     return Outcome(REJECTED, reason, detail)
 
 
-def count(counters: Counters, outcome: Outcome) -> Outcome:
+def count(counters: ShardCounters, outcome: Outcome) -> Outcome:
     """Count a refusal: a duplicate, `unknown_island` as a hello request, the rest by reason.
 
     Args:

@@ -51,7 +51,7 @@ import numpy as np
 
 from paramserver.server import outcomes, robust
 from paramserver.server.config import ShardConfig
-from paramserver.server.counters import Counters
+from paramserver.server.counters import ShardCounters
 from paramserver.server.events import (
     AcceptEvent,
     Contribution,
@@ -110,7 +110,7 @@ class ShardState(ShardInit):
         self.dedup: dict[tuple[str, int], DedupEntry] = {}
         self.last_seen: dict[str, float] = {}
         self.paces: dict[str, IslandPace] = {}  # reported step times (eq3 grace window)
-        self.counters = Counters()
+        self.counters = ShardCounters()
         self.timer = timer
 
     # ----- queries -------------------------------------------------------------

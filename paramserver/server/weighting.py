@@ -288,20 +288,3 @@ def merge_coefficients(
         for island, t in totals.items()
     ]
     return coefficients, shares
-
-
-def island_shares(
-    weighting: Weighting,
-    contributions: Sequence[Any],
-    current_version: int,
-    expected: int | None = None,
-) -> list[IslandShare]:
-    """Group a step's contributions per island and weigh each island.
-
-    Args:
-        weighting, contributions, current_version, expected: as for `merge_coefficients`.
-
-    Returns:
-        One IslandShare per distinct island, in order of first appearance.
-    """
-    return merge_coefficients(weighting, contributions, current_version, expected)[1]

@@ -25,7 +25,7 @@ import numpy as np
 from codec.coded import CodedTensor, from_array
 from paramserver.server.chunked_step import host_state, host_vector
 from paramserver.server.config import ShardConfig
-from paramserver.server.counters import Counters
+from paramserver.server.counters import ShardCounters
 from paramserver.server.downlink import restore_residual
 from paramserver.server.events import Contribution, StateError
 from paramserver.server.fragment import DedupEntry, FragmentState
@@ -191,7 +191,7 @@ def restore_state(
         for island, fragment, newest, rounds in meta["dedup"]:
             state.dedup[(island, fragment)] = DedupEntry(newest, set(rounds))
         c = meta["counters"]
-        state.counters = Counters(
+        state.counters = ShardCounters(
             accepted=c["accepted"],
             duplicates=c["duplicates"],
             rejected=dict(c["rejected"]),
