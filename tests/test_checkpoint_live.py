@@ -149,7 +149,7 @@ def test_a_push_is_acked_while_a_large_checkpoint_is_being_written(tmp_path, zmq
         assert (last["generation"], last["step"], last["versions"]) == (1, 1, captured)
         assert last["bytes"] == path.stat().st_size and last["seconds"] > 0
         shown = subprocess.run(
-            [sys.executable, "-m", "paramserver.server.cli", "status", "--connect",
+            [sys.executable, "-m", "paramserver.ops.cli", "status", "--connect",
              run.shard.router, "--json"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )  # fmt: skip

@@ -75,6 +75,7 @@ WINGS_ALLOWED = {
     "plumbing": {"wire"},
     "client": {"wire", "plumbing"},
     "server": {"wire", "plumbing"},
+    "ops": {"wire", "plumbing", "server"},  # operations import the shard's logic, never the reverse
 }
 
 
@@ -146,7 +147,7 @@ def test_the_walker_sees_a_violation(tmp_path):
 
 CONTROL_SCRIPT = """
 import contextlib, io, sys
-from paramserver.server import cli as server_cli
+from paramserver.ops import cli as server_cli
 from worker import cli as worker_cli
 data, keys, port = sys.argv[1], sys.argv[2], sys.argv[3]
 runs = [

@@ -1,7 +1,7 @@
 """kill -9 of an island daemon: its unacked deltas come back from its outbox file and count
 once; its restart is welcomed at once (its session token), another process with its id is not.
 
-Real processes: a shard (`python -m paramserver.server.cli shard`) and `diloco-worker start`.
+Real processes: a shard (`python -m paramserver.ops.cli shard`) and `diloco-worker start`.
 """
 
 from __future__ import annotations
