@@ -5,7 +5,8 @@ import pytest
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 from paramserver.server.config import ConfigError, ShardConfig
-from paramserver.server.merge import (
+from paramserver.server.state import ShardState
+from paramserver.server.step.merge import (
     MergeError,
     Segment,
     chunk_merge,
@@ -13,7 +14,6 @@ from paramserver.server.merge import (
     merge_deltas,
     rda_merge,
 )
-from paramserver.server.state import ShardState
 from paramserver.wire.plan import Fragment, Slice
 from paramserver.wire.protocol import ACCEPTED
 

@@ -15,8 +15,8 @@ from shard_process import shard_argv
 
 import codec
 from paramserver.server.config import ShardConfig
-from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
 from paramserver.server.state import ShardState
+from paramserver.server.step.outer import FragmentOptimizer, make_outer_optimizer
 from paramserver.server.storage.data_dir import ShardStorage
 from paramserver.server.storage.recovery import DurabilityError
 

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.server.weighting import (
+from paramserver.server.step.weighting import (
     WEIGHTINGS,
     WeightingError,
     make_weighting,

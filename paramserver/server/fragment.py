@@ -4,7 +4,7 @@ Plain data: `paramserver.server.state` owns every rule that changes it,
 `paramserver.server.storage.checkpoint_content` its checkpoint form.
 
 Params, the optimizer state's vectors and the downlink residual are host
-buffers that each outer step updates in place (`paramserver.server.chunked_step`):
+buffers that each outer step updates in place (`paramserver.server.step.fragment_step`):
 whatever must outlive the next step of its fragment (a snapshot, a checkpoint,
 a StepUpdate's values) copies them first.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from paramserver.server.events import Contribution
-from paramserver.server.policy import ArrivalStats, PendingDelta
+from paramserver.server.step.policy import ArrivalStats, PendingDelta
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ import numpy as np
 
 import codec
 from paramserver.server.outcomes import Outcome, refused
-from paramserver.server.outer import aligned_float32
+from paramserver.server.step.outer import aligned_float32
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 

@@ -24,7 +24,7 @@ never touch parameters. Island registry, rejection counts and byte counters
 are bookkeeping, not events (a restart keeps what the last checkpoint had).
 
 Parameters, optimizer state and downlink residual are host buffers that a
-step updates in place (`paramserver.server.chunked_step`; JAX reads them
+step updates in place (`paramserver.server.step.fragment_step`; JAX reads them
 zero-copy): `snapshot` returns a copy, and a StepUpdate's values are valid
 until the fragment's next step.
 
@@ -49,7 +49,7 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.server import outcomes, robust
+from paramserver.server import outcomes
 from paramserver.server.config import ShardConfig
 from paramserver.server.counters import ShardCounters
 from paramserver.server.events import (
@@ -63,10 +63,11 @@ from paramserver.server.events import (
     StepEvent,
 )
 from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
-from paramserver.server.fragment_step import FragmentStepper
 from paramserver.server.init_pieces import PartialInit
 from paramserver.server.outcomes import Outcome
-from paramserver.server.policy import (
+from paramserver.server.state_init import ShardInit
+from paramserver.server.step.fragment_step import FragmentStepper
+from paramserver.server.step.policy import (
     IslandPace,
     decide,
     observe,
@@ -74,7 +75,7 @@ from paramserver.server.policy import (
     pace_report,
     quorum_time,
 )
-from paramserver.server.state_init import ShardInit
+from paramserver.server.step.weighting import clip
 from paramserver.wire import liveness
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import ACCEPTED
@@ -351,7 +352,7 @@ class ShardState(ShardInit):
         Returns:
             (fragments to step now, earliest wake_at of the others or None); under
             rda in sync mode a due piece of a cut tensor waits for its siblings
-            (`paramserver.server.tensor_groups`).
+            (`paramserver.server.step.tensor_groups`).
         """
         live = self.live(now)
         due: list[int] = []
@@ -454,7 +455,7 @@ class ShardState(ShardInit):
 
     def _clip(self, frag: FragmentState, c: Contribution) -> Contribution:
         """Scale a delta down to the robust bound (deterministic: replay clips the same)."""
-        norm, factor, frag.norms = robust.clip(c.delta, frag.norms, self.cfg.clip_norm_multiple)
+        norm, factor, frag.norms = clip(c.delta, frag.norms, self.cfg.clip_norm_multiple)
         if factor >= 1.0:
             return c
         self.counters.clipped += 1

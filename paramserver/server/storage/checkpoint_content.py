@@ -23,14 +23,14 @@ import jax
 import numpy as np
 
 from codec.coded import CodedTensor, from_array
-from paramserver.server.chunked_step import host_state, host_vector
 from paramserver.server.config import ShardConfig
 from paramserver.server.counters import ShardCounters
-from paramserver.server.downlink import restore_residual
 from paramserver.server.events import Contribution, StateError
 from paramserver.server.fragment import DedupEntry, FragmentState
-from paramserver.server.policy import ArrivalStats
 from paramserver.server.state import ShardState
+from paramserver.server.step.downlink import restore_residual
+from paramserver.server.step.fragment_step import host_state, host_vector
+from paramserver.server.step.policy import ArrivalStats
 from paramserver.wire.plan import Plan
 
 

@@ -3,7 +3,7 @@
 This module owns the outer update rule, its state and the whole-fragment
 jitted step that applies it (`DonatingStep`; `FragmentOptimizer.step` is a
 copying wrapper around it). A shard applies the same transformation in place,
-chunk by chunk (`paramserver.server.chunked_step`), bit for bit equal to it.
+chunk by chunk (`paramserver.server.step.fragment_step`), bit for bit equal to it.
 Sign convention: the merged delta is the pseudo-gradient (global params an
 island started from minus its local params), fed to optax as the gradient, so
 plain SGD with lr=1 and one island moves the global params exactly onto that

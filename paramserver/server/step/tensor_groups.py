@@ -2,7 +2,7 @@
 
 This module owns what a fragment's RDA step learns from the tensor's other
 pieces on the same shard. RDA's factors need each tensor's islands' Gram
-matrix over the whole tensor (`paramserver.server.merge`); where the plan
+matrix over the whole tensor (`paramserver.server.step.merge`); where the plan
 cuts a tensor across fragments (on one shard, `paramserver.wire.plan` keeps
 such runs together), the step of one piece adds the Grams of the others.
 
@@ -22,7 +22,7 @@ step's order, the robust clip factor applied), taken
    pieces that have the step's pushes (with none, its own piece only, as
    before). Pieces on other shards are always left out.
 
-The step (`paramserver.server.fragment_step`) turns them into RDA partial sums
+The step (`paramserver.server.step.fragment_step`) turns them into RDA partial sums
 with its own coefficients (`partials`: Gram_ij = sum c_k c_l <d_k, d_l> over
 island i's keys k and island j's keys l). In sync mode a due fragment waits
 while a sibling holds some of a round but is not due yet (`ready`, asked by
@@ -50,7 +50,7 @@ import numpy as np
 
 from paramserver.server.events import Contribution, PieceGram, StepEvent
 from paramserver.server.fragment import FragmentState
-from paramserver.server.merge import MEAN_LEAF_MARK, PIECE, TensorPartial, pieces, scaled
+from paramserver.server.step.merge import MEAN_LEAF_MARK, PIECE, TensorPartial, pieces, scaled
 from paramserver.wire.plan import Fragment, Plan
 
 Key = tuple[str, int]
