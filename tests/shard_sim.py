@@ -20,8 +20,7 @@ import numpy as np
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 from paramserver.server.config import ShardConfig
-from paramserver.server.core import ShardCore
-from paramserver.server.effects import Request
+from paramserver.server.core import Request, ShardCore
 from paramserver.server.events import AcceptEvent, StepEvent
 from paramserver.server.shard import maybe_checkpoint, run_batch
 from paramserver.server.storage import log_file

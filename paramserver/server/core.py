@@ -22,12 +22,19 @@ state rebuilt from disk and renders it a `storage_error` refusal, and drops
 the batch's updates unpublished. `settle` then numbers the publishes
 (`seq`), packs every message and counts the bytes sent.
 
-Island ids are bound to connections (`paramserver.server.binding`) and, under
-CURVE, to the keys that may use them (the guard, `paramserver.plumbing.identity`).
-Snapshots, status and heartbeats need no disk, so they are served through
-storage faults. What `status` shows of each island beyond the state (its last
-push, rounds, staleness and training report) is kept by
-`paramserver.server.island_reports`.
+Admission (`handle`): a request is charged to its island's rate bucket before
+anything is decoded, then decoded and checked (protocol version, kind,
+header), its island id checked against its connection and, under CURVE,
+against the keys that may use it (`paramserver.server.admission.gate`,
+`paramserver.plumbing.identity`); its outcome and refusals, their counts and
+what `status` shows of each island are `paramserver.server.admission.outcomes`;
+the state's rules (dedup, limits, staleness) decide a push. Snapshots, status
+and heartbeats need no disk, so they are served through storage faults.
+
+What the core asks its I/O loop to do is plain data defined here: a `Request`
+as received, and the `Effects` of a batch: the events to log first, the
+`Reply`s to send whatever happens, the `DurableReply`s whose answer depends
+on the log, and the `Publish`es.
 """
 
 from __future__ import annotations
@@ -35,22 +42,103 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import codec
 from paramserver.plumbing.identity import IslandGuard
-from paramserver.server import binding, outcomes, throttle
+from paramserver.server.admission import gate, outcomes
+from paramserver.server.admission.outcomes import IslandReports, Outcome
 from paramserver.server.config import ShardConfig
-from paramserver.server.effects import DurableReply, Effects, Publish, Reply, Request
-from paramserver.server.events import StepEvent
-from paramserver.server.island_reports import IslandReports
-from paramserver.server.outcomes import Outcome
+from paramserver.server.events import Event, StepEvent
 from paramserver.server.state import ShardState
 from paramserver.wire import protocol
 from paramserver.wire.protocol import ACCEPTED, REJECTED
 
 logger = logging.getLogger(__name__)
+
+# ----- what the core asks its I/O loop to do ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request off the ROUTER: the connection, the message's frames, its CURVE User-Id.
+
+    `envelope` holds the frames before the header that a reply must repeat: the
+    empty delimiter frame of a REQ socket (the core strips it from `frames`).
+    """
+
+    conn: bytes
+    frames: list[Any]
+    user_id: str | None = None
+    envelope: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A reply to send to `conn` whatever the batch's storage outcome (a refusal, a welcome, ...).
+
+    `envelope` (the request's, e.g. a REQ socket's empty delimiter) goes before the header.
+    """
+
+    conn: bytes
+    header: dict[str, Any]
+    payload: list[Any]
+    envelope: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class DurableReply:
+    """A reply that tells the island something is on disk (an accepted / duplicate ack, init_*).
+
+    It is rendered once, after the batch's storage outcome is known
+    (`paramserver.server.core.ShardCore.settle`): stored, it says `kind` with
+    `fields` (for an ack: the `outcome` and the fragment's `version` when
+    answered); not stored, it is a `storage_error` refusal instead.
+    """
+
+    conn: bytes
+    request: dict[str, Any]
+    kind: str  # "ack", "init_ok", "init_begun" or "init_piece_ok"
+    fields: dict[str, Any] = field(default_factory=dict)
+    outcome: Outcome | None = None  # an ack's outcome (accepted or duplicate)
+    version: int = 0  # an ack's fragment version when answered
+    envelope: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class Publish:
+    """A message for the PUB: an `update` (numbered at release, needs durability) or a heartbeat."""
+
+    header: dict[str, Any]
+    payload: list[Any] = field(default_factory=list)
+
+    @property
+    def is_update(self) -> bool:
+        """Whether it publishes a step (dropped when the step did not become durable)."""
+        return self.header["kind"] == "update"
+
+
+@dataclass
+class Effects:
+    """What the I/O loop does for a batch: append `records`, fsync, then send the rest."""
+
+    records: list[Event] = field(default_factory=list)
+    replies: list[Reply | DurableReply] = field(default_factory=list)
+    publishes: list[Publish] = field(default_factory=list)
+
+    def extend(self, other: Effects) -> None:
+        """Add another request's effects after these (in order).
+
+        Args:
+            other: the effects to add.
+        """
+        self.records += other.records
+        self.replies += other.replies
+        self.publishes += other.publishes
+
+
+# ----- the core ---------------------------------------------------------------------
 
 CHECKPOINT_RETRY_S = 10.0  # a failed checkpoint is tried again after this long
 # Requests that act as an island, refused from a connection the island is not bound to.
@@ -109,7 +197,7 @@ class ShardCore:
         self.endpoints = endpoints
         self.guard = guard
         self.seq = 0  # of the last message published
-        self.bindings = binding.Bindings(cfg.heartbeat_interval_s, cfg.liveness)
+        self.bindings = gate.Bindings(cfg.heartbeat_interval_s, cfg.liveness)
         self._raw32 = codec.raw("float32")  # one per core: encoders keep work buffers
         self._last_pub = now
         self._records_since = replayed  # durable events since the last checkpoint
@@ -124,8 +212,8 @@ class ShardCore:
         self._h_warned: set[str] = set()  # islands told their H takes other outer defaults
         self.islands = IslandReports()  # what `status` shows of each island (not durable)
         # request rate limits, checked before a request is decoded
-        self.throttle = throttle.Throttle(
-            throttle.Limits(cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s)
+        self.throttle = gate.Throttle(
+            gate.Limits(cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s)
         )
 
     # ----- requests ----------------------------------------------------------------
@@ -136,7 +224,7 @@ class ShardCore:
         A request whose first frame is empty came from a REQ socket: the empty
         delimiter is stripped and put back before the reply's header. Before
         anything is decoded the request is charged to its island's (or
-        connection's) bucket (`paramserver.server.throttle`): over it, it is
+        connection's) bucket (`paramserver.server.admission.gate`): over it, it is
         answered `throttled` or, past the answers allowed, dropped unanswered,
         like a header that does not decode past them.
 
@@ -152,7 +240,7 @@ class ShardCore:
         if request.frames and memoryview(request.frames[0]).nbytes == 0:
             request = replace(request, frames=request.frames[1:], envelope=(b"",))
         verdict, retry_after = self.throttle.admit(now, request.conn)
-        if verdict != throttle.ADMIT:
+        if verdict != gate.ADMIT:
             return self._throttled(request, verdict, retry_after)
         try:
             header, payload = protocol.unpack(request.frames)
@@ -171,10 +259,10 @@ class ShardCore:
         known = True
         if isinstance(island, str) and kind != "hello":
             verdict = self.bindings.verdict(island, request.conn, now)
-            if verdict == binding.IN_USE and kind in _BOUND_KINDS:
+            if verdict == gate.IN_USE and kind in _BOUND_KINDS:
                 detail = self.bindings.in_use_detail(island, now)
                 return self._answer(request, header, self.state.reject("island_in_use", detail))
-            known = verdict == binding.OWN and self.state.touch(island, now, header)
+            known = verdict == gate.OWN and self.state.touch(island, now, header)
         too_big = outcomes.oversize(size, self.cfg.max_message_bytes)
         if too_big is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, too_big))
@@ -187,7 +275,7 @@ class ShardCore:
 
     def _throttled(self, request: Request, verdict: str, retry_after: float) -> Effects:
         """Refuse a request over its bucket: `throttled` (an ack for a push), or drop it."""
-        if verdict == throttle.DROP:
+        if verdict == gate.DROP:
             self.state.counters.drop("throttled")
             return Effects()
         limits = self.throttle.limits
@@ -236,7 +324,7 @@ class ShardCore:
         outcome = self.state.hello(island, now)
         if outcome.status == REJECTED:
             return self._answer(request, header, outcome)
-        self.bindings.bind(island, binding.Binding(request.conn, session, now))
+        self.bindings.bind(island, gate.Binding(request.conn, session, now))
         self.throttle.bind(request.conn, island)
         if len(self.bindings) > len(self.state.last_seen):
             self.bindings.prune(self.state.last_seen)

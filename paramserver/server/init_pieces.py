@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 import codec
-from paramserver.server.outcomes import Outcome, refused
+from paramserver.server.admission.outcomes import Outcome, refused
 from paramserver.server.step.outer import aligned_float32
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan

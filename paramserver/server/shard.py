@@ -8,7 +8,7 @@ the files are `paramserver.server.storage`'s. One loop turn:
     1. poll the ROUTER until the core's next wake-up (or a stop check), then
        read what is queued, up to a batch (ZeroMQ takes one message from each
        peer with messages waiting in turn; the core refuses an island over its
-       request rate before decoding anything, `paramserver.server.throttle`,
+       request rate before decoding anything, `paramserver.server.admission.gate`,
        so a flood costs a bucket check per message);
     2. `run_batch`: hand every request read to `core.handle`; ask the
        core which steps are due (`core.due_steps`), let the data directory
@@ -50,8 +50,7 @@ import zmq
 from paramserver.plumbing import heap
 from paramserver.plumbing.curve import CurveServer
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
-from paramserver.server.core import ShardCore, StorageFailure
-from paramserver.server.effects import Effects, Request
+from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
 from paramserver.server.state import ShardState
 from paramserver.server.storage.checkpoint_job import CheckpointResult
 from paramserver.server.storage.data_dir import ShardStorage, StorageError

@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.server import outcomes
+from paramserver.server.admission import outcomes
+from paramserver.server.admission.outcomes import Outcome, ShardCounters
 from paramserver.server.config import ShardConfig
-from paramserver.server.counters import ShardCounters
 from paramserver.server.events import (
     AcceptEvent,
     Contribution,
@@ -64,7 +64,6 @@ from paramserver.server.events import (
 )
 from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
 from paramserver.server.init_pieces import PartialInit
-from paramserver.server.outcomes import Outcome
 from paramserver.server.state_init import ShardInit
 from paramserver.server.step.fragment_step import FragmentStepper
 from paramserver.server.step.policy import (

@@ -15,11 +15,11 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.server import outcomes
+from paramserver.server.admission import outcomes
+from paramserver.server.admission.outcomes import Outcome
 from paramserver.server.events import InitBeginEvent, InitEvent, InitPieceEvent, StateError
 from paramserver.server.fragment import FragmentState
 from paramserver.server.init_pieces import RESUME, PartialInit, begin_check, piece_check
-from paramserver.server.outcomes import Outcome
 from paramserver.server.step.fragment_step import host_vector
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import ACCEPTED, DUPLICATE

@@ -23,8 +23,8 @@ import jax
 import numpy as np
 
 from codec.coded import CodedTensor, from_array
+from paramserver.server.admission.outcomes import ShardCounters
 from paramserver.server.config import ShardConfig
-from paramserver.server.counters import ShardCounters
 from paramserver.server.events import Contribution, StateError
 from paramserver.server.fragment import DedupEntry, FragmentState
 from paramserver.server.state import ShardState
