@@ -26,7 +26,7 @@ from shard_process import ShardProcess
 
 import codec
 from paramserver.server.step.outer import FragmentOptimizer, make_outer_optimizer
-from paramserver.server.storage.checkpoint_file import read_checkpoint
+from paramserver.server.storage.checkpoint import read_checkpoint
 from paramserver.server.storage.checkpoint_job import HOLD_NAME
 from paramserver.wire.plan import leaf_specs, make_plan
 

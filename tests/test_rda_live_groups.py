@@ -13,9 +13,13 @@ import pytest
 
 from paramserver.server.config import ShardConfig
 from paramserver.server.state import ShardState
-from paramserver.server.storage.data_dir import ShardStorage
-from paramserver.server.storage.log_file import LogReader, WriteAheadLog
-from paramserver.server.storage.log_format import event_to_record, record_to_event
+from paramserver.server.storage.shard_storage import ShardStorage
+from paramserver.server.storage.wal import (
+    LogReader,
+    WriteAheadLog,
+    event_to_record,
+    record_to_event,
+)
 from paramserver.wire.plan import LeafSpec, leaf_specs, make_plan
 from paramserver.wire.protocol import ACCEPTED
 from tests.shard_helpers import delta_frames, init_payload, push_header

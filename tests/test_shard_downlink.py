@@ -11,7 +11,7 @@ import codec
 from paramserver.server.config import ShardConfig
 from paramserver.server.state import ShardState
 from paramserver.server.step.downlink import Downlink, DownlinkError, new_residual
-from paramserver.server.storage.checkpoint_content import export_state, restore_state
+from paramserver.server.storage.checkpoint import export_state, restore_state
 from paramserver.wire import protocol
 
 T0 = 1_000_000.0

@@ -1,7 +1,7 @@
 """What a shard's history is made of: the events its write-ahead log holds.
 
 Plain data: `paramserver.server.state` builds and applies them,
-`paramserver.server.storage.log_format` gives their on-disk records. Replaying
+`paramserver.server.storage.wal` gives their on-disk records. Replaying
 the same events through `ShardState.apply` on a fresh state gives the same
 parameters bit for bit.
 """

@@ -1,7 +1,7 @@
 """Per-fragment state of a shard: parameters, optimizer state, pending deltas, dedup; its update.
 
 Plain data: `paramserver.server.state` owns every rule that changes it,
-`paramserver.server.storage.checkpoint_content` its checkpoint form.
+`paramserver.server.storage.checkpoint` its checkpoint form.
 
 Params, the optimizer state's vectors and the downlink residual are host
 buffers that each outer step updates in place (`paramserver.server.step.fragment_step`):

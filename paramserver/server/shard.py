@@ -53,7 +53,7 @@ from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoin
 from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
 from paramserver.server.state import ShardState
 from paramserver.server.storage.checkpoint_job import CheckpointResult
-from paramserver.server.storage.data_dir import ShardStorage, StorageError
+from paramserver.server.storage.shard_storage import ShardStorage, StorageError
 
 logger = logging.getLogger(__name__)
 
