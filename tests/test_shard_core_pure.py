@@ -12,7 +12,7 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "paramserver" / "server"
 DECIDING = [
-    "core", "state", "state_init", "events", "fragment", "init_pieces",
+    "core", "state", "state_init", "events", "fragment",
     "admission/gate", "admission/outcomes",
     "step/policy", "step/weighting", "step/merge", "step/sparse_merge", "step/tensor_groups",
     "step/outer", "step/fragment_step", "step/downlink",

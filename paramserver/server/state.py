@@ -11,7 +11,7 @@ Event-sourced: every change that must survive a crash is one of these events,
 - `InitEvent`: the plan and initial values (first `init`, all in one message);
 - `InitBeginEvent`, `InitPieceEvent`: an init in pieces (`init_begin`, then one
   event per `init_piece`; the fragments exist once no element is missing, see
-  `paramserver.server.init_pieces`);
+  `paramserver.server.state_init`);
 - `AcceptEvent`: one validated delta joins a fragment's pending set;
 - `StepEvent`: one outer step of a fragment merging exactly the listed keys.
 
@@ -63,8 +63,7 @@ from paramserver.server.events import (
     StepEvent,
 )
 from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
-from paramserver.server.init_pieces import PartialInit
-from paramserver.server.state_init import ShardInit
+from paramserver.server.state_init import PartialInit, ShardInit
 from paramserver.server.step.fragment_step import FragmentStepper
 from paramserver.server.step.policy import (
     IslandPace,
