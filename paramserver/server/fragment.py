@@ -42,8 +42,8 @@ class StepUpdate:
 class FragmentState:
     """Mutable state of one owned fragment (host buffers, updated in place by each step)."""
 
-    params: np.ndarray  # 1-D float32, 64-byte aligned (chunked_step.host_vector)
-    opt_state: Any  # the optax state, numpy leaves (chunked_step.host_state)
+    params: np.ndarray  # 1-D float32, 64-byte aligned (fragment_step.host_vector)
+    opt_state: Any  # the optax state, numpy leaves (fragment_step.host_state)
     version: int = 0
     pending: list[Contribution] = field(default_factory=list)
     stats: ArrivalStats = field(default_factory=ArrivalStats)

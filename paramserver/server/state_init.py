@@ -208,7 +208,7 @@ class PartialInit:
             The partial init, every element missing.
         """
         sizes = {f.index: f.size for f in plan.fragments_of(shard)}
-        # aligned like the fragment's own params (chunked_step.host_vector), so the state
+        # aligned like the fragment's own params (fragment_step.host_vector), so the state
         # takes them as they are once the last piece is in: no copy of the model at install
         buffers = {i: aligned_float32(n) for i, n in sorted(sizes.items())}
         return cls(plan, island, buffers, {i: [] for i in buffers}, sum(sizes.values()))

@@ -103,7 +103,7 @@ class FragmentStepper:
         """A fragment's fresh optimizer state, as host buffers the step updates in place.
 
         Args:
-            params: the fragment's values (aligned: chunked_step.host_vector).
+            params: the fragment's values (aligned: fragment_step.host_vector).
 
         Returns:
             The optax state with numpy leaves.

@@ -158,7 +158,7 @@ def set_round_share(state: Any, share: float) -> None:
     """Tell a host-buffer optimizer state the share of a round its next step is.
 
     Args:
-        state: a fragment's optimizer state (numpy leaves, `chunked_step.host_state`).
+        state: a fragment's optimizer state (numpy leaves, `fragment_step.host_state`).
         share: in (0, 1]; a state without a share (sgd, delayed Nesterov) is left alone.
     """
     if isinstance(state, RoundNesterovState):

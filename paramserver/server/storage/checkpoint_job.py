@@ -4,7 +4,7 @@ This module owns how a checkpoint is written while the shard goes on
 serving: the loop captures the state between two turns (`export_state`: a
 fresh meta map, views of the live arrays, the pending deltas as accepted)
 and a `CheckpointJob` writes that capture from a thread
-(`checkpoint_file.write_checkpoint`, piece by piece). Where the files go and
+(`checkpoint.write_checkpoint`, piece by piece). Where the files go and
 what happens after a job is `paramserver.server.storage.shard_storage`'s.
 
 Consistency is copy-on-write per fragment. Only an outer step changes a

@@ -2,7 +2,7 @@
 
 This module owns the files of ``<data_dir>/shard-<i>/`` and the order in
 which they change; what the log records and checkpoints mean is
-`paramserver.server.storage.wal` and `.checkpoint_content`, how a state
+`paramserver.server.storage.wal` and `.checkpoint`, how a state
 is rebuilt from them `.recovery`. When to checkpoint is the shard core's
 decision (`paramserver.server.core`).
 
