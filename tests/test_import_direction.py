@@ -108,6 +108,41 @@ def test_paramserver_wings_import_only_below_them(wing):
     )
 
 
+# the shard's rooms (paramserver/server/...) and the server modules each may import besides
+# its own room: admission and step are rules over the state's data; persistence stores the
+# state; the core runs a request through them; only the loop (`shard`) holds sockets and files
+SERVER_ROOMS_ALLOWED = {
+    "admission": {"events", "fragment"},
+    "step": {"config", "events", "fragment"},
+    "storage": {"config", "events", "fragment", "state", "admission", "step"},
+    "state": {"config", "events", "fragment", "state_init", "admission", "step"},
+    "core": {"config", "events", "state", "admission"},
+}
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["paramserver", "server"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+@pytest.mark.parametrize("room", sorted(SERVER_ROOMS_ALLOWED))
+def test_the_shards_rooms_import_only_what_they_build_on(room):
+    path = ROOT / "paramserver" / "server" / room
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    allowed = SERVER_ROOMS_ALLOWED[room] | {room}
+    offenders = [
+        f"{file.relative_to(ROOT)} imports {mod}"
+        for file in files
+        for mod in imported_modules(file)
+        if room_of(mod) is not None and room_of(mod) not in allowed
+    ]
+    assert not offenders, f"paramserver.server.{room} may import {sorted(allowed)}: " + "; ".join(
+        offenders
+    )
+
+
 def test_paramserver_has_no_flat_modules_outside_the_wings():
     flat = sorted(p.name for p in (ROOT / "paramserver").glob("*.py"))
     assert flat == ["__init__.py", "__main__.py"], flat
