@@ -134,9 +134,7 @@ class ShardConfig:
     grace_min_s: float = PolicyConfig.grace_min_s  # lower clamp of the grace window, seconds
     grace_max_s: float = PolicyConfig.grace_max_s  # upper clamp of the grace window, seconds
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
-    merge: str = (
-        "mean"  # combining the islands' deltas: mean or rda (paramserver.server.step.merge)
-    )
+    merge: str = "mean"  # combining the islands' deltas: mean or rda (server/step/merge.py)
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
     # how a step's share n/N of a round (n islands merged, N live) scales it and its
     # staleness: round (default), version, share or round-staleness (weighting.py)
