@@ -6,10 +6,10 @@
 
 `cluster(args)` does exactly that around an example (or uses the server of
 `--connect`, starting nothing), and stops what it started also on an error,
-Ctrl-C or SIGTERM. `global_model` reads the cluster's model at the end, the
-way any later island starts: by joining. Without `--out` every file goes to a
-temporary directory that the example creates and removes; a given `--out` is
-never deleted.
+Ctrl-C or SIGTERM. `global_model` reads the cluster's model at the end
+(`worker.global_model`: from the shards, without joining as an island).
+Without `--out` every file goes to a temporary directory that the example
+creates and removes; a given `--out` is never deleted.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ from typing import Any
 import worker
 from bench.child import sigterm_unwinds
 from bench.launcher import free_base_port
-from paramserver.plumbing import probe
 
 SERVER_CLI = [sys.executable, "-m", "paramserver.server.cli"]  # = diloco-server
 
@@ -131,8 +130,7 @@ def global_model(connect: str, like: Any, wait_s: float = 60.0) -> tuple[Any, in
         wait_s: how long to wait for the shards to merge what they acked.
 
     Returns:
-        (the global params as `like`'s tree type, the global version).
+        (the global params as `like`'s tree type and placement, the sum of the
+        fragments' versions).
     """
-    probe.wait_merged(connect, timeout_s=wait_s)
-    with worker.join(connect, island="reader", params=like, inner_steps=1) as reader:
-        return reader.params, reader.version
+    return worker.global_model(connect, like=like, wait_s=wait_s)

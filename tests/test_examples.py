@@ -79,6 +79,16 @@ def test_token_file_trains_our_transformer_on_a_bin_it_wrote(tmp_path):
     assert summary["global_loss"] < summary["initial_loss"] - 1.0, summary
 
 
+def test_from_checkpoint_starts_from_an_orbax_checkpoint_and_saves_the_global_model(tmp_path):
+    ocp = pytest.importorskip("orbax.checkpoint")
+    summary, output = run_example("from_checkpoint.py", tmp_path, "--steps", "40")
+    assert (tmp_path / "init-checkpoint").is_dir()  # made first: none was given
+    assert summary["global_loss"] < summary["restored_loss"], summary
+    with ocp.StandardCheckpointer() as checkpointer:  # plain Orbax, none of our code
+        saved = checkpointer.restore(Path(summary["checkpoint"]))
+    assert sorted(saved) == ["b1", "b2", "w1", "w2"] and saved["w1"].shape == (16, 64)
+
+
 def test_ctrl_c_stops_the_islands_and_the_server_it_started(tmp_path):
     proc = subprocess.Popen(
         [sys.executable, "-u", str(EXAMPLES / "own_mlp.py"), "--out", str(tmp_path),

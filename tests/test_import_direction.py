@@ -3,10 +3,13 @@
 Walks every module's source with `ast` (no import side effects) and fails on an
 import of a package that sits later in the chain, and on codec importing
 anything but numpy, zstandard, msgpack (ml_dtypes for bf16, numba for the
-compiled block kernels) and the stdlib.
+compiled block kernels) and the stdlib; JAX only in `codec/jax_quant.py`, which
+no codec module imports.
 """
 
 import ast
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,6 +18,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["codec", "paramserver", "worker", "bench"]
 CODEC_THIRD_PARTY = {"numpy", "zstandard", "msgpack", "ml_dtypes", "numba"}
+CODEC_JAX_MODULE = "jax_quant.py"  # the one codec module that imports JAX (optional)
 
 
 def imported_top_levels(path: Path) -> set[str]:
@@ -51,9 +55,30 @@ def test_codec_imports_only_its_allowed_dependencies():
     offenders = [
         f"{path.relative_to(ROOT)} imports {name}"
         for path in package_files("codec")
-        for name in imported_top_levels(path) - allowed
+        for name in imported_top_levels(path) - allowed - _jax_if_allowed(path)
     ]
     assert not offenders, "; ".join(offenders)
+
+
+def _jax_if_allowed(path: Path) -> set[str]:
+    return {"jax"} if path == ROOT / "codec" / CODEC_JAX_MODULE else set()
+
+
+def test_importing_codec_and_its_modules_loads_no_jax():
+    # JAX is optional for codec: only a caller that imports codec.jax_quant loads it
+    modules = [
+        p.stem for p in package_files("codec") if p.name not in ("__init__.py", CODEC_JAX_MODULE)
+    ]
+    code = (
+        "import importlib, sys\n"
+        f"for m in {modules!r}: importlib.import_module('codec.' + m)\n"
+        "assert 'jax' not in sys.modules, 'jax was imported'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    done = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def imported_modules(path: Path) -> set[str]:

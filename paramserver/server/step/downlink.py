@@ -13,12 +13,14 @@ bit while the shard publishes int8 instead of float32, applied chunk by chunk
     params   += decoded                           (float32 add, numpy, as a replica does)
     residual  = bfloat16(target - decoded)        (carried into the next update)
 
-The update is quantized once; the shard applies exactly the decoded values and
-never decodes its own frames. The frames are those
+The update is quantized once, by the codec's int8 rule in its JAX form
+(`codec.jax_quant`); the shard applies exactly the decoded values and never
+decodes its own frames. The frames are those
 `codec.int8(zstd_level=PUBLISH_ZSTD_LEVEL).encode` writes for {"values":
-target}, byte for byte, but built as the chunks come: each 1 MiB payload
-frame of codes is written into its own buffer and closed (crc32, or zstd with
-a level) as soon as it is full. Without zstd the frames are those buffers
+target}, byte for byte (the codec's frame writer, `codec.writer`), but built
+as the chunks come: each 1 MiB payload frame of codes is written into its own
+buffer and closed (crc32, or zstd with a level) as soon as it is full.
+Without zstd the frames are those buffers
 (codes, block scales: about 1.02 B/param held until sent, no copy); zstd level
 1 on int8 codes of an outer update saved ~7% of the bytes for ~3x the time of
 crc32 (19 vs 6.5 ms per 16M codes here), so the downlink publishes without it
@@ -40,8 +42,8 @@ import numpy as np
 
 import codec
 from codec import format as fmt
-from codec.compress import compress_frames
-from codec.quant import TINY, step_factor
+from codec import jax_quant
+from codec.writer import FrameWriter
 from paramserver.server.config import DOWNLINKS
 from paramserver.server.step.outer import aligned_float32
 
@@ -89,14 +91,11 @@ def restore_residual(saved: np.ndarray) -> np.ndarray:
 def quantize_chunk(target: jax.Array, block: int) -> tuple[jax.Array, ...]:
     """The int8 encoding of one chunk, inside the step's jit: codes, scales, decoded, residual.
 
-    The very float32 operations of `codec.quant` (block absmax, flush below
-    TINY, factor min(127 / absmax, 127 / TINY), round half to even; decoded =
-    code * (absmax * float32(1/127))), so codes and scales are the codec's
-    bit for bit and `decoded` is what `codec.decode` gives for them. XLA may
-    fuse the residual's product and difference into one FMA (target minus the
-    exact product, not the rounded one): within one float32 rounding of
-    `decoded` of the float32 difference, far below the bfloat16 rounding that
-    follows, and the same on every run of the same backend (replay).
+    The codec's int8 rule in its JAX formulation (`codec.jax_quant.encode`), so
+    codes and scales are the codec's bit for bit, `decoded` is what
+    `codec.decode` gives for them and the residual is ``target - decoded`` of
+    that rounded `decoded` (never a fused multiply-add, on any backend), rounded
+    to bfloat16.
 
     Args:
         target: the chunk's update plus residual (float32); a chunk that is not
@@ -107,16 +106,8 @@ def quantize_chunk(target: jax.Array, block: int) -> tuple[jax.Array, ...]:
         (int8 codes, float32 block absmax, float32 decoded, the new residual
         target - decoded as bfloat16 bits in uint16).
     """
-    n = target.shape[0]
-    blocks = -(-n // block)
-    v = jnp.pad(target, (0, blocks * block - n)).reshape(blocks, block)
-    scales = jnp.max(jnp.abs(v), axis=1)
-    scales = jnp.where(scales < TINY, jnp.float32(0), scales)
-    factor = jnp.minimum(jnp.float32(127) / scales, jnp.float32(127 / float(TINY)))
-    q = jnp.rint(v * factor[:, None])
-    decoded = (q * (scales * step_factor(127))[:, None]).reshape(-1)[:n]
-    residual = (target - decoded).astype(jnp.bfloat16)
-    codes = q.astype(jnp.int8).reshape(-1)[:n]
+    codes, scales, decoded, residual = jax_quant.encode(target, 127, block)
+    residual = residual.astype(jnp.bfloat16)
     return codes, scales, decoded, jax.lax.bitcast_convert_type(residual, jnp.uint16)
 
 
@@ -182,16 +173,13 @@ class Int8Publication:
         n = params.shape[0]
         self.params, self.residual_bits = params, residual.view(np.uint16)
         self.block, self.zstd = block, zstd
-        (self.tensor,), self.total = fmt.layout(
-            "int8", block, None, [(("values",), (n,), "float32")]
-        )
+        self.writer = FrameWriter("int8", block, [(("values",), (n,), "float32")], zstd)
+        (self.tensor,), self.total = self.writer.tensors, self.writer.total
         self.full = n // fmt.FRAME_BYTES  # payload frames that hold nothing but codes
         self.window = np.empty(fmt.FRAME_BYTES, np.int8)
         self.tail = np.zeros(self.total - self.full * fmt.FRAME_BYTES, np.uint8)
         start = self.tensor.scales_offset - self.full * fmt.FRAME_BYTES
         self.scales = self.tail[start:].view(np.float32)
-        self.frames_out: list[Any] = []
-        self.entries: list[Any] = []
 
     def apply(self, lo: int, hi: int, quantized: tuple[jax.Array, ...]) -> None:
         """Take one chunk's encoding (`quantize_chunk`): frame its codes, apply its decoded values.
@@ -218,18 +206,9 @@ class Int8Publication:
         np.add(self.params[lo:hi], decoded, out=self.params[lo:hi])
         np.copyto(self.residual_bits[lo:hi], residual)
         if hi <= first and hi % fmt.FRAME_BYTES == 0:
-            self._compress(memoryview(self.window).cast("B"))
+            self.writer.close(memoryview(self.window).cast("B"))
             if self.zstd is None:  # the frame is the window itself: the next one gets its own
                 self.window = np.empty(fmt.FRAME_BYTES, np.int8)
-
-    def _compress(self, payload: memoryview) -> None:
-        ranges = [
-            (a, min(a + fmt.FRAME_BYTES, len(payload)))
-            for a in range(0, len(payload), fmt.FRAME_BYTES)
-        ]
-        frames, entries = compress_frames(payload, ranges, self.zstd, None)
-        self.frames_out += frames
-        self.entries += entries
 
     def frames(self) -> list[Any]:
         """The message's frames (header first), once every chunk was applied.
@@ -238,8 +217,5 @@ class Int8Publication:
             What `codec.int8(zstd_level=...).encode({"values": target})` writes
             for the whole target, with this publication's zstd level.
         """
-        self._compress(memoryview(self.tail))
-        header = fmt.pack_header(
-            "int8", self.block, None, self.zstd is not None, [self.tensor], self.total, self.entries
-        )
-        return [header, *self.frames_out]
+        self.writer.close(memoryview(self.tail))
+        return self.writer.frames()
