@@ -35,6 +35,7 @@ Settings: defaults <- TOML file (--config; keys at top level or under [worker])
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -166,6 +167,7 @@ def _usable_data_dir(data_dir: Path) -> None:
 def _start(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _load_config(args)
     data_dir = Path(cfg.data_dir)
+    created = daemon.first_missing(data_dir)  # what a failed start removes again
     _usable_data_dir(data_dir)
     if args.detach:
         running = daemon.running_pid(daemon.pid_path(data_dir))
@@ -181,10 +183,15 @@ def _start(args: argparse.Namespace, argv: list[str]) -> int:
         proc = daemon.spawn(
             [sys.executable, "-m", "worker.cli", *child], log, data_dir / "ready.json"
         )
-        _wait_joined(proc, cfg, log, data_dir / "ready.json")
+        try:
+            _wait_joined(proc, cfg, log, data_dir / "ready.json")
+        except daemon.DaemonError:
+            if proc.poll() is not None:  # a failed start leaves nothing it created
+                daemon.remove_created(created)
+            raise
         print(f"island {cfg.island} running (pid {proc.pid}), data dir {data_dir}")
         return 0
-    return _run_foreground(cfg, dry_run=args.dry_run)
+    return _run_foreground(cfg, dry_run=args.dry_run, created=created)
 
 
 def _wait_joined(proc: subprocess.Popen, cfg: IslandConfig, log: Path, ready: Path) -> None:
@@ -201,11 +208,16 @@ def _wait_joined(proc: subprocess.Popen, cfg: IslandConfig, log: Path, ready: Pa
         try:
             if daemon.check_ready(proc, ready, log) is not None:
                 return
-        except daemon.DaemonError as exc:  # "exited with code 1 before it was ready: ..."
-            raise daemon.DaemonError(f"island {cfg.island} {exc}") from None
+        except daemon.DaemonStartError as exc:  # it exited: say why, in one line
+            if not exc.reason:
+                raise daemon.DaemonError(f"island {cfg.island} {exc}") from None
+            reason = exc.reason.removeprefix("diloco-worker: ")  # its own one-line error
+            raise daemon.DaemonError(f"island {cfg.island} not started: {reason}") from None
         now = time.monotonic()
         if now > deadline:
             proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10.0)
             raise daemon.DaemonError(
                 f"island {cfg.island} did not join within {now - started:.0f}s and was stopped; "
                 f"see {log}"
@@ -220,7 +232,12 @@ def _wait_joined(proc: subprocess.Popen, cfg: IslandConfig, log: Path, ready: Pa
         time.sleep(0.1)
 
 
-def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:
+def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | None = None) -> int:
+    """Run the island in this process until SIGTERM / SIGINT (or `max_rounds`).
+
+    A start that fails before the island trains leaves nothing it created
+    (`created`: `daemon.first_missing` of its data dir, taken before anything was written).
+    """
     from worker import process_group  # no JAX yet: the process group must start first
 
     spec = process_group.resolve_group(
@@ -237,22 +254,34 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:
     if dry_run:
         print(process_group.dry_run_text(cfg, spec), flush=True)
         process_group.leave(spec, 0, goodbye_s)
+        daemon.remove_created(created)  # a dry run leaves nothing
         return 0
     from worker.island import Island  # imports JAX: only when an island really starts
 
     data_dir = Path(cfg.data_dir)
-    stop = daemon.enter_foreground(data_dir, cfg.log_level)
+    try:
+        stop = daemon.enter_foreground(data_dir, cfg.log_level)
+    except BaseException:
+        daemon.remove_created(created)
+        raise
+    ready = False
+
+    def notify() -> None:
+        nonlocal ready
+        ready = True
+        daemon.notify_ready({"island": cfg.island, "process": spec.process_id})
+
     try:
         if cfg.cpu >= 0 and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {cfg.cpu % os.cpu_count()})
         island = Island(cfg, group=spec)
-        ready = {"island": cfg.island, "process": spec.process_id}
-        notify = lambda: daemon.notify_ready(ready)  # noqa: E731
         if not spec.leader:  # runs the same loop; only process 0 opens sockets to the shards
             notify()
         code = island.run(stop, on_ready=notify if spec.leader else None)
     finally:
         daemon.release_pid_file(daemon.pid_path(data_dir))
+        if not ready:  # a failed start (or a stop while joining) leaves nothing it created
+            daemon.remove_created(created)
     process_group.leave(spec, code, goodbye_s)  # the others exit here; process 0 waits for them
     return code
 

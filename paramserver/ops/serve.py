@@ -54,8 +54,12 @@ def serve_shard(
     router_bind: str | None = None,
     pub_bind: str | None = None,
     metrics_port: int = 0,
+    created: Path | None = None,
 ) -> int:
     """Serve one shard in this process until SIGTERM / SIGINT.
+
+    A start that fails before the shard serves leaves nothing it created:
+    `created` is removed then.
 
     Args:
         cfg: cluster settings.
@@ -64,6 +68,8 @@ def serve_shard(
         router_bind: ROUTER bind address (None: from cfg).
         pub_bind: PUB bind address (None: from cfg).
         metrics_port: serve Prometheus metrics of this shard on this port (0: off).
+        created: what the caller's start creates (`daemon.first_missing` of the
+            shard's directory, taken before anything was written), or None.
 
     Returns:
         Exit code: 0 after a clean drain, 1 on failure (logged as one line).
@@ -75,9 +81,11 @@ def serve_shard(
         stop = daemon.enter_foreground(directory, cfg.log_level)
     except (daemon.DaemonError, OSError) as exc:
         logger.error("shard %d cannot start: %s", index, exc)
+        daemon.remove_created(created)
         return 1
     finished = threading.Event()
     metrics = None
+    server = None
     try:
         server = ShardServer(cfg, index, endpoints, router_bind, pub_bind)
         threading.Thread(
@@ -117,3 +125,5 @@ def serve_shard(
             metrics.shutdown()
         daemon.release_pid_file(daemon.pid_path(directory))
         daemon.clear_ready()
+        if server is None or not server.ready.is_set():  # a failed start leaves nothing
+            daemon.remove_created(created)

@@ -9,6 +9,9 @@ it serves:
 - `detach`: start a command as a child in a new session, stdout/stderr into the
   log file, and wait until it calls `notify_ready` (it writes a ready file named
   by the ``DILOCO_READY_FILE`` environment variable) or fails;
+- a failed start: the reason is one line for the terminal (`failure_reason`: the
+  last line of the child's exception, the traceback stays in the log), and what
+  the start created is removed (`first_missing` before it, `remove_created`);
 - signals: SIGTERM / SIGINT only set a `threading.Event`; the daemon's main loop
   drains and exits 0. A second signal exits at once;
 - `stop`: SIGTERM to the pid in the pid file, then wait for the process to exit.
@@ -23,6 +26,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -49,6 +54,22 @@ CHATTY_LOGGERS = ("jax._src.xla_bridge", "jax._src.compilation_cache", "jax._src
 
 class DaemonError(RuntimeError):
     """A daemon cannot be started, found or stopped; the message is one line saying what to do."""
+
+
+class DaemonStartError(DaemonError):
+    """A daemon exited (or was stopped) before it was ready.
+
+    Attributes:
+        code: its exit code (None if it was stopped for not being ready in time).
+        reason: the line of its log that says why (`failure_reason`), or "".
+        log_file: its log.
+    """
+
+    def __init__(self, message: str, code: int | None, reason: str, log_file: Path) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.log_file = log_file
 
 
 def shard_dir(data_dir: str | Path, index: int) -> Path:
@@ -314,16 +335,59 @@ def clear_ready() -> None:
             Path(target).unlink()
 
 
-def _failure_line(log_file: Path, offset: int = 0) -> str:
-    """The line that best explains a failed start: the first ERROR since `offset`, else the last."""
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ \S+: ")
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def exception_line(lines: Sequence[str]) -> str | None:
+    """The last line of the last Python traceback in `lines` ("Error: message"), or None.
+
+    That is the first unindented line after the traceback's header: the
+    exception's type (without its module path) and the first line of its message.
+
+    Args:
+        lines: output lines, e.g. a daemon's log.
+
+    Returns:
+        E.g. ``"DurabilityError: shard 0 cannot recover ..."``, or None without a traceback.
+    """
+    starts = [i for i, line in enumerate(lines) if line.strip() == _TRACEBACK]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1 :]:
+        if line and not line[0].isspace():
+            kind, colon, message = line.partition(": ")
+            if kind.replace(".", "").replace("_", "").isalnum():  # a.b.SomeError -> SomeError
+                kind = kind.rsplit(".", 1)[-1]
+            return f"{kind}{colon}{message}".strip()
+    return None
+
+
+def failure_reason(log_file: str | Path, offset: int = 0) -> str:
+    """Why a daemon failed, from its log since `offset`: one line without the log prefix.
+
+    The last line of its last uncaught exception when there is one (the
+    traceback goes to the log, the reason to the terminal), else its first
+    ERROR record, else its last line.
+
+    Args:
+        log_file: the daemon's log.
+        offset: where this run's output starts in it.
+
+    Returns:
+        The line, or "" when the log is missing or empty.
+    """
     try:
         with open(log_file, "rb") as fh:
             fh.seek(offset)
             lines = fh.read().decode(errors="replace").strip().splitlines()
     except OSError:
         return ""
-    errors = [line for line in lines if " ERROR " in line or line.startswith("Traceback")]
-    return (errors[0] if errors else lines[-1] if lines else "").strip()
+    found = exception_line(lines)
+    if found is None:
+        errors = [line for line in lines if " ERROR " in line]
+        found = (errors[0] if errors else lines[-1] if lines else "").strip()
+    return _LOG_PREFIX.sub("", found)
 
 
 def spawn(
@@ -384,8 +448,8 @@ def check_ready(
         The info the child passed to `notify_ready`, or None while it is starting.
 
     Raises:
-        DaemonError: the child exited before it was ready (the message ends
-            with its last log line).
+        DaemonStartError: the child exited before it was ready (the message
+            ends with the reason from its log, `failure_reason`).
     """
     ready_file = Path(ready_file)
     if ready_file.exists():
@@ -395,10 +459,13 @@ def check_ready(
             return {}
     code = proc.poll()
     if code is not None:
-        tail = _failure_line(Path(log_file), getattr(proc, "log_offset", 0))
-        raise DaemonError(
+        reason = failure_reason(log_file, getattr(proc, "log_offset", 0))
+        raise DaemonStartError(
             f"exited with code {code} before it was ready"
-            + (f": {tail}" if tail else f"; see {log_file}")
+            + (f": {reason}" if reason else f"; see {log_file}"),
+            code,
+            reason,
+            Path(log_file),
         )
     return None
 
@@ -418,8 +485,8 @@ def wait_ready(
         The info the child passed to `notify_ready`.
 
     Raises:
-        DaemonError: the child exited first (the message ends with its last log
-            line), or was not ready in time (it is then terminated).
+        DaemonStartError: the child exited first (the message ends with the
+            reason from its log), or was not ready in time (it is then terminated).
     """
     deadline = time.monotonic() + timeout_s
     while (info := check_ready(proc, ready_file, log_file)) is None:
@@ -427,8 +494,11 @@ def wait_ready(
             proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)
-            raise DaemonError(
-                f"was not ready within {timeout_s:g}s and was stopped; see {log_file}"
+            raise DaemonStartError(
+                f"was not ready within {timeout_s:g}s and was stopped; see {log_file}",
+                None,
+                "",
+                Path(log_file),
             )
         time.sleep(_POLL_S)
     return info
@@ -440,6 +510,7 @@ def detach(
     ready_file: str | Path,
     timeout_s: float = 60.0,
     env: Mapping[str, str] | None = None,
+    created: Path | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Start `argv` as a daemon (`spawn`) and wait until it is ready (`wait_ready`).
 
@@ -449,20 +520,56 @@ def detach(
         ready_file: the file the child writes when ready.
         timeout_s: how long to wait for readiness.
         env: the child's environment (default: this process's).
+        created: what this start creates (`first_missing` of the data dir, taken
+            before anything was written): removed when the child fails to start.
 
     Returns:
         (child pid, the info the child passed to `notify_ready`).
 
     Raises:
-        DaemonError: the child exited before it was ready (with its last log
-            line), or did not become ready in time (it is then terminated).
+        DaemonStartError: the child exited before it was ready (with the reason
+            from its log), or did not become ready in time (it is then terminated).
     """
     proc = spawn(argv, log_file, ready_file, env)
     try:
         info = wait_ready(proc, ready_file, log_file, timeout_s)
-    except DaemonError as exc:
-        raise DaemonError(f"daemon {exc}") from None
+    except DaemonStartError as exc:
+        if proc.poll() is not None:  # gone: nothing of the failed start is left running
+            remove_created(created)
+        raise DaemonStartError(f"daemon {exc}", exc.code, exc.reason, exc.log_file) from None
     return proc.pid, info
+
+
+def first_missing(path: str | Path) -> Path | None:
+    """The outermost directory on the way to `path` that does not exist yet.
+
+    Taken before a start, it is everything the start will create (a data dir
+    and its missing parents), so that a failed start can remove exactly that
+    (`remove_created`) and nothing it did not create.
+
+    Args:
+        path: a directory a daemon is about to use.
+
+    Returns:
+        That directory, or None when `path` exists already.
+    """
+    path = Path(path).absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def remove_created(created: Path | None) -> None:
+    """Remove what a failed start created (a `first_missing` directory); None: nothing.
+
+    Args:
+        created: the directory, or None.
+    """
+    if created is not None and created.is_dir():
+        logger.debug("removing %s: created by a start that failed", created)
+        shutil.rmtree(created, ignore_errors=True)
 
 
 def wait_exit(pid: int, timeout_s: float) -> bool:
