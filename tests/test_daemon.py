@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 
+import psutil
 import pytest
 
 from paramserver.plumbing import daemon
@@ -61,8 +62,42 @@ def test_pid_file_claim_release_and_stale(tmp_path):
 
 def test_pid_reuse_counts_as_stale(tmp_path):
     path = tmp_path / "daemon.pid"
-    path.write_text(f"{os.getpid()} 12345.0\n")  # our pid, another start time
+    path.write_text(f"{os.getpid()} 12345.0\n")  # an older version's file: our pid, another start
     assert daemon.running_pid(path) is None
+    created = psutil.Process().create_time()
+    path.write_text(f"{os.getpid()} {created:.3f}\n")  # an older version's file, ours
+    assert daemon.running_pid(path) == os.getpid()
+
+
+def test_the_pid_file_holds_the_pid_alone_and_its_age_tells_a_reused_pid(tmp_path):
+    path = tmp_path / "daemon.pid"
+    daemon.acquire_pid_file(path)
+    assert path.read_text() == f"{os.getpid()}\n"  # `kill $(cat daemon.pid)` works
+    assert daemon.running_pid(path) == os.getpid()
+    # written an hour before this process started: another process of the same pid wrote it
+    before = psutil.Process().create_time() - 3600
+    os.utime(path, (before, before))
+    assert daemon.running_pid(path) is None
+    daemon.acquire_pid_file(path)  # stale: replaced
+    assert daemon.running_pid(path) == os.getpid()
+    daemon.release_pid_file(path)
+
+
+def test_kill_of_the_pid_file_stops_a_detached_daemon(tmp_path):
+    pid, _ = daemon.detach(
+        toy_argv(tmp_path), daemon.log_path(tmp_path), tmp_path / "ready", timeout_s=30
+    )
+    try:
+        proc = subprocess.run(
+            ["sh", "-c", f"kill $(cat {daemon.pid_path(tmp_path)})"],
+            capture_output=True,
+            timeout=30,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert daemon.wait_exit(pid, 30)
+    finally:
+        if daemon.pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_garbage_pid_file(tmp_path):

@@ -3,8 +3,9 @@
 This module owns the process life cycle of a daemon and nothing about what
 it serves:
 
-- a pid file (``<data dir>/daemon.pid``, "pid create-time") that marks the data
-  dir as in use; a file whose process is gone (or whose pid was reused) is stale;
+- a pid file (``<data dir>/daemon.pid``, the pid alone) that marks the data dir
+  as in use; a file whose process is gone, or whose pid now belongs to a process
+  started after the file was written (its mtime: a reused pid), is stale;
 - logging set-up (stderr and/or a log file, one line per record);
 - `detach`: start a command as a child in a new session, stdout/stderr into the
   log file, and wait until it calls `notify_ready` (it writes a ready file named
@@ -46,6 +47,9 @@ LOG_FILE = "daemon.log"
 READY_ENV = "DILOCO_READY_FILE"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _POLL_S = 0.02
+# a process that started later than its pid file was written (by more than this) did not
+# write it: its pid was reused. The slack covers the clock ticks of both time stamps.
+_CLOCK_SLACK_S = 2.0
 # libraries that log at INFO what an operator cannot act on: JAX's probing of the backends
 # it was built for ("Unable to initialize backend 'tpu'" on a machine without one) and its
 # compilation cache; their warnings and errors still show, all of it at DEBUG
@@ -116,17 +120,25 @@ def _create_time(pid: int) -> float | None:
         return None
 
 
-def _read(path: Path) -> tuple[int, float | None] | None:
+def _read(path: Path) -> tuple[int, float] | None:
+    """(pid, the latest time its process may have started) from a pid file, or None.
+
+    A pid file holds the pid alone; its writer ran before it was written, so
+    its process started no later than the file's mtime. A pid file of an older
+    version ("PID CREATE-TIME") says that time itself.
+    """
     try:
         parts = path.read_text().split()
+        written = path.stat().st_mtime
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
         pid = int(parts[0])
-        created = float(parts[1]) if len(parts) > 1 else None
+        recorded = float(parts[1]) if len(parts) > 1 else 0.0
     except (IndexError, ValueError):
         return None
-    return (pid, created) if pid > 0 else None
+    started_by = recorded if recorded > 0 else written  # 0.0: the old writer did not know
+    return (pid, started_by) if pid > 0 else None
 
 
 def read_pid(path: str | Path) -> int | None:
@@ -167,18 +179,17 @@ def running_pid(path: str | Path) -> int | None:
 
     Returns:
         The pid, or None when the file is missing or stale (process gone, or the
-        pid now belongs to a process started at another time).
+        pid now belongs to a process started after the file was written).
     """
     entry = _read(Path(path))
     if entry is None:
         return None
-    pid, created = entry
+    pid, started_by = entry
     if not pid_alive(pid):
         return None
-    if created is not None:
-        now_created = _create_time(pid)
-        if now_created is not None and abs(now_created - created) > 1.0:
-            return None
+    created = _create_time(pid)
+    if created is not None and created > started_by + _CLOCK_SLACK_S:
+        return None  # the pid was reused by a process started after the file was written
     return pid
 
 
@@ -209,7 +220,7 @@ def acquire_pid_file(path: str | Path, pid: int | None = None) -> None:
                 path.unlink()
             continue
         with os.fdopen(fd, "w") as fh:
-            fh.write(f"{pid} {_create_time(pid) or 0.0:.3f}\n")
+            fh.write(f"{pid}\n")  # the pid alone: `kill $(cat daemon.pid)` works
         return
     raise DaemonError(f"cannot claim pid file {path}: another process keeps re-creating it")
 
