@@ -6,7 +6,7 @@
                         [--coordinator HOST:PORT --num-processes N --process-id I]
                         [--param-sharding replicated|fsdp] [--dry-run]
     diloco-worker stop --data-dir D
-    diloco-worker status --data-dir D [--json]
+    diloco-worker status --data-dir D [--json]   (exit 3: the island does not run)
     diloco-worker eval --connect tcp://HOST:PORT [--wait-s 120] [--json]
                        [--model ... --seq-len ... --batch-size ... --eval-batches ...
                         --data ... --data-dtype ... --vocab-size ... --heldout-fraction ...
@@ -56,6 +56,7 @@ STARTUP_S = 180.0  # a detached island's imports and first compile, on top of it
 # eval's held-out batches unless given: 8x the islands' periodic eval (4) for a steadier final
 # figure, whose standard error over the batches eval reports
 EVAL_BATCHES = 32
+EXIT_NOT_RUNNING = 3  # `status` of an island that does not run (as LSB init scripts say it)
 # the IslandConfig fields `eval` reads (model, held-out data, devices, a CURVE island's keys)
 EVAL_SETTINGS = (
     "island",
@@ -99,7 +100,14 @@ def _parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="SIGTERM the island of a data dir and wait for it")
     stop.add_argument("--data-dir", required=True, help="the island's data directory")
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
-    status = sub.add_parser("status", help="show an island's progress")
+    status = sub.add_parser(
+        "status",
+        help="show an island's progress (exit 3 when it does not run)",
+        description="Show an island's last status and whether its process runs. Exit 0 "
+        "while it runs, 3 when it does not: 'not running (stopped ... ago)' after a stop, "
+        "'not running (last seen ... ago, was training)' when it ended without one "
+        "(killed, crashed).",
+    )
     status.add_argument("--data-dir", required=True, help="the island's data directory")
     status.add_argument(
         "--json", action="store_true", help="print the whole status file as JSON instead of a table"
@@ -287,6 +295,12 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | No
 
 
 def _status(args: argparse.Namespace) -> int:
+    """`status`: the island's status file, and whether its process runs.
+
+    Returns:
+        0 while the island runs; `EXIT_NOT_RUNNING` when it does not (stopped,
+        or gone without stopping: killed, crashed).
+    """
     data_dir = Path(args.data_dir)
     pid = daemon.running_pid(daemon.pid_path(data_dir))
     status = progress.read_status(data_dir)
@@ -295,11 +309,42 @@ def _status(args: argparse.Namespace) -> int:
             f"no island status in {data_dir}: start one with diloco-worker start"
         )
     status["running"] = pid is not None
+    code = 0 if pid is not None else EXIT_NOT_RUNNING
     if args.json:
         print(json.dumps(status, indent=2))
-        return 0
+        return code
     print("\n".join(status_lines(status, time.time())))
-    return 0
+    return code
+
+
+def not_running_line(status: dict, now: float) -> str:
+    """What `status` says of an island whose process is not running.
+
+    Args:
+        status: its last status file.
+        now: wall-clock time.
+
+    Returns:
+        "not running (stopped 5 min ago)" after a clean stop, else "not running
+        (last seen 12 s ago, was training)": it ended without stopping (killed, crashed).
+    """
+    updated = status.get("updated")
+    age = f"{_age(now - updated)} ago" if isinstance(updated, int | float) else "at an unknown time"
+    state = status.get("state", "unknown")
+    if state == "stopped":
+        return f"not running (stopped {age})"
+    return f"not running (last seen {age}, was {state})"
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} days"
 
 
 _STATUS_FIELDS = (
@@ -329,9 +374,12 @@ def status_lines(status: dict, now: float) -> list[str]:
 
     Returns:
         One "key: value" line per known field; the shards the island's client
-        counts as down (and the deltas waiting for them) in the state line too.
+        counts as down (and the deltas waiting for them) in the state line too,
+        and for an island that does not run, "not running (...)" there.
     """
     view = dict(status)
+    if status.get("running") is False:
+        view["state"] = not_running_line(status, now)
     down = int(dict(status.get("client") or {}).get("shards_down", 0))
     view["shards_down"] = down
     if down and status.get("running") and status.get("state") == "training":

@@ -1,0 +1,98 @@
+"""What a user sees of the daemons (issue 34): status of a dead island, data dirs that know
+their kind, the small things of a first run. Real commands as subprocesses, no tracebacks."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from conftest import Cluster, wait_for
+
+from paramserver.plumbing import daemon
+from worker import progress
+
+ROOT = Path(__file__).resolve().parent.parent
+CMD_TIMEOUT_S = 60
+FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0",
+        "--inner-steps", "2", "--heartbeat-interval-s", "0.2", "--compile-cache-dir", "off")  # fmt: skip
+
+
+def run(*argv: str, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
+    """Run a command to completion with no DILOCO_ settings from the environment."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
+    return subprocess.run(
+        list(argv), capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT
+    )
+
+
+def worker(*args: str, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return run(sys.executable, "-m", "worker.cli", *args, timeout=timeout)
+
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def write_island(data_dir: Path, state: str, age_s: float, pid: int | None = None) -> None:
+    """An island data dir as a daemon leaves it: a status file written `age_s` ago, a pid file."""
+    data_dir.mkdir(parents=True, exist_ok=True)
+    status = {"island": "a", "state": state, "round": 3, "updated": time.time() - age_s}
+    (data_dir / progress.STATUS_FILE).write_text(json.dumps(status))
+    if pid is not None:
+        daemon.pid_path(data_dir).write_text(f"{pid}\n")
+
+
+# -- status of an island that is not running ---------------------------------------------------
+
+
+def test_status_of_an_island_gone_while_training_says_so_and_fails(tmp_path):
+    data_dir = tmp_path / "island"
+    write_island(data_dir, "training", 42, pid=dead_pid())  # killed -9: its files say training
+    proc = worker("status", "--data-dir", str(data_dir))
+    assert proc.returncode == 3, (proc.stdout, proc.stderr)
+    state = next(line for line in proc.stdout.splitlines() if line.strip().startswith("state:"))
+    assert re.search(r"not running \(last seen \d+ s ago, was training\)$", state), proc.stdout
+    as_json = worker("status", "--data-dir", str(data_dir), "--json")
+    assert as_json.returncode == 3 and json.loads(as_json.stdout)["running"] is False
+
+
+def test_status_of_a_stopped_island_says_when_it_stopped(tmp_path):
+    data_dir = tmp_path / "island"
+    write_island(data_dir, "stopped", 600)
+    proc = worker("status", "--data-dir", str(data_dir))
+    assert proc.returncode == 3, proc.stderr
+    assert "not running (stopped 10 min ago)" in proc.stdout, proc.stdout
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_status_of_an_island_killed_with_9(tmp_path):
+    cluster = Cluster(tmp_path, shards=1)
+    data_dir = tmp_path / "island"
+    try:
+        started = worker("start", "--detach", "--connect", cluster.connect, "--island", "a",
+                         "--data-dir", str(data_dir), *FAST, timeout=300)  # fmt: skip
+        assert started.returncode == 0, started.stderr
+        pid = daemon.read_pid(daemon.pid_path(data_dir))
+        live = worker("status", "--data-dir", str(data_dir))
+        assert live.returncode == 0 and "running: True" in live.stdout, live.stdout
+        os.kill(pid, signal.SIGKILL)
+        assert daemon.wait_exit(pid, 30)
+        proc = worker("status", "--data-dir", str(data_dir))
+        assert proc.returncode == 3, (proc.stdout, proc.stderr)
+        assert "not running (last seen " in proc.stdout, proc.stdout
+        assert ", was training)" in proc.stdout, proc.stdout
+    finally:
+        from daemon_process import stop_daemons_under
+
+        stop_daemons_under(tmp_path)
+        cluster.stop()
