@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import Cluster, wait_for
+from conftest import Cluster
 
 from paramserver.plumbing import daemon
 from worker import progress
