@@ -412,6 +412,7 @@ def test_a_start_on_another_clusters_data_dir_says_why_and_leaves_nothing(tmp_pa
     with Client(ClientConfig(connect=connect, island="a", join_timeout_s=30)) as client:
         client.join(small_flat(0))  # the shard now holds a model of one shard's plan
     assert run_cli("stop", "--data-dir", str(data_dir)).returncode == 0
+    assert (data_dir / "diloco-kind").read_text() == "server\n"  # written once it served
     before = tree(data_dir)
     assert before and not (data_dir / "shard-1").exists()
 

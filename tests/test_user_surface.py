@@ -83,6 +83,7 @@ def test_status_of_an_island_killed_with_9(tmp_path):
                          "--data-dir", str(data_dir), *FAST, timeout=300)  # fmt: skip
         assert started.returncode == 0, started.stderr
         pid = daemon.read_pid(daemon.pid_path(data_dir))
+        assert (data_dir / "diloco-kind").read_text() == "island\n"  # written once it joined
         live = worker("status", "--data-dir", str(data_dir))
         assert live.returncode == 0 and "running: True" in live.stdout, live.stdout
         os.kill(pid, signal.SIGKILL)
@@ -96,3 +97,57 @@ def test_status_of_an_island_killed_with_9(tmp_path):
 
         stop_daemons_under(tmp_path)
         cluster.stop()
+
+
+# -- data dirs know their kind -------------------------------------------------------------------
+
+
+def server(*args: str, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
+    return run(sys.executable, "-m", "paramserver.ops.cli", *args, timeout=timeout)
+
+
+def assert_one_line(proc: subprocess.CompletedProcess, code: int, *needles: str) -> None:
+    assert proc.returncode == code, (proc.returncode, proc.stdout, proc.stderr)
+    assert "Traceback" not in proc.stderr
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_the_kind_of_a_data_dir_comes_from_its_marker_else_from_what_it_holds(tmp_path):
+    from paramserver.plumbing import dir_kind
+
+    assert dir_kind.infer(tmp_path / "new") is None
+    assert dir_kind.infer(tmp_path) is None  # empty
+    (tmp_path / "shard-0").mkdir()
+    assert dir_kind.infer(tmp_path)[0] == "server"
+    island = tmp_path / "island"
+    write_island(island, "training", 1)
+    assert dir_kind.infer(island) == ("island", "it holds status.json")
+    dir_kind.mark(island, "island")
+    assert (island / dir_kind.KIND_FILE).read_text() == "island\n"
+    dir_kind.check(island, "island")
+    with pytest.raises(dir_kind.DataDirKindError, match="an island's data dir"):
+        dir_kind.check(island, "server")
+
+
+def test_the_server_refuses_an_islands_data_dir_and_the_worker_a_servers(tmp_path):
+    island = tmp_path / "island"
+    write_island(island, "stopped", 5)
+    before = sorted(p.name for p in island.iterdir())
+    for argv in (("start", "--data-dir", str(island)), ("stop", "--data-dir", str(island))):
+        proc = server(*argv)
+        assert_one_line(proc, 1, str(island), "an island's data dir", "status.json")
+    assert sorted(p.name for p in island.iterdir()) == before  # nothing written, nothing signalled
+
+    server_dir = tmp_path / "server"
+    (server_dir / "shard-0").mkdir(parents=True)
+    for argv in (
+        ("start", "--data-dir", str(server_dir), "--connect", "tcp://127.0.0.1:9"),
+        ("stop", "--data-dir", str(server_dir)),
+        ("status", "--data-dir", str(server_dir)),
+    ):
+        proc = worker(*argv)
+        assert_one_line(proc, 1, str(server_dir), "a server's data dir", "shard-0/")
+    assert sorted(p.name for p in server_dir.iterdir()) == ["shard-0"]

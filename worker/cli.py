@@ -45,7 +45,7 @@ import time
 from pathlib import Path
 
 from paramserver.client import ClientError
-from paramserver.plumbing import daemon, settings
+from paramserver.plumbing import daemon, dir_kind, settings
 from worker import export as export_cli
 from worker import progress
 from worker.config import IslandConfig
@@ -176,6 +176,7 @@ def _start(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _load_config(args)
     data_dir = Path(cfg.data_dir)
     created = daemon.first_missing(data_dir)  # what a failed start removes again
+    dir_kind.check(data_dir, dir_kind.ISLAND)
     _usable_data_dir(data_dir)
     if args.detach:
         running = daemon.running_pid(daemon.pid_path(data_dir))
@@ -277,6 +278,7 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | No
     def notify() -> None:
         nonlocal ready
         ready = True
+        dir_kind.mark(data_dir, dir_kind.ISLAND)
         daemon.notify_ready({"island": cfg.island, "process": spec.process_id})
 
     try:
@@ -302,6 +304,7 @@ def _status(args: argparse.Namespace) -> int:
         or gone without stopping: killed, crashed).
     """
     data_dir = Path(args.data_dir)
+    dir_kind.check(data_dir, dir_kind.ISLAND)
     pid = daemon.running_pid(daemon.pid_path(data_dir))
     status = progress.read_status(data_dir)
     if status is None:
@@ -454,6 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "start":
             return _start(args, argv)
         if args.command == "stop":
+            dir_kind.check(args.data_dir, dir_kind.ISLAND)
             pid = daemon.stop(args.data_dir, timeout_s=args.timeout)
             print(f"island stopped (pid {pid})")
             return 0

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from paramserver.plumbing import clusterfile, daemon
+from paramserver.plumbing import clusterfile, daemon, dir_kind
 from paramserver.plumbing.daemon import DaemonError
 from paramserver.plumbing.settings import (
     OneLineErrorParser,
@@ -204,6 +204,7 @@ def cmd_start(args: argparse.Namespace) -> int:
     cfg = load_settings(ShardConfig, file=args.config, env_prefix=ENV_PREFIX, flags=args)
     data_dir = Path(cfg.data_dir)
     created = daemon.first_missing(data_dir)  # what a failed start removes again
+    dir_kind.check(data_dir, dir_kind.SERVER)
     supervisor.check_not_running(data_dir)
     supervisor.check_binds(supervisor.local_binds(cfg))
     if not args.detach:
@@ -287,6 +288,7 @@ def _start_cluster_shard(args: argparse.Namespace) -> int:
             )
     directory = serve.shard_dir(cfg, args.shard)
     created = daemon.first_missing(directory)  # what a failed start removes again
+    dir_kind.check(cfg.data_dir, dir_kind.SERVER)
     supervisor.check_not_running(directory)
     supervisor.check_binds(
         [
@@ -399,6 +401,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         data_dir = load_settings(ShardConfig, file=args.config, env_prefix=ENV_PREFIX).data_dir
     if not args.timeout > 0:
         raise SettingsError(f"--timeout: bad value {args.timeout!r}: expected > 0")
+    dir_kind.check(data_dir, dir_kind.SERVER)
     pids = supervisor.stop_server(data_dir, args.timeout)
     print(f"{PROG}: stopped pid {', '.join(map(str, pids))} ({data_dir}); it drained and exited")
     return 0

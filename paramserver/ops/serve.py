@@ -17,7 +17,7 @@ from pathlib import Path
 
 import zmq
 
-from paramserver.plumbing import daemon
+from paramserver.plumbing import daemon, dir_kind
 from paramserver.plumbing.curve import CurveError
 from paramserver.server.config import ShardConfig
 
@@ -37,12 +37,13 @@ def shard_dir(cfg: ShardConfig, index: int) -> Path:
     return daemon.shard_dir(cfg.data_dir, index)
 
 
-def _announce(server, index: int, finished: threading.Event) -> None:
+def _announce(server, index: int, data_dir: str, finished: threading.Event) -> None:
     """Report readiness once the server has bound its sockets (or give up when it ends)."""
     while not finished.is_set():
         if server.ready.wait(0.05) and server.bound_endpoints is not None:
             router, pub = server.bound_endpoints
             logger.info("shard %d ready: router %s, pub %s", index, router, pub)
+            dir_kind.mark(data_dir, dir_kind.SERVER)
             daemon.notify_ready({"shard": index, "router": router, "pub": pub, "pid": os.getpid()})
             return
 
@@ -89,7 +90,10 @@ def serve_shard(
     try:
         server = ShardServer(cfg, index, endpoints, router_bind, pub_bind)
         threading.Thread(
-            target=_announce, args=(server, index, finished), name="announce", daemon=True
+            target=_announce,
+            args=(server, index, cfg.data_dir, finished),
+            name="announce",
+            daemon=True,
         ).start()
         if metrics_port:
             from paramserver.ops.metrics import MetricsError, serve_metrics

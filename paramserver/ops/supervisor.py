@@ -30,7 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from paramserver.plumbing import daemon
+from paramserver.plumbing import daemon, dir_kind
 from paramserver.plumbing.daemon import DaemonError
 from paramserver.plumbing.heap import ARENA_ENV
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
@@ -241,6 +241,7 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0, created: Path | 
                     }
                 )
                 ready = True
+                dir_kind.mark(data_dir, dir_kind.SERVER)
                 failed = _watch(procs, stop)
         if not ready:
             logger.info("start failed: stopping the %d shard(s) it started", len(procs))
