@@ -35,7 +35,8 @@ class IslandConfig:
     # session.token (worker.session_token) go here; one running island process per data dir
     data_dir: str = "runs/worker"
     # JAX persistent compilation cache: "" = <data_dir>/jax-cache, "off" = none, or a shared
-    # directory (trusted: never one that others can write to)
+    # directory (trusted: never one that others can write to); one per process: the first
+    # island or session of a process sets it, later ones in that process use it
     compile_cache_dir: str = ""
     model: str = "tiny"  # named model config: tiny | small | base
     seed: int = 0  # model init seed (used only if this island initialises the cluster)
