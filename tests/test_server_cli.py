@@ -153,6 +153,7 @@ def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
     )
     assert proc.returncode == 0, proc.stderr
     assert f"tcp://127.0.0.1:{port}" in proc.stdout
+    assert f"cluster page http://127.0.0.1:{metrics_port}/" in proc.stdout, proc.stdout
     supervisor_pid = daemon.read_pid(daemon.pid_path(data_dir))
     assert supervisor_pid and daemon.pid_alive(supervisor_pid)
     shard_pids = [daemon.read_pid(daemon.pid_path(daemon.shard_dir(data_dir, i))) for i in range(2)]

@@ -151,3 +151,46 @@ def test_the_server_refuses_an_islands_data_dir_and_the_worker_a_servers(tmp_pat
         proc = worker(*argv)
         assert_one_line(proc, 1, str(server_dir), "a server's data dir", "shard-0/")
     assert sorted(p.name for p in server_dir.iterdir()) == ["shard-0"]
+
+
+# -- the small things of a first run -----------------------------------------------------------
+
+
+def test_eval_help_gives_one_default_for_eval_batches():
+    proc = worker("eval", "--help")
+    assert proc.returncode == 0, proc.stderr
+    (flag,) = [line for line in proc.stdout.splitlines() if line.startswith("  --eval-batches")]
+    assert flag.endswith("(default 32)"), flag
+    assert "default: 4" not in proc.stdout and "is 32 here" in " ".join(proc.stdout.split())
+
+
+def test_the_eval_loss_is_per_token_on_a_token_file_and_per_byte_on_text():
+    from worker.config import IslandConfig
+    from worker.evaluate import loss_unit
+
+    assert loss_unit(IslandConfig()) == "nats/byte"  # the embedded corpus: bytes
+    assert loss_unit(IslandConfig(data="corpus/")) == "nats/byte"
+    assert loss_unit(IslandConfig(data="train.bin", vocab_size=50304)) == "nats/token"
+    assert loss_unit(IslandConfig(data="ids.npy", vocab_size=1000)) == "nats/token"
+
+
+@pytest.mark.parametrize(
+    "endpoint, why",
+    [
+        ("127.0.0.1:5555", "the scheme must be tcp or ipc;"),
+        ("inproc://shard", "the scheme must be tcp or ipc;"),
+        ("tcp://10.1.2.3:5555", "not a loopback address"),
+    ],
+)
+def test_worker_connect_errors_speak_of_connect_and_what_a_shard_offers(endpoint, why, tmp_path):
+    proc = worker("start", "--connect", endpoint, "--data-dir", str(tmp_path / "island"))
+    assert_one_line(proc, 2, "--connect", f"connect={endpoint!r}", why)
+    assert "IslandConfig" not in proc.stderr and "inproc" not in proc.stderr.replace(endpoint, "")
+    assert not (tmp_path / "island").exists()
+
+
+def test_the_readme_runs_the_example_with_the_venvs_python():
+    text = (ROOT / "README.md").read_text()
+    lines = [line for line in text.splitlines() if "examples/own_mlp.py" in line]
+    assert lines and all(not line.startswith("python ") for line in lines), lines
+    assert any(line.startswith(".venv/bin/python examples/own_mlp.py") for line in lines)

@@ -135,11 +135,16 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true", help="print one JSON line")
     evaluate.add_argument("--config", help="TOML file with island settings (model, data, ...)")
     others = tuple(k for k in settings.setting_keys(IslandConfig) if k not in EVAL_SETTINGS)
+    group = evaluate.add_argument_group("model and data settings")
+    group.add_argument(  # its own default here (EVAL_BATCHES), not the islands' periodic one
+        "--eval-batches",
+        dest="eval_batches",
+        metavar="INT",
+        default=argparse.SUPPRESS,
+        help=f"held-out batches of the final eval (default {EVAL_BATCHES})",
+    )
     settings.add_flags(  # the islands' other flags are accepted (one flag list) and ignored
-        evaluate.add_argument_group("model and data settings"),
-        IslandConfig,
-        exclude=("connect",),
-        hide=others,
+        group, IslandConfig, exclude=("connect", "eval_batches"), hide=others
     )
     export_cli.add_parser(sub)
     return parser
@@ -441,7 +446,7 @@ def _eval(args: argparse.Namespace) -> int:
     line = (
         f"eval_loss {result['eval_loss']:.4f}"
         + (f" +- {se:.4f} (standard error over its batches)" if se is not None else "")
-        + f" nats/byte (model {cfg.model}, "
+        + f" {result['unit']} (model {cfg.model}, "
         f"{cfg.eval_batches} x {cfg.batch_size} x {cfg.seq_len} held-out tokens) at "
         f"version sum {result['version_sum']} over {len(result['versions'])} fragments"
     )
