@@ -19,9 +19,9 @@ from conftest import free_port, wait_for
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 from paramserver.client import ClientError
+from paramserver.ops.cluster_view import History, Sample, island_views, shard_view
+from paramserver.ops.metrics import serve_metrics
 from paramserver.plumbing.probe import cluster_status
-from paramserver.server.cluster_view import History, Sample, island_views, shard_view
-from paramserver.server.metrics import serve_metrics
 
 
 @pytest.fixture

@@ -100,6 +100,7 @@ WINGS_ALLOWED = {
     "plumbing": {"wire"},
     "client": {"wire", "plumbing"},
     "server": {"wire", "plumbing"},
+    "ops": {"wire", "plumbing", "server"},  # operations import the shard's logic, never the reverse
 }
 
 
@@ -128,6 +129,41 @@ def test_paramserver_wings_import_only_below_them(wing):
     assert files, f"paramserver/{wing}/ is empty"
     offenders = wing_offenders(files, lambda _path: WINGS_ALLOWED[wing] | {wing})
     assert not offenders, f"paramserver.{wing} may import only {WINGS_ALLOWED[wing]}: " + "; ".join(
+        offenders
+    )
+
+
+# the shard's rooms (paramserver/server/...) and the server modules each may import besides
+# its own room: admission and step are rules over the state's data; persistence stores the
+# state; the core runs a request through them; only the loop (`shard`) holds sockets and files
+SERVER_ROOMS_ALLOWED = {
+    "admission": {"events", "fragment"},
+    "step": {"config", "events", "fragment"},
+    "storage": {"config", "events", "fragment", "state", "admission", "step"},
+    "state": {"config", "events", "fragment", "state_init", "admission", "step"},
+    "core": {"config", "events", "state", "admission"},
+}
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["paramserver", "server"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+@pytest.mark.parametrize("room", sorted(SERVER_ROOMS_ALLOWED))
+def test_the_shards_rooms_import_only_what_they_build_on(room):
+    path = ROOT / "paramserver" / "server" / room
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    allowed = SERVER_ROOMS_ALLOWED[room] | {room}
+    offenders = [
+        f"{file.relative_to(ROOT)} imports {mod}"
+        for file in files
+        for mod in imported_modules(file)
+        if room_of(mod) is not None and room_of(mod) not in allowed
+    ]
+    assert not offenders, f"paramserver.server.{room} may import {sorted(allowed)}: " + "; ".join(
         offenders
     )
 
@@ -171,7 +207,7 @@ def test_the_walker_sees_a_violation(tmp_path):
 
 CONTROL_SCRIPT = """
 import contextlib, io, sys
-from paramserver.server import cli as server_cli
+from paramserver.ops import cli as server_cli
 from worker import cli as worker_cli
 data, keys, port = sys.argv[1], sys.argv[2], sys.argv[3]
 runs = [

@@ -7,7 +7,7 @@ thread. Under CURVE the scrape speaks CURVE with the server's own key pair,
 which every shard of the cluster admits (acting as no island), so `up` means
 the shard answered, with or without CURVE. Needs the `metrics` extra
 (prometheus-client). The same port serves the cluster page
-(`paramserver.server.page_server`).
+(`paramserver.ops.page_server`).
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def serve_metrics(
 
     Args:
         port: TCP port for /metrics, / (the cluster page) and /api/cluster
-            (`paramserver.server.page_server`).
+            (`paramserver.ops.page_server`).
         endpoints: ROUTER endpoint of each shard.
         host: bind address (ShardConfig.metrics_bind_host: metrics_host, else host).
         curve_secret_key_file: the shards' key pair (ShardConfig.curve_secret_key_file;
@@ -166,7 +166,7 @@ def serve_metrics(
             "metrics_port is set but prometheus-client is not installed: "
             "pip install 'decoupled-diloco[metrics]' or set metrics_port = 0"
         ) from None
-    from paramserver.server.page_server import ClusterSampler, PageServer
+    from paramserver.ops.page_server import ClusterSampler, PageServer
 
     keys = server_keys(curve_secret_key_file)
     registry = CollectorRegistry()

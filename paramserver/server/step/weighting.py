@@ -1,4 +1,6 @@
-"""How much each island's work counts in an outer step: pure functions, no state.
+"""How much each pushed delta counts in a step: work weights, staleness damping, robust clipping.
+
+Pure functions, no state.
 
 This module owns the merge rule of one fragment's step (DESIGN.md, "The outer
 merge, exactly"). Pending deltas are first grouped per island: an island sends
@@ -23,7 +25,7 @@ that merges n of them is n/N of a round: its merged delta is scaled by n/N
 (sync: n = N, 1; async: 1/N per delta; a collapsed quorum: a smaller share,
 never another optimizer), and a version it adds is n/N of a round of
 staleness, and the outer momentum moves once per round
-(`paramserver.server.outer.round_nesterov`, told each step's share), so K
+(`paramserver.server.step.outer.round_nesterov`, told each step's share), so K
 islands pushing the same delta d in one round move the model by about one
 step's worth for every K (lr * |d| without momentum): exactly with g = 1, and within
 2 * (sqrt(2) - 1) = 0.83 of it as K grows (the k-th delta of the round is
@@ -35,6 +37,17 @@ no share).
 
 Named weightings: ``default`` (f = tokens^2/steps, g polynomial), ``uniform``
 (f = 1), ``tokens`` (f = tokens), ``no-staleness`` (f = tokens^2/steps, g = 1).
+
+Robust aggregation (`clip`): a delta's norm is clipped relative to the median
+norm of recent deltas. This is the pure decision of how much to scale down one incoming
+delta so that a single poisoned island (huge, or merely much larger than its
+peers) cannot dominate a merge: a delta whose L2 norm exceeds `multiple` times
+the median of the last accepted norms of its fragment is scaled to exactly
+that bound. The shard applies it when a delta is accepted
+(`ShardConfig.clip_norm_multiple`, off by default); the norms it keeps are the
+clipped ones, so an attacker cannot raise the bound by repeating itself.
+A delta's norm is read from its pending form (codes, a piece at a time:
+`paramserver.server.step.merge.sum_squares`), never from a decoded copy.
 """
 
 from __future__ import annotations
@@ -44,6 +57,10 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
+
+import numpy as np
+
+from paramserver.server.step.merge import DeltaSource, as_source, sum_squares
 
 WEIGHTINGS = ("default", "uniform", "tokens", "no-staleness")
 # how a step's share of a round scales it and its staleness (module docstring)
@@ -290,18 +307,59 @@ def merge_coefficients(
     return coefficients, shares
 
 
-def island_shares(
-    weighting: Weighting,
-    contributions: Sequence[Any],
-    current_version: int,
-    expected: int | None = None,
-) -> list[IslandShare]:
-    """Group a step's contributions per island and weigh each island.
+# Accepted norms to see before clipping starts (the median of fewer is noise).
+MIN_HISTORY = 4
+# Norms kept per fragment.
+HISTORY = 32
+
+
+def clip_factor(
+    norm: float, recent: Sequence[float], multiple: float, min_history: int = MIN_HISTORY
+) -> float:
+    """The scale in (0, 1] to apply to a delta of L2 norm `norm`.
 
     Args:
-        weighting, contributions, current_version, expected: as for `merge_coefficients`.
+        norm: the delta's L2 norm (finite, >= 0).
+        recent: norms of recently accepted deltas of the same fragment.
+        multiple: allowed multiple of their median (> 0); 0 turns clipping off.
+        min_history: fewer recent norms than this: no clipping yet.
 
     Returns:
-        One IslandShare per distinct island, in order of first appearance.
+        min(1, multiple * median(recent) / norm), or 1.0 when clipping is off,
+        the history is short, or the norm is 0.
     """
-    return merge_coefficients(weighting, contributions, current_version, expected)[1]
+    if multiple <= 0 or len(recent) < min_history or norm <= 0:
+        return 1.0
+    bound = multiple * float(np.median(np.asarray(recent, dtype=np.float64)))
+    return 1.0 if norm <= bound else bound / norm
+
+
+def l2_norm(delta: DeltaSource | np.ndarray) -> float:
+    """L2 norm of a 1-D delta, accumulated in float64 piece by piece.
+
+    Args:
+        delta: the delta (a 1-D array, or a pending delta kept coded).
+
+    Returns:
+        The norm.
+    """
+    return float(np.sqrt(sum_squares(as_source(delta))))
+
+
+def clip(
+    delta: DeltaSource | np.ndarray, recent: Sequence[float], multiple: float
+) -> tuple[float, float, list[float]]:
+    """Judge one incoming delta against its fragment's recent norms.
+
+    Args:
+        delta: the delta (a 1-D array, or a pending delta kept coded).
+        recent: the fragment's kept (clipped) norms, oldest first.
+        multiple: allowed multiple of their median (> 0); 0 turns clipping off.
+
+    Returns:
+        (the delta's norm, its clip factor in (0, 1], the recent norms with its
+        clipped norm appended, the newest HISTORY kept).
+    """
+    norm = l2_norm(delta)
+    factor = clip_factor(norm, recent, multiple)
+    return norm, factor, [*recent, norm * factor][-HISTORY:]

@@ -3,11 +3,11 @@
 This module owns the HTTP side of `--metrics-port`: one threaded server that
 answers
 
-- ``/`` the cluster page (static HTML + JS shipped in ``paramserver/server/page/``,
+- ``/`` the cluster page (static HTML + JS shipped in ``paramserver/ops/page/``,
   plotting with the vendored uPlot, nothing fetched from elsewhere),
 - ``/static/<file>`` the page's scripts and styles (a fixed list),
-- ``/api/cluster`` the page's data (`paramserver.server.cluster_view`),
-- ``/metrics`` Prometheus text (`paramserver.server.metrics.ShardCollector`),
+- ``/api/cluster`` the page's data (`paramserver.ops.cluster_view`),
+- ``/metrics`` Prometheus text (`paramserver.ops.metrics.ShardCollector`),
 
 and 404 for anything else. A `ClusterSampler` thread asks every shard for its
 status every SAMPLE_S seconds (over the wire, with the server's CURVE keys when
@@ -31,9 +31,9 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from paramserver.ops.cluster_view import History, Sample, cluster_view
 from paramserver.plumbing.curve import ClientKeys
 from paramserver.plumbing.probe import ProbeError, shard_status
-from paramserver.server.cluster_view import History, Sample, cluster_view
 
 logger = logging.getLogger(__name__)
 
@@ -58,7 +58,7 @@ def page_files() -> dict[str, tuple[bytes, str]]:
     Returns:
         Every entry of the fixed list, read from the package data.
     """
-    root = resources.files("paramserver.server") / "page"
+    root = resources.files("paramserver.ops") / "page"
     return {url: ((root / name).read_bytes(), kind) for url, (name, kind) in _FILES.items()}
 
 

@@ -3,7 +3,7 @@
 This module owns the outer update rule, its state and the whole-fragment
 jitted step that applies it (`DonatingStep`; `FragmentOptimizer.step` is a
 copying wrapper around it). A shard applies the same transformation in place,
-chunk by chunk (`paramserver.server.chunked_step`), bit for bit equal to it.
+chunk by chunk (`paramserver.server.step.fragment_step`), bit for bit equal to it.
 Sign convention: the merged delta is the pseudo-gradient (global params an
 island started from minus its local params), fed to optax as the gradient, so
 plain SGD with lr=1 and one island moves the global params exactly onto that
@@ -158,7 +158,7 @@ def set_round_share(state: Any, share: float) -> None:
     """Tell a host-buffer optimizer state the share of a round its next step is.
 
     Args:
-        state: a fragment's optimizer state (numpy leaves, `chunked_step.host_state`).
+        state: a fragment's optimizer state (numpy leaves, `fragment_step.host_state`).
         share: in (0, 1]; a state without a share (sgd, delayed Nesterov) is left alone.
     """
     if isinstance(state, RoundNesterovState):

@@ -84,7 +84,7 @@ def serve_shard(
             target=_announce, args=(server, index, finished), name="announce", daemon=True
         ).start()
         if metrics_port:
-            from paramserver.server.metrics import MetricsError, serve_metrics
+            from paramserver.ops.metrics import MetricsError, serve_metrics
 
             try:
                 metrics = serve_metrics(

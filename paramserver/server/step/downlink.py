@@ -3,7 +3,7 @@
 This module owns the rule that keeps every replica equal to the shard bit for
 bit while the shard publishes int8 instead of float32, applied chunk by chunk
 (`quantize_chunk` inside the step's jit, `Int8Publication` on the host; fed by
-`paramserver.server.chunked_step`):
+`paramserver.server.step.fragment_step`):
 
     target    = outer update + residual          (float32, per chunk)
     codes     = int8 block quantization of target (the codec's float32 operations,
@@ -45,7 +45,7 @@ from codec import format as fmt
 from codec import jax_quant
 from codec.writer import FrameWriter
 from paramserver.server.config import DOWNLINKS
-from paramserver.server.outer import aligned_float32
+from paramserver.server.step.outer import aligned_float32
 
 RESIDUAL_DTYPE = np.dtype(ml_dtypes.bfloat16)
 PUBLISH_ZSTD_LEVEL: int | None = None  # the published frames' zstd level (None: crc32 only)

@@ -2,7 +2,7 @@
 
 This module owns the files of ``<data_dir>/shard-<i>/`` and the order in
 which they change; what the log records and checkpoints mean is
-`paramserver.server.storage.log_format` and `.checkpoint_content`, how a state
+`paramserver.server.storage.wal` and `.checkpoint`, how a state
 is rebuilt from them `.recovery`. When to checkpoint is the shard core's
 decision (`paramserver.server.core`).
 
@@ -32,7 +32,7 @@ recovery skipped a corrupted checkpoint).
 
 Storage faults (disk full, file-size limit, read-only, I/O error): a failed
 append or sync raises `StorageError` and cuts the log back to what the last
-good sync covered (`paramserver.server.storage.log_file`), so nothing of the
+good sync covered (`paramserver.server.storage.wal`), so nothing of the
 batch is on disk; the caller then rebuilds its state from disk (`reload`) and
 refuses the batch. A failed checkpoint is logged, counted in `faults` and
 reported not written (the log still holds everything). Faults are logged at
@@ -50,11 +50,10 @@ from paramserver.plumbing import daemon
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import Event
 from paramserver.server.state import ShardState
-from paramserver.server.storage.checkpoint_content import checkpoint_summary, export_state
+from paramserver.server.storage.checkpoint import checkpoint_summary, export_state
 from paramserver.server.storage.checkpoint_job import HOLD_NAME, CheckpointJob, CheckpointResult
-from paramserver.server.storage.log_file import WriteAheadLog, fsync_dir
-from paramserver.server.storage.log_format import event_to_record
 from paramserver.server.storage.recovery import CHECKPOINT_NAME, LOG_NAME, numbered, recover
+from paramserver.server.storage.wal import WriteAheadLog, event_to_record, fsync_dir
 
 logger = logging.getLogger(__name__)
 

@@ -1,4 +1,4 @@
-"""What a shard answers a request: the refusal rules, how an outcome is counted and rendered.
+"""What came of each request: the refusal rules, the outcome's reply, its counts, the islands' view.
 
 This module owns every refusal from its rule to its reply: the header-only
 checks of a push (`check_push`: plan, fragment, island, dedup window, base
@@ -10,13 +10,25 @@ answer to an island the shard does not know on that connection
 `read_delta`), how an outcome is counted (`count`) and the reply header
 it becomes (`render`: an `ack` for a push, else `rejected`). The rules take
 plain values, so they import nothing of the shard's state.
+
+`ShardCounters` is what a shard counts for `status` (accepted, duplicates,
+rejections, drops, bytes, steps, credit): plain data; `count` here decides how
+a refusal is counted, `paramserver.server.state` counts steps and accepts.
+
+`IslandReports` is the per-island view behind the `islands` field of a shard's
+`status` (what the cluster page shows): when the island's last delta arrived
+here, how many rounds it pushed here, the staleness of its deltas in its last
+merged step, and what the island last reported of its training (the optional
+`inner_loss`, `steps_per_s` and `goodput` fields of its pushes and heartbeats,
+`paramserver.wire.protocol.TRAINING_FIELDS`). Plain bookkeeping, not events: a
+restart starts it empty. Pure: the caller passes `now` (wall-clock seconds).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -24,12 +36,11 @@ import numpy as np
 import codec
 from codec import coded
 from codec.coded import CodedTensor
-from paramserver.server.counters import Counters
 from paramserver.server.events import Event
 from paramserver.server.fragment import DedupEntry, FragmentState
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan, PlanError
-from paramserver.wire.protocol import DUPLICATE, REJECTED
+from paramserver.wire.protocol import DUPLICATE, REJECTED, TRAINING_FIELDS
 
 
 @dataclass(frozen=True)
@@ -66,7 +77,7 @@ def refused(reason: str, detail: str) -> Outcome:
     return Outcome(REJECTED, reason, detail)
 
 
-def count(counters: Counters, outcome: Outcome) -> Outcome:
+def count(counters: ShardCounters, outcome: Outcome) -> Outcome:
     """Count a refusal: a duplicate, `unknown_island` as a hello request, the rest by reason.
 
     Args:
@@ -426,3 +437,167 @@ def check_push(
             f"{mine} deltas of {island!r} already pending on fragment {fragment}",
         )
     return None
+
+
+@dataclass
+class ShardCounters:
+    """What `status` reports; `accepted`, `staleness` and `steps` are rebuilt by replay."""
+
+    accepted: int = 0
+    duplicates: int = 0
+    rejected: dict[str, int] = field(default_factory=dict)
+    bytes_in: int = 0
+    bytes_out: int = 0
+    staleness: dict[int, int] = field(default_factory=dict)
+    steps: int = 0
+    clipped: int = 0  # deltas scaled down by robust aggregation (clip_norm_multiple)
+    # requests from islands the shard does not know (answered unknown_island: "say
+    # hello"); expected after a restart or before an island's first hello here, so
+    # they are not rejections
+    hello_requests: int = 0
+    # requests dropped unanswered, by reason (throttled, or a header that did not decode:
+    # malformed, bad_version, unknown_kind): over max_refusals_per_s (paramserver.server.admission.gate)
+    dropped: dict[str, int] = field(default_factory=dict)
+    # island -> tokens that entered the model: merged tokens * fragment share (no g(s))
+    credited: dict[str, float] = field(default_factory=dict)
+
+    def add_step(self, staleness: list[int], credits: dict[str, float]) -> None:
+        """Count one outer step.
+
+        Args:
+            staleness: the staleness of each delta it merged.
+            credits: island -> tokens that entered the model in this step.
+        """
+        self.steps += 1
+        for s in staleness:
+            self.staleness[s] = self.staleness.get(s, 0) + 1
+        for island, credit in credits.items():
+            self.credited[island] = self.credited.get(island, 0.0) + credit
+
+    def report(self) -> dict[str, Any]:
+        """The counters as status fields (JSON-ready, str keys).
+
+        Returns:
+            accepted, duplicates, rejected (reason -> count), hello_requests,
+            dropped (reason -> requests left unanswered), bytes_in, bytes_out, staleness_histogram, steps, clipped and credited_tokens (island ->
+            merged tokens * fragment share, staleness not counted, rounded to 3 decimals).
+        """
+        return {
+            "accepted": self.accepted,
+            "duplicates": self.duplicates,
+            "rejected": dict(sorted(self.rejected.items())),
+            "hello_requests": self.hello_requests,
+            "dropped": dict(sorted(self.dropped.items())),
+            "bytes_in": self.bytes_in,
+            "bytes_out": self.bytes_out,
+            "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
+            "steps": self.steps,
+            "clipped": self.clipped,
+            "credited_tokens": {k: round(v, 3) for k, v in sorted(self.credited.items())},
+        }
+
+    def drop(self, reason: str) -> None:
+        """Count a request dropped unanswered.
+
+        Args:
+            reason: why it was refused (throttled, malformed, bad_version, unknown_kind).
+        """
+        self.dropped[reason] = self.dropped.get(reason, 0) + 1
+
+
+# The most islands remembered; beyond it the one heard from longest ago is forgotten.
+MAX_REPORTED_ISLANDS = 4096
+
+
+@dataclass
+class IslandReport:
+    """One island as this shard saw it (wall-clock seconds)."""
+
+    heard: float
+    last_push: float | None = None
+    last_round: int | None = None
+    rounds: int = 0  # distinct rounds with an accepted delta here
+    accepted: int = 0
+    staleness: int | None = None  # the most stale of its deltas in its last merged step
+    training: dict[str, float] = field(default_factory=dict)
+    reported: float | None = None  # when `training` last changed hands
+
+    def as_status(self) -> dict[str, Any]:
+        """JSON-ready: the fields above, `training` flattened into the map."""
+        return {
+            "heard": self.heard,
+            "last_push": self.last_push,
+            "last_round": self.last_round,
+            "rounds": self.rounds,
+            "accepted": self.accepted,
+            "staleness": self.staleness,
+            "reported": self.reported,
+            **self.training,
+        }
+
+
+class IslandReports:
+    """Every island's `IslandReport` on one shard, bounded by MAX_REPORTED_ISLANDS."""
+
+    def __init__(self, limit: int = MAX_REPORTED_ISLANDS) -> None:
+        """Start empty.
+
+        Args:
+            limit: the most islands kept.
+        """
+        self.limit = limit
+        self.islands: dict[str, IslandReport] = {}
+
+    def _of(self, island: str, now: float) -> IslandReport:
+        report = self.islands.get(island)
+        if report is None:
+            if len(self.islands) >= self.limit:
+                oldest = min(self.islands, key=lambda i: self.islands[i].heard)
+                del self.islands[oldest]
+            report = self.islands[island] = IslandReport(heard=now)
+        report.heard = max(report.heard, now)
+        return report
+
+    def heard(self, island: str, header: Mapping[str, Any], now: float) -> None:
+        """A push or heartbeat of a known island arrived (its header passed the protocol check).
+
+        Args:
+            island: the island id.
+            header: the message header; its training fields, when present, replace
+                the island's last report.
+            now: wall-clock seconds.
+        """
+        report = self._of(island, now)
+        training = {k: float(header[k]) for k in TRAINING_FIELDS if k in header}
+        if training:
+            report.training, report.reported = training, now
+
+    def accepted(self, island: str, round_id: int, now: float) -> None:
+        """One delta of the island was accepted here.
+
+        Args:
+            island: the island id.
+            round_id: the push's round.
+            now: wall-clock seconds.
+        """
+        report = self._of(island, now)
+        report.last_push, report.accepted = now, report.accepted + 1
+        if report.last_round != round_id:
+            report.last_round, report.rounds = round_id, report.rounds + 1
+
+    def merged(self, staleness: Iterable[tuple[str, int]]) -> None:
+        """An outer step merged deltas: note each island's most stale one in it.
+
+        Args:
+            staleness: (island, staleness) of each merged delta.
+        """
+        worst: dict[str, int] = {}
+        for island, stale in staleness:
+            worst[island] = max(stale, worst.get(island, stale))
+        for island, stale in worst.items():
+            if island in self.islands:
+                self.islands[island].staleness = stale
+
+    def status(self) -> dict[str, dict[str, Any]]:
+        """JSON-ready: island -> `IslandReport.as_status()`, sorted by id."""
+        return {i: r.as_status() for i, r in sorted(self.islands.items())}

@@ -2,7 +2,7 @@
 
 A sparse delta (codec `topk`: each island sends ~2% of the entries and keeps
 the rest in its error-feedback buffer) says nothing about the entries it did
-not send. The weighted mean of `paramserver.server.merge` treats those as
+not send. The weighted mean of `paramserver.server.step.merge` treats those as
 zeros, so an entry sent by one of three equal islands lands at a third of
 its value while the island's error feedback assumes it was applied whole:
 the other two thirds are lost. Here each entry is averaged over the islands
@@ -45,7 +45,7 @@ from collections.abc import Sequence
 import numpy as np
 import optax
 
-from paramserver.server.merge import (
+from paramserver.server.step.merge import (
     PIECE,
     ChunkMerge,
     DeltaSource,
@@ -57,7 +57,7 @@ from paramserver.server.merge import (
 SPARSE_SCHEMES = ("topk",)  # codec schemes whose deltas list a subset of the entries
 # zstd level of a sparse step's published int8 update: its codes are mostly zeros, which
 # zstd level 1 shrinks ~6x (134 KB -> 22 KB for 6% nonzero entries of 131,712); the dense
-# updates of other steps publish without zstd (paramserver.server.downlink)
+# updates of other steps publish without zstd (paramserver.server.step.downlink)
 SPARSE_PUBLISH_ZSTD_LEVEL = 1
 
 

@@ -55,7 +55,7 @@ def shard_argv(cfg: ShardConfig, index: int) -> list[str]:
     return [
         sys.executable,
         "-m",
-        "paramserver.server.cli",
+        "paramserver.ops.cli",
         "shard",
         "--index",
         str(index),
@@ -207,7 +207,7 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
         else:
             endpoints = local_endpoints(cfg)
             if cfg.metrics_port:
-                from paramserver.server.metrics import MetricsError, serve_metrics
+                from paramserver.ops.metrics import MetricsError, serve_metrics
 
                 try:
                     metrics = serve_metrics(

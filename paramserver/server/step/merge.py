@@ -1,8 +1,8 @@
-"""Combining a step's island deltas into one pseudo-gradient: the weighted mean, or RDA.
+"""The merge of a step's pending deltas into one pseudo-gradient: the weighted mean, or RDA.
 
 This module owns the `--merge mean|rda` rule of one fragment's step (numpy
 only). Each pending delta d_k of island i has a coefficient c_ik
-(`paramserver.server.weighting`). `mean` is `sum_k c_k * delta_k` in float32,
+(`paramserver.server.step.weighting`). `mean` is `sum_k c_k * delta_k` in float32,
 in delta order (`merge_deltas`). `rda` is radial-directional averaging: with
 u_i = sum_k c_ik * d_ik (island i's work, its increments summed) and
 C_i = sum_k c_ik, each tensor is merged as::
@@ -37,7 +37,7 @@ fragment's step exact, only data from the tensor's other pieces can.
 In the shard: the plan keeps the fragments of a cut tensor on one shard
 unless the tensor spans one of the S - 1 boundaries between shards' runs
 (`paramserver.wire.plan`), and a step passes the Grams of the pieces this
-shard holds of the same pushes (`paramserver.server.tensor_groups`, logged in
+shard holds of the same pushes (`paramserver.server.step.tensor_groups`, logged in
 the StepEvent). So a tensor is merged over the whole tensor when all its
 pieces are on one shard and hold the step's pushes (in sync mode the pieces
 of a round step together); a piece on another shard, or one without the
@@ -55,9 +55,8 @@ merge is built. Every element's value depends only on its own inputs and the
 factors, so fills over any split of [0, size) give the same bits as one fill
 of the whole.
 
-Why over 400 lines: the two rules share the sources, pieces and fills; the
-per-tensor factor arithmetic and the partial sums' form are in
-`paramserver.server.rda_factors` (re-exported here).
+RDA's per-tensor arithmetic (`rda_factors`, `aligned_gram`, `TensorPartial`)
+is pure numpy on M x M matrices (M islands), apart from the deltas themselves.
 """
 
 from __future__ import annotations
@@ -68,7 +67,6 @@ from typing import Protocol
 
 import numpy as np
 
-from paramserver.server.rda_factors import MergeError, TensorPartial, aligned_gram, rda_factors
 from paramserver.wire.plan import Fragment
 
 MERGES = ("mean", "rda")
@@ -107,7 +105,7 @@ class ArrayDelta:
 
 @dataclass(frozen=True)
 class ScaledDelta:
-    """A delta times a float32 factor (a clipped delta: `paramserver.server.robust`)."""
+    """A delta times a float32 factor (a clipped delta: `paramserver.server.step.weighting`)."""
 
     source: DeltaSource
     factor: float
@@ -543,23 +541,66 @@ def rda_partials(
     return _rda(rows, fragment).partials
 
 
-def merge_pending(
-    rule: str,
-    deltas: Sequence[tuple[str, DeltaSource | np.ndarray]],
-    coefficients: Coefficients,
-    fragment: Fragment,
-    out: np.ndarray | None = None,
-) -> np.ndarray:
-    """A step's merged pseudo-gradient under a merge rule, whole (`chunk_merge` filled once).
+CANCEL_TOL = 1e-6  # |mean direction| / sum C_i below this: the directions cancel, use the mean
+
+
+class MergeError(ValueError):
+    """Deltas, coefficients, segments or partial sums that do not fit together."""
+
+
+@dataclass(frozen=True)
+class TensorPartial:
+    """RDA's partial sums of one tensor over one piece of it: the islands' Gram matrix there.
+
+    `gram[a, b]` = <u_a, u_b> over the piece (float64), u_i = sum_k c_ik * d_ik
+    the island's coefficient-weighted deltas, islands in `islands` order. The
+    Grams of a tensor's pieces add up to the whole tensor's, which is all RDA's
+    factors need (`rda_partials`, `chunk_merge(..., outside=...)`).
+    """
+
+    islands: tuple[str, ...]
+    gram: np.ndarray
+
+
+def rda_factors(gram: np.ndarray, weights: np.ndarray) -> np.ndarray:
+    """RDA's factor a_i per island for one tensor: merged = sum_i a_i * u_i.
+
+    With N = sum_i |u_i| and m = sum_i C_i * u_i / |u_i| (zero norms add nothing),
+    merged = N * m / |m|, so a_i = N * C_i / (|u_i| * |m|); where |m| < 1e-6 * sum C_i
+    (the directions cancel) or one island merges, every a_i is 1: the weighted mean.
 
     Args:
-        rule: "mean" (sum of c_k * delta_k) or "rda" (this module).
-        deltas: (island, delta) of every pending delta the step merges.
-        coefficients: one c_k per delta (`chunk_merge`).
-        fragment: the plan fragment (its slices are the RDA segments).
-        out: optional float32 buffer of the deltas' shape.
+        gram: the islands' M x M Gram matrix <u_i, u_j> over the whole tensor.
+        weights: C_i = sum_k c_ik per island.
 
     Returns:
-        The merged float32 vector (`out` when given).
+        The M factors (float64).
     """
-    return chunk_merge(rule, deltas, coefficients, fragment).whole(out)
+    count = len(weights)
+    norms = np.sqrt(np.maximum(np.diag(gram), 0.0))
+    inv = np.divide(weights, norms, out=np.zeros(count), where=norms > 0)  # C_i / |u_i|
+    length = float(np.sqrt(max(float(inv @ gram @ inv), 0.0)))  # |m|
+    if count == 1 or length < CANCEL_TOL * float(np.sum(weights)):
+        return np.ones(count)
+    return float(norms.sum()) * inv / length
+
+
+def aligned_gram(partial: TensorPartial, islands: tuple[str, ...], path: str) -> np.ndarray:
+    """A partial Gram laid out in `islands` order (its other islands dropped, missing ones 0)."""
+    names, gram = tuple(partial.islands), np.asarray(partial.gram, dtype=np.float64)
+    if len(set(names)) != len(names) or not all(isinstance(n, str) for n in names):
+        raise MergeError(f"partial sums of {path!r}: islands {names!r} must be distinct ids")
+    if gram.shape != (len(names), len(names)) or not np.all(np.isfinite(gram)):
+        raise MergeError(
+            f"partial sums of {path!r}: the Gram must be a finite {len(names)}x{len(names)} "
+            f"matrix for islands {names!r}, got shape {gram.shape}"
+        )
+    if np.any(np.diag(gram) < 0):
+        raise MergeError(f"partial sums of {path!r}: negative squared norms {np.diag(gram)}")
+    where = [names.index(n) if n in names else -1 for n in islands]
+    out = np.zeros((len(islands), len(islands)))
+    for a, x in enumerate(where):
+        for b, y in enumerate(where):
+            if x >= 0 and y >= 0:
+                out[a, b] = gram[x, y]
+    return out

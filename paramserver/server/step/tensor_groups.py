@@ -2,7 +2,7 @@
 
 This module owns what a fragment's RDA step learns from the tensor's other
 pieces on the same shard. RDA's factors need each tensor's islands' Gram
-matrix over the whole tensor (`paramserver.server.merge`); where the plan
+matrix over the whole tensor (`paramserver.server.step.merge`); where the plan
 cuts a tensor across fragments (on one shard, `paramserver.wire.plan` keeps
 such runs together), the step of one piece adds the Grams of the others.
 
@@ -22,11 +22,11 @@ step's order, the robust clip factor applied), taken
    pieces that have the step's pushes (with none, its own piece only, as
    before). Pieces on other shards are always left out.
 
-The step (`paramserver.server.fragment_step`) turns them into RDA partial sums
+The step (`paramserver.server.step.fragment_step`) turns them into RDA partial sums
 with its own coefficients (`partials`: Gram_ij = sum c_k c_l <d_k, d_l> over
 island i's keys k and island j's keys l). In sync mode a due fragment waits
 while a sibling holds some of a round but is not due yet (`ready`, asked by
-`paramserver.server.core.on_tick`), so the group's first step finds the round
+`ShardState.due_fragments`), so the group's first step finds the round
 pending in every piece (2.) and the later ones find the Grams it kept (1.):
 every piece is normalised over the whole tensor, as if the plan had not cut
 it. In quorum and async modes the pieces step when each is due: a piece is
@@ -45,13 +45,12 @@ is then left out (3.); the live step logs what it used.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
 
 import numpy as np
 
 from paramserver.server.events import Contribution, PieceGram, StepEvent
 from paramserver.server.fragment import FragmentState
-from paramserver.server.merge import MEAN_LEAF_MARK, PIECE, TensorPartial, pieces, scaled
+from paramserver.server.step.merge import MEAN_LEAF_MARK, PIECE, TensorPartial, pieces, scaled
 from paramserver.wire.plan import Fragment, Plan
 
 Key = tuple[str, int]
@@ -130,11 +129,21 @@ class TensorGroups:
         # (fragment, path) -> (keys, Gram): the newest Gram computed of each cut piece
         self.last: dict[tuple[int, str], tuple[tuple[Key, ...], np.ndarray]] = {}
 
-    def step_event(self, state: Any, fragment: int, at: float, expected: int = 0) -> StepEvent:
+    def step_event(
+        self,
+        plan: Plan | None,
+        shard: int,
+        fragments: Mapping[int, FragmentState],
+        fragment: int,
+        at: float,
+        expected: int = 0,
+    ) -> StepEvent:
         """The StepEvent of a live step of `fragment` merging all its pending deltas.
 
         Args:
-            state: the `ShardState` (its plan, index and fragments; before the step).
+            plan: the shard's plan (None before init: no Grams).
+            shard: this shard's index.
+            fragments: the shard's fragment states (before the step).
             fragment: an owned fragment with pending deltas.
             at: the step's wall-clock time.
             expected: the islands the step's round expected (`StepEvent.expected`).
@@ -142,13 +151,20 @@ class TensorGroups:
         Returns:
             The event, with the PieceGrams of `outside` under rda.
         """
-        keys = tuple((c.island, c.round) for c in state.fragments[fragment].pending)
+        keys = tuple((c.island, c.round) for c in fragments[fragment].pending)
         outside: tuple[PieceGram, ...] = ()
-        if self.merge == "rda" and state.plan is not None:
-            outside = self.outside(state.plan, state.index, state.fragments, fragment, keys)
+        if self.merge == "rda" and plan is not None:
+            outside = self.outside(plan, shard, fragments, fragment, keys)
         return StepEvent(fragment, keys, at, outside, expected)
 
-    def ready(self, state: Any, due: Sequence[int]) -> list[int]:
+    def ready(
+        self,
+        plan: Plan | None,
+        shard: int,
+        mode: str,
+        fragments: Mapping[int, FragmentState],
+        due: Sequence[int],
+    ) -> list[int]:
         """The due fragments that may step now: in sync mode under rda, a cut tensor's pieces together.
 
         A due fragment waits while a sibling (`siblings`) holds pending deltas but
@@ -157,16 +173,19 @@ class TensorGroups:
         with nothing pending is not waited for. Other modes and rules: `due`.
 
         Args:
-            state: the `ShardState`.
+            plan: the shard's plan (None before init).
+            shard: this shard's index.
+            mode: the merge policy's mode (sync, quorum, async).
+            fragments: the shard's fragment states.
             due: the fragments its merge policy says to step now.
 
         Returns:
             Those of `due` to step now, in order.
         """
-        if self.merge != "rda" or state.policy.mode != "sync" or state.plan is None:
+        if self.merge != "rda" or mode != "sync" or plan is None:
             return list(due)
-        cut = self._cut(state.plan, state.index)
-        waiting = {f for f, s in state.fragments.items() if s.pending and f not in due}
+        cut = self._cut(plan, shard)
+        waiting = {f for f, s in fragments.items() if s.pending and f not in due}
         return [
             f
             for f in due
