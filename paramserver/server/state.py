@@ -73,7 +73,7 @@ from paramserver.server.step.policy import (
     pace_report,
     quorum_time,
 )
-from paramserver.server.step.weighting import clip
+from paramserver.server.step.weighting import clip, round_share
 from paramserver.wire import liveness
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import ACCEPTED
@@ -384,7 +384,8 @@ class ShardState(ShardInit):
             raise StateError(f"fragment {fragment} has nothing to step")
         live = self.live(now)
         quorum_s = quorum_time(frag.waiting(), live, self.policy)
-        expected = len(live | {c.island for c in frag.pending})  # islands of a round
+        # islands of a round: those that push (round_clock), not every island heard
+        expected = frag.clock.expected(live, {c.island for c in frag.pending})
         event = self.stepper.groups.step_event(
             self.plan, self.index, self.fragments, fragment, float(now), expected
         )  # rda: Grams
@@ -492,6 +493,9 @@ class ShardState(ShardInit):
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]
         frag.version += 1
+        frag.clock.advance(
+            round_share(len(shares), event.expected or None), [x.island for x in shares]
+        )
         credited = {x.island: self.counters.credited[x.island] for x in shares}
         coefficients = {x.island: round(x.coefficient, 4) for x in shares}
         values = frag.params.view()

@@ -132,11 +132,15 @@ class FragmentStepper:
             (the islands' shares, the published update's codec frames or None
             for the float32 downlink).
         """
-        coefficients, shares = merge_coefficients(self.weighting, merged_in, frag.version, expected)
+        sparse = is_sparse(merged_in)  # topk: each entry over the islands that sent it
+        coefficients, shares = merge_coefficients(
+            self.weighting, merged_in, frag.version, expected, frag.clock, not sparse
+        )  # staleness: the fragment's round clock; sparse entries: not diluted by the share
         sources = [(c.island, scaled(c.delta, c.clip)) for c in merged_in]
         downlink = self.downlink
-        if is_sparse(merged_in):  # topk: each entry over the islands that sent it, no momentum
-            fill = sparse_merge(sources, coefficients, where.size).fill
+        if sparse:  # per entry, no momentum
+            weights = {x.island: x.weight for x in shares}
+            fill = sparse_merge(sources, coefficients, where.size, weights).fill
             step, opt_state = self._sparse, self._sparse.init(frag.params)
             downlink = self._sparse_downlink  # a mostly-zero update: zstd shrinks its codes
         else:
