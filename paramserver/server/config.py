@@ -131,12 +131,13 @@ class ShardConfig:
     grace_rule: str = PolicyConfig.grace_rule  # quorum grace window: eq3 (adaptive) or fraction
     grace_fraction: float = PolicyConfig.grace_fraction  # fraction rule: share of the EMA gap
     grace_gamma: float = PolicyConfig.grace_gamma  # eq3 rule: share of the slack spent, in (0, 1)
+    # eq3 rule: tau, the inner steps an island trains while its delta is merged (the overlap)
+    grace_overlap_steps: int = PolicyConfig.grace_overlap_steps
     grace_min_s: float = PolicyConfig.grace_min_s  # lower clamp of the grace window, seconds
     grace_max_s: float = PolicyConfig.grace_max_s  # upper clamp of the grace window, seconds
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
-    merge: str = (
-        "mean"  # combining the islands' deltas: mean or rda (paramserver.server.step.merge)
-    )
+    # combining the islands' deltas: mean or rda (paramserver.server.step.merge)
+    merge: str = "mean"
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
     # how a step's share n/N of a round (n islands merged, N live) scales it and its
     # staleness: round (default), version, share or round-staleness (weighting.py)
@@ -426,6 +427,7 @@ class ShardConfig:
             grace_rule=self.grace_rule,
             grace_fraction=self.grace_fraction,
             grace_gamma=self.grace_gamma,
+            grace_overlap_steps=self.grace_overlap_steps,
             grace_min_s=self.grace_min_s,
             grace_max_s=self.grace_max_s,
         )
