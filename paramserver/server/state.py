@@ -109,6 +109,7 @@ class ShardState(ShardInit):
         self.dedup: dict[tuple[str, int], DedupEntry] = {}
         self.last_seen: dict[str, float] = {}
         self.paces: dict[str, IslandPace] = {}  # reported step times (eq3 grace window)
+        self.islands_pushing: int | None = None  # N of the latest step (status `outer`)
         self.counters = ShardCounters()
         self.timer = timer
 
@@ -493,6 +494,7 @@ class ShardState(ShardInit):
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]
         frag.version += 1
+        self.islands_pushing = event.expected or len(shares)
         frag.clock.advance(
             round_share(len(shares), event.expected or None), [x.island for x in shares]
         )

@@ -88,6 +88,7 @@ class FragmentStepper:
             cfg: weighting, merge, outer optimizer and downlink settings.
         """
         self.merge = cfg.merge
+        self.outer_lr_scale = cfg.outer_lr_scale  # the default lr follows the island count
         self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent, cfg.step_rule)
         outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
         self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
@@ -144,6 +145,10 @@ class FragmentStepper:
             step, opt_state = self._sparse, self._sparse.init(frag.params)
             downlink = self._sparse_downlink  # a mostly-zero update: zstd shrinks its codes
         else:
+            # the outer lr in effect with this round's islands, as a scale of the merged delta
+            lr_scale = self.outer_lr_scale(expected or len(shares))
+            if lr_scale != 1.0:
+                coefficients = [c * lr_scale for c in coefficients]
             fill = chunk_merge(
                 self.merge,
                 sources,
