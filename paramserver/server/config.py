@@ -185,7 +185,7 @@ class ShardConfig:
     # combining the islands' deltas: mean or rda (paramserver.server.step.merge)
     merge: str = "mean"
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
-    # how a step's share n/N of a round (n islands merged, N live) scales it and its
+    # how a step's share n/N of a round (n islands merged, N that push) scales it and its
     # staleness: round (default), version, share or round-staleness (weighting.py)
     step_rule: str = "round"
     outer_optimizer: str = "nesterov"  # nesterov, sgd or delayed-nesterov

@@ -3,7 +3,8 @@
 This module owns what a shard knows and every rule that changes it: the plan,
 per owned fragment the fp32 parameters (1-D), outer optimizer state, version,
 pending contributions (each delta kept coded as it arrived, `codec.coded`,
-under the shard's `max_pending_bytes`) and arrival statistics; the dedup table; the island
+under the shard's `max_pending_bytes`), arrival statistics and round clock
+(`paramserver.server.step.round_clock`: staleness in rounds, the islands of a round); the dedup table; the island
 registry (last heard from); the counters reported by `status`.
 
 Event-sourced: every change that must survive a crash is one of these events,
