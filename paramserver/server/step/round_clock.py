@@ -37,7 +37,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-HISTORY = 4096  # versions whose round count a fragment's clock keeps
+HISTORY = 1024  # versions whose round count a fragment's clock keeps (checkpointed)
 RECENT_ROUNDS = 2.0  # an island counts in N while it pushed within this many rounds
 FIRST_SEEN_ROUNDS = 1.0  # ... and one that never pushed, this long after it was first seen
 
