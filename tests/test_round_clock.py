@@ -10,7 +10,7 @@ from shard_helpers import init_payload, plan_for, push_header, small_flat
 import codec
 from paramserver.server.config import ShardConfig
 from paramserver.server.state import ShardState
-from paramserver.server.step.round_clock import ClockError, RoundClock
+from paramserver.server.step.round_clock import HISTORY, ClockError, RoundClock
 from paramserver.server.step.weighting import make_weighting, merge_coefficients
 from paramserver.server.storage.checkpoint import export_state, restore_state
 from paramserver.wire.protocol import ACCEPTED
@@ -36,6 +36,15 @@ def test_a_base_older_than_the_history_counts_the_kept_steps_mean_share():
     clock = RoundClock(first_version=10, rounds=[5.0, 5.5, 6.0])  # mean share 1/2
     assert clock.rounds_at(6) == pytest.approx(5.0 - 4 * 0.5)
     assert RoundClock(first_version=4).rounds_at(1) == pytest.approx(-3.0)  # none kept: 1
+
+
+def test_the_clock_keeps_a_bounded_history():
+    clock = RoundClock()
+    for _ in range(HISTORY + 6):
+        clock.advance(0.5, [])
+    assert len(clock.rounds) == HISTORY + 1 and clock.first_version == 6
+    assert clock.rounds_at(0) == pytest.approx(0.0)  # 3.0 - 6 versions * the mean 0.5
+    assert clock.staleness(0) == pytest.approx((HISTORY + 6) * 0.5)
 
 
 def test_the_clock_round_trips_through_its_wire_form():
