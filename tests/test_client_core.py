@@ -474,3 +474,14 @@ def test_the_client_modules_that_decide_import_no_sockets_threads_or_clock(modul
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
     assert not names & {"zmq", "threading", "time", "queue", "socket"}, (module, names)
+
+
+def test_a_push_says_the_islands_own_h_once_it_is_known():
+    sim, _ = joined_sim()
+    sim.push(0, 1, delta(sim, 0))
+    sim.run(1.0)
+    assert "inner_steps" not in sim.kinds("push")[0]  # not said: the shards infer nothing
+    sim.core.step_time_s, sim.core.inner_steps = 0.1, 20  # what report_step_time sets
+    sim.push(0, 2, delta(sim, 0), base_version=1)
+    sim.run(1.0)
+    assert sim.kinds("push")[1]["inner_steps"] == 20

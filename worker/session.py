@@ -293,7 +293,8 @@ class Session:
         if due:
             self._push(due, frames, self.round_base + self.round)
         if round_end and self.client is not None:
-            self.client.report_step_time(self.clock.median_step_s(self.inner_steps))
+            step_s = self.clock.median_step_s(self.inner_steps)
+            self.client.report_step_time(step_s, inner_steps=self.inner_steps)
             if self.mode == "sync":
                 self._wait_for_merge(self.round_base + self.round)
         out = self._fold(leaves, params)

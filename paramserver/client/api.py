@@ -261,7 +261,7 @@ class Client:
             self._lock.wait(min(left, _STOP_POLL_S))
         return True
 
-    def report_step_time(self, seconds: float) -> None:
+    def report_step_time(self, seconds: float, inner_steps: int | None = None) -> None:
         """Tell the shards this island's typical inner-step time (padding included).
 
         Sent as `t_step` with every later push and heartbeat; the shards' adaptive
@@ -269,16 +269,25 @@ class Client:
 
         Args:
             seconds: a finite time > 0.
+            inner_steps: the island's configured H, sent as `inner_steps` with every
+                later push (the shards warn when it takes other default outer
+                settings than theirs); None: not said.
 
         Raises:
-            ClientError: not a finite positive number.
+            ClientError: not a finite positive number, or an H that is not an int >= 1.
         """
         if isinstance(seconds, bool) or not isinstance(seconds, int | float | np.floating):
             raise ClientError(f"report_step_time: seconds={seconds!r} must be a number")
         if not math.isfinite(seconds) or seconds <= 0:
             raise ClientError(f"report_step_time: seconds={seconds!r} must be finite and > 0")
+        if inner_steps is not None and (
+            isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1
+        ):
+            raise ClientError(f"report_step_time: inner_steps={inner_steps!r} must be an int >= 1")
         with self._lock:
             self._core.step_time_s = float(seconds)
+            if inner_steps is not None:
+                self._core.inner_steps = inner_steps
 
     def report_training(
         self,

@@ -73,6 +73,8 @@ class ClientCore:
         # The island's typical inner-step time (s), sent in pushes and heartbeats as
         # `t_step` for the shards' adaptive grace window; None: not reported.
         self.step_time_s: float | None = None
+        # The island's configured H, sent in pushes as `inner_steps`; None: not said.
+        self.inner_steps: int | None = None
         # What the island last reported of its training (protocol.TRAINING_FIELDS), sent
         # with every later push and heartbeat for the cluster page.
         self.training: dict[str, float] = {}
@@ -357,6 +359,7 @@ class ClientCore:
             "steps": request.steps,
             "plan_hash": self.plan.hash,
             **self._reported_fields(),
+            **({} if self.inner_steps is None else {"inner_steps": self.inner_steps}),
         }
         frames = protocol.pack(header, request.frames)
         self.ledger.add(key, shard.index, frames, protocol.message_bytes(frames), now)

@@ -22,10 +22,16 @@ from paramserver.server.step.weighting import STEP_RULES, WEIGHTINGS
 
 MIB = 1024 * 1024
 
-# Outer lr / momentum used when outer_lr / outer_momentum are left at None.
-# Synchronous and quorum modes: a function of the islands' H (sync_outer_defaults below).
-# Fully async mode (and a quorum of 1) steps once per delta: each step carries one
-# island's stale pseudo-gradient. Chosen by `diloco-bench async_outer --rounds 48
+# Outer lr / momentum used when outer_lr / outer_momentum are left at None: a function of
+# the mode, the islands' H and the number of islands that push, chosen per mode
+# (`outer_defaults`), never inherited from another mode.
+# Sync and quorum mode (any quorum, 1 included): `sync_outer_defaults` below. One
+# optimizer per run: with the round rule a quorum step that merges n of N islands is n/N
+# of a round and the momentum moves once per round (`step.outer.round_nesterov`), so a
+# quorum of 1 takes the settings of K = all (it took async's lr 0.7 without momentum
+# before, so "K = 1 + grace against K = all" compared two optimizers; issue 32).
+# Async mode steps once per delta: each step carries one island's stale pseudo-gradient.
+# Chosen by `diloco-bench async_outer --rounds 48
 # --seeds 2` (2026-11-30, after the merge fix: per-island sums, absolute staleness
 # factor (1+s)^-0.5, delayed Nesterov = one Nesterov step on the mean of N deltas;
 # 3 islands at speeds 1/1.5/2.5, tiny model, 10 inner steps per round, staleness
@@ -56,22 +62,62 @@ DEFAULT_INNER_STEPS = 50  # the islands' default H (worker.config.IslandConfig.i
 # 0.4/0.9 2.444. The boundaries 17 and 55 are geometric means of the measured H.
 SYNC_OUTER_BY_H = ((17, 0.4, 0.8), (55, 0.5, 0.8))
 SYNC_OUTER_LONG_H = (0.7, 0.8)  # H above the table's last row
+# (largest H, fewest islands, outer lr, outer momentum): rows that take precedence over
+# SYNC_OUTER_BY_H from that many pushing islands on. Measured by the issue-32 audit (held-out
+# scripts, in process with the daemons' budget: 4 islands, H=15, 300 steps, 128-byte
+# sequences, int8 both ways, single seed): lr 0.7 / momentum 0.8 beat 0.4 / 0.8 by 1.5%,
+# lr 1.0 overshot (+9.3%). Not swept at 3 islands (3 > sqrt(2 * 4) = 2.83 takes the 4-island
+# row) nor at longer H with more islands (those keep the 2-island rows).
+SYNC_OUTER_MANY_ISLANDS = ((17, 3, 0.7, 0.8),)
+DEFAULT_ISLANDS = 2  # the island count the table assumes before any island pushed
 
 
-def sync_outer_defaults(inner_steps: int) -> tuple[float, float]:
-    """The default outer (lr, momentum) of sync and quorum steps for islands running H steps.
+def sync_outer_defaults(inner_steps: int, islands: int = DEFAULT_ISLANDS) -> tuple[float, float]:
+    """The default outer (lr, momentum) of sync and quorum steps.
 
     Args:
         inner_steps: H, the islands' inner steps per round (>= 1).
+        islands: the islands that push (a round's N), >= 1.
 
     Returns:
-        (lr, momentum) of the first SYNC_OUTER_BY_H row whose H is >= inner_steps,
-        SYNC_OUTER_LONG_H past the table.
+        (lr, momentum): the first SYNC_OUTER_MANY_ISLANDS row whose H is >=
+        inner_steps and whose island count is <= islands, else the first
+        SYNC_OUTER_BY_H row whose H is >= inner_steps, SYNC_OUTER_LONG_H past the table.
     """
+    for largest_h, fewest, lr, momentum in SYNC_OUTER_MANY_ISLANDS:
+        if inner_steps <= largest_h and islands >= fewest:
+            return lr, momentum
     for largest_h, lr, momentum in SYNC_OUTER_BY_H:
         if inner_steps <= largest_h:
             return lr, momentum
     return SYNC_OUTER_LONG_H
+
+
+def outer_defaults(mode: str, inner_steps: int, islands: int) -> tuple[float, float, str]:
+    """The default outer (lr, momentum) of a mode, and why (what `status.outer` shows).
+
+    Args:
+        mode: "sync", "quorum" or "async".
+        inner_steps: H, the islands' inner steps per round.
+        islands: the islands that push (a round's N).
+
+    Returns:
+        (lr, momentum, the reason in one line).
+    """
+    if mode == "async":
+        return (
+            ASYNC_OUTER_LR,
+            ASYNC_OUTER_MOMENTUM,
+            "async: each step merges one delta; lr 0.7 without momentum (diloco-bench "
+            "async_outer: Nesterov with momentum per delta diverged)",
+        )
+    lr, momentum = sync_outer_defaults(inner_steps, islands)
+    return (
+        lr,
+        momentum,
+        f"{mode}: the default of H={inner_steps} at {islands} pushing islands "
+        "(sync_outer_defaults; any quorum takes it: a step is a share of a round)",
+    )
 
 
 PENDING_MEMORY_SHARE = 4  # default max_pending_bytes: 1/4 of the machine's physical memory
@@ -131,24 +177,28 @@ class ShardConfig:
     grace_rule: str = PolicyConfig.grace_rule  # quorum grace window: eq3 (adaptive) or fraction
     grace_fraction: float = PolicyConfig.grace_fraction  # fraction rule: share of the EMA gap
     grace_gamma: float = PolicyConfig.grace_gamma  # eq3 rule: share of the slack spent, in (0, 1)
+    # eq3 rule: tau, the inner steps an island trains while its delta is merged (the overlap)
+    grace_overlap_steps: int = PolicyConfig.grace_overlap_steps
     grace_min_s: float = PolicyConfig.grace_min_s  # lower clamp of the grace window, seconds
     grace_max_s: float = PolicyConfig.grace_max_s  # upper clamp of the grace window, seconds
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
-    merge: str = "mean"  # combining the islands' deltas: mean or rda (server/step/merge.py)
+    # combining the islands' deltas: mean or rda (paramserver.server.step.merge)
+    merge: str = "mean"
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
-    # how a step's share n/N of a round (n islands merged, N live) scales it and its
+    # how a step's share n/N of a round (n islands merged, N that push) scales it and its
     # staleness: round (default), version, share or round-staleness (weighting.py)
     step_rule: str = "round"
     outer_optimizer: str = "nesterov"  # nesterov, sgd or delayed-nesterov
     # H, the inner steps per round the islands run (set it to their --inner-steps): it picks
-    # the default outer lr and momentum of sync and quorum steps; a push of another H that
-    # would take other defaults gets one warning per island
+    # the default outer lr and momentum of sync and quorum steps; an island that says it runs
+    # another H (its pushes' inner_steps) that would take other defaults gets one warning
     inner_steps: int = DEFAULT_INNER_STEPS
-    # outer learning rate; unset, sync and quorum steps take the default of --inner-steps
-    # (0.4 for H <= 17, 0.5 up to 55, 0.7 above) and async mode and a quorum of 1 take 0.7
+    # outer learning rate; unset, sync and quorum steps (any quorum) take the default of
+    # --inner-steps and the islands that push (0.4 for H <= 17, 0.7 there from 3 islands,
+    # 0.5 up to 55, 0.7 above) and async mode takes 0.7; status `outer` shows it and why
     outer_lr: float | None = None
-    # outer (Nesterov) momentum in [0, 1); unset, sync and quorum steps take the default of
-    # --inner-steps (0.8) and async mode and a quorum of 1 take 0 (no momentum)
+    # outer (Nesterov) momentum in [0, 1); unset, sync and quorum steps take 0.8 and async
+    # mode takes 0 (no momentum)
     outer_momentum: float | None = None
     nesterov_delay: int = 1  # contributions between momentum updates (delayed Nesterov)
     # outer lr of steps whose deltas are all topk-coded: SGD without momentum, each entry
@@ -333,30 +383,60 @@ class ShardConfig:
 
     @property
     def steps_on_single_deltas(self) -> bool:
-        """Whether outer steps typically merge one delta: async mode, or a quorum of 1.
+        """Whether every outer step merges one delta: async mode.
 
-        Such steps take the async outer defaults: Nesterov with momentum 0.9 on
-        single deltas diverged in `diloco-bench async_outer`.
+        Async mode takes its own outer defaults (`outer_defaults`); a quorum of
+        1 takes those of its mode, quorum, like any quorum.
         """
-        return self.mode == "async" or (self.mode == "quorum" and self.quorum == 1)
+        return self.mode == "async"
+
+    def outer_settings(self, islands: int | None = None) -> tuple[float, float, str]:
+        """The outer (lr, momentum) in effect with `islands` pushing islands, and why.
+
+        Args:
+            islands: the islands that push (None or 0: `DEFAULT_ISLANDS`).
+
+        Returns:
+            (lr, momentum, reason): given values win over the defaults of
+            `outer_defaults(mode, inner_steps, islands)`.
+        """
+        count = islands or DEFAULT_ISLANDS
+        lr, momentum, why = outer_defaults(self.mode, self.inner_steps, count)
+        given = [name for name in ("outer_lr", "outer_momentum") if getattr(self, name) is not None]
+        if given:
+            why = f"{' and '.join(given)} given; otherwise {why}"
+        lr = float(self.outer_lr) if self.outer_lr is not None else lr
+        momentum = float(self.outer_momentum) if self.outer_momentum is not None else momentum
+        return lr, momentum, why
 
     @property
     def effective_outer_lr(self) -> float:
-        """The outer learning rate after resolving the mode-dependent default."""
-        if self.outer_lr is not None:
-            return float(self.outer_lr)
-        if self.steps_on_single_deltas:
-            return ASYNC_OUTER_LR
-        return sync_outer_defaults(self.inner_steps)[0]
+        """The outer learning rate the shard starts with (DEFAULT_ISLANDS pushing islands)."""
+        return self.outer_settings()[0]
 
     @property
     def effective_outer_momentum(self) -> float:
-        """The outer momentum after resolving the mode-dependent default."""
-        if self.outer_momentum is not None:
-            return float(self.outer_momentum)
-        if self.steps_on_single_deltas:
-            return ASYNC_OUTER_MOMENTUM
-        return sync_outer_defaults(self.inner_steps)[1]
+        """The outer momentum after resolving the mode's default (fixed for the run)."""
+        return self.outer_settings()[1]
+
+    def outer_lr_scale(self, islands: int | None) -> float:
+        """How much the outer lr in effect with `islands` pushing islands differs from the start's.
+
+        The jitted outer step keeps its lr as a constant; a step scales its
+        merged delta by this ratio instead, which moves the parameters as the
+        lr in effect would (the momentum buffer adds the scaled deltas). The
+        default momentum does not depend on the island count, so only the lr
+        follows it.
+
+        Args:
+            islands: the islands that push (a step's N, logged with it).
+
+        Returns:
+            outer_settings(islands).lr / effective_outer_lr (1 when lr was given).
+        """
+        if self.outer_lr is not None:
+            return 1.0
+        return self.outer_settings(islands)[0] / self.effective_outer_lr
 
     @property
     def outer_from_inner_steps(self) -> bool:
@@ -364,39 +444,51 @@ class ShardConfig:
         defaulted = self.outer_lr is None or self.outer_momentum is None
         return defaulted and not self.steps_on_single_deltas
 
-    def outer_report(self) -> dict[str, Any]:
+    def outer_report(self, islands: int | None = None) -> dict[str, Any]:
         """The outer optimizer in effect, JSON-ready (for status).
 
+        Args:
+            islands: the islands that push, as the shard's last step counted
+                them (None: none stepped yet).
+
         Returns:
-            optimizer, lr, momentum, inner_steps and whether lr/momentum were
-            defaulted from inner_steps.
+            optimizer, lr (in effect with `islands`), momentum, inner_steps,
+            islands (None before a step), whether lr/momentum were defaulted
+            from inner_steps, and why (one line).
         """
+        lr, momentum, why = self.outer_settings(islands)
         return {
             "optimizer": self.outer_optimizer,
-            "lr": self.effective_outer_lr,
-            "momentum": self.effective_outer_momentum,
+            "lr": lr,
+            "momentum": momentum,
             "inner_steps": self.inner_steps,
+            "islands": islands,
             "from_inner_steps": self.outer_from_inner_steps,
+            "why": why,
         }
 
-    def inner_steps_mismatch(self, island: str, steps: int) -> str | None:
-        """What to tell the operator when a push's H would take other default outer settings.
+    def inner_steps_mismatch(self, island: str, steps: int | None) -> str | None:
+        """What to tell the operator when an island's configured H would take other defaults.
 
         Args:
             island: the pushing island.
-            steps: the inner steps of its push (its round length H).
+            steps: the island's own configured H (`inner_steps` in its push
+                header), None when it does not say: the inner steps of a push
+                are not its H (pushes merged after a skipped push, streaming
+                fragments, a last partial round), so nothing is inferred.
 
         Returns:
-            A one-line warning, or None when the push's H takes the same
-            defaults as `inner_steps` (or the outer settings are not defaulted).
+            A one-line warning, or None when the island's H takes the same
+            defaults as `inner_steps` (or the outer settings are not defaulted,
+            or the island did not say its H).
         """
-        if not self.outer_from_inner_steps:
+        if steps is None or not self.outer_from_inner_steps:
             return None
         ours, theirs = sync_outer_defaults(self.inner_steps), sync_outer_defaults(steps)
         if ours == theirs:
             return None
         return (
-            f"island {island} pushes rounds of {steps} inner steps, but the default outer "
+            f"island {island} runs {steps} inner steps per round, but the default outer "
             f"lr/momentum {ours[0]}/{ours[1]} were chosen for inner_steps={self.inner_steps} "
             f"(H={steps} takes {theirs[0]}/{theirs[1]}): start the shards with "
             f"--inner-steps {steps}, or give --outer-lr and --outer-momentum"
@@ -424,6 +516,7 @@ class ShardConfig:
             grace_rule=self.grace_rule,
             grace_fraction=self.grace_fraction,
             grace_gamma=self.grace_gamma,
+            grace_overlap_steps=self.grace_overlap_steps,
             grace_min_s=self.grace_min_s,
             grace_max_s=self.grace_max_s,
         )

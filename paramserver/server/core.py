@@ -408,11 +408,15 @@ class ShardCore:
             self.islands.heard(header["island"], header, now)
             if outcome.status == ACCEPTED:
                 self.islands.accepted(header["island"], header["round"], now)
-            self._check_inner_steps(header["island"], header["steps"])
+            self._check_inner_steps(header["island"], header.get("inner_steps"))
         return self._answer(request, header, outcome)
 
-    def _check_inner_steps(self, island: str, steps: int) -> None:
-        """Warn once per island whose H would take other default outer settings than ours."""
+    def _check_inner_steps(self, island: str, steps: int | None) -> None:
+        """Warn once per island whose own H (its push's `inner_steps`) takes other defaults.
+
+        A push's `steps` are not the island's H (merged pushes after a skipped push,
+        streaming fragments, a last partial round): without `inner_steps` nothing is said.
+        """
         if island not in self._h_warned and (text := self.cfg.inner_steps_mismatch(island, steps)):
             self._h_warned.add(island)
             logger.warning("%s", text)
@@ -432,7 +436,7 @@ class ShardCore:
         status.update(self.checkpoint_report())
         status["seq"] = self.seq
         status["islands"] = self.islands.status()
-        status["outer"] = self.cfg.outer_report()
+        status["outer"] = self.cfg.outer_report(self.state.islands_pushing)
         status["endpoints"] = [list(e) for e in self.endpoints]  # the cluster map, without hello
         return self._reply(request, header, "status_reply", status=status)
 

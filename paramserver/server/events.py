@@ -106,9 +106,11 @@ class StepEvent:
     """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round)).
 
     `outside`: the other pieces' Grams its RDA merge added (logged: replay uses these).
-    `expected` is the islands the shard expected that round (its live islands
-    and the merged ones, `weighting.round_share`); 0 (a log written before it
-    was recorded) counts the merged islands, a whole round.
+    `expected` is the islands the shard expected that round (the islands that
+    push and the merged ones, `paramserver.server.step.round_clock`;
+    `weighting.round_share`); 0 (a log written before it was recorded) counts
+    the merged islands, a whole round. Replay advances the fragment's round
+    clock by that share.
     """
 
     fragment: int

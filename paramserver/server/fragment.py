@@ -18,6 +18,7 @@ import numpy as np
 
 from paramserver.server.events import Contribution
 from paramserver.server.step.policy import ArrivalStats, PendingDelta
+from paramserver.server.step.round_clock import RoundClock
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,7 @@ class FragmentState:
     stats: ArrivalStats = field(default_factory=ArrivalStats)
     residual: np.ndarray | None = None  # int8 downlink: quantization error carried (bfloat16)
     norms: list[float] = field(default_factory=list)  # recent (clipped) delta norms: robust.py
+    clock: RoundClock = field(default_factory=RoundClock)  # rounds per version (staleness, N)
 
     def waiting(self) -> list[PendingDelta]:
         """The pending deltas as the merge policy sees them (island, arrival time)."""

@@ -3,7 +3,8 @@
 This module owns what a shard knows and every rule that changes it: the plan,
 per owned fragment the fp32 parameters (1-D), outer optimizer state, version,
 pending contributions (each delta kept coded as it arrived, `codec.coded`,
-under the shard's `max_pending_bytes`) and arrival statistics; the dedup table; the island
+under the shard's `max_pending_bytes`), arrival statistics and round clock
+(`paramserver.server.step.round_clock`: staleness in rounds, the islands of a round); the dedup table; the island
 registry (last heard from); the counters reported by `status`.
 
 Event-sourced: every change that must survive a crash is one of these events,
@@ -73,7 +74,7 @@ from paramserver.server.step.policy import (
     pace_report,
     quorum_time,
 )
-from paramserver.server.step.weighting import clip
+from paramserver.server.step.weighting import clip, round_share
 from paramserver.wire import liveness
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import ACCEPTED
@@ -109,6 +110,7 @@ class ShardState(ShardInit):
         self.dedup: dict[tuple[str, int], DedupEntry] = {}
         self.last_seen: dict[str, float] = {}
         self.paces: dict[str, IslandPace] = {}  # reported step times (eq3 grace window)
+        self.islands_pushing: int | None = None  # N of the latest step (status `outer`)
         self.counters = ShardCounters()
         self.timer = timer
 
@@ -384,7 +386,8 @@ class ShardState(ShardInit):
             raise StateError(f"fragment {fragment} has nothing to step")
         live = self.live(now)
         quorum_s = quorum_time(frag.waiting(), live, self.policy)
-        expected = len(live | {c.island for c in frag.pending})  # islands of a round
+        # islands of a round: those that push (round_clock), not every island heard
+        expected = frag.clock.expected(live, {c.island for c in frag.pending})
         event = self.stepper.groups.step_event(
             self.plan, self.index, self.fragments, fragment, float(now), expected
         )  # rda: Grams
@@ -492,6 +495,10 @@ class ShardState(ShardInit):
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]
         frag.version += 1
+        self.islands_pushing = event.expected or len(shares)
+        frag.clock.advance(
+            round_share(len(shares), event.expected or None), [x.island for x in shares]
+        )
         credited = {x.island: self.counters.credited[x.island] for x in shares}
         coefficients = {x.island: round(x.coefficient, 4) for x in shares}
         values = frag.params.view()

@@ -206,6 +206,9 @@ _OPTIONAL: dict[str, dict[str, str]] = {
     REQUEST: {
         "id": "int",
         "t_step": "seconds",
+        # the island's own configured H (inner steps per round), when it says it: the
+        # shards warn when it would take other default outer settings than theirs
+        "inner_steps": "pos",
         # what an island reports of its training (pushes and heartbeats; shown by the page)
         "inner_loss": "finite",
         "steps_per_s": "rate",

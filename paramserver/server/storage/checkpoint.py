@@ -58,6 +58,7 @@ from paramserver.server.state import ShardState
 from paramserver.server.step.downlink import restore_residual
 from paramserver.server.step.fragment_step import host_state, host_vector
 from paramserver.server.step.policy import ArrivalStats
+from paramserver.server.step.round_clock import RoundClock
 from paramserver.server.storage.wal import fsync_dir
 from paramserver.wire.plan import Plan
 
@@ -99,6 +100,7 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
                 "stats": [st.ema_interarrival_s, st.last_arrival, st.count],
                 "pending": pending,
                 "norms": list(frag.norms),
+                "clock": frag.clock.to_wire(),
             }
         )
     c = state.counters
@@ -206,6 +208,7 @@ def restore_state(
             if f"residual/{i}" in arrays:
                 frag.residual = restore_residual(arrays[f"residual/{i}"])
             frag.version = int(f["version"])
+            frag.clock = RoundClock.from_wire(f.get("clock"), frag.version)
             frag.norms = [float(n) for n in f.get("norms", [])]
             ema, last, count = f["stats"]
             frag.stats = ArrivalStats(ema, last, int(count))
