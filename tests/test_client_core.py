@@ -14,7 +14,7 @@ import pytest
 from client_sim import Sim, SimShard
 from shard_helpers import plan_for, small_flat
 
-from paramserver.client.types import ClientConfig, ClientError, JoinResult
+from paramserver.client.types import ClientConfig, ClientError, JoinResult, PlanMismatch
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -77,7 +77,10 @@ def test_a_plan_mismatch_fails_the_join_and_closes_every_link():
     other = {"x": np.zeros(9, np.float32)}  # another model
     sim = make_sim(shards=2, initialized_with=small_flat(0))
     outcome = sim.join(other)
-    assert isinstance(outcome, ClientError) and "plan mismatch" in str(outcome)
+    assert isinstance(outcome, PlanMismatch) and "plan mismatch" in str(outcome)
+    assert outcome.cluster_hash and outcome.cluster_hash != outcome.island_hash
+    assert sorted(leaf.path for leaf in outcome.cluster_leaves) == sorted(small_flat(0))
+    assert outcome.detail  # the first leaf that differs, in words
     assert sim.links == {} and not sim.core.joined and sim.core.state == "idle"
 
 

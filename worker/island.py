@@ -163,7 +163,7 @@ class Island:
             try:
                 self._train(session, stop, on_ready)
             except Exception as exc:
-                if watchdog is not None and type(exc).__name__ == "JaxRuntimeError":
+                if watchdog is not None and isinstance(exc, jax.errors.JaxRuntimeError):
                     session.group.broken = True  # no more collectives, not even at close
                     self._await_watchdog(watchdog, exc)
                 raise

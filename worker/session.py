@@ -64,7 +64,7 @@ from worker.outbox import OUTBOX_FILE, Outbox
 from worker.param_tree import TreeError, TreeLayout
 from worker.push_schedule import check_streaming_mode, due_fragments, flush_fragments, unblocked
 from worker.session_config import check_loss, check_tokens, make_codec, session_config
-from worker.session_stats import RoundClock, cluster_difference
+from worker.session_stats import RoundClock
 
 logger = logging.getLogger(__name__)
 
@@ -182,12 +182,12 @@ class Session:
                 self.token = session_token.hold(self.data_dir)
                 client_cfg = dataclasses.replace(client_cfg, session=self.token.value)
             self.client = client_factory(client_cfg)
-            try:
+            try:  # a PlanMismatch names the first differing leaf already
                 joined = self.client.join(self._join_values(host), stop=self.stop)
-            except ClientError as exc:
+            except ClientError:
                 if self.group.multi:
                     self.group.share_join(None)
-                raise cluster_difference(exc, cfg, self.layout) from None
+                raise
         joined = self.group.share_join(joined)
         check_streaming_mode(cfg.streaming, joined.mode)
         self.plan, self.mode = joined.plan, joined.mode

@@ -1,11 +1,10 @@
-"""What a session measures and reports: step times, waits, goodput, and a model mismatch.
+"""What a session measures and reports: step times, waits and goodput.
 
 `RoundClock` keeps the times a session needs (its start, the caller's step
 durations between two `Session.step` calls, sync-mode waits, the round's
 start, the inner-step time each push carries in a `worker.goodput.WorkLedger`)
 and turns them and the client's counters into a metrics row's fields (goodput
-as `worker.goodput` defines it). `cluster_difference` turns the
-client's plan-mismatch error into one that names the first differing leaf.
+as `worker.goodput` defines it).
 """
 
 from __future__ import annotations
@@ -15,12 +14,7 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.client import ClientError
-from paramserver.plumbing import probe
-from paramserver.plumbing.model_diff import FRESH_CLUSTER, model_size
-from worker.config import IslandConfig
 from worker.goodput import WorkLedger, session_goodput, step_rate
-from worker.param_tree import TreeLayout
 
 
 @dataclasses.dataclass
@@ -141,33 +135,3 @@ class RoundClock:
             "in_flight_s": round(sum(unsettled), 3),
             "goodput": session_goodput(useful, wall, unsettled) or 0.0,
         }
-
-
-def cluster_difference(exc: ClientError, cfg: IslandConfig, layout: TreeLayout) -> ClientError:
-    """The join error to raise: a plan mismatch names the first differing leaf.
-
-    Args:
-        exc: the client's join error.
-        cfg: the island's settings (endpoint, CURVE keys).
-        layout: the session's parameter tree.
-
-    Returns:
-        `exc` itself, or for a plan mismatch a ClientError naming the leaf (path,
-        shape or dtype) where `params` and the cluster's model first differ.
-    """
-    if "plan mismatch" not in str(exc) or "is not the cluster's" in str(exc):
-        return exc  # not a mismatch, or the client named the models already (from the welcome)
-    if cfg.curve_secret_key_file:
-        return exc
-    try:
-        plan, _flat, _versions = probe.global_params(cfg.connect, timeout_s=5.0)
-    except probe.ProbeError:
-        return exc
-    where = layout.first_difference(list(plan.leaves))
-    if where is None:
-        return exc  # the same leaves: the cluster was cut into other shards or fragments
-    return ClientError(
-        f"join: plan mismatch: params do not match the cluster's model "
-        f"({model_size(plan.leaves)}): {where}; join with the model the cluster trains, "
-        f"or {FRESH_CLUSTER}"
-    )

@@ -20,6 +20,8 @@ from paramserver.client.types import (
     ClientConfigError,
     ClientError,
     JoinResult,
+    JoinTimeout,
+    PlanMismatch,
     PushRequest,
     Update,
 )
@@ -30,6 +32,8 @@ __all__ = [
     "ClientConfigError",
     "ClientError",
     "JoinResult",
+    "JoinTimeout",
+    "PlanMismatch",
     "PushRequest",
     "Update",
 ]

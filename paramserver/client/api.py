@@ -41,6 +41,7 @@ from paramserver.client.types import (
     ClientConfig,
     ClientError,
     JoinResult,
+    JoinTimeout,
     PushRequest,
     Update,
 )
@@ -63,11 +64,18 @@ def _uint(name: str, value: object, low: int = 0) -> int:
 
 def _silence_explained(exc: ClientError, cfg: ClientConfig) -> ClientError:
     """A join timeout at `cfg.connect` with what answers there instead (`peer_peek`), if known."""
-    text = str(exc)
-    if not text.endswith("is the server running?") or f"at {cfg.connect} " not in text:
+    if not isinstance(exc, JoinTimeout) or exc.endpoint != cfg.connect:
         return exc
     cause = silence_cause(cfg.connect, curve=bool(cfg.curve_secret_key_file))
-    return exc if cause is None else ClientError(text.replace("is the server running?", cause))
+    if cause is None:
+        return exc
+    return JoinTimeout(
+        f"join: no {exc.request} reply from shard at {exc.endpoint} within "
+        f"{exc.timeout_s:g}s; {cause}",
+        endpoint=exc.endpoint,
+        request=exc.request,
+        timeout_s=exc.timeout_s,
+    )
 
 
 def _check_params(flat_params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
