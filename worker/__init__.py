@@ -6,7 +6,7 @@ daemon's control commands, which import no JAX) stay cheap.
 
 from typing import Any
 
-__all__ = ["Session", "join"]
+__all__ = ["Session", "SessionClosed", "join"]
 
 
 def __getattr__(name: str) -> Any:

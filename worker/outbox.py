@@ -224,11 +224,13 @@ class Outbox:
 
         Returns:
             False when `stop` ended the wait.
+
+        Raises:
+            ClientError: the client was closed meanwhile (e.g. an abandoned session).
         """
-        while client.stats()["pending"] and not stop.is_set():
-            stop.wait(0.01)
-        if stop.is_set():
-            return False
+        while not client.wait_settled(stop, timeout_s=1.0):  # woken by each ack
+            if stop.is_set():
+                return False
         logger.info("island %s: the %d re-sent deltas are resolved", self.island, count)
         return True
 

@@ -30,7 +30,12 @@ until the round is merged. `close` pushes the partial round, flushes, keeps
 what stays unacked in the data dir and says bye.
 
 A session runs in any thread and installs no signal handler; `stop` (a
-`threading.Event`) ends its waits. Multi-process islands: every process calls
+`threading.Event`) ends its waits, which sleep on the client's Condition in
+short slices (so Ctrl-C reaches a main thread that waits). One lock, held by
+`step` and `close`, guards the session's state: `abandon` (the watchdog's
+thread) first closes the client, which ends any wait of `step` with
+`SessionClosed`, then takes the lock to keep the unacked deltas and release
+the data dir. Multi-process islands: every process calls
 `join` and `step` at the same points with its own shards; process 0 alone
 opens sockets and `worker.leader_sync` shares its decisions.
 
@@ -67,6 +72,25 @@ from worker.session_config import check_loss, check_tokens, make_codec, session_
 from worker.session_stats import RoundClock
 
 logger = logging.getLogger(__name__)
+
+
+class SessionClosed(RuntimeError):
+    """`step` on a session that is closed, or was abandoned while the call ran.
+
+    Attributes:
+        island: the island id.
+        abandoned: True when `abandon` (another process of the island is gone) closed it.
+    """
+
+    def __init__(self, island: str, abandoned: bool) -> None:
+        why = (
+            "was abandoned (another process of the island is gone)"
+            if abandoned
+            else ("is closed: step() after close()")
+        )
+        super().__init__(f"island {island!r}: the session {why}; join again")
+        self.island, self.abandoned = island, abandoned
+
 
 _open_islands: set[str] = set()
 _open_lock = threading.Lock()
@@ -157,6 +181,10 @@ class Session:
                 )
             _open_islands.add(cfg.island)
         self.closed = False
+        # held by `step`, `close` and `abandon`'s second half: the session's state changes
+        # under it (`abandon` runs on the watchdog's thread)
+        self._lock = threading.RLock()
+        self._abandoned = threading.Event()  # set first by `abandon`, before it closes the client
         self.last_row: dict[str, Any] = {}
         self.client: Client | None = None
         self.outbox: Outbox | None = None  # process 0 with a data dir: `worker.outbox`
@@ -272,9 +300,19 @@ class Session:
 
         Raises:
             ValueError: another tree structure, shape or dtype (naming the leaf), bad tokens or loss.
-            RuntimeError: the session is closed.
+            SessionClosed: the session is closed, or was abandoned during the call (a
+                RuntimeError).
         """
-        self._check_open()
+        with self._lock:
+            self._check_open()
+            try:
+                return self._step(params, tokens, loss)
+            except ClientError as exc:  # its client was closed by `abandon` meanwhile
+                if self._abandoned.is_set():
+                    raise SessionClosed(self.island, abandoned=True) from exc
+                raise
+
+    def _step(self, params: Any, tokens: int, loss: float | None) -> Any:
         tokens = check_tokens(tokens)
         loss = None if loss is None else check_loss(loss)
         leaves = self.layout.leaves(params)
@@ -376,8 +414,9 @@ class Session:
         """Sync mode: block until the shards published versions that include `round_id`."""
         assert self.client is not None
         t0 = time.monotonic()
-        while not self.stop.is_set() and not self.client.round_merged(round_id):
-            self.stop.wait(0.005)
+        while not self.stop.is_set():  # woken by each message; ClientError once closed
+            if self.client.wait_round_merged(round_id, self.stop, timeout_s=1.0):
+                break
         self.clock.waited(time.monotonic() - t0)
 
     def _settle_resent(self) -> None:
@@ -517,8 +556,8 @@ class Session:
     # -- the end --------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError(f"island {self.island!r}: step() after close(); join again")
+        if self.closed or self._abandoned.is_set():
+            raise SessionClosed(self.island, abandoned=self._abandoned.is_set())
 
     def close(self, params: Any = None) -> None:
         """Push the partial round, flush, keep what stays unacked in the data dir, say bye.
@@ -527,8 +566,11 @@ class Session:
             params: the latest parameters if the loop trained after its last `step`
                 (default: what the last `step` returned). Every process calls `close`.
         """
-        if self.closed:
-            return
+        with self._lock:
+            if not self.closed:
+                self._close(params)
+
+    def _close(self, params: Any) -> None:
         try:
             latest = self._latest if params is None else params
             rest = flush_fragments({i: self.steps - at for i, (at, _) in self.pushed_at.items()})
@@ -549,12 +591,31 @@ class Session:
     def abandon(self, flush_timeout_s: float) -> None:
         """Close from another thread without collectives (another process is gone).
 
+        Closes the client first (a `step` in the owner thread then ends with
+        `SessionClosed` at its next client call or wait), then, once `step` let go
+        of the session, keeps the unacked deltas and releases the data dir. A
+        `step` stuck in a collective for longer than `flush_timeout_s` + 5 s is
+        left as it is (every pushed delta is in the outbox file already).
+
         Args:
             flush_timeout_s: how long to wait for unacked deltas.
         """
-        self.group.broken = True
-        self.closed = True
-        self._finish(flush_timeout_s)
+        self._abandoned.set()
+        self.group.broken = True  # no more collectives, not even at close
+        if self.client is not None:
+            self.client.close(flush_timeout_s=flush_timeout_s)  # thread-safe; ends step's waits
+        if not self._lock.acquire(timeout=flush_timeout_s + 5.0):
+            logger.warning(
+                "island %s: abandoned while a step is stuck; its outbox keeps what it pushed",
+                self.island,
+            )
+            return
+        try:
+            if not self.closed:
+                self.closed = True
+                self._finish(flush_timeout_s)
+        finally:
+            self._lock.release()
 
     def _finish(self, flush_timeout_s: float) -> None:
         try:
@@ -591,4 +652,4 @@ class Session:
         self.close()
 
 
-__all__ = ["Session", "TreeError", "join"]
+__all__ = ["Session", "SessionClosed", "TreeError", "join"]

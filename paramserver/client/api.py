@@ -29,7 +29,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -52,7 +52,10 @@ from paramserver.wire.plan import Plan
 __all__ = ["Client"]
 
 _INSTANCES = itertools.count()
-_STOP_POLL_S = 0.05  # how often a wait with a `stop` event looks at it
+# A wait sleeps on the I/O thread's Condition (notified after every message) in slices
+# this long, so that it sees a `stop` event (which notifies nobody) and so that Ctrl-C
+# reaches a main thread that waits.
+_STOP_POLL_S = 0.05
 _HEADER_BYTES = 512  # a push header's size on the wire is at most this (island id <= 128)
 
 
@@ -108,6 +111,7 @@ class Client:
         self._plan: Plan | None = None
         self._joined = False
         self._closed = False
+        self._close_lock = threading.Lock()  # a second `close` waits for the first's flush
         self._unacked: list[PushRequest] = []
         self._io = IOThread(cfg, f"inproc://client-wake-{next(_INSTANCES)}")
         self._lock = self._io.lock  # guards the core (and the thread's `failure`)
@@ -226,6 +230,8 @@ class Client:
                     f"push: {len(self._core.ledger)} deltas still unacked after "
                     f"{self.cfg.push_timeout_s:g}s; is the server reachable?"
                 )
+            if self._closed:  # by another thread while this push waited
+                raise ClientError("client is closed; create a new Client")
             if self._io.failure is not None:
                 raise ClientError(f"client I/O thread failed: {self._io.failure}")
             effects = self._core.push(time.monotonic(), request)  # raises once closed
@@ -256,11 +262,10 @@ class Client:
             return (
                 len(self._core.ledger) < self.cfg.max_unacked
                 or self._io.failure is not None
+                or self._closed
                 or (stop is not None and stop.is_set())
             )
 
-        if stop is None:
-            return self._lock.wait_for(ready, timeout=self.cfg.push_timeout_s)
         deadline = time.monotonic() + self.cfg.push_timeout_s
         while not ready():
             left = deadline - time.monotonic()
@@ -268,6 +273,31 @@ class Client:
                 return False
             self._lock.wait(min(left, _STOP_POLL_S))
         return True
+
+    def _wait(
+        self, done: Callable[[], bool], stop: threading.Event | None, timeout_s: float
+    ) -> bool:
+        """Wait on the I/O thread's Condition until `done()` holds (asked under the lock).
+
+        Returns:
+            True once `done()`; False when `stop` is set or `timeout_s` passed first.
+
+        Raises:
+            ClientError: the client is closed (also while waiting) or its thread failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if self._closed:
+                    raise ClientError("client is closed; create a new Client")
+                if self._io.failure is not None:
+                    raise ClientError(f"client I/O thread failed: {self._io.failure}")
+                if done():
+                    return True
+                left = deadline - time.monotonic()
+                if (stop is not None and stop.is_set()) or left <= 0:
+                    return False
+                self._lock.wait(min(left, _STOP_POLL_S))
 
     def report_step_time(self, seconds: float) -> None:
         """Tell the shards this island's typical inner-step time (padding included).
@@ -357,6 +387,39 @@ class Client:
         with self._lock:
             return self._core.progress.round_merged(round)
 
+    def wait_round_merged(
+        self, round: int, stop: threading.Event | None = None, timeout_s: float = 1.0
+    ) -> bool:
+        """Wait until `round_merged(round)` (woken by each message, not by polling).
+
+        Args:
+            round: a round id passed to `push` for every fragment.
+            stop: ends the wait once set.
+            timeout_s: the longest wait (finite; call again to wait on).
+
+        Returns:
+            True once the round is merged; False on `stop` or the timeout.
+
+        Raises:
+            ClientError: the client is closed (also while waiting) or its thread failed.
+        """
+        return self._wait(lambda: self._core.progress.round_merged(round), stop, timeout_s)
+
+    def wait_settled(self, stop: threading.Event | None = None, timeout_s: float = 1.0) -> bool:
+        """Wait until no pushed delta is pending (each acked or finally refused).
+
+        Args:
+            stop: ends the wait once set.
+            timeout_s: the longest wait (finite; call again to wait on).
+
+        Returns:
+            True once nothing is pending; False on `stop` or the timeout.
+
+        Raises:
+            ClientError: the client is closed (also while waiting) or its thread failed.
+        """
+        return self._wait(lambda: len(self._core.ledger) == 0, stop, timeout_s)
+
     def delta_outcomes(self, keys: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
         """What became of pushed deltas: whether their work entered the model yet.
 
@@ -412,11 +475,14 @@ class Client:
         Returns:
             Deltas dropped unacked.
         """
-        if self._closed:
-            return 0
-        self._closed = True
-        self._unacked = self._io.shutdown(flush_timeout_s)
-        return len(self._unacked)
+        with self._close_lock:  # safe from any thread: a second caller waits for the first
+            if self._closed:
+                return 0
+            with self._lock:
+                self._closed = True
+                self._lock.notify_all()  # waits of other threads end (ClientError: closed)
+            self._unacked = self._io.shutdown(flush_timeout_s)
+            return len(self._unacked)
 
     def unacked(self) -> list[PushRequest]:
         """The deltas `close` gave up on, to keep and push again later (same round ids).
