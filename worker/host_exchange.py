@@ -8,8 +8,8 @@ encodes it with the numpy codec, folds published versions with
 `FragmentSync.adopt` and places the whole tree back on the devices. It is the
 fallback of `worker.device_exchange` (codecs other than int8/int4, parameters
 held as numpy arrays) and the baseline the device path is measured against.
-`DeviceExchange` has the same methods, but `refund` (a push the shards finally
-refused goes back into the error feedback, `codec.refund`) is this path's only.
+`DeviceExchange` has the same methods (`refund`: a push the shards finally
+refused goes back into the error feedback, `codec.refund` here).
 """
 
 from __future__ import annotations
@@ -117,7 +117,7 @@ class HostExchange:
                 )
         return out
 
-    def refund(self, fragment: int, frames: Sequence[Any]) -> None:
+    def refund(self, fragment: int, values: np.ndarray) -> None:
         """Put a refused push's values back into the fragment's error feedback (process 0).
 
         The shards never applied them, so the next push of the fragment sends
@@ -125,10 +125,9 @@ class HostExchange:
 
         Args:
             fragment: the pushed fragment.
-            frames: the codec frames that push carried.
+            values: the decoded delta that push carried (`codec.decode(frames)["delta"]`).
         """
-        sent = codec.decode(list(frames))
-        self.ef_state[fragment] = codec.refund(self.ef_state[fragment], sent)
+        self.ef_state[fragment] = codec.refund(self.ef_state[fragment], {"delta": values})
 
     def fold(self, leaves: list[Any], updates: Sequence[Update]) -> list[Any]:
         """Adopt new global versions on the host and place the tree back; returns its leaves."""

@@ -59,6 +59,7 @@ from typing import Any
 import jax
 import numpy as np
 
+import codec
 from paramserver.client import Client, ClientError, JoinResult, PushRequest, Update
 from worker import compile_cache, progress, session_token
 from worker.config import IslandConfig
@@ -359,13 +360,27 @@ class Session:
         """
         versions = dict(self.exchange.versions)  # the versions the deltas are taken against
         t0 = time.perf_counter()
-        refund = getattr(self.exchange, "refund", None)  # the host exchange's error feedback
-        if refund is not None and self.client is not None:  # refused pushes: their mass goes back
-            for fragment, _, payload in self.client.take_refused():
-                refund(fragment, payload)
+        for fragment, values in self._refused():  # their mass goes back into error feedback
+            self.exchange.refund(fragment, values)
         frames = self.exchange.encode(leaves, fragments, self.client is not None)
         self.exchange_s += time.perf_counter() - t0
         return {index: (versions[index], f) for index, f in frames.items()}
+
+    def _refused(self) -> list[tuple[int, np.ndarray]]:
+        """(fragment, decoded delta) of each push the shards finally refused since the last call.
+
+        Process 0 reads them from its client; with the device exchange every process
+        gets them (its residual is spread over all), with the host's only process 0.
+        """
+        refused = []
+        if self.client is not None:
+            refused = [
+                (fragment, codec.decode(list(frames))["delta"])
+                for fragment, _, frames in self.client.take_refused()
+            ]
+        if self.group.multi and isinstance(self.exchange, DeviceExchange):
+            refused = self.group.share_refused(refused, self.sizes)
+        return refused
 
     def _push(self, fragments: list[int], frames: dict[int, tuple[int, list]], round_id: int):
         """Push each fragment's encoded work (process 0: persisted first); note what each covered."""
