@@ -210,7 +210,7 @@ class Outbox:
         """
         deltas, self.to_resend = self.to_resend, []
         for d in deltas:
-            client.push(d.fragment, d.round, d.base_version, d.tokens, d.steps, d.frames, stop=stop)
+            client.push_request(d, stop=stop)  # the kept request, whole
         if deltas:
             logger.info("island %s: re-sent %d deltas kept in %s", self.island, len(deltas),
                         self.path)  # fmt: skip

@@ -393,14 +393,13 @@ class Session:
             self.last_push[index] = round_id
             if self.client is not None:
                 version, payload = frames[index]
-                batch.append(PushRequest(index, round_id, version, tokens, steps, payload))
+                batch.append(PushRequest(index, round_id, version, tokens, steps, list(payload)))
         if self.outbox is not None and self.client is not None:
             self.outbox.before_push(self.client, batch)  # one fsync, before anything leaves
         for d in batch:
             assert self.client is not None
             self.clock.pushed(round_id, d.fragment, self.sizes[d.fragment] / sum(self.sizes))
-            self.client.push(d.fragment, d.round, d.base_version, d.tokens, d.steps, d.frames,
-                             stop=self.stop)  # fmt: skip
+            self.client.push_request(d, stop=self.stop)  # the request travels whole
         self.pushed_in_round = True
 
     def _fold(self, leaves: list[Any], params: Any) -> Any:

@@ -17,7 +17,7 @@ caller can keep them (e.g. in a file) and push them again later.
 
     client = Client(ClientConfig(connect="tcp://127.0.0.1:5555", island="a"))
     res = client.join(flat_params)        # plan, params, versions
-    client.push(fragment, round, base_version, tokens, steps, frames)
+    client.push_request(PushRequest(fragment, round, base_version, tokens, steps, frames))
     for update in client.poll_updates(): ...
     client.close()
     kept = client.unacked()               # PushRequest(fragment, round, ...) each
@@ -183,11 +183,7 @@ class Client:
         frames: Sequence[Any],
         stop: threading.Event | None = None,
     ) -> None:
-        """Queue one delta for its shard; it is kept and re-sent until acked.
-
-        Blocks only while `max_unacked` deltas are outstanding, and never once
-        `stop` is set: the delta is then queued at once, past the limit, so that
-        `close` hands it to `unacked` with the others rather than losing it.
+        """Queue one delta for its shard: `push_request` of a `PushRequest` of these fields.
 
         Args:
             fragment: fragment index.
@@ -201,28 +197,47 @@ class Client:
             stop: an event (e.g. the island's SIGTERM) that ends the wait for a slot.
 
         Raises:
-            ClientError: not joined, a bad argument, a delta larger than the
-                shards accept (never queued), or no free slot within `push_timeout_s`.
+            ClientError: as `push_request`.
+        """
+        request = PushRequest(fragment, round, base_version, tokens, steps, list(frames))
+        self.push_request(request, stop=stop)
+
+    def push_request(self, request: PushRequest, stop: threading.Event | None = None) -> None:
+        """Queue one delta for its shard; it is kept and re-sent until acked.
+
+        The request itself travels on (the ledger keeps it; `unacked` hands it
+        back), so the caller does not modify it or its frames afterwards.
+        Blocks only while `max_unacked` deltas are outstanding, and never once
+        `stop` is set: the delta is then queued at once, past the limit, so that
+        `close` hands it to `unacked` with the others rather than losing it.
+
+        Args:
+            request: the delta (fragment, round, base_version, tokens >= 1, steps >= 1,
+                codec frames of {"delta": 1-D vector of the fragment's size}).
+            stop: an event (e.g. the island's SIGTERM) that ends the wait for a slot.
+
+        Raises:
+            ClientError: not joined, a bad field, a delta larger than the shards
+                accept (never queued), the client closed meanwhile, or no free slot
+                within `push_timeout_s`.
         """
         self._check_alive()
         if not self._joined or self._plan is None:
             raise ClientError("push: call join() first")
-        fragment = _uint("fragment", fragment)
+        if not isinstance(request, PushRequest):
+            raise ClientError(f"push: pass a PushRequest, got {type(request).__name__}")
+        fragment = _uint("fragment", request.fragment)
         if fragment >= self._plan.num_fragments:
             raise ClientError(
                 f"push: fragment={fragment} out of range: the plan has "
                 f"{self._plan.num_fragments} fragments"
             )
-        request = PushRequest(
-            fragment,
-            _uint("round", round),
-            _uint("base_version", base_version),
-            _uint("tokens", tokens, 1),
-            _uint("steps", steps, 1),
-            list(frames),
-        )
-        if not request.frames:
-            raise ClientError("push: frames is empty; pass the frames a codec's encode returned")
+        for name, low in (("round", 0), ("base_version", 0), ("tokens", 1), ("steps", 1)):
+            _uint(name, getattr(request, name), low)
+        if not isinstance(request.frames, list) or not request.frames:
+            raise ClientError(
+                "push: frames must be a non-empty list; pass the frames a codec's encode returned"
+            )
         self._check_size(request)
         with self._lock:
             if not self._wait_for_slot(stop):

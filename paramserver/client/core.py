@@ -38,7 +38,7 @@ import numpy as np
 import codec
 from paramserver.client.effects import Effect, Send
 from paramserver.client.joining import Join
-from paramserver.client.ledger import Key, Ledger, StorageWarning, requests_of
+from paramserver.client.ledger import Key, Ledger, StorageWarning
 from paramserver.client.progress import Progress
 from paramserver.client.replica import Resync, published_update
 from paramserver.client.shards import Shards, ShardState
@@ -359,7 +359,7 @@ class ClientCore:
             **self._reported_fields(),
         }
         frames = protocol.pack(header, request.frames)
-        self.ledger.add(key, shard.index, frames, protocol.message_bytes(frames), now)
+        self.ledger.add(key, shard.index, frames, protocol.message_bytes(frames), now, request)
         if shard.up:
             self._send_push(key)
         return self._net.flush()
@@ -480,5 +480,5 @@ class ClientCore:
             if shard.up and shard.dealer is not None:
                 self._net.send(shard, {"kind": "bye"})
         self._net.close_all()
-        self.dropped = requests_of(self.ledger.drop_all())
+        self.dropped = self.ledger.drop_all()
         self.state = "closed"

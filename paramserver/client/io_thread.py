@@ -26,7 +26,6 @@ import numpy as np
 
 from paramserver.client.core import ClientCore
 from paramserver.client.effects import Close, Effect, Open, Send
-from paramserver.client.ledger import requests_of
 from paramserver.client.links import Links
 from paramserver.client.types import ClientConfig, ClientError, PushRequest
 
@@ -90,7 +89,7 @@ class IOThread(threading.Thread):
             self.join(timeout=10.0)
         if not self.is_alive():  # a thread that failed left its ledger to us
             with self.lock:
-                dropped += requests_of(self.core.ledger.drop_all())
+                dropped += self.core.ledger.drop_all()
         self._links.close_wake()
         if not self.is_alive():
             self._links.term()
@@ -205,4 +204,4 @@ class IOThread(threading.Thread):
                 future.set_exception(error)
         if self._closing is not None and not self._closing.done():
             with self.lock:
-                self._closing.set_result(requests_of(self.core.ledger.drop_all()))
+                self._closing.set_result(self.core.ledger.drop_all())

@@ -44,13 +44,12 @@ The rules:
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Sequence
-from dataclasses import dataclass
+from collections.abc import Container
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 from paramserver.client.ack_timer import AckTimer
 from paramserver.client.types import PushRequest
-from paramserver.wire import protocol
 from paramserver.wire.protocol import DUPLICATE, REJECTED
 
 logger = logging.getLogger(__name__)
@@ -79,10 +78,11 @@ rejection is final."""
 
 @dataclass
 class Entry:
-    """One unacked delta: kept, with its frames, until its shard resolves it."""
+    """One unacked delta: kept, with its packed message, until its shard resolves it."""
 
+    request: PushRequest  # the delta as `push` took it (`unacked` hands it back)
     shard: int
-    frames: list[Any]
+    frames: list[Any]  # its packed push message, re-sent as is
     nbytes: int
     queued_at: float  # when `push` handed it over (ack latency is measured from here)
     sent_at: float  # last send, or last try of one (the back-off counts from here)
@@ -129,7 +129,10 @@ class Ledger:
         """The pending delta under `key`, or None (never pushed, or already resolved)."""
         return self._entries.get(key)
 
-    def add(self, key: Key, shard: int, frames: list[Any], nbytes: int, now: float) -> bool:
+    def add(
+        self, key: Key, shard: int, frames: list[Any], nbytes: int, now: float,
+        request: PushRequest,
+    ) -> bool:  # fmt: skip
         """Keep a newly pushed delta (not sent yet: send it, then call `sent`).
 
         Args:
@@ -138,6 +141,7 @@ class Ledger:
             frames: the packed message, re-sent as is.
             nbytes: its size on the wire.
             now: when it was pushed.
+            request: the delta itself (what `drop_all` hands back).
 
         Returns:
             False, leaving the ledger as it was, when that round of the fragment
@@ -145,7 +149,7 @@ class Ledger:
         """
         if key in self._entries:
             return False
-        self._entries[key] = Entry(shard, frames, nbytes, queued_at=now, sent_at=now)
+        self._entries[key] = Entry(request, shard, frames, nbytes, queued_at=now, sent_at=now)
         return True
 
     def sent(self, key: Key, now: float) -> bool:
@@ -328,41 +332,19 @@ class Ledger:
         """
         return {entry.shard for entry in self._entries.values()}
 
-    def drop_all(self) -> list[list[Any]]:
+    def drop_all(self) -> list[PushRequest]:
         """Forget every pending delta (the client closes).
 
         Returns:
-            The packed message of each delta dropped unacked, in push order (so
-            that the caller can keep them elsewhere, e.g. in a file).
+            Each delta dropped unacked, as pushed but with its frames copied to bytes,
+            in push order (so that the caller can keep them elsewhere, e.g. in a file).
         """
-        dropped = [entry.frames for entry in self._entries.values()]
+        dropped = [
+            replace(e.request, frames=[memoryview(f).tobytes() for f in e.request.frames])
+            for e in self._entries.values()
+        ]
         self._entries.clear()
         return dropped
-
-
-def requests_of(messages: Sequence[Sequence[Any]]) -> list[PushRequest]:
-    """The deltas of packed push messages, with their frames copied to bytes.
-
-    Args:
-        messages: push messages as `protocol.pack` built them ([header, *codec frames]).
-
-    Returns:
-        One `PushRequest` per message, in the same order.
-    """
-    out = []
-    for frames in messages:
-        header, payload = protocol.unpack(frames, protocol.REQUEST)
-        out.append(
-            PushRequest(
-                header["fragment"],
-                header["round"],
-                header["base_version"],
-                header["tokens"],
-                header["steps"],
-                [memoryview(frame).tobytes() for frame in payload],
-            )
-        )
-    return out
 
 
 class StorageWarning:
