@@ -16,7 +16,7 @@ import pytest
 from conftest import Cluster
 
 import worker
-from paramserver.client.progress import Progress
+from paramserver.client.readout import Readout
 from paramserver.client.replica import ReplicaFragment
 from paramserver.plumbing import probe
 from worker.goodput import ACKED, MERGED, PENDING, REJECTED, WorkLedger, session_goodput
@@ -76,7 +76,7 @@ def test_mark_start_makes_the_first_interval_an_ordinary_step():
 
 
 def test_a_delta_is_merged_only_once_the_replica_holds_the_version_that_includes_it():
-    progress = Progress()
+    progress = Readout()
     assert progress.delta_outcome(5, 0) == PENDING  # pushed, no ack yet
     ack = {"outcome": "accepted", "round": 5, "fragment": 0, "version": 3, "merged_version": 4}
     progress.record_ack(ack, latency_s=0.01)

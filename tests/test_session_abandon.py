@@ -18,7 +18,7 @@ from conftest import Cluster
 
 import worker
 from paramserver.client import ClientError
-from worker import outbox, progress
+from worker import island_files, outbox
 from worker.session import SessionClosed
 
 pytestmark = pytest.mark.timeout(90)
@@ -59,7 +59,7 @@ def assert_left_whole(session, data_dir) -> set[tuple[int, int]]:
     saved = outbox.load(data_dir / outbox.OUTBOX_FILE)
     kept = {(d.round, d.fragment) for d in saved.deltas} if saved is not None else set()
     assert kept == unacked
-    finals = [row for row in progress.read_rows(data_dir) if row.get("final")]
+    finals = [row for row in island_files.read_rows(data_dir) if row.get("final")]
     assert len(finals) == 1
     return kept
 

@@ -45,7 +45,7 @@ class HostExchange:
         *,
         delta_codec: codec.Codec,
         rule: str,
-        group: LeaderSync,
+        leader_sync: LeaderSync,
     ) -> None:
         """Start every fragment at the joined values.
 
@@ -56,9 +56,9 @@ class HostExchange:
             versions: the joined version of each fragment.
             delta_codec: the codec of the pushed deltas.
             rule: the merge rule.
-            group: the island's process group (gathers spread leaves).
+            leader_sync: the island's processes' decision broadcast (gathers spread leaves).
         """
-        self.layout, self.plan, self.rule, self.group = layout, plan, rule, group
+        self.layout, self.plan, self.rule, self.leader_sync = layout, plan, rule, leader_sync
         self.codec = delta_codec
         self.syncs = {
             frag.index: FragmentSync.start(plan.gather(flat, frag.index), versions[frag.index])
@@ -90,7 +90,7 @@ class HostExchange:
 
     def _host_copy(self, leaves: list[Any]) -> dict[str, np.ndarray]:
         if self._host is None:
-            self._host = self.layout.to_host(self.group.gather(leaves))
+            self._host = self.layout.to_host(self.leader_sync.gather(leaves))
             self.host_device_bytes += sum(
                 leaf.nbytes for leaf in leaves if isinstance(leaf, jax.Array)
             )

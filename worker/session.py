@@ -61,7 +61,7 @@ import numpy as np
 
 import codec
 from paramserver.client import Client, ClientError, JoinResult, PushRequest, Update
-from worker import compile_cache, progress, session_token
+from worker import compile_cache, island_files, session_token
 from worker.config import IslandConfig
 from worker.device_exchange import DeviceExchange
 from worker.host_exchange import HostExchange
@@ -172,7 +172,7 @@ class Session:
         self.row_fields = row_fields
         self.row_tags = dict(row_tags or {})
         self.data_dir = Path(cfg.data_dir) if cfg.data_dir else None
-        self.group = LeaderSync(jax.process_count() > 1, jax.process_index() == 0)
+        self.leader_sync = LeaderSync(jax.process_count() > 1, jax.process_index() == 0)
         self.island = cfg.island
         with _open_lock:
             if cfg.island in _open_islands:
@@ -203,9 +203,9 @@ class Session:
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             compile_cache.enable(cfg.compile_cache_dir, self.data_dir)
-        host = self.layout.to_host(self.group.gather(self.layout.leaves(params)))
+        host = self.layout.to_host(self.leader_sync.gather(self.layout.leaves(params)))
         joined: JoinResult | None = None
-        if self.group.leader:
+        if self.leader_sync.leader:
             client_cfg = cfg.client_config()
             if self.data_dir is not None:  # a restart proves it is this island (its token)
                 self.token = session_token.hold(self.data_dir)
@@ -214,10 +214,10 @@ class Session:
             try:  # a PlanMismatch names the first differing leaf already
                 joined = self.client.join(self._join_values(host), stop=self.stop)
             except ClientError:
-                if self.group.multi:
-                    self.group.share_join(None)
+                if self.leader_sync.multi:
+                    self.leader_sync.share_join(None)
                 raise
-        joined = self.group.share_join(joined)
+        joined = self.leader_sync.share_join(joined)
         check_streaming_mode(cfg.streaming, joined.mode)
         self.plan, self.mode = joined.plan, joined.mode
         self.sizes = [frag.size for frag in self.plan.fragments]
@@ -236,7 +236,7 @@ class Session:
         self.steps = self.tokens = 0
         self.adopted = 0
         self._round_losses: list[Any] = []  # the `loss` values of this round's steps
-        self.clock = RoundClock(time.monotonic())
+        self.goodput_clock = RoundClock(time.monotonic())
         self._leader_stop = False  # process 0's stop as of the last step (multi-process)
         self.resending = 0  # deltas of a previous run pushed again and not resolved yet
         if self.client is not None and self.data_dir is not None:
@@ -275,7 +275,7 @@ class Session:
             logger.info("island %s: exchange on the host: %s", cfg.island, why)
         return HostExchange(
             self.layout, self.plan, flat, versions, delta_codec=delta_codec,
-            rule=cfg.merge_rule, group=self.group,
+            rule=cfg.merge_rule, leader_sync=self.leader_sync,
         )  # fmt: skip
 
     def _join_values(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -317,7 +317,7 @@ class Session:
         tokens = check_tokens(tokens)
         loss = None if loss is None else check_loss(loss)
         leaves = self.layout.leaves(params)
-        self.clock.step_started(time.monotonic())
+        self.goodput_clock.step_started(time.monotonic())
         in_round = self.in_round + 1
         round_end = in_round == self.inner_steps
         if loss is not None:
@@ -332,7 +332,7 @@ class Session:
         if due:
             self._push(due, frames, self.round_base + self.round)
         if round_end and self.client is not None:
-            self.client.report_step_time(self.clock.median_step_s(self.inner_steps))
+            self.client.report_step_time(self.goodput_clock.median_step_s(self.inner_steps))
             if self.mode == "sync":
                 self._wait_for_merge(self.round_base + self.round)
         out = self._fold(leaves, params)
@@ -343,12 +343,12 @@ class Session:
             self.in_round, self.pushed_in_round = 0, False
             self._round_row()
             self._report_training()
-        self.clock.step_ended(time.monotonic())
+        self.goodput_clock.step_ended(time.monotonic())
         return out
 
     def _unblocked(self, due: list[int]) -> list[int]:  # `push_schedule.unblocked`
         down = self.client is not None and self.client.stats().get("shards_down")  # queue
-        if self.client is None or self.mode != "quorum" or self.group.multi or down:
+        if self.client is None or self.mode != "quorum" or self.leader_sync.multi or down:
             return due
         waiting = [(self.last_push[f], f) for f in due if f in self.last_push]
         return unblocked(due, self.last_push, self.client.delta_outcomes(waiting))
@@ -378,8 +378,8 @@ class Session:
                 (fragment, codec.decode(list(frames))["delta"])
                 for fragment, _, frames in self.client.take_refused()
             ]
-        if self.group.multi and isinstance(self.exchange, DeviceExchange):
-            refused = self.group.share_refused(refused, self.sizes)
+        if self.leader_sync.multi and isinstance(self.exchange, DeviceExchange):
+            refused = self.leader_sync.share_refused(refused, self.sizes)
         return refused
 
     def _push(self, fragments: list[int], frames: dict[int, tuple[int, list]], round_id: int):
@@ -398,7 +398,9 @@ class Session:
             self.outbox.before_push(self.client, batch)  # one fsync, before anything leaves
         for d in batch:
             assert self.client is not None
-            self.clock.pushed(round_id, d.fragment, self.sizes[d.fragment] / sum(self.sizes))
+            self.goodput_clock.pushed(
+                round_id, d.fragment, self.sizes[d.fragment] / sum(self.sizes)
+            )
             self.client.push_request(d, stop=self.stop)  # the request travels whole
         self.pushed_in_round = True
 
@@ -408,7 +410,7 @@ class Session:
         versions = self.exchange.versions
         if self.client is not None:
             updates = [u for u in self.client.poll_updates() if u.version > versions[u.fragment]]
-        updates, self._leader_stop = self.group.share_updates(
+        updates, self._leader_stop = self.leader_sync.share_updates(
             updates, self.stop.is_set(), self.sizes, self._coded_increments
         )
         if not updates:
@@ -431,7 +433,7 @@ class Session:
         while not self.stop.is_set():  # woken by each message; ClientError once closed
             if self.client.wait_round_merged(round_id, self.stop, timeout_s=1.0):
                 break
-        self.clock.waited(time.monotonic() - t0)
+        self.goodput_clock.waited(time.monotonic() - t0)
 
     def _settle_resent(self) -> None:
         """Before the first new round: wait until the re-sent deltas are resolved."""
@@ -452,7 +454,7 @@ class Session:
     @property
     def stopping(self) -> bool:
         """Whether the loop should end: `stop` is set (on process 0, as of the last step)."""
-        return self._leader_stop if self.group.multi else self.stop.is_set()
+        return self._leader_stop if self.leader_sync.multi else self.stop.is_set()
 
     @property
     def version(self) -> int:
@@ -495,7 +497,7 @@ class Session:
         from the join to the first `step` call is warm-up (compile) and lost.
         """
         now = time.monotonic()
-        self.clock = RoundClock(now, last_end=now)
+        self.goodput_clock = RoundClock(now, last_end=now)
 
     def log_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """Append a metrics row with the session's common fields (process 0, with a data dir).
@@ -510,12 +512,12 @@ class Session:
             "island": self.island,
             "params": sum(self.sizes),
             **self.row_tags,
-            "time_s": round(time.monotonic() - self.clock.started, 3),
+            "time_s": round(time.monotonic() - self.goodput_clock.started, 3),
             "wall": time.time(),
             **row,
         }
-        if self.data_dir is not None and self.group.leader:
-            progress.append_row(self.data_dir, full)
+        if self.data_dir is not None and self.leader_sync.leader:
+            island_files.append_row(self.data_dir, full)
         self.last_row = full
         return full
 
@@ -528,22 +530,22 @@ class Session:
                 `step` (the flush and the caller's own epilogue are not island time).
         """
         if self.client is not None:
-            outcomes = self.client.delta_outcomes(self.clock.ledger.keys())
-            self.clock.ledger.settle(outcomes, final=final)
+            outcomes = self.client.delta_outcomes(self.goodput_clock.ledger.keys())
+            self.goodput_clock.ledger.settle(outcomes, final=final)
         shares = [size / sum(self.sizes) for size in self.sizes]
         if final:
-            self.clock.drop_unpushed(shares)
+            self.goodput_clock.drop_unpushed(shares)
         now = time.monotonic()
-        if final and self.clock.last_end is not None:
-            now = self.clock.last_end
-        return self.clock.fields(self.stats, self.tokens, self.steps, now, shares)
+        if final and self.goodput_clock.last_end is not None:
+            now = self.goodput_clock.last_end
+        return self.goodput_clock.fields(self.stats, self.tokens, self.steps, now, shares)
 
     def _round_row(self) -> None:
         extra = self.row_fields(self.round) if self.row_fields is not None else {}
         self.log_row(
             {
                 "round": self.round,
-                "round_s": self.clock.round_done(time.monotonic()),
+                "round_s": self.goodput_clock.round_done(time.monotonic()),
                 "versions_adopted": self.adopted,
                 **self.stats_fields(),
                 **extra,
@@ -588,7 +590,7 @@ class Session:
         try:
             latest = self._latest if params is None else params
             rest = flush_fragments({i: self.steps - at for i, (at, _) in self.pushed_at.items()})
-            if rest and not self.group.broken:
+            if rest and not self.leader_sync.broken:
                 round_id = self.round_base + self.round + int(self.pushed_in_round)
                 try:
                     frames = self._encode(self.layout.leaves(latest), rest)
@@ -596,7 +598,9 @@ class Session:
                     self._push(rest, frames, round_id)
                 except RuntimeError as exc:  # e.g. its buffers were donated since
                     logger.warning("island %s: partial round not pushed: %s", self.island, exc)
-            if not self.group.broken:  # no process leaves a collective of the others unfinished
+            if (
+                not self.leader_sync.broken
+            ):  # no process leaves a collective of the others unfinished
                 self.exchange.wait()
         finally:
             self.closed = True
@@ -615,7 +619,7 @@ class Session:
             flush_timeout_s: how long to wait for unacked deltas.
         """
         self._abandoned.set()
-        self.group.broken = True  # no more collectives, not even at close
+        self.leader_sync.broken = True  # no more collectives, not even at close
         if self.client is not None:
             self.client.close(flush_timeout_s=flush_timeout_s)  # thread-safe; ends step's waits
         if not self._lock.acquire(timeout=flush_timeout_s + 5.0):

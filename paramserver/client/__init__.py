@@ -9,7 +9,7 @@ initialised cluster), `welcome` (checks of a shard's welcome), `shards` (the
 shards' state, links and requests in flight), `ledger` (the one ledger of
 pending deltas), `ack_timer` (the
 adaptive re-send timeout), `replica` (applying published versions),
-`progress` (counters and what the API reads), `io_thread` (the one thread that
+`readout` (counters, updates and outcomes: what the API reads), `io_thread` (the one thread that
 owns the sockets and moves bytes), `links` (the sockets). Nothing here imports
 `paramserver.server`.
 """

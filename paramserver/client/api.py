@@ -371,7 +371,7 @@ class Client:
         """
         self._check_alive()
         with self._lock:
-            return self._core.progress.take_updates()
+            return self._core.readout.take_updates()
 
     def take_refused(self) -> list[tuple[int, int, list[Any]]]:
         """The deltas the shards finally refused since the last call (then forgotten).
@@ -385,7 +385,7 @@ class Client:
         """
         self._check_alive()
         with self._lock:
-            return self._core.progress.take_refused()
+            return self._core.readout.take_refused()
 
     def round_merged(self, round: int) -> bool:
         """Whether the global parameters this client holds include all of `round`'s deltas.
@@ -400,7 +400,7 @@ class Client:
         """
         self._check_alive()
         with self._lock:
-            return self._core.progress.round_merged(round)
+            return self._core.readout.round_merged(round)
 
     def wait_round_merged(
         self, round: int, stop: threading.Event | None = None, timeout_s: float = 1.0
@@ -418,7 +418,7 @@ class Client:
         Raises:
             ClientError: the client is closed (also while waiting) or its thread failed.
         """
-        return self._wait(lambda: self._core.progress.round_merged(round), stop, timeout_s)
+        return self._wait(lambda: self._core.readout.round_merged(round), stop, timeout_s)
 
     def wait_settled(self, stop: threading.Event | None = None, timeout_s: float = 1.0) -> bool:
         """Wait until no pushed delta is pending (each acked or finally refused).
@@ -449,7 +449,7 @@ class Client:
             heard of yet), "rejected", or "pending" (no final ack yet).
         """
         with self._lock:
-            return {(r, f): self._core.progress.delta_outcome(r, f) for r, f in keys}
+            return {(r, f): self._core.readout.delta_outcome(r, f) for r, f in keys}
 
     def stats(self) -> dict[str, Any]:
         """Counters of this client.
@@ -476,7 +476,7 @@ class Client:
             100,000 at most are kept between calls).
         """
         with self._lock:
-            return self._core.progress.take_ack_latencies()
+            return self._core.readout.take_ack_latencies()
 
     def close(self, flush_timeout_s: float = 5.0) -> int:
         """Wait up to `flush_timeout_s` for unacked deltas, say bye, close every socket.
