@@ -1,7 +1,7 @@
 """Goodput as Decoupled DiLoCo defines it: the share of an island's wall time spent on
 inner steps whose work entered the model (staleness costs nothing, waiting does).
 
-The pure pieces (`worker.goodput`, `worker.session_stats.RoundClock`) with values
+The pure pieces (`worker.goodput`, `worker.goodput.RoundClock`) with values
 computed by hand; then islands (`worker.join`) against real shards in threads
 (`conftest.Cluster`), real sockets on 127.0.0.1.
 """
@@ -19,8 +19,7 @@ import worker
 from paramserver.client.readout import Readout
 from paramserver.client.replica import ReplicaFragment
 from paramserver.plumbing import probe
-from worker.goodput import ACKED, MERGED, PENDING, REJECTED, WorkLedger, session_goodput
-from worker.session_stats import RoundClock
+from worker.goodput import ACKED, MERGED, PENDING, REJECTED, RoundClock, WorkLedger, session_goodput
 
 pytestmark = pytest.mark.timeout(60)
 FAST = {"heartbeat_interval_s": 0.2, "join_timeout_s": 20.0, "flush_timeout_s": 5.0}

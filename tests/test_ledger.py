@@ -249,7 +249,7 @@ def test_shards_names_the_shards_holding_pending_deltas():
     assert box.shards() == set()
 
 
-# -- the adaptive timeout (paramserver.client.ack_timer) ------------------------------------------
+# -- the adaptive timeout (paramserver.client.ledger) ------------------------------------------
 
 
 def sent_at(box, key, now, shard=0):

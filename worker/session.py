@@ -40,7 +40,7 @@ the data dir. Multi-process islands: every process calls
 opens sockets and `worker.leader_sync` shares its decisions.
 
 (Over 400 lines: `Session` is the API's one class; its decisions live in
-`worker.exchange`, `worker.push_schedule`, `worker.session_stats`,
+`worker.exchange`, `worker.push_schedule`, `worker.goodput`,
 `worker.outbox` and `worker.leader_sync`, what remains is its state and
 documented methods.)
 """
@@ -64,13 +64,13 @@ from paramserver.client import Client, ClientError, JoinResult, PushRequest, Upd
 from worker import compile_cache, island_files, session_token
 from worker.config import IslandConfig
 from worker.device_exchange import DeviceExchange
+from worker.goodput import RoundClock
 from worker.host_exchange import HostExchange
 from worker.leader_sync import LeaderSync
 from worker.outbox import OUTBOX_FILE, Outbox
 from worker.param_tree import TreeError, TreeLayout
 from worker.push_schedule import check_streaming_mode, due_fragments, flush_fragments, unblocked
 from worker.session_config import check_loss, check_tokens, make_codec, session_config
-from worker.session_stats import RoundClock
 
 logger = logging.getLogger(__name__)
 

@@ -7,10 +7,9 @@ ledger, replica, acks, re-sends), `effects` (what the core asks the I/O loop to
 do), `joining` (a join in progress) and `handshake` (its states up to an
 initialised cluster), `welcome` (checks of a shard's welcome), `shards` (the
 shards' state, links and requests in flight), `ledger` (the one ledger of
-pending deltas), `ack_timer` (the
-adaptive re-send timeout), `replica` (applying published versions),
+pending deltas and its adaptive re-send timeout), `replica` (applying published versions),
 `readout` (counters, updates and outcomes: what the API reads), `io_thread` (the one thread that
-owns the sockets and moves bytes), `links` (the sockets). Nothing here imports
+owns the sockets, `Links`, and moves bytes). Nothing here imports
 `paramserver.server`.
 """
 

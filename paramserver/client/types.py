@@ -76,7 +76,7 @@ class ClientConfig:
     heartbeat_interval_s: float = 1.0  # heartbeat period to every shard; liveness unit
     liveness: int = 5  # a shard silent this many intervals is down (reconnect, re-snapshot)
     # Re-send an unacked delta after this, until ack latencies are measured; then after
-    # SRTT + 4 RTTVAR of them (paramserver.client.ack_timer), doubling per attempt.
+    # SRTT + 4 RTTVAR of them (paramserver.client.ledger), doubling per attempt.
     ack_timeout_s: float = 5.0
     ack_timeout_cap_s: float = 60.0  # upper bound of the re-send back-off
     # Lower bound of the measured timeout (at most ack_timeout_s). Above TCP's 1 s: TCP
