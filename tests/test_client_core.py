@@ -460,7 +460,7 @@ def test_close_does_not_wait_for_a_shard_that_is_down():
 
 DECIDING = (
     "core", "joining", "handshake", "welcome", "ledger", "replica", "shards",
-    "effects", "readout", "types",
+    "readout", "types",
 )  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 
 This module owns the island side of the wire protocol (docs/protocol.md) as
 one object that takes the time and the messages as arguments and returns
-what to do (`paramserver.client.effects`: open, close, send on numbered
+what to do (`paramserver.client.shards`: open, close, send on numbered
 links), in the h11 pattern. It imports neither zmq, threading nor the
 clock: the I/O thread (`paramserver.client.io_thread`) only moves bytes and
 calls `on_message`, `on_tick`, `push` and `on_sent`, under one lock that also
@@ -36,12 +36,11 @@ from typing import Any
 import numpy as np
 
 import codec
-from paramserver.client.effects import Effect, Send
 from paramserver.client.joining import Join
 from paramserver.client.ledger import Key, Ledger, StorageWarning
 from paramserver.client.readout import Readout
 from paramserver.client.replica import Resync, published_update
-from paramserver.client.shards import Shards, ShardState
+from paramserver.client.shards import Effect, Send, Shards, ShardState
 from paramserver.client.types import ClientConfig, ClientError, JoinResult, PushRequest
 from paramserver.client.welcome import check_rewelcome, welcome_limit
 from paramserver.wire import protocol

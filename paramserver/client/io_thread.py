@@ -12,7 +12,7 @@ lock) says why the thread died, if it did.
 
 `Links` holds those sockets: the context, the CURVE keys, a wake-up pair and
 one socket per link (a shard's DEALER or SUB) named by the link numbers the
-core picks (`paramserver.client.effects`), connecting with linger 0 and a
+core picks (`paramserver.client.shards`), connecting with linger 0 and a
 capped reconnect interval, the poller, non-blocking sends and reads, and
 closing everything. Only `wake` and `close_wake` may be called from another
 thread than the I/O thread.
@@ -34,7 +34,7 @@ import numpy as np
 import zmq
 
 from paramserver.client.core import ClientCore
-from paramserver.client.effects import Close, Effect, Open, Send
+from paramserver.client.shards import Close, Effect, Open, Send
 from paramserver.client.types import ClientConfig, ClientError, PushRequest
 from paramserver.plumbing import curve
 
