@@ -28,6 +28,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "island_exchange": ("bench.island_exchange", "The island exchange per round, on the device against on the host, vs a device memcpy."),
     "island_memory": ("bench.island_memory", "Bytes of parameters + AdamW state per device of an island, replicated against fsdp."),
     "load": ("bench.load", "Load test: many lightweight simulated islands (client only, random int8 deltas) against N shards."),
+    "regions": ("bench.regions", "Emulated multi-region deployment: regions in network namespaces over shaped, delayed WAN links, probed first."),
     "report": ("bench.report", "Benchmarks that reproduce the seed's claims: DDP vs synchronous DiLoCo vs this system on WAN links."),
     "outbox_cost": ("bench.outbox_cost", "What persisting before sending costs an island: outbox writes per round against its exchange."),
     "outer_h": ("bench.outer_h", "Outer lr / momentum per H: synchronous DiLoCo against DDP at equal tokens (picks the sync defaults)."),

@@ -11,8 +11,6 @@ specified in `codec.format`.
     frames, state = c.encode(tree, state)
     tree2 = codec.decode(frames)
 
-`c.encode_decoded(tree, state)` (int8, int4) also returns what `decode` gives
-for the frames, bit for bit, without decoding them (the shard's downlink).
 `codec.decode(frames, out=tree)` decodes into the caller's arrays (same names,
 shapes and dtypes as encoded), which saves writing fresh memory each message.
 
@@ -24,6 +22,17 @@ dequantizing; at 16M elements on one core, int8 encode with error feedback
 and zstd runs at about 0.2x memcpy and decode at about 0.3x, most of it zstd
 (`diloco-bench codec`, `single_core`). Without numba the same numpy kernels
 as before compute the same bits, at about half the encode speed.
+
+The int8/int4 block rule is defined once (`codec.quant`) and computed three
+ways that give the same bits: numpy, the compiled numba loops, and JAX
+(`codec.jax_quant`, for quantizing inside `jax.jit` on the values' own devices:
+the island's device exchange and the shard's downlink). Every message, whoever
+quantized it, is written by one frame writer (`codec.writer`;
+`codec.prequantized.frame_codes` for codes and scales computed elsewhere).
+Dependencies: numpy, zstandard, msgpack and ml_dtypes. numba and JAX are
+optional and imported only where used: numba by the first large block encode
+or decode, JAX only by a caller that imports `codec.jax_quant` itself (nothing
+in `codec` imports it, so `import codec` never loads JAX).
 
 Speed: `zstd_threads=N` (encode) and `decode(frames, threads=N)` spread the
 quantize/dequantize pieces and the 1 MiB zstd frames over N threads (the

@@ -3,8 +3,9 @@
 Owns the round-to-nearest int8/int4 quantize (with or without error
 feedback) and the dequantize of float32 values, each touching every element
 once per pass over a cache-resident block instead of once per numpy
-operation. They compute exactly what the numpy formulation in
-`codec.quant` defines, operation for operation in float32: ``inv =
+operation. They compute exactly the rule `codec.quant` defines (its constants
+come from there: passed in, or module constants numba freezes at compile
+time), operation for operation in float32: ``inv =
 min(L / m, L / TINY)``, ``q = rint(v * inv)``, residual ``v - q * (m * 1/L)``
 (no fused multiply-add: numba leaves LLVM's contraction off unless
 fastmath asks for it). The block absmax is the maximum of the float bits
@@ -18,7 +19,12 @@ compiled on their first call and cached on disk.
 import numba
 import numpy as np
 
+from .quant import NIBBLE_BIAS
+
 ABS_MASK = np.int32(0x7FFFFFFF)
+BIAS = np.int8(NIBBLE_BIAS)
+BIAS_F = np.float32(NIBBLE_BIAS)
+PAD_HIGH = np.uint8(NIBBLE_BIAS << 4)  # the high nibble of an odd count's last byte: q = 0
 
 jit = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
 
@@ -100,12 +106,12 @@ def _pack4(v, c, inv):
     size = v.shape[0]
     half = size // 2
     for i in range(half):
-        lo = np.int8(np.rint(v[2 * i] * inv)) + np.int8(8)
-        hi = np.int8(np.rint(v[2 * i + 1] * inv)) + np.int8(8)
+        lo = np.int8(np.rint(v[2 * i] * inv)) + BIAS
+        hi = np.int8(np.rint(v[2 * i + 1] * inv)) + BIAS
         c[i] = np.uint8(lo) | np.uint8(np.uint8(hi) << np.uint8(4))
     if size % 2:  # the missing odd element is coded as 0 (nibble 8)
-        lo = np.int8(np.rint(v[size - 1] * inv)) + np.int8(8)
-        c[half] = np.uint8(lo) | np.uint8(128)
+        lo = np.int8(np.rint(v[size - 1] * inv)) + BIAS
+        c[half] = np.uint8(lo) | PAD_HIGH
 
 
 @jit
@@ -144,7 +150,7 @@ def dequantize(codes, scales, out, block, levels, step):
 def _unpack4(c, o, st):
     size = o.shape[0]
     half = size // 2
-    eight = np.float32(8.0)
+    eight = BIAS_F
     for i in range(half):
         b = c[i]
         o[2 * i] = (np.float32(b & np.uint8(15)) - eight) * st

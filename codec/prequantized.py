@@ -1,9 +1,9 @@
 """Frames for codes and scales quantized elsewhere (e.g. on an accelerator), and codes read back.
 
-An encoder that quantizes on a device (`worker.device_quant`) hands the host
+An encoder that quantizes on a device (`codec.jax_quant`) hands the host
 only a tensor's int8/int4 codes and float32 block scales; `frame_codes` lays
-them out, compresses and frames them exactly as `Codec.encode` does for the
-same codes and scales (`codec.format`, `codec.compress`), so a shard cannot
+them out, compresses and frames them with `Codec.encode`'s own frame writer
+(`codec.writer`) for the same codes and scales, so a shard cannot
 tell the two apart: for the same input and error-feedback residual the frames
 are byte for byte the same. `read_codes` goes the other way for one
 block-scheme tensor: it checks and decompresses the frames once and keeps the
@@ -16,9 +16,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from . import format as fmt
-from .compress import compress_frames, gather
+from .compress import gather
 from .decode import block_jobs, run_job
 from .errors import CodecError
+from .writer import FrameWriter, block_codes, block_scales
 
 
 def code_dtype(scheme: str) -> np.dtype:
@@ -69,7 +70,8 @@ def frame_codes(
     """
     _check_scheme(scheme)
     codes, scales = np.asarray(codes), np.asarray(scales)
-    (t,), total = fmt.layout(scheme, block, None, [((name,), (size,), "float32")])
+    writer = FrameWriter(scheme, block, [((name,), (size,), "float32")], zstd_level)
+    (t,) = writer.tensors
     if codes.dtype != code_dtype(scheme) or codes.shape != (t.codes_bytes,):
         raise CodecError(
             f"{scheme} codes of {size} elements must be {code_dtype(scheme)}[{t.codes_bytes}], "
@@ -82,14 +84,11 @@ def frame_codes(
         )
     if t.blocks and not (np.isfinite(scales.max()) and scales.min() >= 0):
         raise CodecError(f"tensor {name!r} contains NaN or Inf; nothing was encoded")
-    payload = np.zeros(total, np.uint8)
-    payload[t.offset : t.offset + t.codes_bytes] = codes.view(np.uint8)
-    payload[t.scales_offset : t.end] = scales.view(np.uint8)
-    frames, entries = compress_frames(
-        memoryview(payload).cast("B"), fmt.frame_ranges(total), zstd_level, None
-    )
-    header = fmt.pack_header(scheme, block, None, zstd_level is not None, [t], total, entries)
-    return [header, *frames]
+    payload = np.zeros(writer.total, np.uint8)
+    block_codes(payload, t, scheme)[...] = codes
+    block_scales(payload, t)[...] = scales
+    writer.close(memoryview(payload).cast("B"))
+    return writer.frames()
 
 
 @dataclass(frozen=True)
@@ -164,8 +163,8 @@ def read_codes(frames, name: str, max_elements: int = fmt.DEFAULT_MAX_ELEMENTS) 
     if len(t.shape) != 1 or t.path != (name,):
         return None
     payload = gather(views[1:], header.frames, header.zstd, header.total)
-    codes = payload[t.offset : t.offset + t.codes_bytes].view(code_dtype(header.scheme))
-    scales = payload[t.scales_offset : t.end].view(np.float32)
+    codes = block_codes(payload, t, header.scheme)
+    scales = block_scales(payload, t)
     if t.blocks and not (np.isfinite(scales.max()) and scales.min() >= 0):
         raise CodecError(f"tensor {'/'.join(t.path)!r} has a non-finite or negative block scale")
     return Coded(header.scheme, header.block, t.size, codes, scales, t.dtype)

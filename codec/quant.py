@@ -1,20 +1,28 @@
-"""Block-absmax quantization kernels (int8 and int4), encode and decode.
+"""The int8/int4 block-absmax rule (its one definition) and its numpy kernels, encode and decode.
 
 Owns the arithmetic of the quantized schemes: per block of `block` elements,
-``m = max(|x|)``, ``q = round(x * L / m)`` with L = 127 (int8) or 7 (int4),
+``m = max(|x|)``, ``q = round(x * min(L / m, L / TINY))`` (half to even) with
+L = 127 (int8) or 7 (int4; two codes a byte, element 2i in the low nibble,
+each nibble ``q + NIBBLE_BIAS``, an odd count's last high nibble coding 0),
 decoded ``q * (m * float32(1/L))``. Encode and decode use the very same float32
-operations, so an encoder's error-feedback residual is exact with respect to
-what any decoder reconstructs. Blocks with ``m`` below TINY are flushed to 0
-(their step would be subnormal). Round-to-nearest encode and every decode run
-the compiled one-pass loops of `codec.kernels` (numba, imported on first use;
-inputs and outputs other than contiguous float32 go through a float32 chunk of
-the workspace) for pieces of at least COMPILED_MIN_ELEMENTS. Smaller pieces,
-stochastic rounding (bound by its random numbers) and everything where numba
-cannot be imported run the numpy formulation: 64K-element chunks with `out=` on
-every operation, no allocation in the loop, the same float32 operations (so the
-same bits) as the compiled loops. A process that only codes small tensors
-(tests, the tiny model, the shard's 64K-element merge pieces) thus never pays
-for importing numba; decoding gains little from it (about 10%).
+operations, never a fused multiply-add, so an encoder's error-feedback residual
+``x - decoded`` is exact with respect to what any decoder reconstructs. Blocks
+with ``m`` below TINY are flushed to 0 (their step would be subnormal).
+
+The constants of the rule live here (`TINY`, `step_factor`, `max_factor`,
+`NIBBLE_BIAS`), and three formulations compute it, bit for bit alike (a test
+compares them on awkward inputs): the numpy kernels below (`encode_numpy`,
+`decode_numpy`), the compiled one-pass loops of `codec.kernels` (numba, optional)
+and the traceable JAX functions of `codec.jax_quant` (optional; for callers
+that quantize inside `jax.jit`). Round-to-nearest encode and every decode run
+the compiled loops (imported on first use; inputs and outputs other than
+contiguous float32 go through a float32 chunk of the workspace) for pieces of
+at least COMPILED_MIN_ELEMENTS. Smaller pieces, stochastic rounding (bound by
+its random numbers) and everything where numba cannot be imported run the
+numpy formulation: 64K-element chunks with `out=` on every operation, no
+allocation in the loop. A process that only codes small tensors (tests, the
+tiny model, the shard's 64K-element merge pieces) thus never pays for importing
+numba; decoding gains little from it (about 10%).
 """
 
 import functools
@@ -25,6 +33,7 @@ from .workspace import Workspace
 
 F32 = np.float32
 TINY = F32(2.0**-118)
+NIBBLE_BIAS = 8  # an int4 nibble holds q + 8 (0..14); a padding nibble 8 codes 0
 # pieces below this run the numpy kernels: loading the compiled ones costs a process about
 # 0.5 s (numba's import and cache), which only pieces of this size or more repay (it is
 # also decode's piece, codec.decode.PIECE_ELEMENTS)
@@ -41,6 +50,18 @@ def step_factor(levels: int) -> np.float32:
         float32(1 / levels).
     """
     return F32(1.0 / levels)
+
+
+def max_factor(levels: int) -> np.float32:
+    """The largest factor a block's values are multiplied by: the one of a flushed block.
+
+    Args:
+        levels: 127 (int8) or 7 (int4).
+
+    Returns:
+        float32(levels / TINY), which ``levels / m`` is clipped to (m = 0 gives inf).
+    """
+    return F32(levels / float(TINY))
 
 
 @functools.cache
@@ -68,10 +89,20 @@ def encode_blocks(x, res, new_res, codes, scales, levels, ws: Workspace, rng=Non
     """
     loops = _loops() if rng is None and x.shape[0] >= COMPILED_MIN_ELEMENTS else None
     if loops is None:
-        _encode_numpy(x, res, new_res, codes, scales, levels, ws, rng)
-        return
+        encode_numpy(x, res, new_res, codes, scales, levels, ws, rng)
+    else:
+        encode_compiled(loops, x, res, new_res, codes, scales, levels, ws)
+
+
+def encode_compiled(loops, x, res, new_res, codes, scales, levels, ws: Workspace) -> None:
+    """encode_blocks (round to nearest) with the compiled loops.
+
+    Args:
+        loops: the `codec.kernels` module.
+        x, res, new_res, codes, scales, levels, ws: as for `encode_blocks`.
+    """
     quantize = loops.quantize
-    consts = (ws.block, levels, TINY, F32(levels / float(TINY)), step_factor(levels))
+    consts = (ws.block, levels, TINY, max_factor(levels), step_factor(levels))
     none = ws.blk_a[:0]
     if _plain(x):
         quantize(x, _or(res, none), _or(new_res, none), codes, scales, ws.tmp, *consts)
@@ -95,11 +126,15 @@ def _or(a, none):
     return none if a is None else a
 
 
-def _encode_numpy(x, res, new_res, codes, scales, levels, ws: Workspace, rng) -> None:
-    """encode_blocks in numpy; stochastic rounding (rng) is floor(x * L / m + U[0, 1)) in +-L."""
+def encode_numpy(x, res, new_res, codes, scales, levels, ws: Workspace, rng=None) -> None:
+    """encode_blocks in numpy; stochastic rounding (rng) is floor(x * L / m + U[0, 1)) in +-L.
+
+    Args:
+        x, res, new_res, codes, scales, levels, ws, rng: as for `encode_blocks`.
+    """
     n, block, chunk = x.shape[0], ws.block, ws.chunk
     packed = levels == 7
-    inv_max = F32(levels / float(TINY))
+    inv_max = max_factor(levels)
     step = step_factor(levels)
     direct_ok = res is None and x.dtype == np.float32
     for a in range(0, n, chunk):
@@ -140,7 +175,7 @@ def _encode_numpy(x, res, new_res, codes, scales, levels, ws: Workspace, rng) ->
             q = ws.q[:mb]
             np.copyto(q, ws.work[:mb], casting="unsafe")
             qu = q.view(np.uint8)
-            np.add(qu, np.uint8(8), out=qu)
+            np.add(qu, np.uint8(NIBBLE_BIAS), out=qu)
             hi = qu[1::2]
             np.left_shift(hi, np.uint8(4), out=hi)
             half = (m + 1) // 2
@@ -166,7 +201,7 @@ def decode_blocks(codes, scales, out, levels, ws: Workspace) -> None:
     """
     loops = _loops() if out.shape[0] >= COMPILED_MIN_ELEMENTS else None
     if loops is None:
-        _decode_numpy(codes, scales, out, levels, ws)
+        decode_numpy(codes, scales, out, levels, ws)
         return
     dequantize = loops.dequantize
     step = step_factor(levels)
@@ -182,8 +217,12 @@ def decode_blocks(codes, scales, out, levels, ws: Workspace) -> None:
         np.copyto(out[a:b], dst, casting="unsafe")
 
 
-def _decode_numpy(codes, scales, out, levels, ws: Workspace) -> None:
-    """decode_blocks in numpy."""
+def decode_numpy(codes, scales, out, levels, ws: Workspace) -> None:
+    """decode_blocks in numpy.
+
+    Args:
+        codes, scales, out, levels, ws: as for `decode_blocks`.
+    """
     n, block, chunk = out.shape[0], ws.block, ws.chunk
     packed = levels == 7
     direct = out.dtype == np.float32
@@ -199,7 +238,7 @@ def _decode_numpy(codes, scales, out, levels, ws: Workspace) -> None:
             qu = ws.q[: 2 * half].view(np.uint8)
             np.bitwise_and(b, np.uint8(15), out=qu[0::2])
             np.right_shift(b, np.uint8(4), out=qu[1::2])
-            np.subtract(qu[:m], F32(8), out=w)
+            np.subtract(qu[:m], F32(NIBBLE_BIAS), out=w)
         st = ws.blk_a[:nbk]
         np.multiply(scales[a // block : a // block + nbk], step, out=st)
         dst = out[a : a + m] if direct else ws.tmp[:m]

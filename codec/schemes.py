@@ -15,16 +15,15 @@ import numpy as np
 
 from . import format as fmt
 from . import parallel
-from .compress import compress_frames
-from .decode import block_jobs, run_job
 from .errors import CodecError
 from .parallel import check_threads, run_all
 from .quant import encode_blocks
 from .rawcast import encode_raw
 from .sparse import encode_topk, piece_elements
 from .state import ErrorFeedbackState, advance, check_state, init_state
-from .tree import build_tree, leaf_items
+from .tree import leaf_items
 from .workspace import workspace
+from .writer import FrameWriter, block_codes, block_scales
 
 PIECE_ELEMENTS = 1 << 18  # elements per parallel encode job (int8, int4, raw)
 
@@ -125,51 +124,17 @@ class Codec:
             (bytes-like, for zmq send_multipart); new_state is None when
             state was None.
         """
-        frames, new_state, _ = self._encode(tree, state)
-        return frames, new_state
-
-    def encode_decoded(self, tree, state=None) -> tuple[list, ErrorFeedbackState | None, dict]:
-        """Encode a tree and also return what `decode` gives for the frames, without decoding them.
-
-        The values are rebuilt from the codes and block scales still in memory
-        (no decompression, no header parsing), bit for bit equal to
-        `codec.decode(frames)`. Block schemes only (int8, int4).
-
-        Args:
-            tree: as for `encode`.
-            state: as for `encode`.
-
-        Returns:
-            (frames, new_state, decoded): as `encode`, plus the decoded tree.
-
-        Raises:
-            CodecError: a raw or topk codec, or what `encode` raises.
-        """
-        if self.scheme not in fmt.LEVELS:
-            raise CodecError(f"encode_decoded takes int8 or int4, not {self.scheme}")
-        frames, new_state, (paths, tensors, payload) = self._encode(tree, state)
-        leaves = []
-        for path, t in zip(paths, tensors, strict=True):
-            scales = payload[t.scales_offset : t.scales_offset + 4 * t.blocks].view(np.float32)
-            out = np.empty(t.size, fmt.DTYPES[t.dtype])
-            for job in block_jobs(t, payload, scales, out, self.scheme, self.block_size):
-                run_job(*job)
-            leaves.append((path, out.reshape(t.shape)))
-        return frames, new_state, build_tree(leaves)
-
-    def _encode(self, tree, state) -> tuple[list, ErrorFeedbackState | None, tuple]:
-        """encode, plus (paths, tensor layouts, uncompressed payload) for `encode_decoded`."""
         items = [(p, _as_array(p, leaf)) for p, leaf in leaf_items(tree)]
         paths = [p for p, _ in items]
         if state is not None:
             check_state(state, paths, [a.shape for _, a in items])
         specs = [(p, a.shape, _DTYPE_NAMES[a.dtype]) for p, a in items]
-        tensors, total = fmt.layout(
-            self.scheme, self.block_size, self.store, specs, self.keep, self.bits
+        writer = FrameWriter(
+            self.scheme, self.block_size, specs, self.zstd_level, self.store, self.keep, self.bits
         )
-        payload = self._payload(total)
+        payload = self._payload(writer.total)
         jobs, prev_end = [], 0
-        for i, (t, (_, arr)) in enumerate(zip(tensors, items, strict=True)):
+        for i, (t, (_, arr)) in enumerate(zip(writer.tensors, items, strict=True)):
             payload[prev_end : t.offset] = 0
             payload[t.offset + t.codes_bytes : t.scales_offset] = 0
             prev_end = t.end
@@ -183,15 +148,8 @@ class Codec:
         for job, good in zip(jobs, ok, strict=True):
             if not good:
                 _raise_non_finite(items[job[0]][0], job[2])
-        frames, entries = compress_frames(
-            memoryview(payload).cast("B"), fmt.frame_ranges(total), self.zstd_level, workers
-        )
-        header = fmt.pack_header(
-            self.scheme, self.block_size, self.store, self.zstd_level is not None,
-            tensors, total, entries, self.keep, self.bits,
-        )  # fmt: skip
-        new_state = None if state is None else advance(state)
-        return [header, *frames], new_state, (paths, tensors, payload)
+        writer.close(memoryview(payload).cast("B"), workers)
+        return writer.frames(), None if state is None else advance(state)
 
     def _payload(self, total: int) -> np.ndarray:
         """Payload buffer: reused when frames are compressed copies, fresh otherwise."""
@@ -229,7 +187,7 @@ class Codec:
             out = payload[t.offset : t.offset + t.codes_bytes].view(store)
             return encode_raw(x[a:b], r, nr, out[a:b], workspace(1))
         bs = self.block_size
-        scales = payload[t.scales_offset : t.end].view(np.float32)
+        scales = block_scales(payload, t)
         if self.scheme == "topk":
             k0 = fmt.topk_kept(a, bs, self.keep)
             k1 = k0 + fmt.topk_kept(b - a, bs, self.keep)
@@ -243,9 +201,7 @@ class Codec:
             )
         levels = fmt.LEVELS[self.scheme]
         step = 2 if levels == 7 else 1
-        codes = payload[t.offset : t.offset + t.codes_bytes]
-        if step == 1:
-            codes = codes.view(np.int8)
+        codes = block_codes(payload, t, self.scheme)
         sc = scales[a // bs : -(-b // bs)]
         cd = codes[a // step : -(-b // step)]
         encode_blocks(x[a:b], r, nr, cd, sc, levels, workspace(bs), self._rng)

@@ -6,10 +6,10 @@
 
 `cluster(args)` does exactly that around an example (or uses the server of
 `--connect`, starting nothing), and stops what it started also on an error,
-Ctrl-C or SIGTERM. `global_model` reads the cluster's model at the end, the
-way any later island starts: by joining. Without `--out` every file goes to a
-temporary directory that the example creates and removes; a given `--out` is
-never deleted.
+Ctrl-C or SIGTERM. `global_model` reads the cluster's model at the end
+(`worker.global_model`: from the shards, without joining as an island).
+Without `--out` every file goes to a temporary directory that the example
+creates and removes; a given `--out` is never deleted.
 """
 
 from __future__ import annotations
@@ -17,17 +17,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import worker
-from bench.child import sigterm_unwinds
-from bench.launcher import free_base_port
-from paramserver.plumbing import probe
 
 SERVER_CLI = [sys.executable, "-m", "paramserver.server.cli"]  # = diloco-server
 
@@ -69,6 +69,34 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _sigterm_unwinds() -> None:
+    """From now on SIGTERM raises SystemExit(143) in the main thread, like Ctrl-C unwinds."""
+
+    def unwind(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, unwind)
+
+
+def _free_base_port(count: int) -> int:
+    """A port P such that P .. P+count-1 on 127.0.0.1 were all free a moment ago."""
+    for _ in range(100):
+        with socket.socket() as probe_socket:
+            probe_socket.bind(("127.0.0.1", 0))
+            base = probe_socket.getsockname()[1]
+        if base + count > 65536:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise SystemExit(f"no {count} consecutive free ports on 127.0.0.1")
+
+
 def _run(argv: list[str], what: str) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
@@ -94,7 +122,7 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
     Yields:
         (connect endpoint, work directory).
     """
-    sigterm_unwinds()  # SIGTERM unwinds like Ctrl-C, so the server is stopped
+    _sigterm_unwinds()  # SIGTERM unwinds like Ctrl-C, so the server is stopped
     with contextlib.ExitStack() as stack:
         if args.out:
             out = Path(args.out)
@@ -104,7 +132,7 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
         if args.connect:
             yield args.connect, out
             return
-        port = args.port or free_base_port(2 * args.shards)
+        port = args.port or _free_base_port(2 * args.shards)
         server_dir = out / "server"
         argv = [
             *SERVER_CLI, "start", "--shards", str(args.shards), "--port", str(port),
@@ -131,8 +159,7 @@ def global_model(connect: str, like: Any, wait_s: float = 60.0) -> tuple[Any, in
         wait_s: how long to wait for the shards to merge what they acked.
 
     Returns:
-        (the global params as `like`'s tree type, the global version).
+        (the global params as `like`'s tree type and placement, the sum of the
+        fragments' versions).
     """
-    probe.wait_merged(connect, timeout_s=wait_s)
-    with worker.join(connect, island="reader", params=like, inner_steps=1) as reader:
-        return reader.params, reader.version
+    return worker.global_model(connect, like=like, wait_s=wait_s)

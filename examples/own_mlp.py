@@ -4,7 +4,8 @@ Two islands (two threads of this process) train the same MLP, each on its own
 stream of a regression task, against a local 2-shard parameter server that this
 script starts and stops (or the server of --connect). Each island keeps its own
 training loop; `session.step` after every inner step is all it adds. At the end
-a third session joins, starts from the global model, and prints its held-out loss.
+`worker.global_model` reads the global model from the shards, once they merged
+every delta they acked, as the same dict of arrays, and prints its held-out loss.
 
     python examples/own_mlp.py [--steps 100] [--inner-steps 10] [--json]
 """
@@ -19,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from local_server import cluster, example_parser, global_model, print_summary
+from local_server import cluster, example_parser, print_summary
 
 import worker
 
@@ -113,7 +114,7 @@ def main() -> None:
                 raise SystemExit(f"island {name} failed: {result}")
             print(f"island {name}: {args.steps} steps, last train loss "
                   f"{result['train_loss']:.4f}, {result['pushes']} pushes", flush=True)  # fmt: skip
-        params, version = global_model(connect, like=init_mlp(0))  # a later island's start
+        params, version = worker.global_model(connect, like=init_mlp(0))  # the final model
         final = heldout_loss(params)
     print_summary(
         {"initial_loss": initial, "global_loss": final, "global_version": version},

@@ -1,8 +1,15 @@
-"""paramserver.server.binding: which connection may act as an island id (pure rules, explicit time)."""
+"""paramserver.server.admission.gate: which connection may act as an island id (pure rules, explicit time)."""
 
 import pytest
 
-from paramserver.server.binding import IN_USE, OWN, SAY_HELLO, Binding, Bindings, may_take_over
+from paramserver.server.admission.gate import (
+    IN_USE,
+    OWN,
+    SAY_HELLO,
+    Binding,
+    Bindings,
+    may_take_over,
+)
 
 A, B = b"\x00conn-a", b"\x00conn-b"
 

@@ -1,9 +1,16 @@
-"""The island's delta and folding rules (worker.exchange): pure numpy, no sockets."""
+"""The island's delta and folding rules (worker.exchange): numpy and jitted JAX, no sockets."""
 
 import numpy as np
 import pytest
 
-from worker.exchange import ExchangeError, FragmentSync, fold_update, take_delta
+from worker.exchange import (
+    ExchangeError,
+    FragmentSync,
+    delta_since,
+    fold_update,
+    folded,
+    take_delta,
+)
 
 
 def test_delta_is_base_minus_local():
@@ -72,3 +79,19 @@ def test_bad_rule_and_shapes_are_clear_errors():
         fold_update(a, a, np.zeros(4, np.float32), "keep-progress")
     with pytest.raises(ExchangeError, match="base shape"):
         take_delta(a, np.zeros(2, np.float32))
+
+
+def test_the_rule_is_one_definition_for_numpy_and_jitted_jax_arrays():
+    import jax  # the device exchange runs delta_since and folded traced, inside its jit
+
+    rng = np.random.default_rng(0)
+    anchor, local, new_global = (rng.normal(size=1000).astype(np.float32) for _ in range(3))
+    on_device = jax.jit(lambda a, lo, g: (delta_since(a, lo), folded(lo, a, g, "keep-progress")))
+    delta, kept = (np.asarray(x) for x in on_device(anchor, local, new_global))
+    assert delta.tobytes() == take_delta(anchor, local).tobytes()
+    assert kept.tobytes() == fold_update(local, anchor, new_global, "keep-progress").tobytes()
+    # by hand: delta = anchor - local; kept = new_global + (local - anchor)
+    assert delta.tobytes() == np.subtract(anchor, local, dtype=np.float32).tobytes()
+    assert kept.tobytes() == (new_global + (local - anchor)).astype(np.float32).tobytes()
+    overwrite = fold_update(local, anchor, new_global, "overwrite")
+    assert overwrite.tobytes() == new_global.tobytes() and overwrite is not new_global

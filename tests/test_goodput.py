@@ -139,6 +139,7 @@ def _run_islands(cluster, tmp_path, speeds, steps, inner_steps):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # goodput is a ratio of measured times: a busy machine adds waits
 def test_an_island_that_never_waits_has_goodput_1_even_when_its_deltas_are_stale(tmp_path):
     # Two async islands push in turn, so many deltas are a version stale, and the
     # shard damps them hard (g(1) = 0.25): the model takes smaller steps, but every
@@ -163,6 +164,7 @@ def test_an_island_that_never_waits_has_goodput_1_even_when_its_deltas_are_stale
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # goodput is a ratio of measured times: a busy machine adds waits
 def test_an_island_that_waits_for_a_slower_partner_in_sync_mode_reads_below_1(tmp_path):
     # Sync: the fast island (10 ms steps) waits each round for the slow one (40 ms):
     # about three quarters of its wall time is waiting, lost.

@@ -1,7 +1,7 @@
 """kill -9 of an island daemon: its unacked deltas come back from its outbox file and count
 once; its restart is welcomed at once (its session token), another process with its id is not.
 
-Real processes: a shard (`python -m paramserver.server.cli shard`) and `diloco-worker start`.
+Real processes: a shard (`python -m paramserver.ops.cli shard`) and `diloco-worker start`.
 """
 
 from __future__ import annotations
@@ -18,8 +18,7 @@ from conftest import Peer, wait_for
 from shard_process import ShardProcess
 
 from paramserver.server.events import AcceptEvent
-from paramserver.server.storage.log_file import LogReader
-from paramserver.server.storage.log_format import record_to_event
+from paramserver.server.storage.wal import LogReader, record_to_event
 from worker import island_files, outbox
 
 FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0")

@@ -70,7 +70,7 @@ def test_bad_explicit_values_are_refused(flags, needles):
 
 def test_bad_outer_lr_flag_exits_2_with_one_line():
     proc = subprocess.run(
-        [sys.executable, "-m", "paramserver.server.cli", "start", "--outer-lr", "-1"],
+        [sys.executable, "-m", "paramserver.ops.cli", "start", "--outer-lr", "-1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2

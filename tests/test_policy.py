@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.server.policy import (
+from paramserver.server.step.policy import (
     ArrivalStats,
     Decision,
     IslandPace,

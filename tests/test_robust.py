@@ -7,9 +7,9 @@ import pytest
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 from paramserver.server.config import ConfigError, ShardConfig
-from paramserver.server.robust import clip, clip_factor, l2_norm
 from paramserver.server.state import ShardState
-from paramserver.server.storage.checkpoint_content import export_state, restore_state
+from paramserver.server.step.weighting import clip, clip_factor, l2_norm
+from paramserver.server.storage.checkpoint import export_state, restore_state
 from paramserver.wire.protocol import ACCEPTED
 
 T0 = 1_000_000.0

@@ -282,11 +282,11 @@ def test_keys_islands_refuses_bad_lists_and_half_a_server_pair(tmp_path):
 
 
 def test_metrics_off_loopback_says_it_is_unauthenticated(caplog):
-    from paramserver.server.metrics import serve_metrics
+    from paramserver.ops.metrics import serve_metrics
 
     for host, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="paramserver.server.metrics"):
+        with caplog.at_level(logging.WARNING, logger="paramserver.ops.metrics"):
             server = serve_metrics(0, [], host=host)
             server.shutdown()
             server.server_close()

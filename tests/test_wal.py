@@ -1,4 +1,4 @@
-"""paramserver.server.storage.log_file: record round trip, torn tails at every cut, mid-log corruption, headers."""
+"""paramserver.server.storage.wal: record round trip, torn tails at every cut, mid-log corruption, headers."""
 
 import logging
 import os
@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from paramserver.server.storage.log_file import LogReader, WalError, WriteAheadLog
+from paramserver.server.storage.wal import LogReader, WalError, WriteAheadLog
 
 
 def write_records(path, count=3, fsync=False):
@@ -55,7 +55,7 @@ def test_a_torn_tail_at_every_cut_is_dropped_with_a_warning_and_can_be_truncated
     for cut in range(last + 1, len(full)):
         path.write_bytes(full[:cut])
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="paramserver.server.storage.log_file"):
+        with caplog.at_level(logging.WARNING, logger="paramserver.server.storage.wal"):
             reader, records = read_all(path)
         assert len(records) == 2, cut
         assert reader.torn_at == last and reader.end_offset == last

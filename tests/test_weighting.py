@@ -9,10 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.server.weighting import (
+from paramserver.server.step.weighting import (
     WEIGHTINGS,
     WeightingError,
-    island_shares,
     make_weighting,
     merge_coefficients,
     polynomial_staleness,
@@ -128,9 +127,9 @@ def test_equally_stale_deltas_do_not_cancel_the_factor():
 
 def test_rejects_future_base_and_empty():
     with pytest.raises(WeightingError, match="base_version=6 is newer than current_version=5"):
-        island_shares(make_weighting(), [("a", 1, 1, 6)], current_version=5)
+        merge_coefficients(make_weighting(), [("a", 1, 1, 6)], current_version=5)[1]
     with pytest.raises(WeightingError, match="no contributions"):
-        island_shares(make_weighting(), [], current_version=5)
+        merge_coefficients(make_weighting(), [], current_version=5)[1]
 
 
 @settings(max_examples=100, deadline=None)
@@ -148,7 +147,7 @@ def test_rejects_future_base_and_empty():
     ),
 )
 def test_work_weights_sum_to_one_and_factors_are_at_most_one(name, contributions):
-    shares = island_shares(make_weighting(name), contributions, current_version=50)
+    shares = merge_coefficients(make_weighting(name), contributions, current_version=50)[1]
     assert len(shares) == len({c[0] for c in contributions})
     assert sum(s.weight for s in shares) == pytest.approx(1.0)
     assert all(0 < s.factor <= 1 for s in shares)

@@ -11,6 +11,7 @@
                        [--model ... --seq-len ... --batch-size ... --eval-batches ...
                         --data ... --data-dtype ... --vocab-size ... --heldout-fraction ...
                         --data-shards ... --config FILE]
+    diloco-worker export --connect tcp://HOST:PORT --out DIR  (an Orbax checkpoint; worker.export)
 
 `eval` is the final evaluation of a run (DESIGN.md, "What counts as useful work"):
 once every island has stopped, it waits until no shard holds a pending delta,
@@ -44,6 +45,7 @@ from pathlib import Path
 
 from paramserver.client import ClientError
 from paramserver.plumbing import daemon, settings
+from worker import export as export_cli
 from worker import island_files
 from worker.config import IslandConfig
 
@@ -130,6 +132,7 @@ def _parser() -> argparse.ArgumentParser:
         exclude=("connect",),
         hide=others,
     )
+    export_cli.add_parser(sub)
     return parser
 
 
@@ -379,6 +382,8 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.command == "eval":
             return _eval(args)
+        if args.command == "export":
+            return export_cli.run(args)
         return _status(args)
     except (settings.SettingsError, ValueError) as exc:
         print(f"diloco-worker: {exc}", file=sys.stderr)

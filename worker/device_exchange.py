@@ -6,18 +6,19 @@ base (the global values adopted) and error-feedback residual of
 vector in the plan's order with every fragment padded to whole blocks
 (`worker.device_flat.FlatLayout`), spread evenly over the island's devices. A push runs one
 jitted function over the due fragments: the parameters into that layout
-(one fused gather), ``delta = anchor - local``, error-feedback int8/int4
-quantization of every due block at once (`worker.device_quant`, bit-equal to
-the numpy codec), the anchor moved to the local values; only the codes and
+(one fused gather), ``delta = anchor - local`` (`worker.exchange.delta_since`),
+error-feedback int8/int4 quantization of every due block at once
+(`worker.device_quant`, the codec's JAX formulation, bit-equal to the numpy
+codec), the anchor moved to the local values; only the codes and
 block scales come back to the host, where `codec.prequantized` frames them
 (zstd there when the codec has it) into the very frames `Codec.encode` would
 write. A published version folds in on the devices too: an int8 increment
 that follows the adopted version crosses as its codes and is dequantized and
 added to the base there (as a replica adds it), otherwise the full values
-cross; then keep-progress (``local = G + (local - anchor)``) or overwrite,
-and ``base = anchor = G``; the touched leaves come back in their own
-shardings and dtypes. State buffers are donated to each call (updated in
-place).
+cross; then keep-progress (``local = G + (local - anchor)``) or overwrite
+(`worker.exchange.folded`), and ``base = anchor = G``; the touched leaves come
+back in their own shardings and dtypes. State buffers are donated to each call
+(updated in place).
 
 Why one flat vector and not per-leaf arrays with the leaves' shardings: the
 blocks of a fragment span leaves, so per-leaf state needed a concatenation
@@ -50,13 +51,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from codec.format import LEVELS
 from codec.prequantized import Coded, code_dtype, frame_codes
 from paramserver.client import Update
 from worker.device_flat import FlatLayout
 from worker.device_quant import dequantize, quantize
+from worker.exchange import delta_since, folded
 from worker.param_tree import TreeLayout
-
-LEVELS = {"int8": 127, "int4": 7}
 
 
 def placed_bytes(array: jax.Array) -> int:
@@ -211,7 +212,7 @@ class DeviceExchange:
             now = flat.gather(lf, fragments)
             was = flat.cover(anchor, fragments)
             res = flat.cover(residual, fragments)
-            codes, scales, new_res = quantize((was - now) + res, levels, block)
+            codes, scales, new_res = quantize(delta_since(was, now) + res, levels, block)
             step = 2 if levels == 7 else 1  # elements per code byte
             out_codes, out_scales, regions, pos = [], [], {}, 0
             for f in fragments:  # slices, not a concatenation: only the codes cross
@@ -340,7 +341,7 @@ class DeviceExchange:
 
     def _fold_whole_fn(self, key: tuple, used: list[int]) -> Callable:
         _, scheme, block = key
-        flat, keep = self.flat, self.rule == "keep-progress"
+        flat, rule = self.flat, self.rule
         every = sorted(flat.offset)
         covered = sum(flat.padded.values())
 
@@ -348,7 +349,7 @@ class DeviceExchange:
             lf = {i: x.astype(jnp.float32) for i, x in zip(used, local, strict=True)}
             now = flat.gather(lf, every)
             g = flat.cover(base, every) + dequantize(codes, scales, covered, LEVELS[scheme], block)
-            new_local = g + (now - flat.cover(anchor, every)) if keep else g
+            new_local = folded(now, flat.cover(anchor, every), g, rule)
             regions = {
                 f: new_local[flat.offset[f] : flat.offset[f] + flat.padded[f]] for f in every
             }
@@ -362,7 +363,7 @@ class DeviceExchange:
         )
 
     def _fold_fn(self, key: tuple, used: list[int]) -> Callable:
-        flat, keep = self.flat, self.rule == "keep-progress"
+        flat, rule = self.flat, self.rule
         fragments = [f for f, _, _ in key]
 
         def fold(local, anchor, base, incoming):
@@ -377,7 +378,7 @@ class DeviceExchange:
                     step = dequantize(inc[0], inc[1], n, LEVELS[scheme], block)
                     g = flat.region(base, f) + jnp.pad(step, (0, pad))
                 here = now[pos : pos + flat.padded[f]]
-                new_local[f] = g + (here - flat.region(anchor, f)) if keep else g
+                new_local[f] = folded(here, flat.region(anchor, f), g, rule)
                 new_global[f] = g
                 pos += flat.padded[f]
             return (

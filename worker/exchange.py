@@ -18,6 +18,11 @@ Nothing is counted twice (progress before the anchor reaches the model through
 the sent deltas) and nothing is thrown away. The "overwrite" rule, ``local =
 G``, is the ablation: it discards the work done between the push and the
 adoption.
+
+The rule is written once, as plain array arithmetic (`delta_since`, `folded`):
+the host exchange runs it on numpy vectors (`FragmentSync`), the device
+exchange (`worker.device_exchange`) on traced JAX arrays inside its jitted push
+and folds, with the same float32 operations.
 """
 
 from __future__ import annotations
@@ -47,27 +52,63 @@ def check_merge_rule(rule: str) -> str:
     return rule
 
 
-def take_delta(base: np.ndarray, local: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+def delta_since(anchor, local):
+    """The rule's delta: ``anchor - local``, the work not sent yet (its one definition).
+
+    Plain array arithmetic, so the host path (numpy) and the device path (traced
+    JAX arrays inside `worker.device_exchange`'s jitted push) compute it alike.
+
+    Args:
+        anchor: float32 values already accounted for.
+        local: float32 current local values (same shape).
+
+    Returns:
+        ``anchor - local`` (float32).
+    """
+    return anchor - local
+
+
+def folded(local, anchor, new_global, rule: str):
+    """The rule's fold of a new global version into the local values (its one definition).
+
+    Plain array arithmetic, for numpy (`fold_update`) and traced JAX arrays
+    (`worker.device_exchange`'s jitted folds) alike.
+
+    Args:
+        local: float32 current local values.
+        anchor: float32 values already accounted for.
+        new_global: float32 new global values.
+        rule: "keep-progress" (``new_global + (local - anchor)``) or "overwrite"
+            (``new_global`` itself, not a copy).
+
+    Returns:
+        The new local values.
+    """
+    if check_merge_rule(rule) == "overwrite":
+        return new_global
+    return new_global + (local - anchor)
+
+
+def take_delta(base: np.ndarray, local: np.ndarray) -> np.ndarray:
     """The pseudo-gradient of one fragment: reference values minus local values.
 
     Args:
         base: 1-D float32 reference values (an island passes its anchor: the
             values already accounted for).
         local: 1-D float32 current local values.
-        out: optional float32 buffer of the same shape to write into.
 
     Returns:
-        ``base - local`` as float32.
+        ``base - local`` as a fresh float32 array (`delta_since`).
     """
     if base.shape != local.shape:
         raise ExchangeError(f"base shape {base.shape} differs from local shape {local.shape}")
-    return np.subtract(base, local, out=out, dtype=np.float32)
+    return delta_since(np.asarray(base, np.float32), np.asarray(local, np.float32))
 
 
 def fold_update(
     local: np.ndarray, anchor: np.ndarray, global_values: np.ndarray, rule: str
 ) -> np.ndarray:
-    """Local values after adopting a new global version.
+    """Local values after adopting a new global version (`folded`, in numpy).
 
     Args:
         local: 1-D float32 current local values.
@@ -83,10 +124,9 @@ def fold_update(
         raise ExchangeError(
             f"shapes differ: local {local.shape}, anchor {anchor.shape}, global {global_values.shape}"
         )
-    if rule == "overwrite":
-        return np.array(global_values, dtype=np.float32, copy=True)
-    progress = np.subtract(local, anchor, dtype=np.float32)
-    return np.add(global_values, progress, out=progress)
+    new_global = np.asarray(global_values, np.float32)
+    out = folded(np.asarray(local, np.float32), np.asarray(anchor, np.float32), new_global, rule)
+    return out.copy() if out is new_global else out
 
 
 @dataclasses.dataclass

@@ -340,7 +340,7 @@ def spawn(
     decides when it stops.
 
     Args:
-        argv: the command (e.g. ``[sys.executable, "-m", "paramserver.server.cli", ...]``).
+        argv: the command (e.g. ``[sys.executable, "-m", "paramserver.ops.cli", ...]``).
         log_file: where the child's output goes (directory created).
         ready_file: the file the child writes when ready.
         env: the child's environment (default: this process's).

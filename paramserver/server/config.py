@@ -16,9 +16,9 @@ from typing import Any, Literal
 
 from paramserver.plumbing.exposure import refusal
 from paramserver.plumbing.validate import LOG_LEVELS, Checks
-from paramserver.server.merge import MERGES
-from paramserver.server.policy import PolicyConfig, PolicyError
-from paramserver.server.weighting import STEP_RULES, WEIGHTINGS
+from paramserver.server.step.merge import MERGES
+from paramserver.server.step.policy import PolicyConfig, PolicyError
+from paramserver.server.step.weighting import STEP_RULES, WEIGHTINGS
 
 MIB = 1024 * 1024
 
@@ -34,8 +34,8 @@ MIB = 1024 * 1024
 # (delay 3) at lr 0.7/1.0/0.5 momentum 0.9: 2.339 (0.021) / 2.342 (0.009) / 2.330
 # (0.005), lr 0.7 momentum 0.8: 2.278 (0.029); delay 6: 2.402 (0.025); plain
 # Nesterov 0.9 per delta at lr 0.7/0.35: 4.982 (0.71) / 2.771 (0.016).
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server.outer
-DOWNLINKS = ("float32", "int8")  # paramserver.server.downlink
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server.step.outer
+DOWNLINKS = ("float32", "int8")  # paramserver.server.step.downlink
 ASYNC_OUTER_LR = 0.7
 ASYNC_OUTER_MOMENTUM = 0.0
 # Steps of sparse (topk) deltas: plain SGD, the islands' error feedback is the momentum.
@@ -125,7 +125,7 @@ class ShardConfig:
     shards: int = 1  # number of shard processes in the cluster
     fragments: int = 0  # fragments in the plan; 0 = 2 per shard
     data_dir: str = "runs/server"  # write-ahead logs and checkpoints (shard-<i>/ below it)
-    # merge policy: sync, quorum or async (paramserver.server.policy, which owns these defaults)
+    # merge policy: sync, quorum or async (paramserver.server.step.policy, which owns these defaults)
     mode: Literal["sync", "quorum", "async"] = PolicyConfig.mode
     quorum: int = PolicyConfig.quorum  # quorum mode: distinct live islands before the grace window
     grace_rule: str = PolicyConfig.grace_rule  # quorum grace window: eq3 (adaptive) or fraction
@@ -134,7 +134,7 @@ class ShardConfig:
     grace_min_s: float = PolicyConfig.grace_min_s  # lower clamp of the grace window, seconds
     grace_max_s: float = PolicyConfig.grace_max_s  # upper clamp of the grace window, seconds
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
-    merge: str = "mean"  # combining the islands' deltas: mean or rda (paramserver.server.merge)
+    merge: str = "mean"  # combining the islands' deltas: mean or rda (server/step/merge.py)
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
     # how a step's share n/N of a round (n islands merged, N live) scales it and its
     # staleness: round (default), version, share or round-staleness (weighting.py)
@@ -152,7 +152,7 @@ class ShardConfig:
     outer_momentum: float | None = None
     nesterov_delay: int = 1  # contributions between momentum updates (delayed Nesterov)
     # outer lr of steps whose deltas are all topk-coded: SGD without momentum, each entry
-    # merged over the islands that sent it (paramserver.server.sparse_merge)
+    # merged over the islands that sent it (paramserver.server.step.sparse_merge)
     sparse_outer_lr: float = SPARSE_OUTER_LR
     heartbeat_interval_s: float = 1.0  # PUB heartbeat period when idle; liveness unit
     liveness: int = 5  # an island silent this many heartbeat intervals is dead

@@ -1,7 +1,7 @@
 """What a shard's history is made of: the events its write-ahead log holds.
 
 Plain data: `paramserver.server.state` builds and applies them,
-`paramserver.server.storage.log_format` gives their on-disk records. Replaying
+`paramserver.server.storage.wal` gives their on-disk records. Replaying
 the same events through `ShardState.apply` on a fresh state gives the same
 parameters bit for bit.
 """
@@ -27,7 +27,7 @@ class Contribution:
     `delta` is kept as it arrived (`codec.coded`: int8/int4 codes and scales,
     topk entries, raw values), never decoded to float32 while pending; a 1-D
     array given here is kept as raw float32. `clip` is the robust clip factor
-    (`paramserver.server.robust`) the merge applies to its decoded values.
+    (`paramserver.server.step.weighting`) the merge applies to its decoded values.
     """
 
     island: str
@@ -92,7 +92,7 @@ class AcceptEvent:
 class PieceGram:
     """<d_k, d_l> over `fragment`'s piece of tensor `path` of the pushes `keys` (float64).
 
-    What an RDA step of a cut tensor's other piece used (`paramserver.server.tensor_groups`).
+    What an RDA step of a cut tensor's other piece used (`paramserver.server.step.tensor_groups`).
     """
 
     path: str

@@ -1,10 +1,10 @@
 """Per-fragment state of a shard: parameters, optimizer state, pending deltas, dedup; its update.
 
 Plain data: `paramserver.server.state` owns every rule that changes it,
-`paramserver.server.storage.checkpoint_content` its checkpoint form.
+`paramserver.server.storage.checkpoint` its checkpoint form.
 
 Params, the optimizer state's vectors and the downlink residual are host
-buffers that each outer step updates in place (`paramserver.server.chunked_step`):
+buffers that each outer step updates in place (`paramserver.server.step.fragment_step`):
 whatever must outlive the next step of its fragment (a snapshot, a checkpoint,
 a StepUpdate's values) copies them first.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from paramserver.server.events import Contribution
-from paramserver.server.policy import ArrivalStats, PendingDelta
+from paramserver.server.step.policy import ArrivalStats, PendingDelta
 
 
 @dataclass(frozen=True)
@@ -42,8 +42,8 @@ class StepUpdate:
 class FragmentState:
     """Mutable state of one owned fragment (host buffers, updated in place by each step)."""
 
-    params: np.ndarray  # 1-D float32, 64-byte aligned (chunked_step.host_vector)
-    opt_state: Any  # the optax state, numpy leaves (chunked_step.host_state)
+    params: np.ndarray  # 1-D float32, 64-byte aligned (fragment_step.host_vector)
+    opt_state: Any  # the optax state, numpy leaves (fragment_step.host_state)
     version: int = 0
     pending: list[Contribution] = field(default_factory=list)
     stats: ArrivalStats = field(default_factory=ArrivalStats)

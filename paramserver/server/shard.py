@@ -8,14 +8,16 @@ the files are `paramserver.server.storage`'s. One loop turn:
     1. poll the ROUTER until the core's next wake-up (or a stop check), then
        read what is queued, up to a batch (ZeroMQ takes one message from each
        peer with messages waiting in turn; the core refuses an island over its
-       request rate before decoding anything, `paramserver.server.throttle`,
+       request rate before decoding anything, `paramserver.server.admission.gate`,
        so a flood costs a bucket check per message);
-    2. `run_batch`: hand every request read to
-       `core.handle`, then `core.on_tick` (due outer steps, heartbeat),
-       collecting their effects; `make_durable`: append the batch's events
-       to the log and fsync ONCE (if that fails the core gets the state
-       rebuilt from disk and says what to send instead: `core.storage_failed`,
-       storage_error refusals); `core.release` packs what to send;
+    2. `run_batch`: hand every request read to `core.handle`; ask the
+       core which steps are due (`core.due_steps`), let the data directory
+       defer one a checkpoint still reads (`storage.before_step`), and take
+       the rest with `core.on_tick` (also the heartbeat), collecting their
+       effects; `store`: append the batch's events to the log and fsync ONCE
+       (on failure, rebuild the state from disk); `core.settle` then decides
+       every reply that promises durability from that outcome (ack, or a
+       storage_error refusal) and packs what to send;
     3. send it (replies, then publishes); on the first turn without
        requests after a publish (an update, or a heartbeat: then trimming
        finds little), return the C heap's free memory to the OS
@@ -48,11 +50,10 @@ import zmq
 from paramserver.plumbing import heap
 from paramserver.plumbing.curve import CurveServer
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
-from paramserver.server.core import ShardCore
-from paramserver.server.effects import Effects, Request
+from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
 from paramserver.server.state import ShardState
 from paramserver.server.storage.checkpoint_job import CheckpointResult
-from paramserver.server.storage.data_dir import ShardStorage, StorageError
+from paramserver.server.storage.shard_storage import ShardStorage, StorageError
 
 logger = logging.getLogger(__name__)
 
@@ -62,35 +63,34 @@ BATCH = 64
 STOP_CHECK_S = 0.1
 
 
-def make_durable(core: ShardCore, storage: ShardStorage, effects: Effects) -> Effects:
-    """Append a batch's events and fsync once; what may be sent only after that returns.
+def store(storage: ShardStorage, records: list) -> StorageFailure | None:
+    """Append a batch's events and fsync once.
 
     Args:
-        core: the shard's core (told when storage fails).
         storage: the shard's data directory.
-        effects: the batch, not yet sent.
+        records: the batch's events (none: nothing is written or synced).
 
     Returns:
-        The effects to send: `effects` when durable, else the core's refusals
-        (the state is rebuilt from disk first).
+        None when they are on disk, else what failed with the state rebuilt
+        from disk (the log was cut back to its last good sync).
 
     Raises:
         OSError: the log failed and could not even be cut back to its last sync.
     """
-    if not effects.records:  # nothing written: no sync, and no sign the log is writable again
-        return effects
+    if not records:  # nothing written: no sync, and no sign the log is writable again
+        return None
     try:
-        storage.append(effects.records)
+        storage.append(records)
         storage.sync()
     except StorageError as exc:
-        return core.storage_failed(effects, str(exc), storage.reload())
-    return effects
+        return StorageFailure(str(exc), storage.reload())
+    return None
 
 
 def run_batch(
     core: ShardCore, storage: ShardStorage, requests: list[Request], now: float, tick: bool = True
 ) -> list[tuple[bytes | None, list[Any]]]:
-    """Handle a batch of requests (and a tick), make it durable, and pack what to send.
+    """Handle a batch of requests (and a tick), store it, and settle what to send.
 
     Args:
         core: the shard's core.
@@ -105,9 +105,12 @@ def run_batch(
     effects = Effects()
     for request in requests:
         effects.extend(core.handle(now, request))
-    if tick:
-        effects.extend(core.on_tick(now))
-    return core.release(make_durable(core, storage, effects), now)
+    if tick:  # a checkpoint being written may defer a step (it copies the fragment first)
+        cleared = [
+            d.fragment for d in core.due_steps(now) if storage.before_step(d.fragment, d.urgent)
+        ]
+        effects.extend(core.on_tick(now, cleared))
+    return core.settle(effects, now, store(storage, effects.records))
 
 
 def maybe_checkpoint(
@@ -239,7 +242,6 @@ class ShardServer:
                 self.cfg, self.index, state, self.endpoints, time.time(), guard,
                 storage.replayed, storage.last_checkpoint,
             )  # fmt: skip
-            self.core.step_guard = storage.before_step
             logger.info(
                 "shard %d serving on %s (pub %s)",
                 self.index,

@@ -11,7 +11,7 @@ Event-sourced: every change that must survive a crash is one of these events,
 - `InitEvent`: the plan and initial values (first `init`, all in one message);
 - `InitBeginEvent`, `InitPieceEvent`: an init in pieces (`init_begin`, then one
   event per `init_piece`; the fragments exist once no element is missing, see
-  `paramserver.server.init_pieces`);
+  `paramserver.server.state_init`);
 - `AcceptEvent`: one validated delta joins a fragment's pending set;
 - `StepEvent`: one outer step of a fragment merging exactly the listed keys.
 
@@ -24,7 +24,7 @@ never touch parameters. Island registry, rejection counts and byte counters
 are bookkeeping, not events (a restart keeps what the last checkpoint had).
 
 Parameters, optimizer state and downlink residual are host buffers that a
-step updates in place (`paramserver.server.chunked_step`; JAX reads them
+step updates in place (`paramserver.server.step.fragment_step`; JAX reads them
 zero-copy): `snapshot` returns a copy, and a StepUpdate's values are valid
 until the fragment's next step.
 
@@ -49,9 +49,9 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.server import outcomes, robust
+from paramserver.server.admission import outcomes
+from paramserver.server.admission.outcomes import Outcome, ShardCounters
 from paramserver.server.config import ShardConfig
-from paramserver.server.counters import Counters
 from paramserver.server.events import (
     AcceptEvent,
     Contribution,
@@ -63,10 +63,9 @@ from paramserver.server.events import (
     StepEvent,
 )
 from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
-from paramserver.server.fragment_step import FragmentStepper
-from paramserver.server.init_pieces import PartialInit
-from paramserver.server.outcomes import Outcome
-from paramserver.server.policy import (
+from paramserver.server.state_init import PartialInit, ShardInit
+from paramserver.server.step.fragment_step import FragmentStepper
+from paramserver.server.step.policy import (
     IslandPace,
     decide,
     observe,
@@ -74,7 +73,7 @@ from paramserver.server.policy import (
     pace_report,
     quorum_time,
 )
-from paramserver.server.state_init import ShardInit
+from paramserver.server.step.weighting import clip
 from paramserver.wire import liveness
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import ACCEPTED
@@ -110,7 +109,7 @@ class ShardState(ShardInit):
         self.dedup: dict[tuple[str, int], DedupEntry] = {}
         self.last_seen: dict[str, float] = {}
         self.paces: dict[str, IslandPace] = {}  # reported step times (eq3 grace window)
-        self.counters = Counters()
+        self.counters = ShardCounters()
         self.timer = timer
 
     # ----- queries -------------------------------------------------------------
@@ -349,7 +348,9 @@ class ShardState(ShardInit):
             now: wall-clock seconds.
 
         Returns:
-            (fragments to step now, earliest wake_at of the others or None).
+            (fragments to step now, earliest wake_at of the others or None); under
+            rda in sync mode a due piece of a cut tensor waits for its siblings
+            (`paramserver.server.step.tensor_groups`).
         """
         live = self.live(now)
         due: list[int] = []
@@ -362,6 +363,10 @@ class ShardState(ShardInit):
                 due.append(index)
             elif decision.wake_at is not None:
                 wake = decision.wake_at if wake is None else min(wake, decision.wake_at)
+        # rda in sync mode: a cut tensor's pieces step together
+        due = self.stepper.groups.ready(
+            self.plan, self.index, self.policy.mode, self.fragments, due
+        )
         return due, wake
 
     def step(self, fragment: int, now: float) -> tuple[StepEvent, StepUpdate]:
@@ -380,7 +385,9 @@ class ShardState(ShardInit):
         live = self.live(now)
         quorum_s = quorum_time(frag.waiting(), live, self.policy)
         expected = len(live | {c.island for c in frag.pending})  # islands of a round
-        event = self.stepper.groups.step_event(self, fragment, float(now), expected)  # rda: Grams
+        event = self.stepper.groups.step_event(
+            self.plan, self.index, self.fragments, fragment, float(now), expected
+        )  # rda: Grams
         started = self.timer() if self.timer else 0.0
         update = self.apply(event)
         assert update is not None
@@ -446,7 +453,7 @@ class ShardState(ShardInit):
 
     def _clip(self, frag: FragmentState, c: Contribution) -> Contribution:
         """Scale a delta down to the robust bound (deterministic: replay clips the same)."""
-        norm, factor, frag.norms = robust.clip(c.delta, frag.norms, self.cfg.clip_norm_multiple)
+        norm, factor, frag.norms = clip(c.delta, frag.norms, self.cfg.clip_norm_multiple)
         if factor >= 1.0:
             return c
         self.counters.clipped += 1

@@ -434,24 +434,6 @@ def versions_to_wire(versions: Mapping[int, int]) -> dict[str, int]:
     return {str(k): int(v) for k, v in sorted(versions.items())}
 
 
-def versions_from_wire(obj: Mapping[Any, Any]) -> dict[int, int]:
-    """Inverse of `versions_to_wire`.
-
-    Args:
-        obj: {"<fragment>": version}.
-
-    Returns:
-        fragment index -> version.
-
-    Raises:
-        ProtocolError: reason "malformed" if a key or value is not an int.
-    """
-    try:
-        return {int(k): int(v) for k, v in obj.items()}
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise ProtocolError("malformed", f"versions map {obj!r}: {exc!r}") from exc
-
-
 def vector_problem(arr: Any, size: int) -> tuple[str, str] | None:
     """Why a decoded payload cannot be a fragment vector (the rejection reason and detail).
 

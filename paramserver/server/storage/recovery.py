@@ -1,7 +1,7 @@
 """Recovery of one shard's data directory: the newest good checkpoint plus the log after it.
 
 This module owns how a shard state is rebuilt from ``<data_dir>/shard-<i>/``
-(layout in `paramserver.server.storage.data_dir`): remove unfinished
+(layout in `paramserver.server.storage.shard_storage`): remove unfinished
 checkpoint writes, load the newest checkpoint that reads back intact (a
 corrupted one is reported, renamed to ``*.corrupt`` and the previous one
 used), replay every log segment from its generation on through
@@ -23,10 +23,13 @@ from typing import Any
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import StateError
 from paramserver.server.state import ShardState
-from paramserver.server.storage.checkpoint_content import checkpoint_summary, restore_state
-from paramserver.server.storage.checkpoint_file import CheckpointError, read_checkpoint
-from paramserver.server.storage.log_file import LogReader, WalError
-from paramserver.server.storage.log_format import record_to_event
+from paramserver.server.storage.checkpoint import (
+    CheckpointError,
+    checkpoint_summary,
+    read_checkpoint,
+    restore_state,
+)
+from paramserver.server.storage.wal import LogReader, WalError, record_to_event
 from paramserver.wire.plan import PlanError
 
 logger = logging.getLogger(__name__)
