@@ -43,6 +43,7 @@ to the other; the init rules (`state_init`, mixed in), the refusal rules
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
@@ -62,7 +63,7 @@ from paramserver.server.events import (
     StateError,
     StepEvent,
 )
-from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
+from paramserver.server.fragment import DEDUP_MAX_ROUNDS, DedupEntry, FragmentState, StepUpdate
 from paramserver.server.state_init import PartialInit, ShardInit
 from paramserver.server.step.fragment_step import FragmentStepper
 from paramserver.server.step.policy import (
@@ -73,12 +74,16 @@ from paramserver.server.step.policy import (
     pace_report,
     quorum_time,
 )
-from paramserver.server.step.weighting import clip
+from paramserver.server.step.weighting import HISTORY, clip_factor, l2_norm
 from paramserver.wire import liveness
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import ACCEPTED
 
 logger = logging.getLogger(__name__)
+
+# The largest bound on a step's merged delta norm (sum of its deltas' clip * norm) that a
+# step applies as is; above it the deltas are scaled down together (`ShardState._guard`).
+MAX_MERGED_NORM = 1e30
 
 
 class ShardState(ShardInit):
@@ -307,6 +312,7 @@ class ShardState(ShardInit):
             header["island"] in self.last_seen,
             self.dedup.get(key),
             self.cfg,
+            now,
         )
         if early is not None:
             return outcomes.count(self.counters, early)
@@ -319,6 +325,11 @@ class ShardState(ShardInit):
         delta = outcomes.read_delta(payload, frag.params.shape[0])
         if isinstance(delta, Outcome):
             return outcomes.count(self.counters, delta)
+        norm = l2_norm(delta)
+        too_large = outcomes.norm_refusal(norm, self._param_norm(frag), frag.params.shape[0],
+                                          self.cfg.max_delta_norm_ratio)  # fmt: skip
+        if too_large is not None:
+            return outcomes.count(self.counters, too_large)
         over = outcomes.island_budget_refusal(island, mine, delta.nbytes, limit)
         if over is None:
             budget = self.cfg.max_pending_bytes
@@ -334,6 +345,8 @@ class ShardState(ShardInit):
             steps=header["steps"],
             arrived=float(now),
             delta=delta,
+            floor=header.get("floor"),
+            norm=norm,
         )
         event = AcceptEvent(contribution, tuple(payload))
         self.apply(event)
@@ -445,15 +458,30 @@ class ShardState(ShardInit):
         if entry is None:
             entry = self.dedup[(c.island, c.fragment)] = DedupEntry(c.round, set())
         entry.rounds.add(c.round)
-        if c.round > entry.newest:
-            entry.newest = c.round
-            low = entry.newest - self.cfg.dedup_window
+        floor = entry.floor
+        if c.floor is not None:
+            entry.floor = c.floor if entry.floor is None else max(entry.floor, c.floor)
+        if c.round > entry.newest or entry.floor != floor:
+            entry.newest = max(entry.newest, c.round)
+            low = entry.low(self.cfg.dedup_window)
             entry.rounds = {r for r in entry.rounds if r >= low}
+        if len(entry.rounds) > DEDUP_MAX_ROUNDS:  # a round held back that long: forget it
+            entry.rounds.discard(min(entry.rounds))
+            entry.floor = min(entry.rounds)
         self.counters.accepted += 1
+
+    def _param_norm(self, frag: FragmentState) -> float:
+        """The fragment's parameter norm (computed once per version, float64)."""
+        if frag.param_norm is None:
+            frag.param_norm = l2_norm(frag.params)
+        return frag.param_norm
 
     def _clip(self, frag: FragmentState, c: Contribution) -> Contribution:
         """Scale a delta down to the robust bound (deterministic: replay clips the same)."""
-        norm, factor, frag.norms = clip(c.delta, frag.norms, self.cfg.clip_norm_multiple)
+        norm = l2_norm(c.delta) if c.norm is None else c.norm
+        factor = clip_factor(norm, frag.norms, self.cfg.clip_norm_multiple)
+        frag.norms = [*frag.norms, norm * factor][-HISTORY:]
+        c = replace(c, norm=norm)
         if factor >= 1.0:
             return c
         self.counters.clipped += 1
@@ -469,6 +497,32 @@ class ShardState(ShardInit):
         # the delta stays as received (what the log replays); the merge applies the factor
         return replace(c, clip=factor)
 
+    def _guard(
+        self, frag: FragmentState, fragment: int, merged_in: list[Contribution]
+    ) -> list[Contribution]:
+        """The step's deltas, scaled down together when their merge could leave float32's range.
+
+        Every coefficient of a merge is at most 1, so sum(clip * norm) bounds the
+        merged delta's norm. Above MAX_MERGED_NORM (accepted deltas never get
+        there: `max_delta_norm_ratio`; only a bug or a huge model could) every
+        delta is scaled so that the bound is MAX_MERGED_NORM: the step stays
+        finite. Deterministic, so replay scales the same.
+        """
+        norms = [l2_norm(c.delta) if c.norm is None else c.norm for c in merged_in]
+        bound = math.fsum(c.clip * n for c, n in zip(merged_in, norms, strict=True))
+        if bound <= MAX_MERGED_NORM:
+            return merged_in
+        scale = MAX_MERGED_NORM / bound if math.isfinite(bound) else 0.0
+        self.counters.guarded_steps += 1
+        logger.error(
+            "shard %d fragment %d: merged delta bound %.4g over %.0e: its deltas scaled by %.3g",
+            self.index, fragment, bound, MAX_MERGED_NORM, scale,
+        )  # fmt: skip
+        scaled_in = [replace(c, clip=c.clip * scale) for c in merged_in]
+        swap = {id(old): new for old, new in zip(merged_in, scaled_in, strict=True)}
+        frag.pending = [swap.get(id(c), c) for c in frag.pending]
+        return scaled_in
+
     def _apply_step(self, event: StepEvent) -> StepUpdate:
         frag = self.fragments.get(event.fragment)
         if frag is None:
@@ -480,6 +534,7 @@ class ShardState(ShardInit):
             raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
         if not merged_in:
             raise StateError(f"step event for fragment {event.fragment} merges nothing")
+        merged_in = self._guard(frag, event.fragment, merged_in)
         where = self.plan.fragments[event.fragment]
         shares, frames = self.stepper.step(
             frag, merged_in, where, event.expected or None, event.outside
@@ -492,6 +547,13 @@ class ShardState(ShardInit):
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]
         frag.version += 1
+        frag.param_norm = l2_norm(frag.params)  # the next pushes' bound; and a finite check
+        if not np.isfinite(frag.param_norm):
+            self.counters.non_finite_steps += 1
+            logger.error(
+                "shard %d fragment %d: parameters not finite after step %d (a bug: report it)",
+                self.index, event.fragment, frag.version,
+            )  # fmt: skip
         credited = {x.island: self.counters.credited[x.island] for x in shares}
         coefficients = {x.island: round(x.coefficient, 4) for x in shares}
         values = frag.params.view()

@@ -1,0 +1,145 @@
+"""Bounded inputs through a real shard on loopback: hostile pushes are refused, the model stays honest.
+
+The attacks of issue 33 (a finite delta of 3e38 everywhere, tokens = 2**62 with a
++1 delta, tokens = 2**63, round = 2**64 - 1) are sent between two honest pushes
+by a second island with its own id; the shard's parameters afterwards equal the
+honest ones computed by hand (outer SGD, lr 1, float32 downlink, two live
+islands: each async step merges 1/2 of its delta).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+from conftest import wait_for
+from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
+
+from paramserver.wire.protocol import ACCEPTED, REJECTED
+
+pytestmark = pytest.mark.timeout(120)
+
+SETTINGS = dict(
+    mode="async",
+    outer_optimizer="sgd",
+    outer_lr=1.0,
+    downlink="float32",
+    liveness=1000,  # both islands stay live for the whole test: every step is half a round
+    max_requests_per_s=0.0,
+)
+
+
+def _now_round() -> int:
+    return time.time_ns() // 1000
+
+
+def _started(start_shard, peer, **overrides):
+    shard = start_shard(**{**SETTINGS, **overrides})
+    flat = small_flat()
+    plan = plan_for(flat, 1, 2)
+    honest = peer(shard.router, "honest")
+    honest.hello()
+    reply, _ = honest.request(
+        {"kind": "init", "island": "honest", "plan": plan.to_wire()}, init_payload(plan, flat)
+    )
+    assert reply["kind"] == "init_ok", reply
+    return shard, plan, flat, honest
+
+
+def _push(p, plan, rnd, vec, base, **fields):
+    header = {**push_header(plan, p.island, rnd, 0, base), **fields}
+    reply, _ = p.request(header, delta_frames(np.asarray(vec, np.float32)))
+    assert reply["kind"] == "ack", reply
+    return reply
+
+
+def _version(p) -> int:
+    return p.status()["versions"]["0"]
+
+
+def test_hostile_pushes_are_refused_and_the_model_stays_honest(start_shard, peer):
+    shard, plan, flat, honest = _started(start_shard, peer)
+    attacker = peer(shard.router, "mallory")
+    attacker.hello()
+    size = plan.fragments[0].size
+    rng = np.random.default_rng(7)
+    d1, d2 = (rng.standard_normal(size).astype(np.float32) * 1e-3 for _ in range(2))
+    r0 = _now_round()
+
+    assert _push(honest, plan, r0, d1, 0)["outcome"] == ACCEPTED
+    wait_for(lambda: _version(honest) == 1, "the first honest step")
+
+    attacks = {
+        "3e38 everywhere": (np.full(size, 3e38, np.float32), {}),
+        "tokens 2**62, +1 delta": (np.ones(size, np.float32), {"tokens": 2**62}),
+        "tokens 2**63, +1 delta": (np.ones(size, np.float32), {"tokens": 2**63}),
+        "steps 2**40": (np.ones(size, np.float32) * 1e-3, {"steps": 2**40}),
+        "round 2**64 - 1": (np.ones(size, np.float32) * 1e-3, {"round": 2**64 - 1}),
+    }
+    reasons = {}
+    for i, (name, (vec, fields)) in enumerate(attacks.items()):
+        reply = _push(attacker, plan, fields.pop("round", r0 + i), vec, 1, **fields)
+        assert reply["outcome"] == REJECTED, (name, reply)
+        reasons[name] = reply["reason"]
+    assert reasons == {
+        "3e38 everywhere": "delta_too_large",
+        "tokens 2**62, +1 delta": "bad_tokens",
+        "tokens 2**63, +1 delta": "bad_tokens",
+        "steps 2**40": "bad_tokens",
+        "round 2**64 - 1": "bad_round",
+    }
+
+    assert _push(honest, plan, r0 + 1, d2, 1)["outcome"] == ACCEPTED
+    wait_for(lambda: _version(honest) == 2, "the second honest step")
+    _, values = honest.snapshot(0, size)
+
+    # by hand: outer SGD lr 1; 2 live islands, 1 merged: each step applies half its delta
+    p0 = plan.gather(flat, 0)
+    expected = (p0 - np.float32(0.5) * d1) - np.float32(0.5) * d2
+    assert np.all(np.isfinite(values))
+    np.testing.assert_allclose(values, expected, rtol=0, atol=1e-6)
+
+    # the island whose round 2**64 - 1 was refused is not locked out: its next round is taken
+    reply = _push(attacker, plan, _now_round(), d1, 2)
+    assert reply["outcome"] == ACCEPTED, reply
+    status = honest.status()
+    assert status["rejected"]["delta_too_large"] == 1
+    assert status["rejected"]["bad_tokens"] == 3
+    assert status["rejected"]["bad_round"] == 1
+    assert status["non_finite_steps"] == 0
+
+
+def test_an_outsized_delta_is_clipped_to_the_recent_median(start_shard, peer):
+    """Past the warm-up (4 accepted norms), a delta far above the median is scaled to 10x it."""
+    shard, plan, flat, honest = _started(start_shard, peer, liveness=5)
+    size = plan.fragments[0].size
+    rng = np.random.default_rng(3)
+    r0 = _now_round()
+    for k in range(4):
+        d = rng.standard_normal(size).astype(np.float32) * 1e-3
+        assert _push(honest, plan, r0 + k, d, k)["outcome"] == ACCEPTED
+        wait_for(lambda k=k: _version(honest) == k + 1, "an honest step")
+    _, before = honest.snapshot(0, size)
+    # a +1 delta is within the absolute bound (10 x the parameter norm) but ~1000x the median
+    assert _push(honest, plan, r0 + 4, np.ones(size, np.float32), 4)["outcome"] == ACCEPTED
+    wait_for(lambda: _version(honest) == 5, "the step of the outsized delta")
+    _, after = honest.snapshot(0, size)
+    status = honest.status()
+    assert status["clipped"] == 1
+    moved = float(np.linalg.norm(after.astype(np.float64) - before))
+    assert moved <= 10 * 1.1e-3 * np.sqrt(size)  # 10 x the median norm, lr 1, one island
+
+
+def test_weight_cap_keeps_a_token_inflated_island_from_silencing_others():
+    """Pure rule: one island's work weight is capped at max_weight_ratio x the others' largest."""
+    from paramserver.server.step.weighting import cap_work, make_weighting, merge_coefficients
+
+    assert cap_work({"a": 1.0, "b": 1e12}, 16.0) == {"a": 1.0, "b": 16.0}
+    assert cap_work({"a": 1.0, "b": 4.0}, 16.0) == {"a": 1.0, "b": 4.0}
+    assert cap_work({"a": 5.0}, 16.0) == {"a": 5.0}
+    weighting = make_weighting(max_weight_ratio=16.0)
+    coefficients, _ = merge_coefficients(
+        weighting, [("a", 1000, 10, 0), ("b", 2**40, 10, 0)], current_version=0
+    )
+    assert coefficients == pytest.approx([1 / 17, 16 / 17])
