@@ -143,3 +143,49 @@ def test_weight_cap_keeps_a_token_inflated_island_from_silencing_others():
         weighting, [("a", 1000, 10, 0), ("b", 2**40, 10, 0)], current_version=0
     )
     assert coefficients == pytest.approx([1 / 17, 16 / 17])
+
+
+def _checkpoint_bytes(data_dir) -> int:
+    files = sorted(data_dir.rglob("checkpoint-*.ckpt"), key=lambda p: p.stat().st_mtime)
+    return files[-1].stat().st_size if files else 0
+
+
+@pytest.mark.timeout(300)
+def test_churn_of_3000_ids_leaves_status_and_checkpoints_bounded(start_shard, peer, tmp_path):
+    """3,000 ids, each hello + one push + bye, from one connection: all forgotten after the TTL."""
+    shard, plan, flat, honest = _started(
+        start_shard, peer, island_ttl_s=0.5, checkpoint_every_steps=5, max_islands=4096
+    )
+    size = plan.fragments[0].size
+    delta = np.full(size, 1e-4, np.float32)
+    frames = delta_frames(delta)
+    churn = peer(shard.router, "churn")
+    r0 = _now_round()
+    for k in range(5):  # the honest island's own history: the baseline checkpoint
+        assert _push(honest, plan, r0 + k, delta, 0)["outcome"] == ACCEPTED
+    wait_for(lambda: _version(honest) >= 5, "the honest steps")
+    wait_for(lambda: _checkpoint_bytes(tmp_path), "a first checkpoint")
+    baseline = _checkpoint_bytes(tmp_path)
+    ids, batch, acks = 3000, 100, 0
+    for start in range(0, ids, batch):
+        for i in range(start, start + batch):
+            island = f"churn-{i:05d}"
+            churn.send({"kind": "hello", "island": island})
+            churn.send(push_header(plan, island, r0, 0, 0), frames)
+            churn.send({"kind": "bye", "island": island})
+        for _ in range(3 * batch):
+            reply, _ = churn.recv()
+            assert reply["kind"] in ("welcome", "ack", "bye_ok"), reply
+            acks += reply["kind"] == "ack" and reply["outcome"] == ACCEPTED
+    assert acks == ids
+    wait_for(lambda: honest.status()["forgotten_islands"] >= ids, "the churned ids forgotten")
+    for k in range(5, 25):  # more honest steps: a checkpoint after the forgetting
+        assert _push(honest, plan, r0 + k, delta, 0)["outcome"] == ACCEPTED
+    wait_for(lambda: _version(honest) >= 25, "the later honest steps")
+    status = honest.status()
+    after = _checkpoint_bytes(tmp_path)
+    print(f"churn: checkpoint {baseline} -> {after} bytes, status.islands {len(status['islands'])}")
+    assert len(status["islands"]) <= 3, sorted(status["islands"])[:5]
+    assert len(status["credited_tokens"]) <= 3
+    assert status["islands_known"] <= 3
+    assert after < 2 * baseline + 4096, (baseline, after)

@@ -114,6 +114,8 @@ class ShardState(ShardInit):
         self.dedup: dict[tuple[str, int], DedupEntry] = {}
         self.last_seen: dict[str, float] = {}
         self.paces: dict[str, IslandPace] = {}  # reported step times (eq3 grace window)
+        # island -> when last heard (kept after bye; `forget_idle` drops it after island_ttl_s)
+        self.heard_at: dict[str, float] = {}
         self.counters = ShardCounters()
         self.timer = timer
 
@@ -243,6 +245,7 @@ class ShardState(ShardInit):
                     f"{len(self.last_seen)} live islands; max_islands={self.cfg.max_islands}",
                 )
         self.last_seen[island] = now
+        self.heard_at[island] = max(now, self.heard_at.get(island, now))
         return Outcome(ACCEPTED)
 
     def touch(self, island: str, now: float, header: Mapping[str, Any] | None = None) -> bool:
@@ -260,6 +263,7 @@ class ShardState(ShardInit):
         if island not in self.last_seen:
             return False
         self.last_seen[island] = max(now, self.last_seen[island])
+        self.heard_at[island] = self.last_seen[island]
         if header is not None and (pace := pace_report(self.paces.get(island), header)):
             self.paces[island] = pace
         return True
@@ -271,6 +275,46 @@ class ShardState(ShardInit):
             island: island id.
         """
         self.last_seen.pop(island, None)
+
+    def forget_idle(self, now: float) -> list[str]:
+        """Forget the islands with no session and nothing pending, unheard for island_ttl_s.
+
+        An island has no session once it said bye or fell silent past the
+        liveness budget. Forgetting drops its registry entry, pace, credited
+        tokens (summed into `counters.credited_forgotten`) and its dedup
+        entries: after that long no delta of a live session can still be on
+        its way (a client re-sends within its ack timeout; an island away
+        longer re-joins with deltas the shard treats as new). Islands known
+        only from a checkpoint (no time heard since the start) count from `now`.
+
+        Args:
+            now: wall-clock seconds.
+
+        Returns:
+            The islands forgotten (the caller drops its own per-island state).
+        """
+        ttl = self.cfg.island_ttl_s
+        live = self.live(now)
+        busy = {c.island for f in self.fragments.values() for c in f.pending}
+        known = set(self.heard_at) | set(self.last_seen) | {i for i, _ in self.dedup}
+        known |= set(self.counters.credited) | set(self.paces)
+        gone = []
+        for island in known:
+            heard = self.heard_at.setdefault(island, now)
+            if island not in live and island not in busy and now - heard > ttl:
+                gone.append(island)
+        if not gone:
+            return gone
+        dropped = set(gone)
+        for island in gone:
+            self.heard_at.pop(island, None)
+            self.last_seen.pop(island, None)
+            self.paces.pop(island, None)
+            credit = self.counters.credited.pop(island, 0.0)
+            self.counters.credited_forgotten += credit
+        self.dedup = {k: e for k, e in self.dedup.items() if k[0] not in dropped}
+        self.counters.forgotten_islands += len(gone)
+        return gone
 
     # ----- requests that change state -----------------------------------------
 

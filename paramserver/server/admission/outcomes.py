@@ -542,6 +542,8 @@ class ShardCounters:
     clipped: int = 0  # deltas scaled down by robust aggregation (clip_norm_multiple)
     guarded_steps: int = 0  # steps whose deltas were scaled to MAX_MERGED_NORM (state._guard)
     non_finite_steps: int = 0  # steps that left non-finite parameters (a bug; logged)
+    forgotten_islands: int = 0  # islands forgotten after island_ttl_s (state.forget_idle)
+    credited_forgotten: float = 0.0  # their credited tokens, summed
     # requests from islands the shard does not know (answered unknown_island: "say
     # hello"); expected after a restart or before an island's first hello here, so
     # they are not rejections
@@ -586,6 +588,8 @@ class ShardCounters:
             "clipped": self.clipped,
             "guarded_steps": self.guarded_steps,
             "non_finite_steps": self.non_finite_steps,
+            "forgotten_islands": self.forgotten_islands,
+            "credited_forgotten": round(self.credited_forgotten, 3),
             "credited_tokens": {k: round(v, 3) for k, v in sorted(self.credited.items())},
         }
 
@@ -690,6 +694,14 @@ class IslandReports:
         for island, stale in worst.items():
             if island in self.islands:
                 self.islands[island].staleness = stale
+
+    def forget(self, island: str) -> None:
+        """Drop an island's report (the shard forgot the island).
+
+        Args:
+            island: the island id.
+        """
+        self.islands.pop(island, None)
 
     def status(self) -> dict[str, dict[str, Any]]:
         """JSON-ready: island -> `IslandReport.as_status()`, sorted by id."""
