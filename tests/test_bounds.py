@@ -189,3 +189,35 @@ def test_churn_of_3000_ids_leaves_status_and_checkpoints_bounded(start_shard, pe
     assert len(status["credited_tokens"]) <= 3
     assert status["islands_known"] <= 3
     assert after < 2 * baseline + 4096, (baseline, after)
+
+
+def test_median_merge_by_hand():
+    """merge=median: (sum_i C_i) * the coordinate-wise median over islands of u_i / C_i."""
+    from paramserver.server.step.merge import chunk_merge
+    from paramserver.wire.plan import leaf_specs, make_plan
+
+    flat = {"w": np.zeros(6, np.float32)}
+    fragment = make_plan(leaf_specs(flat), 1, 1).fragments[0]
+    a = np.array([1, 2, 3, 4, 5, 6], np.float32)
+    b = np.array([2, 2, 2, 2, 2, 2], np.float32)
+    evil = np.array([1e6, -1e6, 1e6, -1e6, 1e6, -1e6], np.float32)
+    deltas = [("a", a), ("b", b), ("evil", evil)]
+    coefficients = [0.2, 0.2, 0.6]  # evil claims most of the weight
+    merged = chunk_merge("median", deltas, coefficients, fragment).whole()
+    expected = 1.0 * np.median(np.stack([a, b, evil]).astype(np.float64), axis=0)
+    np.testing.assert_allclose(merged, expected.astype(np.float32))
+    assert np.abs(merged).max() <= 6.0  # the outlier moves nothing past the honest values
+    # an island's two increments are summed first (u_i / C_i: its mean delta), one island = mean
+    two = chunk_merge("median", [("a", a), ("a", b)], [0.25, 0.25], fragment).whole()
+    np.testing.assert_allclose(two, 0.25 * a + 0.25 * b, rtol=1e-6)
+
+
+def test_a_shard_steps_with_the_median_merge(start_shard, peer):
+    """merge=median through a real shard: one island's step equals its delta's (mean) step."""
+    shard, plan, flat, honest = _started(start_shard, peer, merge="median", liveness=5)
+    size = plan.fragments[0].size
+    d = np.random.default_rng(5).standard_normal(size).astype(np.float32) * 1e-3
+    assert _push(honest, plan, _now_round(), d, 0)["outcome"] == ACCEPTED
+    wait_for(lambda: _version(honest) == 1, "the median step")
+    _, values = honest.snapshot(0, size)
+    np.testing.assert_allclose(values, plan.gather(flat, 0) - d, rtol=0, atol=1e-6)

@@ -134,9 +134,9 @@ class ShardConfig:
     grace_min_s: float = PolicyConfig.grace_min_s  # lower clamp of the grace window, seconds
     grace_max_s: float = PolicyConfig.grace_max_s  # upper clamp of the grace window, seconds
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
-    merge: str = (
-        "mean"  # combining the islands' deltas: mean or rda (paramserver.server.step.merge)
-    )
+    # combining the islands' deltas: mean, rda, or median (coordinate-wise over the islands of a
+    # step: robust to a minority of untrusted islands) (paramserver.server.step.merge)
+    merge: str = "mean"
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
     # how a step's share n/N of a round (n islands merged, N live) scales it and its
     # staleness: round (default), version, share or round-staleness (weighting.py)
