@@ -221,3 +221,24 @@ def test_a_shard_steps_with_the_median_merge(start_shard, peer):
     wait_for(lambda: _version(honest) == 1, "the median step")
     _, values = honest.snapshot(0, size)
     np.testing.assert_allclose(values, plan.gather(flat, 0) - d, rtol=0, atol=1e-6)
+
+
+def test_a_silent_island_with_a_session_is_not_taken_over_without_its_token(start_shard, peer):
+    """Through a real shard: past quiet_s a stranger's hello is still refused until expire_s."""
+    shard = start_shard(heartbeat_interval_s=0.2, liveness=10, max_requests_per_s=0.0)
+    owner = peer(shard.router, "x")
+    reply, _ = owner.request({"kind": "hello", "island": "x", "session": "owner-token"})
+    assert reply["kind"] == "welcome", reply
+    heard = time.monotonic()
+    stranger = peer(shard.router, "x")
+    wait_for(lambda: time.monotonic() - heard > 0.6, "silence past quiet_s (0.4 s)", poll_s=0.05)
+    reply, _ = stranger.request({"kind": "hello", "island": "x"})
+    if time.monotonic() - heard < 2.0:  # still within expire_s (liveness x interval)
+        assert reply["kind"] == "rejected" and reply["reason"] == "island_in_use", reply
+    reply, _ = stranger.request({"kind": "hello", "island": "x", "session": "owner-token"})
+    assert reply["kind"] == "welcome", reply  # the token takes it at once
+    moved = time.monotonic()
+    wait_for(lambda: time.monotonic() - moved > 2.2, "the island dead (expire_s 2 s)", poll_s=0.05)
+    third = peer(shard.router, "x")
+    reply, _ = third.request({"kind": "hello", "island": "x"})
+    assert reply["kind"] == "welcome", reply  # a dead island's id is free again
