@@ -1,8 +1,9 @@
 """What came of each request: the refusal rules, the outcome's reply, its counts, the islands' view.
 
 This module owns every refusal from its rule to its reply: the header-only
-checks of a push (`check_push`: plan, fragment, island, dedup window, base
-version, per-island pending bound), the pending byte budget
+checks of a push (`check_push`: plan, fragment, island, claimed work
+`work_refusal`, round ceiling `round_refusal`, dedup window, base version,
+per-island pending bound), the delta's norm bound (`norm_refusal`), the pending byte budget
 (`budget_refusal`), the size limit of any request
 (`oversize`), the refusals of a snapshot request (`snapshot_refusal`), the
 answer to an island the shard does not know on that connection
@@ -14,6 +15,10 @@ plain values, so they import nothing of the shard's state.
 `ShardCounters` is what a shard counts for `status` (accepted, duplicates,
 rejections, drops, bytes, steps, credit): plain data; `count` here decides how
 a refusal is counted, `paramserver.server.state` counts steps and accepts.
+
+Why past 700 lines: the refusal rules, their counters and their replies are
+read together whenever a reason is added (issue 33 added three); splitting
+the counters or the island view off would scatter one concept.
 
 `IslandReports` is the per-island view behind the `islands` field of a shard's
 `status` (what the cluster page shows): when the island's last delta arrived
