@@ -242,3 +242,37 @@ def test_a_silent_island_with_a_session_is_not_taken_over_without_its_token(star
     third = peer(shard.router, "x")
     reply, _ = third.request({"kind": "hello", "island": "x"})
     assert reply["kind"] == "welcome", reply  # a dead island's id is free again
+
+
+def test_dedup_with_a_floor_refuses_only_below_it():
+    """Pure state: with `floor` a round far below the newest is fresh until the floor passes it."""
+    from paramserver.server.config import ShardConfig
+    from paramserver.server.state import ShardState
+
+    cfg = ShardConfig(mode="async", fsync=False, dedup_window=2, max_pending_per_island=64)
+    flat = small_flat()
+    plan = plan_for(flat, 1, 2)
+    state = ShardState(cfg, 0)
+    state.initialize(plan.to_wire(), init_payload(plan, flat))
+    state.hello("a", 1000.0)
+    frames = delta_frames(np.full(plan.fragments[0].size, 1e-3, np.float32))
+
+    def push(rnd, floor=None):
+        header = push_header(plan, "a", rnd, 0, 0)
+        if floor is not None:
+            header["floor"] = floor
+        return state.submit_delta(header, frames, 1000.0)
+
+    assert push(10, floor=10).status == ACCEPTED
+    for rnd in range(11, 20):  # round 10's push is "unacked" at the client: floor stays 10
+        assert push(rnd, floor=10).status == ACCEPTED
+    assert push(10, floor=10).status == "duplicate"  # remembered past the window of 2
+    assert push(20, floor=19).status == ACCEPTED  # the client now says all below 19 acked
+    assert push(12, floor=19).reason == "replayed_round"  # forgotten: below the floor
+    assert push(19, floor=19).status == "duplicate"
+    # without a floor (an outside client) the window alone decides, as before
+    state.hello("b", 1000.0)
+    hb = push_header(plan, "b", 100, 0, 0)
+    assert state.submit_delta(hb, frames, 1000.0).status == ACCEPTED
+    old = push_header(plan, "b", 97, 0, 0)
+    assert state.submit_delta(old, frames, 1000.0).reason == "replayed_round"
