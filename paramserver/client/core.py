@@ -357,6 +357,8 @@ class ClientCore:
             "tokens": request.tokens,
             "steps": request.steps,
             "plan_hash": self.plan.hash,
+            # every round below it that we sent was acked: the shard forgets those, never a later one
+            "floor": min(request.round, self.ledger.floor(request.round)),
             **self._reported_fields(),
             **({} if self.inner_steps is None else {"inner_steps": self.inner_steps}),
         }

@@ -123,6 +123,17 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def floor(self, round_id: int) -> int:
+        """The push `floor` of a new delta of round `round_id`: the lowest round still unacked.
+
+        Args:
+            round_id: the new delta's round.
+
+        Returns:
+            min(round_id, the round of every delta kept here).
+        """
+        return min((r for _, r in self._entries), default=round_id)
+
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 

@@ -182,7 +182,8 @@ class ShardConfig:
     grace_min_s: float = PolicyConfig.grace_min_s  # lower clamp of the grace window, seconds
     grace_max_s: float = PolicyConfig.grace_max_s  # upper clamp of the grace window, seconds
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
-    # combining the islands' deltas: mean or rda (paramserver.server.step.merge)
+    # combining the islands' deltas: mean, rda, or median (coordinate-wise over the islands of a
+    # step: robust to a minority of untrusted islands) (paramserver.server.step.merge)
     merge: str = "mean"
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
     # how a step's share n/N of a round (n islands merged, N that push) scales it and its
@@ -229,7 +230,24 @@ class ShardConfig:
     # do not decode; the rest are dropped unanswered (counted: status `dropped`); 0 = answer all
     max_refusals_per_s: float = 20.0
     dedup_window: int = 64  # rounds below an island's newest that are still deduplicated
-    clip_norm_multiple: float = 0.0  # clip a delta's norm to this x the recent median; 0 = off
+    # clip a delta's L2 norm to this x the median of its fragment's last accepted norms (once
+    # 4 are known); 0 = off. Honest deltas of one run stay within a few x of each other
+    clip_norm_multiple: float = 10.0
+    # refuse (delta_too_large) a delta whose L2 norm is over this x max(the fragment's
+    # parameter norm, sqrt(its size)): the bound from the very first push; 0 = off
+    max_delta_norm_ratio: float = 10.0
+    # refuse (bad_tokens) a push whose tokens / steps is over this (tokens per inner step)
+    max_tokens_per_step: int = 2**26
+    max_inner_steps: int = 2**20  # refuse (bad_tokens) a push of more inner steps than this
+    # cap one island's work weight f in a step at this x the largest of the other islands'
+    # of the step (tokens^2/steps: 16 = an island with 4x the batch); 0 = no cap
+    max_weight_ratio: float = 16.0
+    # refuse (bad_round) a round more than this above the island's newest round on the
+    # fragment (round ids are microseconds since the epoch: 2**40 us is ~12.7 days)
+    max_round_gap: int = 2**40
+    # forget an island with no session (no hello heard: bye, or silent past liveness) and
+    # nothing pending after this many seconds: its registry, report and dedup entries
+    island_ttl_s: float = 3600.0
     checkpoint_every_steps: int = 50  # checkpoint after this many outer steps (0 = never)
     checkpoint_every_s: float = 60.0  # ... or this many seconds since the last (0 = never)
     fsync: bool = True  # fsync the log before acking; False only for throwaway runs
@@ -315,6 +333,18 @@ class ShardConfig:
         check.integer("request_burst", self.request_burst, 1)
         check.number("max_refusals_per_s", self.max_refusals_per_s, low=0.0)
         check.integer("dedup_window", self.dedup_window, 1)
+        check.number("max_delta_norm_ratio", self.max_delta_norm_ratio, low=0.0)
+        check.integer("max_tokens_per_step", self.max_tokens_per_step, 1)
+        check.integer("max_inner_steps", self.max_inner_steps, 1)
+        check.number("max_weight_ratio", self.max_weight_ratio, low=0.0)
+        check.require(
+            self.max_weight_ratio == 0 or self.max_weight_ratio >= 1,
+            "max_weight_ratio",
+            self.max_weight_ratio,
+            "use 0 (no cap) or a ratio >= 1 of the other islands' largest weight (e.g. 16)",
+        )
+        check.integer("max_round_gap", self.max_round_gap, 1)
+        check.number("island_ttl_s", self.island_ttl_s, above=0.0)
         check.number("clip_norm_multiple", self.clip_norm_multiple, low=0.0)
         check.require(
             self.clip_norm_multiple == 0 or self.clip_norm_multiple >= 1,

@@ -141,6 +141,7 @@ class Effects:
 # ----- the core ---------------------------------------------------------------------
 
 CHECKPOINT_RETRY_S = 10.0  # a failed checkpoint is tried again after this long
+FORGET_EVERY_S = 1.0  # how often idle islands are looked for (`ShardCore._forget_idle`)
 # Requests that act as an island, refused from a connection the island is not bound to.
 _BOUND_KINDS = ("push", "heartbeat", "bye")
 # The state's counters of requests (not of durable events): kept across a rebuild from disk.
@@ -211,6 +212,7 @@ class ShardCore:
         self.checkpoint_error: str | None = None  # the last failure
         self._h_warned: set[str] = set()  # islands told their H takes other outer defaults
         self.islands = IslandReports()  # what `status` shows of each island (not durable)
+        self._forget_at = now  # when to look for islands idle past island_ttl_s next
         # request rate limits, checked before a request is decoded
         self.throttle = gate.Throttle(
             gate.Limits(cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s)
@@ -478,6 +480,7 @@ class ShardCore:
             The steps' events and updates, or a heartbeat.
         """
         out = Effects()
+        self._forget_idle(now)
         if steps is None:
             steps = [due.fragment for due in self.due_steps(now)]
         for fragment in steps:
@@ -502,6 +505,17 @@ class ShardCore:
         if not out.publishes and now - self._last_pub >= self.cfg.heartbeat_interval_s:
             out.publishes.append(Publish({"kind": "heartbeat", "shard": self.index}))
         return out
+
+    def _forget_idle(self, now: float) -> None:
+        """At most every FORGET_EVERY_S: forget islands idle past island_ttl_s, here and in the state."""
+        if now < self._forget_at:
+            return
+        self._forget_at = now + min(FORGET_EVERY_S, self.cfg.island_ttl_s / 4)
+        for island in self.state.forget_idle(now):
+            self.islands.forget(island)
+            self.bindings.forget(island)
+            self.throttle.unbind(island)
+            self._h_warned.discard(island)
 
     def next_wake(self, now: float) -> float:
         """When to tick next: the merge policy's next wake-up or the next heartbeat.
@@ -562,6 +576,7 @@ class ShardCore:
         """Serve from a state rebuilt from disk, keeping what is bookkeeping, not events."""
         old = self.state
         rebuilt.last_seen, rebuilt.paces = old.last_seen, old.paces
+        rebuilt.heard_at = old.heard_at
         for name in _REQUEST_COUNTERS:
             setattr(rebuilt.counters, name, getattr(old.counters, name))
         self.state = rebuilt

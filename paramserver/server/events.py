@@ -39,6 +39,8 @@ class Contribution:
     arrived: float  # wall-clock seconds
     delta: CodedTensor  # the fragment's size, kept coded
     clip: float = 1.0
+    floor: int | None = None  # the push's `floor` (its island's lowest round still to come)
+    norm: float | None = None  # the delta's L2 norm, when known (not persisted)
 
     def __post_init__(self) -> None:
         if isinstance(self.delta, np.ndarray):

@@ -64,6 +64,9 @@ REASONS = (
     "island_in_use",
     "forbidden_island",
     "throttled",
+    "delta_too_large",
+    "bad_tokens",
+    "bad_round",
 )
 
 
@@ -216,6 +219,8 @@ _OPTIONAL: dict[str, dict[str, str]] = {
         "session": "island",
         "offset": "uint",
         "count": "pos",
+        # push: the lowest round of the island the client may still send (DEDUP_MAX_ROUNDS)
+        "floor": "uint",
     },
     REPLY: {
         "id": "int",

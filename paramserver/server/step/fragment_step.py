@@ -89,7 +89,9 @@ class FragmentStepper:
         """
         self.merge = cfg.merge
         self.outer_lr_scale = cfg.outer_lr_scale  # the default lr follows the island count
-        self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent, cfg.step_rule)
+        self.weighting = make_weighting(
+            cfg.weighting, cfg.staleness_exponent, cfg.step_rule, cfg.max_weight_ratio
+        )
         outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
         self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
         self.downlink = Downlink(cfg.downlink)

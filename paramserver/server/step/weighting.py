@@ -133,11 +133,14 @@ class Weighting:
         name: one of WEIGHTINGS.
         staleness_exponent: a in g(s) = (1 + s)^-a (unused by "no-staleness").
         step_rule: one of STEP_RULES (the module docstring).
+        max_weight_ratio: an island's work weight is capped at this times the
+            largest of the others' in the step (`cap_work`); 0: no cap.
     """
 
     name: str = "default"
     staleness_exponent: float = 0.5
     step_rule: str = "round"
+    max_weight_ratio: float = 0.0  # `cap_work`: 0 = no cap
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHTINGS:
@@ -195,7 +198,10 @@ class Weighting:
 
 
 def make_weighting(
-    name: str = "default", staleness_exponent: float = 0.5, step_rule: str = "round"
+    name: str = "default",
+    staleness_exponent: float = 0.5,
+    step_rule: str = "round",
+    max_weight_ratio: float = 0.0,
 ) -> Weighting:
     """Build a weighting by name.
 
@@ -203,11 +209,12 @@ def make_weighting(
         name: one of WEIGHTINGS (see the module docstring).
         staleness_exponent: a >= 0 of g(s) = (1 + s)^-a.
         step_rule: one of STEP_RULES.
+        max_weight_ratio: cap of one island's work weight (`cap_work`); 0: none.
 
     Returns:
         The validated Weighting.
     """
-    return Weighting(name, staleness_exponent, step_rule)
+    return Weighting(name, staleness_exponent, step_rule, max_weight_ratio)
 
 
 @dataclass(frozen=True)
@@ -263,6 +270,26 @@ class RoundsSince(Protocol):
         ...
 
 
+def cap_work(work: dict[str, float], ratio: float) -> dict[str, float]:
+    """Each island's work weight capped at `ratio` times the largest of the others' in the step.
+
+    So that no island's claimed tokens make the others' deltas vanish from a
+    merge (ShardConfig.max_weight_ratio). A step of one island is left as it is.
+
+    Args:
+        work: island -> f(tokens, steps) > 0.
+        ratio: the cap (>= 1); 0: no cap.
+
+    Returns:
+        island -> min(f_i, ratio * max_{j != i} f_j).
+    """
+    if ratio <= 0 or len(work) < 2:
+        return work
+    ranked = sorted(work.values(), reverse=True)
+    top, second = ranked[0], ranked[1]
+    return {i: min(f, ratio * (second if f == top else top)) for i, f in work.items()}
+
+
 def merge_coefficients(
     weighting: Weighting,
     contributions: Sequence[Any],
@@ -310,7 +337,10 @@ def merge_coefficients(
         t[0] += tokens
         t[1] += steps
         t[2] = min(t[2], base_version)
-    work = {island: weighting.work(t[0], t[1]) for island, t in totals.items()}
+    work = cap_work(
+        {island: weighting.work(t[0], t[1]) for island, t in totals.items()},
+        weighting.max_weight_ratio,
+    )
     total = math.fsum(work.values())
     if not (math.isfinite(total) and total > 0):
         raise WeightingError(f"work weights {work} do not sum to a finite positive number")

@@ -112,7 +112,7 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
         "plan": state.plan.to_wire() if state.plan else None,
         "fragments": frags,
         "dedup": [
-            [island, fragment, e.newest, sorted(e.rounds)]
+            [island, fragment, e.newest, sorted(e.rounds), e.floor]
             for (island, fragment), e in sorted(state.dedup.items())
         ],
         "counters": {
@@ -219,8 +219,9 @@ def restore_state(
                     Contribution(island, rnd, i, base, tokens, steps, arrived, delta, clip)
                 )
             state.fragments[i] = frag
-        for island, fragment, newest, rounds in meta["dedup"]:
-            state.dedup[(island, fragment)] = DedupEntry(newest, set(rounds))
+        for island, fragment, newest, rounds, *floor in meta["dedup"]:  # floor: newer files
+            entry = DedupEntry(newest, set(rounds), floor[0] if floor else None)
+            state.dedup[(island, fragment)] = entry
         c = meta["counters"]
         state.counters = ShardCounters(
             accepted=c["accepted"],

@@ -12,7 +12,8 @@ Log records (msgpack header + raw payload):
             payload: the piece's float32 values (one record per piece, so no
             record grows with the model)
     accept  {"t": "accept", island, round, fragment, base_version, tokens,
-            steps, arrived, codec: [frame lengths] or nil}; payload: the codec
+            steps, arrived, codec: [frame lengths] or nil, floor?: the push's
+            `floor`, absent when it had none}; payload: the codec
             frames as received, back to back (read again on replay into the
             same coded pending delta: `codec.coded.read` is deterministic), or
             the float32 delta when codec is nil (an event built without frames)
@@ -106,6 +107,8 @@ def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
             "steps": c.steps,
             "arrived": c.arrived,
         }
+        if c.floor is not None:
+            header["floor"] = c.floor
         if event.frames is not None:
             header["codec"] = [memoryview(f).nbytes for f in event.frames]
             return header, list(event.frames)
@@ -180,6 +183,7 @@ def record_to_event(record: Record) -> Event:
                 h["steps"],
                 h["arrived"],
                 delta,
+                floor=h.get("floor"),
             )
             return AcceptEvent(c)
         if kind == "step":
