@@ -8,7 +8,7 @@ figure against its baseline measured in the same run:
 
 - `island`: a model preset (`--model`, default `base`) trains as an island
   against a fresh local one-shard cluster (real daemons, sync mode, int8
-  downlink), once with `exchange="device"` and once with `"host"`, for
+  downlink; one cluster per path), once with `exchange="device"` and once with `"host"`, for
   `--rounds` rounds of `--inner-steps` AdamW steps (`worker.train.InnerTrainer`
   driving a `worker.session.Session`, as the daemon's loop does). Per round
   after the first: the inner step time, `Session.stats` `exchange_s` and
@@ -19,6 +19,9 @@ figure against its baseline measured in the same run:
   same vector on the same device.
 - `join`: `worker.join`'s per-call overhead against a user's MLP step
   (`bench.session_overhead`'s MLP loop, on its own one-shard cluster).
+
+The three clusters start at once (their daemons' start-up overlaps) and stop at
+the end; `seconds` has each part's wall time.
 
 It records the devices (`jax.devices()`), the JAX version and, under
 `ratios`, every figure over its baseline (all finite and positive). Without a
@@ -34,6 +37,8 @@ failed): the JSON is still written, as a dry run, with the install's error.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import contextlib
 import json
 import math
 import os
@@ -42,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -51,6 +57,13 @@ import numpy as np
 from bench.launcher import LocalCluster
 
 EXCHANGES = ("device", "host")
+# one fresh one-shard cluster per island (name -> diloco-server flags): each exchange path
+# (sync, int8 downlink, as bench.island_exchange) and the MLP of worker.join (a model of its own)
+CLUSTERS: dict[str, tuple[str, ...]] = {
+    "device": ("--mode", "sync", "--downlink", "int8"),
+    "host": ("--mode", "sync", "--downlink", "int8"),
+    "join": (),
+}
 PIP_EXTRA = "cuda12"  # jax's extra that pulls the CUDA 12 plugin and libraries from pip
 INSTALL_TIMEOUT_S = 420.0
 PROBE_TIMEOUT_S = 180.0
@@ -195,26 +208,19 @@ def _median_ms(samples: list[float]) -> float:
     return float(np.median(samples)) * 1e3
 
 
-def _island(connect: str, exchange: str, sizes: dict[str, Any]) -> dict[str, Any]:
-    """One island training `sizes["model"]` for the rounds, with one exchange path."""
-    import jax
-
-    from worker import data, model
+def _island(
+    connect: str, exchange: str, sizes: dict[str, Any], trainer: Any, init: Any, sampler: Any
+) -> dict[str, Any]:
+    """One island training for the rounds with one exchange path (the trainer is compiled)."""
     from worker.session import Session
     from worker.session_config import session_config
-    from worker.train import InnerConfig, InnerTrainer
 
-    model_cfg = model.model_config(sizes["model"])
     batch, seq_len, inner_steps = sizes["batch"], sizes["seq_len"], sizes["inner_steps"]
-    init = jax.device_get(model.init_params(model_cfg, 0))
-    trainer = InnerTrainer(model_cfg, InnerConfig(batch_size=batch, seq_len=seq_len), init)
-    sampler = data.BatchSampler(data.default_corpus(), batch, seq_len, seed=0)
     cfg = session_config(connect, f"device-{exchange}", inner_steps, None, {"exchange": exchange})
     step_s, exchange_s, moved = [], [], []
     # as the daemon's loop (worker.island): the device path joins with the placed parameters
     with Session(cfg, trainer.params if exchange == "device" else init) as session:
         trainer.set_params(session.params)
-        trainer.warmup()
         for _ in range(sizes["rounds"]):
             before = session.stats
             for _ in range(inner_steps):
@@ -248,11 +254,11 @@ def _device_memcpy_ms(tree: Any, repeats: int = 9) -> tuple[float, float]:
     return _memcpy_ms(tree, repeats)
 
 
-def measure_island(work: Path, sizes: dict[str, Any], log) -> dict[str, Any]:
-    """Both exchange paths of one preset, each on a fresh one-shard cluster, and the memcpy.
+def measure_island(connects: dict[str, str], sizes: dict[str, Any], log) -> dict[str, Any]:
+    """Both exchange paths of one preset, each on its own fresh one-shard cluster, and the memcpy.
 
     Args:
-        work: the clusters' data dirs go below it.
+        connects: exchange path -> endpoint of its cluster (`CLUSTERS`).
         sizes: FULL or DRY (model, rounds, inner_steps, batch, seq_len).
         log: progress lines.
 
@@ -260,21 +266,28 @@ def measure_island(work: Path, sizes: dict[str, Any], log) -> dict[str, Any]:
         {"model", "rounds", "inner_steps", "device": {...}, "host": {...}, "memcpy_ms",
         "host_memcpy_ms"}; each path: step_ms, exchange_ms, host_device_bytes_per_param.
     """
-    from worker import model
+    import jax
+
+    from worker import data, model
+    from worker.train import InnerConfig, InnerTrainer
 
     result: dict[str, Any] = {
         "model": sizes["model"],
         "rounds": sizes["rounds"],
         "inner_steps": sizes["inner_steps"],
     }
+    model_cfg = model.model_config(sizes["model"])
+    batch, seq_len = sizes["batch"], sizes["seq_len"]
+    init = jax.device_get(model.init_params(model_cfg, 0))
+    # one trainer for both paths: its train step compiles once (each session starts it
+    # from that cluster's parameters)
+    trainer = InnerTrainer(model_cfg, InnerConfig(batch_size=batch, seq_len=seq_len), init)
+    trainer.warmup()
+    sampler = data.BatchSampler(data.default_corpus(), batch, seq_len, seed=0)
     for exchange in EXCHANGES:
         print(f"device: island {sizes['model']}, {exchange} exchange", file=log, flush=True)
-        server = ("--mode", "sync", "--downlink", "int8")
-        with LocalCluster(work / f"island-{exchange}", shards=1, server_args=server) as cluster:
-            cluster.start_server()
-            result[exchange] = _island(cluster.connect, exchange, sizes)
-    params = model.init_params(model.model_config(sizes["model"]), 0)
-    result["memcpy_ms"], result["host_memcpy_ms"] = _device_memcpy_ms(params)
+        result[exchange] = _island(connects[exchange], exchange, sizes, trainer, init, sampler)
+    result["memcpy_ms"], result["host_memcpy_ms"] = _device_memcpy_ms(trainer.params)
     return result
 
 
@@ -323,11 +336,11 @@ def measure_quantize(elements: int, repeats: int = 9) -> dict[str, Any]:
     }
 
 
-def measure_join(work: Path, sizes: dict[str, Any], log) -> dict[str, Any]:
+def measure_join(connect: str, sizes: dict[str, Any], log) -> dict[str, Any]:
     """`worker.join`'s per-call overhead against an MLP step (`bench.session_overhead`'s loop).
 
     Args:
-        work: the cluster's data dir goes below it.
+        connect: endpoint of a fresh cluster (`CLUSTERS["join"]`).
         sizes: FULL or DRY (mlp_hidden, mlp_batch, join_inner_steps, join_rounds).
         log: progress lines.
 
@@ -344,9 +357,28 @@ def measure_join(work: Path, sizes: dict[str, Any], log) -> dict[str, Any]:
         rounds=sizes["join_rounds"],
     )
     print("device: worker.join against an MLP step", file=log, flush=True)
-    with LocalCluster(work / "join", shards=1) as cluster:
-        cluster.start_server()
-        return _measure_mlp(cluster.connect, args)
+    return _measure_mlp(connect, args)
+
+
+@contextlib.contextmanager
+def clusters(work: Path) -> Iterator[dict[str, str]]:
+    """Every cluster of `CLUSTERS`, started at once (their starts overlap), stopped at exit.
+
+    Args:
+        work: their data dirs go below it.
+
+    Yields:
+        name -> endpoint of shard 0.
+    """
+    with contextlib.ExitStack() as stack:
+        started = {
+            name: stack.enter_context(LocalCluster(work / name, shards=1, server_args=server))
+            for name, server in CLUSTERS.items()
+        }
+        with concurrent.futures.ThreadPoolExecutor(len(started)) as pool:
+            for future in [pool.submit(c.start_server) for c in started.values()]:
+                future.result()
+        yield {name: c.connect for name, c in started.items()}
 
 
 def ratios(island: dict[str, Any], quantize: dict[str, Any], join: dict[str, Any]) -> dict:
@@ -425,15 +457,24 @@ def run(args: argparse.Namespace) -> int:
         "install": install,
         "sizes": sizes,
     }
+    seconds: dict[str, float] = {}
     with tempfile.TemporaryDirectory(prefix="diloco-device-") as tmp:
-        work = Path(tmp)
-        island = measure_island(work, sizes, log)
-        print("device: in-jit int8 quantize against a device copy", file=log, flush=True)
-        quantize = measure_quantize(sizes["quant_elements"])
-        join = measure_join(work, sizes, log)
+        t0 = time.perf_counter()
+        with clusters(Path(tmp)) as connects:
+            t1 = time.perf_counter()
+            island = measure_island(connects, sizes, log)
+            t2 = time.perf_counter()
+            print("device: in-jit int8 quantize against a device copy", file=log, flush=True)
+            quantize = measure_quantize(sizes["quant_elements"])
+            t3 = time.perf_counter()
+            join = measure_join(connects["join"], sizes, log)
+            t4 = time.perf_counter()
+        seconds.update(clusters_start=t1 - t0, island=t2 - t1, quantize=t3 - t2, join=t4 - t3)
+        seconds["clusters_stop"] = time.perf_counter() - t4
     result.update(island=island, quantize=quantize, join=join)
     result["ratios"] = ratios(island, quantize, join)
-    result["seconds"] = time.perf_counter() - t_start
+    result["seconds"] = {**seconds, "install": install["seconds"]}
+    result["seconds"]["total"] = time.perf_counter() - t_start
     text = json.dumps(_rounded(result), sort_keys=True)
     if args.out:
         Path(args.out).write_text(text + "\n")
