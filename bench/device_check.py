@@ -1,4 +1,6 @@
-"""`diloco-bench device`: the accelerator check, one JSON of the island's figures on this machine.
+"""The accelerator check: installs CUDA JAX where a GPU lacks it; island, quantize and join figures against baselines, one JSON.
+
+`diloco-bench device` (or `bench/device_check.sh`).
 
 On a machine with an NVIDIA GPU (`nvidia-smi -L` lists one) whose JAX has no
 GPU backend, it first installs the CUDA build of the installed JAX version into
@@ -109,7 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="never pip install the CUDA build of JAX, even when a GPU is seen",
     )
     parser.add_argument("--model", default=None, help="island model preset (default base)")
-    parser.add_argument("--rounds", type=int, default=None, help="island rounds (default 4)")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=None,
+        help="rounds each island trains, the first untimed (default 4)",
+    )
     parser.add_argument(
         "--inner-steps", type=int, default=None, help="island steps per round (default 10)"
     )
