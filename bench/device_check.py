@@ -66,7 +66,9 @@ CLUSTERS: dict[str, tuple[str, ...]] = {
     "host": ("--mode", "sync", "--downlink", "int8"),
     "join": (),
 }
-PIP_EXTRA = "cuda12"  # jax's extra that pulls the CUDA 12 plugin and libraries from pip
+# jax's extras that pull a CUDA plugin and its libraries from pip; cuda12 runs on any
+# driver of CUDA 12 or newer
+PIP_EXTRAS = ("cuda12", "cuda13")
 INSTALL_TIMEOUT_S = 420.0
 PROBE_TIMEOUT_S = 180.0
 
@@ -109,6 +111,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--no-install",
         action="store_true",
         help="never pip install the CUDA build of JAX, even when a GPU is seen",
+    )
+    parser.add_argument(
+        "--cuda-extra",
+        choices=PIP_EXTRAS,
+        default="cuda12",
+        help="jax's pip extra the install step uses (default cuda12: any CUDA 12+ driver)",
     )
     parser.add_argument("--model", default=None, help="island model preset (default base)")
     parser.add_argument(
@@ -164,18 +172,26 @@ def jax_backend(python: str = sys.executable) -> str | None:
     return lines[-1] if proc.returncode == 0 and lines else None
 
 
-def install_command(python: str = sys.executable) -> list[str]:
-    """pip's command line for the CUDA build of the JAX version installed now."""
-    return [python, "-m", "pip", "install", f"jax[{PIP_EXTRA}]=={metadata.version('jax')}"]
+def install_command(extra: str = "cuda12", python: str = sys.executable) -> list[str]:
+    """pip's command line for the CUDA build of the JAX version installed now.
+
+    Args:
+        extra: one of `PIP_EXTRAS`.
+        python: the interpreter whose environment gets it.
+    """
+    if extra not in PIP_EXTRAS:
+        raise ValueError(f"extra must be one of {PIP_EXTRAS}, got {extra!r}")
+    return [python, "-m", "pip", "install", f"jax[{extra}]=={metadata.version('jax')}"]
 
 
-def ensure_cuda_jax(allow_install: bool, log) -> dict[str, Any]:
+def ensure_cuda_jax(allow_install: bool, log, extra: str = "cuda12") -> dict[str, Any]:
     """Install the CUDA build of JAX when a GPU is seen and JAX has no GPU backend.
 
     Must run before this process imports JAX.
 
     Args:
         allow_install: False: never install, only report.
+        extra: jax's pip extra to install (`PIP_EXTRAS`).
         log: where progress lines go.
 
     Returns:
@@ -188,7 +204,7 @@ def ensure_cuda_jax(allow_install: bool, log) -> dict[str, Any]:
     before = jax_backend() if seen else None
     report["backend_before"] = before
     if seen and before != "gpu" and allow_install:
-        command = install_command()
+        command = install_command(extra)
         report["command"] = command
         print(f"device: GPU seen, JAX backend {before}: {' '.join(command)}", file=log, flush=True)
         t0 = time.perf_counter()
@@ -442,7 +458,7 @@ def run(args: argparse.Namespace) -> int:
     """
     t_start = time.perf_counter()
     log = sys.stderr
-    install = ensure_cuda_jax(not args.no_install, log)
+    install = ensure_cuda_jax(not args.no_install, log, args.cuda_extra)
     # two processes share the GPU (the island, the shard's outer step): no preallocation
     os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
     import jax

@@ -59,9 +59,12 @@ def test_without_nvidia_smi_nothing_is_installed_and_jax_is_not_probed(monkeypat
 def test_the_install_pins_the_installed_jax_version():
     from importlib import metadata
 
-    command = device_check.install_command("python")
-    assert command[:4] == ["python", "-m", "pip", "install"]
-    assert command[-1] == f"jax[cuda12]=={metadata.version('jax')}"
+    version = metadata.version("jax")
+    command = device_check.install_command("cuda12", "python")
+    assert command == ["python", "-m", "pip", "install", f"jax[cuda12]=={version}"]
+    assert device_check.install_command("cuda13")[-1] == f"jax[cuda13]=={version}"
+    with pytest.raises(ValueError):
+        device_check.install_command("cuda11")
 
 
 @pytest.mark.slow
