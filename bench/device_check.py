@@ -191,8 +191,8 @@ def ensure_cuda_jax(allow_install: bool, log, extra: str = "cuda12") -> dict[str
 
     Args:
         allow_install: False: never install, only report.
-        extra: jax's pip extra to install (`PIP_EXTRAS`).
         log: where progress lines go.
+        extra: jax's pip extra to install (`PIP_EXTRAS`).
 
     Returns:
         {"gpus_seen", "backend_before", "command" (None: no install), "ok", "seconds",
@@ -409,7 +409,8 @@ def ratios(island: dict[str, Any], quantize: dict[str, Any], join: dict[str, Any
 
     Returns:
         name -> ratio: the exchange of each path over its inner step and over the
-        device memcpy, device exchange over host exchange, quantize over memcpy, and
+        device memcpy, device exchange (and its step, and its host<->device bytes)
+        over the host path's, quantize over memcpy, and
         `worker.join`'s call (after a step, and back to back) and round-end call over
         the MLP step.
     """
@@ -419,6 +420,9 @@ def ratios(island: dict[str, Any], quantize: dict[str, Any], join: dict[str, Any
         "island_host_exchange_over_step": host["exchange_ms"] / host["step_ms"],
         "island_device_vs_host_exchange": device["exchange_ms"] / host["exchange_ms"],
         "island_device_step_vs_host_step": device["step_ms"] / host["step_ms"],
+        "island_device_vs_host_bytes": (
+            device["host_device_bytes_per_param"] / host["host_device_bytes_per_param"]
+        ),
         "island_device_exchange_vs_memcpy": device["exchange_ms"] / island["memcpy_ms"],
         "island_host_exchange_vs_memcpy": host["exchange_ms"] / island["memcpy_ms"],
         "quantize_vs_memcpy": quantize["quantize_ms"] / quantize["memcpy_ms"],

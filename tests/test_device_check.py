@@ -18,6 +18,7 @@ TOP_KEYS = {
 RATIOS = {
     "island_device_exchange_over_step", "island_host_exchange_over_step",
     "island_device_vs_host_exchange", "island_device_step_vs_host_step",
+    "island_device_vs_host_bytes",
     "island_device_exchange_vs_memcpy", "island_host_exchange_vs_memcpy",
     "quantize_vs_memcpy", "join_call_over_step", "join_call_alone_over_step",
     "join_round_call_over_step",
@@ -27,8 +28,8 @@ RATIOS = {
 @pytest.mark.timeout(30)
 def test_every_ratio_is_its_figure_over_the_baseline_of_the_same_run():
     island = {
-        "device": {"exchange_ms": 2.0, "step_ms": 8.0},
-        "host": {"exchange_ms": 5.0, "step_ms": 10.0},
+        "device": {"exchange_ms": 2.0, "step_ms": 8.0, "host_device_bytes_per_param": 1.0},
+        "host": {"exchange_ms": 5.0, "step_ms": 10.0, "host_device_bytes_per_param": 8.0},
         "memcpy_ms": 0.5,
     }
     quantize = {"quantize_ms": 3.0, "memcpy_ms": 1.5}
@@ -38,6 +39,7 @@ def test_every_ratio_is_its_figure_over_the_baseline_of_the_same_run():
         "island_host_exchange_over_step": 0.5,  # 5 / 10
         "island_device_vs_host_exchange": 0.4,  # 2 / 5
         "island_device_step_vs_host_step": 0.8,  # 8 / 10
+        "island_device_vs_host_bytes": 0.125,  # 1 / 8
         "island_device_exchange_vs_memcpy": 4.0,  # 2 / 0.5
         "island_host_exchange_vs_memcpy": 10.0,  # 5 / 0.5
         "quantize_vs_memcpy": 2.0,  # 3 / 1.5
