@@ -8,11 +8,12 @@ this interpreter's environment (`pip install "jax[cuda12]==<version>"`; never on
 a CPU-only machine, never with `--no-install`). Then, in one process, each
 figure against its baseline measured in the same run:
 
-- `island`: a model preset (`--model`, default `base`) trains as an island
-  against a fresh local one-shard cluster (real daemons, sync mode, int8
-  downlink; one cluster per path), once with `exchange="device"` and once with `"host"`, for
-  `--rounds` rounds of `--inner-steps` AdamW steps (`worker.train.InnerTrainer`
-  driving a `worker.session.Session`, as the daemon's loop does). Per round
+- `island`: a model preset (`--model`, default `base`) trains on the embedded
+  corpus as an island against a fresh local one-shard cluster (real daemons,
+  sync mode, int8 downlink; one cluster per path), once with
+  `exchange="device"` and once with `"host"`, for `--rounds` rounds of
+  `--inner-steps` AdamW steps (`worker.train.InnerTrainer` driving a
+  `worker.session.Session`, as the daemon's loop does). Per round
   after the first: the inner step time, `Session.stats` `exchange_s` and
   `host_device_bytes`. Baselines: the inner step, the other exchange path, a
   jitted device copy of the parameters (`bench.island_exchange`'s memcpy).
