@@ -159,6 +159,10 @@ class ShardConfig:
     heartbeat_interval_s: float = 1.0  # PUB heartbeat period when idle; liveness unit
     liveness: int = 5  # an island silent this many heartbeat intervals is dead
     max_message_bytes: int = 64 * MIB  # larger requests are rejected "oversize"
+    # frames one request may have (header + codec header + payload frames); more are refused
+    # "oversize" before anything is stored. Our writer cuts payloads at 1 MiB, so a message
+    # of max_message_bytes has max_message_bytes / 1 MiB + 2 frames; keep at least that
+    max_frames_per_message: int = 4096
     max_islands: int = 256  # distinct islands a shard tracks at once
     max_pending_per_island: int = 8  # unmerged deltas one island may have per fragment
     # bytes all pending deltas of the shard may keep (counted coded: ~1.02 B/param for int8,
@@ -250,6 +254,14 @@ class ShardConfig:
             "max_message_bytes",
             self.max_message_bytes,
             "keep it <= 1 GiB; split the model into more fragments instead",
+        )
+        honest_frames = -(-self.max_message_bytes // MIB) + 2
+        check.integer("max_frames_per_message", self.max_frames_per_message, 3)
+        check.require(
+            self.max_frames_per_message >= honest_frames,
+            "max_frames_per_message",
+            self.max_frames_per_message,
+            f"keep it >= {honest_frames}: a push of max_message_bytes cut at 1 MiB has that many",
         )
         check.integer("max_islands", self.max_islands, 1)
         check.integer("max_pending_per_island", self.max_pending_per_island, 1)

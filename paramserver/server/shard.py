@@ -72,7 +72,9 @@ def store(storage: ShardStorage, records: list) -> StorageFailure | None:
 
     Returns:
         None when they are on disk, else what failed with the state rebuilt
-        from disk (the log was cut back to its last good sync).
+        from disk: the events whose records failed (the others of the batch
+        are on disk), or, when the sync failed, all of them (the log was cut
+        back to its last good sync).
 
     Raises:
         OSError: the log failed and could not even be cut back to its last sync.
@@ -80,10 +82,12 @@ def store(storage: ShardStorage, records: list) -> StorageFailure | None:
     if not records:  # nothing written: no sync, and no sign the log is writable again
         return None
     try:
-        storage.append(records)
+        lost = storage.append_each(records)  # a failed record costs its own request only
         storage.sync()
     except StorageError as exc:
         return StorageFailure(str(exc), storage.reload())
+    if lost:
+        return StorageFailure(storage.last_fault, storage.reload(), tuple(lost))
     return None
 
 
