@@ -68,6 +68,7 @@ import msgpack
 import numpy as np
 
 from codec import coded
+from paramserver.plumbing.private import open_private
 from paramserver.server.events import (
     AcceptEvent,
     Contribution,
@@ -263,7 +264,7 @@ class WriteAheadLog:
         self.path = Path(path)
         self.fsync = fsync
         created = not self.path.exists()
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = open_private(self.path, os.O_RDWR | os.O_CREAT)  # 0600: deltas are private
         try:
             if created or os.fstat(self._fd).st_size == 0:
                 os.write(self._fd, _file_header())
