@@ -163,6 +163,14 @@ class ShardConfig:
     # "oversize" before anything is stored. Our writer cuts payloads at 1 MiB, so a message
     # of max_message_bytes has max_message_bytes / 1 MiB + 2 frames; keep at least that
     max_frames_per_message: int = 4096
+    # bytes of snapshot replies one connection may leave unread in the shard before its next
+    # snapshot request is refused `throttled` (one reply is always served); 0 = twice
+    # max_message_bytes (two pieces in flight, as our client asks them)
+    max_unread_reply_bytes: int = 0
+    # a connection that sends no bytes for this long (ZMTP heartbeats: the shard pings every
+    # heartbeat_interval_s, and a pong counts) is closed, and what it half-sent is freed; a
+    # handshake must finish within it too; 0 = never (ZeroMQ's defaults)
+    peer_silence_s: float = 30.0
     max_islands: int = 256  # distinct islands a shard tracks at once
     max_pending_per_island: int = 8  # unmerged deltas one island may have per fragment
     # bytes all pending deltas of the shard may keep (counted coded: ~1.02 B/param for int8,
@@ -263,6 +271,8 @@ class ShardConfig:
             self.max_frames_per_message,
             f"keep it >= {honest_frames}: a push of max_message_bytes cut at 1 MiB has that many",
         )
+        check.integer("max_unread_reply_bytes", self.max_unread_reply_bytes, 0)
+        check.number("peer_silence_s", self.peer_silence_s, low=0.0)
         check.integer("max_islands", self.max_islands, 1)
         check.integer("max_pending_per_island", self.max_pending_per_island, 1)
         check.require(
@@ -420,6 +430,11 @@ class ShardConfig:
     def pending_bytes_per_island(self) -> int:
         """One island's pending byte budget: max_pending_bytes_per_island, or 1/4 of the shard's."""
         return self.max_pending_bytes_per_island or max(1, self.max_pending_bytes // 4)
+
+    @property
+    def unread_reply_bytes(self) -> int:
+        """Bytes of replies one connection may leave unread: the setting, or 2 x max_message_bytes."""
+        return self.max_unread_reply_bytes or 2 * self.max_message_bytes
 
     @property
     def max_frame_bytes(self) -> int:

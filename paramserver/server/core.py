@@ -49,6 +49,7 @@ from typing import Any
 import codec
 from paramserver.plumbing.identity import IslandGuard
 from paramserver.server.admission import gate, outcomes
+from paramserver.server.admission.backlog import ReplyBacklog
 from paramserver.server.admission.outcomes import IslandReports, Outcome
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import AcceptEvent, Event, StepEvent
@@ -248,6 +249,8 @@ class ShardCore:
         self.checkpoint_error: str | None = None  # the last failure
         self._h_warned: set[str] = set()  # islands told their H takes other outer defaults
         self.islands = IslandReports()  # what `status` shows of each island (not durable)
+        # bytes of large replies each connection has not read yet (the I/O loop tracks sends)
+        self.backlog = ReplyBacklog(cfg.unread_reply_bytes)
         # request rate limits, checked before a request is decoded
         self.throttle = gate.Throttle(
             gate.Limits(cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s)
@@ -432,10 +435,13 @@ class ShardCore:
             refusal = outcomes.snapshot_piece_refusal(
                 offset, end, size, protocol.piece_elements(self.cfg.max_message_bytes)
             )
+        if refusal is None and not self.backlog.admits(request.conn):  # a reader that lags
+            refusal = self.backlog.refusal(request.conn)
         if refusal is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, refusal))
         version, values = self.state.snapshot(fragment, offset, end)  # copies the piece only
         frames, _ = self._raw32.encode({"values": values})
+        self.backlog.charge(request.conn, protocol.message_bytes(frames))
         return self._reply(
             request, header, "snapshot_reply", frames, fragment=fragment, version=version,
             seq=self.seq, offset=offset, size=size,
