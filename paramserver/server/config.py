@@ -202,6 +202,9 @@ class ShardConfig:
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     metrics_port: int = 0  # Prometheus metrics port; 0 = off
     metrics_host: str = ""  # bind address of the metrics endpoint; "" = the same as host
+    # off loopback (needs CURVE keys or insecure), the metrics endpoint and cluster page ask for
+    # this token; "" = one made at the first start in <data_dir>/metrics.token (mode 0600)
+    metrics_token: str = ""
     curve_secret_key_file: str = ""  # shard key pair (NAME.key_secret); "" = no CURVE (trusted net)
     curve_allow_dir: str = ""  # with CURVE: directory of the allowed islands' NAME.key files
     # with CURVE: TOML file granting a key more island ids than its file's stem (NAME.key acts
@@ -307,6 +310,7 @@ class ShardConfig:
             self.metrics_host,
             "give a bind address such as 127.0.0.1, or leave it empty to use host",
         )
+        check.text("metrics_token", self.metrics_token)
         check.together(
             "curve_secret_key_file",
             self.curve_secret_key_file,
@@ -323,6 +327,28 @@ class ShardConfig:
         check.boolean("insecure", self.insecure)
         refused = self.plain_bind_refusal(self.host)
         check.require(refused is None, "host", self.host, str(refused))
+        refused = self.metrics_bind_refusal()
+        check.require(refused is None, "metrics_host", self.metrics_bind_host, str(refused))
+
+    def metrics_bind_refusal(self) -> str | None:
+        """Why the metrics endpoint and cluster page may not bind off loopback, or None.
+
+        Returns:
+            One line naming the address, the risk and the ways out, when
+            metrics_port is set on a host that is not loopback without CURVE
+            keys or `insecure` (the shards' rule, `paramserver.plumbing.exposure`;
+            bound there, the page asks for a token); None otherwise.
+        """
+        if not self.metrics_port:
+            return None
+        return refusal(
+            self.metrics_bind_host,
+            curve=bool(self.curve_secret_key_file),
+            insecure=self.insecure,
+            risk="anyone who reaches the port reads the island ids, losses and counters",
+            keys="--curve-secret-key-file and --curve-allow-dir (the page then asks for a token)",
+            opt_out="--metrics-host 127.0.0.1, or --insecure",
+        )
 
     def plain_bind_refusal(self, address: str) -> str | None:
         """Why this shard may not bind `address` (a host or endpoint) without CURVE, or None.
