@@ -96,6 +96,27 @@ def test_half_sent_requests_hold_a_bounded_pool_and_time_out(page):
             s.close()
 
 
+def test_a_request_trickled_in_below_the_read_timeout_is_cut_at_the_deadline(page):
+    server = page(host="127.0.0.1")
+    server.request_deadline_s = 1.0
+    s = socket.create_connection(("127.0.0.1", server.server_port), timeout=5)
+    try:
+        s.settimeout(0.3)
+
+        def cut() -> bool:  # one more byte of a header that never ends, well within the timeout
+            try:
+                s.sendall(b"X")
+                return s.recv(1) == b""
+            except TimeoutError:
+                return False
+            except OSError:
+                return True
+
+        wait_for(cut, "the trickling connection cut", timeout_s=30, poll_s=0.0)
+    finally:
+        s.close()
+
+
 def test_off_loopback_the_page_asks_for_its_token(page, tmp_path):
     server = page(host="0.0.0.0", data_dir=str(tmp_path / "data"))
     port = server.server_port

@@ -17,8 +17,10 @@ Prometheus scrape's `authorization`), as ``?token=TOKEN`` (a browser; the
 reply sets a cookie, so the page's own requests carry it), or as that
 cookie; without it the answer is 401. Requests are served by a pool of
 PAGE_WORKERS threads, each read times out after READ_TIMEOUT_S, and at most
-PAGE_QUEUE connections wait for a worker (more are closed at once): a flood
-of half-sent requests holds a fixed number of threads.
+PAGE_QUEUE connections wait for a worker (more are closed at once), and a
+connection a worker still serves REQUEST_DEADLINE_S after taking it (a peer
+that trickles its request, or reads the answer byte by byte) is cut: a flood
+of half-sent requests holds a fixed number of threads, each for a bounded time.
 
 A `ClusterSampler` thread asks every shard for its
 status every SAMPLE_S seconds (over the wire, with the server's CURVE keys when
@@ -29,6 +31,7 @@ the shards nothing more.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import hmac
 import json
@@ -61,6 +64,7 @@ SAMPLE_S = 2.0  # seconds between two status scrapes of the page's sampler
 PAGE_WORKERS = 8  # threads answering HTTP requests
 PAGE_QUEUE = 64  # accepted connections waiting for a worker; more are closed at once
 READ_TIMEOUT_S = 5.0  # a request whose next bytes take longer is dropped
+REQUEST_DEADLINE_S = 30.0  # a connection still open this long after it was taken is cut
 TOKEN_FILE = "metrics.token"
 COOKIE = "diloco_page_token"
 _STATUS_TIMEOUT_S = 2.0
@@ -222,6 +226,7 @@ class PageServer(HTTPServer):
     """The HTTP server (a bounded pool of workers); `shutdown` also stops its sampler."""
 
     request_queue_size = 128  # the listen backlog
+    request_deadline_s = REQUEST_DEADLINE_S
 
     def __init__(
         self,
@@ -246,6 +251,8 @@ class PageServer(HTTPServer):
         self.files = page_files()
         self._pool = ThreadPoolExecutor(PAGE_WORKERS, thread_name_prefix="page")
         self._slots = threading.BoundedSemaphore(PAGE_WORKERS + PAGE_QUEUE)
+        self._serving: dict[Any, float] = {}  # connection -> when a worker took it
+        self._serving_lock = threading.Lock()
         super().__init__(address, _Handler)
 
     def process_request(self, request: Any, client_address: Any) -> None:
@@ -256,13 +263,26 @@ class PageServer(HTTPServer):
         self._pool.submit(self._work, request, client_address)
 
     def _work(self, request: Any, client_address: Any) -> None:
+        with self._serving_lock:
+            self._serving[request] = time.monotonic()
         try:
             self.finish_request(request, client_address)
         except Exception:
             self.handle_error(request, client_address)
         finally:
+            with self._serving_lock:
+                self._serving.pop(request, None)
             self.shutdown_request(request)
             self._slots.release()
+
+    def service_actions(self) -> None:
+        """Cut the connections served longer than request_deadline_s (serve_forever's loop)."""
+        cutoff = time.monotonic() - self.request_deadline_s
+        with self._serving_lock:
+            late = [conn for conn, began in self._serving.items() if began < cutoff]
+        for conn in late:  # its worker's read or write ends at once, and it closes the rest
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         """Log a failed request at DEBUG (a peer that left), not on stderr."""
