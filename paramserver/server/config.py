@@ -208,6 +208,18 @@ class ShardConfig:
     heartbeat_interval_s: float = 1.0  # PUB heartbeat period when idle; liveness unit
     liveness: int = 5  # an island silent this many heartbeat intervals is dead
     max_message_bytes: int = 64 * MIB  # larger requests are rejected "oversize"
+    # frames one request may have (header + codec header + payload frames); more are refused
+    # "oversize" before anything is stored. Our writer cuts payloads at 1 MiB, so a message
+    # of max_message_bytes has max_message_bytes / 1 MiB + 2 frames; keep at least that
+    max_frames_per_message: int = 4096
+    # bytes of snapshot replies one connection may leave unread in the shard before its next
+    # snapshot request is refused `throttled` (one reply is always served); 0 = twice
+    # max_message_bytes (two pieces in flight, as our client asks them)
+    max_unread_reply_bytes: int = 0
+    # a connection that sends no bytes for this long (ZMTP heartbeats: the shard pings every
+    # heartbeat_interval_s, and a pong counts) is closed, and what it half-sent is freed; a
+    # handshake must finish within it too; 0 = never (ZeroMQ's defaults)
+    peer_silence_s: float = 30.0
     max_islands: int = 256  # distinct islands a shard tracks at once
     max_pending_per_island: int = 8  # unmerged deltas one island may have per fragment
     # bytes all pending deltas of the shard may keep (counted coded: ~1.02 B/param for int8,
@@ -256,6 +268,9 @@ class ShardConfig:
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     metrics_port: int = 0  # Prometheus metrics port; 0 = off
     metrics_host: str = ""  # bind address of the metrics endpoint; "" = the same as host
+    # off loopback (needs CURVE keys or insecure), the metrics endpoint and cluster page ask for
+    # this token; "" = one made at the first start in <data_dir>/metrics.token (mode 0600)
+    metrics_token: str = ""
     curve_secret_key_file: str = ""  # shard key pair (NAME.key_secret); "" = no CURVE (trusted net)
     curve_allow_dir: str = ""  # with CURVE: directory of the allowed islands' NAME.key files
     # with CURVE: TOML file granting a key more island ids than its file's stem (NAME.key acts
@@ -317,6 +332,16 @@ class ShardConfig:
             self.max_message_bytes,
             "keep it <= 1 GiB; split the model into more fragments instead",
         )
+        honest_frames = -(-self.max_message_bytes // MIB) + 2
+        check.integer("max_frames_per_message", self.max_frames_per_message, 3)
+        check.require(
+            self.max_frames_per_message >= honest_frames,
+            "max_frames_per_message",
+            self.max_frames_per_message,
+            f"keep it >= {honest_frames}: a push of max_message_bytes cut at 1 MiB has that many",
+        )
+        check.integer("max_unread_reply_bytes", self.max_unread_reply_bytes, 0)
+        check.number("peer_silence_s", self.peer_silence_s, low=0.0)
         check.integer("max_islands", self.max_islands, 1)
         check.integer("max_pending_per_island", self.max_pending_per_island, 1)
         check.require(
@@ -363,6 +388,7 @@ class ShardConfig:
             self.metrics_host,
             "give a bind address such as 127.0.0.1, or leave it empty to use host",
         )
+        check.text("metrics_token", self.metrics_token)
         check.together(
             "curve_secret_key_file",
             self.curve_secret_key_file,
@@ -379,6 +405,28 @@ class ShardConfig:
         check.boolean("insecure", self.insecure)
         refused = self.plain_bind_refusal(self.host)
         check.require(refused is None, "host", self.host, str(refused))
+        refused = self.metrics_bind_refusal()
+        check.require(refused is None, "metrics_host", self.metrics_bind_host, str(refused))
+
+    def metrics_bind_refusal(self) -> str | None:
+        """Why the metrics endpoint and cluster page may not bind off loopback, or None.
+
+        Returns:
+            One line naming the address, the risk and the ways out, when
+            metrics_port is set on a host that is not loopback without CURVE
+            keys or `insecure` (the shards' rule, `paramserver.plumbing.exposure`;
+            bound there, the page asks for a token); None otherwise.
+        """
+        if not self.metrics_port:
+            return None
+        return refusal(
+            self.metrics_bind_host,
+            curve=bool(self.curve_secret_key_file),
+            insecure=self.insecure,
+            risk="anyone who reaches the port reads the island ids, losses and counters",
+            keys="--curve-secret-key-file and --curve-allow-dir (the page then asks for a token)",
+            opt_out="--metrics-host 127.0.0.1, or --insecure",
+        )
 
     def plain_bind_refusal(self, address: str) -> str | None:
         """Why this shard may not bind `address` (a host or endpoint) without CURVE, or None.
@@ -528,6 +576,11 @@ class ShardConfig:
     def pending_bytes_per_island(self) -> int:
         """One island's pending byte budget: max_pending_bytes_per_island, or 1/4 of the shard's."""
         return self.max_pending_bytes_per_island or max(1, self.max_pending_bytes // 4)
+
+    @property
+    def unread_reply_bytes(self) -> int:
+        """Bytes of replies one connection may leave unread: the setting, or 2 x max_message_bytes."""
+        return self.max_unread_reply_bytes or 2 * self.max_message_bytes
 
     @property
     def max_frame_bytes(self) -> int:

@@ -357,6 +357,24 @@ def oversize(size: int, limit: int) -> Outcome | None:
     return refused("oversize", f"{size} bytes; max_message_bytes={limit}")
 
 
+def too_many_frames(frames: int, limit: int) -> Outcome | None:
+    """The refusal of a request cut into more frames than the shard accepts.
+
+    Args:
+        frames: the request's frame count (header and payload frames).
+        limit: the shard's max_frames_per_message.
+
+    Returns:
+        A rejected `oversize` outcome, or None when the request's frames are within it.
+    """
+    if frames <= limit:
+        return None
+    return refused(
+        "oversize",
+        f"{frames} frames; max_frames_per_message={limit} (cut the payload into larger pieces)",
+    )
+
+
 def snapshot_refusal(initialized: bool, owned: bool, fragment: int, shard: int) -> Outcome | None:
     """Why a snapshot of `fragment` cannot be served, if it cannot.
 

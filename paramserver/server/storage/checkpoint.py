@@ -50,6 +50,7 @@ import msgpack
 import numpy as np
 
 from codec.coded import CodedTensor, from_array
+from paramserver.plumbing.private import open_private
 from paramserver.server.admission.outcomes import ShardCounters
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import Contribution, StateError
@@ -329,7 +330,7 @@ def write_checkpoint(
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     crc = 0
     unsynced = 0
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # 0600: parameters are private
     try:
 
         def put(buf: Any) -> None:
