@@ -111,14 +111,14 @@ def test_a_whole_chunk_merge_sums_an_islands_increments_before_averaging():
     mean = chunk_merge("mean", deltas, [0.5, 0.5, 0.5], frag).whole()
     np.testing.assert_allclose(mean, [1.0, 1.0], rtol=1e-6)
     with pytest.raises(MergeError, match="unknown"):
-        chunk_merge("median", [("a", a1)], [1.0], frag).whole()
+        chunk_merge("trimmed", [("a", a1)], [1.0], frag).whole()
     with pytest.raises(MergeError, match="3 deltas but 2 coefficients"):
         chunk_merge("mean", deltas, [0.5, 0.5], frag).whole()
 
 
 def test_config_refuses_an_unknown_merge():
     with pytest.raises(ConfigError, match="merge"):
-        ShardConfig(merge="median")
+        ShardConfig(merge="trimmed")
 
 
 def test_shard_step_with_rda_keeps_the_norm_of_orthogonal_island_deltas():

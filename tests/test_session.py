@@ -17,7 +17,7 @@ from conftest import Cluster
 import worker
 from paramserver.client import ClientError
 from paramserver.plumbing import probe
-from worker import outbox, progress
+from worker import island_files, outbox
 from worker.config import IslandConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,7 +84,7 @@ def test_two_threaded_islands_train_an_mlp_and_a_later_session_starts_from_the_g
         assert late.version > 0
     final = mlp.heldout_loss(start)
     assert final < initial / 2, (initial, final)
-    rows = progress.read_rows(tmp_path / "a")
+    rows = island_files.read_rows(tmp_path / "a")
     assert [r["round"] for r in rows if not r.get("final")] == list(range(1, 16))
     # the final row carries the client's counters (acks may all come after close when the
     # in-thread shards compile their first step: an island then pushes once and carries on)

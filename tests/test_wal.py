@@ -130,3 +130,16 @@ def test_rollback_cuts_off_every_record_since_the_last_sync(tmp_path):
     log.append({"n": 3}, [b"next batch"])
     log.close()
     assert [r.header["n"] for r in LogReader(tmp_path / "wal-0.log")] == [0, 3]
+
+
+def test_a_record_of_more_buffers_than_iov_max_is_written_in_batches(tmp_path):
+    from paramserver.server.storage.wal import IOV_MAX
+
+    pieces = [bytes([i % 251]) * (1 + i % 3) for i in range(IOV_MAX * 2 + 77)]
+    log = WriteAheadLog(tmp_path / "wal-0.log", fsync=False)
+    log.append({"n": 0}, pieces)
+    log.append({"n": 1}, [b"after"])
+    log.close()
+    records = list(LogReader(tmp_path / "wal-0.log"))
+    assert [r.header["n"] for r in records] == [0, 1]
+    assert records[0].payload == b"".join(pieces) and records[1].payload == b"after"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from conftest import Cluster, free_port, wait_for
 
-from worker import outbox, progress
+from worker import island_files, outbox
 
 FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0")
 
@@ -23,7 +23,7 @@ def worker_cmd(*args: str) -> list[str]:
 
 
 def island_status(data_dir: Path) -> dict:
-    return progress.read_status(data_dir) or {}
+    return island_files.read_status(data_dir) or {}
 
 
 def counted(cluster: Cluster) -> int:
@@ -89,7 +89,7 @@ def test_an_island_stops_in_seconds_without_its_server_and_resends_its_deltas_at
         cluster.stop()
         log.close()
     assert not (data_dir / outbox.OUTBOX_FILE).exists()  # removed once resolved
-    final = progress.read_rows(data_dir)[-1]
+    final = island_files.read_rows(data_dir)[-1]
     fragments = cluster.cfg.num_fragments
     assert final["final"] and final["rejected"] == 0
     assert final["pushes"] == final["acked"] == kept + fragments  # the kept ones, one round

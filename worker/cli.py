@@ -47,7 +47,7 @@ from pathlib import Path
 from paramserver.client import ClientError
 from paramserver.plumbing import daemon, dir_kind, settings
 from worker import export as export_cli
-from worker import progress
+from worker import island_files
 from worker.config import IslandConfig
 
 ENV_PREFIX = "DILOCO_WORKER_"
@@ -311,7 +311,7 @@ def _status(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     dir_kind.check(data_dir, dir_kind.ISLAND)
     pid = daemon.running_pid(daemon.pid_path(data_dir))
-    status = progress.read_status(data_dir)
+    status = island_files.read_status(data_dir)
     if status is None:
         raise daemon.DaemonError(
             f"no island status in {data_dir}: start one with diloco-worker start"
@@ -377,7 +377,7 @@ def status_lines(status: dict, now: float) -> list[str]:
     """The human view of an island's status file (`diloco-worker status` without --json).
 
     Args:
-        status: the status mapping (`worker.progress.read_status`) plus "running".
+        status: the status mapping (`worker.island_files.read_status`) plus "running".
         now: wall-clock time, for the age of the file.
 
     Returns:

@@ -20,7 +20,6 @@ from typing import Any
 import zmq
 
 from paramserver.plumbing.curve import ClientKeys, CurveError, load_keypair
-from paramserver.plumbing.exposure import is_loopback
 from paramserver.plumbing.probe import ProbeError, shard_status
 
 logger = logging.getLogger(__name__)
@@ -139,7 +138,12 @@ def server_keys(curve_secret_key_file: str) -> ClientKeys | None:
 
 
 def serve_metrics(
-    port: int, endpoints: Sequence[str], host: str = "127.0.0.1", curve_secret_key_file: str = ""
+    port: int,
+    endpoints: Sequence[str],
+    host: str = "127.0.0.1",
+    curve_secret_key_file: str = "",
+    token: str = "",
+    data_dir: str = "",
 ) -> Any:
     """Start the HTTP endpoint (metrics and the cluster page) in background threads.
 
@@ -150,6 +154,9 @@ def serve_metrics(
         host: bind address (ShardConfig.metrics_bind_host: metrics_host, else host).
         curve_secret_key_file: the shards' key pair (ShardConfig.curve_secret_key_file;
             "": the shards run without CURVE).
+        token: off loopback, what every request must carry (ShardConfig.metrics_token;
+            "": the data dir's, made at the first start; `page_server.page_token`).
+        data_dir: where that token file is kept.
 
     Returns:
         The HTTP server (call ``shutdown()`` to stop it and its sampler).
@@ -166,7 +173,7 @@ def serve_metrics(
             "metrics_port is set but prometheus-client is not installed: "
             "pip install 'decoupled-diloco[metrics]' or set metrics_port = 0"
         ) from None
-    from paramserver.ops.page_server import ClusterSampler, PageServer
+    from paramserver.ops.page_server import TOKEN_FILE, ClusterSampler, PageServer, page_token
 
     keys = server_keys(curve_secret_key_file)
     registry = CollectorRegistry()
@@ -176,9 +183,13 @@ def serve_metrics(
         encoder, content_type = choose_encoder(accept)
         return encoder(registry), content_type
 
+    try:
+        secret = page_token(host, token, data_dir)
+    except OSError as exc:
+        raise MetricsError(f"the cluster page's token cannot be made: {exc}") from None
     sampler = ClusterSampler(endpoints, curve=keys)
     try:
-        server = PageServer((host, port), sampler, metrics_text)
+        server = PageServer((host, port), sampler, metrics_text, secret)
     except OSError as exc:
         raise MetricsError(f"metrics port {port} cannot be bound: {exc.strerror}") from None
     sampler.start()
@@ -186,12 +197,22 @@ def serve_metrics(
     logger.info(
         "metrics on http://%s:%d/metrics, cluster page on http://%s:%d/", host, port, host, port
     )
-    if not is_loopback(host):  # read-only, but unauthenticated: say so (README, Security)
+    if secret is not None:  # off loopback: plain HTTP behind a token (README, Security)
+        where = (
+            "the metrics_token setting"
+            if token
+            else f"{data_dir}/{TOKEN_FILE}"
+            if data_dir
+            else f"this line: {secret}"
+        )
         logger.warning(
-            "the metrics endpoint and cluster page on %s:%d are plain HTTP without "
-            "authentication: anyone who reaches the port reads island ids, losses, versions and "
-            "counters (nothing there changes the cluster); bind --metrics-host 127.0.0.1 or "
-            "firewall the port if that matters",
+            "the metrics endpoint and cluster page on %s:%d are plain HTTP off loopback: they "
+            "ask for the token in %s (open http://%s:%d/?token=TOKEN; scrapers send "
+            "'Authorization: Bearer TOKEN'); the token crosses the network in the clear, so "
+            "reach it over a trusted network or a tunnel",
+            host,
+            port,
+            where,
             host,
             port,
         )

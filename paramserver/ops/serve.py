@@ -104,6 +104,8 @@ def serve_shard(
                     [server.router_bind.replace("*", "127.0.0.1")],
                     cfg.metrics_bind_host,
                     cfg.curve_secret_key_file,
+                    cfg.metrics_token,
+                    cfg.data_dir,
                 )
             except MetricsError as exc:
                 logger.error("shard %d cannot start: %s", index, exc)

@@ -223,6 +223,8 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0, created: Path | 
                         [r for r, _ in endpoints],
                         cfg.metrics_bind_host,
                         cfg.curve_secret_key_file,
+                        cfg.metrics_token,
+                        cfg.data_dir,
                     )
                 except MetricsError as exc:
                     reason = str(exc)

@@ -17,9 +17,10 @@ events are appended and fsynced once (`paramserver.server.shard.run_batch`).
 A reply that says something is on disk (an accepted or duplicate ack,
 `init_ok`, `init_begun`, `init_piece_ok`) is a `DurableReply`, decided once
 the storage outcome is known: `settle(effects, now, failure)` renders it as
-answered when the records are on disk, or, when they are not, adopts the
-state rebuilt from disk and renders it a `storage_error` refusal, and drops
-the batch's updates unpublished. `settle` then numbers the publishes
+answered when its record is on disk, or, when it is not, adopts the state
+rebuilt from disk and renders it a `storage_error` refusal, and drops the
+updates of steps not on disk (a failed append costs only its own request;
+a failed sync, the whole batch). `settle` then numbers the publishes
 (`seq`), packs every message and counts the bytes sent.
 
 Admission (`handle`): a request is charged to its island's rate bucket before
@@ -48,9 +49,10 @@ from typing import Any
 import codec
 from paramserver.plumbing.identity import IslandGuard
 from paramserver.server.admission import gate, outcomes
+from paramserver.server.admission.backlog import ReplyBacklog
 from paramserver.server.admission.outcomes import IslandReports, Outcome
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import Event, StepEvent
+from paramserver.server.events import AcceptEvent, Event, StepEvent
 from paramserver.server.state import ShardState
 from paramserver.wire import protocol
 from paramserver.wire.protocol import ACCEPTED, REJECTED
@@ -104,6 +106,7 @@ class DurableReply:
     outcome: Outcome | None = None  # an ack's outcome (accepted or duplicate)
     version: int = 0  # an ack's fragment version when answered
     envelope: tuple[bytes, ...] = ()
+    event: Event | None = None  # the event whose record the reply vouches for (None: none)
 
 
 @dataclass(frozen=True)
@@ -141,6 +144,7 @@ class Effects:
 # ----- the core ---------------------------------------------------------------------
 
 CHECKPOINT_RETRY_S = 10.0  # a failed checkpoint is tried again after this long
+FORGET_EVERY_S = 1.0  # how often idle islands are looked for (`ShardCore._forget_idle`)
 # Requests that act as an island, refused from a connection the island is not bound to.
 _BOUND_KINDS = ("push", "heartbeat", "bye")
 # The state's counters of requests (not of durable events): kept across a rebuild from disk.
@@ -159,10 +163,45 @@ class DueStep:
 
 @dataclass(frozen=True)
 class StorageFailure:
-    """A batch whose records did not become durable: what failed, and the state rebuilt from disk."""
+    """A batch whose records did not all become durable: what failed, the state rebuilt from disk.
+
+    `lost` holds the events whose records are not on disk (the rest of the
+    batch is); None: none of the batch is (a failed sync).
+    """
 
     error: str
     rebuilt: ShardState
+    lost: tuple[Event, ...] | None = None
+
+    def lost_event(self, event: Event | None, request: dict[str, Any] | None = None) -> bool:
+        """Whether a reply vouching for `event` must be refused (its record is not on disk).
+
+        Args:
+            event: the event the reply vouches for (None: none of its own).
+            request: the request's header: a duplicate of a push whose
+                record was lost in the same batch is refused too.
+
+        Returns:
+            True when the reply must say `storage_error`.
+        """
+        if self.lost is None:
+            return True
+        if event is not None:
+            return any(event is e for e in self.lost)
+        if request is None or request.get("kind") != "push":
+            return False
+        key = (request.get("island"), request.get("round"), request.get("fragment"))
+        return any(
+            isinstance(e, AcceptEvent)
+            and (e.contribution.island, e.contribution.round, e.contribution.fragment) == key
+            for e in self.lost
+        )
+
+    def lost_step(self, fragment: Any) -> bool:
+        """Whether an update of `fragment` must not be published (its step is not on disk)."""
+        if self.lost is None:
+            return True
+        return any(isinstance(e, StepEvent) and e.fragment == fragment for e in self.lost)
 
 
 class ShardCore:
@@ -211,6 +250,9 @@ class ShardCore:
         self.checkpoint_error: str | None = None  # the last failure
         self._h_warned: set[str] = set()  # islands told their H takes other outer defaults
         self.islands = IslandReports()  # what `status` shows of each island (not durable)
+        self._forget_at = now  # when to look for islands idle past island_ttl_s next
+        # bytes of large replies each connection has not read yet (the I/O loop tracks sends)
+        self.backlog = ReplyBacklog(cfg.unread_reply_bytes)
         # request rate limits, checked before a request is decoded
         self.throttle = gate.Throttle(
             gate.Limits(cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s)
@@ -263,7 +305,9 @@ class ShardCore:
                 detail = self.bindings.in_use_detail(island, now)
                 return self._answer(request, header, self.state.reject("island_in_use", detail))
             known = verdict == gate.OWN and self.state.touch(island, now, header)
-        too_big = outcomes.oversize(size, self.cfg.max_message_bytes)
+        too_big = outcomes.oversize(size, self.cfg.max_message_bytes) or outcomes.too_many_frames(
+            len(request.frames), self.cfg.max_frames_per_message
+        )
         if too_big is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, too_big))
         try:
@@ -294,7 +338,9 @@ class ShardCore:
 
     def _durable_reply(self, request: Request, header: dict, kind: str, outcome: Outcome, **fields):
         """An init_* reply, sent once the batch (with the outcome's event) is on disk."""
-        reply = DurableReply(request.conn, header, kind, fields, envelope=request.envelope)
+        reply = DurableReply(
+            request.conn, header, kind, fields, envelope=request.envelope, event=outcome.event
+        )
         records = [outcome.event] if outcome.event is not None else []
         return Effects(records=records, replies=[reply])
 
@@ -309,7 +355,7 @@ class ShardCore:
         if header.get("kind") == "push" and outcome.status != REJECTED:
             reply: Reply | DurableReply = DurableReply(
                 request.conn, header, "ack", outcome=outcome, version=version,
-                envelope=request.envelope,
+                envelope=request.envelope, event=outcome.event,
             )  # fmt: skip
         else:
             reply = Reply(request.conn, outcomes.render(header, outcome, version), [],
@@ -391,10 +437,13 @@ class ShardCore:
             refusal = outcomes.snapshot_piece_refusal(
                 offset, end, size, protocol.piece_elements(self.cfg.max_message_bytes)
             )
+        if refusal is None and not self.backlog.admits(request.conn):  # a reader that lags
+            refusal = self.backlog.refusal(request.conn)
         if refusal is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, refusal))
         version, values = self.state.snapshot(fragment, offset, end)  # copies the piece only
         frames, _ = self._raw32.encode({"values": values})
+        self.backlog.charge(request.conn, protocol.message_bytes(frames))
         return self._reply(
             request, header, "snapshot_reply", frames, fragment=fragment, version=version,
             seq=self.seq, offset=offset, size=size,
@@ -408,11 +457,15 @@ class ShardCore:
             self.islands.heard(header["island"], header, now)
             if outcome.status == ACCEPTED:
                 self.islands.accepted(header["island"], header["round"], now)
-            self._check_inner_steps(header["island"], header["steps"])
+            self._check_inner_steps(header["island"], header.get("inner_steps"))
         return self._answer(request, header, outcome)
 
-    def _check_inner_steps(self, island: str, steps: int) -> None:
-        """Warn once per island whose H would take other default outer settings than ours."""
+    def _check_inner_steps(self, island: str, steps: int | None) -> None:
+        """Warn once per island whose own H (its push's `inner_steps`) takes other defaults.
+
+        A push's `steps` are not the island's H (merged pushes after a skipped push,
+        streaming fragments, a last partial round): without `inner_steps` nothing is said.
+        """
         if island not in self._h_warned and (text := self.cfg.inner_steps_mismatch(island, steps)):
             self._h_warned.add(island)
             logger.warning("%s", text)
@@ -432,7 +485,7 @@ class ShardCore:
         status.update(self.checkpoint_report())
         status["seq"] = self.seq
         status["islands"] = self.islands.status()
-        status["outer"] = self.cfg.outer_report()
+        status["outer"] = self.cfg.outer_report(self.state.islands_pushing)
         status["endpoints"] = [list(e) for e in self.endpoints]  # the cluster map, without hello
         return self._reply(request, header, "status_reply", status=status)
 
@@ -474,6 +527,7 @@ class ShardCore:
             The steps' events and updates, or a heartbeat.
         """
         out = Effects()
+        self._forget_idle(now)
         if steps is None:
             steps = [due.fragment for due in self.due_steps(now)]
         for fragment in steps:
@@ -499,6 +553,17 @@ class ShardCore:
             out.publishes.append(Publish({"kind": "heartbeat", "shard": self.index}))
         return out
 
+    def _forget_idle(self, now: float) -> None:
+        """At most every FORGET_EVERY_S: forget islands idle past island_ttl_s, here and in the state."""
+        if now < self._forget_at:
+            return
+        self._forget_at = now + min(FORGET_EVERY_S, self.cfg.island_ttl_s / 4)
+        for island in self.state.forget_idle(now):
+            self.islands.forget(island)
+            self.bindings.forget(island)
+            self.throttle.unbind(island)
+            self._h_warned.discard(island)
+
     def next_wake(self, now: float) -> float:
         """When to tick next: the merge policy's next wake-up or the next heartbeat.
 
@@ -520,10 +585,12 @@ class ShardCore:
         """The messages of a batch once its storage outcome is known, packed and counted.
 
         Stored (or nothing to store): every reply as answered, durable ones
-        rendered now, then the publishes, numbered (`seq`). Not stored: the
-        state is the one rebuilt from disk (the request counters and island
-        registry carried over), every `DurableReply` is a `storage_error`
-        refusal (counted) and the batch's updates are dropped unpublished.
+        rendered now, then the publishes, numbered (`seq`). Not all stored:
+        the state is the one rebuilt from disk (the request counters and
+        island registry carried over), every `DurableReply` whose event is
+        lost (all of them when the sync failed) is a `storage_error` refusal
+        (counted) and the updates of lost steps are dropped unpublished; the
+        rest is answered as stored.
 
         Args:
             effects: the batch (none of it sent).
@@ -535,12 +602,19 @@ class ShardCore:
             [(conn, frames)] with conn None for the PUB; the bytes are counted.
         """
         publishes = effects.publishes
-        if failure is None:
-            self._records_since += len(effects.records)
-            self._steps_since += sum(isinstance(e, StepEvent) for e in effects.records)
-        else:
+        stored = effects.records
+        if failure is not None:
             self._adopt(failure.rebuilt)
-            publishes = [p for p in publishes if not p.is_update]
+            publishes = [
+                p
+                for p in publishes
+                if not (p.is_update and failure.lost_step(p.header["fragment"]))
+            ]
+            stored = [] if failure.lost is None else [
+                e for e in stored if not failure.lost_event(e)
+            ]  # fmt: skip
+        self._records_since += len(stored)
+        self._steps_since += sum(isinstance(e, StepEvent) for e in stored)
         messages: list[tuple[bytes | None, list[Any]]] = []
         for reply in effects.replies:
             header, payload = self._rendered(reply, failure)
@@ -558,6 +632,7 @@ class ShardCore:
         """Serve from a state rebuilt from disk, keeping what is bookkeeping, not events."""
         old = self.state
         rebuilt.last_seen, rebuilt.paces = old.last_seen, old.paces
+        rebuilt.heard_at = old.heard_at
         for name in _REQUEST_COUNTERS:
             setattr(rebuilt.counters, name, getattr(old.counters, name))
         self.state = rebuilt
@@ -568,7 +643,7 @@ class ShardCore:
         """A reply's header and payload, given the batch's storage outcome."""
         if isinstance(reply, Reply):
             return reply.header, reply.payload
-        if failure is not None:
+        if failure is not None and failure.lost_event(reply.event, reply.request):
             refusal = self.state.reject(
                 "storage_error", f"{failure.error}: not durable; send it again"
             )

@@ -39,6 +39,8 @@ class Contribution:
     arrived: float  # wall-clock seconds
     delta: CodedTensor  # the fragment's size, kept coded
     clip: float = 1.0
+    floor: int | None = None  # the push's `floor` (its island's lowest round still to come)
+    norm: float | None = None  # the delta's L2 norm, when known (not persisted)
 
     def __post_init__(self) -> None:
         if isinstance(self.delta, np.ndarray):
@@ -106,9 +108,11 @@ class StepEvent:
     """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round)).
 
     `outside`: the other pieces' Grams its RDA merge added (logged: replay uses these).
-    `expected` is the islands the shard expected that round (its live islands
-    and the merged ones, `weighting.round_share`); 0 (a log written before it
-    was recorded) counts the merged islands, a whole round.
+    `expected` is the islands the shard expected that round (the islands that
+    push and the merged ones, `paramserver.server.step.round_clock`;
+    `weighting.round_share`); 0 (a log written before it was recorded) counts
+    the merged islands, a whole round. Replay advances the fragment's round
+    clock by that share.
     """
 
     fragment: int

@@ -18,6 +18,7 @@ import numpy as np
 
 from paramserver.server.events import Contribution
 from paramserver.server.step.policy import ArrivalStats, PendingDelta
+from paramserver.server.step.round_clock import RoundClock
 
 
 @dataclass(frozen=True)
@@ -48,16 +49,40 @@ class FragmentState:
     pending: list[Contribution] = field(default_factory=list)
     stats: ArrivalStats = field(default_factory=ArrivalStats)
     residual: np.ndarray | None = None  # int8 downlink: quantization error carried (bfloat16)
-    norms: list[float] = field(default_factory=list)  # recent (clipped) delta norms: robust.py
+    norms: list[float] = field(default_factory=list)  # recent (clipped) delta norms: weighting.clip
+    param_norm: float | None = None  # L2 norm of params, None until computed after a change
+    clock: RoundClock = field(default_factory=RoundClock)  # rounds per version (staleness, N)
 
     def waiting(self) -> list[PendingDelta]:
         """The pending deltas as the merge policy sees them (island, arrival time)."""
         return [PendingDelta(c.island, c.arrived) for c in self.pending]
 
 
+# Accepted rounds one (island, fragment) entry remembers at most (`floor`: DedupEntry.low).
+DEDUP_MAX_ROUNDS = 4096
+
+
 @dataclass
 class DedupEntry:
-    """Per (island, fragment): newest accepted round, accepted rounds within the window."""
+    """Per (island, fragment): newest accepted round, accepted rounds not yet forgotten.
+
+    `floor` is the highest `floor` its pushes carried (the island's lowest round
+    it may still send), None when none did. Rounds below `low` are forgotten,
+    and a round below it that is not remembered is refused `replayed_round`.
+    """
 
     newest: int
     rounds: set[int]
+    floor: int | None = None
+
+    def low(self, window: int) -> int:
+        """The lowest round still remembered: newest - window, or below it down to `floor`.
+
+        Args:
+            window: the shard's dedup_window.
+
+        Returns:
+            min(floor, newest - window) with a floor, else newest - window.
+        """
+        low = self.newest - window
+        return low if self.floor is None else min(self.floor, low)

@@ -54,6 +54,7 @@ from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
 from paramserver.server.state import ShardState
 from paramserver.server.storage.checkpoint_job import CheckpointResult
 from paramserver.server.storage.shard_storage import ShardStorage, StorageError
+from paramserver.wire import protocol
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +62,10 @@ logger = logging.getLogger(__name__)
 BATCH = 64
 # Longest poll; bounds how late a set stop event is noticed.
 STOP_CHECK_S = 0.1
+# Replies (and frames) of at least this many bytes are tracked until ZeroMQ wrote them out.
+TRACK_MIN_BYTES = 64 * 1024
+# Updates the PUB keeps for one subscriber (ZeroMQ SNDHWM; the default is 1000).
+PUB_HWM = 64
 
 
 def store(storage: ShardStorage, records: list) -> StorageFailure | None:
@@ -72,7 +77,9 @@ def store(storage: ShardStorage, records: list) -> StorageFailure | None:
 
     Returns:
         None when they are on disk, else what failed with the state rebuilt
-        from disk (the log was cut back to its last good sync).
+        from disk: the events whose records failed (the others of the batch
+        are on disk), or, when the sync failed, all of them (the log was cut
+        back to its last good sync).
 
     Raises:
         OSError: the log failed and could not even be cut back to its last sync.
@@ -80,10 +87,12 @@ def store(storage: ShardStorage, records: list) -> StorageFailure | None:
     if not records:  # nothing written: no sync, and no sign the log is writable again
         return None
     try:
-        storage.append(records)
+        lost = storage.append_each(records)  # a failed record costs its own request only
         storage.sync()
     except StorageError as exc:
         return StorageFailure(str(exc), storage.reload())
+    if lost:
+        return StorageFailure(storage.last_fault, storage.reload(), tuple(lost))
     return None
 
 
@@ -231,6 +240,7 @@ class ShardServer:
                 auth.secure(router, "router")
                 auth.secure(pub, "pub")
             router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
+            bound_peers(router, pub, self.cfg)
             router.bind(self.router_bind)
             pub.bind(self.pub_bind)
             self.bound_endpoints = (
@@ -287,12 +297,59 @@ class ShardServer:
                 self._pub.send_multipart(message, copy=False)
                 self._trim_due = True
             else:
-                router.send_multipart([conn, *message], copy=False)
+                send_reply(router, core, conn, message)
+        core.backlog.turn_done()
         if idle and self._trim_due:  # the first quiet turn after a publish: off the reply path
             self._trim_due = False
             heap.trim()
         if tick:
             maybe_checkpoint(core, storage, now, background=True)
+
+
+def bound_peers(router: zmq.Socket, pub: zmq.Socket, cfg: ShardConfig) -> None:
+    """Cut off silent peers, and bound how many updates a slow subscriber holds (before binding).
+
+    A connection that sends no bytes for `peer_silence_s` (ZMTP heartbeats:
+    the shard PINGs every `heartbeat_interval_s`, and any traffic, a PONG
+    included, counts) is closed and whatever it half-sent is freed; a
+    handshake must finish within the same time. The PUB keeps at most
+    PUB_HWM updates per subscriber (shared between subscribers); one further
+    behind misses updates and resyncs (docs/protocol.md section 8).
+
+    Args:
+        router: the ROUTER.
+        pub: the PUB.
+        cfg: the shard's settings.
+    """
+    if cfg.peer_silence_s > 0:
+        silence_ms = max(1, int(cfg.peer_silence_s * 1000))
+        ping_ms = max(1, min(int(cfg.heartbeat_interval_s * 1000), silence_ms))
+        for sock in (router, pub):
+            sock.setsockopt(zmq.HANDSHAKE_IVL, silence_ms)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, silence_ms)
+    pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+
+
+def send_reply(router: zmq.Socket, core: ShardCore, conn: bytes, message: list[Any]) -> None:
+    """Send one reply; a large one is tracked in `core.backlog` until ZeroMQ wrote it out.
+
+    Args:
+        router: the ROUTER.
+        core: the shard's core (its backlog).
+        conn: the connection.
+        message: the reply's frames.
+    """
+    nbytes = protocol.message_bytes(message)
+    if nbytes < TRACK_MIN_BYTES:
+        router.send_multipart([conn, *message], copy=False)
+        return
+    frames = [zmq.Frame(f, track=True) if memoryview(f).nbytes >= TRACK_MIN_BYTES else f
+              for f in message]  # fmt: skip
+    router.send_multipart([conn, *frames], copy=False)
+    tracked = [f for f in frames if isinstance(f, zmq.Frame)]
+    if tracked:
+        core.backlog.track(conn, nbytes, zmq.MessageTracker(*tracked))
 
 
 def _user_id(frame: Any) -> str | None:

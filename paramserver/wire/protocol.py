@@ -64,6 +64,9 @@ REASONS = (
     "island_in_use",
     "forbidden_island",
     "throttled",
+    "delta_too_large",
+    "bad_tokens",
+    "bad_round",
 )
 
 
@@ -206,6 +209,9 @@ _OPTIONAL: dict[str, dict[str, str]] = {
     REQUEST: {
         "id": "int",
         "t_step": "seconds",
+        # the island's own configured H (inner steps per round), when it says it: the
+        # shards warn when it would take other default outer settings than theirs
+        "inner_steps": "pos",
         # what an island reports of its training (pushes and heartbeats; shown by the page)
         "inner_loss": "finite",
         "steps_per_s": "rate",
@@ -213,6 +219,8 @@ _OPTIONAL: dict[str, dict[str, str]] = {
         "session": "island",
         "offset": "uint",
         "count": "pos",
+        # push: the lowest round of the island the client may still send (DEDUP_MAX_ROUNDS)
+        "floor": "uint",
     },
     REPLY: {
         "id": "int",

@@ -10,9 +10,12 @@ The rule, with `quiet_s = min(TAKEOVER_INTERVALS, liveness) * heartbeat_interval
 
 - a `hello` binds the id to its connection when the id is free, already bound
   to this connection, bound under the same `session` (the hello's optional
-  token: the same client process reconnecting on a new socket), or bound to
-  a connection silent for more than `quiet_s`; otherwise it is refused
-  `island_in_use`;
+  token: the same client process reconnecting on a new socket), bound
+  without a session to a connection silent for more than `quiet_s`, or bound
+  under a session to a connection silent for more than `expire_s` =
+  liveness * heartbeat_interval_s (the island is dead: until then its token
+  is required, so a stranger cannot take over a live island that paused);
+  otherwise it is refused `island_in_use`;
 - a request from the bound connection (or for an unbound id) is served as
   usual and refreshes the binding;
 - a push, heartbeat or bye from another connection is refused
@@ -75,7 +78,12 @@ class Binding:
 
 
 def may_take_over(
-    now: float, bound: Binding | None, conn: bytes, session: str | None, quiet_s: float
+    now: float,
+    bound: Binding | None,
+    conn: bytes,
+    session: str | None,
+    quiet_s: float,
+    expire_s: float | None = None,
 ) -> bool:
     """Whether a hello from `conn` may bind an island id currently bound as `bound`.
 
@@ -84,16 +92,21 @@ def may_take_over(
         bound: the id's binding, or None when it is free.
         conn: the connection saying hello.
         session: the hello's session token, or None.
-        quiet_s: silence after which a binding may be taken over.
+        quiet_s: silence after which a binding without a session may be taken over.
+        expire_s: silence after which a binding under a session expires (the
+            island is dead) and any hello may take it; None: `quiet_s`.
 
     Returns:
         True when the id is free, bound to `conn`, bound under the same non-empty
-        session, or its connection has been silent for more than `quiet_s`.
+        session, or its connection has been silent for more than `quiet_s`
+        (no session) or `expire_s` (a session: its token is needed until then).
     """
     if bound is None or bound.conn == conn:
         return True
     if session is not None and session == bound.session:
         return True
+    if bound.session is not None and expire_s is not None:
+        return now - bound.heard > expire_s
     return now - bound.heard > quiet_s
 
 
@@ -108,6 +121,7 @@ class Bindings:
             liveness: intervals of silence after which an island is dead, >= 1.
         """
         self.quiet_s = min(TAKEOVER_INTERVALS, liveness) * heartbeat_interval_s
+        self.expire_s = liveness * heartbeat_interval_s  # a session's id: until the island is dead
         self._bound: dict[str, Binding] = {}
 
     def may_bind(self, island: str, conn: bytes, session: str | None, now: float) -> bool:
@@ -122,7 +136,8 @@ class Bindings:
         Returns:
             Whether to bind; refuse with island_in_use otherwise.
         """
-        return may_take_over(now, self._bound.get(island), conn, session, self.quiet_s)
+        bound = self._bound.get(island)
+        return may_take_over(now, bound, conn, session, self.quiet_s, self.expire_s)
 
     def bind(self, island: str, held: Binding) -> None:
         """Bind `island` (after its hello was welcomed).
@@ -164,6 +179,12 @@ class Bindings:
         """
         bound = self._bound.get(island)
         ago = now - bound.heard if bound is not None else 0.0
+        if bound is not None and bound.session is not None:
+            return (
+                f"island {island!r} is bound to another connection under a session (heard "
+                f"{ago:.1f} s ago): run each island under its own id; a reconnect needs the "
+                f"same session token, or the old connection silent for {self.expire_s:g} s"
+            )
         return (
             f"island {island!r} is live on another connection (heard {ago:.1f} s ago): "
             "run each island under its own id; a reconnect is let in once the old "

@@ -1,8 +1,9 @@
 """What came of each request: the refusal rules, the outcome's reply, its counts, the islands' view.
 
 This module owns every refusal from its rule to its reply: the header-only
-checks of a push (`check_push`: plan, fragment, island, dedup window, base
-version, per-island pending bound), the pending byte budget
+checks of a push (`check_push`: plan, fragment, island, claimed work
+`work_refusal`, round ceiling `round_refusal`, dedup window, base version,
+per-island pending bound), the delta's norm bound (`norm_refusal`), the pending byte budget
 (`budget_refusal`), the size limit of any request
 (`oversize`), the refusals of a snapshot request (`snapshot_refusal`), the
 answer to an island the shard does not know on that connection
@@ -14,6 +15,10 @@ plain values, so they import nothing of the shard's state.
 `ShardCounters` is what a shard counts for `status` (accepted, duplicates,
 rejections, drops, bytes, steps, credit): plain data; `count` here decides how
 a refusal is counted, `paramserver.server.state` counts steps and accepts.
+
+Why past 700 lines: the refusal rules, their counters and their replies are
+read together whenever a reason is added (issue 33 added three); splitting
+the counters or the island view off would scatter one concept.
 
 `IslandReports` is the per-island view behind the `islands` field of a shard's
 `status` (what the cluster page shows): when the island's last delta arrived
@@ -259,6 +264,35 @@ def read_delta(payload: Sequence[Any], size: int) -> CodedTensor | Outcome:
     return delta
 
 
+def norm_refusal(norm: float, param_norm: float, size: int, ratio: float) -> Outcome | None:
+    """The refusal of a delta far larger than the fragment it would move, or None.
+
+    The bound holds from the very first push (before any recent norms exist):
+    a delta may not be more than `ratio` times the larger of the fragment's
+    parameter norm and sqrt(size) (an RMS of 1 per element, for fragments
+    that start at zero).
+
+    Args:
+        norm: the delta's L2 norm (float64; may be inf for a huge finite delta).
+        param_norm: the fragment's parameter L2 norm now.
+        size: the fragment's element count.
+        ratio: the shard's max_delta_norm_ratio (0: no bound).
+
+    Returns:
+        A rejected `delta_too_large` outcome (not yet counted), or None.
+    """
+    if ratio <= 0 and math.isfinite(norm):
+        return None
+    bound = ratio * max(param_norm, math.sqrt(size)) if ratio > 0 else math.inf
+    if math.isfinite(norm) and norm <= bound:
+        return None
+    return refused(
+        "delta_too_large",
+        f"delta norm {norm:.4g} is over max_delta_norm_ratio={ratio:g} x max(parameter "
+        f"norm {param_norm:.4g}, sqrt(size {size})) = {bound:.4g}",
+    )
+
+
 def budget_refusal(pending_bytes: int, incoming: int, budget: int) -> Outcome | None:
     """The refusal of a delta that would take a shard's pending deltas over its byte budget.
 
@@ -323,6 +357,24 @@ def oversize(size: int, limit: int) -> Outcome | None:
     return refused("oversize", f"{size} bytes; max_message_bytes={limit}")
 
 
+def too_many_frames(frames: int, limit: int) -> Outcome | None:
+    """The refusal of a request cut into more frames than the shard accepts.
+
+    Args:
+        frames: the request's frame count (header and payload frames).
+        limit: the shard's max_frames_per_message.
+
+    Returns:
+        A rejected `oversize` outcome, or None when the request's frames are within it.
+    """
+    if frames <= limit:
+        return None
+    return refused(
+        "oversize",
+        f"{frames} frames; max_frames_per_message={limit} (cut the payload into larger pieces)",
+    )
+
+
 def snapshot_refusal(initialized: bool, owned: bool, fragment: int, shard: int) -> Outcome | None:
     """Why a snapshot of `fragment` cannot be served, if it cannot.
 
@@ -385,6 +437,7 @@ def check_push(
     known: bool,
     entry: DedupEntry | None,
     limits: Any,
+    now: float,
 ) -> Outcome | None:
     """Header-only checks of a push, in order; counts nothing.
 
@@ -394,7 +447,9 @@ def check_push(
         frag: the pushed fragment's state, None when the shard does not own it.
         known: whether the island said hello.
         entry: the dedup entry of (island, fragment), if any.
-        limits: the shard's config (dedup_window, max_pending_per_island).
+        limits: the shard's config (dedup_window, max_pending_per_island,
+            max_round_gap, max_inner_steps, max_tokens_per_step).
+        now: wall-clock seconds (the round bound: `round_refusal`).
 
     Returns:
         None when the push may proceed to payload checks; else the duplicate
@@ -409,6 +464,11 @@ def check_push(
         return refused("unknown_fragment", f"fragment {fragment} is not owned by this shard")
     if not known:
         return unknown_island(island)
+    bad = work_refusal(header["tokens"], header["steps"], limits) or round_refusal(
+        rnd, entry, now, limits.max_round_gap
+    )
+    if bad is not None:
+        return bad
     if entry is not None:
         if rnd in entry.rounds:
             still_pending = any(c.island == island and c.round == rnd for c in frag.pending)
@@ -419,11 +479,11 @@ def check_push(
                 version=frag.version,
                 merged_version=frag.version + 1 if still_pending else frag.version,
             )
-        if rnd < entry.newest - limits.dedup_window:
+        if rnd < entry.low(limits.dedup_window):
             return refused(
                 "replayed_round",
-                f"round {rnd} is older than the dedup window "
-                f"(newest {entry.newest}, window {limits.dedup_window})",
+                f"round {rnd} is older than the dedup window (newest {entry.newest}, "
+                f"window {limits.dedup_window}, floor {entry.floor})",
             )
     if header["base_version"] > frag.version:
         return refused(
@@ -439,6 +499,58 @@ def check_push(
     return None
 
 
+def work_refusal(tokens: int, steps: int, limits: Any) -> Outcome | None:
+    """The refusal of a push claiming more work than any island does, or None.
+
+    Args:
+        tokens: the push's tokens (>= 1).
+        steps: its inner steps (>= 1).
+        limits: the shard's config (max_inner_steps, max_tokens_per_step).
+
+    Returns:
+        A rejected `bad_tokens` outcome when steps > max_inner_steps or
+        tokens > max_tokens_per_step * steps (not yet counted), else None.
+    """
+    if steps > limits.max_inner_steps:
+        return refused("bad_tokens", f"steps={steps} > max_inner_steps={limits.max_inner_steps}")
+    if tokens > limits.max_tokens_per_step * steps:
+        return refused(
+            "bad_tokens",
+            f"tokens={tokens} over {steps} inner steps is more than "
+            f"max_tokens_per_step={limits.max_tokens_per_step} per step",
+        )
+    return None
+
+
+def round_refusal(rnd: int, entry: DedupEntry | None, now: float, gap: int) -> Outcome | None:
+    """The refusal of a round id too far in the future, or None.
+
+    Round ids are the island's to choose (ours: its session's start in
+    microseconds plus a counter), so the bound is loose: a round more than
+    `gap` above both the shard's clock in microseconds and the island's newest
+    accepted round on the fragment is refused, so that no single push (2**64 - 1)
+    can put an island's newest round out of reach of its later ones.
+
+    Args:
+        rnd: the push's round.
+        entry: the dedup entry of (island, fragment), if any.
+        now: wall-clock seconds.
+        gap: the shard's max_round_gap.
+
+    Returns:
+        A rejected `bad_round` outcome (not yet counted), or None.
+    """
+    ceiling = max(int(now * 1_000_000), entry.newest if entry is not None else 0) + gap
+    if rnd <= ceiling:
+        return None
+    return refused(
+        "bad_round",
+        f"round {rnd} is more than max_round_gap={gap} above the shard's clock in "
+        "microseconds and this island's newest round: number rounds from the time "
+        "(microseconds) or from 0",
+    )
+
+
 @dataclass
 class ShardCounters:
     """What `status` reports; `accepted`, `staleness` and `steps` are rebuilt by replay."""
@@ -451,6 +563,10 @@ class ShardCounters:
     staleness: dict[int, int] = field(default_factory=dict)
     steps: int = 0
     clipped: int = 0  # deltas scaled down by robust aggregation (clip_norm_multiple)
+    guarded_steps: int = 0  # steps whose deltas were scaled to MAX_MERGED_NORM (state._guard)
+    non_finite_steps: int = 0  # steps that left non-finite parameters (a bug; logged)
+    forgotten_islands: int = 0  # islands forgotten after island_ttl_s (state.forget_idle)
+    credited_forgotten: float = 0.0  # their credited tokens, summed
     # requests from islands the shard does not know (answered unknown_island: "say
     # hello"); expected after a restart or before an island's first hello here, so
     # they are not rejections
@@ -493,6 +609,10 @@ class ShardCounters:
             "staleness_histogram": {str(k): v for k, v in sorted(self.staleness.items())},
             "steps": self.steps,
             "clipped": self.clipped,
+            "guarded_steps": self.guarded_steps,
+            "non_finite_steps": self.non_finite_steps,
+            "forgotten_islands": self.forgotten_islands,
+            "credited_forgotten": round(self.credited_forgotten, 3),
             "credited_tokens": {k: round(v, 3) for k, v in sorted(self.credited.items())},
         }
 
@@ -597,6 +717,14 @@ class IslandReports:
         for island, stale in worst.items():
             if island in self.islands:
                 self.islands[island].staleness = stale
+
+    def forget(self, island: str) -> None:
+        """Drop an island's report (the shard forgot the island).
+
+        Args:
+            island: the island id.
+        """
+        self.islands.pop(island, None)
 
     def status(self) -> dict[str, dict[str, Any]]:
         """JSON-ready: island -> `IslandReport.as_status()`, sorted by id."""

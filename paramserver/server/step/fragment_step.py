@@ -88,7 +88,10 @@ class FragmentStepper:
             cfg: weighting, merge, outer optimizer and downlink settings.
         """
         self.merge = cfg.merge
-        self.weighting = make_weighting(cfg.weighting, cfg.staleness_exponent, cfg.step_rule)
+        self.outer_lr_scale = cfg.outer_lr_scale  # the default lr follows the island count
+        self.weighting = make_weighting(
+            cfg.weighting, cfg.staleness_exponent, cfg.step_rule, cfg.max_weight_ratio
+        )
         outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
         self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
         self.downlink = Downlink(cfg.downlink)
@@ -132,14 +135,22 @@ class FragmentStepper:
             (the islands' shares, the published update's codec frames or None
             for the float32 downlink).
         """
-        coefficients, shares = merge_coefficients(self.weighting, merged_in, frag.version, expected)
+        sparse = is_sparse(merged_in)  # topk: each entry over the islands that sent it
+        coefficients, shares = merge_coefficients(
+            self.weighting, merged_in, frag.version, expected, frag.clock, not sparse
+        )  # staleness: the fragment's round clock; sparse entries: not diluted by the share
         sources = [(c.island, scaled(c.delta, c.clip)) for c in merged_in]
         downlink = self.downlink
-        if is_sparse(merged_in):  # topk: each entry over the islands that sent it, no momentum
-            fill = sparse_merge(sources, coefficients, where.size).fill
+        if sparse:  # per entry, no momentum
+            weights = {x.island: x.weight for x in shares}
+            fill = sparse_merge(sources, coefficients, where.size, weights).fill
             step, opt_state = self._sparse, self._sparse.init(frag.params)
             downlink = self._sparse_downlink  # a mostly-zero update: zstd shrinks its codes
         else:
+            # the outer lr in effect with this round's islands, as a scale of the merged delta
+            lr_scale = self.outer_lr_scale(expected or len(shares))
+            if lr_scale != 1.0:
+                coefficients = [c * lr_scale for c in coefficients]
             fill = chunk_merge(
                 self.merge,
                 sources,

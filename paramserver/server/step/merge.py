@@ -1,4 +1,7 @@
-"""The merge of a step's pending deltas into one pseudo-gradient: the weighted mean, or RDA.
+"""The merge of a step's pending deltas into one pseudo-gradient: the weighted mean, RDA or median.
+
+`median` (`median_merge`) is the robust rule for islands that are not all
+trusted: the coordinate-wise median over the step's islands.
 
 This module owns the `--merge mean|rda` rule of one fragment's step (numpy
 only). Each pending delta d_k of island i has a coefficient c_ik
@@ -61,6 +64,7 @@ is pure numpy on M x M matrices (M islands), apart from the deltas themselves.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -69,7 +73,7 @@ import numpy as np
 
 from paramserver.wire.plan import Fragment
 
-MERGES = ("mean", "rda")
+MERGES = ("mean", "rda", "median")
 MEAN_LEAF_MARK = "embed"  # leaf paths merged by the weighted mean under RDA
 PIECE = 1 << 16  # elements decoded at a time by a fill (scratch: a few of these per island)
 
@@ -277,6 +281,49 @@ class _MeanMerge(ChunkMerge):
                 source.decode_into(a, b, tmp)
                 np.multiply(tmp, w, out=tmp)
                 dst += tmp
+
+
+class _MedianMerge(ChunkMerge):
+    """(sum_i C_i) * the coordinate-wise median over islands of u_i / C_i (`median_merge`)."""
+
+    def __init__(self, parts: Sequence[Sequence[tuple[DeltaSource, float]]]) -> None:
+        super().__init__(parts[0][0][0].size)
+        self.parts = [list(p) for p in parts]
+        self.totals = [math.fsum(c for _, c in p) for p in self.parts]
+        self.scale = math.fsum(self.totals)
+
+    def _fill(self, lo: int, hi: int, out: np.ndarray) -> None:
+        for a, b in pieces(lo, hi):
+            rows = np.zeros((len(self.parts), b - a), np.float64)
+            scratch = np.empty(b - a, np.float32)
+            for row, part, total in zip(rows, self.parts, self.totals, strict=True):
+                for source, c in part:
+                    source.decode_into(a, b, scratch)
+                    row += scratch * (c / total if total > 0 else 0.0)
+            out[a - lo : b - lo] = self.scale * np.median(rows, axis=0)
+
+
+def median_merge(rows: Sequence[tuple[str, DeltaSource, float]]) -> _MedianMerge:
+    """The coordinate-wise median over the islands of a step, for islands not all trusted.
+
+    With u_i = sum_k c_ik * d_ik (island i's work) and C_i = sum_k c_ik, each
+    element is merged as (sum_i C_i) * median_i(u_i / C_i): each island's own
+    mean delta votes with equal say, whatever tokens it claims, and the step
+    keeps the size the weighted mean would have had. One island gives u_1
+    exactly as the mean; with two, the median is their average; from three
+    on, one island alone cannot move an element past the others' values.
+
+    Args:
+        rows: (island, delta, c_k) per pending delta of the step.
+
+    Returns:
+        A ChunkMerge (float64 inside, float32 out).
+    """
+    per_island: dict[str, list[tuple[DeltaSource, float]]] = {}
+    for island, source, c in rows:
+        per_island.setdefault(island, []).append((source, c))
+    _check_coefficients([c for _, _, c in rows])
+    return _MedianMerge(list(per_island.values()))
 
 
 class _RdaMerge(ChunkMerge):
@@ -497,7 +544,7 @@ def chunk_merge(
     """A step's merged pseudo-gradient under a merge rule, to be written range by range.
 
     Args:
-        rule: "mean" (sum of c_k * delta_k) or "rda" (this module).
+        rule: "mean" (sum of c_k * delta_k), "rda" or "median" (`median_merge`).
         deltas: (island, delta) of every pending delta the step merges; an
             island's deltas are disjoint increments, u_i = sum_k c_ik * d_ik (rda).
         coefficients: one c_k per delta, aligned with `deltas` (C_i = sum_k c_ik).
@@ -518,6 +565,8 @@ def chunk_merge(
     rows = _grouped(rule, deltas, coefficients, fragment)
     if rule == "mean":
         return _MeanMerge([s for _, s, _ in rows], [c for _, _, c in rows])
+    if rule == "median":
+        return median_merge(rows)
     return _rda(rows, fragment, outside)
 
 

@@ -17,14 +17,18 @@ Grace rules (quorum mode):
 
                   grace = gamma * (tau * t_step - t_quorum - t_sync)
 
-              `tau * t_step` is a quorum island's round time (its inner steps per
-              round times the EMA of the inner-step time it reports as `t_step`; the
-              fastest island of the quorum counts), `t_quorum` the EMA of the time from
-              the first pending delta's arrival to reaching the quorum, `t_sync` the
-              EMA of a step's own time (logging it, merging, the outer step; the
-              publish that follows is a send and is not counted). The islands that formed the quorum train
-              their next round meanwhile, so a window that closes before that round
-              ends costs them nothing.
+              `tau` is the overlap: the inner steps an island trains on while its
+              delta is merged before it needs the result (`grace_overlap_steps`, one
+              step by default, as in the paper), `t_step` the EMA of the inner-step
+              time a quorum island reports (the fastest island of the quorum counts),
+              `t_quorum` the EMA of the time from the first pending delta's arrival
+              to reaching the quorum, `t_sync` the EMA of a step's own time (logging
+              it, merging, the outer step; the publish that follows is a send and is
+              not counted). Each term is an EMA of its own samples, so the slack is
+              the overlap left after the average quorum wait and step. The window
+              used to take tau as the islands' H (a round, up to 30 s at the clamp),
+              which made a quorum of 1 wait for nearly every island: 13 versions in
+              12 rounds.
     Both are clamped to [grace_min_s, grace_max_s]; eq3 uses grace_min_s until an
     island of the quorum reported its step time.
 """
@@ -55,6 +59,7 @@ class PolicyConfig:
         grace_rule: "fraction" or "eq3" (see the module docstring).
         grace_fraction: fraction rule: window as a fraction of the EMA inter-arrival time.
         grace_gamma: eq3 rule: the share of the slack spent waiting, in (0, 1).
+        grace_overlap_steps: eq3 rule: tau, the inner steps of overlap (>= 1).
         grace_min_s: lower clamp of the grace window (and its value before any EMA).
         grace_max_s: upper clamp of the grace window.
         ema_alpha: EMA weight of the newest inter-arrival time, in (0, 1].
@@ -65,6 +70,7 @@ class PolicyConfig:
     grace_rule: str = "eq3"
     grace_fraction: float = 0.5
     grace_gamma: float = 0.5
+    grace_overlap_steps: int = 1
     grace_min_s: float = 0.05
     grace_max_s: float = 30.0
     ema_alpha: float = 0.3
@@ -75,6 +81,7 @@ class PolicyConfig:
         check.integer("quorum", self.quorum, 1)
         check.choice("grace_rule", self.grace_rule, GRACE_RULES)
         check.number("grace_gamma", self.grace_gamma, above=0.0, below=1.0)
+        check.integer("grace_overlap_steps", self.grace_overlap_steps, 1)
         for name in ("grace_fraction", "grace_min_s", "grace_max_s"):
             check.number(name, getattr(self, name), low=0.0)
         check.require(
@@ -171,7 +178,7 @@ class IslandPace:
 
     @property
     def round_s(self) -> float | None:
-        """tau * t_step: the island's round time, None before its first push."""
+        """steps * t_step: the island's round time (its latest push's inner steps), None before it."""
         return None if self.steps is None else self.step_s * self.steps
 
     def report(self) -> dict[str, float | int | None]:
@@ -232,25 +239,26 @@ class Decision:
     reason: str
 
 
-def grace_window(stats: ArrivalStats, cfg: PolicyConfig, round_s: float | None = None) -> float:
+def grace_window(stats: ArrivalStats, cfg: PolicyConfig, overlap_s: float | None = None) -> float:
     """The quorum grace window.
 
     Args:
         stats: the fragment's arrival and step statistics.
         cfg: policy settings.
-        round_s: eq3 rule: tau * t_step of the fastest island of the quorum, None
-            when no island of the quorum reported its pace.
+        overlap_s: eq3 rule: tau * t_step of the fastest island of the quorum
+            (tau = grace_overlap_steps), None when no island of the quorum
+            reported its step time.
 
     Returns:
         fraction rule: clamp(grace_fraction * EMA inter-arrival, grace_min_s,
         grace_max_s), or grace_min_s before an EMA exists. eq3 rule:
-        clamp(gamma * (round_s - t_quorum - t_sync), grace_min_s, grace_max_s)
-        with unmeasured EMAs counted as 0, or grace_min_s without round_s.
+        clamp(gamma * (overlap_s - t_quorum - t_sync), grace_min_s, grace_max_s)
+        with unmeasured EMAs counted as 0, or grace_min_s without overlap_s.
     """
     if cfg.grace_rule == "eq3":
-        if round_s is None:
+        if overlap_s is None:
             return cfg.grace_min_s
-        slack = round_s - (stats.ema_quorum_s or 0.0) - (stats.ema_sync_s or 0.0)
+        slack = overlap_s - (stats.ema_quorum_s or 0.0) - (stats.ema_sync_s or 0.0)
         return min(cfg.grace_max_s, max(cfg.grace_min_s, cfg.grace_gamma * slack))
     if stats.ema_interarrival_s is None:
         return cfg.grace_min_s
@@ -343,10 +351,9 @@ def decide(
         return Decision(False, None, f"quorum: {len(first)} of {needed} islands pending")
     order = sorted(first, key=lambda island: (first[island], island))
     reached_at = first[order[needed - 1]]
-    rounds = [
-        r for island in order[:needed] if (p := (paces or {}).get(island)) and (r := p.round_s)
-    ]
-    deadline = reached_at + grace_window(stats, cfg, min(rounds) if rounds else None)
+    steps = [p.step_s for island in order[:needed] if (p := (paces or {}).get(island))]
+    overlap = cfg.grace_overlap_steps * min(steps) if steps else None  # tau * t_step
+    deadline = reached_at + grace_window(stats, cfg, overlap)
     if now >= deadline:
         return Decision(True, None, f"quorum: {len(first)} islands pending, grace window over")
     return Decision(False, deadline, f"quorum: {len(first)} islands pending, in grace window")

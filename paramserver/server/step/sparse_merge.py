@@ -8,17 +8,20 @@ its value while the island's error feedback assumes it was applied whole:
 the other two thirds are lost. Here each entry is averaged over the islands
 that sent it. With per-delta coefficients c_ik (island i, its k-th pending
 delta, aligned with the deltas: the S1 contract of `chunk_merge`), island
-i's vector u_i = sum_k c_ik * d_ik, its weight W_i = mean_k c_ik and
-p_i = W_i / sum_j W_j::
+i's vector u_i = sum_k c_ik * d_ik and its weight p_i::
 
     merged[e] = sum_{i sent e} u_i[e] / sum_{i sent e} p_i
 
 where "i sent e" means some delta of island i is nonzero at e (a topk entry
-is listed; an unlisted one decodes to exactly 0). An entry every island sent
-is merged as the mean is (`sum_i u_i[e]`); one sent by a single fresh island
-of equal weight is applied at full weight (u_i[e] / p_i = d_i[e]); a lone
-stale island's entry keeps its staleness factor relative to the step's
-others. Entries nobody sent stay 0.
+is listed; an unlisted one decodes to exactly 0). In the shard's step
+(`fragment_step`) c_ik = w_i * g(s_ik) without the step's share of a round
+(`weighting.merge_coefficients(..., scale_by_share=False)`) and p_i = w_i, the
+island's work weight: an entry island i alone sent lands at
+sum_k g(s_ik) * d_ik[e], its value damped by its own staleness only, whatever
+the mode (async and quorum-1 steps, which merge one island of N, applied it
+at about g/N before: applied/sent 0.446 against 0.900 in sync). An entry
+every island sent is merged as the mean is (`sum_i u_i[e]`). Entries nobody
+sent stay 0. Given no weights, p_i = W_i / sum_j W_j with W_i = mean_k c_ik.
 
 No outer momentum: the islands' error feedback already re-sends what was not
 applied, so a momentum buffer replays it a second time (every momentum variant
@@ -90,12 +93,24 @@ def sparse_optimizer(lr: float) -> optax.GradientTransformation:
 class SparseMerge(ChunkMerge):
     """Per entry, the coefficient-weighted mean over the islands that sent it (module docstring)."""
 
-    def __init__(self, islands: Sequence[Sequence[tuple[DeltaSource, float]]]) -> None:
-        """Args: islands: per island, its (delta, coefficient) pairs in delta order."""
+    def __init__(
+        self,
+        islands: Sequence[Sequence[tuple[DeltaSource, float]]],
+        weights: Sequence[float] | None = None,
+    ) -> None:
+        """Build the merge.
+
+        Args:
+            islands: per island, its (delta, coefficient) pairs in delta order.
+            weights: p_i per island (> 0, normalised here); None: from the
+                coefficients, W_i = mean_k c_ik.
+        """
         super().__init__(islands[0][0][0].size)
         self.islands = [list(parts) for parts in islands]
-        weights = np.array([np.mean([c for _, c in parts]) for parts in self.islands])
-        self.shares = weights / weights.sum()  # p_i
+        if weights is None:
+            weights = [np.mean([c for _, c in parts]) for parts in self.islands]
+        p = np.asarray(weights, dtype=np.float64)
+        self.shares = p / p.sum()  # p_i
 
     def _fill(self, lo: int, hi: int, out: np.ndarray) -> None:
         width = min(PIECE, hi - lo)
@@ -122,6 +137,7 @@ def sparse_merge(
     deltas: Sequence[tuple[str, DeltaSource | np.ndarray]],
     coefficients: Sequence[float],
     size: int,
+    weights: dict[str, float] | None = None,
 ) -> SparseMerge:
     """A sparse step's merged pseudo-gradient, to be written range by range.
 
@@ -130,6 +146,8 @@ def sparse_merge(
             island's deltas are disjoint increments and are summed.
         coefficients: one c_ik per delta, aligned with `deltas`, >= 0 with a positive sum.
         size: the fragment's element count.
+        weights: island -> p_i, its work weight (each > 0; the shard's step
+            passes w_i: the module docstring); None: W_i = mean_k c_ik.
 
     Returns:
         A SparseMerge of `size` elements (`fill(lo, hi, out)`).
@@ -148,5 +166,11 @@ def sparse_merge(
         if source.size != size:
             raise MergeError(f"a delta of {source.size} elements for a fragment of {size}")
         per_island.setdefault(island, []).append((source, float(c)))
-    kept = [parts for parts in per_island.values() if sum(c for _, c in parts) > 0]
-    return SparseMerge(kept)
+    kept = [island for island, parts in per_island.items() if sum(c for _, c in parts) > 0]
+    if weights is not None:
+        missing = [i for i in kept if not (weights.get(i, 0.0) > 0 and np.isfinite(weights[i]))]
+        if missing:
+            raise MergeError(f"islands {missing} need a finite work weight > 0")
+    return SparseMerge(
+        [per_island[i] for i in kept], None if weights is None else [weights[i] for i in kept]
+    )

@@ -7,36 +7,50 @@ merge, exactly"). Pending deltas are first grouped per island: an island sends
 ``anchor - local``, so its pushes are disjoint increments of work and are
 **summed**, with their tokens and inner steps, each increment k damped by its
 own staleness. Then, across the n islands i of a step that the shard expected
-N islands for (its live islands, at least n)::
+N islands for (the islands that push, at least n: `round_clock`)::
 
     merged = sum_i  c_i * sum_k g(s_ik) * delta_ik,   c_i = (n / N) * w_i
     w_i    = f(tokens_i, steps_i) / sum_j f(tokens_j, steps_j)
+    f      = tokens^2 / steps per inner step = (tokens / steps)^2
     g(s)   = (1 + s)^-a                   (absolute: g(0) = 1, never renormalised)
-    s_ik   = (version - base_ik) * n / N  (staleness in rounds, not versions)
+    s_ik   = rounds completed since base_ik (the fragment's round clock)
 
-`f` is the work weight (Decoupled DiLoCo's tokens^2/steps by default: more
-tokens per inner step, bigger batches, count more) and `g` the staleness
-factor (FedAsync's polynomial decay), so a lone stale delta moves the model
-less, and a fast island's extra rounds add work instead of diluting everyone's.
+`f` is the work weight: Decoupled DiLoCo's tokens^2/steps taken per inner
+step, so more tokens per inner step (bigger batches) count more, while the
+amount of work an island's summed increments (or one long delta, after
+skipped pushes) hold counts once, through the summed delta's own size. The
+whole tokens^2/steps counted it twice: an island with two increments of d
+against one island with one got w = 2/3 and moved the model by
+2/3 * 2d + 1/3 * d = 1.667 d, where weighing work once gives
+1/2 * 2d + 1/2 * d = 1.5 d. For islands that push deltas of equal inner
+steps the two are the same weights. `g` is the staleness factor (FedAsync's
+polynomial decay), so a lone stale delta moves the model less, and a fast
+island's extra rounds add work instead of diluting everyone's.
 
 The step rule ("round", the default) makes the step per round independent of
 the island count. A round is one delta from each of the N islands. A step
 that merges n of them is n/N of a round: its merged delta is scaled by n/N
 (sync: n = N, 1; async: 1/N per delta; a collapsed quorum: a smaller share,
-never another optimizer), and a version it adds is n/N of a round of
-staleness, and the outer momentum moves once per round
+never another optimizer), the fragment's round clock advances by n/N
+(`paramserver.server.step.round_clock`), and a delta's staleness is the
+rounds the clock advanced since its base (the shares of the steps actually
+taken, not the versions since the base times the current step's share), and
+the outer momentum moves once per round
 (`paramserver.server.step.outer.round_nesterov`, told each step's share), so K
 islands pushing the same delta d in one round move the model by about one
 step's worth for every K (lr * |d| without momentum): exactly with g = 1, and within
 2 * (sqrt(2) - 1) = 0.83 of it as K grows (the k-th delta of the round is
 (k - 1)/K rounds stale), where counting versions gave 0.70|d| sqrt(K).
+Without a clock (`merge_coefficients(..., clock=None)`) the staleness is
+approximated as the versions since the base times the step's share.
 `diloco-bench step_rule` measures it against the other candidates:
 ``version`` (the rule before: no share, staleness in versions), ``share``
 (share, staleness in versions) and ``round-staleness`` (staleness in rounds,
 no share).
 
-Named weightings: ``default`` (f = tokens^2/steps, g polynomial), ``uniform``
-(f = 1), ``tokens`` (f = tokens), ``no-staleness`` (f = tokens^2/steps, g = 1).
+Named weightings: ``default`` (f = (tokens/steps)^2, g polynomial), ``uniform``
+(f = 1), ``tokens`` (f = tokens: an ablation, which counts an island's amount
+of work in its weight too), ``no-staleness`` (f = (tokens/steps)^2, g = 1).
 
 Robust aggregation (`clip`): a delta's norm is clipped relative to the median
 norm of recent deltas. This is the pure decision of how much to scale down one incoming
@@ -56,7 +70,7 @@ import math
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -119,11 +133,14 @@ class Weighting:
         name: one of WEIGHTINGS.
         staleness_exponent: a in g(s) = (1 + s)^-a (unused by "no-staleness").
         step_rule: one of STEP_RULES (the module docstring).
+        max_weight_ratio: an island's work weight is capped at this times the
+            largest of the others' in the step (`cap_work`); 0: no cap.
     """
 
     name: str = "default"
     staleness_exponent: float = 0.5
     step_rule: str = "round"
+    max_weight_ratio: float = 0.0  # `cap_work`: 0 = no cap
 
     def __post_init__(self) -> None:
         if self.name not in WEIGHTINGS:
@@ -150,18 +167,20 @@ class Weighting:
         """The work weight f of one island's contribution (before normalisation).
 
         Args:
-            tokens: tokens of the island's pending deltas, > 0.
-            steps: inner steps of the island's pending deltas, > 0.
+            tokens: tokens of the island's pending deltas (summed), > 0.
+            steps: inner steps of the island's pending deltas (summed), > 0.
 
         Returns:
-            f(tokens, steps) > 0.
+            f(tokens, steps) > 0: tokens^2/steps per inner step, (tokens/steps)^2,
+            for default and no-staleness (the module docstring); 1 for
+            uniform; tokens for tokens.
         """
         _check(tokens, steps, 0)
         if self.name == "uniform":
             return 1.0
         if self.name == "tokens":
             return float(tokens)
-        return token_weight(tokens, steps)
+        return token_weight(tokens, steps) / float(steps)
 
     def staleness_factor(self, staleness: float) -> float:
         """The absolute staleness factor g, with g(0) = 1.
@@ -179,7 +198,10 @@ class Weighting:
 
 
 def make_weighting(
-    name: str = "default", staleness_exponent: float = 0.5, step_rule: str = "round"
+    name: str = "default",
+    staleness_exponent: float = 0.5,
+    step_rule: str = "round",
+    max_weight_ratio: float = 0.0,
 ) -> Weighting:
     """Build a weighting by name.
 
@@ -187,11 +209,12 @@ def make_weighting(
         name: one of WEIGHTINGS (see the module docstring).
         staleness_exponent: a >= 0 of g(s) = (1 + s)^-a.
         step_rule: one of STEP_RULES.
+        max_weight_ratio: cap of one island's work weight (`cap_work`); 0: none.
 
     Returns:
         The validated Weighting.
     """
-    return Weighting(name, staleness_exponent, step_rule)
+    return Weighting(name, staleness_exponent, step_rule, max_weight_ratio)
 
 
 @dataclass(frozen=True)
@@ -239,11 +262,41 @@ def round_share(islands: int, expected: int | None) -> float:
     return islands / max(islands, expected or 0)
 
 
+class RoundsSince(Protocol):
+    """What the staleness in rounds reads: a fragment's round clock (`round_clock.RoundClock`)."""
+
+    def staleness(self, base: int, version: int | None = None) -> float:
+        """Rounds completed between version `base` and `version`."""
+        ...
+
+
+def cap_work(work: dict[str, float], ratio: float) -> dict[str, float]:
+    """Each island's work weight capped at `ratio` times the largest of the others' in the step.
+
+    So that no island's claimed tokens make the others' deltas vanish from a
+    merge (ShardConfig.max_weight_ratio). A step of one island is left as it is.
+
+    Args:
+        work: island -> f(tokens, steps) > 0.
+        ratio: the cap (>= 1); 0: no cap.
+
+    Returns:
+        island -> min(f_i, ratio * max_{j != i} f_j).
+    """
+    if ratio <= 0 or len(work) < 2:
+        return work
+    ranked = sorted(work.values(), reverse=True)
+    top, second = ranked[0], ranked[1]
+    return {i: min(f, ratio * (second if f == top else top)) for i, f in work.items()}
+
+
 def merge_coefficients(
     weighting: Weighting,
     contributions: Sequence[Any],
     current_version: int,
     expected: int | None = None,
+    clock: RoundsSince | None = None,
+    scale_by_share: bool = True,
 ) -> tuple[list[float], list[IslandShare]]:
     """The coefficient of each pending delta in the merged pseudo-gradient, and each island's share.
 
@@ -252,8 +305,14 @@ def merge_coefficients(
         contributions: objects with island, tokens, steps, base_version
             attributes, or (island, tokens, steps, base_version) tuples.
         current_version: the fragment's version now; staleness = current - base.
-        expected: islands expected per round (the live islands); None: the
-            step's own islands (a whole round).
+        expected: islands expected per round (the islands that push:
+            `round_clock`); None: the step's own islands (a whole round).
+        clock: the fragment's round clock: staleness in rounds is the rounds
+            it advanced since each base; None: (current - base) * the step's
+            share (an approximation for callers without history).
+        scale_by_share: False leaves the step's share out of the
+            coefficients (the per-entry sparse merge: an entry is averaged
+            over the islands that sent it, so the share must not dilute it).
 
     Returns:
         (c_ik = share * w_i * g(s_ik) per contribution, in order, so that
@@ -278,17 +337,24 @@ def merge_coefficients(
         t[0] += tokens
         t[1] += steps
         t[2] = min(t[2], base_version)
-    work = {island: weighting.work(t[0], t[1]) for island, t in totals.items()}
+    work = cap_work(
+        {island: weighting.work(t[0], t[1]) for island, t in totals.items()},
+        weighting.max_weight_ratio,
+    )
     total = math.fsum(work.values())
     if not (math.isfinite(total) and total > 0):
         raise WeightingError(f"work weights {work} do not sum to a finite positive number")
     share = round_share(len(totals), expected)
     unit = share if weighting.staleness_in_rounds else 1.0
-    scale = share if weighting.scales_by_share else 1.0
+    scale = share if weighting.scales_by_share and scale_by_share else 1.0
     coefficients, factors = [], {island: [0.0, 0.0] for island in totals}
     for c in contributions:
         island, tokens, _, base_version = _fields(c)
-        g = weighting.staleness_factor((current_version - base_version) * unit)
+        if weighting.staleness_in_rounds and clock is not None:
+            staleness = clock.staleness(base_version, current_version)
+        else:
+            staleness = (current_version - base_version) * unit
+        g = weighting.staleness_factor(staleness)
         coefficients.append(scale * work[island] / total * g)
         factors[island][0] += tokens * g
         factors[island][1] += coefficients[-1]

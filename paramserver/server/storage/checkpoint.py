@@ -50,6 +50,7 @@ import msgpack
 import numpy as np
 
 from codec.coded import CodedTensor, from_array
+from paramserver.plumbing.private import open_private
 from paramserver.server.admission.outcomes import ShardCounters
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import Contribution, StateError
@@ -58,6 +59,7 @@ from paramserver.server.state import ShardState
 from paramserver.server.step.downlink import restore_residual
 from paramserver.server.step.fragment_step import host_state, host_vector
 from paramserver.server.step.policy import ArrivalStats
+from paramserver.server.step.round_clock import RoundClock
 from paramserver.server.storage.wal import fsync_dir
 from paramserver.wire.plan import Plan
 
@@ -99,6 +101,7 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
                 "stats": [st.ema_interarrival_s, st.last_arrival, st.count],
                 "pending": pending,
                 "norms": list(frag.norms),
+                "clock": frag.clock.to_wire(),
             }
         )
     c = state.counters
@@ -110,7 +113,7 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
         "plan": state.plan.to_wire() if state.plan else None,
         "fragments": frags,
         "dedup": [
-            [island, fragment, e.newest, sorted(e.rounds)]
+            [island, fragment, e.newest, sorted(e.rounds), e.floor]
             for (island, fragment), e in sorted(state.dedup.items())
         ],
         "counters": {
@@ -206,6 +209,7 @@ def restore_state(
             if f"residual/{i}" in arrays:
                 frag.residual = restore_residual(arrays[f"residual/{i}"])
             frag.version = int(f["version"])
+            frag.clock = RoundClock.from_wire(f.get("clock"), frag.version)
             frag.norms = [float(n) for n in f.get("norms", [])]
             ema, last, count = f["stats"]
             frag.stats = ArrivalStats(ema, last, int(count))
@@ -216,8 +220,9 @@ def restore_state(
                     Contribution(island, rnd, i, base, tokens, steps, arrived, delta, clip)
                 )
             state.fragments[i] = frag
-        for island, fragment, newest, rounds in meta["dedup"]:
-            state.dedup[(island, fragment)] = DedupEntry(newest, set(rounds))
+        for island, fragment, newest, rounds, *floor in meta["dedup"]:  # floor: newer files
+            entry = DedupEntry(newest, set(rounds), floor[0] if floor else None)
+            state.dedup[(island, fragment)] = entry
         c = meta["counters"]
         state.counters = ShardCounters(
             accepted=c["accepted"],
@@ -325,7 +330,7 @@ def write_checkpoint(
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     crc = 0
     unsynced = 0
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # 0600: parameters are private
     try:
 
         def put(buf: Any) -> None:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paramserver.plumbing.private import private_dir
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import StateError
 from paramserver.server.state import ShardState
@@ -113,7 +114,7 @@ def recover(
 def _recover(
     cfg: ShardConfig, index: int, directory: Path, timer: Callable[[], float] | None, level: int
 ) -> Recovered:
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory, tighten=True)  # 0700: the shard's own directory
     for stale in directory.glob(".checkpoint-*.tmp-*"):  # a checkpoint write cut short
         logger.warning("shard %d: removing unfinished checkpoint %s", index, stale.name)
         stale.unlink(missing_ok=True)

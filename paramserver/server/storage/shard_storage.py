@@ -31,10 +31,12 @@ new number). One job at a time: `poll_checkpoint` collects it,
 recovery skipped a corrupted checkpoint).
 
 Storage faults (disk full, file-size limit, read-only, I/O error): a failed
-append or sync raises `StorageError` and cuts the log back to what the last
-good sync covered (`paramserver.server.storage.wal`), so nothing of the
-batch is on disk; the caller then rebuilds its state from disk (`reload`) and
-refuses the batch. A failed checkpoint is logged, counted in `faults` and
+sync raises `StorageError` and cuts the log back to what the last good sync
+covered (`paramserver.server.storage.wal`), so nothing of the batch is on
+disk; the caller then rebuilds its state from disk (`reload`) and refuses the
+batch. A failed append costs only its own record (`append_each`): the
+caller rebuilds its state from disk and refuses that request alone, while
+the rest of the batch is acked. A failed checkpoint is logged, counted in `faults` and
 reported not written (the log still holds everything). Faults are logged at
 most once per `FAULT_LOG_EVERY_S`.
 """
@@ -43,12 +45,12 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from paramserver.plumbing import daemon
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import Event
+from paramserver.server.events import Event, StepEvent
 from paramserver.server.state import ShardState
 from paramserver.server.storage.checkpoint import checkpoint_summary, export_state
 from paramserver.server.storage.checkpoint_job import HOLD_NAME, CheckpointJob, CheckpointResult
@@ -92,6 +94,7 @@ class ShardStorage:
         self._job_summary: dict[str, Any] = {}
         self.replayed = 0
         self.faults = 0  # storage faults since the last good write
+        self.last_fault = ""  # what the last one was (one line)
         self._fault_logged = -FAULT_LOG_EVERY_S  # monotonic time of the last fault log
         self._fault_reported = False  # whether the last fault was logged
 
@@ -164,13 +167,62 @@ class ShardStorage:
                 raise
             raise self._fault("append to", exc) from exc
         if self.faults:
-            logger.warning(
-                "shard %d: the write-ahead log is writable again after %d failure(s)",
-                self.index,
-                self.faults,
-                extra={"shard": self.index, "faults": self.faults},
-            )
-            self.faults = 0
+            self._writable_again()
+
+    def append_each(self, events: Sequence[Event]) -> list[Event]:
+        """Append a batch's events one by one; a record that fails costs only its own event.
+
+        A failed append cuts off that record alone (`WriteAheadLog.append`), and
+        the batch goes on: other islands' events in the batch stay. A step
+        after a lost event is not appended (it may have merged the lost delta:
+        it is taken again, from the state rebuilt from disk), nor is one whose
+        own record fails: then the whole batch is cut back (`rollback`).
+
+        Args:
+            events: the events applied since the last sync, in order.
+
+        Returns:
+            The events that are not in the log (in order; empty when all are):
+            the caller rebuilds its state from disk (`reload`) after `sync`
+            whenever this is not empty.
+
+        Raises:
+            OSError: a record could not even be cut off (the shard must stop).
+        """
+        assert self._wal is not None, "call recover() first"
+        lost: list[Event] = []
+        for event in events:
+            if lost and isinstance(event, StepEvent):
+                lost.append(event)
+                continue
+            try:
+                self._wal.append(*event_to_record(event))
+            except OSError as exc:
+                if self._wal.broken:  # the record could not be cut off: cut the batch
+                    self._wal.rollback()
+                    if self._wal.broken:
+                        raise
+                    self._fault("append to", exc)
+                    return list(events)
+                self._fault("append to", exc)
+                if isinstance(event, StepEvent):  # earlier steps may hold later deltas: all go
+                    self._wal.rollback()
+                    if self._wal.broken:
+                        raise
+                    return list(events)
+                lost.append(event)
+        if not lost and self.faults:
+            self._writable_again()
+        return lost
+
+    def _writable_again(self) -> None:
+        logger.warning(
+            "shard %d: the write-ahead log is writable again after %d failure(s)",
+            self.index,
+            self.faults,
+            extra={"shard": self.index, "faults": self.faults},
+        )
+        self.faults = 0
 
     def sync(self) -> None:
         """fsync what was appended (before any reply of the batch is sent).
@@ -194,6 +246,7 @@ class ShardStorage:
         """Count a storage fault, log it (at most once per FAULT_LOG_EVERY_S), and describe it."""
         self.faults += 1
         error = StorageError(f"cannot {what} {self.dir}: {exc.strerror or exc}")
+        self.last_fault = str(error)
         now = time.monotonic()
         self._fault_reported = now - self._fault_logged >= FAULT_LOG_EVERY_S
         if self._fault_reported:

@@ -12,7 +12,8 @@ Log records (msgpack header + raw payload):
             payload: the piece's float32 values (one record per piece, so no
             record grows with the model)
     accept  {"t": "accept", island, round, fragment, base_version, tokens,
-            steps, arrived, codec: [frame lengths] or nil}; payload: the codec
+            steps, arrived, codec: [frame lengths] or nil, floor?: the push's
+            `floor`, absent when it had none}; payload: the codec
             frames as received, back to back (read again on replay into the
             same coded pending delta: `codec.coded.read` is deterministic), or
             the float32 delta when codec is nil (an event built without frames)
@@ -33,7 +34,8 @@ File format (all integers little endian):
     body          uint32 header length H, H bytes msgpack map (the record
                   header), then the raw payload (N - 4 - H bytes)
 
-Appends go straight to the file descriptor (one `writev` per record), so a
+Appends go straight to the file descriptor (`writev`, in batches of at most
+IOV_MAX buffers: a record may hold any number of frames), so a
 record survives the death of the process as soon as `append` returns; `sync`
 (fsync) makes it survive the machine. A failed write (disk full, file-size
 limit, read-only or I/O error) raises `OSError` and leaves the file as it was
@@ -53,6 +55,7 @@ records in order and:
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import struct
@@ -66,6 +69,7 @@ import msgpack
 import numpy as np
 
 from codec import coded
+from paramserver.plumbing.private import open_private
 from paramserver.server.events import (
     AcceptEvent,
     Contribution,
@@ -106,6 +110,8 @@ def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
             "steps": c.steps,
             "arrived": c.arrived,
         }
+        if c.floor is not None:
+            header["floor"] = c.floor
         if event.frames is not None:
             header["codec"] = [memoryview(f).nbytes for f in event.frames]
             return header, list(event.frames)
@@ -180,6 +186,7 @@ def record_to_event(record: Record) -> Event:
                 h["steps"],
                 h["arrived"],
                 delta,
+                floor=h.get("floor"),
             )
             return AcceptEvent(c)
         if kind == "step":
@@ -261,7 +268,7 @@ class WriteAheadLog:
         self.path = Path(path)
         self.fsync = fsync
         created = not self.path.exists()
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        self._fd = open_private(self.path, os.O_RDWR | os.O_CREAT)  # 0600: deltas are private
         try:
             if created or os.fstat(self._fd).st_size == 0:
                 os.write(self._fd, _file_header())
@@ -307,12 +314,7 @@ class WriteAheadLog:
         buffers = [_PREFIX.pack(body_len, crc), _HLEN.pack(len(head)), head, *pieces]
         total = _PREFIX.size + body_len
         try:
-            written = os.writev(self._fd, buffers)
-            if written != total:  # short write (e.g. disk full): finish it or fail loudly
-                rest = b"".join(bytes(b) for b in buffers)[written:]
-                while rest:
-                    n = os.write(self._fd, rest)
-                    rest = rest[n:]
+            write_all(self._fd, buffers)
         except OSError:
             self._cut_after_failure(self.size)
             raise
@@ -375,6 +377,56 @@ class WriteAheadLog:
             finally:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def iov_max() -> int:
+    """The most buffers one `writev` takes here (IOV_MAX: 1024 on Linux; 16 if unknown)."""
+    try:
+        limit = os.sysconf("SC_IOV_MAX")
+    except (ValueError, OSError):
+        limit = -1
+    return limit if limit > 0 else 16
+
+
+IOV_MAX = iov_max()
+
+
+def write_all(fd: int, buffers: Sequence[Any]) -> int:
+    """Write every buffer, in order, with `writev` calls of at most IOV_MAX buffers each.
+
+    A record may hold any number of payload frames (a push cut into 1,100
+    frames is legal): one `writev` past IOV_MAX fails with EINVAL, so the
+    vector goes in batches; a short write (e.g. disk full) is finished with
+    the rest, or raises.
+
+    Args:
+        fd: the file descriptor (at its append position).
+        buffers: bytes-like pieces, written back to back.
+
+    Returns:
+        The bytes written (the sum of the buffers' sizes).
+
+    Raises:
+        OSError: a write failed (some of the pieces may be written).
+    """
+    views = [memoryview(b).cast("B") for b in buffers]
+    views = [v for v in views if v.nbytes]
+    total = 0
+    while views:
+        batch = views[:IOV_MAX]
+        written = os.writev(fd, batch)
+        if written <= 0:  # no progress on a non-empty batch: treat it as a full disk
+            raise OSError(errno.ENOSPC, "writev wrote nothing")
+        total += written
+        # drop what went out; a short write leaves part of a buffer for the next call
+        done = 0
+        while done < len(batch) and written >= batch[done].nbytes:
+            written -= batch[done].nbytes
+            done += 1
+        views = views[done:]
+        if written:
+            views[0] = views[0][written:]
+    return total
 
 
 def _check_file_header(raw: bytes, path: Path) -> None:

@@ -1,11 +1,11 @@
-"""What a client's API reads of its core: counters, replica, fresh updates, acks, credit.
+"""`Readout`: what a client's API reads of its core: counters, replica, fresh updates, acks, credit.
 
 This module owns, with no lock and no I/O, the bookkeeping that `Client.stats`,
 `poll_updates`, `round_merged`, `delta_outcomes` and `ack_latencies` report: the counters, the
 newest version heard of per fragment, the updates `poll_updates` has not
 taken, ack latencies, the version that will include each acked delta (for
 `round_merged`) and the tokens each shard credited. The replica (`replica`) is
-the one the shards' feeds fill. `Progress` belongs to the client's core
+the one the shards' feeds fill. `Readout` belongs to the client's core
 (`paramserver.client.core`); the I/O thread's lock guards both.
 """
 
@@ -46,7 +46,7 @@ class Counters:
 _COUNTS = frozenset(f.name for f in fields(Counters)) - {"rejected"}
 
 
-class Progress:
+class Readout:
     """The bookkeeping of one client's core (callers hold the core's lock)."""
 
     def __init__(self) -> None:
