@@ -16,7 +16,7 @@ import pytest
 from conftest import Cluster
 
 from paramserver.plumbing import daemon
-from worker import progress
+from worker import island_files
 
 ROOT = Path(__file__).resolve().parent.parent
 CMD_TIMEOUT_S = 60
@@ -46,7 +46,7 @@ def write_island(data_dir: Path, state: str, age_s: float, pid: int | None = Non
     """An island data dir as a daemon leaves it: a status file written `age_s` ago, a pid file."""
     data_dir.mkdir(parents=True, exist_ok=True)
     status = {"island": "a", "state": state, "round": 3, "updated": time.time() - age_s}
-    (data_dir / progress.STATUS_FILE).write_text(json.dumps(status))
+    (data_dir / island_files.STATUS_FILE).write_text(json.dumps(status))
     if pid is not None:
         daemon.pid_path(data_dir).write_text(f"{pid}\n")
 
