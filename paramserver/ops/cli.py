@@ -217,8 +217,18 @@ def cmd_start(args: argparse.Namespace) -> int:
         f"pid {pid}; log {daemon.log_path(data_dir)}"
     )
     if "page" in info:
-        print(f"{PROG}: cluster page {info['page']} (Prometheus metrics at {info['page']}metrics)")
+        print(f"{PROG}: cluster page {info['page']} (Prometheus metrics at {info['page']}metrics)"
+              + _token_note(cfg))  # fmt: skip
     return 0
+
+
+def _token_note(cfg: ShardConfig) -> str:
+    """Off loopback the page asks for a token: where the log says it is; "" on loopback."""
+    from paramserver.plumbing.exposure import is_loopback
+
+    if is_loopback(cfg.metrics_bind_host):
+        return ""
+    return f"; off loopback it asks for a token (?token=...): see {daemon.log_path(cfg.data_dir)}"
 
 
 def _detach(args: argparse.Namespace, directory: Path, created: Path | None) -> tuple[int, dict]:
