@@ -288,6 +288,8 @@ def messages(draw, plan_hash: str, size: int, next_round) -> tuple[dict | None, 
             header.pop(field, None)
         elif field == "island":
             header[field] = draw(st.sampled_from(("", "x" * 129, "other-1", "other-2", 5)))
+        elif choice <= 2:  # a bound: 0, 2^62, 2^63, 2^64 - 1, ... (bad_tokens, bad_round)
+            header[field] = draw(st.sampled_from(SPECIAL_INTS))
         else:
             header[field] = draw(JUNK)
     payload = draw(payloads(size)) if kind in ("push", "init", "init_piece") else []
