@@ -24,9 +24,8 @@ refused, the shard's peak RSS (psutil, sampled after every message) stayed below
 baseline + 64 x the model's bytes + 256 MiB, the process is alive, answers `status`,
 and dropped nothing.
 
-A push cut into more than 1021 frames is kept apart (`test_push_of_many_frames_is_stored`,
-xfail strict: issue 33 item 2, the log append's writev past IOV_MAX); once it passes,
-raise MAX_LEGAL_FRAMES past 1024 so the fuzz draws such layouts too.
+A push cut into more frames than one `writev` takes (IOV_MAX = 1024) is stored too
+(`test_push_of_many_frames_is_stored`; the fuzz also draws such layouts).
 
 The default corpus is small for CI (60 examples). A longer run:
 
@@ -71,7 +70,7 @@ MIB = 1 << 20
 RSS_ALLOWANCE = 256 * MIB
 RSS_PER_MODEL = 64  # model copies allowed on top of the allowance (params, optimizer, pending)
 HONEST_PERIOD_S = 0.05
-MAX_LEGAL_FRAMES = 1000  # past ~1021 frames the log append fails (see the xfail test below)
+MAX_LEGAL_FRAMES = 1100  # past IOV_MAX: the log append writes its I/O vector in batches
 
 
 def model() -> dict[str, np.ndarray]:
@@ -374,11 +373,6 @@ def test_fuzz_live_shard_with_honest_island(live: LiveShard) -> None:
     print(f"fuzz replies: {dict(sorted(tally.items()))}; peak RSS {live.peak_rss / MIB:.0f} MiB")
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="issue 33 item 2: a push cut into > 1021 frames is answered storage_error "
-    "(the log append's writev passes IOV_MAX = 1024) and the shard rebuilds from disk",
-)
 def test_push_of_many_frames_is_stored(live: LiveShard) -> None:
     plan = live.honest.plan
     size = plan.fragments[0].size
