@@ -36,6 +36,11 @@ What the core asks its I/O loop to do is plain data defined here: a `Request`
 as received, and the `Effects` of a batch: the events to log first, the
 `Reply`s to send whatever happens, the `DurableReply`s whose answer depends
 on the log, and the `Publish`es.
+
+(Over 700 lines: the core is the shard's one protocol state machine, as h11's
+`Connection` is: the effect types, admission, the durable-reply rule and the
+tick belong together so that every rule of what may follow what is in one
+place; the decisions themselves live in `admission/`, `step/` and `state.py`.)
 """
 
 from __future__ import annotations
