@@ -10,12 +10,15 @@ bytes), then stops the islands, evaluates the global model once every acked
 delta is merged (`diloco-worker eval`), prints a summary (eval loss before/after,
 bytes on the wire against synchronous data parallel for the same tokens, goodput
 per island), writes `summary.json` and `loss.png` to the output directory and
-stops the server. Every island trains at least `--duration` seconds; the clock
-the progress lines show is the plot's, from the first island's first step;
-`--json` also prints the summary on stdout.
+stops the server. Every island trains at least `--duration` seconds: the clock
+the progress lines show counts them, from the moment every island trains (the
+first ones start earlier, while the others compile: the plot shows that head
+start); the plot ends with the final eval. Progress goes to stdout, errors to
+stderr; `--json` prints the summary as the last line of stdout and the progress
+on stderr instead, so that stdout holds the JSON alone.
 
-The live table needs a terminal: when stdout or stderr is not one (a pipe, a
-log file, CI) or with `--no-live`, the demo prints one plain progress line
+The live table needs a terminal: when the progress stream is not one (a pipe,
+a log file, CI) or with `--no-live`, the demo prints one plain progress line
 every few seconds instead. Ctrl-C prints one line, stops every daemon the demo
 started and exits with status 130; a Ctrl-C while daemons are being started
 takes effect once they are up (their launchers are shielded from it), so none
@@ -139,7 +142,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--json",
         action="store_true",
-        help="also print the summary (summary.json without the server status) on stdout as JSON",
+        help="print the summary (summary.json without the server status) on stdout as JSON, "
+        "and the progress on stderr",
     )
     parser.add_argument(
         "--no-live",
@@ -273,9 +277,22 @@ def summarize(
     }
 
 
-def plot(cluster: LocalCluster, names: list[str], path: Path) -> None:
-    """Write a PNG: train loss per island and global eval loss against wall-clock time."""
-    plots.write_demo_plot({n: cluster.island_metrics(n) for n in names}, UNIGRAM_NATS, path)
+def plot(
+    cluster: LocalCluster,
+    names: list[str],
+    path: Path,
+    final: tuple[float, float] | None = None,
+) -> None:
+    """Write a PNG: train loss per island and global eval loss against wall-clock time.
+
+    Args:
+        cluster: the (stopped) cluster.
+        names: island names.
+        path: the PNG.
+        final: (wall-clock time, loss) of the final eval of the merged model, or None.
+    """
+    rows = {n: cluster.island_metrics(n) for n in names}
+    plots.write_demo_plot(rows, UNIGRAM_NATS, path, final=final)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -314,32 +331,40 @@ def _run(args: argparse.Namespace, interrupt: _Interrupt) -> int:
     common = ("--model", args.model, "--inner-steps", str(args.inner_steps))
     specs = [IslandSpec(n, speeds[n], common) for n in names]
     quorum = max(1, args.islands - 1)
-    live = not args.no_live and sys.stdout.isatty() and sys.stderr.isatty()
-    log = sys.stderr
+    log = sys.stderr if args.json else sys.stdout  # progress; stdout holds the JSON alone
+    live = not args.no_live and log.isatty()
     metrics_port = free_base_port(1) if args.metrics_port is None else args.metrics_port
     server_args = ("--quorum", str(quorum), "--metrics-port", str(metrics_port))
     server_args += ("--inner-steps", str(args.inner_steps))  # H: the default outer lr
     with LocalCluster(out, shards=args.shards, server_args=server_args) as cluster:
-        print(f"starting {args.shards} shards on {cluster.connect} ...", file=log)
+        print(f"starting {args.shards} shards on {cluster.connect} ...", file=log, flush=True)
         interrupt.shielded(cluster.start_server)
         if metrics_port:
-            print(f"cluster page: http://{cluster.host}:{metrics_port}/ (live)", file=log)
-        print(f"starting {args.islands} islands (JAX import + compile takes a while) ...", file=log)
+            print(
+                f"cluster page: http://{cluster.host}:{metrics_port}/ (live)", file=log, flush=True
+            )
+        print(
+            f"starting {args.islands} islands (JAX import + compile takes a while) ...",
+            file=log,
+            flush=True,
+        )
         interrupt.shielded(lambda: cluster.start_islands(specs))
-        _watch(cluster, names, args.duration, live)
-        print("stopping islands ...", file=log)
+        _watch(cluster, names, args.duration, live, log)
+        print("stopping islands ...", file=log, flush=True)
         for name in names:
             cluster.stop_island(name)
-        print("final eval of the merged global model ...", file=log)
+        print("final eval of the merged global model ...", file=log, flush=True)
         final = cluster.final_eval(("--model", args.model))
+        final_wall = time.time()
         if "error" in final:
-            print(f"final eval failed: {final['error']}", file=log)
+            print(f"diloco-bench demo: final eval failed: {final['error']}", file=sys.stderr)
     summary = summarize(cluster, names, speeds, final)
     summary["server"] = final.get("server") or {}
     summary["duration_s"] = args.duration
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
-    plot(cluster, names, out / "loss.png")
-    _print_summary(summary, out)
+    scored = final.get("eval_loss")
+    plot(cluster, names, out / "loss.png", (final_wall, scored) if scored is not None else None)
+    _print_summary(summary, out, log)
     if args.json:
         print(json.dumps({k: v for k, v in summary.items() if k != "server"}))
     return 0
@@ -369,64 +394,42 @@ def progress_line(statuses: dict[str, dict[str, Any]], elapsed: float, duration:
     return f"[{elapsed:4.0f}s/{duration:.0f}s] tokens {count}  loss {losses}{newest}"
 
 
-def training_started(statuses: dict[str, dict[str, Any]], now: float) -> float:
-    """When the first island began to train (wall clock), from the islands' status files.
+def _watch(
+    cluster: LocalCluster, names: list[str], duration: float, live: bool, stream: Any
+) -> None:
+    """Show progress on `stream` for `duration` seconds once every island is up.
 
-    Islands start one after another and the first trains while the others
-    compile: the demo's clock (its progress lines) starts with the first one,
-    so the tokens it shows and the plot's time axis agree with it.
-
-    Args:
-        statuses: island -> its status.json.
-        now: wall-clock time, the answer while no island has started.
-
-    Returns:
-        The earliest ``wall - time_s`` of an island's status (its session's start), or `now`.
-    """
-    starts = [
-        s["wall"] - s["time_s"]
-        for s in statuses.values()
-        if isinstance(s.get("wall"), int | float) and isinstance(s.get("time_s"), int | float)
-    ]
-    return min(starts, default=now)
-
-
-def _watch(cluster: LocalCluster, names: list[str], duration: float, live: bool) -> None:
-    """Show progress for `duration` seconds once every island is up.
-
-    The clock shown is the training's (since the first island's first step,
-    the plot's time axis): islands start one after another, so it begins above
-    0 and runs to that head start plus `duration`. Ctrl-C raises `Interrupted`
+    The clock counts those seconds, from 0 to `duration` (the islands that
+    started first have trained a little longer). Ctrl-C raises `Interrupted`
     in the sleeps.
     """
-    end = time.monotonic() + duration
-    began = training_started({n: cluster.island_status(n) for n in names}, time.time())
-    total = time.time() - began + duration
+    began = time.monotonic()
 
     def left() -> tuple[float, float, dict[str, dict[str, Any]]]:
         statuses = {n: cluster.island_status(n) for n in names}
-        return end - time.monotonic(), time.time() - began, statuses
+        elapsed = time.monotonic() - began
+        return duration - elapsed, elapsed, statuses
 
     if not live:
         print(f"every {PROGRESS_S:g}s: tokens, train loss of {' '.join(names)}, global eval",
-              file=sys.stderr)  # fmt: skip
+              file=stream, flush=True)  # fmt: skip
         while (now := left())[0] > 0:
-            print(progress_line(now[2], now[1], total), file=sys.stderr, flush=True)
+            print(progress_line(now[2], now[1], duration), file=stream, flush=True)
             time.sleep(max(0.0, min(PROGRESS_S, now[0])))
         return
     from rich.console import Console
     from rich.live import Live
 
-    with Live(console=Console(stderr=True), refresh_per_second=2) as display:
+    with Live(console=Console(file=stream), refresh_per_second=2) as display:
         while (now := left())[0] > 0:
-            display.update(_table(cluster, names, now[1], total))
+            display.update(_table(cluster, names, now[1], duration))
             time.sleep(0.5)
 
 
-def _print_summary(summary: dict[str, Any], out: Path) -> None:
+def _print_summary(summary: dict[str, Any], out: Path, stream: Any) -> None:
     from rich.console import Console
 
-    console = Console(stderr=True)
+    console = Console(file=stream)
     before, after = summary["eval_loss_before"], summary["eval_loss_after"]
     console.print(
         f"\nglobal eval loss: {before if before is None else f'{before:.3f}'} -> "

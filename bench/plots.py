@@ -222,7 +222,10 @@ def _staleness_bars(ax, hists: Mapping[str, Mapping[str, int]]) -> None:
 
 
 def write_demo_plot(
-    rows: Mapping[str, Sequence[Mapping[str, Any]]], floor: float, path: Path
+    rows: Mapping[str, Sequence[Mapping[str, Any]]],
+    floor: float,
+    path: Path,
+    final: tuple[float, float] | None = None,
 ) -> None:
     """The demo's PNG: train loss per island and global eval loss against wall-clock time.
 
@@ -230,8 +233,10 @@ def write_demo_plot(
         rows: island name -> its metrics rows.
         floor: the unigram entropy of the corpus (a dashed line).
         path: the PNG.
+        final: (wall-clock time, loss) of the final eval of the merged global
+            model, drawn as its own marker at the end; None = none.
     """
-    t0 = min((r["wall"] for rs in rows.values() for r in rs), default=0.0)
+    t0 = min((r["wall"] for rs in rows.values() for r in rs), default=final[0] if final else 0.0)
     train = {
         f"{name} (train)": [(r["wall"] - t0, r["loss"]) for r in rs if "loss" in r]
         for name, rs in rows.items()
@@ -242,6 +247,9 @@ def write_demo_plot(
         curves(ax, train, 0, 1)
         if evals:
             ax.plot(*zip(*evals, strict=True), "k.-", label="global params (held-out eval)")
+        if final is not None:
+            ax.plot([final[0] - t0], [final[1]], "r*", ms=14,
+                    label=f"final eval of the merged model ({final[1]:.3f})")  # fmt: skip
         ax.axhline(floor, color="grey", ls="--", lw=1, label="unigram entropy")
         ax.set_xlabel("wall-clock time (s)")
         ax.set_ylabel("loss (nats/byte)")

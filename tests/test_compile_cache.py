@@ -34,11 +34,57 @@ def test_the_setting_resolves_to_the_data_dir_a_shared_dir_or_none(tmp_path):
     assert compile_cache.entries(tmp_path / "missing") == []
 
 
+def in_a_fresh_process(code: str, *args: str) -> subprocess.CompletedProcess:
+    """Run `code` in a new interpreter (a process whose cache nothing has set yet)."""
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=240)  # fmt: skip
+
+
 def test_an_unusable_cache_dir_is_one_clear_error(tmp_path):
     blocker = tmp_path / "file"
     blocker.write_text("not a directory")
-    with pytest.raises(compile_cache.CompileCacheError, match="--compile-cache-dir"):
-        compile_cache.enable(str(blocker / "cache"), tmp_path)
+    code = (
+        "import sys; from worker import compile_cache\n"
+        "try:\n    compile_cache.enable(sys.argv[1], sys.argv[2])\n"
+        "except compile_cache.CompileCacheError as exc:\n    print(exc)\n"
+    )
+    proc = in_a_fresh_process(code, str(blocker / "cache"), str(tmp_path))
+    assert "--compile-cache-dir" in proc.stdout, proc
+
+
+THREADS = """
+import logging, sys, threading, warnings
+import jax, jax.numpy as jnp
+from worker import compile_cache
+logging.basicConfig(level=logging.DEBUG, format="%(name)s %(message)s", stream=sys.stdout)
+for name in ("jax", "jax._src"):
+    logging.getLogger(name).setLevel(logging.WARNING)
+warnings.simplefilter("always")
+first, second = sys.argv[1], sys.argv[2]
+used = {}
+def island(name, setting):
+    for _ in range(2):
+        used.setdefault(name, compile_cache.enable(setting, "unused"))
+    for n in range(6):  # each thread compiles, the other reads and writes the same cache
+        jax.jit(lambda x, n=n: jnp.sin(x) * n + len(name))(jnp.ones(n + 3)).block_until_ready()
+a = threading.Thread(target=island, args=("a", first)); a.start(); a.join()
+threads = [threading.Thread(target=island, args=(n, s)) for n, s in (("b", second), ("c", second))]
+for t in threads: t.start()
+for t in threads: t.join()
+print("USED", used["a"], used["b"], used["c"])
+"""
+
+
+def test_threads_of_one_process_share_the_first_cache_without_a_warning(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    proc = in_a_fresh_process(THREADS, str(first), str(second))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"USED {first} {first} {first}" in proc.stdout, proc.stdout
+    told = [line for line in proc.stdout.splitlines() if "this process keeps" in line]
+    assert len(told) == 1 and str(second) in told[0], proc.stdout  # said once, at DEBUG
+    assert not second.exists()  # the later setting created nothing
+    assert len(compile_cache.entries(first)) >= 6  # both threads' programs in the one cache
+    assert "Warning" not in proc.stderr and "Error" not in proc.stderr, proc.stderr[-3000:]
 
 
 @pytest.mark.slow

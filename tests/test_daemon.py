@@ -7,6 +7,7 @@ import sys
 import textwrap
 import threading
 
+import psutil
 import pytest
 
 from paramserver.plumbing import daemon
@@ -61,8 +62,42 @@ def test_pid_file_claim_release_and_stale(tmp_path):
 
 def test_pid_reuse_counts_as_stale(tmp_path):
     path = tmp_path / "daemon.pid"
-    path.write_text(f"{os.getpid()} 12345.0\n")  # our pid, another start time
+    path.write_text(f"{os.getpid()} 12345.0\n")  # an older version's file: our pid, another start
     assert daemon.running_pid(path) is None
+    created = psutil.Process().create_time()
+    path.write_text(f"{os.getpid()} {created:.3f}\n")  # an older version's file, ours
+    assert daemon.running_pid(path) == os.getpid()
+
+
+def test_the_pid_file_holds_the_pid_alone_and_its_age_tells_a_reused_pid(tmp_path):
+    path = tmp_path / "daemon.pid"
+    daemon.acquire_pid_file(path)
+    assert path.read_text() == f"{os.getpid()}\n"  # `kill $(cat daemon.pid)` works
+    assert daemon.running_pid(path) == os.getpid()
+    # written an hour before this process started: another process of the same pid wrote it
+    before = psutil.Process().create_time() - 3600
+    os.utime(path, (before, before))
+    assert daemon.running_pid(path) is None
+    daemon.acquire_pid_file(path)  # stale: replaced
+    assert daemon.running_pid(path) == os.getpid()
+    daemon.release_pid_file(path)
+
+
+def test_kill_of_the_pid_file_stops_a_detached_daemon(tmp_path):
+    pid, _ = daemon.detach(
+        toy_argv(tmp_path), daemon.log_path(tmp_path), tmp_path / "ready", timeout_s=30
+    )
+    try:
+        proc = subprocess.run(
+            ["sh", "-c", f"kill $(cat {daemon.pid_path(tmp_path)})"],
+            capture_output=True,
+            timeout=30,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert daemon.wait_exit(pid, 30)
+    finally:
+        if daemon.pid_alive(pid):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_garbage_pid_file(tmp_path):
@@ -186,3 +221,52 @@ def test_failure_message_ignores_errors_of_earlier_runs(tmp_path):
     with pytest.raises(DaemonError) as info:
         daemon.detach(toy_argv(tmp_path, "fail"), log, tmp_path / "ready", timeout_s=30)
     assert "address in use" in str(info.value) and "yesterday" not in str(info.value)
+
+
+def test_the_reason_of_a_failed_start_is_the_last_line_of_its_exception(tmp_path):
+    log = tmp_path / "daemon.log"
+    log.write_text(
+        "2026-01-01 00:00:00,000 INFO shard: recovering\n"
+        "Traceback (most recent call last):\n"
+        '  File "x.py", line 1, in <module>\n'
+        "    recover()\n"
+        "    ^^^^^^^^^\n"
+        "ValueError: inner cause\n"
+        "\n"
+        "The above exception was the direct cause of the following exception:\n"
+        "\n"
+        "Traceback (most recent call last):\n"
+        '  File "y.py", line 2, in recover\n'
+        "pkg.storage.recovery.DurabilityError: shard 0 cannot recover d: start with an empty one\n"
+        "  and a second line of its message\n"
+    )
+    assert daemon.failure_reason(log) == (
+        "DurabilityError: shard 0 cannot recover d: start with an empty one"
+    )
+    # no traceback: the first ERROR record, without the log prefix
+    log.write_text(
+        "2026-01-01 00:00:00,000 INFO toy: up\n"
+        "2026-01-01 00:00:01,000 ERROR paramserver.ops.supervisor: shard 1 failed: why\n"
+        "2026-01-01 00:00:02,000 ERROR paramserver.ops.supervisor: shard 1 exited\n"
+    )
+    assert daemon.failure_reason(log) == "shard 1 failed: why"
+    assert daemon.failure_reason(tmp_path / "missing.log") == ""
+
+
+def test_a_detached_start_that_fails_removes_what_it_created_and_nothing_else(tmp_path):
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    (kept / "data").write_text("not ours")
+    with pytest.raises(daemon.DaemonStartError) as info:
+        daemon.detach(toy_argv(kept, "fail"), daemon.log_path(kept), kept / "ready", 30,
+                      created=daemon.first_missing(kept))  # fmt: skip
+    assert info.value.code == 3 and info.value.reason == "cannot bind port 1234: address in use"
+    assert (kept / "data").read_text() == "not ours"  # an existing dir keeps all it held
+
+    new = tmp_path / "a" / "b" / "island"
+    created = daemon.first_missing(new)
+    assert created == tmp_path / "a"  # the outermost directory the start creates
+    with pytest.raises(daemon.DaemonStartError):
+        daemon.detach(toy_argv(new, "fail"), daemon.log_path(new), new / "ready", 30,
+                      created=created)  # fmt: skip
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]

@@ -24,8 +24,9 @@ SMALL = ("--islands", "1", "--shards", "1", "--inner-steps", "5")
 
 
 class DemoRun:
-    """A demo subprocess with piped output; collects its stderr lines (with arrival times)
-    and every daemon pid that appears in a pid file under its output directory."""
+    """A demo subprocess with piped output; collects its stdout lines (its progress, with
+    arrival times), its stderr lines (errors) and every daemon pid that appears in a pid
+    file under its output directory."""
 
     def __init__(self, out: Path, duration: float) -> None:
         argv = [sys.executable, "-m", "bench.cli", "demo", "--out", str(out),
@@ -34,9 +35,9 @@ class DemoRun:
         self.proc = subprocess.Popen(
             argv, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
         )
-        self.lines: list[tuple[float, str]] = []
+        self.lines: list[tuple[float, str]] = []  # stdout
+        self.errors: list[str] = []  # stderr
         self.pids: dict[str, int] = {}  # daemon data dir (relative to out) -> its pid
-        self.stdout = ""
         self._threads = [
             threading.Thread(target=self._read_stderr, daemon=True),
             threading.Thread(target=self._read_stdout, daemon=True),
@@ -47,10 +48,11 @@ class DemoRun:
 
     def _read_stderr(self) -> None:
         for line in self.proc.stderr:
-            self.lines.append((time.monotonic(), line.rstrip("\n")))
+            self.errors.append(line.rstrip("\n"))
 
     def _read_stdout(self) -> None:
-        self.stdout = self.proc.stdout.read()
+        for line in self.proc.stdout:
+            self.lines.append((time.monotonic(), line.rstrip("\n")))
 
     def _watch_pids(self) -> None:
         while self.proc.poll() is None:
@@ -60,7 +62,7 @@ class DemoRun:
             time.sleep(0.1)
 
     def wait_line(self, predicate, timeout_s: float) -> int:
-        """Index of the first stderr line matching `predicate`; fails the test if the demo
+        """Index of the first stdout line matching `predicate`; fails the test if the demo
         exits first or after `timeout_s`."""
 
         def first() -> tuple[int] | None:
@@ -71,9 +73,9 @@ class DemoRun:
             return None
 
         try:
-            (index,) = wait_for(first, "a matching stderr line", timeout_s=timeout_s, poll_s=0.1)
+            (index,) = wait_for(first, "a matching stdout line", timeout_s=timeout_s, poll_s=0.1)
         except AssertionError as e:
-            pytest.fail(f"{e}; stderr so far:\n{self.text()}")
+            pytest.fail(f"{e}; output so far:\n{self.text()}")
         return index
 
     def finish(self, timeout_s: float) -> int:
@@ -83,7 +85,7 @@ class DemoRun:
         return code
 
     def text(self) -> str:
-        return "\n".join(line for _t, line in self.lines)
+        return "\n".join([line for _t, line in self.lines] + ["-- stderr:", *self.errors])
 
     def kill_leftovers(self) -> None:
         """Teardown: never leave a daemon of this run behind, whatever the test saw."""
@@ -111,14 +113,13 @@ def test_a_progress_line_fits_80_columns_and_names_what_an_island_is_doing():
     assert len(line) <= 80
 
 
-def test_the_demo_clock_starts_with_the_first_islands_first_step():
-    statuses = {
-        "island-0": {"wall": 1000.0, "time_s": 30.0, "tokens": 184_000},  # began at 970
-        "island-1": {"wall": 1000.0, "time_s": 12.5},
-        "island-2": {"state": "compiling"},
-    }
-    assert demo.training_started(statuses, now=1001.0) == 970.0
-    assert demo.training_started({"island-0": {"state": "compiling"}}, now=1001.0) == 1001.0
+def test_the_demo_plot_ends_with_the_final_eval(tmp_path):
+    from bench import plots
+
+    rows = {"island-0": [{"wall": 100.0, "loss": 3.0}, {"wall": 110.0, "loss": 2.5,
+                                                       "eval_global": 2.6}]}  # fmt: skip
+    plots.write_demo_plot(rows, 2.0, tmp_path / "loss.png", final=(130.0, 2.4))
+    assert (tmp_path / "loss.png").stat().st_size > 0
 
 
 @pytest.mark.slow
@@ -133,12 +134,14 @@ def test_with_stdout_piped_the_demo_prints_progress_lines_while_it_trains(tmp_pa
     progress = [i for i, line in enumerate(texts) if is_progress(line)]
     stopping = texts.index("stopping islands ...")
     assert len(progress) >= 2 and progress[-1] < stopping, run.text()
+    assert all(texts[i].startswith("[") and "s/11s]" in texts[i] for i in progress), run.text()
+    assert not run.errors, run.text()  # a run without errors writes nothing on stderr
     first_at, end_at = run.lines[progress[0]][0], run.lines[-1][0]
     assert end_at - first_at > 5.0  # streamed while it ran, not dumped at the end
     assert all(len(texts[i]) <= 80 for i in progress)
     page = [i for i, line in enumerate(texts) if line.startswith("cluster page: http://127.0.0.1:")]
     assert len(page) == 1 and page[0] < progress[0], run.text()  # said as the server started
-    assert "{" not in run.stdout  # the summary JSON stays in summary.json without --json
+    assert not [line for line in texts if line.startswith("{")]  # JSON only with --json
     assert "eval_loss_after" in json.loads((run.out / "summary.json").read_text())
     assert not [pid for pid in run.pids.values() if daemon.pid_alive(pid)]
 
@@ -153,14 +156,15 @@ def test_ctrl_c_is_one_line_and_stops_every_daemon(tmp_path, phase):
             run.wait_line(is_progress, timeout_s=300)
         else:
             run.wait_line(lambda line: line.startswith("starting 1 islands"), timeout_s=120)
-        signalled = len(run.lines)
+        signalled, said = len(run.lines), len(run.errors)
         run.proc.send_signal(signal.SIGINT)
         code = run.finish(timeout_s=300)
     finally:
         run.kill_leftovers()
     after = [line for _t, line in run.lines[signalled:] if not is_progress(line)]
     assert code != 0
-    assert after == ["diloco-bench demo: interrupted; stopping the daemons it started"], after
+    assert after == [], after
+    assert run.errors[said:] == ["diloco-bench demo: interrupted; stopping the daemons it started"]
     assert "Traceback" not in run.text()
     # the shard and the island (even one interrupted while it started) ran, and were stopped
     assert {"server/shard-0", "islands/island-0"} <= set(run.pids), run.pids

@@ -153,6 +153,7 @@ def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
     )
     assert proc.returncode == 0, proc.stderr
     assert f"tcp://127.0.0.1:{port}" in proc.stdout
+    assert f"cluster page http://127.0.0.1:{metrics_port}/" in proc.stdout, proc.stdout
     supervisor_pid = daemon.read_pid(daemon.pid_path(data_dir))
     assert supervisor_pid and daemon.pid_alive(supervisor_pid)
     shard_pids = [daemon.read_pid(daemon.pid_path(daemon.shard_dir(data_dir, i))) for i in range(2)]
@@ -385,3 +386,59 @@ def test_rendered_cluster_file_reads_back_the_same(tmp_path):
     cluster = load_cluster_file(path)
     assert cluster.server == {**server, "data_dir": 'C:\\dir "x"'}
     assert list(cluster.shards) == shards
+
+
+# -- a failed start: the reason on the terminal, nothing left behind ----------------------------
+
+
+def tree(root: Path) -> dict[str, int]:
+    """Every file under `root` with its size (logs left out: a failed start appends its reason)."""
+    return {
+        p.relative_to(root).as_posix(): p.stat().st_size
+        for p in sorted(root.rglob("*"))
+        if p.is_file() and p.name != daemon.LOG_FILE
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_start_on_another_clusters_data_dir_says_why_and_leaves_nothing(tmp_path, stop_after):
+    data_dir = tmp_path / "server"
+    port = free_port(4)
+    stop_after(data_dir)
+    flags = ("--port", str(port), "--data-dir", str(data_dir), "--fsync", "false")
+    first = run_cli("start", "--detach", "--shards", "1", *flags)
+    assert first.returncode == 0, first.stderr
+    connect = f"tcp://127.0.0.1:{port}"
+    with Client(ClientConfig(connect=connect, island="a", join_timeout_s=30)) as client:
+        client.join(small_flat(0))  # the shard now holds a model of one shard's plan
+    assert run_cli("stop", "--data-dir", str(data_dir)).returncode == 0
+    assert (data_dir / "diloco-kind").read_text() == "server\n"  # written once it served
+    before = tree(data_dir)
+    assert before and not (data_dir / "shard-1").exists()
+
+    for detach in (("--detach",), ()):
+        proc = run_cli("start", *detach, "--shards", "2", *flags)
+        assert proc.returncode == 1, proc.stderr
+        last = proc.stderr.strip().splitlines()[-1]
+        assert "shard 0" in last and "DurabilityError" in last, proc.stderr
+        assert "this process runs (0, 2," in last and "start with an empty one" in last, last
+        assert "Traceback" not in last
+        assert not (data_dir / "shard-1").exists(), "the failed start left a new shard folder"
+        assert tree(data_dir) == before  # nothing written, nothing removed
+    assert "Traceback" in daemon.log_path(data_dir / "shard-0").read_text()  # the whole story
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_failed_start_in_a_new_data_dir_removes_it(tmp_path, stop_after):
+    data_dir = tmp_path / "runs" / "server"
+    stop_after(data_dir)
+    with socket.socket() as holder:  # the metrics port is taken: the start fails once shards serve
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        metrics_port = holder.getsockname()[1]
+        proc = run_cli("start", "--detach", "--port", str(free_port(2)), "--metrics-port",
+                       str(metrics_port), "--data-dir", str(data_dir))  # fmt: skip
+    assert_one_line_error(proc, 1, "not started", f"metrics port {metrics_port}")
+    assert not (tmp_path / "runs").exists()

@@ -6,7 +6,7 @@
                         [--coordinator HOST:PORT --num-processes N --process-id I]
                         [--param-sharding replicated|fsdp] [--dry-run]
     diloco-worker stop --data-dir D
-    diloco-worker status --data-dir D [--json]
+    diloco-worker status --data-dir D [--json]   (exit 3: the island does not run)
     diloco-worker eval --connect tcp://HOST:PORT [--wait-s 120] [--json]
                        [--model ... --seq-len ... --batch-size ... --eval-batches ...
                         --data ... --data-dtype ... --vocab-size ... --heldout-fraction ...
@@ -35,6 +35,7 @@ Settings: defaults <- TOML file (--config; keys at top level or under [worker])
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -44,7 +45,7 @@ import time
 from pathlib import Path
 
 from paramserver.client import ClientError
-from paramserver.plumbing import daemon, settings
+from paramserver.plumbing import daemon, dir_kind, settings
 from worker import export as export_cli
 from worker import island_files
 from worker.config import IslandConfig
@@ -55,6 +56,7 @@ STARTUP_S = 180.0  # a detached island's imports and first compile, on top of it
 # eval's held-out batches unless given: 8x the islands' periodic eval (4) for a steadier final
 # figure, whose standard error over the batches eval reports
 EVAL_BATCHES = 32
+EXIT_NOT_RUNNING = 3  # `status` of an island that does not run (as LSB init scripts say it)
 # the IslandConfig fields `eval` reads (model, held-out data, devices, a CURVE island's keys)
 EVAL_SETTINGS = (
     "island",
@@ -98,7 +100,14 @@ def _parser() -> argparse.ArgumentParser:
     stop = sub.add_parser("stop", help="SIGTERM the island of a data dir and wait for it")
     stop.add_argument("--data-dir", required=True, help="the island's data directory")
     stop.add_argument("--timeout", type=float, default=60.0, help="seconds to wait (default 60)")
-    status = sub.add_parser("status", help="show an island's progress")
+    status = sub.add_parser(
+        "status",
+        help="show an island's progress (exit 3 when it does not run)",
+        description="Show an island's last status and whether its process runs. Exit 0 "
+        "while it runs, 3 when it does not: 'not running (stopped ... ago)' after a stop, "
+        "'not running (last seen ... ago, was training)' when it ended without one "
+        "(killed, crashed).",
+    )
     status.add_argument("--data-dir", required=True, help="the island's data directory")
     status.add_argument(
         "--json", action="store_true", help="print the whole status file as JSON instead of a table"
@@ -126,11 +135,16 @@ def _parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--json", action="store_true", help="print one JSON line")
     evaluate.add_argument("--config", help="TOML file with island settings (model, data, ...)")
     others = tuple(k for k in settings.setting_keys(IslandConfig) if k not in EVAL_SETTINGS)
+    group = evaluate.add_argument_group("model and data settings")
+    group.add_argument(  # its own default here (EVAL_BATCHES), not the islands' periodic one
+        "--eval-batches",
+        dest="eval_batches",
+        metavar="INT",
+        default=argparse.SUPPRESS,
+        help=f"held-out batches of the final eval (default {EVAL_BATCHES})",
+    )
     settings.add_flags(  # the islands' other flags are accepted (one flag list) and ignored
-        evaluate.add_argument_group("model and data settings"),
-        IslandConfig,
-        exclude=("connect",),
-        hide=others,
+        group, IslandConfig, exclude=("connect", "eval_batches"), hide=others
     )
     export_cli.add_parser(sub)
     return parser
@@ -166,6 +180,8 @@ def _usable_data_dir(data_dir: Path) -> None:
 def _start(args: argparse.Namespace, argv: list[str]) -> int:
     cfg = _load_config(args)
     data_dir = Path(cfg.data_dir)
+    created = daemon.first_missing(data_dir)  # what a failed start removes again
+    dir_kind.check(data_dir, dir_kind.ISLAND)
     _usable_data_dir(data_dir)
     if args.detach:
         running = daemon.running_pid(daemon.pid_path(data_dir))
@@ -181,10 +197,15 @@ def _start(args: argparse.Namespace, argv: list[str]) -> int:
         proc = daemon.spawn(
             [sys.executable, "-m", "worker.cli", *child], log, data_dir / "ready.json"
         )
-        _wait_joined(proc, cfg, log, data_dir / "ready.json")
+        try:
+            _wait_joined(proc, cfg, log, data_dir / "ready.json")
+        except daemon.DaemonError:
+            if proc.poll() is not None:  # a failed start leaves nothing it created
+                daemon.remove_created(created)
+            raise
         print(f"island {cfg.island} running (pid {proc.pid}), data dir {data_dir}")
         return 0
-    return _run_foreground(cfg, dry_run=args.dry_run)
+    return _run_foreground(cfg, dry_run=args.dry_run, created=created)
 
 
 def _wait_joined(proc: subprocess.Popen, cfg: IslandConfig, log: Path, ready: Path) -> None:
@@ -201,11 +222,16 @@ def _wait_joined(proc: subprocess.Popen, cfg: IslandConfig, log: Path, ready: Pa
         try:
             if daemon.check_ready(proc, ready, log) is not None:
                 return
-        except daemon.DaemonError as exc:  # "exited with code 1 before it was ready: ..."
-            raise daemon.DaemonError(f"island {cfg.island} {exc}") from None
+        except daemon.DaemonStartError as exc:  # it exited: say why, in one line
+            if not exc.reason:
+                raise daemon.DaemonError(f"island {cfg.island} {exc}") from None
+            reason = exc.reason.removeprefix("diloco-worker: ")  # its own one-line error
+            raise daemon.DaemonError(f"island {cfg.island} not started: {reason}") from None
         now = time.monotonic()
         if now > deadline:
             proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10.0)
             raise daemon.DaemonError(
                 f"island {cfg.island} did not join within {now - started:.0f}s and was stopped; "
                 f"see {log}"
@@ -220,7 +246,12 @@ def _wait_joined(proc: subprocess.Popen, cfg: IslandConfig, log: Path, ready: Pa
         time.sleep(0.1)
 
 
-def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:
+def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | None = None) -> int:
+    """Run the island in this process until SIGTERM / SIGINT (or `max_rounds`).
+
+    A start that fails before the island trains leaves nothing it created
+    (`created`: `daemon.first_missing` of its data dir, taken before anything was written).
+    """
     from worker import process_group  # no JAX yet: the process group must start first
 
     spec = process_group.resolve_group(
@@ -237,28 +268,48 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:
     if dry_run:
         print(process_group.dry_run_text(cfg, spec), flush=True)
         process_group.leave(spec, 0, goodbye_s)
+        daemon.remove_created(created)  # a dry run leaves nothing
         return 0
     from worker.island import Island  # imports JAX: only when an island really starts
 
     data_dir = Path(cfg.data_dir)
-    stop = daemon.enter_foreground(data_dir, cfg.log_level)
+    try:
+        stop = daemon.enter_foreground(data_dir, cfg.log_level)
+    except BaseException:
+        daemon.remove_created(created)
+        raise
+    ready = False
+
+    def notify() -> None:
+        nonlocal ready
+        ready = True
+        dir_kind.mark(data_dir, dir_kind.ISLAND)
+        daemon.notify_ready({"island": cfg.island, "process": spec.process_id})
+
     try:
         if cfg.cpu >= 0 and hasattr(os, "sched_setaffinity"):
             os.sched_setaffinity(0, {cfg.cpu % os.cpu_count()})
         island = Island(cfg, group=spec)
-        ready = {"island": cfg.island, "process": spec.process_id}
-        notify = lambda: daemon.notify_ready(ready)  # noqa: E731
         if not spec.leader:  # runs the same loop; only process 0 opens sockets to the shards
             notify()
         code = island.run(stop, on_ready=notify if spec.leader else None)
     finally:
         daemon.release_pid_file(daemon.pid_path(data_dir))
+        if not ready:  # a failed start (or a stop while joining) leaves nothing it created
+            daemon.remove_created(created)
     process_group.leave(spec, code, goodbye_s)  # the others exit here; process 0 waits for them
     return code
 
 
 def _status(args: argparse.Namespace) -> int:
+    """`status`: the island's status file, and whether its process runs.
+
+    Returns:
+        0 while the island runs; `EXIT_NOT_RUNNING` when it does not (stopped,
+        or gone without stopping: killed, crashed).
+    """
     data_dir = Path(args.data_dir)
+    dir_kind.check(data_dir, dir_kind.ISLAND)
     pid = daemon.running_pid(daemon.pid_path(data_dir))
     status = island_files.read_status(data_dir)
     if status is None:
@@ -266,11 +317,42 @@ def _status(args: argparse.Namespace) -> int:
             f"no island status in {data_dir}: start one with diloco-worker start"
         )
     status["running"] = pid is not None
+    code = 0 if pid is not None else EXIT_NOT_RUNNING
     if args.json:
         print(json.dumps(status, indent=2))
-        return 0
+        return code
     print("\n".join(status_lines(status, time.time())))
-    return 0
+    return code
+
+
+def not_running_line(status: dict, now: float) -> str:
+    """What `status` says of an island whose process is not running.
+
+    Args:
+        status: its last status file.
+        now: wall-clock time.
+
+    Returns:
+        "not running (stopped 5 min ago)" after a clean stop, else "not running
+        (last seen 12 s ago, was training)": it ended without stopping (killed, crashed).
+    """
+    updated = status.get("updated")
+    age = f"{_age(now - updated)} ago" if isinstance(updated, int | float) else "at an unknown time"
+    state = status.get("state", "unknown")
+    if state == "stopped":
+        return f"not running (stopped {age})"
+    return f"not running (last seen {age}, was {state})"
+
+
+def _age(seconds: float) -> str:
+    seconds = max(0.0, seconds)
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.0f} min"
+    if seconds < 172800:
+        return f"{seconds / 3600:.0f} h"
+    return f"{seconds / 86400:.0f} days"
 
 
 _STATUS_FIELDS = (
@@ -300,9 +382,12 @@ def status_lines(status: dict, now: float) -> list[str]:
 
     Returns:
         One "key: value" line per known field; the shards the island's client
-        counts as down (and the deltas waiting for them) in the state line too.
+        counts as down (and the deltas waiting for them) in the state line too,
+        and for an island that does not run, "not running (...)" there.
     """
     view = dict(status)
+    if status.get("running") is False:
+        view["state"] = not_running_line(status, now)
     down = int(dict(status.get("client") or {}).get("shards_down", 0))
     view["shards_down"] = down
     if down and status.get("running") and status.get("state") == "training":
@@ -361,7 +446,7 @@ def _eval(args: argparse.Namespace) -> int:
     line = (
         f"eval_loss {result['eval_loss']:.4f}"
         + (f" +- {se:.4f} (standard error over its batches)" if se is not None else "")
-        + f" nats/byte (model {cfg.model}, "
+        + f" {result['unit']} (model {cfg.model}, "
         f"{cfg.eval_batches} x {cfg.batch_size} x {cfg.seq_len} held-out tokens) at "
         f"version sum {result['version_sum']} over {len(result['versions'])} fragments"
     )
@@ -377,6 +462,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "start":
             return _start(args, argv)
         if args.command == "stop":
+            dir_kind.check(args.data_dir, dir_kind.ISLAND)
             pid = daemon.stop(args.data_dir, timeout_s=args.timeout)
             print(f"island stopped (pid {pid})")
             return 0

@@ -14,11 +14,23 @@ write to.
 `enable` must run before the process's first jit (the island calls it before it
 builds its model). This module imports JAX only inside `enable`, so resolving
 the setting stays cheap for control commands.
+
+One cache per process: JAX's cache is process-wide, so the first `enable` of a
+process sets it and every later one (islands as threads of one process, each
+`worker.join` session) reuses it as it is, whatever it asks for; a different
+setting asked later is logged once at DEBUG. Re-pointing the cache while other
+threads compile and read it is what once showed a zstd decompression warning
+(issue 34, item 7). To give threads of one process one shared directory, pass
+the same `compile_cache_dir` to each (or let the first one's win).
 """
 
 from __future__ import annotations
 
+import logging
+import threading
 from pathlib import Path
+
+logger = logging.getLogger(__name__)
 
 OFF = "off"
 DEFAULT_SUBDIR = "jax-cache"
@@ -43,25 +55,59 @@ def resolve(setting: str, data_dir: str | Path) -> Path | None:
     return Path(setting) if setting else Path(data_dir) / DEFAULT_SUBDIR
 
 
-def enable(setting: str, data_dir: str | Path) -> Path | None:
-    """Turn JAX's persistent compilation cache on (or off) for this process.
+class _ProcessCache:
+    """The one setting of this process's cache: set by the first `enable`, kept after."""
 
-    Every compile is cached, however small or fast (the tiny model's steps
-    compile in well under JAX's default 1 s threshold). Safe to call again
-    with another directory (tests run several islands in one process): the
-    cache is reset so that the new setting takes effect.
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.set = False
+        self.path: Path | None = None
+        self.told: set[Path | None] = set()  # later settings already logged
+
+
+_PROCESS = _ProcessCache()
+
+
+def enable(setting: str, data_dir: str | Path) -> Path | None:
+    """Turn JAX's persistent compilation cache on (or off) for this process, once.
+
+    The first call of a process decides (first caller wins); later calls
+    return that decision and change nothing, logging once at DEBUG a
+    different setting they asked for. Every compile is cached, however small
+    or fast (the tiny model's steps compile in well under JAX's default 1 s
+    threshold).
 
     Args:
         setting: the island's `compile_cache_dir` ("" = `<data_dir>/jax-cache`, "off").
         data_dir: the island's data directory.
 
     Returns:
-        The cache directory in use, or None when off.
+        The cache directory the process uses, or None when off.
 
     Raises:
-        CompileCacheError: the directory cannot be created.
+        CompileCacheError: the first call's directory cannot be created.
     """
-    path = resolve(setting, data_dir)
+    asked = resolve(setting, data_dir)
+    with _PROCESS.lock:
+        if _PROCESS.set:
+            used = _PROCESS.path
+            wanted = asked.resolve() if asked is not None else None
+            if wanted != used and wanted not in _PROCESS.told:
+                _PROCESS.told.add(wanted)
+                logger.debug(
+                    "compilation cache: %s asked, this process keeps %s (one cache per "
+                    "process: the first setting wins)",
+                    wanted or "off",
+                    used or "off",
+                )
+            return used
+        _PROCESS.path = _configure(asked)
+        _PROCESS.set = True
+        return _PROCESS.path
+
+
+def _configure(path: Path | None) -> Path | None:
+    """Point JAX's process-wide cache at `path` (None: off); returns the resolved dir."""
     if path is not None:
         try:
             path.mkdir(parents=True, exist_ok=True)

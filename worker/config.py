@@ -9,13 +9,15 @@ from __future__ import annotations
 import dataclasses
 
 from paramserver.client import ClientConfig, ClientConfigError
-from paramserver.plumbing.validate import Checks
+from paramserver.plumbing.exposure import refusal
+from paramserver.plumbing.validate import Checks, endpoint_problem
 from worker.exchange import MERGE_RULES
 
 CODECS = ("int8", "int4", "float32", "bfloat16", "topk")
 PARAM_SHARDINGS = ("replicated", "fsdp")  # worker.device_layout (imports JAX) implements them
 DATA_DTYPES = ("uint16", "uint32")  # id types of a flat .bin token file (worker.data)
 MODEL_NAMES = ("tiny", "small", "base")  # worker.model.MODEL_CONFIGS defines each (imports JAX)
+CONNECT_SCHEMES = ("tcp://", "ipc://")  # what a shard binds (never inproc: another process)
 EXCHANGES = ("device", "host")  # where the delta, quantize and fold run (worker.session)
 
 
@@ -35,7 +37,8 @@ class IslandConfig:
     # session.token (worker.session_token) go here; one running island process per data dir
     data_dir: str = "runs/worker"
     # JAX persistent compilation cache: "" = <data_dir>/jax-cache, "off" = none, or a shared
-    # directory (trusted: never one that others can write to)
+    # directory (trusted: never one that others can write to); one per process: the first
+    # island or session of a process sets it, later ones in that process use it
     compile_cache_dir: str = ""
     model: str = "tiny"  # named model config: tiny | small | base
     seed: int = 0  # model init seed (used only if this island initialises the cluster)
@@ -94,7 +97,10 @@ class IslandConfig:
 
     def __post_init__(self) -> None:
         check = Checks("IslandConfig", IslandConfigError)
-        try:  # the connection's rules (endpoint, island id, timeouts, CURVE pair) are the client's
+        problem = self.connect_problem()
+        if problem is not None:  # said in the words of --connect and join(connect=...)
+            raise IslandConfigError(f"connect={self.connect!r}: {problem}")
+        try:  # the connection's other rules (island id, timeouts, CURVE pair) are the client's
             self.client_config()
         except ClientConfigError as exc:
             raise IslandConfigError(str(exc).replace("ClientConfig.", "IslandConfig.", 1)) from None
@@ -136,6 +142,28 @@ class IslandConfig:
             f"must be < data_shards ({self.data_shards})",
         )
         check.log_level("log_level", self.log_level)
+
+    def connect_problem(self) -> str | None:
+        """What is wrong with `connect` as the address of a shard, or None.
+
+        Only what the shards offer counts: a ROUTER endpoint over tcp (or ipc on
+        one host). A plain-TCP endpoint off loopback needs the CURVE key files or
+        `insecure`.
+
+        Returns:
+            One phrase saying what to give, or None.
+        """
+        problem = endpoint_problem(self.connect, CONNECT_SCHEMES)
+        if problem is not None:
+            return f"{problem}; give a shard's ROUTER endpoint, such as tcp://127.0.0.1:5555"
+        return refusal(
+            self.connect,
+            curve=bool(self.curve_secret_key_file),
+            insecure=self.insecure,
+            risk="anyone on the way could read the deltas or pose as the server",
+            keys="curve_secret_key_file and curve_server_key_file (--curve-...-file)",
+            opt_out="insecure=True (--insecure)",
+        )
 
     def client_config(self) -> ClientConfig:
         """This island's connection settings (the client's own defaults for the rest).

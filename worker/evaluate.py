@@ -29,6 +29,7 @@ from worker import data as data_lib
 from worker import island_files
 from worker import model as model_lib
 from worker.config import IslandConfig
+from worker.token_files import is_token_file
 from worker.train import InnerConfig, InnerTrainer
 
 logger = logging.getLogger(__name__)
@@ -75,7 +76,8 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
         wait_s: how long to wait for every shard's pending deltas to be merged.
 
     Returns:
-        {"eval_loss": float (nats/byte), "eval_loss_se": its standard error over the
+        {"eval_loss": float (in "unit"), "unit": "nats/byte" (text) or "nats/token"
+        (a token file, `loss_unit`), "eval_loss_se": its standard error over the
         batches (None for one batch), "eval_batches": int, "versions": {str(fragment):
         version}, "version_sum": int, "pending": 0}.
 
@@ -110,6 +112,7 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
     loss = float(losses.mean())
     result: dict[str, Any] = {
         "eval_loss": loss,
+        "unit": loss_unit(cfg),
         # the figure's standard error over its batches (windows spread over the held-out set)
         "eval_loss_se": float(losses.std(ddof=1) / np.sqrt(len(losses)))
         if len(losses) > 1
@@ -125,6 +128,18 @@ def evaluate_global(cfg: IslandConfig, connect: str, wait_s: float) -> dict[str,
         result["data_warning"] = warning
     logger.info("final global eval: %.4f at version sum %d", loss, result["version_sum"])
     return result
+
+
+def loss_unit(cfg: IslandConfig) -> str:
+    """The unit of a loss on the island's data: per byte of text, or per id of a token file.
+
+    Args:
+        cfg: the data settings (`data`).
+
+    Returns:
+        "nats/token" for a token file (".bin", ".npy"), else "nats/byte".
+    """
+    return "nats/token" if cfg.data and is_token_file(cfg.data) else "nats/byte"
 
 
 def data_warning(data_dir: str, data_id: str) -> str | None:

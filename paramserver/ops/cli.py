@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from paramserver.plumbing import clusterfile, daemon
+from paramserver.plumbing import clusterfile, daemon, dir_kind
 from paramserver.plumbing.daemon import DaemonError
 from paramserver.plumbing.settings import (
     OneLineErrorParser,
@@ -203,23 +203,57 @@ def cmd_start(args: argparse.Namespace) -> int:
 
     cfg = load_settings(ShardConfig, file=args.config, env_prefix=ENV_PREFIX, flags=args)
     data_dir = Path(cfg.data_dir)
+    created = daemon.first_missing(data_dir)  # what a failed start removes again
+    dir_kind.check(data_dir, dir_kind.SERVER)
     supervisor.check_not_running(data_dir)
     supervisor.check_binds(supervisor.local_binds(cfg))
     if not args.detach:
-        return supervisor.run_local(cfg)
+        return supervisor.run_local(cfg, created=created)
     _check_ready_timeout(args)
-    pid, info = daemon.detach(
-        _child_argv(args.argv),
-        daemon.log_path(data_dir),
-        data_dir / supervisor.READY_FILE,
-        timeout_s=args.ready_timeout,
-    )
+    pid, info = _detach(args, data_dir, created)
     router = info.get("endpoints", [["?"]])[0][0]
     print(
         f"{PROG}: {cfg.shards} shard(s) serving; islands connect to {router}; "
         f"pid {pid}; log {daemon.log_path(data_dir)}"
     )
+    if "page" in info:
+        print(f"{PROG}: cluster page {info['page']} (Prometheus metrics at {info['page']}metrics)"
+              + _token_note(cfg))  # fmt: skip
     return 0
+
+
+def _token_note(cfg: ShardConfig) -> str:
+    """Off loopback the page asks for a token: where the log says it is; "" on loopback."""
+    from paramserver.plumbing.exposure import is_loopback
+
+    if is_loopback(cfg.metrics_bind_host):
+        return ""
+    return f"; off loopback it asks for a token (?token=...): see {daemon.log_path(cfg.data_dir)}"
+
+
+def _detach(args: argparse.Namespace, directory: Path, created: Path | None) -> tuple[int, dict]:
+    """Run this command again as a daemon of `directory`; wait until it serves.
+
+    Raises:
+        DaemonError: it did not start, with the reason from its log in one line.
+    """
+    from paramserver.ops import supervisor
+
+    try:
+        return daemon.detach(
+            _child_argv(args.argv),
+            daemon.log_path(directory),
+            directory / supervisor.READY_FILE,
+            timeout_s=args.ready_timeout,
+            created=created,
+        )
+    except daemon.DaemonStartError as exc:
+        if not exc.reason:
+            raise
+        said = (
+            exc.reason if exc.reason.startswith("not started: ") else f"not started: {exc.reason}"
+        )
+        raise DaemonError(said) from None
 
 
 def _check_ready_timeout(args: argparse.Namespace) -> None:
@@ -263,6 +297,8 @@ def _start_cluster_shard(args: argparse.Namespace) -> int:
                 f"{args.cluster}:shard[{args.shard}] binds {bind} ({key}): {refusal}"
             )
     directory = serve.shard_dir(cfg, args.shard)
+    created = daemon.first_missing(directory)  # what a failed start removes again
+    dir_kind.check(cfg.data_dir, dir_kind.SERVER)
     supervisor.check_not_running(directory)
     supervisor.check_binds(
         [
@@ -273,19 +309,22 @@ def _start_cluster_shard(args: argparse.Namespace) -> int:
     endpoints = [(s.router, s.pub) for s in cluster.shards]
     if not args.detach:
         return serve.serve_shard(
-            cfg, args.shard, endpoints, address.router_bind, address.pub_bind, cfg.metrics_port
+            cfg,
+            args.shard,
+            endpoints,
+            address.router_bind,
+            address.pub_bind,
+            cfg.metrics_port,
+            created=created,
         )
     _check_ready_timeout(args)
-    pid, _ = daemon.detach(
-        _child_argv(args.argv),
-        daemon.log_path(directory),
-        directory / supervisor.READY_FILE,
-        timeout_s=args.ready_timeout,
-    )
+    pid, _ = _detach(args, directory, created)
     print(
         f"{PROG}: shard {args.shard} of {count} serving on {address.router}; pid {pid}; "
         f"log {daemon.log_path(directory)}"
     )
+    if cfg.metrics_port:
+        print(f"{PROG}: cluster page {supervisor.page_url(cfg)}")
     return 0
 
 
@@ -372,6 +411,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
         data_dir = load_settings(ShardConfig, file=args.config, env_prefix=ENV_PREFIX).data_dir
     if not args.timeout > 0:
         raise SettingsError(f"--timeout: bad value {args.timeout!r}: expected > 0")
+    dir_kind.check(data_dir, dir_kind.SERVER)
     pids = supervisor.stop_server(data_dir, args.timeout)
     print(f"{PROG}: stopped pid {', '.join(map(str, pids))} ({data_dir}); it drained and exited")
     return 0

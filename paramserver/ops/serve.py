@@ -17,7 +17,7 @@ from pathlib import Path
 
 import zmq
 
-from paramserver.plumbing import daemon
+from paramserver.plumbing import daemon, dir_kind
 from paramserver.plumbing.curve import CurveError
 from paramserver.server.config import ShardConfig
 
@@ -37,12 +37,13 @@ def shard_dir(cfg: ShardConfig, index: int) -> Path:
     return daemon.shard_dir(cfg.data_dir, index)
 
 
-def _announce(server, index: int, finished: threading.Event) -> None:
+def _announce(server, index: int, data_dir: str, finished: threading.Event) -> None:
     """Report readiness once the server has bound its sockets (or give up when it ends)."""
     while not finished.is_set():
         if server.ready.wait(0.05) and server.bound_endpoints is not None:
             router, pub = server.bound_endpoints
             logger.info("shard %d ready: router %s, pub %s", index, router, pub)
+            dir_kind.mark(data_dir, dir_kind.SERVER)
             daemon.notify_ready({"shard": index, "router": router, "pub": pub, "pid": os.getpid()})
             return
 
@@ -54,8 +55,12 @@ def serve_shard(
     router_bind: str | None = None,
     pub_bind: str | None = None,
     metrics_port: int = 0,
+    created: Path | None = None,
 ) -> int:
     """Serve one shard in this process until SIGTERM / SIGINT.
+
+    A start that fails before the shard serves leaves nothing it created:
+    `created` is removed then.
 
     Args:
         cfg: cluster settings.
@@ -64,6 +69,8 @@ def serve_shard(
         router_bind: ROUTER bind address (None: from cfg).
         pub_bind: PUB bind address (None: from cfg).
         metrics_port: serve Prometheus metrics of this shard on this port (0: off).
+        created: what the caller's start creates (`daemon.first_missing` of the
+            shard's directory, taken before anything was written), or None.
 
     Returns:
         Exit code: 0 after a clean drain, 1 on failure (logged as one line).
@@ -75,13 +82,18 @@ def serve_shard(
         stop = daemon.enter_foreground(directory, cfg.log_level)
     except (daemon.DaemonError, OSError) as exc:
         logger.error("shard %d cannot start: %s", index, exc)
+        daemon.remove_created(created)
         return 1
     finished = threading.Event()
     metrics = None
+    server = None
     try:
         server = ShardServer(cfg, index, endpoints, router_bind, pub_bind)
         threading.Thread(
-            target=_announce, args=(server, index, finished), name="announce", daemon=True
+            target=_announce,
+            args=(server, index, cfg.data_dir, finished),
+            name="announce",
+            daemon=True,
         ).start()
         if metrics_port:
             from paramserver.ops.metrics import MetricsError, serve_metrics
@@ -119,3 +131,5 @@ def serve_shard(
             metrics.shutdown()
         daemon.release_pid_file(daemon.pid_path(directory))
         daemon.clear_ready()
+        if server is None or not server.ready.is_set():  # a failed start leaves nothing
+            daemon.remove_created(created)

@@ -30,7 +30,7 @@ from dataclasses import asdict
 from pathlib import Path
 from urllib.parse import urlsplit
 
-from paramserver.plumbing import daemon
+from paramserver.plumbing import daemon, dir_kind
 from paramserver.plumbing.daemon import DaemonError
 from paramserver.plumbing.heap import ARENA_ENV
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
@@ -171,25 +171,35 @@ def _terminate(procs: list[subprocess.Popen], timeout_s: float) -> list[int | No
     return codes
 
 
-def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
+def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0, created: Path | None = None) -> int:
     """Supervise a local cluster in this process until SIGTERM / SIGINT.
+
+    A start that fails (a shard exits or is not ready in time, the metrics port
+    is taken) leaves nothing it created: the ``shard-<i>`` directories that did
+    not exist before, and `created`. What existed before is kept as it was
+    (their logs say why the start failed).
 
     Args:
         cfg: cluster settings.
         ready_timeout_s: how long the shards may take to start.
+        created: what the caller's start creates (`daemon.first_missing` of the
+            data dir, taken before anything was written), or None.
 
     Returns:
         Exit code: 0 after every shard drained, 1 when a shard failed.
     """
     data_dir = Path(cfg.data_dir)
+    fresh = [d for i in range(cfg.shards) if not (d := daemon.shard_dir(data_dir, i)).exists()]
     try:
         stop = daemon.enter_foreground(data_dir, cfg.log_level)
     except (DaemonError, OSError) as exc:
         logger.error("cannot start: %s", exc)
+        daemon.remove_created(created)
         return 1
     procs: list[subprocess.Popen] = []
     metrics = None
     failed = False
+    ready = False
     try:
         for i in range(cfg.shards):
             directory = daemon.shard_dir(data_dir, i)
@@ -201,10 +211,8 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
                     env={**ARENA_ENV, **os.environ},  # malloc arenas capped unless set already
                 )
             )
-        infos = _wait_all_ready(procs, data_dir, ready_timeout_s, stop)
-        if infos is None:
-            failed = True
-        else:
+        infos, reason = _wait_all_ready(procs, data_dir, ready_timeout_s, stop)
+        if infos is not None:
             endpoints = local_endpoints(cfg)
             if cfg.metrics_port:
                 from paramserver.ops.metrics import MetricsError, serve_metrics
@@ -219,10 +227,8 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
                         cfg.data_dir,
                     )
                 except MetricsError as exc:
-                    logger.error("cannot start: %s", exc)
-                    stop.set()
-                    failed = True
-            if not failed:
+                    reason = str(exc)
+            if metrics is not None or not cfg.metrics_port:
                 logger.info(
                     "cluster ready: %d shard(s), islands connect to %s",
                     cfg.shards,
@@ -233,9 +239,17 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
                         "pid": os.getpid(),
                         "endpoints": endpoints,
                         "shard_pids": [p.pid for p in procs],
+                        **({"page": page_url(cfg)} if metrics is not None else {}),
                     }
                 )
+                ready = True
+                dir_kind.mark(data_dir, dir_kind.SERVER)
                 failed = _watch(procs, stop)
+        if not ready:
+            logger.info("start failed: stopping the %d shard(s) it started", len(procs))
+            _terminate(procs, DRAIN_TIMEOUT_S)
+            logger.error("not started: %s", reason)  # the last line: what the terminal shows
+            return 1
         logger.info("stopping: SIGTERM to %d shard(s), waiting for them to drain", len(procs))
         codes = _terminate(procs, DRAIN_TIMEOUT_S)
         bad = [(i, c) for i, c in enumerate(codes) if c != 0]
@@ -255,12 +269,20 @@ def run_local(cfg: ShardConfig, ready_timeout_s: float = 120.0) -> int:
                 proc.wait()
         daemon.release_pid_file(daemon.pid_path(data_dir))
         daemon.clear_ready()
+        if not ready:  # a failed start leaves nothing it created
+            for directory in [*fresh, created]:
+                daemon.remove_created(directory)
 
 
 def _wait_all_ready(
     procs: list[subprocess.Popen], data_dir: Path, timeout_s: float, stop: threading.Event
-) -> list[dict] | None:
-    """Wait for every shard's ready file; None (logged) if one failed, timed out, or stop was set."""
+) -> tuple[list[dict] | None, str]:
+    """Wait for every shard's ready file.
+
+    Returns:
+        (their ready infos, ""), or (None, why not) when a shard failed, the
+        shards were not ready in time, or stop was set.
+    """
     infos: list[dict | None] = [None] * len(procs)
     deadline = time.monotonic() + timeout_s
     while any(info is None for info in infos):
@@ -272,19 +294,36 @@ def _wait_all_ready(
                 infos[i] = daemon.check_ready(
                     proc, directory / READY_FILE, daemon.log_path(directory)
                 )
-            except DaemonError as exc:
-                logger.error("shard %d %s", i, exc)
-                return None
+            except daemon.DaemonStartError as exc:
+                return None, (
+                    f"shard {i} failed before it was ready (exit code {exc.code}): "
+                    + (exc.reason or f"see {exc.log_file}")
+                )
         if stop.is_set():
-            logger.info("stop requested during start-up")
-            return None
+            return None, "stopped while the shards were starting"
         if time.monotonic() > deadline:
-            logger.error(
-                "shards not ready within %gs; see %s/shard-*/daemon.log", timeout_s, data_dir
+            return None, (
+                f"shards not ready within {timeout_s:g}s; see {data_dir}/shard-*/daemon.log"
             )
-            return None
         time.sleep(0.02)
-    return [info for info in infos if info is not None]
+    return [info for info in infos if info is not None], ""
+
+
+def page_url(cfg: ShardConfig) -> str:
+    """The address of the cluster page a server with `metrics_port` serves.
+
+    Args:
+        cfg: the server's settings (`metrics_port` set).
+
+    Returns:
+        ``http://HOST:PORT/``: the bind host, or this host's name when it binds every interface.
+    """
+    host = cfg.metrics_bind_host
+    if host in ("0.0.0.0", "::", "[::]"):
+        host = socket.gethostname()
+    elif ":" in host and not host.startswith("["):
+        host = f"[{host}]"
+    return f"http://{host}:{cfg.metrics_port}/"
 
 
 def _watch(procs: list[subprocess.Popen], stop: threading.Event) -> bool:

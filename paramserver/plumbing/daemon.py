@@ -3,12 +3,16 @@
 This module owns the process life cycle of a daemon and nothing about what
 it serves:
 
-- a pid file (``<data dir>/daemon.pid``, "pid create-time") that marks the data
-  dir as in use; a file whose process is gone (or whose pid was reused) is stale;
+- a pid file (``<data dir>/daemon.pid``, the pid alone) that marks the data dir
+  as in use; a file whose process is gone, or whose pid now belongs to a process
+  started after the file was written (its mtime: a reused pid), is stale;
 - logging set-up (stderr and/or a log file, one line per record);
 - `detach`: start a command as a child in a new session, stdout/stderr into the
   log file, and wait until it calls `notify_ready` (it writes a ready file named
   by the ``DILOCO_READY_FILE`` environment variable) or fails;
+- a failed start: the reason is one line for the terminal (`failure_reason`: the
+  last line of the child's exception, the traceback stays in the log), and what
+  the start created is removed (`first_missing` before it, `remove_created`);
 - signals: SIGTERM / SIGINT only set a `threading.Event`; the daemon's main loop
   drains and exits 0. A second signal exits at once;
 - `stop`: SIGTERM to the pid in the pid file, then wait for the process to exit.
@@ -23,6 +27,8 @@ import contextlib
 import json
 import logging
 import os
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -48,6 +54,9 @@ LOG_FILE = "daemon.log"
 READY_ENV = "DILOCO_READY_FILE"
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 _POLL_S = 0.02
+# a process that started later than its pid file was written (by more than this) did not
+# write it: its pid was reused. The slack covers the clock ticks of both time stamps.
+_CLOCK_SLACK_S = 2.0
 # libraries that log at INFO what an operator cannot act on: JAX's probing of the backends
 # it was built for ("Unable to initialize backend 'tpu'" on a machine without one) and its
 # compilation cache; their warnings and errors still show, all of it at DEBUG
@@ -56,6 +65,22 @@ CHATTY_LOGGERS = ("jax._src.xla_bridge", "jax._src.compilation_cache", "jax._src
 
 class DaemonError(RuntimeError):
     """A daemon cannot be started, found or stopped; the message is one line saying what to do."""
+
+
+class DaemonStartError(DaemonError):
+    """A daemon exited (or was stopped) before it was ready.
+
+    Attributes:
+        code: its exit code (None if it was stopped for not being ready in time).
+        reason: the line of its log that says why (`failure_reason`), or "".
+        log_file: its log.
+    """
+
+    def __init__(self, message: str, code: int | None, reason: str, log_file: Path) -> None:
+        super().__init__(message)
+        self.code = code
+        self.reason = reason
+        self.log_file = log_file
 
 
 def shard_dir(data_dir: str | Path, index: int) -> Path:
@@ -102,17 +127,25 @@ def _create_time(pid: int) -> float | None:
         return None
 
 
-def _read(path: Path) -> tuple[int, float | None] | None:
+def _read(path: Path) -> tuple[int, float] | None:
+    """(pid, the latest time its process may have started) from a pid file, or None.
+
+    A pid file holds the pid alone; its writer ran before it was written, so
+    its process started no later than the file's mtime. A pid file of an older
+    version ("PID CREATE-TIME") says that time itself.
+    """
     try:
         parts = path.read_text().split()
+        written = path.stat().st_mtime
     except (FileNotFoundError, NotADirectoryError):
         return None
     try:
         pid = int(parts[0])
-        created = float(parts[1]) if len(parts) > 1 else None
+        recorded = float(parts[1]) if len(parts) > 1 else 0.0
     except (IndexError, ValueError):
         return None
-    return (pid, created) if pid > 0 else None
+    started_by = recorded if recorded > 0 else written  # 0.0: the old writer did not know
+    return (pid, started_by) if pid > 0 else None
 
 
 def read_pid(path: str | Path) -> int | None:
@@ -153,18 +186,17 @@ def running_pid(path: str | Path) -> int | None:
 
     Returns:
         The pid, or None when the file is missing or stale (process gone, or the
-        pid now belongs to a process started at another time).
+        pid now belongs to a process started after the file was written).
     """
     entry = _read(Path(path))
     if entry is None:
         return None
-    pid, created = entry
+    pid, started_by = entry
     if not pid_alive(pid):
         return None
-    if created is not None:
-        now_created = _create_time(pid)
-        if now_created is not None and abs(now_created - created) > 1.0:
-            return None
+    created = _create_time(pid)
+    if created is not None and created > started_by + _CLOCK_SLACK_S:
+        return None  # the pid was reused by a process started after the file was written
     return pid
 
 
@@ -195,7 +227,7 @@ def acquire_pid_file(path: str | Path, pid: int | None = None) -> None:
                 path.unlink()
             continue
         with os.fdopen(fd, "w") as fh:
-            fh.write(f"{pid} {_create_time(pid) or 0.0:.3f}\n")
+            fh.write(f"{pid}\n")  # the pid alone: `kill $(cat daemon.pid)` works
         return
     raise DaemonError(f"cannot claim pid file {path}: another process keeps re-creating it")
 
@@ -321,16 +353,59 @@ def clear_ready() -> None:
             Path(target).unlink()
 
 
-def _failure_line(log_file: Path, offset: int = 0) -> str:
-    """The line that best explains a failed start: the first ERROR since `offset`, else the last."""
+_LOG_PREFIX = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d+ [A-Z]+ \S+: ")
+_TRACEBACK = "Traceback (most recent call last):"
+
+
+def exception_line(lines: Sequence[str]) -> str | None:
+    """The last line of the last Python traceback in `lines` ("Error: message"), or None.
+
+    That is the first unindented line after the traceback's header: the
+    exception's type (without its module path) and the first line of its message.
+
+    Args:
+        lines: output lines, e.g. a daemon's log.
+
+    Returns:
+        E.g. ``"DurabilityError: shard 0 cannot recover ..."``, or None without a traceback.
+    """
+    starts = [i for i, line in enumerate(lines) if line.strip() == _TRACEBACK]
+    if not starts:
+        return None
+    for line in lines[starts[-1] + 1 :]:
+        if line and not line[0].isspace():
+            kind, colon, message = line.partition(": ")
+            if kind.replace(".", "").replace("_", "").isalnum():  # a.b.SomeError -> SomeError
+                kind = kind.rsplit(".", 1)[-1]
+            return f"{kind}{colon}{message}".strip()
+    return None
+
+
+def failure_reason(log_file: str | Path, offset: int = 0) -> str:
+    """Why a daemon failed, from its log since `offset`: one line without the log prefix.
+
+    The last line of its last uncaught exception when there is one (the
+    traceback goes to the log, the reason to the terminal), else its first
+    ERROR record, else its last line.
+
+    Args:
+        log_file: the daemon's log.
+        offset: where this run's output starts in it.
+
+    Returns:
+        The line, or "" when the log is missing or empty.
+    """
     try:
         with open(log_file, "rb") as fh:
             fh.seek(offset)
             lines = fh.read().decode(errors="replace").strip().splitlines()
     except OSError:
         return ""
-    errors = [line for line in lines if " ERROR " in line or line.startswith("Traceback")]
-    return (errors[0] if errors else lines[-1] if lines else "").strip()
+    found = exception_line(lines)
+    if found is None:
+        errors = [line for line in lines if " ERROR " in line]
+        found = (errors[0] if errors else lines[-1] if lines else "").strip()
+    return _LOG_PREFIX.sub("", found)
 
 
 def spawn(
@@ -391,8 +466,8 @@ def check_ready(
         The info the child passed to `notify_ready`, or None while it is starting.
 
     Raises:
-        DaemonError: the child exited before it was ready (the message ends
-            with its last log line).
+        DaemonStartError: the child exited before it was ready (the message
+            ends with the reason from its log, `failure_reason`).
     """
     ready_file = Path(ready_file)
     if ready_file.exists():
@@ -402,10 +477,13 @@ def check_ready(
             return {}
     code = proc.poll()
     if code is not None:
-        tail = _failure_line(Path(log_file), getattr(proc, "log_offset", 0))
-        raise DaemonError(
+        reason = failure_reason(log_file, getattr(proc, "log_offset", 0))
+        raise DaemonStartError(
             f"exited with code {code} before it was ready"
-            + (f": {tail}" if tail else f"; see {log_file}")
+            + (f": {reason}" if reason else f"; see {log_file}"),
+            code,
+            reason,
+            Path(log_file),
         )
     return None
 
@@ -425,8 +503,8 @@ def wait_ready(
         The info the child passed to `notify_ready`.
 
     Raises:
-        DaemonError: the child exited first (the message ends with its last log
-            line), or was not ready in time (it is then terminated).
+        DaemonStartError: the child exited first (the message ends with the
+            reason from its log), or was not ready in time (it is then terminated).
     """
     deadline = time.monotonic() + timeout_s
     while (info := check_ready(proc, ready_file, log_file)) is None:
@@ -434,8 +512,11 @@ def wait_ready(
             proc.terminate()
             with contextlib.suppress(subprocess.TimeoutExpired):
                 proc.wait(timeout=5.0)
-            raise DaemonError(
-                f"was not ready within {timeout_s:g}s and was stopped; see {log_file}"
+            raise DaemonStartError(
+                f"was not ready within {timeout_s:g}s and was stopped; see {log_file}",
+                None,
+                "",
+                Path(log_file),
             )
         time.sleep(_POLL_S)
     return info
@@ -447,6 +528,7 @@ def detach(
     ready_file: str | Path,
     timeout_s: float = 60.0,
     env: Mapping[str, str] | None = None,
+    created: Path | None = None,
 ) -> tuple[int, dict[str, Any]]:
     """Start `argv` as a daemon (`spawn`) and wait until it is ready (`wait_ready`).
 
@@ -456,20 +538,56 @@ def detach(
         ready_file: the file the child writes when ready.
         timeout_s: how long to wait for readiness.
         env: the child's environment (default: this process's).
+        created: what this start creates (`first_missing` of the data dir, taken
+            before anything was written): removed when the child fails to start.
 
     Returns:
         (child pid, the info the child passed to `notify_ready`).
 
     Raises:
-        DaemonError: the child exited before it was ready (with its last log
-            line), or did not become ready in time (it is then terminated).
+        DaemonStartError: the child exited before it was ready (with the reason
+            from its log), or did not become ready in time (it is then terminated).
     """
     proc = spawn(argv, log_file, ready_file, env)
     try:
         info = wait_ready(proc, ready_file, log_file, timeout_s)
-    except DaemonError as exc:
-        raise DaemonError(f"daemon {exc}") from None
+    except DaemonStartError as exc:
+        if proc.poll() is not None:  # gone: nothing of the failed start is left running
+            remove_created(created)
+        raise DaemonStartError(f"daemon {exc}", exc.code, exc.reason, exc.log_file) from None
     return proc.pid, info
+
+
+def first_missing(path: str | Path) -> Path | None:
+    """The outermost directory on the way to `path` that does not exist yet.
+
+    Taken before a start, it is everything the start will create (a data dir
+    and its missing parents), so that a failed start can remove exactly that
+    (`remove_created`) and nothing it did not create.
+
+    Args:
+        path: a directory a daemon is about to use.
+
+    Returns:
+        That directory, or None when `path` exists already.
+    """
+    path = Path(path).absolute()
+    if path.exists():
+        return None
+    while not path.parent.exists() and path.parent != path:
+        path = path.parent
+    return path
+
+
+def remove_created(created: Path | None) -> None:
+    """Remove what a failed start created (a `first_missing` directory); None: nothing.
+
+    Args:
+        created: the directory, or None.
+    """
+    if created is not None and created.is_dir():
+        logger.debug("removing %s: created by a start that failed", created)
+        shutil.rmtree(created, ignore_errors=True)
 
 
 def wait_exit(pid: int, timeout_s: float) -> bool:
