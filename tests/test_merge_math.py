@@ -137,8 +137,10 @@ def test_acks_name_the_version_that_will_include_the_delta():
 
 # Conservation: any interleaving of pushes (random order, re-sent duplicates, deferred
 # pushes refused with too_many_pending and sent again later, stale bases) and steps, with
-# SGD lr 1, uniform weights and g = 1, lands exactly on G0 minus the hand merge of each step
-# (the 3 islands are live: a step of n of them is n/3 of a round).
+# SGD lr 1, uniform weights and g = 1, lands exactly on G0 minus the hand merge of each step.
+# The 3 islands are live; a step of n of them is n/N of a round, where N counts the merged
+# islands, those that pushed within the last 2 rounds, and one that never pushed for 1
+# round after a step first saw it (docs/design.md, the round clock), tracked here by hand.
 _ops = st.lists(
     st.one_of(
         st.tuples(st.just("push"), st.integers(0, 2), st.integers(0, 3)),  # island, base lag
@@ -162,6 +164,9 @@ def test_conservation_over_any_interleaving(ops, seed):
     deferred: list[tuple[str, int, np.ndarray, int]] = []
     next_round = dict.fromkeys(islands, 1)
     version = 0
+    rounds_now = 0.0  # rounds completed, by our own count
+    pushed_at: dict[str, float] = {}  # island -> rounds_now when a step last merged it
+    seen_at: dict[str, float] = {}  # island that never pushed -> rounds_now a step first saw it
 
     def submit(island, rnd, d, base):
         out = push(state, plan, island, rnd, d, base=base)
@@ -187,8 +192,21 @@ def test_conservation_over_any_interleaving(ops, seed):
             by_island: dict[str, np.ndarray] = {}
             for (i, _r), d in pending.items():
                 by_island[i] = by_island.get(i, 0.0) + d
-            # uniform w = 1/n over the n merged islands, times the round share n/3
-            expected = expected - sum(by_island.values()) / len(islands)
+            # uniform w = 1/n over the n merged islands, times the round share n/N
+            for i in islands:
+                if i not in pushed_at:
+                    seen_at.setdefault(i, rounds_now)
+            counted = set(by_island) | {
+                i
+                for i in islands
+                if (i in pushed_at and rounds_now - pushed_at[i] <= 2.0)
+                or (i not in pushed_at and rounds_now - seen_at[i] <= 1.0)
+            }
+            expected = expected - sum(by_island.values()) / len(counted)
+            rounds_now += len(by_island) / len(counted)
+            for i in by_island:
+                pushed_at[i] = rounds_now
+                seen_at.pop(i, None)
             state.step(0, T0)
             version += 1
             pending.clear()
