@@ -116,7 +116,8 @@ class LeaderSync:
         """Give every process the versions process 0 folds at this step, and its stop.
 
         Args:
-            updates: process 0's new versions (ignored on the others).
+            updates: process 0's new versions (ignored on the others), in order; a fragment
+                may have several (a client that keeps increments hands out every version).
             stop: process 0's stop request (ignored on the others).
             fragment_sizes: elements per fragment (the plan's).
             coded_after: fragment -> the version the island holds, when an update's
@@ -130,24 +131,41 @@ class LeaderSync:
         """
         if not self.multi:
             return updates, stop
-        words = np.zeros(2 + 4 * len(fragment_sizes), np.int32)
+        travelling: list[Coded | None] = []
+        if self.leader:  # a fragment's versions in order (a chain): each follows the one before
+            held = None if coded_after is None else dict(coded_after)
+            for u in updates:
+                travelling.append(_travelling_codes(u, held))
+                if held is not None:
+                    held[u.fragment] = u.version
+        slots = len(fragment_sizes)  # one update a fragment in the first broadcast
+        words = np.zeros(2 + 4 * slots, np.int32)
+        keys_out = np.zeros((len(updates), 4), np.int32)
+        for i, (u, coded) in enumerate(zip(updates, travelling, strict=True)):
+            keys_out[i] = (
+                u.fragment,
+                u.version,
+                coded.levels if coded else 0,
+                coded.block if coded else 0,
+            )
         if self.leader:
             words[0], words[1] = int(stop), len(updates)
-            for i, u in enumerate(updates):
-                coded = _travelling_codes(u, coded_after)
-                words[2 + 4 * i : 6 + 4 * i] = (
-                    u.fragment, u.version, coded.levels if coded else 0, coded.block if coded else 0,
-                )  # fmt: skip
+            first = keys_out[:slots].reshape(-1)
+            words[2 : 2 + first.size] = first
         words = np.asarray(self._send(words))
         count = int(words[1])
         if count == 0:
             return [], bool(words[0])
-        keys = [tuple(int(w) for w in words[2 + 4 * i : 6 + 4 * i]) for i in range(count)]
+        keys = [
+            tuple(int(w) for w in words[2 + 4 * i : 6 + 4 * i]) for i in range(min(count, slots))
+        ]
+        if count > slots:  # more versions than fragments (a chain): the rest in a second one
+            rest = keys_out[slots:] if self.leader else np.zeros((count - slots, 4), np.int32)
+            keys += [tuple(int(w) for w in row) for row in np.asarray(self._send(rest))]
         if self.leader:
             arrays = [
-                (coded.codes, coded.scales) if levels else (np.asarray(u.values, np.float32),)
-                for u, (_, _, levels, _) in zip(updates, keys, strict=True)
-                for coded in [_travelling_codes(u, coded_after)]
+                (coded.codes, coded.scales) if coded else (np.asarray(u.values, np.float32),)
+                for u, coded in zip(updates, travelling, strict=True)
             ]
         else:
             arrays = [_empty_like(fragment_sizes[f], levels, block) for f, _, levels, block in keys]
