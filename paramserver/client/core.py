@@ -315,11 +315,14 @@ class ClientCore:
     def _publish(self, updates: list[Update], now: float) -> None:
         """Hand updates to `poll_updates` (after join; join returns them itself).
 
-        A shard whose untaken increments outgrew their bound is snapshotted again.
+        A fragment whose untaken increments outgrew their bound is forgotten and its
+        shard snapshotted again (the snapshot's values go to the caller).
         """
         if not updates or not self.joined:
             return
         dropped = set(self.readout.publish(updates))
+        for fragment in dropped:  # forgotten: their snapshot's values are handed out
+            del self.readout.replica[fragment]
         for shard in self._shards.all:
             if dropped & set(shard.feed.fragments):
                 logger.info("shard %d: updates not taken in time; re-snapshot", shard.index)

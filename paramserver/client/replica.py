@@ -14,7 +14,8 @@ versions it took, in order; what it keeps depends on `ClientConfig.keep`:
   updates it hands out (no copy per update);
 - "increments": versions only, but for values not handed out yet: a
   snapshot's values (and the increments replayed onto them, decoded) are held
-  until the join takes them or the shard's re-sync ends; otherwise an
+  until the join takes them or the shard's re-sync ends (a snapshot of the
+  version handed out last is dropped: the caller has it); otherwise an
   increment is handed out as its codes, undecoded, and a full-values update
   as its values, and neither is kept;
 - "versions": versions only; updates are not decoded.
@@ -171,13 +172,15 @@ class ShardFeed:
         self.awaiting.discard(fragment)
         self.snapshot_seqs[fragment] = seq
         old = self.replica.get(fragment)
+        unchanged = old is not None and old.version == version
         kept = None if values is None or self.keep == "versions" else read_only(values)
+        if self.keep == "increments" and unchanged and not self.holding:
+            kept = None  # the caller holds (or will take) this version: later ones as codes
         self.replica[fragment] = ReplicaFragment(version, kept)
         out: list[Update] = []
-        if self.keep != "increments" and (old is None or old.version != version):
+        if self.keep != "increments" and not unchanged:
             out.append(Update(fragment, version, kept))
-        # "increments": the values are held (replayed onto) until the sync ends, then handed
-        # out even at an unchanged version, since the caller may not hold that version yet
+        # "increments": new values are held (replayed onto) until the sync ends, then handed out
         if not self.awaiting:
             out.extend(self._finish_sync())
         return out
