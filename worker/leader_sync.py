@@ -32,12 +32,31 @@ from paramserver.client import JoinResult, Update
 SCHEMES = {127: "int8", 7: "int4"}  # quantization levels -> codec scheme
 
 
-def _travelling_codes(update: Update, coded_after: dict[int, int] | None) -> Coded | None:
-    """The increment to share instead of the full values, if any (process 0 decides)."""
-    coded = update.increment
-    if coded_after is None or coded is None or coded.scheme not in ("int8", "int4"):
-        return None
-    return coded if coded_after.get(update.fragment) == update.version - 1 else None
+def travelling_codes(
+    updates: list[Update], coded_after: dict[int, int] | None
+) -> list[Coded | None]:
+    """Which updates travel as their increment's codes instead of their full values.
+
+    Args:
+        updates: process 0's updates in order; a fragment may have several (a chain).
+        coded_after: fragment -> the version the island holds (a device exchange), or
+            None: every update travels as its values.
+
+    Returns:
+        Per update, its int8/int4 increment when it follows the version the island holds
+        by then (the one before it in the list, or `coded_after`'s), else None.
+    """
+    out: list[Coded | None] = []
+    held = None if coded_after is None else dict(coded_after)
+    for u in updates:
+        coded = u.increment
+        follows = held is not None and held.get(u.fragment) == u.version - 1
+        out.append(
+            coded if follows and coded is not None and coded.scheme in SCHEMES.values() else None
+        )
+        if held is not None:
+            held[u.fragment] = u.version
+    return out
 
 
 def _empty_like(size: int, levels: int, block: int) -> tuple[np.ndarray, ...]:
@@ -131,13 +150,7 @@ class LeaderSync:
         """
         if not self.multi:
             return updates, stop
-        travelling: list[Coded | None] = []
-        if self.leader:  # a fragment's versions in order (a chain): each follows the one before
-            held = None if coded_after is None else dict(coded_after)
-            for u in updates:
-                travelling.append(_travelling_codes(u, held))
-                if held is not None:
-                    held[u.fragment] = u.version
+        travelling = travelling_codes(updates, coded_after) if self.leader else []
         slots = len(fragment_sizes)  # one update a fragment in the first broadcast
         words = np.zeros(2 + 4 * slots, np.int32)
         keys_out = np.zeros((len(updates), 4), np.int32)
