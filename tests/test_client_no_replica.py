@@ -126,7 +126,8 @@ def _traced_peak(client, connect: str, island: str, frames: dict, **overrides) -
     the caller's) is not counted: from its end on, the client should hold no copy.
     """
     flat = {"w": np.zeros(LARGE, np.float32)}
-    c = client(connect, island, heartbeat_interval_s=0.2, **overrides)
+    # slow heartbeats: a loaded machine must not make it reconnect (a re-snapshot reads values)
+    c = client(connect, island, heartbeat_interval_s=2.0, reconnect_cap_s=10.0, **overrides)
     after_join = overrides.get("keep") == "increments"
     if not after_join:
         tracemalloc.start()
