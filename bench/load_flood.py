@@ -187,7 +187,7 @@ def run_flood(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
         flood_peers: dict[str, Any] = {}
         try:
             for i in range(sizes_cfg["islands"]):
-                cfg = ClientConfig(connect=cluster.connect, island=f"honest-{i}", replica=False,
+                cfg = ClientConfig(connect=cluster.connect, island=f"honest-{i}", keep="versions",
                                    push_timeout_s=args.timeout)  # fmt: skip
                 clients.append(Client(cfg))
                 plan = clients[-1].join(flat).plan

@@ -29,7 +29,7 @@ of pending deltas and its ack latencies. JSON on stdout (also DIR/scale.json), p
 - `bytes_per_param_peak`: the shard's peak RSS (VmHWM) of each run minus its
   idle RSS, over N (not judged; the next size's memory estimate uses it);
 - `island_side`: this process's RSS growth from before the joins to after two
-  steps, over N (the islands keep no replica: `ClientConfig(replica=False)`).
+  steps, over N (the islands keep no replica: `ClientConfig(keep="versions")`).
 
 Then per preset (`--presets`, default small base, `worker.model`): the
 island's exchange per round (`exchange_ms`, against memcpy of its float32

@@ -160,7 +160,7 @@ DEFAULT_PENDING_BPP = 1.1
 # and 64M both runs' peaks were within 0.1 B/param of the steady figure: a margin of 1.
 STEP_SCRATCH_BPP = 1.0
 # This process, the islands' side, per parameter. The islands keep no replica
-# (ClientConfig(replica=False): no float32 copy per island, no update decoded; with one,
+# (ClientConfig(keep="versions"): no float32 copy per island, no update decoded; with one,
 # 2 islands cost ~48 B/param at 16M) and the init's zeros are never-written pages. With 2
 # islands it grew 246 MiB at 16M and 323 MiB at 64M: ~1.6 B/param, the rest fixed.
 FRAMES_BPP = 1.1  # the int8 frames the islands push (one set, sent zero-copy by every island)

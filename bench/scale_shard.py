@@ -3,7 +3,7 @@
 Two runs per size, each against a fresh one-shard server started through
 `diloco-server start` (`bench.launcher.LocalCluster`), in sync mode with
 `islands` `paramserver.client.Client`s without a replica
-(`ClientConfig(replica=False)`: they push and follow versions, decoding no
+(`ClientConfig(keep="versions")`: they push and follow versions, decoding no
 update, so this process holds no copy of the model per island) pushing the same random int8 deltas
 (`bench.load_cluster.random_frames`) and a raw SUB socket (`UpdateWatcher`) timing
 each fragment's published update without decoding it:
@@ -152,7 +152,7 @@ def one_shard(
 class Islands:
     """`count` client-only islands joined to one shard, pushing one set of int8 frames.
 
-    The islands keep no replica (`ClientConfig(replica=False)`); the init's zeros
+    The islands keep no replica (`ClientConfig(keep="versions")`); the init's zeros
     are one `np.zeros` array, whose pages are never written (the init reads it
     piece by piece: `paramserver.client.init_upload`), so they take no memory,
     and it is dropped once every island joined.
@@ -175,7 +175,7 @@ class Islands:
                     ack_timeout_floor_s=600.0,
                     push_timeout_s=WAIT_S,
                     join_timeout_s=120.0 + 4 * params / JOIN_BYTES_PER_S,
-                    replica=False,  # they push and follow versions; values are not needed
+                    keep="versions",  # they push and follow versions; values are not needed
                 )
                 self.clients.append(Client(cfg))
                 plan = self.clients[-1].join(flat).plan

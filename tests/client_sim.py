@@ -5,7 +5,7 @@ clock: it performs the core's effects (links are entries of a dict), carries
 each message through `protocol.pack`/`unpack` as bytes, and lets a test drop,
 duplicate, hold back or reorder messages. A `SimShard` speaks the protocol as
 docs/protocol.md writes it (welcome, init in pieces, snapshot_reply in pieces, ack with dedup,
-heartbeat, published updates in "full" mode); it is a test peer of the
+heartbeat, published updates in "full" or int8 "increment" mode); it is a test peer of the
 client, not a model of our shard's merge rules.
 """
 
@@ -25,6 +25,7 @@ from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 
 _RAW = codec.raw("float32")
+_INT8 = codec.int8()
 
 
 @dataclass
@@ -163,17 +164,27 @@ class SimShard:
 
     def step(self, fragment: int, values: np.ndarray) -> list[Any]:
         """A new version of `fragment`: the update message to publish (mode "full")."""
-        self.seq += 1
-        self.versions[fragment] += 1
         self.values[fragment] = np.asarray(values, np.float32)
         frames, _ = _RAW.encode({"values": self.values[fragment]})
+        return self._update(fragment, "full", frames)
+
+    def step_increment(self, fragment: int, change: np.ndarray) -> list[Any]:
+        """A new version of `fragment` by the int8 codes of `change` (mode "increment")."""
+        frames, _ = _INT8.encode({"values": np.asarray(change, np.float32)})
+        step = codec.decode(frames)["values"]
+        self.values[fragment] = np.add(self.values[fragment], step, dtype=np.float32)
+        return self._update(fragment, "increment", frames)
+
+    def _update(self, fragment: int, mode: str, frames: list[Any]) -> list[Any]:
+        self.seq += 1
+        self.versions[fragment] += 1
         header = {
             "kind": "update",
             "shard": self.index,
             "seq": self.seq,
             "fragment": fragment,
             "version": self.versions[fragment],
-            "mode": "full",
+            "mode": mode,
         }
         return protocol.pack(header, frames)
 
@@ -255,9 +266,14 @@ class Sim:
         held, self.held = self.held, []
         self.inbox.extend(reversed(held) if reverse else held)
 
-    def publish(self, shard: SimShard, fragment: int, values: np.ndarray) -> None:
-        """The shard steps `fragment` and publishes the update to every SUB of it."""
-        frames = shard.step(fragment, values)
+    def publish(
+        self, shard: SimShard, fragment: int, values: np.ndarray, increment: bool = False
+    ) -> None:
+        """The shard steps `fragment` and publishes the update to every SUB of it.
+
+        `increment`: `values` is the change (sent as int8 codes), not the new values.
+        """
+        frames = (shard.step_increment if increment else shard.step)(fragment, values)
         for link, (role, endpoint) in list(self.links.items()):
             if role == "sub" and endpoint == shard.pub:
                 self._queue_down(link, frames)

@@ -10,12 +10,16 @@ def vec(*xs):
     return np.array(xs, dtype=np.float32)
 
 
+def fragments(updates):
+    return [u.fragment for u in updates]
+
+
 def synced_feed(seq=5):
     replica = {}
     feed = ShardFeed(0, (0, 2), replica)
     assert feed.begin_sync(0.0) == [0, 2]
-    assert feed.on_snapshot(0, 3, seq, vec(1, 2)) == [0]
-    assert feed.on_snapshot(2, 7, seq, vec(5)) == [2]
+    assert fragments(feed.on_snapshot(0, 3, seq, vec(1, 2))) == [0]
+    assert fragments(feed.on_snapshot(2, 7, seq, vec(5))) == [2]
     assert not feed.syncing and feed.last_seq == seq
     return feed, replica
 
@@ -38,11 +42,11 @@ def test_apply_update_full_and_delta_bit_exact():
 
 def test_in_order_updates_apply_and_old_versions_are_dropped():
     feed, replica = synced_feed()
-    assert feed.on_update(Published(6, 0, 4, "full", vec(9, 9))) == [0]
+    assert fragments(feed.on_update(Published(6, 0, 4, "full", vec(9, 9)))) == [0]
     assert replica[0].version == 4
-    assert feed.on_update(Published(7, 2, 8, "increment", vec(1))) == [2]
+    assert fragments(feed.on_update(Published(7, 2, 8, "increment", vec(1)))) == [2]
     np.testing.assert_array_equal(replica[2].values, vec(6))
-    assert feed.on_update(Published(8, 0, 4, "full", vec(0, 0))) == []  # not newer
+    assert fragments(feed.on_update(Published(8, 0, 4, "full", vec(0, 0)))) == []  # not newer
     np.testing.assert_array_equal(replica[0].values, vec(9, 9))
 
 
@@ -71,14 +75,14 @@ def test_updates_buffered_during_sync_replay_only_newer_than_snapshot():
     feed.begin_sync(0.0)
     # Snapshot of 1 includes seq 10; seq 11 updates fragment 1, seq 12 fragment 3,
     # which the snapshot of 3 (taken at seq 12) already includes.
-    assert feed.on_update(Published(11, 1, 4, "increment", vec(1))) == []
-    assert feed.on_update(Published(12, 3, 9, "full", vec(7))) == []
-    assert feed.on_snapshot(1, 3, 10, vec(10)) == [1]
-    assert feed.on_snapshot(3, 9, 12, vec(7)) == [3, 1]
+    assert fragments(feed.on_update(Published(11, 1, 4, "increment", vec(1)))) == []
+    assert fragments(feed.on_update(Published(12, 3, 9, "full", vec(7)))) == []
+    assert fragments(feed.on_snapshot(1, 3, 10, vec(10))) == [1]
+    assert fragments(feed.on_snapshot(3, 9, 12, vec(7))) == [3, 1]
     assert replica[1].version == 4
     np.testing.assert_array_equal(replica[1].values, vec(11))
     assert feed.last_seq == 12
-    assert feed.on_update(Published(13, 3, 10, "full", vec(8))) == [3]
+    assert fragments(feed.on_update(Published(13, 3, 10, "full", vec(8)))) == [3]
 
 
 def test_hole_between_snapshots_asks_for_resync():
@@ -97,9 +101,9 @@ def test_hole_between_snapshots_asks_for_resync():
 
 def test_snapshot_is_authoritative_and_unasked_snapshots_are_ignored():
     feed, replica = synced_feed()
-    assert feed.on_snapshot(0, 99, 5, vec(0, 0)) == []  # not awaited
+    assert fragments(feed.on_snapshot(0, 99, 5, vec(0, 0))) == []  # not awaited
     feed.begin_sync(1.0)
-    assert feed.on_snapshot(0, 2, 1, vec(4, 4)) == [0]  # older version after a restart
+    assert fragments(feed.on_snapshot(0, 2, 1, vec(4, 4))) == [0]  # older version after a restart
     assert replica[0].version == 2
 
 

@@ -6,10 +6,11 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
+from codec.prequantized import Coded
 from paramserver.client import Update
 from worker import device_layout, process_group
 from worker.config import IslandConfig, IslandConfigError
-from worker.leader_sync import LeaderSync
+from worker.leader_sync import LeaderSync, travelling_codes
 from worker.process_group import GroupError, GroupSpec, resolve_group
 
 pytestmark = pytest.mark.timeout(60)
@@ -120,3 +121,17 @@ def test_a_one_process_island_shares_decisions_without_collectives():
     assert sync.share_updates([update], True, [2, 3]) == ([update], True)
     leaves = [np.zeros(2)]
     assert sync.gather(leaves) is leaves
+
+
+def test_a_chain_of_increments_travels_as_codes_each_following_the_one_before():
+    def inc(fragment: int, version: int) -> Update:
+        codes = Coded("int8", 4, 3, np.zeros(3, np.int8), np.zeros(1, np.float32))
+        return Update(fragment, version, None, codes)
+
+    snapshot = Update(1, 9, np.ones(3, np.float32))
+    updates = [inc(0, 5), inc(0, 6), inc(0, 8), inc(1, 8), snapshot, inc(1, 10)]
+    out = travelling_codes(updates, {0: 4, 1: 7})
+    # 0: 5 follows 4, 6 follows 5, 8 skips 7; 1: 8 follows 7, 9 is values, 10 follows 9
+    assert [c is not None for c in out] == [True, True, False, True, False, True]
+    assert all(c is u.increment for c, u in zip(out, updates, strict=True) if c is not None)
+    assert travelling_codes(updates, None) == [None] * len(updates)  # the host exchange

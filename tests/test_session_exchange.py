@@ -10,6 +10,8 @@ between host and device.
 
 from __future__ import annotations
 
+import tracemalloc
+
 import jax
 import jax.numpy as jnp
 import mlp_helpers as mlp
@@ -18,6 +20,7 @@ import pytest
 from client_helpers import RecordingClient
 from conftest import Cluster
 
+from paramserver.plumbing import probe
 from worker.config import IslandConfigError
 from worker.device_exchange import DeviceExchange
 from worker.host_exchange import HostExchange
@@ -60,15 +63,30 @@ def _run(tmp_path, exchange: str, codec: str):
             joined = session.stats["host_device_bytes"]
             params, opt_state = session.params, mlp.OPTIMIZER.init(session.params)
             rng = np.random.default_rng(5)
-            for _ in range(ROUNDS * INNER):
+            for step in range(ROUNDS * INNER):
+                if step == INNER:  # after the first round (compiled): what later rounds keep
+                    tracemalloc.start(25)
                 x, y = mlp.batch(rng)
                 params, opt_state, _ = mlp.train_step(params, opt_state, x, y)
                 params = session.step(params, tokens=mlp.BATCH)
+            held = _client_held_bytes()
+            tracemalloc.stop()
             moved = session.stats["host_device_bytes"] - joined
             kind, elements = type(session.exchange), sum(session.sizes)
             assert session.stats["exchange_s"] > 0
-            assert session.version == ROUNDS * len(session.sizes)
+            assert session.version == ROUNDS * len(session.sizes)  # sync: the last round folded
+            # the global values the session adopted are the shards' snapshot, bit for bit
+            _, flat, versions = probe.global_params(cluster.connect)
+            assert sum(versions.values()) == session.version
+            mine = jax.tree_util.tree_leaves(session.global_params())
+            theirs = jax.tree_util.tree_leaves(session.layout.build(flat, place=False))
+            assert all(a.tobytes() == b.tobytes() for a, b in zip(mine, theirs, strict=True))
+            # the device exchange's client keeps no float32 copy; the host's, a replica
+            keep, model_bytes = clients[0].cfg.keep, 4 * elements
+            assert keep == ("increments" if exchange == "device" else "values")
+            assert held < model_bytes / 4 if exchange == "device" else held >= model_bytes, held
     finally:
+        tracemalloc.stop()
         cluster.stop()
     leaves = [np.asarray(leaf) for leaf in jax.tree_util.tree_leaves(params)]
     pushed = [
@@ -103,3 +121,11 @@ def test_a_codec_the_device_does_not_quantize_falls_back_to_the_host(tmp_path):
 def test_an_unknown_exchange_is_refused_naming_the_choices():
     with pytest.raises(IslandConfigError, match="exchange.*'gpu'.*device.*host"):
         session_config("tcp://127.0.0.1:5555", "a", 2, None, {"exchange": "gpu"})
+
+
+def _client_held_bytes() -> int:
+    """Bytes allocated under `paramserver.client` (any frame of the traceback) and still held."""
+    held = tracemalloc.take_snapshot().filter_traces(
+        [tracemalloc.Filter(True, "*/paramserver/client/*", all_frames=True)]
+    )
+    return sum(trace.size for trace in held.traces)

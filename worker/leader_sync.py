@@ -32,12 +32,31 @@ from paramserver.client import JoinResult, Update
 SCHEMES = {127: "int8", 7: "int4"}  # quantization levels -> codec scheme
 
 
-def _travelling_codes(update: Update, coded_after: dict[int, int] | None) -> Coded | None:
-    """The increment to share instead of the full values, if any (process 0 decides)."""
-    coded = update.increment
-    if coded_after is None or coded is None or coded.scheme not in ("int8", "int4"):
-        return None
-    return coded if coded_after.get(update.fragment) == update.version - 1 else None
+def travelling_codes(
+    updates: list[Update], coded_after: dict[int, int] | None
+) -> list[Coded | None]:
+    """Which updates travel as their increment's codes instead of their full values.
+
+    Args:
+        updates: process 0's updates in order; a fragment may have several (a chain).
+        coded_after: fragment -> the version the island holds (a device exchange), or
+            None: every update travels as its values.
+
+    Returns:
+        Per update, its int8/int4 increment when it follows the version the island holds
+        by then (the one before it in the list, or `coded_after`'s), else None.
+    """
+    out: list[Coded | None] = []
+    held = None if coded_after is None else dict(coded_after)
+    for u in updates:
+        coded = u.increment
+        follows = held is not None and held.get(u.fragment) == u.version - 1
+        out.append(
+            coded if follows and coded is not None and coded.scheme in SCHEMES.values() else None
+        )
+        if held is not None:
+            held[u.fragment] = u.version
+    return out
 
 
 def _empty_like(size: int, levels: int, block: int) -> tuple[np.ndarray, ...]:
@@ -116,7 +135,8 @@ class LeaderSync:
         """Give every process the versions process 0 folds at this step, and its stop.
 
         Args:
-            updates: process 0's new versions (ignored on the others).
+            updates: process 0's new versions (ignored on the others), in order; a fragment
+                may have several (a client that keeps increments hands out every version).
             stop: process 0's stop request (ignored on the others).
             fragment_sizes: elements per fragment (the plan's).
             coded_after: fragment -> the version the island holds, when an update's
@@ -130,24 +150,35 @@ class LeaderSync:
         """
         if not self.multi:
             return updates, stop
-        words = np.zeros(2 + 4 * len(fragment_sizes), np.int32)
+        travelling = travelling_codes(updates, coded_after) if self.leader else []
+        slots = len(fragment_sizes)  # one update a fragment in the first broadcast
+        words = np.zeros(2 + 4 * slots, np.int32)
+        keys_out = np.zeros((len(updates), 4), np.int32)
+        for i, (u, coded) in enumerate(zip(updates, travelling, strict=True)):
+            keys_out[i] = (
+                u.fragment,
+                u.version,
+                coded.levels if coded else 0,
+                coded.block if coded else 0,
+            )
         if self.leader:
             words[0], words[1] = int(stop), len(updates)
-            for i, u in enumerate(updates):
-                coded = _travelling_codes(u, coded_after)
-                words[2 + 4 * i : 6 + 4 * i] = (
-                    u.fragment, u.version, coded.levels if coded else 0, coded.block if coded else 0,
-                )  # fmt: skip
+            first = keys_out[:slots].reshape(-1)
+            words[2 : 2 + first.size] = first
         words = np.asarray(self._send(words))
         count = int(words[1])
         if count == 0:
             return [], bool(words[0])
-        keys = [tuple(int(w) for w in words[2 + 4 * i : 6 + 4 * i]) for i in range(count)]
+        keys = [
+            tuple(int(w) for w in words[2 + 4 * i : 6 + 4 * i]) for i in range(min(count, slots))
+        ]
+        if count > slots:  # more versions than fragments (a chain): the rest in a second one
+            rest = keys_out[slots:] if self.leader else np.zeros((count - slots, 4), np.int32)
+            keys += [tuple(int(w) for w in row) for row in np.asarray(self._send(rest))]
         if self.leader:
             arrays = [
-                (coded.codes, coded.scales) if levels else (np.asarray(u.values, np.float32),)
-                for u, (_, _, levels, _) in zip(updates, keys, strict=True)
-                for coded in [_travelling_codes(u, coded_after)]
+                (coded.codes, coded.scales) if coded else (np.asarray(u.values, np.float32),)
+                for u, coded in zip(updates, travelling, strict=True)
             ]
         else:
             arrays = [_empty_like(fragment_sizes[f], levels, block) for f, _, levels, block in keys]

@@ -139,6 +139,17 @@ def join(
     return Session(cfg, params, stop=stop)
 
 
+def _host_reason(cfg: IslandConfig, layout: TreeLayout) -> str | None:
+    """Why the session's exchange runs on the host, or None when it runs on the devices."""
+    if cfg.exchange != "device":
+        return "exchange host"
+    if cfg.codec not in ("int8", "int4"):
+        return f"codec {cfg.codec} is encoded on the host"
+    if any(s is None for s in layout.shardings):
+        return "params has numpy leaves (pass jax arrays to exchange on their devices)"
+    return None
+
+
 class Session:
     """One island's membership of the cluster, driven by the caller's training loop."""
 
@@ -206,7 +217,10 @@ class Session:
         host = self.layout.to_host(self.leader_sync.gather(self.layout.leaves(params)))
         joined: JoinResult | None = None
         if self.leader_sync.leader:
-            client_cfg = cfg.client_config()
+            # the device exchange keeps the global values itself: the client only versions
+            # and increments' codes (`ClientConfig.keep`); the host exchange reads values
+            keep = "values" if _host_reason(cfg, self.layout) else "increments"
+            client_cfg = dataclasses.replace(cfg.client_config(), keep=keep)
             if self.data_dir is not None:  # a restart proves it is this island (its token)
                 self.token = session_token.hold(self.data_dir)
                 client_cfg = dataclasses.replace(client_cfg, session=self.token.value)
@@ -260,18 +274,14 @@ class Session:
     ) -> DeviceExchange | HostExchange:
         """The device exchange when it applies, else the host's (saying why, once)."""
         cfg, delta_codec = self.cfg, make_codec(self.cfg)
-        why = None
+        why = _host_reason(cfg, self.layout)
+        if why is None:
+            return DeviceExchange(
+                self.layout, self.plan, flat, versions, scheme=cfg.codec,
+                block=delta_codec.block_size, zstd_level=delta_codec.zstd_level,
+                rule=cfg.merge_rule,
+            )  # fmt: skip
         if cfg.exchange == "device":
-            if cfg.codec not in ("int8", "int4"):
-                why = f"codec {cfg.codec} is encoded on the host"
-            elif any(s is None for s in self.layout.shardings):
-                why = "params has numpy leaves (pass jax arrays to exchange on their devices)"
-            else:
-                return DeviceExchange(
-                    self.layout, self.plan, flat, versions, scheme=cfg.codec,
-                    block=delta_codec.block_size, zstd_level=delta_codec.zstd_level,
-                    rule=cfg.merge_rule,
-                )  # fmt: skip
             logger.info("island %s: exchange on the host: %s", cfg.island, why)
         return HostExchange(
             self.layout, self.plan, flat, versions, delta_codec=delta_codec,

@@ -69,7 +69,7 @@ def run_island(args: argparse.Namespace) -> dict[str, Any]:
             connect=args.connect,
             island=args.island,
             insecure=True,
-            replica=False,
+            keep="versions",
             push_timeout_s=600.0,
             join_timeout_s=600.0,
         )

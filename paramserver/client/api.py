@@ -142,7 +142,7 @@ class Client:
 
         Returns:
             JoinResult(plan, params as float32 arrays, versions per fragment);
-            params is {} with `ClientConfig(replica=False)` (only the versions are read).
+            params is {} with `ClientConfig(keep="versions")` (only the versions are read).
 
         Raises:
             ClientError: no answer in time, plan mismatch with the cluster, the
@@ -374,9 +374,12 @@ class Client:
     def poll_updates(self) -> list[Update]:
         """The newest update of each fragment that changed since the last call.
 
+        With `ClientConfig(keep="increments")`: every update since the last call, in
+        order (an increment applies only to the version before it).
+
         Returns:
-            Updates in fragment order (values: full 1-D float32, bit-exact replica;
-            None with `ClientConfig(replica=False)`: the update says its version only).
+            Updates in fragment order, then version (values: full 1-D float32, read-only,
+            bit-exact with the shards; see `Update` for what each `keep` hands out).
         """
         self._check_alive()
         with self._lock:

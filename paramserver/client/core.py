@@ -14,8 +14,9 @@ guards the API's reads. `ClientCore` holds:
 - the one ledger of pending deltas (`paramserver.client.ledger`), sent,
   re-sent after the adaptive ack timeout, deferred or resolved by acks;
 - the replica and each shard's update stream (`paramserver.client.replica`),
-  re-snapshotted on a gap or a silent stream (with `ClientConfig.replica`
-  False: versions only, nothing decoded);
+  re-snapshotted on a gap or a silent stream (`ClientConfig.keep`: fp32
+  values, or only versions and the increments' codes handed out, or only
+  versions);
 - heartbeats, and Paranoid Pirate reconnects of a silent shard (a fresh
   DEALER and a hello; its welcome re-sends that shard's deltas);
 - close: wait (bounded) for acks of shards that are up, then bye.
@@ -41,7 +42,7 @@ from paramserver.client.ledger import Key, Ledger, StorageWarning
 from paramserver.client.readout import Readout
 from paramserver.client.replica import Resync, published_update
 from paramserver.client.shards import Effect, Send, Shards, ShardState
-from paramserver.client.types import ClientConfig, ClientError, JoinResult, PushRequest
+from paramserver.client.types import ClientConfig, ClientError, JoinResult, PushRequest, Update
 from paramserver.client.welcome import check_rewelcome, welcome_limit
 from paramserver.wire import protocol
 from paramserver.wire.liveness import is_silent, next_backoff
@@ -63,7 +64,7 @@ class ClientCore:
                 reconnect take its island id over at once.
         """
         self.cfg = cfg
-        self.readout = Readout()
+        self.readout = Readout(cfg.keep)
         self.ledger = Ledger(cfg.ack_timeout_s, cfg.ack_timeout_cap_s, cfg.ack_timeout_floor_s)
         self.plan: Plan | None = None
         # The shards' size limit once a welcome says (a bigger push would be dropped
@@ -81,7 +82,7 @@ class ClientCore:
         self.join_outcome: JoinResult | ClientError | None = None
         self.dropped: list[PushRequest] = []  # what close left unacked
         self._join: Join | None = None  # the join in progress
-        self._shards = Shards(cfg.island, cfg.session or session, cfg.replica)
+        self._shards = Shards(cfg.island, cfg.session or session, cfg.keep != "versions")
         self._storage_warning = StorageWarning()
         self._close_at: float | None = None
         # The PUB stream heartbeats at the server's interval: judge its silence by
@@ -236,18 +237,18 @@ class ClientCore:
                 )
             return
         if what == "snapshot" and kind == "snapshot_reply":
-            self._on_snapshot(shard, header, payload)
+            self._on_snapshot(now, shard, header, payload)
         elif what == "hello" and kind == "welcome":
             self._on_rewelcome(now, shard, header)
 
-    def _on_snapshot(self, shard: ShardState, header: dict, payload: list) -> None:
+    def _on_snapshot(self, now: float, shard: ShardState, header: dict, payload: list) -> None:
         done = self._shards.on_snapshot_piece(shard, header, payload)
         if done is None or shard.feed is None:
             return
         fragment, version, seq, values = done
         self.readout.add(snapshots=1)
         self.readout.note_version(fragment, version)
-        self._publish(shard.feed.on_snapshot(fragment, version, seq, values))
+        self._publish(shard.feed.on_snapshot(fragment, version, seq, values), now)
 
     def _on_rewelcome(self, now: float, shard: ShardState, welcome: dict) -> None:
         """A shard answered the hello of a reconnect: re-send its deltas and re-snapshot."""
@@ -301,20 +302,31 @@ class ClientCore:
         if header["kind"] == "heartbeat":
             shard.feed.on_heartbeat(header["seq"])
             return
-        item = published_update(header, payload, self.plan, self.cfg.replica)
+        item = published_update(header, payload, self.plan, self.cfg.keep)
         self.readout.note_version(item.fragment, header["version"])
         credit = header.get("credited", {}).get(self.cfg.island)
         if credit is not None:
             self.readout.credit(shard.index, credit)
-        self._publish(shard.feed.on_update(item))
+        self._publish(shard.feed.on_update(item), now)
         # The fragment stepped, so the shard has room again: re-send what it deferred.
         for key in self.ledger.on_step(item.fragment):
             self._send_push(key)
 
-    def _publish(self, fragments: list[int]) -> None:
-        """Hand changed fragments to `poll_updates` (after join; join returns them itself)."""
-        if fragments and self.joined:
-            self.readout.publish(fragments)
+    def _publish(self, updates: list[Update], now: float) -> None:
+        """Hand updates to `poll_updates` (after join; join returns them itself).
+
+        A fragment whose untaken increments outgrew their bound is forgotten and its
+        shard snapshotted again (the snapshot's values go to the caller).
+        """
+        if not updates or not self.joined:
+            return
+        dropped = set(self.readout.publish(updates))
+        for fragment in dropped:  # forgotten: their snapshot's values are handed out
+            del self.readout.replica[fragment]
+        for shard in self._shards.all:
+            if dropped & set(shard.feed.fragments):
+                logger.info("shard %d: updates not taken in time; re-snapshot", shard.index)
+                self._resync(shard, now)
 
     def _resync(self, shard: ShardState, now: float) -> None:
         if shard.feed is None:

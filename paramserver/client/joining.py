@@ -27,7 +27,7 @@ import numpy as np
 from paramserver.client.handshake import FIRST, Handshake
 from paramserver.client.init_upload import Ask
 from paramserver.client.readout import Readout
-from paramserver.client.replica import ShardFeed
+from paramserver.client.replica import ReplicaFragment, ShardFeed
 from paramserver.client.shards import Shards, ShardState
 from paramserver.client.types import ClientConfig, ClientError, JoinResult
 from paramserver.client.welcome import Cluster
@@ -176,7 +176,7 @@ class Join:
         for shard in self._shards.all:
             self._shards.open(shard, "sub")  # Clone pattern: subscribe before the snapshot
             fragments = tuple(f.index for f in plan.fragments_of(shard.index))
-            shard.feed = ShardFeed(shard.index, fragments, self._readout.replica)
+            shard.feed = ShardFeed(shard.index, fragments, self._readout.replica, self.cfg.keep)
             shard.heard = shard.sub_heard = now
             self._shards.request_snapshots(shard, now, self.cluster.plan)
         self.check_synced(now)
@@ -198,21 +198,26 @@ class Join:
         self.check_synced(now)
 
     def check_synced(self, now: float) -> None:
-        """Once every snapshot arrived: the parameters from the replica are the outcome.
+        """Once every snapshot arrived: the values the feeds hold are the outcome.
 
-        Without a replica (`ClientConfig.replica` False) the outcome's params are {}.
+        With `ClientConfig.keep` "values" they are the replica's (copied into the
+        outcome's leaves); with "increments" the feeds forget them once taken (the
+        client keeps no copy); with "versions" the outcome's params are {}.
         """
         if not self.syncing or self.outcome is not None:
             return
         if any(s.feed.syncing for s in self._shards.all):
             return
-        plan, replica = self.cluster.plan, self._readout.replica
+        plan = self.cluster.plan
+        taken: dict[int, ReplicaFragment] = {}
+        for shard in self._shards.all:
+            taken.update(shard.feed.take_values())
         params: dict[str, np.ndarray] = {}
-        if self.cfg.replica:  # without a replica there are no values to hand out
+        if self.cfg.keep != "versions":  # without values there are none to hand out
             params = {leaf.path: np.zeros(leaf.shape, np.float32) for leaf in plan.leaves}
-            for index, state in replica.items():
+            for index, state in taken.items():
                 plan.scatter(index, state.values, params)
-        versions = {index: state.version for index, state in sorted(replica.items())}
+        versions = {index: state.version for index, state in sorted(taken.items())}
         for shard in self._shards.all:
             shard.heard = shard.sub_heard = shard.next_heartbeat = now
         logger.info("island %s joined: versions %s", self.cfg.island, versions)

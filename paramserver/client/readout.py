@@ -7,6 +7,14 @@ taken, ack latencies, the version that will include each acked delta (for
 `round_merged`) and the tokens each shard credited. The replica (`replica`) is
 the one the shards' feeds fill. `Readout` belongs to the client's core
 (`paramserver.client.core`); the I/O thread's lock guards both.
+
+Untaken updates: with `ClientConfig.keep` "values" or "versions" the newest of
+each fragment (an update's values are the replica's own read-only array, not a
+copy); with "increments" every one, in order, since an increment only applies
+to the version before it. That chain is bounded: when a fragment's untaken
+increments outgrow its float32 values, it is dropped and `publish` names the
+fragment, whose shard the core then snapshots again (the snapshot's values
+restart the chain).
 """
 
 from __future__ import annotations
@@ -21,6 +29,9 @@ from paramserver.client.types import Update
 _MAX_LATENCIES = 100_000  # ack latencies kept until `take_ack_latencies` (bounded memory)
 _MAX_MERGE_ROUNDS = 1024  # rounds whose merge versions are kept for `round_merged`
 _MAX_REFUSED = 256  # finally refused deltas kept for `take_refused` (the oldest go first)
+# "increments": a fragment's untaken increments may hold up to this many bytes per element
+# (its float32 values, what a snapshot of it costs); beyond, they are dropped for a snapshot
+_CHAIN_BYTES_PER_ELEMENT = 4
 
 
 @dataclass
@@ -49,13 +60,18 @@ _COUNTS = frozenset(f.name for f in fields(Counters)) - {"rejected"}
 class Readout:
     """The bookkeeping of one client's core (callers hold the core's lock)."""
 
-    def __init__(self) -> None:
-        """Start empty: no plan, no replica, every counter at zero."""
+    def __init__(self, keep: str = "values") -> None:
+        """Start empty: no plan, no replica, every counter at zero.
+
+        Args:
+            keep: `ClientConfig.keep` ("increments": every untaken update is kept, in order).
+        """
         self._counters = Counters()
+        self._chained = keep == "increments"
         self.replica: dict[int, ReplicaFragment] = {}
         self.num_fragments: int | None = None  # the plan's, once joined
         self._known: dict[int, int] = {}  # newest version heard of, per fragment
-        self._updates: dict[int, Update] = {}
+        self._updates: dict[int, list[Update]] = {}  # fragment -> untaken updates, in order
         self._ack_latencies: deque[float] = deque(maxlen=_MAX_LATENCIES)
         # round -> fragment -> first version that includes the delta (None: rejected)
         self._merge_targets: dict[int, dict[int, int | None]] = {}
@@ -113,14 +129,29 @@ class Readout:
         if isinstance(credited, int | float) and not isinstance(credited, bool):
             self._credited[shard] = max(self._credited.get(shard, 0.0), float(credited))
 
-    def publish(self, fragments: list[int]) -> None:
-        """Hand the replica's current values of changed fragments to `take_updates`."""
-        for f in fragments:
-            state = self.replica[f]
-            # the increment (version - 1 -> version) serves a reader that holds version - 1
-            values = None if state.values is None else state.values.copy()  # None: no replica
-            self._updates[f] = Update(f, state.version, values, state.increment)
+    def publish(self, updates: list[Update]) -> list[int]:
+        """Hand updates (in order) to `take_updates`.
+
+        Args:
+            updates: new versions, as the shards' feeds hand them out.
+
+        Returns:
+            Fragments whose untaken increments outgrew their bound and were dropped
+            ("increments"): their shard must be snapshotted again. Else [].
+        """
+        dropped: list[int] = []
+        for u in updates:
             self._counters.updates_applied += 1
+            chain = self._updates.setdefault(u.fragment, [])
+            if not self._chained or u.increment is None or u.values is not None:
+                chain[:] = [u]  # the newest values (or version) replace what was untaken
+                continue
+            chain.append(u)
+            held = sum(c.increment.nbytes for c in chain if c.values is None)
+            if held > _CHAIN_BYTES_PER_ELEMENT * u.increment.size:
+                del self._updates[u.fragment]
+                dropped.append(u.fragment)
+        return dropped
 
     # -- read by the API ------------------------------------------------------------------------
 
@@ -135,13 +166,13 @@ class Readout:
         return out
 
     def take_updates(self) -> list[Update]:
-        """Pop the newest update of every fragment that changed.
+        """Pop the untaken updates: the newest of each fragment, or every one ("increments").
 
         Returns:
-            Updates sorted by fragment.
+            Updates sorted by fragment, then version.
         """
         updates, self._updates = self._updates, {}
-        return [updates[k] for k in sorted(updates)]
+        return [u for k in sorted(updates) for u in updates[k]]
 
     def take_ack_latencies(self) -> list[float]:
         """Pop the ack latencies recorded since the last call (bounded to the newest 100,000).

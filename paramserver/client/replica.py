@@ -1,15 +1,24 @@
-"""An island's replica of the global parameters and the Clone-pattern bookkeeping per shard.
+"""An island's view of the global parameters and the Clone-pattern bookkeeping per shard.
 
-This module owns, with no sockets: the per-fragment (version, fp32 values)
-replica, `apply_update` (the one function that turns a published update into
-the new values, so replicas stay bit-exact with the shard), `published_update`
-(what an `update` message must hold to be applied), and `ShardFeed`, which
-follows one shard's sequenced update stream: it buffers updates while
-snapshots are in flight, replays the ones newer than each snapshot, and asks
-for a re-snapshot when a sequence number is missing or out of order. A
-client without a replica (`ClientConfig(replica=False)`) follows the same
-stream with versions only: its fragments' values are None and its updates
-are not decoded.
+This module owns, with no sockets: the per-fragment version (and, when the
+client keeps them, fp32 values) of the global parameters, `apply_update` (the
+one function that turns a published update into the new values, so replicas
+stay bit-exact with the shard), `published_update` (what an `update` message
+must hold to be applied), and `ShardFeed`, which follows one shard's sequenced
+update stream: it buffers updates while snapshots are in flight, replays the
+ones newer than each snapshot, and asks for a re-snapshot when a sequence
+number is missing or out of order. What it hands out is the `Update`s of the
+versions it took, in order; what it keeps depends on `ClientConfig.keep`:
+
+- "values": a replica (`ReplicaFragment.values`), shared read-only with the
+  updates it hands out (no copy per update);
+- "increments": versions only, but for values not handed out yet: a
+  snapshot's values (and the increments replayed onto them, decoded) are held
+  until the join takes them or the shard's re-sync ends (a snapshot of the
+  version handed out last is dropped: the caller has it); otherwise an
+  increment is handed out as its codes, undecoded, and a full-values update
+  as its values, and neither is kept;
+- "versions": versions only; updates are not decoded.
 """
 
 from __future__ import annotations
@@ -20,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from codec.prequantized import Coded, read_codes
+from paramserver.client.types import Update
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import UPDATE_FULL, UPDATE_INCREMENT, ProtocolError
 from paramserver.wire.snapshot import fragment_vector
@@ -53,30 +63,48 @@ def apply_update(current: np.ndarray | None, mode: str, values: np.ndarray) -> n
     raise ValueError(f"unknown update mode {mode!r}; expected one of {MODES}")
 
 
+def read_only(values: np.ndarray) -> np.ndarray:
+    """`values` as float32, marked read-only (shared with readers, never changed in place)."""
+    out = np.asarray(values, dtype=np.float32)
+    out.flags.writeable = False
+    return out
+
+
 @dataclass
 class ReplicaFragment:
-    """One fragment of the replica: its version and fp32 values.
+    """One fragment as the client knows it: its version, and its fp32 values when kept.
 
-    `values` is None in a client that keeps no replica (versions only).
-    `increment`: the codes of the update that led from version - 1 to `version`
-    (None after a snapshot or a full-values update, and without a replica).
+    `values` is None without a replica (`ClientConfig.keep` "increments" or "versions"),
+    except, with "increments", for values not handed out yet (see the module docstring).
     """
 
     version: int
     values: np.ndarray | None
-    increment: Coded | None = None
 
 
 @dataclass(frozen=True)
 class Published:
-    """One decoded `update` message of a shard's PUB stream (`values` None: not decoded)."""
+    """One `update` message of a shard's PUB stream, as far as the client decodes it.
+
+    `values`: the decoded 1-D float32 payload (the new values, or the increment's
+    change), or None when not decoded; `coded`: an int8/int4 increment's codes and
+    scales (then `values`, if set, is decoded from them).
+    """
 
     seq: int
     fragment: int
     version: int
     mode: str
     values: np.ndarray | None
-    coded: Coded | None = None  # an int8/int4 increment's codes and scales (`values` decoded)
+    coded: Coded | None = None
+
+    def decoded(self) -> np.ndarray:
+        """The payload's values (decoded from the codes when only they were read)."""
+        if self.values is not None:
+            return self.values
+        if self.coded is None:
+            raise Resync(f"update of fragment {self.fragment} was not decoded")
+        return self.coded.values()
 
 
 @dataclass
@@ -84,18 +112,23 @@ class ShardFeed:
     """Clone-pattern state of one shard's update stream.
 
     `replica` is shared with the other feeds (each feed only touches its own
-    fragments). Methods return the fragments whose replica values changed,
-    or raise `Resync` when the shard's fragments must be snapshotted again.
+    fragments). Methods return the `Update`s to hand out, in order, or raise
+    `Resync` when the shard's fragments must be snapshotted again. `keep` is
+    `ClientConfig.keep`; with "increments", `holding` is True until the join took
+    the values (`take_values`), and values are handed out at the end of each
+    re-sync afterwards.
     """
 
     shard: int
     fragments: tuple[int, ...]
     replica: dict[int, ReplicaFragment]
+    keep: str = "values"
     last_seq: int | None = None
     awaiting: set[int] = field(default_factory=set)
     snapshot_seqs: dict[int, int] = field(default_factory=dict)
     buffer: list[Published] = field(default_factory=list)
     sync_started: float = 0.0
+    holding: bool = True
 
     @property
     def syncing(self) -> bool:
@@ -119,7 +152,7 @@ class ShardFeed:
 
     def on_snapshot(
         self, fragment: int, version: int, seq: int, values: np.ndarray | None
-    ) -> list[int]:
+    ) -> list[Update]:
         """Take one snapshot reply; when it is the last one, replay the buffered updates.
 
         Args:
@@ -129,7 +162,7 @@ class ShardFeed:
             values: its exact fp32 values (None: a read of the version only).
 
         Returns:
-            Fragments whose replica changed.
+            The updates to hand out, in order.
 
         Raises:
             Resync: the buffered stream has a hole; snapshot again.
@@ -139,14 +172,20 @@ class ShardFeed:
         self.awaiting.discard(fragment)
         self.snapshot_seqs[fragment] = seq
         old = self.replica.get(fragment)
-        kept = None if values is None else np.asarray(values, dtype=np.float32)
+        unchanged = old is not None and old.version == version
+        kept = None if values is None or self.keep == "versions" else read_only(values)
+        if self.keep == "increments" and unchanged and not self.holding:
+            kept = None  # the caller holds (or will take) this version: later ones as codes
         self.replica[fragment] = ReplicaFragment(version, kept)
-        changed = [] if old is not None and old.version == version else [fragment]
+        out: list[Update] = []
+        if self.keep != "increments" and not unchanged:
+            out.append(Update(fragment, version, kept))
+        # "increments": new values are held (replayed onto) until the sync ends, then handed out
         if not self.awaiting:
-            changed.extend(self._finish_sync())
-        return changed
+            out.extend(self._finish_sync())
+        return out
 
-    def _finish_sync(self) -> list[int]:
+    def _finish_sync(self) -> list[Update]:
         low, high = min(self.snapshot_seqs.values()), max(self.snapshot_seqs.values())
         replay = sorted(
             {p.seq: p for p in self.buffer if p.seq > low}.values(), key=lambda p: p.seq
@@ -160,20 +199,46 @@ class ShardFeed:
         if expected - 1 < high:
             raise Resync(f"shard {self.shard}: updates up to seq {high} not all received")
         self.last_seq = expected - 1
-        changed: list[int] = []
+        out: list[Update] = []
         for item in replay:
-            if self._apply(item):
-                changed.append(item.fragment)
-        return changed
+            out.extend(self._apply(item))
+        if self.keep == "increments" and not self.holding:
+            out.extend(self._hand_out_values())
+        return out
 
-    def on_update(self, item: Published) -> list[int]:
+    def take_values(self) -> dict[int, ReplicaFragment]:
+        """The join takes the values held ("increments"); from now on they are handed out.
+
+        Returns:
+            fragment -> its version and values (None with "values", whose replica keeps
+            them, and with "versions").
+        """
+        self.holding = False
+        out = {}
+        for f in self.fragments:
+            state = self.replica[f]
+            out[f] = ReplicaFragment(state.version, state.values)
+            if self.keep == "increments":
+                state.values = None
+        return out
+
+    def _hand_out_values(self) -> list[Update]:
+        out = []
+        for f in self.fragments:
+            state = self.replica.get(f)
+            if state is not None and state.values is not None:
+                out.append(Update(f, state.version, state.values))
+                state.values = None
+        return out
+
+    def on_update(self, item: Published) -> list[Update]:
         """Take one published update.
 
         Args:
-            item: the decoded update.
+            item: the update, as `published_update` read it.
 
         Returns:
-            Fragments whose replica changed (empty or [item.fragment]).
+            The updates to hand out (none, or one of `item.fragment`).
 
         Raises:
             Resync: a sequence gap, a restart of the stream, or a delta that
@@ -187,7 +252,7 @@ class ShardFeed:
                 f"shard {self.shard}: update seq {item.seq} after {self.last_seq}: missed updates"
             )
         self.last_seq = item.seq
-        return [item.fragment] if self._apply(item) else []
+        return self._apply(item)
 
     def on_heartbeat(self, seq: int) -> None:
         """Check a PUB heartbeat's sequence number against the stream.
@@ -203,26 +268,38 @@ class ShardFeed:
         if seq != self.last_seq:
             raise Resync(f"shard {self.shard}: heartbeat seq {seq}, last update {self.last_seq}")
 
-    def _apply(self, item: Published) -> bool:
-        if item.fragment not in self.fragments:
-            raise Resync(f"shard {self.shard}: update for fragment {item.fragment} it does not own")
-        state = self.replica.get(item.fragment)
+    def _apply(self, item: Published) -> list[Update]:
+        f = item.fragment
+        if f not in self.fragments:
+            raise Resync(f"shard {self.shard}: update for fragment {f} it does not own")
+        state = self.replica.get(f)
         if state is not None and item.version <= state.version:
-            return False
-        if item.mode == UPDATE_INCREMENT and (state is None or item.version != state.version + 1):
+            return []
+        increment = item.mode == UPDATE_INCREMENT
+        if increment and (state is None or item.version != state.version + 1):
             raise Resync(
                 f"shard {self.shard}: delta to version {item.version} of fragment "
-                f"{item.fragment}, replica has {None if state is None else state.version}"
+                f"{f}, replica has {None if state is None else state.version}"
             )
-        if item.values is None:  # versions only: the update is not decoded
-            self.replica[item.fragment] = ReplicaFragment(item.version, None)
-            return True
-        if state is not None and np.shape(item.values) != state.values.shape:
-            raise Resync(f"shard {self.shard}: update of fragment {item.fragment} has wrong size")
-        values = apply_update(None if state is None else state.values, item.mode, item.values)
-        increment = item.coded if item.mode == UPDATE_INCREMENT else None
-        self.replica[item.fragment] = ReplicaFragment(item.version, values, increment)
-        return True
+        if self.keep == "versions":  # the update is not decoded
+            self.replica[f] = ReplicaFragment(item.version, None)
+            return [Update(f, item.version, None)]
+        current = None if state is None else state.values
+        if self.keep == "increments" and increment and current is None:
+            if item.coded is None:  # nothing the caller could add: read the values instead
+                raise Resync(f"shard {self.shard}: increment of fragment {f} is not int8/int4")
+            self.replica[f] = ReplicaFragment(item.version, None)
+            return [Update(f, item.version, None, item.coded)]
+        change = item.decoded()
+        if current is not None and change.shape != current.shape:
+            raise Resync(f"shard {self.shard}: update of fragment {f} has wrong size")
+        values = read_only(apply_update(current if increment else None, item.mode, change))
+        if self.keep == "increments" and (self.holding or self.syncing):
+            self.replica[f] = ReplicaFragment(item.version, values)  # held: not handed out yet
+            return []
+        kept = values if self.keep == "values" else None
+        self.replica[f] = ReplicaFragment(item.version, kept)
+        return [Update(f, item.version, values, item.coded if increment else None)]
 
 
 class Resync(Exception):
@@ -230,19 +307,20 @@ class Resync(Exception):
 
 
 def published_update(
-    header: dict, payload: list, plan: Plan | None, decode: bool = True
+    header: dict, payload: list, plan: Plan | None, keep: str = "values"
 ) -> Published:
-    """A published update, decoded.
+    """A published update, decoded as far as a client that keeps `keep` needs.
 
     Args:
         header: the update header (seq, fragment, version, mode).
         payload: its codec frames, {"values": 1-D vector}.
         plan: the island's plan (None: shapes not checked).
-        decode: False: the payload is not read (values None; a client without a
-            replica needs only the version).
+        keep: `ClientConfig.keep`: "values" decodes everything (an int8/int4
+            increment also kept as its codes); "increments" reads an int8/int4
+            increment's codes without decoding them; "versions" reads no payload.
 
     Returns:
-        The update, its values 1-D float32 (an int8/int4 increment also as its codes).
+        The update.
 
     Raises:
         Resync: a fragment the plan does not have, or values of another size.
@@ -250,17 +328,22 @@ def published_update(
         CodecError: the frames cannot be decoded.
     """
     fragment = header["fragment"]
-    if header["mode"] not in MODES:
-        raise ProtocolError("malformed", f"update mode {header['mode']!r}")
-    if not decode:
-        if plan is not None and fragment >= plan.num_fragments:
-            raise Resync(f"update of fragment {fragment}: the plan has {plan.num_fragments}")
-        return Published(header["seq"], fragment, header["version"], header["mode"], None)
-    coded = read_codes(payload, "values") if header.get("mode") == UPDATE_INCREMENT else None
+    mode = header["mode"]
+    if mode not in MODES:
+        raise ProtocolError("malformed", f"update mode {mode!r}")
+    if plan is not None and fragment >= plan.num_fragments:
+        raise Resync(f"update of fragment {fragment}: the plan has {plan.num_fragments}")
+    if keep == "versions":
+        return Published(header["seq"], fragment, header["version"], mode, None)
     # an int8 increment is decompressed once: its codes are kept, its values decoded from them
-    values = fragment_vector(payload) if coded is None else coded.values()
-    if plan is not None and (
-        fragment >= plan.num_fragments or values.shape != (plan.fragments[fragment].size,)
-    ):
+    coded = read_codes(payload, "values") if mode == UPDATE_INCREMENT else None
+    if coded is None:
+        values = fragment_vector(payload)
+    else:
+        values = None if keep == "increments" else coded.values()
+    size = coded.size if values is None else values.size
+    if values is not None and values.ndim != 1:
         raise Resync(f"update of fragment {fragment} with shape {values.shape}")
-    return Published(header["seq"], fragment, header["version"], header["mode"], values, coded)
+    if plan is not None and size != plan.fragments[fragment].size:
+        raise Resync(f"update of fragment {fragment} with {size} elements")
+    return Published(header["seq"], fragment, header["version"], mode, values, coded)

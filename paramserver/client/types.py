@@ -19,6 +19,9 @@ from paramserver.plumbing.validate import Checks
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import is_island_id
 
+# What a client keeps of the global parameters (`ClientConfig.keep`).
+KEEP = ("values", "increments", "versions")
+
 
 class ClientError(RuntimeError):
     """The client cannot do what was asked; the message says why and what to do."""
@@ -94,12 +97,17 @@ class ClientConfig:
     # (it died half-way?) is initialised by the joining island with its own values
     curve_secret_key_file: str = ""  # island key pair (NAME.key_secret); "" = no CURVE
     curve_server_key_file: str = ""  # with CURVE: the shards' public key (NAME.key)
-    # False: keep no replica of the global parameters (a monitor, a load tool, an island
-    # that only pushes): the join reads only each fragment's version, updates are not
-    # decoded, JoinResult.params is {} and poll_updates' Update.values is None; versions,
-    # pushes, acks, round_merged and stats work as with a replica. Memory does not grow
-    # with the model.
-    replica: bool = True
+    # What the client keeps of the global parameters (`KEEP`): "values": a float32 replica
+    # (JoinResult.params and every Update.values hold the full values); "increments": no
+    # replica (an island whose exchange keeps the global values itself, e.g. on its devices):
+    # JoinResult.params and the values of snapshots and "full" updates are handed over once,
+    # an int8/int4 increment as its codes only (Update.values None, Update.increment set),
+    # and poll_updates hands out every version in order, so the caller must take them all;
+    # "versions": versions only (a monitor, a load tool, an island that only pushes): the
+    # join reads no values, updates are not decoded, JoinResult.params is {} and
+    # Update.values None. Versions, pushes, acks, round_merged and stats work alike in all
+    # three; without "values" the client's memory does not grow with the model.
+    keep: str = "values"
     # True: send in plain TCP (no CURVE) to endpoints that are not loopback, here `connect`
     # and every shard a welcome names; only on a trusted, firewalled network
     insecure: bool = False
@@ -134,9 +142,7 @@ class ClientConfig:
             self.ack_timeout_cap_s,
             f"must be >= ack_timeout_s={self.ack_timeout_s}",
         )
-        check.require(
-            isinstance(self.replica, bool), "replica", self.replica, "must be True or False"
-        )
+        check.choice("keep", self.keep, KEEP)
         check.require(
             self.session == "" or is_island_id(self.session),
             "session",
@@ -186,7 +192,8 @@ class ClientConfig:
 class JoinResult:
     """What `Client.join` returns: the plan and the global parameters as of `versions`.
 
-    `params` is {} for a client without a replica (`ClientConfig(replica=False)`).
+    `params` is {} for a client that keeps versions only (`ClientConfig(keep="versions")`);
+    with `keep="increments"` the client keeps no reference to them (they are the caller's).
     """
 
     plan: Plan
@@ -199,15 +206,20 @@ class JoinResult:
 class Update:
     """A new global version of one fragment: `values` is the full 1-D float32 vector.
 
-    `values` (and `increment`) are None in a client without a replica
-    (`ClientConfig(replica=False)`): such an update says only the new version.
+    `values` is read-only: with `ClientConfig(keep="values")` it is the client's replica
+    itself (a new array per version, never changed in place), not a copy.
 
-    `increment`, when not None, holds the int8 codes and scales of the published
+    `increment`, when not None, holds the int8/int4 codes and scales of the published
     change from `version - 1` (`codec.prequantized.Coded`): a reader that holds
-    version - 1 can add their dequantized values (in float32, as the replica did)
-    instead of taking `values`, e.g. on its accelerator (a reader that missed a
-    version must take `values`). None when `version` came from a snapshot or a
-    full-values update.
+    version - 1 can add their dequantized values (in float32, as the replica does)
+    instead of taking `values`, e.g. on its accelerator. None when `version` came
+    from a snapshot or a full-values update.
+
+    With `keep="increments"` an update is either the values (after a snapshot or a
+    full-values update; `increment` None) or the increment alone (`values` None), and
+    `poll_updates` hands out every version in order, each increment following the
+    version handed out before it (by `join` or an earlier update). With
+    `keep="versions"` both are None: the update says its version only.
     """
 
     fragment: int
