@@ -340,5 +340,8 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(report, indent=1)
     print(text)
     if args.out is not None:
-        (outdir.claim(args.out, "regions") / "regions.json").write_text(text + "\n")
+        claimed = outdir.claim(args.out, "regions")
+        (claimed / "regions.json").write_text(text + "\n")
+        if "compare" in report:
+            (claimed / "regions.md").write_text(regions_claims.render_markdown(report["compare"]))
     return 0 if report["held"] else 1

@@ -210,3 +210,46 @@ def claims(
         "rows": rows,
         "all_met": bool(rows) and all(r["met"] for r in rows),
     }
+
+
+def render_markdown(compare: Mapping[str, Any]) -> str:
+    """The comparison's claims table and per-method figures as Markdown.
+
+    Args:
+        compare: the report's "compare" part (`bench.regions_compare.compare`).
+
+    Returns:
+        Markdown text.
+    """
+    table = compare["claims"]
+    scaling = compare["scaling"]
+    lines = [
+        "# Regions: DDP vs synchronous DiLoCo vs this system over the emulated WAN",
+        "",
+        f"Target held-out loss: {_num(compare['target_loss'])} ({compare['target_rule']}).",
+        f"Link scale {scaling['scale_after_probe']:.4g} "
+        f"(slowest DDP link {scaling['slowest_ddp_link_mbit']:g} Mbit/s); "
+        f"target DDP comm/compute at 2 Gbit/s {scaling['target_ratio_at_2gbit']:g}, "
+        f"measured {_num((compare.get('ddp_measured') or {}).get('comm_over_compute'))}.",
+        "",
+        "| claim | method | target | measured | met |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for row in table["rows"]:
+        why = f" ({row['why']})" if row.get("why") else ""
+        lines.append(
+            f"| {row['claim']} | {row['method']} | {row['target']:g} | "
+            f"{_num(row['measured'])}{why} | {'met' if row['met'] else 'not met'} |"
+        )
+    lines += ["", "| method | time to target s | tokens to target | final loss | final tokens |",
+              "| --- | --- | --- | --- | --- |"]  # fmt: skip
+    for name, s in table["methods"].items():
+        lines.append(
+            f"| {name} | {_num(s['time_to_target_s'])} | {_num(s['tokens_to_target'])} | "
+            f"{_num(s['final_loss'])} | {_num(s['final_tokens'])} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def _num(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"

@@ -119,3 +119,22 @@ def test_target_from_ddp_and_method_summary() -> None:
     assert regions_claims.method_summary({"eval_curve": []}, 2.0)["final_loss"] is None
     assert regions_claims.loss_at_tokens(DDP["eval_curve"], 4001) is None
     assert math.isclose(regions_claims.loss_at_tokens(DDP["eval_curve"], 1000), 2.75)
+
+
+@pytest.mark.timeout(10)
+def test_markdown_lists_each_claim_with_its_flag() -> None:
+    table = regions_claims.claims({"ddp": DDP, "quorum": _diloco(20.0, 2.03)}, 2.5)
+    compare = {
+        "claims": table,
+        "target_loss": 2.5,
+        "target_rule": "stated",
+        "scaling": {
+            "scale_after_probe": 1e-4,
+            "slowest_ddp_link_mbit": 0.2,
+            "target_ratio_at_2gbit": 144.0,
+        },  # fmt: skip
+        "ddp_measured": {"comm_over_compute": 100.0},
+    }
+    text = regions_claims.render_markdown(compare)
+    assert text.count("| not met |") == 2  # 12.5x < 20x, and 1.5% > 1%
+    assert "| quorum | 41.24 | 2062 |" in text  # 0.5 / (0.97 / 4000) = 2062 tokens at 20 s/1000
