@@ -23,7 +23,10 @@ DDP, synchronous DiLoCo and this system over the same links
 communication / compute ratio of a 12B model on the real links
 (`bench.regions_claims.link_scale`; `--scale` is then ignored), and reports
 each method's time to a target held-out loss and its loss at DDP's tokens
-(the claims table). Prints the report as JSON (and writes it to
+(the claims table; also written to `--out DIR`/regions.md). `--quick` is a
+harness check, not the claim: 6 DDP steps, H = 3, batch 8, and a 10 s step
+for the big model (DDP's ratio 10x lower); it took 8-10 minutes under
+load 12-14 on 2 cores (3 JAX starts of 4 processes each dominate). Prints the report as JSON (and writes it to
 `--out DIR`/regions.json), then tears everything down.
 
 Everything lives in namespaces named after the run's prefix and is deleted
