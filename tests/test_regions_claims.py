@@ -6,11 +6,12 @@ figure across its threshold.
 
 from __future__ import annotations
 
+import argparse
 import math
 
 import pytest
 
-from bench import regions_claims
+from bench import regions, regions_claims, regions_compare
 
 
 def _record(points: list[tuple[float, int, float]]) -> dict:
@@ -138,3 +139,21 @@ def test_markdown_lists_each_claim_with_its_flag() -> None:
     text = regions_claims.render_markdown(compare)
     assert text.count("| not met |") == 2  # 12.5x < 20x, and 1.5% > 1%
     assert "| quorum | 41.24 | 2062 |" in text  # 0.5 / (0.97 / 4000) = 2062 tokens at 20 s/1000
+
+
+@pytest.mark.timeout(10)
+def test_the_run_plan_uses_the_documented_scale_and_methods() -> None:
+    parser = argparse.ArgumentParser()
+    regions.add_arguments(parser)
+    full = regions.compare_plan(parser.parse_args(["--methods", "all"]))
+    # (8 x 131,712 / 0.06) / (3 x 12e9 / 1) = 4.878e-4 (docs/results.md, "Regions")
+    assert full["scale"] == pytest.approx(8 * 131_712 / 0.06 / (3 * 12e9))
+    assert full["inputs"]["target_ratio_at_2gbit"] == pytest.approx(144.0)
+    assert full["budget"].steps_per_island == 30 and full["token_factor"] == 2.0
+    quick = regions.compare_plan(parser.parse_args(["--methods", "all", "--quick"]))
+    assert quick["scale"] == pytest.approx(10 * full["scale"])  # a 10 s big-model step
+    assert regions_compare.parse_methods("quorum,ddp") == ["ddp", "quorum"]
+    assert regions_compare.parse_methods("all") == ["ddp", "sync", "quorum"]
+    assert regions_compare.parse_methods("") == []
+    with pytest.raises(ValueError):
+        regions_compare.parse_methods("ddp,allreduce")
