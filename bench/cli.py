@@ -23,6 +23,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "step_rule": ("bench.step_rule", "The step rule as islands multiply: round movement for K = 1..16, async vs sync loss, the harsh mix."),
     "chaos": ("bench.chaos", "Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed."),
     "codec": ("bench.codec", "Codec benchmark: ratio, error, error feedback and throughput of every scheme."),
+    "device": ("bench.device_check", "The accelerator check: installs CUDA JAX where a GPU lacks it; island, quantize and join figures against baselines, one JSON."),
     "demo": ("bench.demo", "The main job: a local cluster (2 shards, 3 islands, one at half speed) training on the embedded corpus."),
     "fidelity": ("bench.fidelity", "Reproduce Decoupled DiLoCo's quorum table and DiLoCo's parity with DDP, with real daemons."),
     "island_exchange": ("bench.island_exchange", "The island exchange per round, on the device against on the host, vs a device memcpy."),

@@ -5,7 +5,7 @@ started through its own CLI with `--detach`, so what runs here is exactly what a
 user runs; this module only picks ports, lays out data directories and makes
 sure everything it started is stopped again. The harnesses' own helper
 processes (relays, the meter, DDP ranks) start and stop through `bench.child`;
-the islands' progress files are read through `worker.progress`.
+the islands' progress files are read through `worker.island_files`.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from bench.child import LaunchError
 from paramserver.plumbing import daemon, probe
 from paramserver.plumbing.clusterfile import ShardAddress, render_cluster_file
 from paramserver.plumbing.exposure import is_loopback
-from worker import progress
+from worker import island_files
 
 
 def free_base_port(
@@ -268,11 +268,11 @@ class LocalCluster:
 
     def island_status(self, name: str) -> dict[str, Any]:
         """The island's latest status.json (empty before it wrote one)."""
-        return progress.read_status(self.islands[name]) or {}
+        return island_files.read_status(self.islands[name]) or {}
 
     def island_metrics(self, name: str) -> list[dict[str, Any]]:
         """Every per-round metrics row the island wrote."""
-        return progress.read_rows(self.islands[name])
+        return island_files.read_rows(self.islands[name])
 
     def server_status(self, timeout_s: float = 5.0) -> dict[str, Any]:
         """Status of every shard, as `diloco-server status --json` shows it ({} if none answers)."""

@@ -27,7 +27,7 @@ from bench import child, claims, cli, outdir, plots, projection, report_md, runs
 from bench.common import emit_json, progress
 from bench.launcher import LaunchError
 from bench.wan import Wan, WanError
-from worker import progress as progress_files
+from worker import island_files
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -125,8 +125,8 @@ def _loss(value: float | None) -> str:
 
 
 def _param_count(out: Path) -> int | None:
-    for path in sorted((out / "runs").glob(f"*/islands/*/{progress_files.METRICS_FILE}")):
-        for row in progress_files.read_rows(path.parent):
+    for path in sorted((out / "runs").glob(f"*/islands/*/{island_files.METRICS_FILE}")):
+        for row in island_files.read_rows(path.parent):
             if "params" in row:
                 return row["params"]
     return None

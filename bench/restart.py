@@ -37,7 +37,7 @@ from typing import Any
 from bench import child, cli, outdir
 from bench.common import emit_json
 from bench.launcher import LaunchError, LocalCluster
-from worker import compile_cache, progress
+from worker import compile_cache, island_files
 
 ISLAND = "restart-0"
 TARGET_RATIO = 1 / 3
@@ -104,7 +104,7 @@ def time_to_first_step(
     Raises:
         LaunchError: the island exited first, or took longer than `timeout_s`.
     """
-    seen = len(progress.read_rows(data_dir))
+    seen = len(island_files.read_rows(data_dir))
     argv = [sys.executable, "-m", "worker.cli", "start", "--connect", cluster.connect,
             "--island", ISLAND, "--data-dir", str(data_dir), "--inner-steps", "1",
             "--eval-every", "0", *flags]  # fmt: skip
@@ -112,7 +112,7 @@ def time_to_first_step(
     island = child.start(argv, "island", ready_timeout_s=None, log=log)
     try:
         deadline = time.monotonic() + timeout_s
-        while not (rows := [r for r in progress.read_rows(data_dir)[seen:] if "loss" in r]):
+        while not (rows := [r for r in island_files.read_rows(data_dir)[seen:] if "loss" in r]):
             if (code := island.proc.poll()) is not None:
                 raise LaunchError(f"the island exited with code {code}; see {log}")
             if time.monotonic() > deadline:

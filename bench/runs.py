@@ -31,7 +31,7 @@ from bench.scenarios import Budget, Scenario
 from bench.wan import Wan
 from paramserver.plumbing import daemon, probe
 from paramserver.plumbing.exposure import is_loopback
-from worker import progress as progress_files
+from worker import island_files
 
 POLL_S = 0.5
 Progress = Callable[[int, str], None]
@@ -261,7 +261,7 @@ def run_ddp(
             cap = scenario.wall_cap_s or budget.wall_cap_s
             started = None
             while any(r.proc.poll() is None for r in ranks):
-                rows = [progress_files.read_rows(out / "islands" / n) for n in names]
+                rows = [island_files.read_rows(out / "islands" / n) for n in names]
                 tokens = sum(rs[-1].get("tokens", 0) for rs in rows if rs)
                 progress(tokens, "training")
                 if started is None and any(r.get("round", 0) >= 1 for r in rows[0]):
@@ -284,7 +284,7 @@ def run_ddp(
         for r in ranks:
             r.stop(0.0)  # what an error left running is killed
     return {
-        "rows": {n: progress_files.read_rows(out / "islands" / n) for n in names},
+        "rows": {n: island_files.read_rows(out / "islands" / n) for n in names},
         "timeline": [],
         "stopped_at": stopped_at,
         "server": {},

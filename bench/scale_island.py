@@ -9,7 +9,7 @@ parameter stands in for the inner step. Per round it reads:
 
 - `exchange_s`: `Session.stats["exchange_s"]` where the session has it (the
   device exchange, issue 21); otherwise this module's timer: the round's two
-  step calls' wall time minus the session's sync wait (`Session.clock.wait_s`);
+  step calls' wall time minus the session's sync wait (`Session.goodput_clock.wait_s`);
 - `host_device_bytes`: `Session.stats["host_device_bytes"]` where it exists;
   otherwise counted here around the host path's two transfers
   (`TreeLayout.to_host`: the device-to-host copy of every leaf, and
@@ -94,7 +94,7 @@ def _rounds(session: Any, params: Any, rounds: int) -> tuple[list[float], list[i
         session.layout = _counting_layout(session.layout)
     seconds, moved = [], []
     for _ in range(rounds):
-        before, wait0 = session.stats, session.clock.wait_s
+        before, wait0 = session.stats, session.goodput_clock.wait_s
         bytes0 = session.layout.moved[0] if own else before["host_device_bytes"]
         wall = 0.0
         for _ in range(INNER_STEPS):
@@ -104,7 +104,7 @@ def _rounds(session: Any, params: Any, rounds: int) -> tuple[list[float], list[i
             wall += time.perf_counter() - t0
         after = session.stats
         if own:
-            seconds.append(wall - (session.clock.wait_s - wait0))
+            seconds.append(wall - (session.goodput_clock.wait_s - wait0))
             moved.append(session.layout.moved[0] - bytes0)
         else:
             seconds.append(after["exchange_s"] - before["exchange_s"])

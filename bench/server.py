@@ -60,7 +60,7 @@ from paramserver.server.config import ShardConfig
 from paramserver.server.events import AcceptEvent, Contribution
 from paramserver.server.shard import ShardServer
 from paramserver.server.state import ShardState
-from paramserver.server.storage.data_dir import ShardStorage
+from paramserver.server.storage.shard_storage import ShardStorage
 from paramserver.wire import protocol
 from paramserver.wire.plan import leaf_specs, make_plan
 

@@ -105,6 +105,8 @@ def _timed_loop(session, steps: int, train, read, adopt) -> dict[str, Any]:
         (push_s if k % session.inner_steps == 0 else call_s).append(t2 - t1)
     summary = _summary(step_s[5:], call_s[5:], push_s[1:] or push_s)
     summary.update(_calls_alone(session, read, adopt, steps, float(np.median(step_s[5:]))))
+    # a round-end call copies the parameters to the host, encodes and pushes them
+    summary["round_end_costs_more"] = summary["round_call_us"] > summary["call_alone_us"]
     return summary
 
 

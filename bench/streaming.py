@@ -284,6 +284,10 @@ def compare(s: Settings, out: Path, progress=lambda line: None) -> dict[str, Any
             "peak_to_avg_met": ratio is not None and ratio <= TARGET_PEAK_TO_AVG,
             "loss_within": TARGET_LOSS_DIFF,
             "loss_met": diff is not None and abs(diff) <= TARGET_LOSS_DIFF,
+            # the claim itself (timing: a bench figure, not a test): streaming spreads the burst
+            "burst_flattened": ratio is not None
+            and runs["baseline"]["peak_to_avg"] is not None
+            and ratio < runs["baseline"]["peak_to_avg"],
         },
     }
 

@@ -17,16 +17,17 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import worker
-from bench.child import sigterm_unwinds
-from bench.launcher import free_base_port
 
 SERVER_CLI = [sys.executable, "-m", "paramserver.server.cli"]  # = diloco-server
 
@@ -68,6 +69,34 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
+def _sigterm_unwinds() -> None:
+    """From now on SIGTERM raises SystemExit(143) in the main thread, like Ctrl-C unwinds."""
+
+    def unwind(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGTERM, unwind)
+
+
+def _free_base_port(count: int) -> int:
+    """A port P such that P .. P+count-1 on 127.0.0.1 were all free a moment ago."""
+    for _ in range(100):
+        with socket.socket() as probe_socket:
+            probe_socket.bind(("127.0.0.1", 0))
+            base = probe_socket.getsockname()[1]
+        if base + count > 65536:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(base, base + count):
+                    held.enter_context(socket.socket()).bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return base
+    raise SystemExit(f"no {count} consecutive free ports on 127.0.0.1")
+
+
 def _run(argv: list[str], what: str) -> None:
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
     if proc.returncode != 0:
@@ -93,7 +122,7 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
     Yields:
         (connect endpoint, work directory).
     """
-    sigterm_unwinds()  # SIGTERM unwinds like Ctrl-C, so the server is stopped
+    _sigterm_unwinds()  # SIGTERM unwinds like Ctrl-C, so the server is stopped
     with contextlib.ExitStack() as stack:
         if args.out:
             out = Path(args.out)
@@ -103,7 +132,7 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
         if args.connect:
             yield args.connect, out
             return
-        port = args.port or free_base_port(2 * args.shards)
+        port = args.port or _free_base_port(2 * args.shards)
         server_dir = out / "server"
         argv = [
             *SERVER_CLI, "start", "--shards", str(args.shards), "--port", str(port),

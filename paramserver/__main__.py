@@ -2,6 +2,6 @@
 
 import sys
 
-from paramserver.server.cli import main
+from paramserver.ops.cli import main
 
 sys.exit(main())

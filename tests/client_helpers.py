@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterator
 
 from conftest import WAIT_S
@@ -40,7 +41,7 @@ class RecordingClient(Client):
         super().__init__(cfg)
         self.pushes: list[PushRequest] = []
 
-    def push(self, fragment, round, base_version, tokens, steps, frames, stop=None):  # noqa: A002
-        frozen = [bytes(memoryview(f)) for f in frames]
-        self.pushes.append(PushRequest(fragment, round, base_version, tokens, steps, frozen))
-        return super().push(fragment, round, base_version, tokens, steps, frames, stop=stop)
+    def push_request(self, request, stop=None):
+        frozen = [bytes(memoryview(f)) for f in request.frames]
+        self.pushes.append(dataclasses.replace(request, frames=frozen))
+        return super().push_request(request, stop=stop)

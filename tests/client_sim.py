@@ -19,7 +19,7 @@ import numpy as np
 
 import codec
 from paramserver.client.core import ClientCore
-from paramserver.client.effects import Close, Open, Send
+from paramserver.client.shards import Close, Open, Send
 from paramserver.client.types import ClientConfig, PushRequest
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan

@@ -12,6 +12,9 @@ Everything binds to 127.0.0.1 (random ports) and sets linger 0. The one home of:
   temporary data dir; stopped (and checked to have stopped) at teardown.
 - `cluster(shards, **overrides)` / `Cluster`: N shards in threads on fixed free ports
   that advertise what they bind, restartable on the same ports and data dir.
+- a safety net for every test with a `tmp_path`: at teardown, whatever the outcome,
+  every daemon whose pid file lies under it is stopped (SIGTERM, then SIGKILL of its
+  group; `daemon_process`), and the leak is reported as a warning.
 
 It imports `jax_cache` first: one JAX compilation cache for the session (removed after).
 """
@@ -29,6 +32,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from typing import Any
 
+import daemon_process
 import pytest
 import zmq
 
@@ -95,6 +99,15 @@ def _bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+@pytest.fixture(autouse=True)
+def _no_daemon_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test that has a tmp_path: stop the daemons it left there, and say so."""
+    yield
+    tmp = request.node.funcargs.get("tmp_path") if hasattr(request.node, "funcargs") else None
+    if tmp is not None and (left := daemon_process.stop_daemons_under(tmp)):
+        request.node.warn(pytest.PytestWarning(f"the test left daemons running: pids {left}"))
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

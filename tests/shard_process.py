@@ -1,5 +1,5 @@
 """A shard as a real subprocess for tests that signal it, limit its resources or read its log:
-started the way the supervisor starts each shard (``python -m paramserver.server.cli shard``)
+started the way the supervisor starts each shard (``python -m paramserver.ops.cli shard``)
 on a free port pair, then polled until it answers."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def shard_argv(data_dir: Path, port: int, *flags: str) -> list[str]:
         flags: `diloco-server start` flags as pairs (``"--mode", "async"``).
 
     Returns:
-        argv of ``python -m paramserver.server.cli shard --index 0 --settings-json ...``.
+        argv of ``python -m paramserver.ops.cli shard --index 0 --settings-json ...``.
     """
     given = {
         flags[i].removeprefix("--").replace("-", "_"): flags[i + 1] for i in range(0, len(flags), 2)
@@ -37,7 +37,7 @@ def shard_argv(data_dir: Path, port: int, *flags: str) -> list[str]:
     given.update(port=str(port), data_dir=str(data_dir))
     cfg = load_settings(ShardConfig, flags=given)
     return [
-        sys.executable, "-m", "paramserver.server.cli", "shard", "--index", "0",
+        sys.executable, "-m", "paramserver.ops.cli", "shard", "--index", "0",
         "--settings-json", json.dumps(asdict(cfg)),
     ]  # fmt: skip
 

@@ -20,14 +20,12 @@ import numpy as np
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 from paramserver.server.config import ShardConfig
-from paramserver.server.core import ShardCore
-from paramserver.server.effects import Request
+from paramserver.server.core import Request, ShardCore
 from paramserver.server.events import AcceptEvent, StepEvent
 from paramserver.server.shard import maybe_checkpoint, run_batch
-from paramserver.server.storage import log_file
-from paramserver.server.storage.data_dir import ShardStorage
-from paramserver.server.storage.log_file import LogReader
-from paramserver.server.storage.log_format import record_to_event
+from paramserver.server.storage import wal
+from paramserver.server.storage.shard_storage import ShardStorage
+from paramserver.server.storage.wal import LogReader, record_to_event
 from paramserver.wire import protocol
 
 T0 = 1_000_000.0
@@ -93,11 +91,11 @@ class ShardSim:
             raise OSError(5, "Input/output error")
 
         if self.fsync_fails:
-            log_file.os.fsync = failing_fsync
+            wal.os.fsync = failing_fsync
         try:
             messages = run_batch(self.core, self.storage, list(requests), self.now, tick)
         finally:
-            log_file.os.fsync = real_fsync
+            wal.os.fsync = real_fsync
         maybe_checkpoint(self.core, self.storage, self.now)
         replies = []
         for conn, frames in messages:

@@ -4,7 +4,7 @@ import math
 
 import pytest
 
-from paramserver.client.ack_timer import AckTimer, smoothed
+from paramserver.client.ledger import AckTimer, smoothed
 
 INITIAL_S, FLOOR_S, CAP_S = 5.0, 1.0, 60.0
 

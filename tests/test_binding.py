@@ -1,8 +1,15 @@
-"""paramserver.server.binding: which connection may act as an island id (pure rules, explicit time)."""
+"""paramserver.server.admission.gate: which connection may act as an island id (pure rules, explicit time)."""
 
 import pytest
 
-from paramserver.server.binding import IN_USE, OWN, SAY_HELLO, Binding, Bindings, may_take_over
+from paramserver.server.admission.gate import (
+    IN_USE,
+    OWN,
+    SAY_HELLO,
+    Binding,
+    Bindings,
+    may_take_over,
+)
 
 A, B = b"\x00conn-a", b"\x00conn-b"
 
@@ -52,3 +59,16 @@ def test_forget_and_prune():
     assert b.verdict("x", B, 0.1) == OWN and len(b) == 2
     b.prune({"z"})
     assert len(b) == 1 and b.verdict("y", B, 0.1) == OWN and b.verdict("z", B, 0.1) == IN_USE
+
+
+def test_an_id_under_a_session_needs_its_token_until_the_island_is_dead():
+    bound = Binding(A, "s1", 90.0)
+    # silent 4 s: past quiet_s (2) but within expire_s (5): only the token takes it
+    assert not may_take_over(94.0, bound, B, None, quiet_s=2.0, expire_s=5.0)
+    assert not may_take_over(94.0, bound, B, "s2", quiet_s=2.0, expire_s=5.0)
+    assert may_take_over(94.0, bound, B, "s1", quiet_s=2.0, expire_s=5.0)
+    assert may_take_over(95.1, bound, B, None, quiet_s=2.0, expire_s=5.0)  # dead: expired
+    b = Bindings(1.0, 5)
+    b.bind("x", bound)
+    assert b.expire_s == 5.0 and not b.may_bind("x", B, None, 94.0)
+    assert "session token" in b.in_use_detail("x", 94.0)

@@ -22,7 +22,7 @@ from paramserver.client import Client, ClientConfig
 from paramserver.client.ledger import DECODE_RETRIES
 from paramserver.server.config import ShardConfig
 from paramserver.server.shard import ShardServer
-from worker import progress
+from worker import island_files
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -114,7 +114,7 @@ def _island_goodput(front, data_dir):
     # reconnect, then wait out this shard's 100 s liveness as island_in_use)
     island = Island(cfg)
     assert island.run(threading.Event()) == 0
-    return progress.read_rows(data_dir)[-1]
+    return island_files.read_rows(data_dir)[-1]
 
 
 @pytest.mark.slow

@@ -1,9 +1,9 @@
-"""paramserver.server.storage.checkpoint_file: round trip, atomic replace, corruption and version checks."""
+"""paramserver.server.storage.checkpoint: round trip, atomic replace, corruption and version checks."""
 
 import numpy as np
 import pytest
 
-from paramserver.server.storage.checkpoint_file import (
+from paramserver.server.storage.checkpoint import (
     CheckpointError,
     read_checkpoint,
     write_checkpoint,

@@ -17,9 +17,9 @@ from test_shard_durability import PUSHES, T0, assert_same, cfg_for, drive, new_i
 
 from paramserver.plumbing.status_view import render_status
 from paramserver.server.core import ShardCore
-from paramserver.server.storage.checkpoint_file import read_checkpoint
+from paramserver.server.storage.checkpoint import read_checkpoint
 from paramserver.server.storage.checkpoint_job import HOLD_NAME
-from paramserver.server.storage.data_dir import ShardStorage
+from paramserver.server.storage.shard_storage import ShardStorage
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -25,8 +25,8 @@ from shard_helpers import delta_frames, init_payload, push_header
 from shard_process import ShardProcess
 
 import codec
-from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
-from paramserver.server.storage.checkpoint_file import read_checkpoint
+from paramserver.server.step.outer import FragmentOptimizer, make_outer_optimizer
+from paramserver.server.storage.checkpoint import read_checkpoint
 from paramserver.server.storage.checkpoint_job import HOLD_NAME
 from paramserver.wire.plan import leaf_specs, make_plan
 
@@ -149,7 +149,7 @@ def test_a_push_is_acked_while_a_large_checkpoint_is_being_written(tmp_path, zmq
         assert (last["generation"], last["step"], last["versions"]) == (1, 1, captured)
         assert last["bytes"] == path.stat().st_size and last["seconds"] > 0
         shown = subprocess.run(
-            [sys.executable, "-m", "paramserver.server.cli", "status", "--connect",
+            [sys.executable, "-m", "paramserver.ops.cli", "status", "--connect",
              run.shard.router, "--json"],
             cwd=ROOT, capture_output=True, text=True, timeout=60,
         )  # fmt: skip

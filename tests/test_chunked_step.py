@@ -10,11 +10,11 @@ import zstandard
 from shard_helpers import delta_frames, init_payload, plan_for, push_header
 
 import codec
-from paramserver.server.chunked_step import ChunkedStep, host_vector
 from paramserver.server.config import ShardConfig
-from paramserver.server.downlink import Downlink, DownlinkError, new_residual, quantize_chunk
-from paramserver.server.outer import DonatingStep, FragmentOptimizer, make_outer_optimizer
 from paramserver.server.state import ShardState
+from paramserver.server.step.downlink import Downlink, DownlinkError, new_residual, quantize_chunk
+from paramserver.server.step.fragment_step import ChunkedStep, host_vector
+from paramserver.server.step.outer import DonatingStep, FragmentOptimizer, make_outer_optimizer
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 from conftest import free_port
 
-from paramserver.client import Client, ClientConfig, ClientError
+from paramserver.client import Client, ClientConfig, ClientError, JoinTimeout
 
 
 @pytest.mark.parametrize(
@@ -49,8 +49,11 @@ def test_join_with_nobody_listening_times_out_clearly():
         with pytest.raises(
             ClientError,
             match=r"no hello reply .* within 0.5s; nothing listens at .*connection refused.*is the server",
-        ):
+        ) as failed:
             client.join({"w": np.zeros(4, np.float32)})
+        assert isinstance(failed.value, JoinTimeout)  # classified by type, with its facts
+        assert (failed.value.endpoint, failed.value.request) == (cfg.connect, "hello")
+        assert failed.value.timeout_s == 0.5
         assert client.stats()["bytes_sent"] > 0  # hellos were queued on the socket
 
 

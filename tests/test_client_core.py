@@ -14,7 +14,7 @@ import pytest
 from client_sim import Sim, SimShard
 from shard_helpers import plan_for, small_flat
 
-from paramserver.client.types import ClientConfig, ClientError, JoinResult
+from paramserver.client.types import ClientConfig, ClientError, JoinResult, PlanMismatch
 
 pytestmark = pytest.mark.timeout(30)
 
@@ -77,7 +77,10 @@ def test_a_plan_mismatch_fails_the_join_and_closes_every_link():
     other = {"x": np.zeros(9, np.float32)}  # another model
     sim = make_sim(shards=2, initialized_with=small_flat(0))
     outcome = sim.join(other)
-    assert isinstance(outcome, ClientError) and "plan mismatch" in str(outcome)
+    assert isinstance(outcome, PlanMismatch) and "plan mismatch" in str(outcome)
+    assert outcome.cluster_hash and outcome.cluster_hash != outcome.island_hash
+    assert sorted(leaf.path for leaf in outcome.cluster_leaves) == sorted(small_flat(0))
+    assert outcome.detail  # the first leaf that differs, in words
     assert sim.links == {} and not sim.core.joined and sim.core.state == "idle"
 
 
@@ -228,8 +231,8 @@ def test_snapshot_pieces_and_updates_published_meanwhile_are_replayed_in_order()
     result = sim.core.join_outcome
     assert isinstance(result, JoinResult) and result.versions == {0: 0, 1: 1}
     values = np.zeros(sim.core.plan.fragments[1].size, np.float32)
-    assert sim.core.progress.replica[1].version == 1
-    np.testing.assert_array_equal(sim.core.progress.replica[1].values, new + values)
+    assert sim.core.readout.replica[1].version == 1
+    np.testing.assert_array_equal(sim.core.readout.replica[1].values, new + values)
 
 
 def test_a_lost_snapshot_piece_is_asked_again_after_snapshot_timeout():
@@ -294,7 +297,7 @@ def test_acks_that_arrive_out_of_order_resolve_each_delta():
     sim.pump()
     stats = sim.core.stats()
     assert stats["acked"] == 3 and stats["pending"] == 0 and stats["resent"] == 0
-    assert len(sim.core.progress.take_ack_latencies()) == 3
+    assert len(sim.core.readout.take_ack_latencies()) == 3
 
 
 def test_acks_later_than_the_initial_timeout_stop_being_re_sent_once_measured():
@@ -420,13 +423,13 @@ def test_many_shards_each_get_their_fragments_deltas_and_rounds_merge():
     ]
     assert sorted(pushes) == [(f, sim.shards[plan.fragments[f].shard].router) for f in range(8)]
     assert sim.core.stats()["acked"] == 8
-    assert not sim.core.progress.round_merged(7)  # acked, not yet in the replica
+    assert not sim.core.readout.round_merged(7)  # acked, not yet in the replica
     for f in range(8):
         shard = sim.shards[plan.fragments[f].shard]
         sim.publish(shard, f, shard.values[f] - 1)
     sim.pump()
-    assert sim.core.progress.round_merged(7)
-    assert [u.fragment for u in sim.core.progress.take_updates()] == list(range(8))
+    assert sim.core.readout.round_merged(7)
+    assert [u.fragment for u in sim.core.readout.take_updates()] == list(range(8))
 
 
 def test_close_waits_for_acks_while_their_shard_is_up_then_hands_the_deltas_back():
@@ -456,8 +459,8 @@ def test_close_does_not_wait_for_a_shard_that_is_down():
 # -- the core decides without I/O ---------------------------------------------------------
 
 DECIDING = (
-    "core", "joining", "handshake", "welcome", "ledger", "ack_timer", "replica", "shards",
-    "effects", "progress", "types",
+    "core", "joining", "handshake", "welcome", "ledger", "replica", "shards",
+    "readout", "types",
 )  # fmt: skip
 
 
@@ -474,3 +477,14 @@ def test_the_client_modules_that_decide_import_no_sockets_threads_or_clock(modul
         elif isinstance(node, ast.ImportFrom) and node.module:
             names.add(node.module.split(".")[0])
     assert not names & {"zmq", "threading", "time", "queue", "socket"}, (module, names)
+
+
+def test_a_push_says_the_islands_own_h_once_it_is_known():
+    sim, _ = joined_sim()
+    sim.push(0, 1, delta(sim, 0))
+    sim.run(1.0)
+    assert "inner_steps" not in sim.kinds("push")[0]  # not said: the shards infer nothing
+    sim.core.step_time_s, sim.core.inner_steps = 0.1, 20  # what report_step_time sets
+    sim.push(0, 2, delta(sim, 0), base_version=1)
+    sim.run(1.0)
+    assert sim.kinds("push")[1]["inner_steps"] == 20

@@ -98,9 +98,12 @@ def test_duplicate_resend_is_acked_as_duplicate_and_not_applied_twice(cluster, c
     wait_for(lambda: a.stats()["acked"] == 1, "the first ack")
     a.push(0, 7, res.versions[0], 100, 5, delta_frames(delta))  # same key again
     wait_for(lambda: a.stats()["acked"] == 2, "the second ack")
-    assert a.stats()["duplicates"] == 1
+    # the explicit re-push is a duplicate; on a loaded machine the ack timer may
+    # also have re-sent the first push before its ack came (one more duplicate)
+    dups = a.stats()["duplicates"]
+    assert 1 <= dups <= 2
     status = peer(c.connect).status()
-    assert status["accepted"] == 1 and status["duplicates"] == 1
+    assert status["accepted"] == 1 and status["duplicates"] == dups
     assert status["versions"]["0"] == res.versions[0] + 1
 
 

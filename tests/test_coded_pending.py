@@ -21,9 +21,9 @@ import codec
 from codec.coded import read
 from paramserver.client import Client, ClientConfig
 from paramserver.server.config import ShardConfig
-from paramserver.server.merge import Segment, chunk_merge, rda_merge
 from paramserver.server.state import ShardState
-from paramserver.server.storage.checkpoint_content import export_state, restore_state
+from paramserver.server.step.merge import Segment, chunk_merge, rda_merge
+from paramserver.server.storage.checkpoint import export_state, restore_state
 from paramserver.wire.plan import Fragment, Slice
 from paramserver.wire.protocol import ACCEPTED, REJECTED
 

@@ -12,7 +12,7 @@ import pytest
 from conftest import Cluster
 
 from bench.restart import _log_phases, summarize
-from worker import compile_cache, progress
+from worker import compile_cache, island_files
 
 FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0")
 FEW = ("--inner-steps", "2", "--max-rounds", "1", "--heartbeat-interval-s", "0.2")
@@ -57,7 +57,7 @@ def test_an_island_fills_its_cache_and_a_restart_compiles_nothing_new(tmp_path):
         off_dir = tmp_path / "island-off"
         run_island(cluster.connect, "isl-off", off_dir, "--compile-cache-dir", "off")
         assert not (off_dir / compile_cache.DEFAULT_SUBDIR).exists()
-        assert progress.metrics_path(off_dir).exists()  # it did train
+        assert island_files.metrics_path(off_dir).exists()  # it did train
     finally:
         cluster.stop()
 

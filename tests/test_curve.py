@@ -65,7 +65,7 @@ def test_keys_command_writes_a_private_secret_and_never_overwrites(tmp_path):
     cmd = [
         sys.executable,
         "-m",
-        "paramserver.server.cli",
+        "paramserver.ops.cli",
         "keys",
         "--out",
         str(tmp_path),

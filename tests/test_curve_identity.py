@@ -249,7 +249,7 @@ def _client(router, island, keys, secret=None, join_timeout_s=30.0):
 
 def _status_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "paramserver.server.cli", "status", *args],
+        [sys.executable, "-m", "paramserver.ops.cli", "status", *args],
         capture_output=True,
         text=True,
         timeout=CLI_TIMEOUT_S,
@@ -312,7 +312,7 @@ def test_a_curve_probe_of_a_plain_shard_says_so_at_once(start_shard, keys, zmq_c
 
 
 def test_metrics_report_up_under_curve(tmp_path, keys):
-    from paramserver.server.metrics import serve_metrics
+    from paramserver.ops.metrics import serve_metrics
 
     shard = _curve_shard(tmp_path, keys)
     servers = []
@@ -352,7 +352,7 @@ def test_detached_curve_cluster_status_and_metrics(tmp_path, keys):
     """Real daemons: the supervisor's metrics and `status` both get through CURVE."""
     data_dir, port, metrics_port = tmp_path / "server", free_port(2), free_port()
     start = [
-        sys.executable, "-m", "paramserver.server.cli", "start", "--detach", "--shards", "1",
+        sys.executable, "-m", "paramserver.ops.cli", "start", "--detach", "--shards", "1",
         "--port", str(port), "--data-dir", str(data_dir), "--fsync", "false",
         "--metrics-port", str(metrics_port),
         "--curve-secret-key-file", keys["server_secret"], "--curve-allow-dir", keys["allow"],
@@ -372,6 +372,6 @@ def test_detached_curve_cluster_status_and_metrics(tmp_path, keys):
         with urllib.request.urlopen(url, timeout=30) as response:
             assert 'diloco_shard_up{shard="0"} 1.0' in response.read().decode()
     finally:
-        stop = [sys.executable, "-m", "paramserver.server.cli", "stop", "--data-dir", str(data_dir)]
+        stop = [sys.executable, "-m", "paramserver.ops.cli", "stop", "--data-dir", str(data_dir)]
         stopped = subprocess.run(stop, capture_output=True, text=True, timeout=CLI_TIMEOUT_S * 2)
     assert stopped.returncode == 0, stopped.stderr

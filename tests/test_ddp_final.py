@@ -12,7 +12,7 @@ from conftest import free_port
 
 from bench.analysis import eval_curve
 from bench.children import ddp_rank as ddp
-from worker import progress
+from worker import island_files
 from worker.config import IslandConfig
 
 
@@ -48,7 +48,7 @@ def test_rank0_writes_a_final_row_with_eval_global_that_ends_the_eval_curve(tmp_
         reducer.terminate()
         assert reducer.wait(timeout=10) == 0
 
-    rows = progress.read_rows(tmp_path)
+    rows = island_files.read_rows(tmp_path)
     final = rows[-1]
     assert final["final"] is True and final["round"] == 2
     assert final["steps"] == 4 and final["tokens"] == 4 * 4 * 32

@@ -246,3 +246,26 @@ def test_any_set_of_fragments_runs_on_one_of_few_compiled_functions():
             assert np.array_equal(np.asarray(leaf), local[name]), name
     assert len(dev._pushes) == 3 + 1
     assert len(dev._folds) <= 2 * 3 + 1
+
+
+@pytest.mark.parametrize(("scheme", "block"), [("int8", 64), ("int4", 16)])
+def test_a_refused_pushs_mass_returns_into_the_residual_as_the_codecs_refund(scheme, block):
+    # fragment 1's first push is finally refused: its decoded values go back into the
+    # residual, so the next push of fragment 1 carries them again, bit for bit as the
+    # numpy codec's error feedback does with `codec.refund` (a refund that were lost would
+    # leave the device's next frames different from the reference's, which refunds)
+    rng = np.random.default_rng(5)
+    start, _, layout, dev, ref = _both(rng, 2, scheme, block)
+    local = {k: np.asarray(v) for k, v in start.items()}
+    for round_ in range(3):
+        local = {k: (v + rng.normal(size=v.shape) * 0.01).astype(v.dtype) for k, v in local.items()}
+        got = dev.encode(
+            layout.leaves({k: jnp.asarray(v) for k, v in local.items()}), [0, 1, 2], True
+        )
+        want = ref.push(local)
+        assert all(_same_frames(got[i], want[i]) for i in range(3))
+        if round_ == 0:
+            refused = codec.decode(got[1])["delta"]
+            assert np.abs(refused).sum() > 0  # there is mass to lose
+            dev.refund(1, refused)
+            ref.state[1] = codec.refund(ref.state[1], {"delta": refused})

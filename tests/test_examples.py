@@ -1,5 +1,6 @@
 """Every script of examples/ runs on a small setting against a live local server it starts."""
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -7,8 +8,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import daemon_process
 import pytest
 
 from paramserver.plumbing import daemon
@@ -25,14 +28,18 @@ def _server_stopped(out: Path) -> bool:
 
 def run_example(name: str, out: Path, *flags: str) -> tuple[dict, str]:
     """Run examples/NAME with --json --out OUT; return its summary and its whole output."""
-    proc = subprocess.run(
-        [sys.executable, str(EXAMPLES / name), "--json", "--out", str(out), *flags],
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, str(EXAMPLES / name), "--json", "--out", str(out), *flags],
+            capture_output=True,
+            text=True,
+            timeout=RUN_TIMEOUT_S,
+        )
+        server_stopped = _server_stopped(out)
+    finally:  # whatever happened: nothing the example started outlives the test
+        daemon_process.stop_daemons_under(out)
     assert proc.returncode == 0, proc.stdout + proc.stderr
-    assert _server_stopped(out), "the example left its server running"
+    assert server_stopped, "the example left its server running"
     return json.loads(proc.stdout.strip().splitlines()[-1]), proc.stdout
 
 
@@ -89,22 +96,30 @@ def test_from_checkpoint_starts_from_an_orbax_checkpoint_and_saves_the_global_mo
     assert sorted(saved) == ["b1", "b2", "w1", "w2"] and saved["w1"].shape == (16, 64)
 
 
-def test_ctrl_c_stops_the_islands_and_the_server_it_started(tmp_path):
-    proc = subprocess.Popen(
-        [sys.executable, "-u", str(EXAMPLES / "own_mlp.py"), "--out", str(tmp_path),
-         "--steps", "100000"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )  # fmt: skip
-    try:
-        deadline = time.monotonic() + RUN_TIMEOUT_S
-        while not (tmp_path / "a" / "metrics.jsonl").exists():  # the islands are training
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
-            time.sleep(0.2)
-        assert not _server_stopped(tmp_path)
-        proc.send_signal(signal.SIGINT)
-        out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
+@pytest.fixture
+def example_proc(tmp_path) -> Iterator[Callable[..., subprocess.Popen]]:
+    """Start an example in its own session; at teardown kill it and every daemon under tmp_path."""
+    with contextlib.ExitStack() as stack:
+
+        def start(name: str, *flags: str) -> subprocess.Popen:
+            argv = [sys.executable, "-u", str(EXAMPLES / name), "--out", str(tmp_path), *flags]
+            return stack.enter_context(
+                daemon_process.started(
+                    argv, [tmp_path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+                )
+            )
+
+        yield start
+
+
+def test_ctrl_c_stops_the_islands_and_the_server_it_started(tmp_path, example_proc):
+    proc = example_proc("own_mlp.py", "--steps", "100000")
+    deadline = time.monotonic() + RUN_TIMEOUT_S
+    while not (tmp_path / "a" / "metrics.jsonl").exists():  # the islands are training
+        assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
+        time.sleep(0.2)
+    assert not _server_stopped(tmp_path)
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
     assert proc.returncode != 0 and "KeyboardInterrupt" in out
     assert _server_stopped(tmp_path)

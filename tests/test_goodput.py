@@ -1,7 +1,7 @@
 """Goodput as Decoupled DiLoCo defines it: the share of an island's wall time spent on
 inner steps whose work entered the model (staleness costs nothing, waiting does).
 
-The pure pieces (`worker.goodput`, `worker.session_stats.RoundClock`) with values
+The pure pieces (`worker.goodput`, `worker.goodput.RoundClock`) with values
 computed by hand; then islands (`worker.join`) against real shards in threads
 (`conftest.Cluster`), real sockets on 127.0.0.1.
 """
@@ -16,11 +16,10 @@ import pytest
 from conftest import Cluster
 
 import worker
-from paramserver.client.progress import Progress
+from paramserver.client.readout import Readout
 from paramserver.client.replica import ReplicaFragment
 from paramserver.plumbing import probe
-from worker.goodput import ACKED, MERGED, PENDING, REJECTED, WorkLedger, session_goodput
-from worker.session_stats import RoundClock
+from worker.goodput import ACKED, MERGED, PENDING, REJECTED, RoundClock, WorkLedger, session_goodput
 
 pytestmark = pytest.mark.timeout(60)
 FAST = {"heartbeat_interval_s": 0.2, "join_timeout_s": 20.0, "flush_timeout_s": 5.0}
@@ -76,7 +75,7 @@ def test_mark_start_makes_the_first_interval_an_ordinary_step():
 
 
 def test_a_delta_is_merged_only_once_the_replica_holds_the_version_that_includes_it():
-    progress = Progress()
+    progress = Readout()
     assert progress.delta_outcome(5, 0) == PENDING  # pushed, no ack yet
     ack = {"outcome": "accepted", "round": 5, "fragment": 0, "version": 3, "merged_version": 4}
     progress.record_ack(ack, latency_s=0.01)
@@ -140,6 +139,7 @@ def _run_islands(cluster, tmp_path, speeds, steps, inner_steps):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # goodput is a ratio of measured times: a busy machine adds waits
 def test_an_island_that_never_waits_has_goodput_1_even_when_its_deltas_are_stale(tmp_path):
     # Two async islands push in turn, so many deltas are a version stale, and the
     # shard damps them hard (g(1) = 0.25): the model takes smaller steps, but every
@@ -164,6 +164,7 @@ def test_an_island_that_never_waits_has_goodput_1_even_when_its_deltas_are_stale
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # goodput is a ratio of measured times: a busy machine adds waits
 def test_an_island_that_waits_for_a_slower_partner_in_sync_mode_reads_below_1(tmp_path):
     # Sync: the fast island (10 ms steps) waits each round for the slow one (40 ms):
     # about three quarters of its wall time is waiting, lost.

@@ -100,7 +100,13 @@ WINGS_ALLOWED = {
     "plumbing": {"wire"},
     "client": {"wire", "plumbing"},
     "server": {"wire", "plumbing"},
+    "ops": {"wire", "plumbing", "server"},  # operations import the shard's logic, never the reverse
 }
+
+
+# launcher aliases exempt from the wing rule: the shard's old command-line path, kept so that
+# installed `diloco-server` scripts and `python -m paramserver.server.cli` still work
+ALIASES = {ROOT / "paramserver" / "server" / "cli.py"}
 
 
 def wing_of(module: str) -> str | None:
@@ -124,10 +130,45 @@ def wing_offenders(files: list[Path], allowed_for) -> list[str]:
 @pytest.mark.parametrize("wing", sorted(WINGS_ALLOWED))
 def test_paramserver_wings_import_only_below_them(wing):
     # islands' client never reaches the shard side; the wire and plumbing stay at the bottom
-    files = sorted((ROOT / "paramserver" / wing).rglob("*.py"))
+    files = sorted(set((ROOT / "paramserver" / wing).rglob("*.py")) - ALIASES)
     assert files, f"paramserver/{wing}/ is empty"
     offenders = wing_offenders(files, lambda _path: WINGS_ALLOWED[wing] | {wing})
     assert not offenders, f"paramserver.{wing} may import only {WINGS_ALLOWED[wing]}: " + "; ".join(
+        offenders
+    )
+
+
+# the shard's rooms (paramserver/server/...) and the server modules each may import besides
+# its own room: admission and step are rules over the state's data; persistence stores the
+# state; the core runs a request through them; only the loop (`shard`) holds sockets and files
+SERVER_ROOMS_ALLOWED = {
+    "admission": {"events", "fragment"},
+    "step": {"config", "events", "fragment"},
+    "storage": {"config", "events", "fragment", "state", "admission", "step"},
+    "state": {"config", "events", "fragment", "state_init", "admission", "step"},
+    "core": {"config", "events", "state", "admission"},
+}
+
+
+def room_of(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["paramserver", "server"] or len(parts) < 3:
+        return None
+    return parts[2]
+
+
+@pytest.mark.parametrize("room", sorted(SERVER_ROOMS_ALLOWED))
+def test_the_shards_rooms_import_only_what_they_build_on(room):
+    path = ROOT / "paramserver" / "server" / room
+    files = sorted(path.rglob("*.py")) if path.is_dir() else [path.with_suffix(".py")]
+    allowed = SERVER_ROOMS_ALLOWED[room] | {room}
+    offenders = [
+        f"{file.relative_to(ROOT)} imports {mod}"
+        for file in files
+        for mod in imported_modules(file)
+        if room_of(mod) is not None and room_of(mod) not in allowed
+    ]
+    assert not offenders, f"paramserver.server.{room} may import {sorted(allowed)}: " + "; ".join(
         offenders
     )
 
@@ -171,7 +212,7 @@ def test_the_walker_sees_a_violation(tmp_path):
 
 CONTROL_SCRIPT = """
 import contextlib, io, sys
-from paramserver.server import cli as server_cli
+from paramserver.ops import cli as server_cli
 from worker import cli as worker_cli
 data, keys, port = sys.argv[1], sys.argv[2], sys.argv[3]
 runs = [
@@ -204,3 +245,110 @@ def test_control_commands_import_no_jax(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip().splitlines()[-1] == "[]", proc.stdout
     assert (tmp_path / "keys" / "isl.key").exists()  # the keys command really ran
+
+
+# ---- no import cycle inside a package: a walk of the module graph ----
+
+
+def _module_level_imports(tree: ast.Module) -> list[ast.Import | ast.ImportFrom]:
+    """Imports that run when the module is imported: any depth except functions, TYPE_CHECKING."""
+    found: list[ast.Import | ast.ImportFrom] = []
+
+    def visit(node: ast.AST) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                continue
+            if isinstance(child, ast.If) and "TYPE_CHECKING" in ast.unparse(child.test):
+                for orelse in child.orelse:
+                    visit(ast.Module(body=[orelse], type_ignores=[]))
+                continue
+            if isinstance(child, ast.Import | ast.ImportFrom):
+                found.append(child)
+            visit(child)
+
+    visit(tree)
+    return found
+
+
+def import_graph(files: list[Path], root: Path = ROOT) -> dict[str, set[str]]:
+    """Module -> the modules among `files` it imports when it is imported (relative ones resolved).
+
+    `from a import b` is an edge to `a.b` when that is a module here, else to `a`.
+    """
+    names = {module_name_under(path, root): path for path in files}
+    graph: dict[str, set[str]] = {name: set() for name in names}
+    for name, path in names.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        for node in _module_level_imports(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            else:
+                base = node.module or ""
+                if node.level:
+                    anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join([*anchor, base] if base else anchor)
+                named = [f"{base}.{alias.name}" for alias in node.names]
+                targets = [t for t in named if t in names]  # submodules named in the import
+                if len(targets) < len(named):  # and names defined in `base` itself
+                    targets.append(base)
+            for target in targets:
+                while target and target not in names:  # import a.b.c of an unknown leaf: a.b
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    graph[name].add(target)
+    return graph
+
+
+def module_name_under(path: Path, root: Path) -> str:
+    parts = list(path.relative_to(root).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import cycle of `graph` as [a, b, ..., a], or [] when there is none (a depth-first walk)."""
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+    path: list[str] = []
+
+    def walk(node: str) -> list[str]:
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return [*path[path.index(nxt) :], nxt]
+            if nxt not in state and (cycle := walk(nxt)):
+                return cycle
+        path.pop()
+        state[node] = 2
+        return []
+
+    for start in sorted(graph):
+        if start not in state and (cycle := walk(start)):
+            return cycle
+    return []
+
+
+@pytest.mark.parametrize("package", ORDER)
+def test_no_import_cycle_inside_the_package(package):
+    graph = import_graph(package_files(package))
+    cycle = find_cycle(graph)
+    assert not cycle, f"import cycle in {package}: " + " -> ".join(cycle)
+
+
+def test_the_cycle_walk_sees_a_cycle_through_a_package_init(tmp_path):
+    pkg = tmp_path / "pkg"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("from pkg.a import A\n")
+    (pkg / "a.py").write_text("from .sub import b\nA = 1\n")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "sub" / "b.py").write_text(
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from pkg.c import C\n"
+        "def later():\n    from pkg import a\nfrom pkg import A\n"
+    )
+    (pkg / "c.py").write_text("import pkg.a\n")
+    graph = import_graph(sorted(pkg.rglob("*.py")), tmp_path)
+    assert graph["pkg.sub.b"] == {"pkg"}  # not pkg.c (TYPE_CHECKING), not pkg.a (in a function)
+    assert find_cycle(graph) == ["pkg", "pkg.a", "pkg.sub.b", "pkg"]
+    (pkg / "__init__.py").write_text("")
+    assert find_cycle(import_graph(sorted(pkg.rglob("*.py")), tmp_path)) == []

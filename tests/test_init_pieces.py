@@ -344,7 +344,7 @@ def test_a_shard_killed_mid_init_keeps_the_answered_pieces_and_completes(tmp_pat
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("elements", [16 * MIB, 64 * MIB])
+@pytest.mark.parametrize("elements", [64 * MIB])  # fragments over the 14.7M-element piece
 def test_a_large_model_on_one_shard_is_initialised_in_pieces_at_the_default_limit(
     cluster, client, elements
 ):
@@ -411,7 +411,7 @@ def test_a_shard_process_takes_a_streamed_init_at_the_default_limit(tmp_path, zm
         shard.stop()
 
 
-# -- the owner's rules in the state, on a fake clock (30 s of silence: init_pieces.ABANDON_S) ----
+# -- the owner's rules in the state, on a fake clock (30 s of silence: state_init.ABANDON_S) ----
 
 
 def test_an_init_silent_for_30_s_is_taken_over_and_replay_gives_the_same_state():

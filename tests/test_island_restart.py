@@ -1,7 +1,7 @@
 """kill -9 of an island daemon: its unacked deltas come back from its outbox file and count
 once; its restart is welcomed at once (its session token), another process with its id is not.
 
-Real processes: a shard (`python -m paramserver.server.cli shard`) and `diloco-worker start`.
+Real processes: a shard (`python -m paramserver.ops.cli shard`) and `diloco-worker start`.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from conftest import Peer, wait_for
 from shard_process import ShardProcess
 
 from paramserver.server.events import AcceptEvent
-from paramserver.server.storage.log_file import LogReader
-from paramserver.server.storage.log_format import record_to_event
-from worker import outbox, progress
+from paramserver.server.storage.wal import LogReader, record_to_event
+from worker import island_files, outbox
 
 FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0")
 MAX_UNACKED = 64  # 32 rounds of 2 fragments (~3 s at --speed 0.05): not blocked before the
@@ -32,7 +31,7 @@ def worker_cmd(*args: str) -> list[str]:
 
 
 def status(data_dir: Path) -> dict:
-    return progress.read_status(data_dir) or {}
+    return island_files.read_status(data_dir) or {}
 
 
 def accepted_keys(server_dir: Path, island: str) -> list[tuple[int, int]]:
@@ -126,4 +125,4 @@ def test_kill_9_island_resends_its_unacked_deltas_once_and_is_welcomed_at_once(t
     first_run = {(r, f) for r, f in applied if r - base < 1_000}
     assert first_run >= {(base + r, f) for r in range(done_rounds) for f in (0, 1)}
     assert not (data_dir / outbox.OUTBOX_FILE).exists()  # all resolved at the graceful stop
-    assert progress.read_rows(data_dir)[-1]["rejected"] == 0
+    assert island_files.read_rows(data_dir)[-1]["rejected"] == 0

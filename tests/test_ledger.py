@@ -3,17 +3,23 @@
 import pytest
 
 from paramserver.client.ledger import DECODE_RETRIES, THROTTLED_RETRY_S, Ledger
+from paramserver.client.types import PushRequest
 
 ACK_S, CAP_S = 1.0, 4.0  # first re-send after 1 s, doubling, at most every 4 s
 T0 = 10.0  # when `ledger` pushes and sends (an ack at T0 is a 0 s sample: the floor, 1 s)
 KEY = (0, 7)  # (fragment, round)
 
 
+def _request(key):
+    """A delta under `key` = (fragment, round)."""
+    return PushRequest(key[0], key[1], 0, 1, 1, [b"delta"])
+
+
 def ledger(*keys, shard=0, now=10.0):
     """A ledger holding `keys` (default KEY), all of `shard`, pushed and sent at `now`."""
     box = Ledger(ACK_S, CAP_S)
     for key in keys or (KEY,):
-        assert box.add(key, shard, [b"frames"], 6, now)
+        assert box.add(key, shard, [b"frames"], 6, now, request=_request(key))
         assert box.sent(key, now) is False  # the first send is not a re-send
     return box
 
@@ -138,7 +144,7 @@ def test_resend_schedule_doubles_from_each_send_up_to_the_cap():
 @pytest.mark.timeout(10)
 def test_a_blocked_send_waits_the_same_back_off_and_is_not_a_send():
     box = Ledger(ACK_S, CAP_S)
-    assert box.add(KEY, 0, [b"f"], 1, now=10.0)
+    assert box.add(KEY, 0, [b"f"], 1, now=10.0, request=_request(KEY))
     box.blocked(KEY, 10.5)  # the socket's queue was full
     assert box.get(KEY).sends == 0
     assert box.due(11.4, up={0}) == []
@@ -149,7 +155,7 @@ def test_a_blocked_send_waits_the_same_back_off_and_is_not_a_send():
 @pytest.mark.timeout(10)
 def test_deltas_of_a_down_shard_wait_without_counting_attempts():
     box = ledger((0, 1), shard=0)
-    assert box.add((1, 1), 1, [b"f"], 1, 10.0)
+    assert box.add((1, 1), 1, [b"f"], 1, 10.0, request=_request((1, 1)))
     box.sent((1, 1), 10.0)
     assert box.due(20.0, up={1}) == [(1, 1)]
     assert box.get((0, 1)).attempt == 0
@@ -181,7 +187,7 @@ def test_a_step_releases_the_deferred_deltas_of_its_fragment_only():
 @pytest.mark.timeout(10)
 def test_rejoin_resends_every_delta_of_that_shard_in_push_order():
     box = ledger((3, 1), (1, 1), shard=1)
-    assert box.add((0, 1), 0, [b"f"], 1, 10.0)
+    assert box.add((0, 1), 0, [b"f"], 1, 10.0, request=_request((0, 1)))
     box.on_ack((1, 1), "rejected", "too_many_pending", T0)
     box.get((3, 1)).attempt = 2
     assert box.on_rejoin(1) == [(3, 1), (1, 1)]
@@ -193,10 +199,10 @@ def test_rejoin_resends_every_delta_of_that_shard_in_push_order():
 @pytest.mark.timeout(10)
 def test_a_round_still_pending_is_not_added_again():
     box = ledger(now=10.0)
-    assert box.add(KEY, 1, [b"other"], 5, now=12.0) is False
+    assert box.add(KEY, 1, [b"other"], 5, now=12.0, request=_request(KEY)) is False
     entry = box.get(KEY)
     assert (entry.shard, entry.frames, entry.nbytes, entry.queued_at) == (0, [b"frames"], 6, 10.0)
-    assert box.add((0, 8), 0, [b"next"], 4, now=12.0) is True
+    assert box.add((0, 8), 0, [b"next"], 4, now=12.0, request=_request((0, 8))) is True
     assert len(box) == 2
 
 
@@ -205,8 +211,11 @@ def test_resolved_and_dropped_deltas_leave_the_ledger():
     box = ledger((0, 1), (0, 2), (1, 2))
     assert box.on_ack((0, 1), "accepted", None, T0) == "done"
     assert len(box) == 2 and (0, 1) not in box
-    assert box.add((0, 1), 0, [b"f"], 1, 11.0)  # the key can be pushed again once resolved
-    assert box.drop_all() == [[b"frames"], [b"frames"], [b"f"]]  # in push order, to keep
+    assert box.add(
+        (0, 1), 0, [b"f"], 1, 11.0, request=_request((0, 1))
+    )  # the key can be pushed again once resolved
+    dropped = box.drop_all()  # in push order, to keep, as pushed (frames as bytes)
+    assert dropped == [_request((0, 2)), _request((1, 2)), _request((0, 1))]
     assert len(box) == 0 and not box
     assert box.due(100.0, up={0, 1}) == [] and box.on_rejoin(0) == []
 
@@ -232,7 +241,7 @@ def test_storage_error_keeps_the_delta_and_resends_on_the_doubling_back_off():
 @pytest.mark.timeout(10)
 def test_shards_names_the_shards_holding_pending_deltas():
     box = ledger((0, 1), shard=2)
-    assert box.add((1, 1), 0, [b"f"], 1, 10.0)
+    assert box.add((1, 1), 0, [b"f"], 1, 10.0, request=_request((1, 1)))
     assert box.shards() == {0, 2}
     box.on_ack((0, 1), "accepted", None, T0)
     assert box.shards() == {0}
@@ -240,11 +249,11 @@ def test_shards_names_the_shards_holding_pending_deltas():
     assert box.shards() == set()
 
 
-# -- the adaptive timeout (paramserver.client.ack_timer) ------------------------------------------
+# -- the adaptive timeout (paramserver.client.ledger) ------------------------------------------
 
 
 def sent_at(box, key, now, shard=0):
-    assert box.add(key, shard, [b"f"], 1, now)
+    assert box.add(key, shard, [b"f"], 1, now, request=_request(key))
     assert box.sent(key, now) is False
 
 
@@ -367,7 +376,7 @@ def simulate(box, latency_s: float, pushes: int) -> tuple[int, int]:
     for tick in range(pushes * 200 + 1000):
         now = tick / 100
         if tick % 200 == 0 and tick // 200 < pushes:
-            box.add((0, tick // 200), 0, [b"f"], 1, now)
+            box.add((0, tick // 200), 0, [b"f"], 1, now, request=_request((0, tick // 200)))
             send((0, tick // 200), now)
         for answer in [a for a in answers if a[0] <= now]:
             answers.remove(answer)

@@ -5,15 +5,15 @@ import pytest
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 from paramserver.server.config import ConfigError, ShardConfig
-from paramserver.server.merge import (
+from paramserver.server.state import ShardState
+from paramserver.server.step.merge import (
     MergeError,
     Segment,
+    chunk_merge,
     fragment_segments,
     merge_deltas,
-    merge_pending,
     rda_merge,
 )
-from paramserver.server.state import ShardState
 from paramserver.wire.plan import Fragment, Slice
 from paramserver.wire.protocol import ACCEPTED
 
@@ -98,27 +98,27 @@ def test_bad_arguments_are_refused(deltas, coefficients, segments, match):
         rda_merge(deltas, coefficients, segments)
 
 
-def test_merge_pending_sums_an_islands_increments_before_averaging():
+def test_a_whole_chunk_merge_sums_an_islands_increments_before_averaging():
     frag = Fragment(0, 0, (Slice("w", 0, 2),), 2)
     a1 = np.array([1.0, 0.0], np.float32)
     a2 = np.array([1.0, 0.0], np.float32)  # island a's two increments: (2, 0)
     b = np.array([0.0, 2.0], np.float32)
     deltas = [("a", a1), ("b", b), ("a", a2)]
-    merged = merge_pending("rda", deltas, [0.5, 0.5, 0.5], frag)
+    merged = chunk_merge("rda", deltas, [0.5, 0.5, 0.5], frag).whole()
     # u_a = 0.5 * (2, 0) = (1, 0), C_a = 1; u_b = 0.5 * (0, 2) = (0, 1), C_b = 0.5:
     # (|u_a| + |u_b|) * phi(1 * (1, 0) + 0.5 * (0, 1)) = 2 * (2, 1) / sqrt(5)
     np.testing.assert_allclose(merged, [4 / np.sqrt(5), 2 / np.sqrt(5)], rtol=1e-6)
-    mean = merge_pending("mean", deltas, [0.5, 0.5, 0.5], frag)
+    mean = chunk_merge("mean", deltas, [0.5, 0.5, 0.5], frag).whole()
     np.testing.assert_allclose(mean, [1.0, 1.0], rtol=1e-6)
     with pytest.raises(MergeError, match="unknown"):
-        merge_pending("median", [("a", a1)], [1.0], frag)
+        chunk_merge("trimmed", [("a", a1)], [1.0], frag).whole()
     with pytest.raises(MergeError, match="3 deltas but 2 coefficients"):
-        merge_pending("mean", deltas, [0.5, 0.5], frag)
+        chunk_merge("mean", deltas, [0.5, 0.5], frag).whole()
 
 
 def test_config_refuses_an_unknown_merge():
     with pytest.raises(ConfigError, match="merge"):
-        ShardConfig(merge="median")
+        ShardConfig(merge="trimmed")
 
 
 def test_shard_step_with_rda_keeps_the_norm_of_orthogonal_island_deltas():

@@ -20,7 +20,7 @@ import zmq
 from conftest import Peer, free_port, wait_for
 from shard_process import ShardProcess
 
-from worker import progress
+from worker import island_files
 
 ROUNDS = 3
 TRAIN = (
@@ -64,7 +64,7 @@ def finish(procs: list[subprocess.Popen], timeout_s: float) -> list[tuple[int, s
 
 
 def metrics(data_dir: Path) -> list[dict]:
-    return progress.read_rows(data_dir)
+    return island_files.read_rows(data_dir)
 
 
 def shard_status(shard: ShardProcess) -> dict:
@@ -119,7 +119,7 @@ def run_island(
         "rows": [r for r in rows if "loss" in r and not r.get("final")],
         "evals": [r["eval_global"] for r in rows if "eval_global" in r],
         "outputs": [text for _, text in results],
-        "status": [progress.read_status(tmp / f"{name}-p{i}") for i in range(processes)],
+        "status": [island_files.read_status(tmp / f"{name}-p{i}") for i in range(processes)],
     }
 
 
@@ -182,7 +182,9 @@ def test_dry_run_prints_the_mesh_and_the_per_device_batch_of_every_process(tmp_p
             text
         )
         assert "global batch 8 = 2 per device" in text
-        assert not progress.status_path(tmp_path / f"p{i}").exists()  # nothing trained, no status
+        assert not island_files.status_path(
+            tmp_path / f"p{i}"
+        ).exists()  # nothing trained, no status
 
 
 @pytest.mark.slow
@@ -214,7 +216,7 @@ def test_kill_9_of_process_1_stops_process_0_with_one_line_and_the_shard_sees_it
             "the shard to see it leave",
             timeout_s=30,
         )
-        status = progress.read_status(tmp_path / "p0")
+        status = island_files.read_status(tmp_path / "p0")
         assert status["state"] == "failed" and "process 1 of 2" in status["error"]
     finally:
         for proc in procs:

@@ -75,7 +75,7 @@ def test_a_bad_connect_is_one_line_naming_it_and_exit_2(command, tmp_path):
 @pytest.mark.parametrize("command", sorted(CONNECT_COMMANDS))
 @pytest.mark.parametrize("endpoint, why", BAD_ENDPOINTS)
 def test_every_kind_of_bad_connect_is_named(command, endpoint, why, tmp_path, capsys):
-    from paramserver.server.cli import main as server_main
+    from paramserver.ops.cli import main as server_main
     from worker.cli import main as worker_main
 
     prog, *args = CONNECT_COMMANDS[command]
@@ -196,7 +196,7 @@ def _subcommands(parser: argparse.ArgumentParser):
 def _parsers():
     from bench.cli import COMMANDS
     from bench.cli import build_parser as bench_parser
-    from paramserver.server.cli import build_parser as server_parser
+    from paramserver.ops.cli import build_parser as server_parser
     from worker.cli import _parser as worker_parser
 
     for name, sub in _subcommands(server_parser()):

@@ -13,7 +13,7 @@ import pytest
 
 from bench import cli, outdir
 from bench.outdir import MARKER, OutDirError, claim
-from worker import progress
+from worker import island_files
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,7 +45,7 @@ def test_marked_dir_is_cleared_of_an_earlier_runs_output_and_kept(tmp_path):
     out = claim(tmp_path / "out", "demo")
     (out / "summary.json").write_text("{}")
     (out / "runs" / "quorum" / "islands").mkdir(parents=True)
-    progress.metrics_path(out / "runs" / "quorum" / "islands").write_text("x\n")
+    island_files.metrics_path(out / "runs" / "quorum" / "islands").write_text("x\n")
     inode = out.stat().st_ino
     assert claim(out, "chaos") == out
     assert out.stat().st_ino == inode

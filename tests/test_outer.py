@@ -11,7 +11,7 @@ import numpy as np
 import optax
 import pytest
 
-from paramserver.server.outer import (
+from paramserver.server.step.outer import (
     DonatingStep,
     FragmentOptimizer,
     OuterError,

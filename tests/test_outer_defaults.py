@@ -7,10 +7,11 @@ import subprocess
 import sys
 
 import pytest
+from shard_helpers import delta_frames, push_header
 from shard_sim import Island, ShardSim
 
 from paramserver.plumbing.settings import SettingsError, load_settings
-from paramserver.server.config import ShardConfig, sync_outer_defaults
+from paramserver.server.config import ShardConfig, outer_defaults, sync_outer_defaults
 
 # the rule, written out by hand: (lr, momentum) SHORT for H <= 17, MIDDLE to 55, LONG above
 SHORT, MIDDLE, LONG = (0.4, 0.8), (0.5, 0.8), (0.7, 0.8)
@@ -26,9 +27,11 @@ def test_default_outer_settings_by_h(h, expected):
     for mode, quorum in (("sync", 2), ("quorum", 2), ("quorum", 3)):
         cfg = ShardConfig(mode=mode, quorum=quorum, inner_steps=h)
         assert (cfg.effective_outer_lr, cfg.effective_outer_momentum) == expected
-        assert cfg.outer_report() == {"optimizer": "nesterov", "lr": expected[0],
-                                      "momentum": expected[1], "inner_steps": h,
-                                      "from_inner_steps": True}  # fmt: skip
+        report = cfg.outer_report()
+        assert report.pop("why").startswith(f"{mode}: the default of H={h} at 2 pushing")
+        assert report == {"optimizer": "nesterov", "lr": expected[0], "momentum": expected[1],
+                          "inner_steps": h, "islands": None,
+                          "from_inner_steps": True}  # fmt: skip
 
 
 def test_the_shard_defaults_to_the_islands_default_h():
@@ -43,7 +46,7 @@ def test_explicit_settings_override_the_default_of_h():
     assert (cfg.effective_outer_lr, cfg.effective_outer_momentum) == (0.9, 0.5)
     assert not cfg.outer_from_inner_steps
     assert cfg.inner_steps_mismatch("a", 100) is None  # nothing defaulted: nothing to warn
-    # steps on single deltas keep their own defaults, whatever H
+    # async steps (one delta each) keep their own defaults, whatever H
     single = ShardConfig(mode="async", inner_steps=10)
     assert (single.effective_outer_lr, single.effective_outer_momentum) == (0.7, 0.0)
     assert single.inner_steps_mismatch("a", 100) is None
@@ -70,7 +73,7 @@ def test_bad_explicit_values_are_refused(flags, needles):
 
 def test_bad_outer_lr_flag_exits_2_with_one_line():
     proc = subprocess.run(
-        [sys.executable, "-m", "paramserver.server.cli", "start", "--outer-lr", "-1"],
+        [sys.executable, "-m", "paramserver.ops.cli", "start", "--outer-lr", "-1"],
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2
@@ -92,11 +95,97 @@ def test_a_live_shard_reports_its_outer_settings_and_warns_once_per_island(tmp_p
     a, b = Island("a"), Island("b")
     sim.init(a)
     assert sim.one(b.hello())["kind"] == "welcome"
+
+    def push(island, rnd, base=0, **fields):
+        header = {**push_header(sim.plan, island.name, rnd, 0, base), **fields}
+        return island.request(header, delta_frames(sim.delta(island.name, rnd)))
+
     with caplog.at_level(logging.WARNING, logger="paramserver.server.core"):
-        sim.batch(sim.push(a, 1), sim.push(b, 1))  # push_header's H is 10
-        sim.batch(sim.push(a, 2, base=1))
+        # pushes of 10 inner steps without the island's own H: nothing inferred
+        sim.batch(sim.push(a, 1), sim.push(b, 1))
+        assert not [r for r in caplog.records if "--inner-steps" in r.getMessage()]
+        # islands that say they run H = 10: one warning each
+        sim.batch(push(a, 2, base=1, inner_steps=10), push(b, 2, base=1, inner_steps=10))
+        sim.batch(push(a, 3, base=2, inner_steps=10))
     warned = [r.getMessage() for r in caplog.records if "--inner-steps 10" in r.getMessage()]
     assert sorted(w.split()[1] for w in warned) == ["a", "b"]
     status = sim.one(a.request({"kind": "status"}))["status"]
+    why = status["outer"].pop("why")
+    assert why.startswith("sync: the default of H=100 at 2 pushing islands")
     assert status["outer"] == {"optimizer": "nesterov", "lr": LONG[0], "momentum": LONG[1],
-                               "inner_steps": 100, "from_inner_steps": True}  # fmt: skip
+                               "inner_steps": 100, "islands": 2,
+                               "from_inner_steps": True}  # fmt: skip
+
+
+def test_a_push_of_merged_rounds_does_not_warn_about_h():
+    # the issue's case: H = 20, pushes merged after skipped pushes carry 120/200/280 steps
+    cfg = ShardConfig(mode="quorum", inner_steps=20)
+    assert cfg.inner_steps_mismatch("a", None) is None  # no own H said: no warning
+    assert cfg.inner_steps_mismatch("a", 20) is None
+    assert "--inner-steps 120" in cfg.inner_steps_mismatch("a", 120)  # only if it says so
+
+
+# ----- the outer settings by mode, H and the islands that push (issue 32) -----------------
+
+
+@pytest.mark.parametrize(
+    ("mode", "h", "islands", "expected"),
+    [
+        ("sync", 15, 2, (0.4, 0.8)),  # the 2-island sweep (outer_h)
+        ("sync", 15, 4, (0.7, 0.8)),  # the audit: 0.7/0.8 beat 0.4/0.8 by 1.5% at 4, H=15
+        ("quorum", 15, 3, (0.7, 0.8)),  # 3 > sqrt(2 * 4): the 4-island row
+        ("quorum", 17, 8, (0.7, 0.8)),
+        ("quorum", 18, 8, (0.5, 0.8)),  # not measured with more islands: the 2-island row
+        ("quorum", 100, 4, (0.7, 0.8)),
+        ("async", 15, 4, (0.7, 0.0)),  # async_outer: no momentum on single deltas
+        ("async", 100, 2, (0.7, 0.0)),
+    ],
+)
+def test_outer_defaults_are_a_function_of_mode_h_and_islands(mode, h, islands, expected):
+    lr, momentum, why = outer_defaults(mode, h, islands)
+    assert (lr, momentum) == expected
+    assert why.startswith(f"{mode}:")
+
+
+def test_a_quorum_of_one_takes_the_settings_of_its_mode_not_async():
+    for quorum in (1, 2, 4):
+        cfg = ShardConfig(mode="quorum", quorum=quorum, inner_steps=15)
+        assert (cfg.effective_outer_lr, cfg.effective_outer_momentum) == SHORT
+        assert cfg.outer_settings(4)[:2] == (0.7, 0.8)
+    assert ShardConfig(mode="async", inner_steps=15).outer_settings(4)[:2] == (0.7, 0.0)
+
+
+def test_the_lr_follows_the_pushing_islands_as_a_scale_of_the_step():
+    cfg = ShardConfig(mode="sync", inner_steps=10)  # starts at 0.4 (2 islands)
+    assert cfg.outer_lr_scale(2) == 1.0 and cfg.outer_lr_scale(None) == 1.0
+    assert cfg.outer_lr_scale(4) == pytest.approx(0.7 / 0.4)
+    assert ShardConfig(mode="sync", inner_steps=10, outer_lr=0.4).outer_lr_scale(4) == 1.0
+    _, _, why = ShardConfig(mode="sync", outer_lr=0.3).outer_settings(4)
+    assert why.startswith("outer_lr given; otherwise sync:")
+
+
+@pytest.mark.parametrize(("islands", "lr"), [(2, 0.4), (4, 0.7)])
+def test_a_sync_step_moves_by_the_lr_of_its_island_count(islands, lr):
+    import numpy as np
+    from shard_helpers import init_payload, plan_for, small_flat
+
+    from paramserver.server.state import ShardState
+
+    cfg = ShardConfig(mode="sync", inner_steps=10, fsync=False, downlink="float32", fragments=1)
+    flat = small_flat()
+    plan = plan_for(flat, 1, 1)
+    state = ShardState(cfg, 0)
+    assert state.initialize(plan.to_wire(), init_payload(plan, flat)).status == "accepted"
+    names = [f"i{k}" for k in range(islands)]
+    for name in names:
+        state.hello(name, 1000.0)
+    d = np.full(plan.fragments[0].size, 0.01, np.float32)
+    before = state.snapshot(0)[1].astype(np.float64)
+    for name in names:  # the same d from each: the mean is d
+        header = push_header(plan, name, 1, 0, 0, 1000, 10)
+        assert state.submit_delta(header, delta_frames(d), 1000.0).status == "accepted"
+    state.step(0, 1000.0)
+    # first Nesterov step (momentum 0.8): m = d, update = lr * (d + 0.8 * m) = 1.8 lr d
+    moved = before - state.snapshot(0)[1]
+    np.testing.assert_allclose(moved, 1.8 * lr * 0.01, rtol=1e-5)
+    assert state.islands_pushing == islands

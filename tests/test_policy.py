@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.server.policy import (
+from paramserver.server.step.policy import (
     ArrivalStats,
     Decision,
     IslandPace,
@@ -255,30 +255,51 @@ EQ3 = PolicyConfig(mode="quorum", quorum=1, grace_rule="eq3", grace_gamma=0.5, g
 
 def test_eq3_window_spends_gamma_of_the_slack():
     stats = ArrivalStats(ema_quorum_s=1.0, ema_sync_s=0.5)
-    # 0.5 * (20 steps * 0.5 s - 1.0 - 0.5) = 4.25
-    assert grace_window(stats, EQ3, round_s=10.0) == pytest.approx(4.25)
+    # 0.5 * (tau * t_step - 1.0 - 0.5), tau * t_step = 10 s: 4.25
+    assert grace_window(stats, EQ3, overlap_s=10.0) == pytest.approx(4.25)
     # no slack left: clamped to the lower bound
-    assert grace_window(stats, EQ3, round_s=1.0) == 0.0
+    assert grace_window(stats, EQ3, overlap_s=1.0) == 0.0
     capped = PolicyConfig(quorum=1, grace_rule="eq3", grace_max_s=2.0, grace_min_s=0.1)
-    assert grace_window(stats, capped, round_s=10.0) == 2.0
+    assert grace_window(stats, capped, overlap_s=10.0) == 2.0
     # unmeasured EMAs count as 0; without any pace the window is grace_min_s
-    assert grace_window(ArrivalStats(), EQ3, round_s=10.0) == pytest.approx(5.0)
-    assert grace_window(stats, capped, round_s=None) == 0.1
+    assert grace_window(ArrivalStats(), EQ3, overlap_s=10.0) == pytest.approx(5.0)
+    assert grace_window(stats, capped, overlap_s=None) == 0.1
+
+
+def test_eq3_tau_is_the_overlap_one_inner_step_by_default_not_h():
+    assert EQ3.grace_overlap_steps == 1
+    paces = {"a": IslandPace(0.4, 50)}  # 0.4 s per inner step, H = 50 (a 20-s round)
+    stats = ArrivalStats(ema_quorum_s=0.05, ema_sync_s=0.05)
+    alive = live("a", "b")
+    # tau = 1: 0.5 * (1 * 0.4 - 0.05 - 0.05) = 0.15 s (tau = H gave 0.5 * 19.9 = 9.95 s)
+    d = decide(10.0, pend(("a", 10.0)), alive, stats, EQ3, paces)
+    assert d.wake_at == pytest.approx(10.15)
+    # configurable: tau = 5 inner steps: 0.5 * (2.0 - 0.1) = 0.95 s
+    five = PolicyConfig(mode="quorum", quorum=1, grace_rule="eq3", grace_min_s=0.0,
+                        grace_overlap_steps=5)  # fmt: skip
+    assert decide(10.0, pend(("a", 10.0)), alive, stats, five, paces).wake_at == pytest.approx(
+        10.95
+    )
+    with pytest.raises(PolicyError, match="grace_overlap_steps"):
+        PolicyConfig(grace_overlap_steps=0)
 
 
 def test_eq3_decide_uses_the_fastest_quorum_island_and_waits_for_a_second():
-    paces = {"fast": IslandPace(0.1, 20), "slow": IslandPace(0.2, 20)}  # rounds 2 s and 4 s
+    # tau = 4 inner steps: overlaps 0.4 s and 0.8 s
+    cfg = PolicyConfig(mode="quorum", quorum=1, grace_rule="eq3", grace_gamma=0.5,
+                       grace_min_s=0.0, grace_overlap_steps=4)  # fmt: skip
+    paces = {"fast": IslandPace(0.1, 20), "slow": IslandPace(0.2, 20)}
     pending = pend(("fast", 10.0))
     alive = live("fast", "slow")
-    # quorum of 1 reached at 10.0 by "fast": grace 0.5 * 2.0 = 1.0, so wait until 11.0
-    d = decide(10.5, pending, alive, ArrivalStats(), EQ3, paces)
-    assert not d.step and d.wake_at == pytest.approx(11.0)
-    assert decide(11.0, pending, alive, ArrivalStats(), EQ3, paces).step
+    # quorum of 1 reached at 10.0 by "fast": grace 0.5 * 0.4 = 0.2, so wait until 10.2
+    d = decide(10.1, pending, alive, ArrivalStats(), cfg, paces)
+    assert not d.step and d.wake_at == pytest.approx(10.2)
+    assert decide(10.2, pending, alive, ArrivalStats(), cfg, paces).step
     # the slow island arriving inside the window completes the set: step at once
-    both = pend(("fast", 10.0), ("slow", 10.8))
-    assert decide(10.8, both, alive, ArrivalStats(), EQ3, paces).step
+    both = pend(("fast", 10.0), ("slow", 10.15))
+    assert decide(10.15, both, alive, ArrivalStats(), cfg, paces).step
     # no reported pace: grace_min_s (0 here), step at once
-    assert decide(10.0, pending, alive, ArrivalStats(), EQ3, {}).step
+    assert decide(10.0, pending, alive, ArrivalStats(), cfg, {}).step
 
 
 def test_fraction_rule_ignores_paces():

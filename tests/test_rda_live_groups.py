@@ -13,9 +13,13 @@ import pytest
 
 from paramserver.server.config import ShardConfig
 from paramserver.server.state import ShardState
-from paramserver.server.storage.data_dir import ShardStorage
-from paramserver.server.storage.log_file import LogReader, WriteAheadLog
-from paramserver.server.storage.log_format import event_to_record, record_to_event
+from paramserver.server.storage.shard_storage import ShardStorage
+from paramserver.server.storage.wal import (
+    LogReader,
+    WriteAheadLog,
+    event_to_record,
+    record_to_event,
+)
 from paramserver.wire.plan import LeafSpec, leaf_specs, make_plan
 from paramserver.wire.protocol import ACCEPTED
 from tests.shard_helpers import delta_frames, init_payload, push_header
@@ -180,12 +184,11 @@ def test_in_sync_mode_a_due_piece_waits_for_its_siblings_round_then_both_are_who
         send(island, 0)
     send("p", 1)
     due, _ = state.due_fragments(T0)
-    assert due == [0]
-    assert state.stepper.groups.ready(state, due) == []  # fragment 1 is mid-round
+    assert due == []  # fragment 0 is due, but fragment 1 is mid-round
     for island in ("q", "r"):
         send(island, 1)
     due, _ = state.due_fragments(T0)
-    assert state.stepper.groups.ready(state, due) == [0, 1]
+    assert due == [0, 1]
     new = {path: v.copy() for path, v in flat.items()}
     for fragment in (0, 1):
         plan.scatter(fragment, state.step(fragment, T0)[1].values, new)
@@ -193,7 +196,7 @@ def test_in_sync_mode_a_due_piece_waits_for_its_siblings_round_then_both_are_who
     np.testing.assert_allclose(new["a/w"], want, rtol=1e-6, atol=1e-6)
     # the mean never waits
     mean = ShardState(ShardConfig(fragments=4, mode="sync", fsync=False), 0)
-    assert mean.stepper.groups.ready(state, [0]) == [0]
+    assert mean.stepper.groups.ready(state.plan, 0, "sync", state.fragments, [0]) == [0]
 
 
 def test_a_checkpoint_between_a_groups_steps_recovers_the_same_bits(tmp_path):

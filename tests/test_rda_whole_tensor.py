@@ -8,7 +8,7 @@ u_i = sum_k c_ik * d_ik and C_i = sum_k c_ik, written here from the definition.
 import numpy as np
 import pytest
 
-from paramserver.server.merge import MergeError, TensorPartial, chunk_merge, rda_partials
+from paramserver.server.step.merge import MergeError, TensorPartial, chunk_merge, rda_partials
 from paramserver.wire.plan import LeafSpec, make_plan
 
 pytestmark = pytest.mark.timeout(60)

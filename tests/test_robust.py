@@ -7,9 +7,9 @@ import pytest
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 from paramserver.server.config import ConfigError, ShardConfig
-from paramserver.server.robust import clip, clip_factor, l2_norm
 from paramserver.server.state import ShardState
-from paramserver.server.storage.checkpoint_content import export_state, restore_state
+from paramserver.server.step.weighting import clip, clip_factor, l2_norm
+from paramserver.server.storage.checkpoint import export_state, restore_state
 from paramserver.wire.protocol import ACCEPTED
 
 T0 = 1_000_000.0
@@ -27,12 +27,14 @@ def test_clip_factor():
 def test_config_validates_the_multiple():
     with pytest.raises(ConfigError, match="clip_norm_multiple"):
         ShardConfig(clip_norm_multiple=0.5)
-    assert ShardConfig().clip_norm_multiple == 0.0  # off by default
+    assert ShardConfig().clip_norm_multiple == 10.0  # on by default
 
 
 def _run(multiple: float, poison: float):
     """Two honest islands for 6 rounds, then a third sends a delta `poison` times too big."""
-    cfg = ShardConfig(mode="sync", fsync=False, clip_norm_multiple=multiple)
+    cfg = ShardConfig(
+        mode="sync", fsync=False, clip_norm_multiple=multiple, max_delta_norm_ratio=0.0
+    )  # the relative clip alone (the absolute bound would refuse the poison)
     flat = small_flat()
     plan = plan_for(flat, 1, 2)
     state = ShardState(cfg, 0)

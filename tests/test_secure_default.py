@@ -281,16 +281,14 @@ def test_keys_islands_refuses_bad_lists_and_half_a_server_pair(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["server.key"]  # nothing written
 
 
-def test_metrics_off_loopback_says_it_is_unauthenticated(caplog):
-    from paramserver.server.metrics import serve_metrics
+def test_metrics_off_loopback_says_it_asks_for_a_token(caplog):
+    from paramserver.ops.metrics import serve_metrics
 
     for host, warned in (("127.0.0.1", False), ("0.0.0.0", True)):
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="paramserver.server.metrics"):
+        with caplog.at_level(logging.WARNING, logger="paramserver.ops.metrics"):
             server = serve_metrics(0, [], host=host)
             server.shutdown()
             server.server_close()
-        said = [
-            r.getMessage() for r in caplog.records if "without authentication" in r.getMessage()
-        ]
+        said = [r.getMessage() for r in caplog.records if "ask for the token" in r.getMessage()]
         assert bool(said) is warned, (host, said)

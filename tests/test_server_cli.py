@@ -27,7 +27,7 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = CMD_TIMEOUT_S)
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     full_env.update(env or {})
     return subprocess.run(
-        [sys.executable, "-m", "paramserver.server.cli", *args],
+        [sys.executable, "-m", "paramserver.ops.cli", *args],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -210,7 +210,7 @@ def test_foreground_sigterm_drains_and_exits_0(tmp_path):
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
     env["DILOCO_SERVER_FSYNC"] = "false"
     proc = subprocess.Popen(
-        [sys.executable, "-m", "paramserver.server.cli", "start", "--port", str(port)]
+        [sys.executable, "-m", "paramserver.ops.cli", "start", "--port", str(port)]
         + ["--data-dir", str(data_dir)],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
@@ -291,7 +291,7 @@ def test_probe_cluster_status_of_a_live_shard(start_shard):
 def test_metrics_endpoint_serves_shard_counters(start_shard):
     import urllib.request
 
-    from paramserver.server.metrics import serve_metrics
+    from paramserver.ops.metrics import serve_metrics
 
     shard = start_shard()
     dead = f"tcp://127.0.0.1:{free_port()}"

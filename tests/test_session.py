@@ -17,7 +17,7 @@ from conftest import Cluster
 import worker
 from paramserver.client import ClientError
 from paramserver.plumbing import probe
-from worker import outbox, progress
+from worker import island_files, outbox
 from worker.config import IslandConfigError
 
 pytestmark = pytest.mark.timeout(60)
@@ -84,7 +84,7 @@ def test_two_threaded_islands_train_an_mlp_and_a_later_session_starts_from_the_g
         assert late.version > 0
     final = mlp.heldout_loss(start)
     assert final < initial / 2, (initial, final)
-    rows = progress.read_rows(tmp_path / "a")
+    rows = island_files.read_rows(tmp_path / "a")
     assert [r["round"] for r in rows if not r.get("final")] == list(range(1, 16))
     # the final row carries the client's counters (acks may all come after close when the
     # in-thread shards compile their first step: an island then pushes once and carries on)
@@ -177,7 +177,8 @@ def test_a_model_that_differs_from_the_clusters_is_refused_naming_the_leaf(clust
     before = cluster_params(cluster.connect)
     with worker.join(cluster.connect, island="d", params=params, inner_steps=2, **FAST) as s:
         train(s, s.params, 4, 1)  # the cluster still serves the right model
-    assert s.last_row["final"] and s.last_row["acked"] == s.last_row["pushes"] > 0
+    row = s.last_row  # 2 rounds: a push a fragment each, unless round 2 rode on round 1's
+    assert row["final"] and len(s.sizes) <= row["acked"] == row["pushes"] <= 2 * len(s.sizes)
     assert not np.array_equal(before["layers/0/w"], cluster_params(cluster.connect)["layers/0/w"])
 
 
@@ -214,7 +215,8 @@ def test_in_a_sync_cluster_the_rounds_last_step_returns_the_merged_round(tmp_pat
             moved = jax.tree_util.tree_map(lambda x: x - 0.5, p)
             merged = s.step(moved, tokens=1)  # pushes, then waits for the merge
             assert s.version == fragments  # every fragment's round-1 version is in
-            assert s.stats["pushes"] == fragments and s.stats["bytes_sent"] > 0
+            assert s.stats["pushes"] == fragments
+            assert s.stats["bytes_sent"] >= 4 * sum(s.sizes)  # the float32 init it uploaded
             assert s.round == 1 and s.goodput is not None and s.goodput >= 0.0
             assert merged is not moved
             assert not np.array_equal(

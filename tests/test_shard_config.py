@@ -15,9 +15,11 @@ from paramserver.server.config import (
 
 @pytest.mark.parametrize(
     ("mode", "quorum", "single"),
-    [("sync", 2, False), ("quorum", 2, False), ("quorum", 1, True), ("async", 2, True)],
+    [("sync", 2, False), ("quorum", 2, False), ("quorum", 1, False), ("async", 2, True)],
 )
-def test_single_delta_steps_take_the_async_outer_defaults(mode, quorum, single):
+def test_async_steps_take_the_async_outer_defaults_and_any_quorum_the_sync_ones(
+    mode, quorum, single
+):
     cfg = ShardConfig(mode=mode, quorum=quorum)
     assert cfg.steps_on_single_deltas is single
     # sync and quorum steps: the default of the islands' default H (50), written out by hand

@@ -12,9 +12,10 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "paramserver" / "server"
 DECIDING = [
-    "core", "effects", "state", "outcomes", "events", "fragment", "counters", "fragment_step",
-    "binding", "policy", "weighting", "merge", "robust", "downlink", "outer", "init_pieces",
-    "chunked_step",
+    "core", "state", "state_init", "events", "fragment",
+    "admission/gate", "admission/outcomes",
+    "step/policy", "step/weighting", "step/merge", "step/sparse_merge", "step/tensor_groups",
+    "step/outer", "step/fragment_step", "step/downlink",
 ]  # fmt: skip
 FORBIDDEN = {"zmq", "threading", "time"}
 

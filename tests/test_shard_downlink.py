@@ -9,9 +9,9 @@ from shard_helpers import delta_frames, init_payload, plan_for, push_header, sma
 
 import codec
 from paramserver.server.config import ShardConfig
-from paramserver.server.downlink import Downlink, DownlinkError, new_residual
 from paramserver.server.state import ShardState
-from paramserver.server.storage.checkpoint_content import export_state, restore_state
+from paramserver.server.step.downlink import Downlink, DownlinkError, new_residual
+from paramserver.server.storage.checkpoint import export_state, restore_state
 from paramserver.wire import protocol
 
 T0 = 1_000_000.0

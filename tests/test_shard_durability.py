@@ -15,10 +15,10 @@ from shard_process import shard_argv
 
 import codec
 from paramserver.server.config import ShardConfig
-from paramserver.server.outer import FragmentOptimizer, make_outer_optimizer
 from paramserver.server.state import ShardState
-from paramserver.server.storage.data_dir import ShardStorage
+from paramserver.server.step.outer import FragmentOptimizer, make_outer_optimizer
 from paramserver.server.storage.recovery import DurabilityError
+from paramserver.server.storage.shard_storage import ShardStorage
 
 ROOT = Path(__file__).resolve().parent.parent
 T0 = 1_000_000.0
@@ -161,7 +161,7 @@ def test_a_torn_log_tail_is_reported_and_dropped(tmp_path, caplog):
     with open(log, "ab") as f:
         f.write(b"\x40\x00\x00\x00partial")  # a record whose body never made it
     again = ShardStorage(cfg, 0)
-    with caplog.at_level(logging.WARNING, logger="paramserver.server.storage.log_file"):
+    with caplog.at_level(logging.WARNING, logger="paramserver.server.storage.wal"):
         recovered = again.recover()
     assert f"torn tail at byte {complete}" in caplog.text
     assert_same(state, recovered)

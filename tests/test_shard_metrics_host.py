@@ -33,7 +33,7 @@ def _listening(port: int) -> set[str]:
 
 def _cli(*args: str) -> subprocess.CompletedProcess:
     env = {k: v for k, v in os.environ.items() if not k.startswith("DILOCO_")}
-    argv = [sys.executable, "-m", "paramserver.server.cli", *args]
+    argv = [sys.executable, "-m", "paramserver.ops.cli", *args]
     return subprocess.run(argv, capture_output=True, text=True, timeout=90, env=env)
 
 

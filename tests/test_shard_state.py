@@ -79,8 +79,8 @@ def test_step_equals_a_hand_computed_nesterov_step_of_the_weighted_merge():
     assert due == [0]
     event, update = state.step(0, T0)
     assert event.keys == (("a", 1), ("b", 1))
-    # default weighting: tokens^2 / steps * (1 + staleness)^-0.5, staleness 0 here
-    wa, wb = 4000**2 / 10, 1000**2 / 5
+    # default weighting: (tokens / steps)^2 * (1 + staleness)^-0.5, staleness 0 here
+    wa, wb = (4000 / 10) ** 2, (1000 / 5) ** 2
     g = (wa * da.astype(np.float64) + wb * db) / (wa + wb)
     # optax sgd(nesterov): m = g (first step), update = g + momentum * m
     expected = before - 0.5 * (g + 0.8 * g)
@@ -102,8 +102,10 @@ def test_staleness_weights_down_an_old_base_version():
     push(state, plan, "a", 2, base=1, v=da)  # fresh
     push(state, plan, "b", 1, base=0, v=db)  # one version stale
     _, update = state.step(0, T0)
-    # equal work (1000 tokens, 10 steps): w = 1/2 each; g(0) = 1, g(1) = 2^-0.5 (absolute)
-    g = 0.5 * da.astype(np.float64) + 0.5 * 2**-0.5 * db
+    # equal work (1000 tokens, 10 steps): w = 1/2 each. The first step merged a alone of
+    # the two live islands: half a round, so b's base is half a round old: g(0) = 1,
+    # g(1/2) = 1.5^-0.5 (absolute)
+    g = 0.5 * da.astype(np.float64) + 0.5 * 1.5**-0.5 * db
     np.testing.assert_allclose(update.values, start - g, rtol=1e-5, atol=1e-7)
     assert state.counters.staleness == {0: 2, 1: 1}
 
@@ -209,7 +211,7 @@ def test_replaying_the_events_rebuilds_the_state_bit_for_bit():
     replica = ShardState(cfg, 0)
     for event in events:
         replica.apply(event)
-    assert replica.versions() == state.versions() and state.counters.steps > 0
+    assert replica.versions() == state.versions() and state.counters.steps == 6  # one a round
     for f in state.fragments:
         assert state.snapshot(f)[1].tobytes() == replica.snapshot(f)[1].tobytes()
     assert replica.counters.accepted == state.counters.accepted

@@ -21,8 +21,8 @@ from shard_helpers import delta_frames, init_payload, plan_for, push_header, sma
 from shard_process import ShardProcess
 
 from paramserver.server.config import ShardConfig
-from paramserver.server.storage.data_dir import ShardStorage
-from paramserver.server.storage.log_file import LogReader, WriteAheadLog
+from paramserver.server.storage.shard_storage import ShardStorage
+from paramserver.server.storage.wal import LogReader, WriteAheadLog
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -105,7 +105,7 @@ def _append_until_it_fails(path: Path, limit: int) -> str:
     """Run in a child: append 100-byte records under a file-size limit; report sizes."""
     code = f"""
 import resource
-from paramserver.server.storage.log_file import WriteAheadLog
+from paramserver.server.storage.wal import WriteAheadLog
 log = WriteAheadLog({str(path)!r})
 log.append({{"n": 0}}, [b"x" * 100])
 log.sync()

@@ -12,9 +12,9 @@ from shard_helpers import init_payload, plan_for, push_header, small_flat
 import codec
 from bench import claims
 from paramserver.server.config import ShardConfig
-from paramserver.server.merge import ArrayDelta, MergeError
-from paramserver.server.sparse_merge import sparse_merge
 from paramserver.server.state import ShardState
+from paramserver.server.step.merge import ArrayDelta, MergeError
+from paramserver.server.step.sparse_merge import sparse_merge
 from paramserver.wire.protocol import ACCEPTED
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ import pytest
 import codec
 from paramserver.server.config import ShardConfig
 from paramserver.server.state import ShardState
-from paramserver.server.weighting import make_weighting, merge_coefficients
+from paramserver.server.step.weighting import make_weighting, merge_coefficients
 from paramserver.wire.plan import leaf_specs, make_plan
 
 pytestmark = pytest.mark.timeout(120)

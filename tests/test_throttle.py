@@ -1,14 +1,14 @@
 """The shard's request limits as pure rules: token buckets, the verdicts, one island's byte budget.
 
 Every expected value below is worked out by hand from the rule in the
-docstring of `paramserver.server.throttle` (rate 10/s, bucket of 5, 2 answers
+docstring of `paramserver.server.admission.gate` (rate 10/s, bucket of 5, 2 answers
 a second unless a test says otherwise).
 """
 
 import pytest
 
-from paramserver.server import outcomes
-from paramserver.server.throttle import (
+from paramserver.server.admission import outcomes
+from paramserver.server.admission.gate import (
     ADMIT,
     ANSWER,
     CONTENTION_S,

@@ -1,4 +1,4 @@
-"""paramserver.server.storage.log_file: record round trip, torn tails at every cut, mid-log corruption, headers."""
+"""paramserver.server.storage.wal: record round trip, torn tails at every cut, mid-log corruption, headers."""
 
 import logging
 import os
@@ -6,7 +6,7 @@ import os
 import numpy as np
 import pytest
 
-from paramserver.server.storage.log_file import LogReader, WalError, WriteAheadLog
+from paramserver.server.storage.wal import LogReader, WalError, WriteAheadLog
 
 
 def write_records(path, count=3, fsync=False):
@@ -55,7 +55,7 @@ def test_a_torn_tail_at_every_cut_is_dropped_with_a_warning_and_can_be_truncated
     for cut in range(last + 1, len(full)):
         path.write_bytes(full[:cut])
         caplog.clear()
-        with caplog.at_level(logging.WARNING, logger="paramserver.server.storage.log_file"):
+        with caplog.at_level(logging.WARNING, logger="paramserver.server.storage.wal"):
             reader, records = read_all(path)
         assert len(records) == 2, cut
         assert reader.torn_at == last and reader.end_offset == last
@@ -130,3 +130,16 @@ def test_rollback_cuts_off_every_record_since_the_last_sync(tmp_path):
     log.append({"n": 3}, [b"next batch"])
     log.close()
     assert [r.header["n"] for r in LogReader(tmp_path / "wal-0.log")] == [0, 3]
+
+
+def test_a_record_of_more_buffers_than_iov_max_is_written_in_batches(tmp_path):
+    from paramserver.server.storage.wal import IOV_MAX
+
+    pieces = [bytes([i % 251]) * (1 + i % 3) for i in range(IOV_MAX * 2 + 77)]
+    log = WriteAheadLog(tmp_path / "wal-0.log", fsync=False)
+    log.append({"n": 0}, pieces)
+    log.append({"n": 1}, [b"after"])
+    log.close()
+    records = list(LogReader(tmp_path / "wal-0.log"))
+    assert [r.header["n"] for r in records] == [0, 1]
+    assert records[0].payload == b"".join(pieces) and records[1].payload == b"after"

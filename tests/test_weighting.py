@@ -9,10 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.server.weighting import (
+from paramserver.server.step.weighting import (
     WEIGHTINGS,
     WeightingError,
-    island_shares,
     make_weighting,
     merge_coefficients,
     polynomial_staleness,
@@ -32,10 +31,10 @@ def test_building_blocks():
 @pytest.mark.parametrize(
     "name, work, factor_at_3",
     [
-        ("default", 2500.0, 0.5),  # f = 100^2/4, g(3) = 4^-0.5
+        ("default", 625.0, 0.5),  # f = (100^2/4) per inner step = (100/4)^2, g(3) = 4^-0.5
         ("uniform", 1.0, 0.5),  # f = 1, staleness still applies
         ("tokens", 100.0, 0.5),  # f = tokens
-        ("no-staleness", 2500.0, 1.0),  # g = 1
+        ("no-staleness", 625.0, 1.0),  # g = 1
     ],
 )
 def test_named_weightings(name, work, factor_at_3):
@@ -103,12 +102,32 @@ def test_default_weights_islands_by_summed_work_and_oldest_base():
     contributions = [Contribution("a", 100, 4, 10), Contribution("a", 100, 4, 10)]
     contributions.append(Contribution("b", 100, 4, 7))
     coefficients, shares = merge_coefficients(make_weighting(), contributions, current_version=10)
-    # a: tokens 200, steps 8 -> f = 5000, staleness 0 -> g 1
-    # b: tokens 100, steps 4 -> f = 2500, staleness 3 -> g 0.5
-    # w_a = 2/3, w_b = 1/3; coefficients w*g
-    assert coefficients == pytest.approx([2 / 3, 2 / 3, 1 / 6])
+    # a: tokens 200, steps 8 -> f = (200/8)^2 = 625, staleness 0 -> g 1
+    # b: tokens 100, steps 4 -> f = (100/4)^2 = 625, staleness 3 -> g 0.5
+    # w_a = w_b = 1/2; coefficients w*g
+    assert coefficients == pytest.approx([1 / 2, 1 / 2, 1 / 4])
     assert [s.island for s in shares] == ["a", "b"]
     assert shares[1].factor == pytest.approx(0.5)
+
+
+def test_summed_increments_weigh_by_their_work_not_its_square():
+    # the case: a fast island sent two increments d (t tokens, s steps each), a
+    # slow one one d. Work-conserving: w = 1/2 each, merged = 1/2 * 2d + 1/2 * d = 1.5 d
+    # (tokens^2/steps over the sum gave f_a = (2t)^2/(2s) = 2 t^2/s, w_a = 2/3: 1.667 d)
+    t, s = 1000, 10
+    contributions = [("a", t, s, 5), ("a", t, s, 5), ("b", t, s, 5)]
+    coefficients, _ = merge_coefficients(make_weighting(), contributions, current_version=5)
+    assert sum(coefficients) == pytest.approx(1.5)
+    # the same work sent as one delta of two rounds (a skipped push): the same 1.5 d
+    coefficients, _ = merge_coefficients(
+        make_weighting(), [("a", 2 * t, 2 * s, 5), ("b", t, s, 5)], current_version=5
+    )
+    assert coefficients == pytest.approx([0.5, 0.5])  # 0.5 * 2d + 0.5 * d
+    # bigger batches still count more: 2x tokens per inner step -> f 4x -> w = 4/5
+    coefficients, _ = merge_coefficients(
+        make_weighting(), [("a", 2 * t, s, 5), ("b", t, s, 5)], current_version=5
+    )
+    assert coefficients == pytest.approx([0.8, 0.2])
 
 
 def test_a_lone_stale_delta_keeps_its_staleness_factor():
@@ -128,9 +147,9 @@ def test_equally_stale_deltas_do_not_cancel_the_factor():
 
 def test_rejects_future_base_and_empty():
     with pytest.raises(WeightingError, match="base_version=6 is newer than current_version=5"):
-        island_shares(make_weighting(), [("a", 1, 1, 6)], current_version=5)
+        merge_coefficients(make_weighting(), [("a", 1, 1, 6)], current_version=5)[1]
     with pytest.raises(WeightingError, match="no contributions"):
-        island_shares(make_weighting(), [], current_version=5)
+        merge_coefficients(make_weighting(), [], current_version=5)[1]
 
 
 @settings(max_examples=100, deadline=None)
@@ -148,7 +167,7 @@ def test_rejects_future_base_and_empty():
     ),
 )
 def test_work_weights_sum_to_one_and_factors_are_at_most_one(name, contributions):
-    shares = island_shares(make_weighting(name), contributions, current_version=50)
+    shares = merge_coefficients(make_weighting(name), contributions, current_version=50)[1]
     assert len(shares) == len({c[0] for c in contributions})
     assert sum(s.weight for s in shares) == pytest.approx(1.0)
     assert all(0 < s.factor <= 1 for s in shares)

@@ -67,7 +67,7 @@ def test_two_islands_one_slow_train_below_unigram_entropy_and_a_wrong_model_is_r
     assert sum(s["accepted"] for s in status["shards"]) >= 2 * 10 * 2  # both islands contributed
     for name in ("fast", "slow"):
         last = cluster.island_metrics(name)[-1]
-        assert last["final"] and last["acked"] == last["pushes"] > 0
+        assert last["final"] and last["acked"] == last["pushes"] >= 10  # a push a round at least
         assert last["bytes_sent"] > 0 and last["bytes_received"] > 0
     # a model that differs from the cluster's is refused at join, with a clear message
     proc = worker(
@@ -131,13 +131,14 @@ def test_bad_config_is_one_clear_line(tmp_path, flags, message):
 
 
 @pytest.mark.slow
+@pytest.mark.serial  # compares the islands' measured waits: each needs its own core
 @pytest.mark.timeout(600)
 def test_sync_mode_paces_the_fast_island_and_its_wait_is_lost_goodput(tmp_path):
     # Synchronous DiLoCo: after each push an island waits until the shards merged its round.
     # With one island at half speed the fast one can never run more than a round ahead, and
     # the time it waits shows as goodput of about 0.5 (never as a stall).
     start = tmp_path / "start"
-    rounds = ("--inner-steps", "30", "--max-rounds", "5", *TINY_FAST, "--eval-every", "0")
+    rounds = ("--inner-steps", "30", "--max-rounds", "3", *TINY_FAST, "--eval-every", "0")
     rounds = (*rounds, "--start-file", str(start))
     with LocalCluster(tmp_path / "run", shards=2, server_args=("--mode", "sync")) as c:
         c.start_server()
@@ -152,13 +153,13 @@ def test_sync_mode_paces_the_fast_island_and_its_wait_is_lost_goodput(tmp_path):
             return fast.get("state") == "stopped" and slow.get("state") == "stopped"
 
         wait_for(
-            finished, "both islands to finish 5 synchronous rounds", timeout_s=480, poll_s=0.05
+            finished, "both islands to finish 3 synchronous rounds", timeout_s=480, poll_s=0.05
         )
         fast_rows = [r for r in c.island_metrics("fast") if r.get("round", 0) >= 1]
         slow_rows = [r for r in c.island_metrics("slow") if r.get("round", 0) >= 1]
         status = c.server_status()
     assert worst_lead <= 1, f"fast island ran {worst_lead} rounds ahead in sync mode"
-    assert sum(s["steps"] for s in status["shards"]) == 5 * 4  # 5 outer steps x 4 fragments
+    assert sum(s["steps"] for s in status["shards"]) == 3 * 4  # 3 outer steps x 4 fragments
     fast, slow = fast_rows[-1], slow_rows[-1]
     assert fast["final"] and slow["final"]
     assert fast["credited_tokens"] == fast["tokens"]  # every round merged, never stale

@@ -46,7 +46,7 @@ from pathlib import Path
 from paramserver.client import ClientError
 from paramserver.plumbing import daemon, settings
 from worker import export as export_cli
-from worker import progress
+from worker import island_files
 from worker.config import IslandConfig
 
 ENV_PREFIX = "DILOCO_WORKER_"
@@ -260,7 +260,7 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False) -> int:
 def _status(args: argparse.Namespace) -> int:
     data_dir = Path(args.data_dir)
     pid = daemon.running_pid(daemon.pid_path(data_dir))
-    status = progress.read_status(data_dir)
+    status = island_files.read_status(data_dir)
     if status is None:
         raise daemon.DaemonError(
             f"no island status in {data_dir}: start one with diloco-worker start"
@@ -295,7 +295,7 @@ def status_lines(status: dict, now: float) -> list[str]:
     """The human view of an island's status file (`diloco-worker status` without --json).
 
     Args:
-        status: the status mapping (`worker.progress.read_status`) plus "running".
+        status: the status mapping (`worker.island_files.read_status`) plus "running".
         now: wall-clock time, for the age of the file.
 
     Returns:

@@ -115,6 +115,7 @@ class DeviceExchange:
         )()
         self._pushes: dict[tuple[int, ...], Callable] = {}
         self._folds: dict[tuple, Callable] = {}
+        self._refunds: dict[int, Callable] = {}
 
     def _put(self, host: np.ndarray, sharding: Any) -> jax.Array:
         host = np.ascontiguousarray(host)
@@ -229,6 +230,29 @@ class DeviceExchange:
         return jax.jit(
             push, donate_argnums=(1, 2), out_shardings=(self.spread, self.spread, rep, rep)
         )
+
+    def refund(self, fragment: int, values: np.ndarray) -> None:
+        """Put a refused push's values back into the fragment's residual (every process).
+
+        The shards never applied them, so the next push of the fragment sends them
+        again, as `codec.refund` does for the numpy codec's error feedback.
+
+        Args:
+            fragment: the pushed fragment.
+            values: the decoded delta that push carried (`codec.decode(frames)["delta"]`),
+                the same on every process.
+        """
+        padded = np.zeros(self.flat.padded[fragment], np.float32)
+        padded[: self.flat.size[fragment]] = np.asarray(values, np.float32).reshape(-1)
+        fn = self._refunds.get(fragment)
+        if fn is None:
+            start, length = self.flat.offset[fragment], self.flat.padded[fragment]
+            fn = self._refunds[fragment] = jax.jit(
+                lambda residual, back: residual.at[start : start + length].add(back),
+                donate_argnums=(0,),
+                out_shardings=self.spread,
+            )
+        self.residual = fn(self.residual, self._put(padded, self.replicated))
 
     # -- fold ------------------------------------------------------------------------
 

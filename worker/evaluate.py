@@ -26,8 +26,8 @@ from paramserver.plumbing import probe
 from paramserver.plumbing.curve import ClientKeys, CurveError
 from paramserver.plumbing.model_diff import first_difference, model_size
 from worker import data as data_lib
+from worker import island_files
 from worker import model as model_lib
-from worker import progress
 from worker.config import IslandConfig
 from worker.train import InnerConfig, InnerTrainer
 
@@ -138,7 +138,7 @@ def data_warning(data_dir: str, data_id: str) -> str | None:
         One line, or None when the island's data agrees or it recorded none.
     """
     try:
-        status = progress.read_status(data_dir) or {}
+        status = island_files.read_status(data_dir) or {}
     except (OSError, ValueError):
         return None
     theirs = status.get("data_id")

@@ -8,8 +8,8 @@ encodes it with the numpy codec, folds published versions with
 `FragmentSync.adopt` and places the whole tree back on the devices. It is the
 fallback of `worker.device_exchange` (codecs other than int8/int4, parameters
 held as numpy arrays) and the baseline the device path is measured against.
-`DeviceExchange` has the same methods, but `refund` (a push the shards finally
-refused goes back into the error feedback, `codec.refund`) is this path's only.
+`DeviceExchange` has the same methods (`refund`: a push the shards finally
+refused goes back into the error feedback, `codec.refund` here).
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ class HostExchange:
         *,
         delta_codec: codec.Codec,
         rule: str,
-        group: LeaderSync,
+        leader_sync: LeaderSync,
     ) -> None:
         """Start every fragment at the joined values.
 
@@ -56,9 +56,9 @@ class HostExchange:
             versions: the joined version of each fragment.
             delta_codec: the codec of the pushed deltas.
             rule: the merge rule.
-            group: the island's process group (gathers spread leaves).
+            leader_sync: the island's processes' decision broadcast (gathers spread leaves).
         """
-        self.layout, self.plan, self.rule, self.group = layout, plan, rule, group
+        self.layout, self.plan, self.rule, self.leader_sync = layout, plan, rule, leader_sync
         self.codec = delta_codec
         self.syncs = {
             frag.index: FragmentSync.start(plan.gather(flat, frag.index), versions[frag.index])
@@ -90,7 +90,7 @@ class HostExchange:
 
     def _host_copy(self, leaves: list[Any]) -> dict[str, np.ndarray]:
         if self._host is None:
-            self._host = self.layout.to_host(self.group.gather(leaves))
+            self._host = self.layout.to_host(self.leader_sync.gather(leaves))
             self.host_device_bytes += sum(
                 leaf.nbytes for leaf in leaves if isinstance(leaf, jax.Array)
             )
@@ -117,7 +117,7 @@ class HostExchange:
                 )
         return out
 
-    def refund(self, fragment: int, frames: Sequence[Any]) -> None:
+    def refund(self, fragment: int, values: np.ndarray) -> None:
         """Put a refused push's values back into the fragment's error feedback (process 0).
 
         The shards never applied them, so the next push of the fragment sends
@@ -125,10 +125,9 @@ class HostExchange:
 
         Args:
             fragment: the pushed fragment.
-            frames: the codec frames that push carried.
+            values: the decoded delta that push carried (`codec.decode(frames)["delta"]`).
         """
-        sent = codec.decode(list(frames))
-        self.ef_state[fragment] = codec.refund(self.ef_state[fragment], sent)
+        self.ef_state[fragment] = codec.refund(self.ef_state[fragment], {"delta": values})
 
     def fold(self, leaves: list[Any], updates: Sequence[Update]) -> list[Any]:
         """Adopt new global versions on the host and place the tree back; returns its leaves."""

@@ -8,7 +8,7 @@ writes ``metrics.jsonl``. What stays here is the daemon's own: the data and
 model, the emulated speed (`--speed`, `--jitter`: `worker.pace`), the compile
 warm-up before the start barrier (so compile time is neither padded nor
 charged to round 1), the evaluations it adds to the metrics rows,
-``status.json`` (rewritten atomically, `worker.progress`), and in a
+``status.json`` (rewritten atomically, `worker.island_files`), and in a
 multi-process island the liveness watchdog (`worker.process_group`).
 
 Every process of a multi-process island runs this same loop with its own
@@ -36,7 +36,7 @@ import jax
 import numpy as np
 
 from paramserver.client import Client, ClientError
-from worker import compile_cache, progress
+from worker import compile_cache, island_files
 from worker import data as data_lib
 from worker import model as model_lib
 from worker.config import IslandConfig
@@ -163,8 +163,8 @@ class Island:
             try:
                 self._train(session, stop, on_ready)
             except Exception as exc:
-                if watchdog is not None and type(exc).__name__ == "JaxRuntimeError":
-                    session.group.broken = True  # no more collectives, not even at close
+                if watchdog is not None and isinstance(exc, jax.errors.JaxRuntimeError):
+                    session.leader_sync.broken = True  # no more collectives, not even at close
                     self._await_watchdog(watchdog, exc)
                 raise
             finally:
@@ -313,4 +313,4 @@ class Island:
         }
         if client_stats is not None:
             status["client"] = client_stats
-        progress.write_status(self.data_dir, status)
+        island_files.write_status(self.data_dir, status)

@@ -162,6 +162,31 @@ class LeaderSync:
             shared.append(Update(f, version, values, coded))
         return shared, bool(words[0])
 
+    def share_refused(
+        self, refused: list[tuple[int, np.ndarray]], sizes: list[int]
+    ) -> list[tuple[int, np.ndarray]]:
+        """Process 0's refused pushes, on every process (a few broadcasts when `multi`).
+
+        Args:
+            refused: (fragment, decoded delta) per refused push (process 0's; others pass []).
+            sizes: each fragment's size.
+
+        Returns:
+            Process 0's list, on every process.
+        """
+        if not self.multi:
+            return refused
+        count = int(self._send(np.int32(len(refused) if self.leader else 0)))
+        if not count:
+            return []
+        mine = [f for f, _ in refused] if self.leader else [0] * count
+        fragments = [int(f) for f in np.asarray(self._send(np.asarray(mine, np.int32)))]
+        out = []
+        for k, fragment in enumerate(fragments):
+            values = refused[k][1] if self.leader else np.zeros(sizes[fragment], np.float32)
+            out.append((fragment, np.asarray(self._send(np.asarray(values, np.float32)))))
+        return out
+
     def gather(self, leaves: list[Any]) -> list[Any]:
         """Leaves every host can read whole (a collective when one spans processes).
 

@@ -210,7 +210,7 @@ class Outbox:
         """
         deltas, self.to_resend = self.to_resend, []
         for d in deltas:
-            client.push(d.fragment, d.round, d.base_version, d.tokens, d.steps, d.frames, stop=stop)
+            client.push_request(d, stop=stop)  # the kept request, whole
         if deltas:
             logger.info("island %s: re-sent %d deltas kept in %s", self.island, len(deltas),
                         self.path)  # fmt: skip
@@ -224,11 +224,13 @@ class Outbox:
 
         Returns:
             False when `stop` ended the wait.
+
+        Raises:
+            ClientError: the client was closed meanwhile (e.g. an abandoned session).
         """
-        while client.stats()["pending"] and not stop.is_set():
-            stop.wait(0.01)
-        if stop.is_set():
-            return False
+        while not client.wait_settled(stop, timeout_s=1.0):  # woken by each ack
+            if stop.is_set():
+                return False
         logger.info("island %s: the %d re-sent deltas are resolved", self.island, count)
         return True
 

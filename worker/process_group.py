@@ -236,8 +236,9 @@ class Watchdog(threading.Thread):
             try:
                 client.key_value_set(f"{HEARTBEAT_KEY}{me}", str(beat), allow_overwrite=True)
                 now = last_ok = time.monotonic()
+                beats = self._read_beats(client)
                 for p in peers:
-                    value = self._read(client, p)
+                    value = beats.get(p)
                     if value is not None and value != last_value[p]:
                         last_value[p], last_change[p] = value, now
             except Exception as exc:  # the coordination service (process 0) does not answer
@@ -252,13 +253,17 @@ class Watchdog(threading.Thread):
                 return
 
     @staticmethod
-    def _read(client, process: int) -> str | None:
-        try:
-            return client.key_value_try_get(f"{HEARTBEAT_KEY}{process}")
-        except Exception as exc:
-            if "NOT_FOUND" in str(exc):
-                return None  # not heard yet
-            raise
+    def _read_beats(client) -> dict[int, str]:
+        """Process -> its last heartbeat value (a process not heard yet has none).
+
+        One directory read: a missing key is absence, not an error to tell apart.
+        """
+        beats = {}
+        for key, value in client.key_value_dir_get(HEARTBEAT_KEY):
+            process = str(key).rsplit("/", 1)[-1]
+            if process.isdigit():
+                beats[int(process)] = str(value)
+        return beats
 
     def _fire(self, missing: list[int]) -> None:
         line = gone_line(self.island, missing, self.spec.num_processes, self.liveness_s)

@@ -30,12 +30,17 @@ until the round is merged. `close` pushes the partial round, flushes, keeps
 what stays unacked in the data dir and says bye.
 
 A session runs in any thread and installs no signal handler; `stop` (a
-`threading.Event`) ends its waits. Multi-process islands: every process calls
+`threading.Event`) ends its waits, which sleep on the client's Condition in
+short slices (so Ctrl-C reaches a main thread that waits). One lock, held by
+`step` and `close`, guards the session's state: `abandon` (the watchdog's
+thread) first closes the client, which ends any wait of `step` with
+`SessionClosed`, then takes the lock to keep the unacked deltas and release
+the data dir. Multi-process islands: every process calls
 `join` and `step` at the same points with its own shards; process 0 alone
 opens sockets and `worker.leader_sync` shares its decisions.
 
 (Over 400 lines: `Session` is the API's one class; its decisions live in
-`worker.exchange`, `worker.push_schedule`, `worker.session_stats`,
+`worker.exchange`, `worker.push_schedule`, `worker.goodput`,
 `worker.outbox` and `worker.leader_sync`, what remains is its state and
 documented methods.)
 """
@@ -54,19 +59,39 @@ from typing import Any
 import jax
 import numpy as np
 
+import codec
 from paramserver.client import Client, ClientError, JoinResult, PushRequest, Update
-from worker import compile_cache, progress, session_token
+from worker import compile_cache, island_files, session_token
 from worker.config import IslandConfig
 from worker.device_exchange import DeviceExchange
+from worker.goodput import RoundClock
 from worker.host_exchange import HostExchange
 from worker.leader_sync import LeaderSync
 from worker.outbox import OUTBOX_FILE, Outbox
 from worker.param_tree import TreeError, TreeLayout
 from worker.push_schedule import check_streaming_mode, due_fragments, flush_fragments, unblocked
 from worker.session_config import check_loss, check_tokens, make_codec, session_config
-from worker.session_stats import RoundClock, cluster_difference
 
 logger = logging.getLogger(__name__)
+
+
+class SessionClosed(RuntimeError):
+    """`step` on a session that is closed, or was abandoned while the call ran.
+
+    Attributes:
+        island: the island id.
+        abandoned: True when `abandon` (another process of the island is gone) closed it.
+    """
+
+    def __init__(self, island: str, abandoned: bool) -> None:
+        why = (
+            "was abandoned (another process of the island is gone)"
+            if abandoned
+            else ("is closed: step() after close()")
+        )
+        super().__init__(f"island {island!r}: the session {why}; join again")
+        self.island, self.abandoned = island, abandoned
+
 
 _open_islands: set[str] = set()
 _open_lock = threading.Lock()
@@ -147,7 +172,7 @@ class Session:
         self.row_fields = row_fields
         self.row_tags = dict(row_tags or {})
         self.data_dir = Path(cfg.data_dir) if cfg.data_dir else None
-        self.group = LeaderSync(jax.process_count() > 1, jax.process_index() == 0)
+        self.leader_sync = LeaderSync(jax.process_count() > 1, jax.process_index() == 0)
         self.island = cfg.island
         with _open_lock:
             if cfg.island in _open_islands:
@@ -157,6 +182,10 @@ class Session:
                 )
             _open_islands.add(cfg.island)
         self.closed = False
+        # held by `step`, `close` and `abandon`'s second half: the session's state changes
+        # under it (`abandon` runs on the watchdog's thread)
+        self._lock = threading.RLock()
+        self._abandoned = threading.Event()  # set first by `abandon`, before it closes the client
         self.last_row: dict[str, Any] = {}
         self.client: Client | None = None
         self.outbox: Outbox | None = None  # process 0 with a data dir: `worker.outbox`
@@ -174,21 +203,21 @@ class Session:
         if self.data_dir is not None:
             self.data_dir.mkdir(parents=True, exist_ok=True)
             compile_cache.enable(cfg.compile_cache_dir, self.data_dir)
-        host = self.layout.to_host(self.group.gather(self.layout.leaves(params)))
+        host = self.layout.to_host(self.leader_sync.gather(self.layout.leaves(params)))
         joined: JoinResult | None = None
-        if self.group.leader:
+        if self.leader_sync.leader:
             client_cfg = cfg.client_config()
             if self.data_dir is not None:  # a restart proves it is this island (its token)
                 self.token = session_token.hold(self.data_dir)
                 client_cfg = dataclasses.replace(client_cfg, session=self.token.value)
             self.client = client_factory(client_cfg)
-            try:
+            try:  # a PlanMismatch names the first differing leaf already
                 joined = self.client.join(self._join_values(host), stop=self.stop)
-            except ClientError as exc:
-                if self.group.multi:
-                    self.group.share_join(None)
-                raise cluster_difference(exc, cfg, self.layout) from None
-        joined = self.group.share_join(joined)
+            except ClientError:
+                if self.leader_sync.multi:
+                    self.leader_sync.share_join(None)
+                raise
+        joined = self.leader_sync.share_join(joined)
         check_streaming_mode(cfg.streaming, joined.mode)
         self.plan, self.mode = joined.plan, joined.mode
         self.sizes = [frag.size for frag in self.plan.fragments]
@@ -207,7 +236,7 @@ class Session:
         self.steps = self.tokens = 0
         self.adopted = 0
         self._round_losses: list[Any] = []  # the `loss` values of this round's steps
-        self.clock = RoundClock(time.monotonic())
+        self.goodput_clock = RoundClock(time.monotonic())
         self._leader_stop = False  # process 0's stop as of the last step (multi-process)
         self.resending = 0  # deltas of a previous run pushed again and not resolved yet
         if self.client is not None and self.data_dir is not None:
@@ -246,7 +275,7 @@ class Session:
             logger.info("island %s: exchange on the host: %s", cfg.island, why)
         return HostExchange(
             self.layout, self.plan, flat, versions, delta_codec=delta_codec,
-            rule=cfg.merge_rule, group=self.group,
+            rule=cfg.merge_rule, leader_sync=self.leader_sync,
         )  # fmt: skip
 
     def _join_values(self, host: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -272,13 +301,23 @@ class Session:
 
         Raises:
             ValueError: another tree structure, shape or dtype (naming the leaf), bad tokens or loss.
-            RuntimeError: the session is closed.
+            SessionClosed: the session is closed, or was abandoned during the call (a
+                RuntimeError).
         """
-        self._check_open()
+        with self._lock:
+            self._check_open()
+            try:
+                return self._step(params, tokens, loss)
+            except ClientError as exc:  # its client was closed by `abandon` meanwhile
+                if self._abandoned.is_set():
+                    raise SessionClosed(self.island, abandoned=True) from exc
+                raise
+
+    def _step(self, params: Any, tokens: int, loss: float | None) -> Any:
         tokens = check_tokens(tokens)
         loss = None if loss is None else check_loss(loss)
         leaves = self.layout.leaves(params)
-        self.clock.step_started(time.monotonic())
+        self.goodput_clock.step_started(time.monotonic())
         in_round = self.in_round + 1
         round_end = in_round == self.inner_steps
         if loss is not None:
@@ -293,7 +332,8 @@ class Session:
         if due:
             self._push(due, frames, self.round_base + self.round)
         if round_end and self.client is not None:
-            self.client.report_step_time(self.clock.median_step_s(self.inner_steps))
+            step_s = self.goodput_clock.median_step_s(self.inner_steps)
+            self.client.report_step_time(step_s, inner_steps=self.inner_steps)
             if self.mode == "sync":
                 self._wait_for_merge(self.round_base + self.round)
         out = self._fold(leaves, params)
@@ -304,12 +344,12 @@ class Session:
             self.in_round, self.pushed_in_round = 0, False
             self._round_row()
             self._report_training()
-        self.clock.step_ended(time.monotonic())
+        self.goodput_clock.step_ended(time.monotonic())
         return out
 
     def _unblocked(self, due: list[int]) -> list[int]:  # `push_schedule.unblocked`
         down = self.client is not None and self.client.stats().get("shards_down")  # queue
-        if self.client is None or self.mode != "quorum" or self.group.multi or down:
+        if self.client is None or self.mode != "quorum" or self.leader_sync.multi or down:
             return due
         waiting = [(self.last_push[f], f) for f in due if f in self.last_push]
         return unblocked(due, self.last_push, self.client.delta_outcomes(waiting))
@@ -321,13 +361,27 @@ class Session:
         """
         versions = dict(self.exchange.versions)  # the versions the deltas are taken against
         t0 = time.perf_counter()
-        refund = getattr(self.exchange, "refund", None)  # the host exchange's error feedback
-        if refund is not None and self.client is not None:  # refused pushes: their mass goes back
-            for fragment, _, payload in self.client.take_refused():
-                refund(fragment, payload)
+        for fragment, values in self._refused():  # their mass goes back into error feedback
+            self.exchange.refund(fragment, values)
         frames = self.exchange.encode(leaves, fragments, self.client is not None)
         self.exchange_s += time.perf_counter() - t0
         return {index: (versions[index], f) for index, f in frames.items()}
+
+    def _refused(self) -> list[tuple[int, np.ndarray]]:
+        """(fragment, decoded delta) of each push the shards finally refused since the last call.
+
+        Process 0 reads them from its client; with the device exchange every process
+        gets them (its residual is spread over all), with the host's only process 0.
+        """
+        refused = []
+        if self.client is not None:
+            refused = [
+                (fragment, codec.decode(list(frames))["delta"])
+                for fragment, _, frames in self.client.take_refused()
+            ]
+        if self.leader_sync.multi and isinstance(self.exchange, DeviceExchange):
+            refused = self.leader_sync.share_refused(refused, self.sizes)
+        return refused
 
     def _push(self, fragments: list[int], frames: dict[int, tuple[int, list]], round_id: int):
         """Push each fragment's encoded work (process 0: persisted first); note what each covered."""
@@ -340,14 +394,15 @@ class Session:
             self.last_push[index] = round_id
             if self.client is not None:
                 version, payload = frames[index]
-                batch.append(PushRequest(index, round_id, version, tokens, steps, payload))
+                batch.append(PushRequest(index, round_id, version, tokens, steps, list(payload)))
         if self.outbox is not None and self.client is not None:
             self.outbox.before_push(self.client, batch)  # one fsync, before anything leaves
         for d in batch:
             assert self.client is not None
-            self.clock.pushed(round_id, d.fragment, self.sizes[d.fragment] / sum(self.sizes))
-            self.client.push(d.fragment, d.round, d.base_version, d.tokens, d.steps, d.frames,
-                             stop=self.stop)  # fmt: skip
+            self.goodput_clock.pushed(
+                round_id, d.fragment, self.sizes[d.fragment] / sum(self.sizes)
+            )
+            self.client.push_request(d, stop=self.stop)  # the request travels whole
         self.pushed_in_round = True
 
     def _fold(self, leaves: list[Any], params: Any) -> Any:
@@ -356,7 +411,7 @@ class Session:
         versions = self.exchange.versions
         if self.client is not None:
             updates = [u for u in self.client.poll_updates() if u.version > versions[u.fragment]]
-        updates, self._leader_stop = self.group.share_updates(
+        updates, self._leader_stop = self.leader_sync.share_updates(
             updates, self.stop.is_set(), self.sizes, self._coded_increments
         )
         if not updates:
@@ -376,9 +431,10 @@ class Session:
         """Sync mode: block until the shards published versions that include `round_id`."""
         assert self.client is not None
         t0 = time.monotonic()
-        while not self.stop.is_set() and not self.client.round_merged(round_id):
-            self.stop.wait(0.005)
-        self.clock.waited(time.monotonic() - t0)
+        while not self.stop.is_set():  # woken by each message; ClientError once closed
+            if self.client.wait_round_merged(round_id, self.stop, timeout_s=1.0):
+                break
+        self.goodput_clock.waited(time.monotonic() - t0)
 
     def _settle_resent(self) -> None:
         """Before the first new round: wait until the re-sent deltas are resolved."""
@@ -399,7 +455,7 @@ class Session:
     @property
     def stopping(self) -> bool:
         """Whether the loop should end: `stop` is set (on process 0, as of the last step)."""
-        return self._leader_stop if self.group.multi else self.stop.is_set()
+        return self._leader_stop if self.leader_sync.multi else self.stop.is_set()
 
     @property
     def version(self) -> int:
@@ -442,7 +498,7 @@ class Session:
         from the join to the first `step` call is warm-up (compile) and lost.
         """
         now = time.monotonic()
-        self.clock = RoundClock(now, last_end=now)
+        self.goodput_clock = RoundClock(now, last_end=now)
 
     def log_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """Append a metrics row with the session's common fields (process 0, with a data dir).
@@ -457,12 +513,12 @@ class Session:
             "island": self.island,
             "params": sum(self.sizes),
             **self.row_tags,
-            "time_s": round(time.monotonic() - self.clock.started, 3),
+            "time_s": round(time.monotonic() - self.goodput_clock.started, 3),
             "wall": time.time(),
             **row,
         }
-        if self.data_dir is not None and self.group.leader:
-            progress.append_row(self.data_dir, full)
+        if self.data_dir is not None and self.leader_sync.leader:
+            island_files.append_row(self.data_dir, full)
         self.last_row = full
         return full
 
@@ -475,22 +531,22 @@ class Session:
                 `step` (the flush and the caller's own epilogue are not island time).
         """
         if self.client is not None:
-            outcomes = self.client.delta_outcomes(self.clock.ledger.keys())
-            self.clock.ledger.settle(outcomes, final=final)
+            outcomes = self.client.delta_outcomes(self.goodput_clock.ledger.keys())
+            self.goodput_clock.ledger.settle(outcomes, final=final)
         shares = [size / sum(self.sizes) for size in self.sizes]
         if final:
-            self.clock.drop_unpushed(shares)
+            self.goodput_clock.drop_unpushed(shares)
         now = time.monotonic()
-        if final and self.clock.last_end is not None:
-            now = self.clock.last_end
-        return self.clock.fields(self.stats, self.tokens, self.steps, now, shares)
+        if final and self.goodput_clock.last_end is not None:
+            now = self.goodput_clock.last_end
+        return self.goodput_clock.fields(self.stats, self.tokens, self.steps, now, shares)
 
     def _round_row(self) -> None:
         extra = self.row_fields(self.round) if self.row_fields is not None else {}
         self.log_row(
             {
                 "round": self.round,
-                "round_s": self.clock.round_done(time.monotonic()),
+                "round_s": self.goodput_clock.round_done(time.monotonic()),
                 "versions_adopted": self.adopted,
                 **self.stats_fields(),
                 **extra,
@@ -517,8 +573,8 @@ class Session:
     # -- the end --------------------------------------------------------------------
 
     def _check_open(self) -> None:
-        if self.closed:
-            raise RuntimeError(f"island {self.island!r}: step() after close(); join again")
+        if self.closed or self._abandoned.is_set():
+            raise SessionClosed(self.island, abandoned=self._abandoned.is_set())
 
     def close(self, params: Any = None) -> None:
         """Push the partial round, flush, keep what stays unacked in the data dir, say bye.
@@ -527,12 +583,15 @@ class Session:
             params: the latest parameters if the loop trained after its last `step`
                 (default: what the last `step` returned). Every process calls `close`.
         """
-        if self.closed:
-            return
+        with self._lock:
+            if not self.closed:
+                self._close(params)
+
+    def _close(self, params: Any) -> None:
         try:
             latest = self._latest if params is None else params
             rest = flush_fragments({i: self.steps - at for i, (at, _) in self.pushed_at.items()})
-            if rest and not self.group.broken:
+            if rest and not self.leader_sync.broken:
                 round_id = self.round_base + self.round + int(self.pushed_in_round)
                 try:
                     frames = self._encode(self.layout.leaves(latest), rest)
@@ -540,7 +599,9 @@ class Session:
                     self._push(rest, frames, round_id)
                 except RuntimeError as exc:  # e.g. its buffers were donated since
                     logger.warning("island %s: partial round not pushed: %s", self.island, exc)
-            if not self.group.broken:  # no process leaves a collective of the others unfinished
+            if (
+                not self.leader_sync.broken
+            ):  # no process leaves a collective of the others unfinished
                 self.exchange.wait()
         finally:
             self.closed = True
@@ -549,12 +610,31 @@ class Session:
     def abandon(self, flush_timeout_s: float) -> None:
         """Close from another thread without collectives (another process is gone).
 
+        Closes the client first (a `step` in the owner thread then ends with
+        `SessionClosed` at its next client call or wait), then, once `step` let go
+        of the session, keeps the unacked deltas and releases the data dir. A
+        `step` stuck in a collective for longer than `flush_timeout_s` + 5 s is
+        left as it is (every pushed delta is in the outbox file already).
+
         Args:
             flush_timeout_s: how long to wait for unacked deltas.
         """
-        self.group.broken = True
-        self.closed = True
-        self._finish(flush_timeout_s)
+        self._abandoned.set()
+        self.leader_sync.broken = True  # no more collectives, not even at close
+        if self.client is not None:
+            self.client.close(flush_timeout_s=flush_timeout_s)  # thread-safe; ends step's waits
+        if not self._lock.acquire(timeout=flush_timeout_s + 5.0):
+            logger.warning(
+                "island %s: abandoned while a step is stuck; its outbox keeps what it pushed",
+                self.island,
+            )
+            return
+        try:
+            if not self.closed:
+                self.closed = True
+                self._finish(flush_timeout_s)
+        finally:
+            self._lock.release()
 
     def _finish(self, flush_timeout_s: float) -> None:
         try:
@@ -591,4 +671,4 @@ class Session:
         self.close()
 
 
-__all__ = ["Session", "TreeError", "join"]
+__all__ = ["Session", "SessionClosed", "TreeError", "join"]

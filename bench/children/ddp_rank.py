@@ -17,7 +17,7 @@ gradient, not its own.)
 
 Every `diloco-worker` setting is accepted and means the same thing (model, data
 shard, batch, lr, speed, ...); a "round" is `inner_steps` synchronous steps, and
-each round appends one row to the data dir's metrics file (`worker.progress`) in the islands'
+each round appends one row to the data dir's metrics file (`worker.island_files`) in the islands'
 schema (loss, tokens, bytes_sent / bytes_received counted at this rank's socket,
 eval_global on rank 0). The rank stops after `max_rounds` rounds or on SIGTERM.
 """
@@ -39,7 +39,7 @@ import zmq
 
 from bench.child import stop_on_signals
 from paramserver.plumbing import daemon, settings
-from worker import progress
+from worker import island_files
 from worker.config import IslandConfig
 
 logger = logging.getLogger(__name__)
@@ -242,7 +242,7 @@ def run_rank(cfg: IslandConfig, rank: int, world: int, stop: threading.Event) ->
             "step_s": float(np.median(step_times)) if step_times else None,
             **row,
         }
-        progress.append_row(data_dir, row)
+        island_files.append_row(data_dir, row)
 
     try:
         if rank == 0 and cfg.eval_every:

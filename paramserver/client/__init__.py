@@ -3,14 +3,13 @@
 The public import path is this package: `from paramserver.client import Client,
 ClientConfig`. Its modules: `api` (the `Client` API), `types` (config,
 errors, results), `core` (`ClientCore`, the sans-I/O protocol state: join,
-ledger, replica, acks, re-sends), `effects` (what the core asks the I/O loop to
-do), `joining` (a join in progress) and `handshake` (its states up to an
+ledger, replica, acks, re-sends), `joining` (a join in progress) and `handshake` (its states up to an
 initialised cluster), `welcome` (checks of a shard's welcome), `shards` (the
-shards' state, links and requests in flight), `ledger` (the one ledger of
-pending deltas), `ack_timer` (the
-adaptive re-send timeout), `replica` (applying published versions),
-`progress` (counters and what the API reads), `io_thread` (the one thread that
-owns the sockets and moves bytes), `links` (the sockets). Nothing here imports
+shards' state, links and requests in flight, and the effects the core asks
+the I/O loop to perform), `ledger` (the one ledger of
+pending deltas and its adaptive re-send timeout), `replica` (applying published versions),
+`readout` (counters, updates and outcomes: what the API reads), `io_thread` (the one thread that
+owns the sockets, `Links`, and moves bytes). Nothing here imports
 `paramserver.server`.
 """
 
@@ -20,6 +19,8 @@ from paramserver.client.types import (
     ClientConfigError,
     ClientError,
     JoinResult,
+    JoinTimeout,
+    PlanMismatch,
     PushRequest,
     Update,
 )
@@ -30,6 +31,8 @@ __all__ = [
     "ClientConfigError",
     "ClientError",
     "JoinResult",
+    "JoinTimeout",
+    "PlanMismatch",
     "PushRequest",
     "Update",
 ]

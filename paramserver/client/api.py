@@ -17,7 +17,7 @@ caller can keep them (e.g. in a file) and push them again later.
 
     client = Client(ClientConfig(connect="tcp://127.0.0.1:5555", island="a"))
     res = client.join(flat_params)        # plan, params, versions
-    client.push(fragment, round, base_version, tokens, steps, frames)
+    client.push_request(PushRequest(fragment, round, base_version, tokens, steps, frames))
     for update in client.poll_updates(): ...
     client.close()
     kept = client.unacked()               # PushRequest(fragment, round, ...) each
@@ -29,7 +29,7 @@ import itertools
 import math
 import threading
 import time
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
@@ -41,6 +41,7 @@ from paramserver.client.types import (
     ClientConfig,
     ClientError,
     JoinResult,
+    JoinTimeout,
     PushRequest,
     Update,
 )
@@ -51,7 +52,10 @@ from paramserver.wire.plan import Plan
 __all__ = ["Client"]
 
 _INSTANCES = itertools.count()
-_STOP_POLL_S = 0.05  # how often a wait with a `stop` event looks at it
+# A wait sleeps on the I/O thread's Condition (notified after every message) in slices
+# this long, so that it sees a `stop` event (which notifies nobody) and so that Ctrl-C
+# reaches a main thread that waits.
+_STOP_POLL_S = 0.05
 _HEADER_BYTES = 512  # a push header's size on the wire is at most this (island id <= 128)
 
 
@@ -63,11 +67,18 @@ def _uint(name: str, value: object, low: int = 0) -> int:
 
 def _silence_explained(exc: ClientError, cfg: ClientConfig) -> ClientError:
     """A join timeout at `cfg.connect` with what answers there instead (`peer_peek`), if known."""
-    text = str(exc)
-    if not text.endswith("is the server running?") or f"at {cfg.connect} " not in text:
+    if not isinstance(exc, JoinTimeout) or exc.endpoint != cfg.connect:
         return exc
     cause = silence_cause(cfg.connect, curve=bool(cfg.curve_secret_key_file))
-    return exc if cause is None else ClientError(text.replace("is the server running?", cause))
+    if cause is None:
+        return exc
+    return JoinTimeout(
+        f"join: no {exc.request} reply from shard at {exc.endpoint} within "
+        f"{exc.timeout_s:g}s; {cause}",
+        endpoint=exc.endpoint,
+        request=exc.request,
+        timeout_s=exc.timeout_s,
+    )
 
 
 def _check_params(flat_params: Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -100,6 +111,7 @@ class Client:
         self._plan: Plan | None = None
         self._joined = False
         self._closed = False
+        self._close_lock = threading.Lock()  # a second `close` waits for the first's flush
         self._unacked: list[PushRequest] = []
         self._io = IOThread(cfg, f"inproc://client-wake-{next(_INSTANCES)}")
         self._lock = self._io.lock  # guards the core (and the thread's `failure`)
@@ -171,11 +183,7 @@ class Client:
         frames: Sequence[Any],
         stop: threading.Event | None = None,
     ) -> None:
-        """Queue one delta for its shard; it is kept and re-sent until acked.
-
-        Blocks only while `max_unacked` deltas are outstanding, and never once
-        `stop` is set: the delta is then queued at once, past the limit, so that
-        `close` hands it to `unacked` with the others rather than losing it.
+        """Queue one delta for its shard: `push_request` of a `PushRequest` of these fields.
 
         Args:
             fragment: fragment index.
@@ -189,28 +197,47 @@ class Client:
             stop: an event (e.g. the island's SIGTERM) that ends the wait for a slot.
 
         Raises:
-            ClientError: not joined, a bad argument, a delta larger than the
-                shards accept (never queued), or no free slot within `push_timeout_s`.
+            ClientError: as `push_request`.
+        """
+        request = PushRequest(fragment, round, base_version, tokens, steps, list(frames))
+        self.push_request(request, stop=stop)
+
+    def push_request(self, request: PushRequest, stop: threading.Event | None = None) -> None:
+        """Queue one delta for its shard; it is kept and re-sent until acked.
+
+        The request itself travels on (the ledger keeps it; `unacked` hands it
+        back), so the caller does not modify it or its frames afterwards.
+        Blocks only while `max_unacked` deltas are outstanding, and never once
+        `stop` is set: the delta is then queued at once, past the limit, so that
+        `close` hands it to `unacked` with the others rather than losing it.
+
+        Args:
+            request: the delta (fragment, round, base_version, tokens >= 1, steps >= 1,
+                codec frames of {"delta": 1-D vector of the fragment's size}).
+            stop: an event (e.g. the island's SIGTERM) that ends the wait for a slot.
+
+        Raises:
+            ClientError: not joined, a bad field, a delta larger than the shards
+                accept (never queued), the client closed meanwhile, or no free slot
+                within `push_timeout_s`.
         """
         self._check_alive()
         if not self._joined or self._plan is None:
             raise ClientError("push: call join() first")
-        fragment = _uint("fragment", fragment)
+        if not isinstance(request, PushRequest):
+            raise ClientError(f"push: pass a PushRequest, got {type(request).__name__}")
+        fragment = _uint("fragment", request.fragment)
         if fragment >= self._plan.num_fragments:
             raise ClientError(
                 f"push: fragment={fragment} out of range: the plan has "
                 f"{self._plan.num_fragments} fragments"
             )
-        request = PushRequest(
-            fragment,
-            _uint("round", round),
-            _uint("base_version", base_version),
-            _uint("tokens", tokens, 1),
-            _uint("steps", steps, 1),
-            list(frames),
-        )
-        if not request.frames:
-            raise ClientError("push: frames is empty; pass the frames a codec's encode returned")
+        for name, low in (("round", 0), ("base_version", 0), ("tokens", 1), ("steps", 1)):
+            _uint(name, getattr(request, name), low)
+        if not isinstance(request.frames, list) or not request.frames:
+            raise ClientError(
+                "push: frames must be a non-empty list; pass the frames a codec's encode returned"
+            )
         self._check_size(request)
         with self._lock:
             if not self._wait_for_slot(stop):
@@ -218,6 +245,8 @@ class Client:
                     f"push: {len(self._core.ledger)} deltas still unacked after "
                     f"{self.cfg.push_timeout_s:g}s; is the server reachable?"
                 )
+            if self._closed:  # by another thread while this push waited
+                raise ClientError("client is closed; create a new Client")
             if self._io.failure is not None:
                 raise ClientError(f"client I/O thread failed: {self._io.failure}")
             effects = self._core.push(time.monotonic(), request)  # raises once closed
@@ -248,11 +277,10 @@ class Client:
             return (
                 len(self._core.ledger) < self.cfg.max_unacked
                 or self._io.failure is not None
+                or self._closed
                 or (stop is not None and stop.is_set())
             )
 
-        if stop is None:
-            return self._lock.wait_for(ready, timeout=self.cfg.push_timeout_s)
         deadline = time.monotonic() + self.cfg.push_timeout_s
         while not ready():
             left = deadline - time.monotonic()
@@ -261,7 +289,32 @@ class Client:
             self._lock.wait(min(left, _STOP_POLL_S))
         return True
 
-    def report_step_time(self, seconds: float) -> None:
+    def _wait(
+        self, done: Callable[[], bool], stop: threading.Event | None, timeout_s: float
+    ) -> bool:
+        """Wait on the I/O thread's Condition until `done()` holds (asked under the lock).
+
+        Returns:
+            True once `done()`; False when `stop` is set or `timeout_s` passed first.
+
+        Raises:
+            ClientError: the client is closed (also while waiting) or its thread failed.
+        """
+        deadline = time.monotonic() + timeout_s
+        with self._lock:
+            while True:
+                if self._closed:
+                    raise ClientError("client is closed; create a new Client")
+                if self._io.failure is not None:
+                    raise ClientError(f"client I/O thread failed: {self._io.failure}")
+                if done():
+                    return True
+                left = deadline - time.monotonic()
+                if (stop is not None and stop.is_set()) or left <= 0:
+                    return False
+                self._lock.wait(min(left, _STOP_POLL_S))
+
+    def report_step_time(self, seconds: float, inner_steps: int | None = None) -> None:
         """Tell the shards this island's typical inner-step time (padding included).
 
         Sent as `t_step` with every later push and heartbeat; the shards' adaptive
@@ -269,16 +322,25 @@ class Client:
 
         Args:
             seconds: a finite time > 0.
+            inner_steps: the island's configured H, sent as `inner_steps` with every
+                later push (the shards warn when it takes other default outer
+                settings than theirs); None: not said.
 
         Raises:
-            ClientError: not a finite positive number.
+            ClientError: not a finite positive number, or an H that is not an int >= 1.
         """
         if isinstance(seconds, bool) or not isinstance(seconds, int | float | np.floating):
             raise ClientError(f"report_step_time: seconds={seconds!r} must be a number")
         if not math.isfinite(seconds) or seconds <= 0:
             raise ClientError(f"report_step_time: seconds={seconds!r} must be finite and > 0")
+        if inner_steps is not None and (
+            isinstance(inner_steps, bool) or not isinstance(inner_steps, int) or inner_steps < 1
+        ):
+            raise ClientError(f"report_step_time: inner_steps={inner_steps!r} must be an int >= 1")
         with self._lock:
             self._core.step_time_s = float(seconds)
+            if inner_steps is not None:
+                self._core.inner_steps = inner_steps
 
     def report_training(
         self,
@@ -318,7 +380,7 @@ class Client:
         """
         self._check_alive()
         with self._lock:
-            return self._core.progress.take_updates()
+            return self._core.readout.take_updates()
 
     def take_refused(self) -> list[tuple[int, int, list[Any]]]:
         """The deltas the shards finally refused since the last call (then forgotten).
@@ -332,7 +394,7 @@ class Client:
         """
         self._check_alive()
         with self._lock:
-            return self._core.progress.take_refused()
+            return self._core.readout.take_refused()
 
     def round_merged(self, round: int) -> bool:
         """Whether the global parameters this client holds include all of `round`'s deltas.
@@ -347,7 +409,40 @@ class Client:
         """
         self._check_alive()
         with self._lock:
-            return self._core.progress.round_merged(round)
+            return self._core.readout.round_merged(round)
+
+    def wait_round_merged(
+        self, round: int, stop: threading.Event | None = None, timeout_s: float = 1.0
+    ) -> bool:
+        """Wait until `round_merged(round)` (woken by each message, not by polling).
+
+        Args:
+            round: a round id passed to `push` for every fragment.
+            stop: ends the wait once set.
+            timeout_s: the longest wait (finite; call again to wait on).
+
+        Returns:
+            True once the round is merged; False on `stop` or the timeout.
+
+        Raises:
+            ClientError: the client is closed (also while waiting) or its thread failed.
+        """
+        return self._wait(lambda: self._core.readout.round_merged(round), stop, timeout_s)
+
+    def wait_settled(self, stop: threading.Event | None = None, timeout_s: float = 1.0) -> bool:
+        """Wait until no pushed delta is pending (each acked or finally refused).
+
+        Args:
+            stop: ends the wait once set.
+            timeout_s: the longest wait (finite; call again to wait on).
+
+        Returns:
+            True once nothing is pending; False on `stop` or the timeout.
+
+        Raises:
+            ClientError: the client is closed (also while waiting) or its thread failed.
+        """
+        return self._wait(lambda: len(self._core.ledger) == 0, stop, timeout_s)
 
     def delta_outcomes(self, keys: Iterable[tuple[int, int]]) -> dict[tuple[int, int], str]:
         """What became of pushed deltas: whether their work entered the model yet.
@@ -363,7 +458,7 @@ class Client:
             heard of yet), "rejected", or "pending" (no final ack yet).
         """
         with self._lock:
-            return {(r, f): self._core.progress.delta_outcome(r, f) for r, f in keys}
+            return {(r, f): self._core.readout.delta_outcome(r, f) for r, f in keys}
 
     def stats(self) -> dict[str, Any]:
         """Counters of this client.
@@ -390,7 +485,7 @@ class Client:
             100,000 at most are kept between calls).
         """
         with self._lock:
-            return self._core.progress.take_ack_latencies()
+            return self._core.readout.take_ack_latencies()
 
     def close(self, flush_timeout_s: float = 5.0) -> int:
         """Wait up to `flush_timeout_s` for unacked deltas, say bye, close every socket.
@@ -404,11 +499,14 @@ class Client:
         Returns:
             Deltas dropped unacked.
         """
-        if self._closed:
-            return 0
-        self._closed = True
-        self._unacked = self._io.shutdown(flush_timeout_s)
-        return len(self._unacked)
+        with self._close_lock:  # safe from any thread: a second caller waits for the first
+            if self._closed:
+                return 0
+            with self._lock:
+                self._closed = True
+                self._lock.notify_all()  # waits of other threads end (ClientError: closed)
+            self._unacked = self._io.shutdown(flush_timeout_s)
+            return len(self._unacked)
 
     def unacked(self) -> list[PushRequest]:
         """The deltas `close` gave up on, to keep and push again later (same round ids).

@@ -2,7 +2,7 @@
 
 This module owns the island side of the wire protocol (docs/protocol.md) as
 one object that takes the time and the messages as arguments and returns
-what to do (`paramserver.client.effects`: open, close, send on numbered
+what to do (`paramserver.client.shards`: open, close, send on numbered
 links), in the h11 pattern. It imports neither zmq, threading nor the
 clock: the I/O thread (`paramserver.client.io_thread`) only moves bytes and
 calls `on_message`, `on_tick`, `push` and `on_sent`, under one lock that also
@@ -36,12 +36,11 @@ from typing import Any
 import numpy as np
 
 import codec
-from paramserver.client.effects import Effect, Send
 from paramserver.client.joining import Join
-from paramserver.client.ledger import Key, Ledger, StorageWarning, requests_of
-from paramserver.client.progress import Progress
+from paramserver.client.ledger import Key, Ledger, StorageWarning
+from paramserver.client.readout import Readout
 from paramserver.client.replica import Resync, published_update
-from paramserver.client.shards import Shards, ShardState
+from paramserver.client.shards import Effect, Send, Shards, ShardState
 from paramserver.client.types import ClientConfig, ClientError, JoinResult, PushRequest
 from paramserver.client.welcome import check_rewelcome, welcome_limit
 from paramserver.wire import protocol
@@ -64,7 +63,7 @@ class ClientCore:
                 reconnect take its island id over at once.
         """
         self.cfg = cfg
-        self.progress = Progress()
+        self.readout = Readout()
         self.ledger = Ledger(cfg.ack_timeout_s, cfg.ack_timeout_cap_s, cfg.ack_timeout_floor_s)
         self.plan: Plan | None = None
         # The shards' size limit once a welcome says (a bigger push would be dropped
@@ -73,6 +72,8 @@ class ClientCore:
         # The island's typical inner-step time (s), sent in pushes and heartbeats as
         # `t_step` for the shards' adaptive grace window; None: not reported.
         self.step_time_s: float | None = None
+        # The island's configured H, sent in pushes as `inner_steps`; None: not said.
+        self.inner_steps: int | None = None
         # What the island last reported of its training (protocol.TRAINING_FIELDS), sent
         # with every later push and heartbeat for the cluster page.
         self.training: dict[str, float] = {}
@@ -80,7 +81,7 @@ class ClientCore:
         self.join_outcome: JoinResult | ClientError | None = None
         self.dropped: list[PushRequest] = []  # what close left unacked
         self._join: Join | None = None  # the join in progress
-        self._net = Shards(cfg.island, cfg.session or session, cfg.replica)
+        self._shards = Shards(cfg.island, cfg.session or session, cfg.replica)
         self._storage_warning = StorageWarning()
         self._close_at: float | None = None
         # The PUB stream heartbeats at the server's interval: judge its silence by
@@ -103,11 +104,11 @@ class ClientCore:
     @property
     def has_links(self) -> bool:
         """Whether any link is open (an idle core needs no ticks)."""
-        return self._net.has_links
+        return self._shards.has_links
 
     def stats(self) -> dict[str, Any]:
         """The stats dict of `Client.stats`."""
-        out = self.progress.stats(sum(1 for s in self._net.all if not s.up))
+        out = self.readout.stats(sum(1 for s in self._shards.all if not s.up))
         return {**out, "ack_timeout_s": self.ledger.timer.base_s, "pending": len(self.ledger)}
 
     # -- the join -------------------------------------------------------------------------
@@ -128,18 +129,18 @@ class ClientCore:
         """
         if self.state != "idle":
             raise ClientError(f"join: this client is {self.state}; a client joins once")
-        self._join = Join(self.cfg, flat, now, self._net, self.progress)
+        self._join = Join(self.cfg, flat, now, self._shards, self.readout)
         self.join_outcome = None
         self.state = "joining"
         self._after_join_step()
-        return self._net.flush()
+        return self._shards.flush()
 
     def stop_join(self) -> list[Effect]:
         """Give up a join in progress (the API's `stop` event); no-op otherwise."""
         if self._join is not None:
             self._join.fail(ClientError("join: stopped before it finished"))
             self._after_join_step()
-        return self._net.flush()
+        return self._shards.flush()
 
     def _after_join_step(self) -> None:
         """Take what the join learnt: the cluster's settings, and how it ended."""
@@ -147,7 +148,7 @@ class ClientCore:
         if join.cluster is not None and self.plan is None:
             cluster = join.cluster
             self.plan = cluster.plan
-            self.progress.num_fragments = cluster.plan.num_fragments
+            self.readout.num_fragments = cluster.plan.num_fragments
             self._pub_interval_s, self._pub_liveness = cluster.pub_interval_s, cluster.pub_liveness
             if cluster.max_message_bytes is not None:
                 self.max_message_bytes = cluster.max_message_bytes
@@ -157,7 +158,7 @@ class ClientCore:
         if isinstance(self.join_outcome, JoinResult):
             self.state = "joined"
             return
-        self._net.close_all()
+        self._shards.close_all()
         self.plan = None
         self.state = "idle"
 
@@ -178,11 +179,11 @@ class ClientCore:
             ClientError: a shard that was joined lost its state or changed its plan
                 (the client cannot go on).
         """
-        owner = self._net.owner(link)
+        owner = self._shards.owner(link)
         if owner is None:
             return []
         role, shard = owner
-        self.progress.add(bytes_received=protocol.message_bytes(frames))
+        self.readout.add(bytes_received=protocol.message_bytes(frames))
         try:
             if role == "dealer":
                 shard.heard = now
@@ -194,12 +195,12 @@ class ClientCore:
             logger.info("re-snapshot shard %d: %s", shard.index, why)
             self._resync(shard, now)
         except (protocol.ProtocolError, codec.CodecError) as exc:
-            self.progress.add(bad_messages=1)
+            self.readout.add(bad_messages=1)
             logger.warning("shard %d sent an unusable %s message: %s", shard.index, role, exc)
         if self._join is not None:
             self._join.check_synced(now)
             self._after_join_step()
-        return self._net.flush()
+        return self._shards.flush()
 
     def _on_reply(self, now: float, shard: ShardState, frames: list) -> None:
         header, payload = protocol.unpack(frames, protocol.REPLY)
@@ -208,7 +209,7 @@ class ClientCore:
             self._on_ack(now, shard, header)
             return
         if kind == "heartbeat" and "credited" in header:
-            self.progress.credit(shard.index, header["credited"])
+            self.readout.credit(shard.index, header["credited"])
         if self._join is not None and self._join.owns(rid):
             self._join.on_reply(now, rid, header)
             self._after_join_step()
@@ -216,10 +217,10 @@ class ClientCore:
         if kind == "rejected" and header["reason"] == "unknown_island" and self.joined:
             # The shard forgot us (restart, or we were silent too long): hello again;
             # its welcome re-sends our pending deltas and re-snapshots.
-            self._net.requests.pop(rid, None)
-            self._net.request(shard, "hello")
+            self._shards.requests.pop(rid, None)
+            self._shards.request(shard, "hello")
             return
-        request = self._net.requests.pop(rid, None)
+        request = self._shards.requests.pop(rid, None)
         if request is None:
             return  # a reply to a request from before a reconnect
         what, _, fragment = request
@@ -240,12 +241,12 @@ class ClientCore:
             self._on_rewelcome(now, shard, header)
 
     def _on_snapshot(self, shard: ShardState, header: dict, payload: list) -> None:
-        done = self._net.on_snapshot_piece(shard, header, payload)
+        done = self._shards.on_snapshot_piece(shard, header, payload)
         if done is None or shard.feed is None:
             return
         fragment, version, seq, values = done
-        self.progress.add(snapshots=1)
-        self.progress.note_version(fragment, version)
+        self.readout.add(snapshots=1)
+        self.readout.note_version(fragment, version)
         self._publish(shard.feed.on_snapshot(fragment, version, seq, values))
 
     def _on_rewelcome(self, now: float, shard: ShardState, welcome: dict) -> None:
@@ -253,7 +254,7 @@ class ClientCore:
         check_rewelcome(welcome, self.plan, shard.index)
         limit = welcome_limit(welcome)
         if limit is not None:
-            self.max_message_bytes = self._net.max_message_bytes = limit
+            self.max_message_bytes = self._shards.max_message_bytes = limit
         if not shard.up:
             logger.info("shard %d is back", shard.index)
         shard.up, shard.attempt = True, 0
@@ -263,9 +264,9 @@ class ClientCore:
 
     def _on_ack(self, now: float, shard: ShardState, header: dict) -> None:
         key = (header["fragment"], header["round"])
-        self.progress.note_version(header["fragment"], header["version"])
+        self.readout.note_version(header["fragment"], header["version"])
         if self.ledger.spurious(key, header["outcome"]):
-            self.progress.add(spurious_resends=1)
+            self.readout.add(spurious_resends=1)
         entry = self.ledger.get(key)
         if entry is None:
             return  # ack of a re-send whose first copy was already acked
@@ -273,17 +274,17 @@ class ClientCore:
             key, header["outcome"], header.get("reason"), now, header.get("retry_after_s")
         )
         if decision == "rejoin":
-            self._net.request(shard, "hello")  # the shard forgot us; the delta stays pending
+            self._shards.request(shard, "hello")  # the shard forgot us; the delta stays pending
         elif decision == "defer":
             # the shard's buffer for us is full (or its disk failed): the delta is re-sent
             # once the fragment steps (its buffer empties), or on the ack back-off; a full
             # buffer becomes back-pressure, not lost work
-            self.progress.add(deferred=1)
+            self.readout.add(deferred=1)
             self._storage_warning.note(shard.index, header, now)
         elif decision == "resend":  # corrupted in transit (codec_error): again, at once
             self._send_push(key)
         else:
-            self.progress.record_ack(header, now - entry.queued_at, entry.frames[1:])
+            self.readout.record_ack(header, now - entry.queued_at, entry.frames[1:])
             if header["outcome"] not in (protocol.ACCEPTED, protocol.DUPLICATE):
                 logger.warning(
                     "delta island=%s fragment=%d round=%d rejected: %s",
@@ -301,10 +302,10 @@ class ClientCore:
             shard.feed.on_heartbeat(header["seq"])
             return
         item = published_update(header, payload, self.plan, self.cfg.replica)
-        self.progress.note_version(item.fragment, header["version"])
+        self.readout.note_version(item.fragment, header["version"])
         credit = header.get("credited", {}).get(self.cfg.island)
         if credit is not None:
-            self.progress.credit(shard.index, credit)
+            self.readout.credit(shard.index, credit)
         self._publish(shard.feed.on_update(item))
         # The fragment stepped, so the shard has room again: re-send what it deferred.
         for key in self.ledger.on_step(item.fragment):
@@ -313,13 +314,13 @@ class ClientCore:
     def _publish(self, fragments: list[int]) -> None:
         """Hand changed fragments to `poll_updates` (after join; join returns them itself)."""
         if fragments and self.joined:
-            self.progress.publish(fragments)
+            self.readout.publish(fragments)
 
     def _resync(self, shard: ShardState, now: float) -> None:
         if shard.feed is None:
             return
-        self.progress.add(resyncs=1)
-        self._net.request_snapshots(shard, now, self.plan)
+        self.readout.add(resyncs=1)
+        self._shards.request_snapshots(shard, now, self.plan)
 
     # -- pushes -------------------------------------------------------------------------
 
@@ -340,13 +341,13 @@ class ClientCore:
         if not self.joined:
             raise ClientError(f"push: the client is {self.state}, not joined; create a new Client")
         key = (request.fragment, request.round)
-        self.progress.add(pushes=1)
+        self.readout.add(pushes=1)
         if key in self.ledger:
             logger.warning(
                 "push of fragment %d round %d ignored: that round is still pending", *key
             )
             return []
-        shard = self._net.all[self.plan.fragments[request.fragment].shard]
+        shard = self._shards.all[self.plan.fragments[request.fragment].shard]
         header = {
             "kind": "push",
             "island": self.cfg.island,
@@ -356,13 +357,16 @@ class ClientCore:
             "tokens": request.tokens,
             "steps": request.steps,
             "plan_hash": self.plan.hash,
+            # every round below it that we sent was acked: the shard forgets those, never a later one
+            "floor": min(request.round, self.ledger.floor(request.round)),
             **self._reported_fields(),
+            **({} if self.inner_steps is None else {"inner_steps": self.inner_steps}),
         }
         frames = protocol.pack(header, request.frames)
-        self.ledger.add(key, shard.index, frames, protocol.message_bytes(frames), now)
+        self.ledger.add(key, shard.index, frames, protocol.message_bytes(frames), now, request)
         if shard.up:
             self._send_push(key)
-        return self._net.flush()
+        return self._shards.flush()
 
     def on_sent(self, send: Send, went_out: bool, now: float) -> None:
         """The I/O loop performed `send`: count it, and tell the ledger about a push.
@@ -373,11 +377,11 @@ class ClientCore:
             now: when it was tried.
         """
         if went_out:
-            self.progress.add(bytes_sent=protocol.message_bytes(send.frames))
+            self.readout.add(bytes_sent=protocol.message_bytes(send.frames))
         if send.key is None or send.key not in self.ledger:
             return
         if went_out:
-            self.progress.add(resent=int(self.ledger.sent(send.key, now)))
+            self.readout.add(resent=int(self.ledger.sent(send.key, now)))
         else:
             self.ledger.blocked(send.key, now)  # queue full: try again after the back-off
 
@@ -388,7 +392,7 @@ class ClientCore:
 
     def _send_push(self, key: Key) -> None:
         entry = self.ledger.get(key)
-        self._net.send_frames(self._net.all[entry.shard], entry.frames, key)
+        self._shards.send_frames(self._shards.all[entry.shard], entry.frames, key)
 
     # -- timers ---------------------------------------------------------------------------
 
@@ -408,16 +412,16 @@ class ClientCore:
             self._timers(now)
         if self._close_at is not None and self.state != "closed":
             self._maybe_finish_close(now)
-        return self._net.flush()
+        return self._shards.flush()
 
     def _timers(self, now: float) -> None:
         cfg = self.cfg
-        for shard in self._net.all:
+        for shard in self._shards.all:
             if is_silent(now, shard.heard, cfg.heartbeat_interval_s, cfg.liveness):
                 if now >= shard.next_reconnect:
                     self._reconnect(shard, now)
             elif now >= shard.next_heartbeat:
-                self._net.send(shard, {"kind": "heartbeat", **self._reported_fields()})
+                self._shards.send(shard, {"kind": "heartbeat", **self._reported_fields()})
                 shard.next_heartbeat = now + cfg.heartbeat_interval_s
             feed = shard.feed
             if feed.syncing:
@@ -430,7 +434,7 @@ class ClientCore:
                 logger.info("shard %d: update stream silent; re-snapshot", shard.index)
                 shard.sub_heard = now
                 self._resync(shard, now)
-        up = {shard.index for shard in self._net.all if shard.up}
+        up = {shard.index for shard in self._shards.all if shard.up}
         for key in self.ledger.due(now, up):
             self._send_push(key)
 
@@ -441,14 +445,14 @@ class ClientCore:
                 "shard %d silent for %.1fs: reconnecting", shard.index, now - shard.heard
             )
         shard.up = False
-        self._net.forget_requests(shard.index)
-        self._net.open(shard, "dealer")
-        self._net.request(shard, "hello")
+        self._shards.forget_requests(shard.index)
+        self._shards.open(shard, "dealer")
+        self._shards.request(shard, "hello")
         shard.next_reconnect = now + next_backoff(
             shard.attempt, self.cfg.heartbeat_interval_s, self.cfg.reconnect_cap_s
         )
         shard.attempt += 1
-        self.progress.add(reconnects=1)
+        self.readout.add(reconnects=1)
 
     # -- close ----------------------------------------------------------------------------
 
@@ -468,17 +472,17 @@ class ClientCore:
             self._after_join_step()
         self._close_at = now + max(0.0, flush_timeout_s)
         self._maybe_finish_close(now)
-        return self._net.flush()
+        return self._shards.flush()
 
     def _maybe_finish_close(self, now: float) -> None:
-        up = {shard.index for shard in self._net.all if shard.up}
+        up = {shard.index for shard in self._shards.all if shard.up}
         if self.ledger and now < self._close_at and self.ledger.shards() & up:
             return  # a shard that is up holds deltas: wait (bounded) for their acks
         if self.ledger:
             logger.warning("closing with %d deltas unacked", len(self.ledger))
-        for shard in self._net.all:
+        for shard in self._shards.all:
             if shard.up and shard.dealer is not None:
-                self._net.send(shard, {"kind": "bye"})
-        self._net.close_all()
-        self.dropped = requests_of(self.ledger.drop_all())
+                self._shards.send(shard, {"kind": "bye"})
+        self._shards.close_all()
+        self.dropped = self.ledger.drop_all()
         self.state = "closed"

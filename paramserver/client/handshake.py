@@ -41,7 +41,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from paramserver.client.init_upload import DONE, LOST, Ask, Upload
-from paramserver.client.types import ClientConfig, ClientError
+from paramserver.client.types import ClientConfig, ClientError, JoinTimeout
 from paramserver.client.welcome import (
     Cluster,
     leaves_of,
@@ -171,9 +171,12 @@ class Handshake:
         if now > self.deadline and not self.done:
             shard, kind = next(iter(self._waiting.items()), (FIRST, "hello"))
             router = self._router(shard)
-            raise ClientError(
+            raise JoinTimeout(
                 f"join: no {kind} reply from shard at {router} within "
-                f"{self.cfg.join_timeout_s:g}s; is the server running?"
+                f"{self.cfg.join_timeout_s:g}s; is the server running?",
+                endpoint=router,
+                request=kind,
+                timeout_s=self.cfg.join_timeout_s,
             )
         asks = []
         for shard, at in list(self._retry_at.items()):

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 import codec
-from paramserver.client.types import ClientError
+from paramserver.client.types import ClientError, PlanMismatch
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 
@@ -103,7 +103,9 @@ class Upload:
             self._restarts += 1
             return MORE, self.begin()
         if reason == "plan_mismatch":
-            raise ClientError(f"join: plan mismatch: {detail}")
+            raise PlanMismatch(
+                f"join: plan mismatch: {detail}", island_hash=self.plan.hash, detail=str(detail)
+            )
         raise ClientError(f"join: shard {self.shard} refused init: {reason}: {detail}")
 
     def _piece(self) -> Ask:

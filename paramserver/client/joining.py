@@ -26,7 +26,7 @@ import numpy as np
 
 from paramserver.client.handshake import FIRST, Handshake
 from paramserver.client.init_upload import Ask
-from paramserver.client.progress import Progress
+from paramserver.client.readout import Readout
 from paramserver.client.replica import ShardFeed
 from paramserver.client.shards import Shards, ShardState
 from paramserver.client.types import ClientConfig, ClientError, JoinResult
@@ -59,7 +59,7 @@ class Join:
         flat: Mapping[str, np.ndarray],
         now: float,
         net: Shards,
-        progress: Progress,
+        readout: Readout,
     ) -> None:
         """Check the parameters, open a DEALER to the configured shard and say hello.
 
@@ -68,15 +68,15 @@ class Join:
             flat: path -> this island's parameters (see `Client.join`).
             now: when the join starts.
             net: the core's shards and links (emptied and refilled here).
-            progress: the core's bookkeeping (its replica is filled by the snapshots).
+            readout: the core's bookkeeping (its replica is filled by the snapshots).
 
         Raises:
             ClientError: the parameters cannot be planned (nothing was sent).
         """
         self.cfg = cfg
         self._handshake = Handshake(cfg, flat, now)
-        self._net = net
-        self._progress = progress
+        self._shards = net
+        self._readout = readout
         self._calls: dict[int, _Call] = {}
         self.cluster: Cluster | None = None  # once the first welcome was read
         self.syncing = False
@@ -119,7 +119,7 @@ class Join:
             return
         for call in self._calls.values():
             if call.kind in _IDEMPOTENT and now > call.resend_at:
-                self._net.send_frames(call.shard, call.frames)
+                self._shards.send_frames(call.shard, call.frames)
                 if call.kind != "hello":  # a large piece on a thin link: back off, do not flood
                     call.timeout = min(2 * call.timeout, self.cfg.ack_timeout_cap_s)
                 call.resend_at = now + call.timeout
@@ -144,7 +144,7 @@ class Join:
             self.fail(ClientError(f"join failed: {exc}"))
 
     def _ask(self, asks: list[Ask], now: float) -> None:
-        net = self._net
+        net = self._shards
         for ask in asks:
             shard = net.all[0] if ask.shard == FIRST else net.all[ask.shard]
             rid = net.new_id()
@@ -155,34 +155,34 @@ class Join:
     def _adopt(self, cluster: Cluster) -> None:
         """The first welcome was read: a DEALER to every shard (the first one keeps its own)."""
         self.cluster = cluster
-        first, shards = self._net.all[0], []
+        first, shards = self._shards.all[0], []
         for i, (router, pub) in enumerate(cluster.endpoints):
             if i == cluster.shard:
                 first.index, first.pub = i, pub
                 shards.append(first)
             else:
                 shard = ShardState(i, router, pub)
-                self._net.open(shard, "dealer")
+                self._shards.open(shard, "dealer")
                 shards.append(shard)
-        self._net.all = shards
+        self._shards.all = shards
         if cluster.max_message_bytes is not None:  # snapshot pieces fit the shards' limit
-            self._net.max_message_bytes = cluster.max_message_bytes
+            self._shards.max_message_bytes = cluster.max_message_bytes
 
     def _start_sync(self, now: float) -> None:
         """The cluster is initialised: subscribe to every shard, then snapshot it."""
         self._calls.clear()
         self.syncing = True
         plan = self.cluster.plan
-        for shard in self._net.all:
-            self._net.open(shard, "sub")  # Clone pattern: subscribe before the snapshot
+        for shard in self._shards.all:
+            self._shards.open(shard, "sub")  # Clone pattern: subscribe before the snapshot
             fragments = tuple(f.index for f in plan.fragments_of(shard.index))
-            shard.feed = ShardFeed(shard.index, fragments, self._progress.replica)
+            shard.feed = ShardFeed(shard.index, fragments, self._readout.replica)
             shard.heard = shard.sub_heard = now
-            self._net.request_snapshots(shard, now, self.cluster.plan)
+            self._shards.request_snapshots(shard, now, self.cluster.plan)
         self.check_synced(now)
 
     def _sync_tick(self, now: float) -> None:
-        shards = self._net.all
+        shards = self._shards.all
         if now > self._handshake.deadline:
             missing = [s.index for s in shards if s.feed.syncing]
             self.fail(
@@ -194,7 +194,7 @@ class Join:
             return
         for shard in shards:  # e.g. a shard the winner of an init race has not reached
             if shard.feed.syncing and now - shard.feed.sync_started > self.cfg.snapshot_timeout_s:
-                self._net.request_snapshots(shard, now, self.cluster.plan)
+                self._shards.request_snapshots(shard, now, self.cluster.plan)
         self.check_synced(now)
 
     def check_synced(self, now: float) -> None:
@@ -204,16 +204,16 @@ class Join:
         """
         if not self.syncing or self.outcome is not None:
             return
-        if any(s.feed.syncing for s in self._net.all):
+        if any(s.feed.syncing for s in self._shards.all):
             return
-        plan, replica = self.cluster.plan, self._progress.replica
+        plan, replica = self.cluster.plan, self._readout.replica
         params: dict[str, np.ndarray] = {}
         if self.cfg.replica:  # without a replica there are no values to hand out
             params = {leaf.path: np.zeros(leaf.shape, np.float32) for leaf in plan.leaves}
             for index, state in replica.items():
                 plan.scatter(index, state.values, params)
         versions = {index: state.version for index, state in sorted(replica.items())}
-        for shard in self._net.all:
+        for shard in self._shards.all:
             shard.heard = shard.sub_heard = shard.next_heartbeat = now
         logger.info("island %s joined: versions %s", self.cfg.island, versions)
         self.outcome = JoinResult(plan, params, versions, self.cluster.mode)

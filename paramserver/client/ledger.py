@@ -6,14 +6,15 @@ the only record of "pending" (back-pressure counts its length). Its methods
 take the time (`now`, monotonic seconds) and the shards' answers as arguments
 and return what to do, so the rules are unit-tested without a network. The
 client's core (`paramserver.client.core`) sends what the ledger names and
-reports back with `sent` / `blocked`; `requests_of` turns what is left at
-close back into `PushRequest`s (`Client.unacked`), and `StorageWarning` rate-
-limits the warning about a shard whose disk refuses deltas.
+reports back with `sent` / `blocked`; `drop_all` hands what is left at close
+back as the `PushRequest`s pushed (`Client.unacked`), `StorageWarning` rate-
+limits the warning about a shard whose disk refuses deltas, and `AckTimer`
+(below) is the adaptive re-send timeout.
 
 The rules:
 - a delta is kept, with its frames, until its shard resolves it;
 - unacked, it is re-sent after the adaptive ack timeout (`due`): the
-  ledger's `AckTimer` (`paramserver.client.ack_timer`, TCP's RFC 6298 timer) starts
+  ledger's `AckTimer` (TCP's RFC 6298 timer, below) starts
   at `ack_timeout_s`, learns from the latency of every delta acked after its
   only send (Karn's rule: `on_ack` takes the time), stays within
   [floor, `ack_timeout_cap_s`], and doubles per attempt and after a timeout;
@@ -44,13 +45,12 @@ The rules:
 from __future__ import annotations
 
 import logging
-from collections.abc import Container, Sequence
-from dataclasses import dataclass
+import math
+from collections.abc import Container
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from paramserver.client.ack_timer import AckTimer
 from paramserver.client.types import PushRequest
-from paramserver.wire import protocol
 from paramserver.wire.protocol import DUPLICATE, REJECTED
 
 logger = logging.getLogger(__name__)
@@ -79,10 +79,11 @@ rejection is final."""
 
 @dataclass
 class Entry:
-    """One unacked delta: kept, with its frames, until its shard resolves it."""
+    """One unacked delta: kept, with its packed message, until its shard resolves it."""
 
+    request: PushRequest  # the delta as `push` took it (`unacked` hands it back)
     shard: int
-    frames: list[Any]
+    frames: list[Any]  # its packed push message, re-sent as is
     nbytes: int
     queued_at: float  # when `push` handed it over (ack latency is measured from here)
     sent_at: float  # last send, or last try of one (the back-off counts from here)
@@ -122,6 +123,17 @@ class Ledger:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def floor(self, round_id: int) -> int:
+        """The push `floor` of a new delta of round `round_id`: the lowest round still unacked.
+
+        Args:
+            round_id: the new delta's round.
+
+        Returns:
+            min(round_id, the round of every delta kept here).
+        """
+        return min((r for _, r in self._entries), default=round_id)
+
     def __contains__(self, key: object) -> bool:
         return key in self._entries
 
@@ -129,7 +141,10 @@ class Ledger:
         """The pending delta under `key`, or None (never pushed, or already resolved)."""
         return self._entries.get(key)
 
-    def add(self, key: Key, shard: int, frames: list[Any], nbytes: int, now: float) -> bool:
+    def add(
+        self, key: Key, shard: int, frames: list[Any], nbytes: int, now: float,
+        request: PushRequest,
+    ) -> bool:  # fmt: skip
         """Keep a newly pushed delta (not sent yet: send it, then call `sent`).
 
         Args:
@@ -138,6 +153,7 @@ class Ledger:
             frames: the packed message, re-sent as is.
             nbytes: its size on the wire.
             now: when it was pushed.
+            request: the delta itself (what `drop_all` hands back).
 
         Returns:
             False, leaving the ledger as it was, when that round of the fragment
@@ -145,7 +161,7 @@ class Ledger:
         """
         if key in self._entries:
             return False
-        self._entries[key] = Entry(shard, frames, nbytes, queued_at=now, sent_at=now)
+        self._entries[key] = Entry(request, shard, frames, nbytes, queued_at=now, sent_at=now)
         return True
 
     def sent(self, key: Key, now: float) -> bool:
@@ -328,41 +344,19 @@ class Ledger:
         """
         return {entry.shard for entry in self._entries.values()}
 
-    def drop_all(self) -> list[list[Any]]:
+    def drop_all(self) -> list[PushRequest]:
         """Forget every pending delta (the client closes).
 
         Returns:
-            The packed message of each delta dropped unacked, in push order (so
-            that the caller can keep them elsewhere, e.g. in a file).
+            Each delta dropped unacked, as pushed but with its frames copied to bytes,
+            in push order (so that the caller can keep them elsewhere, e.g. in a file).
         """
-        dropped = [entry.frames for entry in self._entries.values()]
+        dropped = [
+            replace(e.request, frames=[memoryview(f).tobytes() for f in e.request.frames])
+            for e in self._entries.values()
+        ]
         self._entries.clear()
         return dropped
-
-
-def requests_of(messages: Sequence[Sequence[Any]]) -> list[PushRequest]:
-    """The deltas of packed push messages, with their frames copied to bytes.
-
-    Args:
-        messages: push messages as `protocol.pack` built them ([header, *codec frames]).
-
-    Returns:
-        One `PushRequest` per message, in the same order.
-    """
-    out = []
-    for frames in messages:
-        header, payload = protocol.unpack(frames, protocol.REQUEST)
-        out.append(
-            PushRequest(
-                header["fragment"],
-                header["round"],
-                header["base_version"],
-                header["tokens"],
-                header["steps"],
-                [memoryview(frame).tobytes() for frame in payload],
-            )
-        )
-    return out
 
 
 class StorageWarning:
@@ -396,3 +390,112 @@ class StorageWarning:
             ack.get("detail", "no detail"),
         )
         return True
+
+
+# -- the adaptive ack timeout ------------------------------------------------------------
+
+ALPHA = 1 / 8  # gain of the smoothed latency
+BETA = 1 / 4  # gain of the latency's mean deviation
+K = 4  # deviations added to the smoothed latency
+
+
+def smoothed(srtt: float | None, rttvar: float | None, sample: float) -> tuple[float, float]:
+    """RFC 6298's estimators after one more latency sample.
+
+    Args:
+        srtt: smoothed latency so far (None before the first sample).
+        rttvar: its mean deviation so far (None before the first sample).
+        sample: a measured latency, seconds, >= 0.
+
+    Returns:
+        (SRTT, RTTVAR) after the sample.
+    """
+    if srtt is None or rttvar is None:
+        return sample, sample / 2
+    rttvar = (1 - BETA) * rttvar + BETA * abs(srtt - sample)
+    return (1 - ALPHA) * srtt + ALPHA * sample, rttvar
+
+
+@dataclass(frozen=True)
+class AckTimer:
+    """The ack timeout of one client: estimates from its samples, and its back-off."""
+
+    initial_s: float  # the timeout before any sample (ClientConfig.ack_timeout_s)
+    floor_s: float  # lower bound of the measured timeout
+    cap_s: float  # upper bound of every timeout, >= initial_s and floor_s
+    srtt_s: float | None = None  # smoothed ack latency; None before the first sample
+    rttvar_s: float | None = None  # mean deviation of the ack latency
+    backoff: int = 0  # timeouts in a row of one delta since the last valid sample
+
+    def __post_init__(self) -> None:
+        for name in ("initial_s", "floor_s", "cap_s"):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or not math.isfinite(value) or value <= 0:
+                raise ValueError(f"AckTimer.{name}={value!r}: must be a number > 0")
+        if self.cap_s < max(self.initial_s, self.floor_s):
+            raise ValueError(
+                f"AckTimer.cap_s={self.cap_s!r}: must be >= initial_s={self.initial_s} "
+                f"and floor_s={self.floor_s}"
+            )
+
+    @property
+    def base_s(self) -> float:
+        """The timeout of a delta sent once, before back-off (seconds)."""
+        if self.srtt_s is None or self.rttvar_s is None:
+            return self.initial_s
+        return min(self.cap_s, max(self.floor_s, self.srtt_s + K * self.rttvar_s))
+
+    def timeout_s(self, attempt: int = 0) -> float:
+        """How long to wait for the ack of a delta re-sent `attempt` times so far.
+
+        Args:
+            attempt: back-off re-sends of the delta so far, >= 0.
+
+        Returns:
+            min(cap_s, base_s * 2**max(attempt, backoff)).
+        """
+        doublings = max(attempt, self.backoff)
+        if doublings >= math.log2(self.cap_s / self.base_s) + 1:  # no float overflow
+            return self.cap_s
+        return min(self.cap_s, self.base_s * 2.0**doublings)
+
+    def sample(self, latency_s: float) -> AckTimer:
+        """The timer after a valid sample (a delta acked after its only send).
+
+        Args:
+            latency_s: seconds from that send to its ack (negative counts as 0).
+
+        Returns:
+            A timer with updated estimates and no back-off.
+        """
+        srtt, rttvar = smoothed(self.srtt_s, self.rttvar_s, max(0.0, float(latency_s)))
+        return replace(self, srtt_s=srtt, rttvar_s=rttvar, backoff=0)
+
+    def spurious(self, latency_s: float) -> AckTimer:
+        """The timer after a re-send proved needless (RFC 4015's response to a spurious timeout).
+
+        Args:
+            latency_s: seconds from the first send of the delta to its first ack
+                (which answered that first copy).
+
+        Returns:
+            A timer whose estimates are at least that latency (and half of it as
+            deviation), with no back-off.
+        """
+        latency = max(0.0, float(latency_s))
+        if self.srtt_s is None or self.rttvar_s is None:
+            return self.sample(latency)
+        srtt, rttvar = max(self.srtt_s, latency), max(self.rttvar_s, latency / 2)
+        return replace(self, srtt_s=srtt, rttvar_s=rttvar, backoff=0)
+
+    def timed_out(self, attempt: int) -> AckTimer:
+        """The timer after a delta's ack did not come in time (it is re-sent).
+
+        Args:
+            attempt: the delta's back-off re-sends before this one, >= 0.
+
+        Returns:
+            A timer backed off to at least attempt + 1 doublings (many deltas
+            timing out together back it off once, not once each).
+        """
+        return replace(self, backoff=max(self.backoff, attempt + 1))

@@ -5,7 +5,7 @@ This module owns, with no I/O, the bookkeeping under the client's core
 update stream of one shard) and `Shards`, which numbers links and request
 ids, keeps the tracked requests (id -> what was asked), builds the messages
 (every request carries the island id, every hello the client's session) and
-collects the effects (`paramserver.client.effects`) the core returns. A
+collects the effects (`Open`, `Close`, `Send`, below) the core returns. A
 shard's snapshot goes in pieces that fit its `max_message_bytes`
 (`SnapshotRead`, `SNAPSHOT_WINDOW` pieces in flight).
 """
@@ -13,11 +13,10 @@ shard's snapshot goes in pieces that fit its `max_message_bytes`
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
-from paramserver.client.effects import Close, Effect, Open, Role, Send
 from paramserver.client.replica import ShardFeed
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
@@ -212,3 +211,46 @@ class Shards:
         """The effects collected since the last flush."""
         out, self._out = self._out, []
         return out
+
+
+# -- the effects ---------------------------------------------------------------------------
+# What the core asks its I/O loop to do: open, close and send on numbered links. A *link*
+# is one socket, named by a number the core picks: a DEALER to a shard's ROUTER or a SUB
+# to its PUB. The I/O loop (`paramserver.client.io_thread`) keeps a socket per open link,
+# performs the effects in order, reports each `Send` back (`ClientCore.on_sent`), and
+# hands the core every message with the link it came in on.
+
+
+Role = Literal["dealer", "sub"]
+
+
+@dataclass(frozen=True)
+class Open:
+    """Open link `link`: a DEALER (`role` "dealer") or a subscribe-all SUB to `endpoint`."""
+
+    link: int
+    role: Role
+    endpoint: str
+
+
+@dataclass(frozen=True)
+class Close:
+    """Close link `link` (linger 0); messages still queued on it are never delivered."""
+
+    link: int
+
+
+@dataclass(frozen=True)
+class Send:
+    """Send `frames` on the DEALER of link `link` without blocking.
+
+    `key` names the ledger's delta when the message is a push, so that
+    `ClientCore.on_sent` records whether it went out.
+    """
+
+    link: int
+    frames: list[Any]
+    key: tuple[int, int] | None = None
+
+
+Effect = Open | Close | Send

@@ -1,7 +1,7 @@
 """The client's public types: settings, errors, and what join, poll_updates and push carry.
 
 This module owns `ClientConfig` (with its validation), `ClientError`,
-`ClientConfigError`, `JoinResult`, `Update` and `PushRequest` (a delta). Users import
+`ClientConfigError`, `JoinTimeout`, `PlanMismatch`, `JoinResult`, `Update` and `PushRequest` (a delta). Users import
 them from `paramserver.client`, which re-exports them; the client's other
 modules import them from here (this module imports none of them).
 """
@@ -28,6 +28,45 @@ class ClientConfigError(ClientError, ValueError):
     """A `ClientConfig` value is invalid (a ValueError too, so settings loaders report it)."""
 
 
+class JoinTimeout(ClientError):
+    """A shard did not answer the join in time (the message says which and what to check).
+
+    Attributes:
+        endpoint: the ROUTER endpoint that stayed silent.
+        request: what it did not answer ("hello", "init").
+        timeout_s: the join timeout that ran out.
+    """
+
+    def __init__(self, message: str, *, endpoint: str, request: str, timeout_s: float) -> None:
+        super().__init__(message)
+        self.endpoint, self.request, self.timeout_s = endpoint, request, timeout_s
+
+
+class PlanMismatch(ClientError):
+    """The cluster holds another model (or another cut of it) than this island's.
+
+    Attributes:
+        island_hash: this island's plan hash.
+        cluster_hash: the cluster's plan hash ("" when the shard did not say).
+        cluster_leaves: the cluster's leaves as its welcome named them (`LeafSpec`s),
+            or None when unknown (e.g. a shard refused an init with another plan).
+        detail: what differs, in words (the first differing leaf when known).
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        island_hash: str,
+        cluster_hash: str = "",
+        cluster_leaves: list[Any] | None = None,
+        detail: str = "",
+    ) -> None:
+        super().__init__(message)
+        self.island_hash, self.cluster_hash = island_hash, cluster_hash
+        self.cluster_leaves, self.detail = cluster_leaves, detail
+
+
 @dataclass(frozen=True)
 class ClientConfig:
     """Settings of one island's connection to the parameter server."""
@@ -37,7 +76,7 @@ class ClientConfig:
     heartbeat_interval_s: float = 1.0  # heartbeat period to every shard; liveness unit
     liveness: int = 5  # a shard silent this many intervals is down (reconnect, re-snapshot)
     # Re-send an unacked delta after this, until ack latencies are measured; then after
-    # SRTT + 4 RTTVAR of them (paramserver.client.ack_timer), doubling per attempt.
+    # SRTT + 4 RTTVAR of them (paramserver.client.ledger), doubling per attempt.
     ack_timeout_s: float = 5.0
     ack_timeout_cap_s: float = 60.0  # upper bound of the re-send back-off
     # Lower bound of the measured timeout (at most ack_timeout_s). Above TCP's 1 s: TCP

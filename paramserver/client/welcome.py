@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from paramserver.client.types import ClientConfig, ClientError
+from paramserver.client.types import ClientConfig, ClientError, PlanMismatch
 from paramserver.plumbing.model_diff import FRESH_CLUSTER, first_difference, model_size
 from paramserver.wire.plan import LeafSpec, Plan, PlanError, leaf_specs, make_plan
 
@@ -76,7 +76,7 @@ def shard_initialized(welcome: dict, plan: Plan, shard: int) -> bool:
         ClientError: it is initialised with another plan.
     """
     if welcome["initialized"] and welcome["plan_hash"] != plan.hash:
-        raise ClientError(mismatch(welcome, plan))
+        raise mismatch(welcome, plan)
     return bool(welcome["initialized"])
 
 
@@ -118,7 +118,7 @@ def read_welcome(welcome: dict, cfg: ClientConfig, leaves: list[LeafSpec]) -> Cl
     except PlanError as exc:
         raise ClientError(f"join: cannot shard this model over the cluster: {exc}") from None
     if welcome["initialized"] and welcome["plan_hash"] != plan.hash:
-        raise ClientError(mismatch(welcome, plan))
+        raise mismatch(welcome, plan)
     return Cluster(
         plan=plan,
         endpoints=[(str(router), str(pub)) for router, pub in endpoints],
@@ -148,28 +148,32 @@ def check_rewelcome(welcome: dict, plan: Plan | None, shard: int) -> None:
             "restart the cluster from a checkpoint or re-join with a new client"
         )
     if plan is not None and welcome["plan_hash"] != plan.hash:
-        raise ClientError(mismatch(welcome, plan))
+        raise mismatch(welcome, plan)
 
 
-def mismatch(welcome: Mapping, plan: Plan) -> str:
-    """The error message for a cluster whose plan hash differs from this island's.
+def mismatch(welcome: Mapping, plan: Plan) -> PlanMismatch:
+    """The error for a cluster whose plan hash differs from this island's.
 
     Args:
         welcome: the shard's welcome (its `plan`, when initialized, names the cluster's leaves).
         plan: this island's plan.
 
     Returns:
-        One line: both models' sizes, the first leaf that differs, what to do, both hashes.
+        A PlanMismatch whose message is one line: both models' sizes, the first leaf
+        that differs, what to do, both hashes; its fields carry the same facts.
     """
+    cluster_hash = str(welcome.get("plan_hash") or "")
     hashes = f"(plan hashes: cluster {str(welcome.get('plan_hash'))[:12]}, island {plan.hash[:12]})"
     try:
         theirs = Plan.from_wire(welcome["plan"]).leaves if welcome.get("plan") else None
     except PlanError:
         theirs = None
     if theirs is None:
-        return (
+        return PlanMismatch(
             f"plan mismatch: this model's parameter names, shapes or dtypes ({model_size(plan.leaves)}) "
-            f"differ from the cluster's {hashes}; join with the cluster's model, or {FRESH_CLUSTER}"
+            f"differ from the cluster's {hashes}; join with the cluster's model, or {FRESH_CLUSTER}",
+            island_hash=plan.hash,
+            cluster_hash=cluster_hash,
         )
     where = first_difference(plan.leaves, theirs, "here", "in the cluster's model")
     if where == "the same leaves":
@@ -177,8 +181,12 @@ def mismatch(welcome: Mapping, plan: Plan) -> str:
             f"the same leaves cut into another plan ({welcome.get('num_shards')} shards, "
             f"{welcome.get('num_fragments')} fragments): an island of another version?"
         )
-    return (
+    return PlanMismatch(
         f"plan mismatch: this island's model ({model_size(plan.leaves)}) is not the cluster's "
         f"({model_size(theirs)}): {where}; join with the cluster's model, or {FRESH_CLUSTER} "
-        f"{hashes}"
+        f"{hashes}",
+        island_hash=plan.hash,
+        cluster_hash=cluster_hash,
+        cluster_leaves=list(theirs),
+        detail=where,
     )

@@ -34,6 +34,13 @@ from typing import Any
 
 import psutil
 
+from paramserver.plumbing.private import (
+    PRIVATE_FILE_MODE,
+    open_private,
+    private_dir,
+    touch_private,
+)
+
 logger = logging.getLogger(__name__)
 
 PID_FILE = "daemon.pid"
@@ -173,10 +180,10 @@ def acquire_pid_file(path: str | Path, pid: int | None = None) -> None:
     """
     path = Path(path)
     pid = os.getpid() if pid is None else pid
-    path.parent.mkdir(parents=True, exist_ok=True)
+    private_dir(path.parent)
     for _ in range(3):
         try:
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, PRIVATE_FILE_MODE)
         except FileExistsError:
             holder = running_pid(path)
             if holder is not None and holder != pid:
@@ -223,8 +230,7 @@ def setup_logging(level: str | int = "INFO", log_file: str | Path | None = None)
     formatter = logging.Formatter(LOG_FORMAT)
     handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
     if log_file is not None:
-        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
-        handlers.append(logging.FileHandler(log_file))
+        handlers.append(logging.FileHandler(touch_private(log_file)))  # 0600
     for handler in handlers:
         handler.setFormatter(formatter)
         root.addHandler(handler)
@@ -302,7 +308,8 @@ def notify_ready(info: Mapping[str, Any] | None = None) -> None:
     if not target:
         return
     tmp = Path(target + ".tmp")
-    tmp.write_text(json.dumps(dict(info or {})))
+    with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as fh:
+        fh.write(json.dumps(dict(info or {})))
     os.replace(tmp, target)
 
 
@@ -340,7 +347,7 @@ def spawn(
     decides when it stops.
 
     Args:
-        argv: the command (e.g. ``[sys.executable, "-m", "paramserver.server.cli", ...]``).
+        argv: the command (e.g. ``[sys.executable, "-m", "paramserver.ops.cli", ...]``).
         log_file: where the child's output goes (directory created).
         ready_file: the file the child writes when ready.
         env: the child's environment (default: this process's).
@@ -349,8 +356,8 @@ def spawn(
         The child process.
     """
     log_file, ready_file = Path(log_file), Path(ready_file)
-    log_file.parent.mkdir(parents=True, exist_ok=True)
-    ready_file.parent.mkdir(parents=True, exist_ok=True)
+    touch_private(log_file)  # 0600, in 0700 directories made here
+    private_dir(ready_file.parent)
     with contextlib.suppress(FileNotFoundError):
         ready_file.unlink()
     child_env = dict(os.environ if env is None else env)

@@ -11,7 +11,7 @@ that does not resolve) needs CURVE keys, or the operator's explicit
 
 This module owns that rule (`plain_tcp_problem`, and `refusal`, its one-line
 message naming both ways out) and the loopback test (`is_loopback`); a shard applies it to its bind addresses
-(`paramserver.server.config`, `paramserver.server.cli`), a client to its
+(`paramserver.server.config`, `paramserver.ops.cli`), a client to its
 `connect` and to every endpoint a welcome names (`paramserver.client`).
 The decision is pure given the addresses a name resolves to; only a host
 name (not an IP address) is looked up, through `resolve`.

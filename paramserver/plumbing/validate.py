@@ -54,19 +54,6 @@ def endpoint_problem(value: object, schemes: tuple[str, ...] = ENDPOINT_SCHEMES)
     return None
 
 
-def is_endpoint(value: object, schemes: tuple[str, ...] = ENDPOINT_SCHEMES) -> bool:
-    """Whether `value` is a ZeroMQ endpoint string with one of `schemes` (`endpoint_problem`).
-
-    Args:
-        value: anything.
-        schemes: accepted prefixes, e.g. ("tcp://", "ipc://").
-
-    Returns:
-        True for e.g. "tcp://127.0.0.1:5555".
-    """
-    return endpoint_problem(value, schemes) is None
-
-
 def is_finite_number(value: object) -> bool:
     """An int or float (not a bool) that is finite."""
     return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)

@@ -16,16 +16,22 @@ from typing import Any, Literal
 
 from paramserver.plumbing.exposure import refusal
 from paramserver.plumbing.validate import LOG_LEVELS, Checks
-from paramserver.server.merge import MERGES
-from paramserver.server.policy import PolicyConfig, PolicyError
-from paramserver.server.weighting import STEP_RULES, WEIGHTINGS
+from paramserver.server.step.merge import MERGES
+from paramserver.server.step.policy import PolicyConfig, PolicyError
+from paramserver.server.step.weighting import STEP_RULES, WEIGHTINGS
 
 MIB = 1024 * 1024
 
-# Outer lr / momentum used when outer_lr / outer_momentum are left at None.
-# Synchronous and quorum modes: a function of the islands' H (sync_outer_defaults below).
-# Fully async mode (and a quorum of 1) steps once per delta: each step carries one
-# island's stale pseudo-gradient. Chosen by `diloco-bench async_outer --rounds 48
+# Outer lr / momentum used when outer_lr / outer_momentum are left at None: a function of
+# the mode, the islands' H and the number of islands that push, chosen per mode
+# (`outer_defaults`), never inherited from another mode.
+# Sync and quorum mode (any quorum, 1 included): `sync_outer_defaults` below. One
+# optimizer per run: with the round rule a quorum step that merges n of N islands is n/N
+# of a round and the momentum moves once per round (`step.outer.round_nesterov`), so a
+# quorum of 1 takes the settings of K = all (it took async's lr 0.7 without momentum
+# before, so "K = 1 + grace against K = all" compared two optimizers; issue 32).
+# Async mode steps once per delta: each step carries one island's stale pseudo-gradient.
+# Chosen by `diloco-bench async_outer --rounds 48
 # --seeds 2` (2026-11-30, after the merge fix: per-island sums, absolute staleness
 # factor (1+s)^-0.5, delayed Nesterov = one Nesterov step on the mean of N deltas;
 # 3 islands at speeds 1/1.5/2.5, tiny model, 10 inner steps per round, staleness
@@ -34,8 +40,8 @@ MIB = 1024 * 1024
 # (delay 3) at lr 0.7/1.0/0.5 momentum 0.9: 2.339 (0.021) / 2.342 (0.009) / 2.330
 # (0.005), lr 0.7 momentum 0.8: 2.278 (0.029); delay 6: 2.402 (0.025); plain
 # Nesterov 0.9 per delta at lr 0.7/0.35: 4.982 (0.71) / 2.771 (0.016).
-OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server.outer
-DOWNLINKS = ("float32", "int8")  # paramserver.server.downlink
+OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server.step.outer
+DOWNLINKS = ("float32", "int8")  # paramserver.server.step.downlink
 ASYNC_OUTER_LR = 0.7
 ASYNC_OUTER_MOMENTUM = 0.0
 # Steps of sparse (topk) deltas: plain SGD, the islands' error feedback is the momentum.
@@ -56,22 +62,62 @@ DEFAULT_INNER_STEPS = 50  # the islands' default H (worker.config.IslandConfig.i
 # 0.4/0.9 2.444. The boundaries 17 and 55 are geometric means of the measured H.
 SYNC_OUTER_BY_H = ((17, 0.4, 0.8), (55, 0.5, 0.8))
 SYNC_OUTER_LONG_H = (0.7, 0.8)  # H above the table's last row
+# (largest H, fewest islands, outer lr, outer momentum): rows that take precedence over
+# SYNC_OUTER_BY_H from that many pushing islands on. Measured by the issue-32 audit (held-out
+# scripts, in process with the daemons' budget: 4 islands, H=15, 300 steps, 128-byte
+# sequences, int8 both ways, single seed): lr 0.7 / momentum 0.8 beat 0.4 / 0.8 by 1.5%,
+# lr 1.0 overshot (+9.3%). Not swept at 3 islands (3 > sqrt(2 * 4) = 2.83 takes the 4-island
+# row) nor at longer H with more islands (those keep the 2-island rows).
+SYNC_OUTER_MANY_ISLANDS = ((17, 3, 0.7, 0.8),)
+DEFAULT_ISLANDS = 2  # the island count the table assumes before any island pushed
 
 
-def sync_outer_defaults(inner_steps: int) -> tuple[float, float]:
-    """The default outer (lr, momentum) of sync and quorum steps for islands running H steps.
+def sync_outer_defaults(inner_steps: int, islands: int = DEFAULT_ISLANDS) -> tuple[float, float]:
+    """The default outer (lr, momentum) of sync and quorum steps.
 
     Args:
         inner_steps: H, the islands' inner steps per round (>= 1).
+        islands: the islands that push (a round's N), >= 1.
 
     Returns:
-        (lr, momentum) of the first SYNC_OUTER_BY_H row whose H is >= inner_steps,
-        SYNC_OUTER_LONG_H past the table.
+        (lr, momentum): the first SYNC_OUTER_MANY_ISLANDS row whose H is >=
+        inner_steps and whose island count is <= islands, else the first
+        SYNC_OUTER_BY_H row whose H is >= inner_steps, SYNC_OUTER_LONG_H past the table.
     """
+    for largest_h, fewest, lr, momentum in SYNC_OUTER_MANY_ISLANDS:
+        if inner_steps <= largest_h and islands >= fewest:
+            return lr, momentum
     for largest_h, lr, momentum in SYNC_OUTER_BY_H:
         if inner_steps <= largest_h:
             return lr, momentum
     return SYNC_OUTER_LONG_H
+
+
+def outer_defaults(mode: str, inner_steps: int, islands: int) -> tuple[float, float, str]:
+    """The default outer (lr, momentum) of a mode, and why (what `status.outer` shows).
+
+    Args:
+        mode: "sync", "quorum" or "async".
+        inner_steps: H, the islands' inner steps per round.
+        islands: the islands that push (a round's N).
+
+    Returns:
+        (lr, momentum, the reason in one line).
+    """
+    if mode == "async":
+        return (
+            ASYNC_OUTER_LR,
+            ASYNC_OUTER_MOMENTUM,
+            "async: each step merges one delta; lr 0.7 without momentum (diloco-bench "
+            "async_outer: Nesterov with momentum per delta diverged)",
+        )
+    lr, momentum = sync_outer_defaults(inner_steps, islands)
+    return (
+        lr,
+        momentum,
+        f"{mode}: the default of H={inner_steps} at {islands} pushing islands "
+        "(sync_outer_defaults; any quorum takes it: a step is a share of a round)",
+    )
 
 
 PENDING_MEMORY_SHARE = 4  # default max_pending_bytes: 1/4 of the machine's physical memory
@@ -125,38 +171,55 @@ class ShardConfig:
     shards: int = 1  # number of shard processes in the cluster
     fragments: int = 0  # fragments in the plan; 0 = 2 per shard
     data_dir: str = "runs/server"  # write-ahead logs and checkpoints (shard-<i>/ below it)
-    # merge policy: sync, quorum or async (paramserver.server.policy, which owns these defaults)
+    # merge policy: sync, quorum or async (paramserver.server.step.policy, which owns these defaults)
     mode: Literal["sync", "quorum", "async"] = PolicyConfig.mode
     quorum: int = PolicyConfig.quorum  # quorum mode: distinct live islands before the grace window
     grace_rule: str = PolicyConfig.grace_rule  # quorum grace window: eq3 (adaptive) or fraction
     grace_fraction: float = PolicyConfig.grace_fraction  # fraction rule: share of the EMA gap
     grace_gamma: float = PolicyConfig.grace_gamma  # eq3 rule: share of the slack spent, in (0, 1)
+    # eq3 rule: tau, the inner steps an island trains while its delta is merged (the overlap)
+    grace_overlap_steps: int = PolicyConfig.grace_overlap_steps
     grace_min_s: float = PolicyConfig.grace_min_s  # lower clamp of the grace window, seconds
     grace_max_s: float = PolicyConfig.grace_max_s  # upper clamp of the grace window, seconds
     weighting: str = "default"  # merge weights: default, uniform, tokens, no-staleness
-    merge: str = "mean"  # combining the islands' deltas: mean or rda (paramserver.server.merge)
+    # combining the islands' deltas: mean, rda, or median (coordinate-wise over the islands of a
+    # step: robust to a minority of untrusted islands) (paramserver.server.step.merge)
+    merge: str = "mean"
     staleness_exponent: float = 0.5  # a in (1 + staleness)^-a of the default weighting
-    # how a step's share n/N of a round (n islands merged, N live) scales it and its
+    # how a step's share n/N of a round (n islands merged, N that push) scales it and its
     # staleness: round (default), version, share or round-staleness (weighting.py)
     step_rule: str = "round"
     outer_optimizer: str = "nesterov"  # nesterov, sgd or delayed-nesterov
     # H, the inner steps per round the islands run (set it to their --inner-steps): it picks
-    # the default outer lr and momentum of sync and quorum steps; a push of another H that
-    # would take other defaults gets one warning per island
+    # the default outer lr and momentum of sync and quorum steps; an island that says it runs
+    # another H (its pushes' inner_steps) that would take other defaults gets one warning
     inner_steps: int = DEFAULT_INNER_STEPS
-    # outer learning rate; unset, sync and quorum steps take the default of --inner-steps
-    # (0.4 for H <= 17, 0.5 up to 55, 0.7 above) and async mode and a quorum of 1 take 0.7
+    # outer learning rate; unset, sync and quorum steps (any quorum) take the default of
+    # --inner-steps and the islands that push (0.4 for H <= 17, 0.7 there from 3 islands,
+    # 0.5 up to 55, 0.7 above) and async mode takes 0.7; status `outer` shows it and why
     outer_lr: float | None = None
-    # outer (Nesterov) momentum in [0, 1); unset, sync and quorum steps take the default of
-    # --inner-steps (0.8) and async mode and a quorum of 1 take 0 (no momentum)
+    # outer (Nesterov) momentum in [0, 1); unset, sync and quorum steps take 0.8 and async
+    # mode takes 0 (no momentum)
     outer_momentum: float | None = None
     nesterov_delay: int = 1  # contributions between momentum updates (delayed Nesterov)
     # outer lr of steps whose deltas are all topk-coded: SGD without momentum, each entry
-    # merged over the islands that sent it (paramserver.server.sparse_merge)
+    # merged over the islands that sent it (paramserver.server.step.sparse_merge)
     sparse_outer_lr: float = SPARSE_OUTER_LR
     heartbeat_interval_s: float = 1.0  # PUB heartbeat period when idle; liveness unit
     liveness: int = 5  # an island silent this many heartbeat intervals is dead
     max_message_bytes: int = 64 * MIB  # larger requests are rejected "oversize"
+    # frames one request may have (header + codec header + payload frames); more are refused
+    # "oversize" before anything is stored. Our writer cuts payloads at 1 MiB, so a message
+    # of max_message_bytes has max_message_bytes / 1 MiB + 2 frames; keep at least that
+    max_frames_per_message: int = 4096
+    # bytes of snapshot replies one connection may leave unread in the shard before its next
+    # snapshot request is refused `throttled` (one reply is always served); 0 = twice
+    # max_message_bytes (two pieces in flight, as our client asks them)
+    max_unread_reply_bytes: int = 0
+    # a connection that sends no bytes for this long (ZMTP heartbeats: the shard pings every
+    # heartbeat_interval_s, and a pong counts) is closed, and what it half-sent is freed; a
+    # handshake must finish within it too; 0 = never (ZeroMQ's defaults)
+    peer_silence_s: float = 30.0
     max_islands: int = 256  # distinct islands a shard tracks at once
     max_pending_per_island: int = 8  # unmerged deltas one island may have per fragment
     # bytes all pending deltas of the shard may keep (counted coded: ~1.02 B/param for int8,
@@ -179,7 +242,24 @@ class ShardConfig:
     # do not decode; the rest are dropped unanswered (counted: status `dropped`); 0 = answer all
     max_refusals_per_s: float = 20.0
     dedup_window: int = 64  # rounds below an island's newest that are still deduplicated
-    clip_norm_multiple: float = 0.0  # clip a delta's norm to this x the recent median; 0 = off
+    # clip a delta's L2 norm to this x the median of its fragment's last accepted norms (once
+    # 4 are known); 0 = off. Honest deltas of one run stay within a few x of each other
+    clip_norm_multiple: float = 10.0
+    # refuse (delta_too_large) a delta whose L2 norm is over this x max(the fragment's
+    # parameter norm, sqrt(its size)): the bound from the very first push; 0 = off
+    max_delta_norm_ratio: float = 10.0
+    # refuse (bad_tokens) a push whose tokens / steps is over this (tokens per inner step)
+    max_tokens_per_step: int = 2**26
+    max_inner_steps: int = 2**20  # refuse (bad_tokens) a push of more inner steps than this
+    # cap one island's work weight f in a step at this x the largest of the other islands'
+    # of the step (tokens^2/steps: 16 = an island with 4x the batch); 0 = no cap
+    max_weight_ratio: float = 16.0
+    # refuse (bad_round) a round more than this above the island's newest round on the
+    # fragment (round ids are microseconds since the epoch: 2**40 us is ~12.7 days)
+    max_round_gap: int = 2**40
+    # forget an island with no session (no hello heard: bye, or silent past liveness) and
+    # nothing pending after this many seconds: its registry, report and dedup entries
+    island_ttl_s: float = 3600.0
     checkpoint_every_steps: int = 50  # checkpoint after this many outer steps (0 = never)
     checkpoint_every_s: float = 60.0  # ... or this many seconds since the last (0 = never)
     fsync: bool = True  # fsync the log before acking; False only for throwaway runs
@@ -188,6 +268,9 @@ class ShardConfig:
     log_level: str = "INFO"  # DEBUG, INFO, WARNING or ERROR
     metrics_port: int = 0  # Prometheus metrics port; 0 = off
     metrics_host: str = ""  # bind address of the metrics endpoint; "" = the same as host
+    # off loopback (needs CURVE keys or insecure), the metrics endpoint and cluster page ask for
+    # this token; "" = one made at the first start in <data_dir>/metrics.token (mode 0600)
+    metrics_token: str = ""
     curve_secret_key_file: str = ""  # shard key pair (NAME.key_secret); "" = no CURVE (trusted net)
     curve_allow_dir: str = ""  # with CURVE: directory of the allowed islands' NAME.key files
     # with CURVE: TOML file granting a key more island ids than its file's stem (NAME.key acts
@@ -249,6 +332,16 @@ class ShardConfig:
             self.max_message_bytes,
             "keep it <= 1 GiB; split the model into more fragments instead",
         )
+        honest_frames = -(-self.max_message_bytes // MIB) + 2
+        check.integer("max_frames_per_message", self.max_frames_per_message, 3)
+        check.require(
+            self.max_frames_per_message >= honest_frames,
+            "max_frames_per_message",
+            self.max_frames_per_message,
+            f"keep it >= {honest_frames}: a push of max_message_bytes cut at 1 MiB has that many",
+        )
+        check.integer("max_unread_reply_bytes", self.max_unread_reply_bytes, 0)
+        check.number("peer_silence_s", self.peer_silence_s, low=0.0)
         check.integer("max_islands", self.max_islands, 1)
         check.integer("max_pending_per_island", self.max_pending_per_island, 1)
         check.require(
@@ -265,6 +358,18 @@ class ShardConfig:
         check.integer("request_burst", self.request_burst, 1)
         check.number("max_refusals_per_s", self.max_refusals_per_s, low=0.0)
         check.integer("dedup_window", self.dedup_window, 1)
+        check.number("max_delta_norm_ratio", self.max_delta_norm_ratio, low=0.0)
+        check.integer("max_tokens_per_step", self.max_tokens_per_step, 1)
+        check.integer("max_inner_steps", self.max_inner_steps, 1)
+        check.number("max_weight_ratio", self.max_weight_ratio, low=0.0)
+        check.require(
+            self.max_weight_ratio == 0 or self.max_weight_ratio >= 1,
+            "max_weight_ratio",
+            self.max_weight_ratio,
+            "use 0 (no cap) or a ratio >= 1 of the other islands' largest weight (e.g. 16)",
+        )
+        check.integer("max_round_gap", self.max_round_gap, 1)
+        check.number("island_ttl_s", self.island_ttl_s, above=0.0)
         check.number("clip_norm_multiple", self.clip_norm_multiple, low=0.0)
         check.require(
             self.clip_norm_multiple == 0 or self.clip_norm_multiple >= 1,
@@ -283,6 +388,7 @@ class ShardConfig:
             self.metrics_host,
             "give a bind address such as 127.0.0.1, or leave it empty to use host",
         )
+        check.text("metrics_token", self.metrics_token)
         check.together(
             "curve_secret_key_file",
             self.curve_secret_key_file,
@@ -299,6 +405,28 @@ class ShardConfig:
         check.boolean("insecure", self.insecure)
         refused = self.plain_bind_refusal(self.host)
         check.require(refused is None, "host", self.host, str(refused))
+        refused = self.metrics_bind_refusal()
+        check.require(refused is None, "metrics_host", self.metrics_bind_host, str(refused))
+
+    def metrics_bind_refusal(self) -> str | None:
+        """Why the metrics endpoint and cluster page may not bind off loopback, or None.
+
+        Returns:
+            One line naming the address, the risk and the ways out, when
+            metrics_port is set on a host that is not loopback without CURVE
+            keys or `insecure` (the shards' rule, `paramserver.plumbing.exposure`;
+            bound there, the page asks for a token); None otherwise.
+        """
+        if not self.metrics_port:
+            return None
+        return refusal(
+            self.metrics_bind_host,
+            curve=bool(self.curve_secret_key_file),
+            insecure=self.insecure,
+            risk="anyone who reaches the port reads the island ids, losses and counters",
+            keys="--curve-secret-key-file and --curve-allow-dir (the page then asks for a token)",
+            opt_out="--metrics-host 127.0.0.1, or --insecure",
+        )
 
     def plain_bind_refusal(self, address: str) -> str | None:
         """Why this shard may not bind `address` (a host or endpoint) without CURVE, or None.
@@ -333,30 +461,60 @@ class ShardConfig:
 
     @property
     def steps_on_single_deltas(self) -> bool:
-        """Whether outer steps typically merge one delta: async mode, or a quorum of 1.
+        """Whether every outer step merges one delta: async mode.
 
-        Such steps take the async outer defaults: Nesterov with momentum 0.9 on
-        single deltas diverged in `diloco-bench async_outer`.
+        Async mode takes its own outer defaults (`outer_defaults`); a quorum of
+        1 takes those of its mode, quorum, like any quorum.
         """
-        return self.mode == "async" or (self.mode == "quorum" and self.quorum == 1)
+        return self.mode == "async"
+
+    def outer_settings(self, islands: int | None = None) -> tuple[float, float, str]:
+        """The outer (lr, momentum) in effect with `islands` pushing islands, and why.
+
+        Args:
+            islands: the islands that push (None or 0: `DEFAULT_ISLANDS`).
+
+        Returns:
+            (lr, momentum, reason): given values win over the defaults of
+            `outer_defaults(mode, inner_steps, islands)`.
+        """
+        count = islands or DEFAULT_ISLANDS
+        lr, momentum, why = outer_defaults(self.mode, self.inner_steps, count)
+        given = [name for name in ("outer_lr", "outer_momentum") if getattr(self, name) is not None]
+        if given:
+            why = f"{' and '.join(given)} given; otherwise {why}"
+        lr = float(self.outer_lr) if self.outer_lr is not None else lr
+        momentum = float(self.outer_momentum) if self.outer_momentum is not None else momentum
+        return lr, momentum, why
 
     @property
     def effective_outer_lr(self) -> float:
-        """The outer learning rate after resolving the mode-dependent default."""
-        if self.outer_lr is not None:
-            return float(self.outer_lr)
-        if self.steps_on_single_deltas:
-            return ASYNC_OUTER_LR
-        return sync_outer_defaults(self.inner_steps)[0]
+        """The outer learning rate the shard starts with (DEFAULT_ISLANDS pushing islands)."""
+        return self.outer_settings()[0]
 
     @property
     def effective_outer_momentum(self) -> float:
-        """The outer momentum after resolving the mode-dependent default."""
-        if self.outer_momentum is not None:
-            return float(self.outer_momentum)
-        if self.steps_on_single_deltas:
-            return ASYNC_OUTER_MOMENTUM
-        return sync_outer_defaults(self.inner_steps)[1]
+        """The outer momentum after resolving the mode's default (fixed for the run)."""
+        return self.outer_settings()[1]
+
+    def outer_lr_scale(self, islands: int | None) -> float:
+        """How much the outer lr in effect with `islands` pushing islands differs from the start's.
+
+        The jitted outer step keeps its lr as a constant; a step scales its
+        merged delta by this ratio instead, which moves the parameters as the
+        lr in effect would (the momentum buffer adds the scaled deltas). The
+        default momentum does not depend on the island count, so only the lr
+        follows it.
+
+        Args:
+            islands: the islands that push (a step's N, logged with it).
+
+        Returns:
+            outer_settings(islands).lr / effective_outer_lr (1 when lr was given).
+        """
+        if self.outer_lr is not None:
+            return 1.0
+        return self.outer_settings(islands)[0] / self.effective_outer_lr
 
     @property
     def outer_from_inner_steps(self) -> bool:
@@ -364,39 +522,51 @@ class ShardConfig:
         defaulted = self.outer_lr is None or self.outer_momentum is None
         return defaulted and not self.steps_on_single_deltas
 
-    def outer_report(self) -> dict[str, Any]:
+    def outer_report(self, islands: int | None = None) -> dict[str, Any]:
         """The outer optimizer in effect, JSON-ready (for status).
 
+        Args:
+            islands: the islands that push, as the shard's last step counted
+                them (None: none stepped yet).
+
         Returns:
-            optimizer, lr, momentum, inner_steps and whether lr/momentum were
-            defaulted from inner_steps.
+            optimizer, lr (in effect with `islands`), momentum, inner_steps,
+            islands (None before a step), whether lr/momentum were defaulted
+            from inner_steps, and why (one line).
         """
+        lr, momentum, why = self.outer_settings(islands)
         return {
             "optimizer": self.outer_optimizer,
-            "lr": self.effective_outer_lr,
-            "momentum": self.effective_outer_momentum,
+            "lr": lr,
+            "momentum": momentum,
             "inner_steps": self.inner_steps,
+            "islands": islands,
             "from_inner_steps": self.outer_from_inner_steps,
+            "why": why,
         }
 
-    def inner_steps_mismatch(self, island: str, steps: int) -> str | None:
-        """What to tell the operator when a push's H would take other default outer settings.
+    def inner_steps_mismatch(self, island: str, steps: int | None) -> str | None:
+        """What to tell the operator when an island's configured H would take other defaults.
 
         Args:
             island: the pushing island.
-            steps: the inner steps of its push (its round length H).
+            steps: the island's own configured H (`inner_steps` in its push
+                header), None when it does not say: the inner steps of a push
+                are not its H (pushes merged after a skipped push, streaming
+                fragments, a last partial round), so nothing is inferred.
 
         Returns:
-            A one-line warning, or None when the push's H takes the same
-            defaults as `inner_steps` (or the outer settings are not defaulted).
+            A one-line warning, or None when the island's H takes the same
+            defaults as `inner_steps` (or the outer settings are not defaulted,
+            or the island did not say its H).
         """
-        if not self.outer_from_inner_steps:
+        if steps is None or not self.outer_from_inner_steps:
             return None
         ours, theirs = sync_outer_defaults(self.inner_steps), sync_outer_defaults(steps)
         if ours == theirs:
             return None
         return (
-            f"island {island} pushes rounds of {steps} inner steps, but the default outer "
+            f"island {island} runs {steps} inner steps per round, but the default outer "
             f"lr/momentum {ours[0]}/{ours[1]} were chosen for inner_steps={self.inner_steps} "
             f"(H={steps} takes {theirs[0]}/{theirs[1]}): start the shards with "
             f"--inner-steps {steps}, or give --outer-lr and --outer-momentum"
@@ -406,6 +576,11 @@ class ShardConfig:
     def pending_bytes_per_island(self) -> int:
         """One island's pending byte budget: max_pending_bytes_per_island, or 1/4 of the shard's."""
         return self.max_pending_bytes_per_island or max(1, self.max_pending_bytes // 4)
+
+    @property
+    def unread_reply_bytes(self) -> int:
+        """Bytes of replies one connection may leave unread: the setting, or 2 x max_message_bytes."""
+        return self.max_unread_reply_bytes or 2 * self.max_message_bytes
 
     @property
     def max_frame_bytes(self) -> int:
@@ -424,6 +599,7 @@ class ShardConfig:
             grace_rule=self.grace_rule,
             grace_fraction=self.grace_fraction,
             grace_gamma=self.grace_gamma,
+            grace_overlap_steps=self.grace_overlap_steps,
             grace_min_s=self.grace_min_s,
             grace_max_s=self.grace_max_s,
         )

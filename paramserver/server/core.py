@@ -2,63 +2,211 @@
 
 `ShardCore.handle(now, request)` takes one request as it came off the ROUTER
 and returns `Effects`: the events to append to the write-ahead log, the
-replies and the publishes. `on_tick(now)` steps the fragments the merge
-policy says are due and heartbeats an idle PUB; `next_wake(now)` says when to
-tick again; `checkpoint_due(now)` when to begin a checkpoint, and
-`checkpoint_started` / `checkpoint_done` record one (it is written off the
-loop: before stepping a fragment the core asks `step_guard`, which the I/O
-loop sets to its data directory's `before_step`, and defers the step when it
-says not now; it says whether the fragment's pending deltas are near the
-per-island limit, `pending_near_limit`, so that the step is not deferred
-into `too_many_pending` refusals). Nothing here reads a clock, a socket or a file: `now`
-(wall-clock seconds) is an argument, so a simulation drives the core with a
-fake clock.
+replies and the publishes. `due_steps(now)` says which fragments the merge
+policy says to step (each marked `urgent` when its pending deltas near the
+per-island limit, `pending_near_limit`); the I/O loop clears each with its
+data directory (a checkpoint being written may ask to defer one to a later
+turn) and `on_tick(now, steps)` takes the cleared steps and heartbeats an idle
+PUB; `next_wake(now)` says when to tick again; `checkpoint_due(now)` when to
+begin a checkpoint, and `checkpoint_started` / `checkpoint_done` record one.
+Nothing here reads a clock, a socket or a file: `now` (wall-clock seconds) is
+an argument, so a simulation drives the core with a fake clock.
 
 The one rule of durability: nothing in a batch's effects is sent before its
-events are appended and fsynced once (`paramserver.server.shard.make_durable`).
-When that fails, `storage_failed` takes the state rebuilt from disk and
-returns what to send instead: every reply that promised durability (an
-`accepted` or `duplicate` ack, `init_ok`) becomes a `storage_error` refusal,
-and the batch's updates are dropped unpublished. `release` then numbers the
-publishes (`seq`), packs every message and counts the bytes sent.
+events are appended and fsynced once (`paramserver.server.shard.run_batch`).
+A reply that says something is on disk (an accepted or duplicate ack,
+`init_ok`, `init_begun`, `init_piece_ok`) is a `DurableReply`, decided once
+the storage outcome is known: `settle(effects, now, failure)` renders it as
+answered when its record is on disk, or, when it is not, adopts the state
+rebuilt from disk and renders it a `storage_error` refusal, and drops the
+updates of steps not on disk (a failed append costs only its own request;
+a failed sync, the whole batch). `settle` then numbers the publishes
+(`seq`), packs every message and counts the bytes sent.
 
-Island ids are bound to connections (`paramserver.server.binding`) and, under
-CURVE, to the keys that may use them (the guard, `paramserver.plumbing.identity`).
-Snapshots, status and heartbeats need no disk, so they are served through
-storage faults. What `status` shows of each island beyond the state (its last
-push, rounds, staleness and training report) is kept by
-`paramserver.server.island_reports`.
+Admission (`handle`): a request is charged to its island's rate bucket before
+anything is decoded, then decoded and checked (protocol version, kind,
+header), its island id checked against its connection and, under CURVE,
+against the keys that may use it (`paramserver.server.admission.gate`,
+`paramserver.plumbing.identity`); its outcome and refusals, their counts and
+what `status` shows of each island are `paramserver.server.admission.outcomes`;
+the state's rules (dedup, limits, staleness) decide a push. Snapshots, status
+and heartbeats need no disk, so they are served through storage faults.
+
+What the core asks its I/O loop to do is plain data defined here: a `Request`
+as received, and the `Effects` of a batch: the events to log first, the
+`Reply`s to send whatever happens, the `DurableReply`s whose answer depends
+on the log, and the `Publish`es.
+
+(Over 700 lines: the core is the shard's one protocol state machine, as h11's
+`Connection` is: the effect types, admission, the durable-reply rule and the
+tick belong together so that every rule of what may follow what is in one
+place; the decisions themselves live in `admission/`, `step/` and `state.py`.)
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import replace
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import codec
 from paramserver.plumbing.identity import IslandGuard
-from paramserver.server import binding, outcomes, throttle
+from paramserver.server.admission import gate, outcomes
+from paramserver.server.admission.backlog import ReplyBacklog
+from paramserver.server.admission.outcomes import IslandReports, Outcome
 from paramserver.server.config import ShardConfig
-from paramserver.server.effects import Effects, Publish, Reply, Request
-from paramserver.server.events import StepEvent
-from paramserver.server.island_reports import IslandReports
-from paramserver.server.outcomes import Outcome
+from paramserver.server.events import AcceptEvent, Event, StepEvent
 from paramserver.server.state import ShardState
 from paramserver.wire import protocol
 from paramserver.wire.protocol import ACCEPTED, REJECTED
 
 logger = logging.getLogger(__name__)
 
+# ----- what the core asks its I/O loop to do ---------------------------------------
+
+
+@dataclass(frozen=True)
+class Request:
+    """One request off the ROUTER: the connection, the message's frames, its CURVE User-Id.
+
+    `envelope` holds the frames before the header that a reply must repeat: the
+    empty delimiter frame of a REQ socket (the core strips it from `frames`).
+    """
+
+    conn: bytes
+    frames: list[Any]
+    user_id: str | None = None
+    envelope: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class Reply:
+    """A reply to send to `conn` whatever the batch's storage outcome (a refusal, a welcome, ...).
+
+    `envelope` (the request's, e.g. a REQ socket's empty delimiter) goes before the header.
+    """
+
+    conn: bytes
+    header: dict[str, Any]
+    payload: list[Any]
+    envelope: tuple[bytes, ...] = ()
+
+
+@dataclass(frozen=True)
+class DurableReply:
+    """A reply that tells the island something is on disk (an accepted / duplicate ack, init_*).
+
+    It is rendered once, after the batch's storage outcome is known
+    (`paramserver.server.core.ShardCore.settle`): stored, it says `kind` with
+    `fields` (for an ack: the `outcome` and the fragment's `version` when
+    answered); not stored, it is a `storage_error` refusal instead.
+    """
+
+    conn: bytes
+    request: dict[str, Any]
+    kind: str  # "ack", "init_ok", "init_begun" or "init_piece_ok"
+    fields: dict[str, Any] = field(default_factory=dict)
+    outcome: Outcome | None = None  # an ack's outcome (accepted or duplicate)
+    version: int = 0  # an ack's fragment version when answered
+    envelope: tuple[bytes, ...] = ()
+    event: Event | None = None  # the event whose record the reply vouches for (None: none)
+
+
+@dataclass(frozen=True)
+class Publish:
+    """A message for the PUB: an `update` (numbered at release, needs durability) or a heartbeat."""
+
+    header: dict[str, Any]
+    payload: list[Any] = field(default_factory=list)
+
+    @property
+    def is_update(self) -> bool:
+        """Whether it publishes a step (dropped when the step did not become durable)."""
+        return self.header["kind"] == "update"
+
+
+@dataclass
+class Effects:
+    """What the I/O loop does for a batch: append `records`, fsync, then send the rest."""
+
+    records: list[Event] = field(default_factory=list)
+    replies: list[Reply | DurableReply] = field(default_factory=list)
+    publishes: list[Publish] = field(default_factory=list)
+
+    def extend(self, other: Effects) -> None:
+        """Add another request's effects after these (in order).
+
+        Args:
+            other: the effects to add.
+        """
+        self.records += other.records
+        self.replies += other.replies
+        self.publishes += other.publishes
+
+
+# ----- the core ---------------------------------------------------------------------
+
 CHECKPOINT_RETRY_S = 10.0  # a failed checkpoint is tried again after this long
+FORGET_EVERY_S = 1.0  # how often idle islands are looked for (`ShardCore._forget_idle`)
 # Requests that act as an island, refused from a connection the island is not bound to.
 _BOUND_KINDS = ("push", "heartbeat", "bye")
 # The state's counters of requests (not of durable events): kept across a rebuild from disk.
 _REQUEST_COUNTERS = (
     "duplicates", "rejected", "bytes_in", "bytes_out", "hello_requests", "dropped",
 )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class DueStep:
+    """An outer step the merge policy says is due: its fragment, and whether deferring it risks refusals."""
+
+    fragment: int
+    urgent: bool
+
+
+@dataclass(frozen=True)
+class StorageFailure:
+    """A batch whose records did not all become durable: what failed, the state rebuilt from disk.
+
+    `lost` holds the events whose records are not on disk (the rest of the
+    batch is); None: none of the batch is (a failed sync).
+    """
+
+    error: str
+    rebuilt: ShardState
+    lost: tuple[Event, ...] | None = None
+
+    def lost_event(self, event: Event | None, request: dict[str, Any] | None = None) -> bool:
+        """Whether a reply vouching for `event` must be refused (its record is not on disk).
+
+        Args:
+            event: the event the reply vouches for (None: none of its own).
+            request: the request's header: a duplicate of a push whose
+                record was lost in the same batch is refused too.
+
+        Returns:
+            True when the reply must say `storage_error`.
+        """
+        if self.lost is None:
+            return True
+        if event is not None:
+            return any(event is e for e in self.lost)
+        if request is None or request.get("kind") != "push":
+            return False
+        key = (request.get("island"), request.get("round"), request.get("fragment"))
+        return any(
+            isinstance(e, AcceptEvent)
+            and (e.contribution.island, e.contribution.round, e.contribution.fragment) == key
+            for e in self.lost
+        )
+
+    def lost_step(self, fragment: Any) -> bool:
+        """Whether an update of `fragment` must not be published (its step is not on disk)."""
+        if self.lost is None:
+            return True
+        return any(isinstance(e, StepEvent) and e.fragment == fragment for e in self.lost)
 
 
 class ShardCore:
@@ -93,7 +241,7 @@ class ShardCore:
         self.endpoints = endpoints
         self.guard = guard
         self.seq = 0  # of the last message published
-        self.bindings = binding.Bindings(cfg.heartbeat_interval_s, cfg.liveness)
+        self.bindings = gate.Bindings(cfg.heartbeat_interval_s, cfg.liveness)
         self._raw32 = codec.raw("float32")  # one per core: encoders keep work buffers
         self._last_pub = now
         self._records_since = replayed  # durable events since the last checkpoint
@@ -106,13 +254,13 @@ class ShardCore:
         self.checkpoint_failures = 0  # failed attempts since the last written checkpoint
         self.checkpoint_error: str | None = None  # the last failure
         self._h_warned: set[str] = set()  # islands told their H takes other outer defaults
-        # asked before each outer step: may this fragment be stepped now? (see module docstring;
-        # the flag says its pending deltas near the per-island limit: deferring risks refusals)
-        self.step_guard: Callable[[int, bool], bool] = lambda fragment, urgent: True
         self.islands = IslandReports()  # what `status` shows of each island (not durable)
+        self._forget_at = now  # when to look for islands idle past island_ttl_s next
+        # bytes of large replies each connection has not read yet (the I/O loop tracks sends)
+        self.backlog = ReplyBacklog(cfg.unread_reply_bytes)
         # request rate limits, checked before a request is decoded
-        self.throttle = throttle.Throttle(
-            throttle.Limits(cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s)
+        self.throttle = gate.Throttle(
+            gate.Limits(cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s)
         )
 
     # ----- requests ----------------------------------------------------------------
@@ -123,7 +271,7 @@ class ShardCore:
         A request whose first frame is empty came from a REQ socket: the empty
         delimiter is stripped and put back before the reply's header. Before
         anything is decoded the request is charged to its island's (or
-        connection's) bucket (`paramserver.server.throttle`): over it, it is
+        connection's) bucket (`paramserver.server.admission.gate`): over it, it is
         answered `throttled` or, past the answers allowed, dropped unanswered,
         like a header that does not decode past them.
 
@@ -139,7 +287,7 @@ class ShardCore:
         if request.frames and memoryview(request.frames[0]).nbytes == 0:
             request = replace(request, frames=request.frames[1:], envelope=(b"",))
         verdict, retry_after = self.throttle.admit(now, request.conn)
-        if verdict != throttle.ADMIT:
+        if verdict != gate.ADMIT:
             return self._throttled(request, verdict, retry_after)
         try:
             header, payload = protocol.unpack(request.frames)
@@ -149,7 +297,7 @@ class ShardCore:
                 return Effects()
             refusal = self.state.reject(exc.reason, exc.detail)
             header = outcomes.render_rejected(exc.header, refusal)
-            return Effects(replies=[Reply(request.conn, header, [], None, request.envelope)])
+            return Effects(replies=[Reply(request.conn, header, [], request.envelope)])
         island, kind = header.get("island"), header["kind"]
         if self.guard is not None and isinstance(island, str):
             refusal = self.guard.refusal(request.user_id, island, kind, now)
@@ -158,11 +306,13 @@ class ShardCore:
         known = True
         if isinstance(island, str) and kind != "hello":
             verdict = self.bindings.verdict(island, request.conn, now)
-            if verdict == binding.IN_USE and kind in _BOUND_KINDS:
+            if verdict == gate.IN_USE and kind in _BOUND_KINDS:
                 detail = self.bindings.in_use_detail(island, now)
                 return self._answer(request, header, self.state.reject("island_in_use", detail))
-            known = verdict == binding.OWN and self.state.touch(island, now, header)
-        too_big = outcomes.oversize(size, self.cfg.max_message_bytes)
+            known = verdict == gate.OWN and self.state.touch(island, now, header)
+        too_big = outcomes.oversize(size, self.cfg.max_message_bytes) or outcomes.too_many_frames(
+            len(request.frames), self.cfg.max_frames_per_message
+        )
         if too_big is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, too_big))
         try:
@@ -174,7 +324,7 @@ class ShardCore:
 
     def _throttled(self, request: Request, verdict: str, retry_after: float) -> Effects:
         """Refuse a request over its bucket: `throttled` (an ack for a push), or drop it."""
-        if verdict == throttle.DROP:
+        if verdict == gate.DROP:
             self.state.counters.drop("throttled")
             return Effects()
         limits = self.throttle.limits
@@ -184,21 +334,37 @@ class ShardCore:
             header, _ = protocol.unpack(request.frames)
         except protocol.ProtocolError as exc:
             reply = outcomes.render_rejected(exc.header, refusal)
-            return Effects(replies=[Reply(request.conn, reply, [], None, request.envelope)])
+            return Effects(replies=[Reply(request.conn, reply, [], request.envelope)])
         return self._answer(request, header, refusal)
 
     def _reply(self, request: Request, header: dict, kind: str, payload=(), **fields) -> Effects:
         reply = protocol.reply_header(header, kind, **fields)
-        return Effects(
-            replies=[Reply(request.conn, reply, list(payload), header, request.envelope)]
+        return Effects(replies=[Reply(request.conn, reply, list(payload), request.envelope)])
+
+    def _durable_reply(self, request: Request, header: dict, kind: str, outcome: Outcome, **fields):
+        """An init_* reply, sent once the batch (with the outcome's event) is on disk."""
+        reply = DurableReply(
+            request.conn, header, kind, fields, envelope=request.envelope, event=outcome.event
         )
+        records = [outcome.event] if outcome.event is not None else []
+        return Effects(records=records, replies=[reply])
 
     def _answer(self, request: Request, header: dict, outcome: Outcome) -> Effects:
-        """Reply with an outcome (`ack` for a push, else `rejected`); log its event if any."""
+        """Reply with an outcome (`ack` for a push, else `rejected`); log its event if any.
+
+        A push's accepted or duplicate ack says the delta is on disk: it is a
+        `DurableReply`, rendered by `settle` once the batch's storage outcome is known.
+        """
         version = self.state.version_of(header.get("fragment"))
-        rendered = outcomes.render(header, outcome, version)
-        reply = Reply(request.conn, rendered, [], header, request.envelope)
         records = [outcome.event] if outcome.event is not None else []
+        if header.get("kind") == "push" and outcome.status != REJECTED:
+            reply: Reply | DurableReply = DurableReply(
+                request.conn, header, "ack", outcome=outcome, version=version,
+                envelope=request.envelope, event=outcome.event,
+            )  # fmt: skip
+        else:
+            reply = Reply(request.conn, outcomes.render(header, outcome, version), [],
+                          request.envelope)  # fmt: skip
         return Effects(records=records, replies=[reply])
 
     def _on_hello(self, request: Request, header: dict, payload, now: float, known: bool):
@@ -209,7 +375,7 @@ class ShardCore:
         outcome = self.state.hello(island, now)
         if outcome.status == REJECTED:
             return self._answer(request, header, outcome)
-        self.bindings.bind(island, binding.Binding(request.conn, session, now))
+        self.bindings.bind(island, gate.Binding(request.conn, session, now))
         self.throttle.bind(request.conn, island)
         if len(self.bindings) > len(self.state.last_seen):
             self.bindings.prune(self.state.last_seen)
@@ -239,20 +405,17 @@ class ShardCore:
 
     def _init_ok(self, request: Request, header: dict, outcome: Outcome) -> Effects:
         versions = protocol.versions_to_wire(self.state.versions())
-        out = self._reply(request, header, "init_ok", versions=versions)
-        out.records += [outcome.event] if outcome.event is not None else []
-        return out
+        return self._durable_reply(request, header, "init_ok", outcome, versions=versions)
 
     def _on_init_begin(self, request: Request, header: dict, payload, now: float, known: bool):
         outcome = self.state.begin_init(header["plan"], header["island"], now)
         if outcome.status != ACCEPTED:
             return self._answer(request, header, outcome)
         partial = self.state.partial_init
-        out = self._reply(
-            request, header, "init_begun", plan_hash=partial.plan.hash, missing=partial.missing
-        )
-        out.records += [outcome.event] if outcome.event is not None else []
-        return out
+        return self._durable_reply(
+            request, header, "init_begun", outcome,
+            plan_hash=partial.plan.hash, missing=partial.missing,
+        )  # fmt: skip
 
     def _on_init_piece(self, request: Request, header: dict, payload, now: float, known: bool):
         outcome = self.state.init_piece(header, payload, now)
@@ -262,12 +425,10 @@ class ShardCore:
             return self._init_ok(request, header, outcome)
         fragment, offset = header["fragment"], header["offset"]
         partial = self.state.partial_init
-        out = self._reply(
-            request, header, "init_piece_ok", fragment=fragment, offset=offset,
+        return self._durable_reply(
+            request, header, "init_piece_ok", outcome, fragment=fragment, offset=offset,
             count=partial.count_at(fragment, offset), missing=partial.missing,
         )  # fmt: skip
-        out.records += [outcome.event] if outcome.event is not None else []
-        return out
 
     def _on_snapshot(self, request: Request, header: dict, payload, now: float, known: bool):
         fragment = header["fragment"]
@@ -281,10 +442,13 @@ class ShardCore:
             refusal = outcomes.snapshot_piece_refusal(
                 offset, end, size, protocol.piece_elements(self.cfg.max_message_bytes)
             )
+        if refusal is None and not self.backlog.admits(request.conn):  # a reader that lags
+            refusal = self.backlog.refusal(request.conn)
         if refusal is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, refusal))
         version, values = self.state.snapshot(fragment, offset, end)  # copies the piece only
         frames, _ = self._raw32.encode({"values": values})
+        self.backlog.charge(request.conn, protocol.message_bytes(frames))
         return self._reply(
             request, header, "snapshot_reply", frames, fragment=fragment, version=version,
             seq=self.seq, offset=offset, size=size,
@@ -298,11 +462,15 @@ class ShardCore:
             self.islands.heard(header["island"], header, now)
             if outcome.status == ACCEPTED:
                 self.islands.accepted(header["island"], header["round"], now)
-            self._check_inner_steps(header["island"], header["steps"])
+            self._check_inner_steps(header["island"], header.get("inner_steps"))
         return self._answer(request, header, outcome)
 
-    def _check_inner_steps(self, island: str, steps: int) -> None:
-        """Warn once per island whose H would take other default outer settings than ours."""
+    def _check_inner_steps(self, island: str, steps: int | None) -> None:
+        """Warn once per island whose own H (its push's `inner_steps`) takes other defaults.
+
+        A push's `steps` are not the island's H (merged pushes after a skipped push,
+        streaming fragments, a last partial round): without `inner_steps` nothing is said.
+        """
         if island not in self._h_warned and (text := self.cfg.inner_steps_mismatch(island, steps)):
             self._h_warned.add(island)
             logger.warning("%s", text)
@@ -322,7 +490,7 @@ class ShardCore:
         status.update(self.checkpoint_report())
         status["seq"] = self.seq
         status["islands"] = self.islands.status()
-        status["outer"] = self.cfg.outer_report()
+        status["outer"] = self.cfg.outer_report(self.state.islands_pushing)
         status["endpoints"] = [list(e) for e in self.endpoints]  # the cluster map, without hello
         return self._reply(request, header, "status_reply", status=status)
 
@@ -335,22 +503,39 @@ class ShardCore:
 
     # ----- time ------------------------------------------------------------------------
 
-    def on_tick(self, now: float) -> Effects:
-        """Step every fragment the merge policy says is due; heartbeat an idle PUB.
+    def due_steps(self, now: float) -> list[DueStep]:
+        """The outer steps the merge policy says are due now (the loop clears each with storage).
 
         Args:
             now: wall-clock seconds.
 
         Returns:
+            One DueStep per due fragment, in order; `urgent` when its pending
+            deltas near the per-island limit (`pending_near_limit`), so that a
+            checkpoint being written does not defer it into `too_many_pending`
+            refusals.
+        """
+        due, _ = self.state.due_fragments(now)
+        limit = self.cfg.max_pending_per_island
+        return [DueStep(f, pending_near_limit(self.state, f, limit)) for f in due]
+
+    def on_tick(self, now: float, steps: Sequence[int] | None = None) -> Effects:
+        """Take the given outer steps; heartbeat an idle PUB.
+
+        Args:
+            now: wall-clock seconds.
+            steps: the fragments to step, from `due_steps` (less those a
+                checkpoint being written asks to defer to a later turn); None:
+                every due fragment.
+
+        Returns:
             The steps' events and updates, or a heartbeat.
         """
         out = Effects()
-        due, _ = self.state.due_fragments(now)
-        due = self.state.stepper.groups.ready(self.state, due)  # rda, sync: a cut tensor together
-        for fragment in due:
-            urgent = pending_near_limit(self.state, fragment, self.cfg.max_pending_per_island)
-            if not self.step_guard(fragment, urgent):  # a checkpoint still needs it: a later turn
-                continue
+        self._forget_idle(now)
+        if steps is None:
+            steps = [due.fragment for due in self.due_steps(now)]
+        for fragment in steps:
             frag = self.state.fragments[fragment]
             self.islands.merged((c.island, frag.version - c.base_version) for c in frag.pending)
             event, update = self.state.step(fragment, now)
@@ -373,6 +558,17 @@ class ShardCore:
             out.publishes.append(Publish({"kind": "heartbeat", "shard": self.index}))
         return out
 
+    def _forget_idle(self, now: float) -> None:
+        """At most every FORGET_EVERY_S: forget islands idle past island_ttl_s, here and in the state."""
+        if now < self._forget_at:
+            return
+        self._forget_at = now + min(FORGET_EVERY_S, self.cfg.island_ttl_s / 4)
+        for island in self.state.forget_idle(now):
+            self.islands.forget(island)
+            self.bindings.forget(island)
+            self.throttle.unbind(island)
+            self._h_warned.discard(island)
+
     def next_wake(self, now: float) -> float:
         """When to tick next: the merge policy's next wake-up or the next heartbeat.
 
@@ -388,52 +584,47 @@ class ShardCore:
 
     # ----- durability ----------------------------------------------------------------
 
-    def storage_failed(self, effects: Effects, error: str, rebuilt: ShardState) -> Effects:
-        """Take back a batch that did not become durable.
+    def settle(
+        self, effects: Effects, now: float, failure: StorageFailure | None = None
+    ) -> list[tuple[bytes | None, list[Any]]]:
+        """The messages of a batch once its storage outcome is known, packed and counted.
+
+        Stored (or nothing to store): every reply as answered, durable ones
+        rendered now, then the publishes, numbered (`seq`). Not all stored:
+        the state is the one rebuilt from disk (the request counters and
+        island registry carried over), every `DurableReply` whose event is
+        lost (all of them when the sync failed) is a `storage_error` refusal
+        (counted) and the updates of lost steps are dropped unpublished; the
+        rest is answered as stored.
 
         Args:
-            effects: the batch's effects (none of it sent).
-            error: what failed (one line).
-            rebuilt: the state rebuilt from disk (the checkpoint plus the synced log).
-
-        Returns:
-            What to send instead: replies that promised durability become
-            `storage_error` refusals (counted), updates are dropped, nothing
-            is appended.
-        """
-        old = self.state
-        rebuilt.last_seen, rebuilt.paces = old.last_seen, old.paces
-        for name in _REQUEST_COUNTERS:
-            setattr(rebuilt.counters, name, getattr(old.counters, name))
-        self.state = rebuilt
-        detail = f"{error}: not durable; send it again"
-        replies = []
-        for reply in effects.replies:
-            if reply.promises_durability:
-                refusal = self.state.reject("storage_error", detail)
-                version = self.state.version_of(reply.header.get("fragment"))
-                header = outcomes.render(reply.request, refusal, version)
-                reply = replace(reply, header=header, payload=[])
-            replies.append(reply)
-        return Effects([], replies, [p for p in effects.publishes if not p.is_update])
-
-    def release(self, effects: Effects, now: float) -> list[tuple[bytes | None, list[Any]]]:
-        """The messages of a durable batch, packed: replies first, then the numbered publishes.
-
-        Args:
-            effects: a batch whose records are on disk (or that had none).
+            effects: the batch (none of it sent).
             now: wall-clock seconds.
+            failure: why the batch's records are not on disk, with the state
+                rebuilt from disk; None when they are (or there were none).
 
         Returns:
             [(conn, frames)] with conn None for the PUB; the bytes are counted.
         """
-        self._records_since += len(effects.records)
-        self._steps_since += sum(isinstance(e, StepEvent) for e in effects.records)
+        publishes = effects.publishes
+        stored = effects.records
+        if failure is not None:
+            self._adopt(failure.rebuilt)
+            publishes = [
+                p
+                for p in publishes
+                if not (p.is_update and failure.lost_step(p.header["fragment"]))
+            ]
+            stored = [] if failure.lost is None else [
+                e for e in stored if not failure.lost_event(e)
+            ]  # fmt: skip
+        self._records_since += len(stored)
+        self._steps_since += sum(isinstance(e, StepEvent) for e in stored)
         messages: list[tuple[bytes | None, list[Any]]] = []
         for reply in effects.replies:
-            packed = protocol.pack(reply.header, reply.payload)
-            messages.append((reply.conn, [*reply.envelope, *packed]))
-        for publish in effects.publishes:
+            header, payload = self._rendered(reply, failure)
+            messages.append((reply.conn, [*reply.envelope, *protocol.pack(header, payload)]))
+        for publish in publishes:
             if publish.is_update:
                 self.seq += 1
             header = {**publish.header, "seq": self.seq}
@@ -441,6 +632,31 @@ class ShardCore:
             self._last_pub = now
         self.state.counters.bytes_out += sum(protocol.message_bytes(f) for _, f in messages)
         return messages
+
+    def _adopt(self, rebuilt: ShardState) -> None:
+        """Serve from a state rebuilt from disk, keeping what is bookkeeping, not events."""
+        old = self.state
+        rebuilt.last_seen, rebuilt.paces = old.last_seen, old.paces
+        rebuilt.heard_at = old.heard_at
+        for name in _REQUEST_COUNTERS:
+            setattr(rebuilt.counters, name, getattr(old.counters, name))
+        self.state = rebuilt
+
+    def _rendered(
+        self, reply: Reply | DurableReply, failure: StorageFailure | None
+    ) -> tuple[dict[str, Any], list[Any]]:
+        """A reply's header and payload, given the batch's storage outcome."""
+        if isinstance(reply, Reply):
+            return reply.header, reply.payload
+        if failure is not None and failure.lost_event(reply.event, reply.request):
+            refusal = self.state.reject(
+                "storage_error", f"{failure.error}: not durable; send it again"
+            )
+            version = self.state.version_of(reply.request.get("fragment"))
+            return outcomes.render(reply.request, refusal, version), []
+        if reply.outcome is not None:
+            return outcomes.render(reply.request, reply.outcome, reply.version), []
+        return protocol.reply_header(reply.request, reply.kind, **reply.fields), []
 
     @property
     def unsaved(self) -> bool:

@@ -1,7 +1,7 @@
 """What a shard's history is made of: the events its write-ahead log holds.
 
 Plain data: `paramserver.server.state` builds and applies them,
-`paramserver.server.storage.log_format` gives their on-disk records. Replaying
+`paramserver.server.storage.wal` gives their on-disk records. Replaying
 the same events through `ShardState.apply` on a fresh state gives the same
 parameters bit for bit.
 """
@@ -27,7 +27,7 @@ class Contribution:
     `delta` is kept as it arrived (`codec.coded`: int8/int4 codes and scales,
     topk entries, raw values), never decoded to float32 while pending; a 1-D
     array given here is kept as raw float32. `clip` is the robust clip factor
-    (`paramserver.server.robust`) the merge applies to its decoded values.
+    (`paramserver.server.step.weighting`) the merge applies to its decoded values.
     """
 
     island: str
@@ -39,6 +39,8 @@ class Contribution:
     arrived: float  # wall-clock seconds
     delta: CodedTensor  # the fragment's size, kept coded
     clip: float = 1.0
+    floor: int | None = None  # the push's `floor` (its island's lowest round still to come)
+    norm: float | None = None  # the delta's L2 norm, when known (not persisted)
 
     def __post_init__(self) -> None:
         if isinstance(self.delta, np.ndarray):
@@ -92,7 +94,7 @@ class AcceptEvent:
 class PieceGram:
     """<d_k, d_l> over `fragment`'s piece of tensor `path` of the pushes `keys` (float64).
 
-    What an RDA step of a cut tensor's other piece used (`paramserver.server.tensor_groups`).
+    What an RDA step of a cut tensor's other piece used (`paramserver.server.step.tensor_groups`).
     """
 
     path: str
@@ -106,9 +108,11 @@ class StepEvent:
     """An outer step of `fragment` merged exactly the pending deltas `keys` ((island, round)).
 
     `outside`: the other pieces' Grams its RDA merge added (logged: replay uses these).
-    `expected` is the islands the shard expected that round (its live islands
-    and the merged ones, `weighting.round_share`); 0 (a log written before it
-    was recorded) counts the merged islands, a whole round.
+    `expected` is the islands the shard expected that round (the islands that
+    push and the merged ones, `paramserver.server.step.round_clock`;
+    `weighting.round_share`); 0 (a log written before it was recorded) counts
+    the merged islands, a whole round. Replay advances the fragment's round
+    clock by that share.
     """
 
     fragment: int

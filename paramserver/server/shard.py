@@ -8,14 +8,16 @@ the files are `paramserver.server.storage`'s. One loop turn:
     1. poll the ROUTER until the core's next wake-up (or a stop check), then
        read what is queued, up to a batch (ZeroMQ takes one message from each
        peer with messages waiting in turn; the core refuses an island over its
-       request rate before decoding anything, `paramserver.server.throttle`,
+       request rate before decoding anything, `paramserver.server.admission.gate`,
        so a flood costs a bucket check per message);
-    2. `run_batch`: hand every request read to
-       `core.handle`, then `core.on_tick` (due outer steps, heartbeat),
-       collecting their effects; `make_durable`: append the batch's events
-       to the log and fsync ONCE (if that fails the core gets the state
-       rebuilt from disk and says what to send instead: `core.storage_failed`,
-       storage_error refusals); `core.release` packs what to send;
+    2. `run_batch`: hand every request read to `core.handle`; ask the
+       core which steps are due (`core.due_steps`), let the data directory
+       defer one a checkpoint still reads (`storage.before_step`), and take
+       the rest with `core.on_tick` (also the heartbeat), collecting their
+       effects; `store`: append the batch's events to the log and fsync ONCE
+       (on failure, rebuild the state from disk); `core.settle` then decides
+       every reply that promises durability from that outcome (ack, or a
+       storage_error refusal) and packs what to send;
     3. send it (replies, then publishes); on the first turn without
        requests after a publish (an update, or a heartbeat: then trimming
        finds little), return the C heap's free memory to the OS
@@ -48,11 +50,11 @@ import zmq
 from paramserver.plumbing import heap
 from paramserver.plumbing.curve import CurveServer
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
-from paramserver.server.core import ShardCore
-from paramserver.server.effects import Effects, Request
+from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
 from paramserver.server.state import ShardState
 from paramserver.server.storage.checkpoint_job import CheckpointResult
-from paramserver.server.storage.data_dir import ShardStorage, StorageError
+from paramserver.server.storage.shard_storage import ShardStorage, StorageError
+from paramserver.wire import protocol
 
 logger = logging.getLogger(__name__)
 
@@ -60,37 +62,44 @@ logger = logging.getLogger(__name__)
 BATCH = 64
 # Longest poll; bounds how late a set stop event is noticed.
 STOP_CHECK_S = 0.1
+# Replies (and frames) of at least this many bytes are tracked until ZeroMQ wrote them out.
+TRACK_MIN_BYTES = 64 * 1024
+# Updates the PUB keeps for one subscriber (ZeroMQ SNDHWM; the default is 1000).
+PUB_HWM = 64
 
 
-def make_durable(core: ShardCore, storage: ShardStorage, effects: Effects) -> Effects:
-    """Append a batch's events and fsync once; what may be sent only after that returns.
+def store(storage: ShardStorage, records: list) -> StorageFailure | None:
+    """Append a batch's events and fsync once.
 
     Args:
-        core: the shard's core (told when storage fails).
         storage: the shard's data directory.
-        effects: the batch, not yet sent.
+        records: the batch's events (none: nothing is written or synced).
 
     Returns:
-        The effects to send: `effects` when durable, else the core's refusals
-        (the state is rebuilt from disk first).
+        None when they are on disk, else what failed with the state rebuilt
+        from disk: the events whose records failed (the others of the batch
+        are on disk), or, when the sync failed, all of them (the log was cut
+        back to its last good sync).
 
     Raises:
         OSError: the log failed and could not even be cut back to its last sync.
     """
-    if not effects.records:  # nothing written: no sync, and no sign the log is writable again
-        return effects
+    if not records:  # nothing written: no sync, and no sign the log is writable again
+        return None
     try:
-        storage.append(effects.records)
+        lost = storage.append_each(records)  # a failed record costs its own request only
         storage.sync()
     except StorageError as exc:
-        return core.storage_failed(effects, str(exc), storage.reload())
-    return effects
+        return StorageFailure(str(exc), storage.reload())
+    if lost:
+        return StorageFailure(storage.last_fault, storage.reload(), tuple(lost))
+    return None
 
 
 def run_batch(
     core: ShardCore, storage: ShardStorage, requests: list[Request], now: float, tick: bool = True
 ) -> list[tuple[bytes | None, list[Any]]]:
-    """Handle a batch of requests (and a tick), make it durable, and pack what to send.
+    """Handle a batch of requests (and a tick), store it, and settle what to send.
 
     Args:
         core: the shard's core.
@@ -105,9 +114,12 @@ def run_batch(
     effects = Effects()
     for request in requests:
         effects.extend(core.handle(now, request))
-    if tick:
-        effects.extend(core.on_tick(now))
-    return core.release(make_durable(core, storage, effects), now)
+    if tick:  # a checkpoint being written may defer a step (it copies the fragment first)
+        cleared = [
+            d.fragment for d in core.due_steps(now) if storage.before_step(d.fragment, d.urgent)
+        ]
+        effects.extend(core.on_tick(now, cleared))
+    return core.settle(effects, now, store(storage, effects.records))
 
 
 def maybe_checkpoint(
@@ -228,6 +240,7 @@ class ShardServer:
                 auth.secure(router, "router")
                 auth.secure(pub, "pub")
             router.setsockopt(zmq.MAXMSGSIZE, self.cfg.max_frame_bytes)
+            bound_peers(router, pub, self.cfg)
             router.bind(self.router_bind)
             pub.bind(self.pub_bind)
             self.bound_endpoints = (
@@ -239,7 +252,6 @@ class ShardServer:
                 self.cfg, self.index, state, self.endpoints, time.time(), guard,
                 storage.replayed, storage.last_checkpoint,
             )  # fmt: skip
-            self.core.step_guard = storage.before_step
             logger.info(
                 "shard %d serving on %s (pub %s)",
                 self.index,
@@ -285,12 +297,59 @@ class ShardServer:
                 self._pub.send_multipart(message, copy=False)
                 self._trim_due = True
             else:
-                router.send_multipart([conn, *message], copy=False)
+                send_reply(router, core, conn, message)
+        core.backlog.turn_done()
         if idle and self._trim_due:  # the first quiet turn after a publish: off the reply path
             self._trim_due = False
             heap.trim()
         if tick:
             maybe_checkpoint(core, storage, now, background=True)
+
+
+def bound_peers(router: zmq.Socket, pub: zmq.Socket, cfg: ShardConfig) -> None:
+    """Cut off silent peers, and bound how many updates a slow subscriber holds (before binding).
+
+    A connection that sends no bytes for `peer_silence_s` (ZMTP heartbeats:
+    the shard PINGs every `heartbeat_interval_s`, and any traffic, a PONG
+    included, counts) is closed and whatever it half-sent is freed; a
+    handshake must finish within the same time. The PUB keeps at most
+    PUB_HWM updates per subscriber (shared between subscribers); one further
+    behind misses updates and resyncs (docs/protocol.md section 8).
+
+    Args:
+        router: the ROUTER.
+        pub: the PUB.
+        cfg: the shard's settings.
+    """
+    if cfg.peer_silence_s > 0:
+        silence_ms = max(1, int(cfg.peer_silence_s * 1000))
+        ping_ms = max(1, min(int(cfg.heartbeat_interval_s * 1000), silence_ms))
+        for sock in (router, pub):
+            sock.setsockopt(zmq.HANDSHAKE_IVL, silence_ms)
+            sock.setsockopt(zmq.HEARTBEAT_IVL, ping_ms)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, silence_ms)
+    pub.setsockopt(zmq.SNDHWM, PUB_HWM)
+
+
+def send_reply(router: zmq.Socket, core: ShardCore, conn: bytes, message: list[Any]) -> None:
+    """Send one reply; a large one is tracked in `core.backlog` until ZeroMQ wrote it out.
+
+    Args:
+        router: the ROUTER.
+        core: the shard's core (its backlog).
+        conn: the connection.
+        message: the reply's frames.
+    """
+    nbytes = protocol.message_bytes(message)
+    if nbytes < TRACK_MIN_BYTES:
+        router.send_multipart([conn, *message], copy=False)
+        return
+    frames = [zmq.Frame(f, track=True) if memoryview(f).nbytes >= TRACK_MIN_BYTES else f
+              for f in message]  # fmt: skip
+    router.send_multipart([conn, *frames], copy=False)
+    tracked = [f for f in frames if isinstance(f, zmq.Frame)]
+    if tracked:
+        core.backlog.track(conn, nbytes, zmq.MessageTracker(*tracked))
 
 
 def _user_id(frame: Any) -> str | None:

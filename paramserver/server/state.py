@@ -3,7 +3,8 @@
 This module owns what a shard knows and every rule that changes it: the plan,
 per owned fragment the fp32 parameters (1-D), outer optimizer state, version,
 pending contributions (each delta kept coded as it arrived, `codec.coded`,
-under the shard's `max_pending_bytes`) and arrival statistics; the dedup table; the island
+under the shard's `max_pending_bytes`), arrival statistics and round clock
+(`paramserver.server.step.round_clock`: staleness in rounds, the islands of a round); the dedup table; the island
 registry (last heard from); the counters reported by `status`.
 
 Event-sourced: every change that must survive a crash is one of these events,
@@ -11,7 +12,7 @@ Event-sourced: every change that must survive a crash is one of these events,
 - `InitEvent`: the plan and initial values (first `init`, all in one message);
 - `InitBeginEvent`, `InitPieceEvent`: an init in pieces (`init_begin`, then one
   event per `init_piece`; the fragments exist once no element is missing, see
-  `paramserver.server.init_pieces`);
+  `paramserver.server.state_init`);
 - `AcceptEvent`: one validated delta joins a fragment's pending set;
 - `StepEvent`: one outer step of a fragment merging exactly the listed keys.
 
@@ -24,7 +25,7 @@ never touch parameters. Island registry, rejection counts and byte counters
 are bookkeeping, not events (a restart keeps what the last checkpoint had).
 
 Parameters, optimizer state and downlink residual are host buffers that a
-step updates in place (`paramserver.server.chunked_step`; JAX reads them
+step updates in place (`paramserver.server.step.fragment_step`; JAX reads them
 zero-copy): `snapshot` returns a copy, and a StepUpdate's values are valid
 until the fragment's next step.
 
@@ -43,15 +44,16 @@ to the other; the init rules (`state_init`, mixed in), the refusal rules
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
 import numpy as np
 
-from paramserver.server import outcomes, robust
+from paramserver.server.admission import outcomes
+from paramserver.server.admission.outcomes import Outcome, ShardCounters
 from paramserver.server.config import ShardConfig
-from paramserver.server.counters import Counters
 from paramserver.server.events import (
     AcceptEvent,
     Contribution,
@@ -62,11 +64,10 @@ from paramserver.server.events import (
     StateError,
     StepEvent,
 )
-from paramserver.server.fragment import DedupEntry, FragmentState, StepUpdate
-from paramserver.server.fragment_step import FragmentStepper
-from paramserver.server.init_pieces import PartialInit
-from paramserver.server.outcomes import Outcome
-from paramserver.server.policy import (
+from paramserver.server.fragment import DEDUP_MAX_ROUNDS, DedupEntry, FragmentState, StepUpdate
+from paramserver.server.state_init import PartialInit, ShardInit
+from paramserver.server.step.fragment_step import FragmentStepper
+from paramserver.server.step.policy import (
     IslandPace,
     decide,
     observe,
@@ -74,12 +75,16 @@ from paramserver.server.policy import (
     pace_report,
     quorum_time,
 )
-from paramserver.server.state_init import ShardInit
+from paramserver.server.step.weighting import HISTORY, clip_factor, l2_norm, round_share
 from paramserver.wire import liveness
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import ACCEPTED
 
 logger = logging.getLogger(__name__)
+
+# The largest bound on a step's merged delta norm (sum of its deltas' clip * norm) that a
+# step applies as is; above it the deltas are scaled down together (`ShardState._guard`).
+MAX_MERGED_NORM = 1e30
 
 
 class ShardState(ShardInit):
@@ -110,7 +115,10 @@ class ShardState(ShardInit):
         self.dedup: dict[tuple[str, int], DedupEntry] = {}
         self.last_seen: dict[str, float] = {}
         self.paces: dict[str, IslandPace] = {}  # reported step times (eq3 grace window)
-        self.counters = Counters()
+        self.islands_pushing: int | None = None  # N of the latest step (status `outer`)
+        # island -> when last heard (kept after bye; `forget_idle` drops it after island_ttl_s)
+        self.heard_at: dict[str, float] = {}
+        self.counters = ShardCounters()
         self.timer = timer
 
     # ----- queries -------------------------------------------------------------
@@ -239,6 +247,7 @@ class ShardState(ShardInit):
                     f"{len(self.last_seen)} live islands; max_islands={self.cfg.max_islands}",
                 )
         self.last_seen[island] = now
+        self.heard_at[island] = max(now, self.heard_at.get(island, now))
         return Outcome(ACCEPTED)
 
     def touch(self, island: str, now: float, header: Mapping[str, Any] | None = None) -> bool:
@@ -256,6 +265,7 @@ class ShardState(ShardInit):
         if island not in self.last_seen:
             return False
         self.last_seen[island] = max(now, self.last_seen[island])
+        self.heard_at[island] = self.last_seen[island]
         if header is not None and (pace := pace_report(self.paces.get(island), header)):
             self.paces[island] = pace
         return True
@@ -267,6 +277,46 @@ class ShardState(ShardInit):
             island: island id.
         """
         self.last_seen.pop(island, None)
+
+    def forget_idle(self, now: float) -> list[str]:
+        """Forget the islands with no session and nothing pending, unheard for island_ttl_s.
+
+        An island has no session once it said bye or fell silent past the
+        liveness budget. Forgetting drops its registry entry, pace, credited
+        tokens (summed into `counters.credited_forgotten`) and its dedup
+        entries: after that long no delta of a live session can still be on
+        its way (a client re-sends within its ack timeout; an island away
+        longer re-joins with deltas the shard treats as new). Islands known
+        only from a checkpoint (no time heard since the start) count from `now`.
+
+        Args:
+            now: wall-clock seconds.
+
+        Returns:
+            The islands forgotten (the caller drops its own per-island state).
+        """
+        ttl = self.cfg.island_ttl_s
+        live = self.live(now)
+        busy = {c.island for f in self.fragments.values() for c in f.pending}
+        known = set(self.heard_at) | set(self.last_seen) | {i for i, _ in self.dedup}
+        known |= set(self.counters.credited) | set(self.paces)
+        gone = []
+        for island in known:
+            heard = self.heard_at.setdefault(island, now)
+            if island not in live and island not in busy and now - heard > ttl:
+                gone.append(island)
+        if not gone:
+            return gone
+        dropped = set(gone)
+        for island in gone:
+            self.heard_at.pop(island, None)
+            self.last_seen.pop(island, None)
+            self.paces.pop(island, None)
+            credit = self.counters.credited.pop(island, 0.0)
+            self.counters.credited_forgotten += credit
+        self.dedup = {k: e for k, e in self.dedup.items() if k[0] not in dropped}
+        self.counters.forgotten_islands += len(gone)
+        return gone
 
     # ----- requests that change state -----------------------------------------
 
@@ -308,6 +358,7 @@ class ShardState(ShardInit):
             header["island"] in self.last_seen,
             self.dedup.get(key),
             self.cfg,
+            now,
         )
         if early is not None:
             return outcomes.count(self.counters, early)
@@ -320,6 +371,11 @@ class ShardState(ShardInit):
         delta = outcomes.read_delta(payload, frag.params.shape[0])
         if isinstance(delta, Outcome):
             return outcomes.count(self.counters, delta)
+        norm = l2_norm(delta)
+        too_large = outcomes.norm_refusal(norm, self._param_norm(frag), frag.params.shape[0],
+                                          self.cfg.max_delta_norm_ratio)  # fmt: skip
+        if too_large is not None:
+            return outcomes.count(self.counters, too_large)
         over = outcomes.island_budget_refusal(island, mine, delta.nbytes, limit)
         if over is None:
             budget = self.cfg.max_pending_bytes
@@ -335,6 +391,8 @@ class ShardState(ShardInit):
             steps=header["steps"],
             arrived=float(now),
             delta=delta,
+            floor=header.get("floor"),
+            norm=norm,
         )
         event = AcceptEvent(contribution, tuple(payload))
         self.apply(event)
@@ -349,7 +407,9 @@ class ShardState(ShardInit):
             now: wall-clock seconds.
 
         Returns:
-            (fragments to step now, earliest wake_at of the others or None).
+            (fragments to step now, earliest wake_at of the others or None); under
+            rda in sync mode a due piece of a cut tensor waits for its siblings
+            (`paramserver.server.step.tensor_groups`).
         """
         live = self.live(now)
         due: list[int] = []
@@ -362,6 +422,10 @@ class ShardState(ShardInit):
                 due.append(index)
             elif decision.wake_at is not None:
                 wake = decision.wake_at if wake is None else min(wake, decision.wake_at)
+        # rda in sync mode: a cut tensor's pieces step together
+        due = self.stepper.groups.ready(
+            self.plan, self.index, self.policy.mode, self.fragments, due
+        )
         return due, wake
 
     def step(self, fragment: int, now: float) -> tuple[StepEvent, StepUpdate]:
@@ -379,8 +443,11 @@ class ShardState(ShardInit):
             raise StateError(f"fragment {fragment} has nothing to step")
         live = self.live(now)
         quorum_s = quorum_time(frag.waiting(), live, self.policy)
-        expected = len(live | {c.island for c in frag.pending})  # islands of a round
-        event = self.stepper.groups.step_event(self, fragment, float(now), expected)  # rda: Grams
+        # islands of a round: those that push (round_clock), not every island heard
+        expected = frag.clock.expected(live, {c.island for c in frag.pending})
+        event = self.stepper.groups.step_event(
+            self.plan, self.index, self.fragments, fragment, float(now), expected
+        )  # rda: Grams
         started = self.timer() if self.timer else 0.0
         update = self.apply(event)
         assert update is not None
@@ -438,15 +505,30 @@ class ShardState(ShardInit):
         if entry is None:
             entry = self.dedup[(c.island, c.fragment)] = DedupEntry(c.round, set())
         entry.rounds.add(c.round)
-        if c.round > entry.newest:
-            entry.newest = c.round
-            low = entry.newest - self.cfg.dedup_window
+        floor = entry.floor
+        if c.floor is not None:
+            entry.floor = c.floor if entry.floor is None else max(entry.floor, c.floor)
+        if c.round > entry.newest or entry.floor != floor:
+            entry.newest = max(entry.newest, c.round)
+            low = entry.low(self.cfg.dedup_window)
             entry.rounds = {r for r in entry.rounds if r >= low}
+        if len(entry.rounds) > DEDUP_MAX_ROUNDS:  # a round held back that long: forget it
+            entry.rounds.discard(min(entry.rounds))
+            entry.floor = min(entry.rounds)
         self.counters.accepted += 1
+
+    def _param_norm(self, frag: FragmentState) -> float:
+        """The fragment's parameter norm (computed once per version, float64)."""
+        if frag.param_norm is None:
+            frag.param_norm = l2_norm(frag.params)
+        return frag.param_norm
 
     def _clip(self, frag: FragmentState, c: Contribution) -> Contribution:
         """Scale a delta down to the robust bound (deterministic: replay clips the same)."""
-        norm, factor, frag.norms = robust.clip(c.delta, frag.norms, self.cfg.clip_norm_multiple)
+        norm = l2_norm(c.delta) if c.norm is None else c.norm
+        factor = clip_factor(norm, frag.norms, self.cfg.clip_norm_multiple)
+        frag.norms = [*frag.norms, norm * factor][-HISTORY:]
+        c = replace(c, norm=norm)
         if factor >= 1.0:
             return c
         self.counters.clipped += 1
@@ -462,6 +544,32 @@ class ShardState(ShardInit):
         # the delta stays as received (what the log replays); the merge applies the factor
         return replace(c, clip=factor)
 
+    def _guard(
+        self, frag: FragmentState, fragment: int, merged_in: list[Contribution]
+    ) -> list[Contribution]:
+        """The step's deltas, scaled down together when their merge could leave float32's range.
+
+        Every coefficient of a merge is at most 1, so sum(clip * norm) bounds the
+        merged delta's norm. Above MAX_MERGED_NORM (accepted deltas never get
+        there: `max_delta_norm_ratio`; only a bug or a huge model could) every
+        delta is scaled so that the bound is MAX_MERGED_NORM: the step stays
+        finite. Deterministic, so replay scales the same.
+        """
+        norms = [l2_norm(c.delta) if c.norm is None else c.norm for c in merged_in]
+        bound = math.fsum(c.clip * n for c, n in zip(merged_in, norms, strict=True))
+        if bound <= MAX_MERGED_NORM:
+            return merged_in
+        scale = MAX_MERGED_NORM / bound if math.isfinite(bound) else 0.0
+        self.counters.guarded_steps += 1
+        logger.error(
+            "shard %d fragment %d: merged delta bound %.4g over %.0e: its deltas scaled by %.3g",
+            self.index, fragment, bound, MAX_MERGED_NORM, scale,
+        )  # fmt: skip
+        scaled_in = [replace(c, clip=c.clip * scale) for c in merged_in]
+        swap = {id(old): new for old, new in zip(merged_in, scaled_in, strict=True)}
+        frag.pending = [swap.get(id(c), c) for c in frag.pending]
+        return scaled_in
+
     def _apply_step(self, event: StepEvent) -> StepUpdate:
         frag = self.fragments.get(event.fragment)
         if frag is None:
@@ -473,6 +581,7 @@ class ShardState(ShardInit):
             raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
         if not merged_in:
             raise StateError(f"step event for fragment {event.fragment} merges nothing")
+        merged_in = self._guard(frag, event.fragment, merged_in)
         where = self.plan.fragments[event.fragment]
         shares, frames = self.stepper.step(
             frag, merged_in, where, event.expected or None, event.outside
@@ -485,6 +594,17 @@ class ShardState(ShardInit):
         done = {id(c) for c in merged_in}
         frag.pending = [c for c in frag.pending if id(c) not in done]
         frag.version += 1
+        self.islands_pushing = event.expected or len(shares)
+        frag.clock.advance(
+            round_share(len(shares), event.expected or None), [x.island for x in shares]
+        )
+        frag.param_norm = l2_norm(frag.params)  # the next pushes' bound; and a finite check
+        if not np.isfinite(frag.param_norm):
+            self.counters.non_finite_steps += 1
+            logger.error(
+                "shard %d fragment %d: parameters not finite after step %d (a bug: report it)",
+                self.index, event.fragment, frag.version,
+            )  # fmt: skip
         credited = {x.island: self.counters.credited[x.island] for x in shares}
         coefficients = {x.island: round(x.coefficient, 4) for x in shares}
         values = frag.params.view()

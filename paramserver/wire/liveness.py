@@ -2,7 +2,7 @@
 
 This module owns when a peer counts as dead (silent for more than `liveness`
 heartbeat intervals) and the capped exponential back-off of reconnects. When an
-unacked delta is sent again is `paramserver.client.ack_timer` (an adaptive timeout).
+unacked delta is sent again is the ack timer of `paramserver.client.ledger` (an adaptive timeout).
 Callers pass a monotonic clock's `now`.
 """
 

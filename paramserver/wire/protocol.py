@@ -64,6 +64,9 @@ REASONS = (
     "island_in_use",
     "forbidden_island",
     "throttled",
+    "delta_too_large",
+    "bad_tokens",
+    "bad_round",
 )
 
 
@@ -206,6 +209,9 @@ _OPTIONAL: dict[str, dict[str, str]] = {
     REQUEST: {
         "id": "int",
         "t_step": "seconds",
+        # the island's own configured H (inner steps per round), when it says it: the
+        # shards warn when it would take other default outer settings than theirs
+        "inner_steps": "pos",
         # what an island reports of its training (pushes and heartbeats; shown by the page)
         "inner_loss": "finite",
         "steps_per_s": "rate",
@@ -213,6 +219,8 @@ _OPTIONAL: dict[str, dict[str, str]] = {
         "session": "island",
         "offset": "uint",
         "count": "pos",
+        # push: the lowest round of the island the client may still send (DEDUP_MAX_ROUNDS)
+        "floor": "uint",
     },
     REPLY: {
         "id": "int",
@@ -432,24 +440,6 @@ def versions_to_wire(versions: Mapping[int, int]) -> dict[str, int]:
         {"<fragment>": version}.
     """
     return {str(k): int(v) for k, v in sorted(versions.items())}
-
-
-def versions_from_wire(obj: Mapping[Any, Any]) -> dict[int, int]:
-    """Inverse of `versions_to_wire`.
-
-    Args:
-        obj: {"<fragment>": version}.
-
-    Returns:
-        fragment index -> version.
-
-    Raises:
-        ProtocolError: reason "malformed" if a key or value is not an int.
-    """
-    try:
-        return {int(k): int(v) for k, v in obj.items()}
-    except (TypeError, ValueError, AttributeError) as exc:
-        raise ProtocolError("malformed", f"versions map {obj!r}: {exc!r}") from exc
 
 
 def vector_problem(arr: Any, size: int) -> tuple[str, str] | None:

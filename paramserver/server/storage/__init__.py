@@ -1,4 +1,4 @@
-"""A shard's persistence, one module per concept: the log record format (`log_format`), the
-log file (`log_file`), checkpoint files (`checkpoint_file`) and their content
-(`checkpoint_content`), recovery (`recovery`) and the running data directory
-(`data_dir`)."""
+"""The shard's PERSISTENCE: the write-ahead log (`wal`: records and files), checkpoints
+(`checkpoint`: content and files; `checkpoint_job`: one written off the serving loop),
+recovery from them (`recovery`) and the running data directory (`shard_storage`:
+`ShardStorage`)."""

@@ -4,8 +4,8 @@ This module owns how a checkpoint is written while the shard goes on
 serving: the loop captures the state between two turns (`export_state`: a
 fresh meta map, views of the live arrays, the pending deltas as accepted)
 and a `CheckpointJob` writes that capture from a thread
-(`checkpoint_file.write_checkpoint`, piece by piece). Where the files go and
-what happens after a job is `paramserver.server.storage.data_dir`'s.
+(`checkpoint.write_checkpoint`, piece by piece). Where the files go and
+what happens after a job is `paramserver.server.storage.shard_storage`'s.
 
 Consistency is copy-on-write per fragment. Only an outer step changes a
 fragment's arrays, and the loop asks `before_step(fragment)` first:
@@ -57,8 +57,7 @@ from typing import Any
 
 import numpy as np
 
-from paramserver.server.storage.checkpoint_content import live_fragment
-from paramserver.server.storage.checkpoint_file import CHUNK_BYTES, write_checkpoint
+from paramserver.server.storage.checkpoint import CHUNK_BYTES, live_fragment, write_checkpoint
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """Recovery of one shard's data directory: the newest good checkpoint plus the log after it.
 
 This module owns how a shard state is rebuilt from ``<data_dir>/shard-<i>/``
-(layout in `paramserver.server.storage.data_dir`): remove unfinished
+(layout in `paramserver.server.storage.shard_storage`): remove unfinished
 checkpoint writes, load the newest checkpoint that reads back intact (a
 corrupted one is reported, renamed to ``*.corrupt`` and the previous one
 used), replay every log segment from its generation on through
@@ -20,13 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from paramserver.plumbing.private import private_dir
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import StateError
 from paramserver.server.state import ShardState
-from paramserver.server.storage.checkpoint_content import checkpoint_summary, restore_state
-from paramserver.server.storage.checkpoint_file import CheckpointError, read_checkpoint
-from paramserver.server.storage.log_file import LogReader, WalError
-from paramserver.server.storage.log_format import record_to_event
+from paramserver.server.storage.checkpoint import (
+    CheckpointError,
+    checkpoint_summary,
+    read_checkpoint,
+    restore_state,
+)
+from paramserver.server.storage.wal import LogReader, WalError, record_to_event
 from paramserver.wire.plan import PlanError
 
 logger = logging.getLogger(__name__)
@@ -110,7 +114,7 @@ def recover(
 def _recover(
     cfg: ShardConfig, index: int, directory: Path, timer: Callable[[], float] | None, level: int
 ) -> Recovered:
-    directory.mkdir(parents=True, exist_ok=True)
+    private_dir(directory, tighten=True)  # 0700: the shard's own directory
     for stale in directory.glob(".checkpoint-*.tmp-*"):  # a checkpoint write cut short
         logger.warning("shard %d: removing unfinished checkpoint %s", index, stale.name)
         stale.unlink(missing_ok=True)

@@ -1,0 +1,392 @@
+"""The outer step of one fragment: weigh the pending deltas, merge them, step the outer optimizer.
+
+This module owns the arithmetic of a step, given the deltas it merges: the
+islands' shares (`paramserver.server.step.weighting`), the merged delta
+(`paramserver.server.step.merge`: a `ChunkMerge` of the coded pending deltas,
+handed to the step as `fill(lo, hi, out)`, which decodes them a piece at a
+time), the outer optimizer (`paramserver.server.step.outer`, applied in place chunk
+by chunk by `ChunkedStep`, below: one optimizer for every step
+of a run; a step that merges fewer islands than the shard expected is a
+smaller share of a round, `weighting.round_share`; sparse topk deltas:
+`paramserver.server.step.sparse_merge`'s per-entry merge and SGD) and the
+compressed downlink (`paramserver.server.step.downlink`: the fragment takes exactly
+the update replicas decode, chunk by chunk). Which deltas a step merges, and
+the bookkeeping around it (pending set, version, counters), are
+`paramserver.server.state`'s.
+
+The outer step in place (`ChunkedStep`): an optax transformation applied chunk
+by chunk to host buffers. A shard keeps a fragment's params and optimizer state as aligned numpy buffers
+(`host_vector`), which JAX reads zero-copy through DLPack (`JaxViews`: each
+buffer is imported once). A step walks the fragment in chunks of `CHUNK`
+elements: the caller's `fill(lo, hi, out)` writes the merged delta's chunk into
+a reused scratch buffer, one jitted call runs the transformation on that chunk
+(params and the state's vector leaves are sliced inside the jit by a traced
+offset: one compile per fragment and chunk length, not per chunk), and its
+outputs are copied back into the buffers' slices. With a `sink` (the
+compressed downlink), the jit adds a bfloat16 `carry` (the downlink residual)
+to the chunk's update and runs `finish` on it (the downlink's quantizer), and
+the sink takes its outputs instead. Chunk k+1 is filled and dispatched before
+chunk k's outputs are taken, so XLA computes while the host copies. Scratch is
+a few chunks, whatever the fragment's size; no full-size array is allocated
+per step.
+
+Elementwise transformations only (nesterov, sgd, delayed-nesterov): every
+state leaf is either a vector of the fragment's size (chunked) or a value that
+is the same for every chunk (delayed Nesterov's counter), which every chunk
+reads from before the step and which is written back once, after the last
+chunk. The arithmetic is the transformation's own, jitted as the whole-fragment
+`outer.DonatingStep` jits it, so the numbers are the same bit for bit
+(tests/test_chunked_step.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.dlpack
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from paramserver.server.config import ShardConfig
+from paramserver.server.events import Contribution, PieceGram
+from paramserver.server.fragment import FragmentState
+from paramserver.server.step.downlink import Downlink, new_residual
+from paramserver.server.step.merge import chunk_merge, scaled
+from paramserver.server.step.outer import (
+    FragmentOptimizer,
+    OuterError,
+    aligned_float32,
+    make_outer_optimizer,
+    set_round_share,
+)
+from paramserver.server.step.sparse_merge import (
+    SPARSE_PUBLISH_ZSTD_LEVEL,
+    is_sparse,
+    sparse_merge,
+    sparse_optimizer,
+)
+from paramserver.server.step.tensor_groups import TensorGroups, partials
+from paramserver.server.step.weighting import (
+    IslandShare,
+    make_weighting,
+    merge_coefficients,
+    round_share,
+)
+from paramserver.wire.plan import Fragment
+
+
+class FragmentStepper:
+    """One shard's outer step: weighting, merge, outer optimizer and downlink, per fragment."""
+
+    def __init__(self, cfg: ShardConfig) -> None:
+        """Build the step from the cluster settings.
+
+        Args:
+            cfg: weighting, merge, outer optimizer and downlink settings.
+        """
+        self.merge = cfg.merge
+        self.outer_lr_scale = cfg.outer_lr_scale  # the default lr follows the island count
+        self.weighting = make_weighting(
+            cfg.weighting, cfg.staleness_exponent, cfg.step_rule, cfg.max_weight_ratio
+        )
+        outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
+        self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
+        self.downlink = Downlink(cfg.downlink)
+        finish = self.downlink.finish if self.downlink.compressed else None
+        self._step = ChunkedStep(self.optimizer.tx, finish=finish)  # the outer step, in place
+        self.groups = TensorGroups(cfg.merge)  # rda: a cut tensor's other pieces on this shard
+        # sparse (topk) deltas: per-entry merge, SGD without momentum (sparse_merge)
+        self._sparse = ChunkedStep(sparse_optimizer(cfg.sparse_outer_lr), finish=finish)
+        self._sparse_downlink = Downlink(cfg.downlink, zstd_level=SPARSE_PUBLISH_ZSTD_LEVEL)
+
+    def init(self, params: np.ndarray) -> Any:
+        """A fragment's fresh optimizer state, as host buffers the step updates in place.
+
+        Args:
+            params: the fragment's values (aligned: fragment_step.host_vector).
+
+        Returns:
+            The optax state with numpy leaves.
+        """
+        return self._step.init(params)
+
+    def step(
+        self,
+        frag: FragmentState,
+        merged_in: Sequence[Contribution],
+        where: Fragment,
+        expected: int | None = None,
+        outside: Sequence[PieceGram] = (),
+    ) -> tuple[list[IslandShare], tuple[Any, ...] | None]:
+        """Merge `merged_in` into `frag` and take one outer step (params, opt_state, residual).
+
+        Args:
+            frag: the fragment's state (changed in place; version and pending are not).
+            merged_in: the pending deltas this step merges (at least one).
+            where: the fragment in the plan (its leaves, for per-tensor merges).
+            expected: islands the shard expected this round (its live
+                islands at the step); None: the step's own islands.
+            outside: rda: the Grams of its cut tensors' other pieces (`tensor_groups`).
+
+        Returns:
+            (the islands' shares, the published update's codec frames or None
+            for the float32 downlink).
+        """
+        sparse = is_sparse(merged_in)  # topk: each entry over the islands that sent it
+        coefficients, shares = merge_coefficients(
+            self.weighting, merged_in, frag.version, expected, frag.clock, not sparse
+        )  # staleness: the fragment's round clock; sparse entries: not diluted by the share
+        sources = [(c.island, scaled(c.delta, c.clip)) for c in merged_in]
+        downlink = self.downlink
+        if sparse:  # per entry, no momentum
+            weights = {x.island: x.weight for x in shares}
+            fill = sparse_merge(sources, coefficients, where.size, weights).fill
+            step, opt_state = self._sparse, self._sparse.init(frag.params)
+            downlink = self._sparse_downlink  # a mostly-zero update: zstd shrinks its codes
+        else:
+            # the outer lr in effect with this round's islands, as a scale of the merged delta
+            lr_scale = self.outer_lr_scale(expected or len(shares))
+            if lr_scale != 1.0:
+                coefficients = [c * lr_scale for c in coefficients]
+            fill = chunk_merge(
+                self.merge,
+                sources,
+                coefficients,
+                where,
+                partials(outside, merged_in, coefficients),
+            ).fill  # decodes the coded pending deltas a piece at a time, chunk by chunk
+            step, opt_state = self._step, frag.opt_state
+            share = round_share(len(shares), expected) if self.weighting.scales_by_share else 1.0
+            set_round_share(opt_state, share)  # the momentum moves once per round
+        if not self.downlink.compressed:
+            step.step(frag.params, opt_state, fill)
+            return shares, None
+        if frag.residual is None:
+            frag.residual = new_residual(frag.params.shape[0])
+        publication = downlink.begin(frag.params, frag.residual)
+        step.step(frag.params, opt_state, fill, publication.apply, frag.residual)
+        return shares, tuple(publication.frames())
+
+
+CHUNK = 1 << 18  # elements per jitted call: 1 MiB of float32, a few of them stay in cache
+MAX_ELEMENTS = (1 << 31) - 1  # offsets are traced as int32
+
+Fill = Callable[[int, int, np.ndarray], None]  # writes the merged delta's [lo, hi) into out
+Finish = Callable[[jax.Array], Any]  # jax: the chunk's update (+ carry) -> what the sink takes
+Sink = Callable[[int, int, Any], None]  # takes finish(update + carry) of [lo, hi)
+
+
+def host_vector(values: Any, dtype: Any = np.float32) -> np.ndarray:
+    """A 64-byte aligned 1-D copy of `values` (what JAX can read through DLPack without a copy).
+
+    Args:
+        values: a 1-D array-like (numpy or jax).
+        dtype: the buffer's dtype.
+
+    Returns:
+        A writable, C-contiguous, aligned array holding `values`.
+    """
+    src = np.asarray(values)
+    itemsize = np.dtype(dtype).itemsize
+    out = aligned_float32(-(-src.size * itemsize // 4)).view(np.uint8)[: src.size * itemsize]
+    out = out.view(dtype).reshape(src.shape)
+    np.copyto(out, src, casting="unsafe")
+    return out
+
+
+class JaxViews:
+    """Zero-copy JAX arrays of numpy buffers, each imported once and kept with its buffer."""
+
+    def __init__(self) -> None:
+        """An empty cache."""
+        self._views: dict[tuple[int, tuple[int, ...], str], tuple[np.ndarray, jax.Array]] = {}
+
+    def of(self, arr: np.ndarray) -> jax.Array:
+        """The JAX array sharing `arr`'s memory (DLPack; `arr` must be 64-byte aligned).
+
+        Args:
+            arr: a C-contiguous numpy array of a dtype DLPack knows (view
+                bfloat16 as uint16).
+
+        Returns:
+            The cached view (the cache holds `arr`, so its memory stays alive).
+        """
+        key = (arr.ctypes.data, arr.shape, arr.dtype.str)
+        hit = self._views.get(key)
+        if hit is None:
+            hit = self._views[key] = (arr, jax.dlpack.from_dlpack(arr))
+        return hit[1]
+
+
+def _chunk_step(
+    tx: optax.GradientTransformation,
+    apply: bool,
+    finish: Finish | None,
+    offset: jax.Array,
+    params: jax.Array,
+    state: Any,
+    merged: jax.Array,
+    carry: jax.Array | None = None,
+) -> tuple[jax.Array, Any]:
+    """The transformation on the chunk [offset, offset + len(merged)) of a fragment.
+
+    Returns (new params, new state) when `apply`, else (finish(update + carry),
+    new state), `carry` being a bfloat16 vector of the fragment's size as uint16
+    bits (none: 0) and `finish` the identity when None.
+    """
+    n, size = params.shape[0], merged.shape[0]
+
+    def cut(leaf: jax.Array) -> jax.Array:
+        if leaf.shape == (n,):
+            return jax.lax.dynamic_slice_in_dim(leaf, offset, size)
+        return leaf
+
+    p = cut(params)
+    updates, new_state = tx.update(merged, jax.tree.map(cut, state), p)
+    if apply:
+        return optax.apply_updates(p, updates), new_state
+    if carry is not None:
+        carry = jax.lax.bitcast_convert_type(cut(carry), jnp.bfloat16)
+        updates = updates + carry.astype(updates.dtype)
+    return (updates if finish is None else finish(updates)), new_state
+
+
+class ChunkedStep:
+    """One elementwise optax transformation, stepped in place over host buffers."""
+
+    def __init__(
+        self, tx: optax.GradientTransformation, chunk: int = CHUNK, finish: Finish | None = None
+    ) -> None:
+        """Jit the chunk step of a transformation.
+
+        Args:
+            tx: the outer transformation (kept as `tx`).
+            chunk: elements per jitted call (a multiple of 1024; tests use small ones).
+            finish: a jax function of a chunk's update (+ carry) run in the same
+                jit, whose outputs a `step`'s sink takes (the downlink's
+                quantizer); None: the sink takes the update.
+        """
+        if chunk <= 0 or chunk % 1024:
+            raise OuterError(f"chunk={chunk} must be a positive multiple of 1024")
+        self.tx = tx
+        self.chunk = chunk
+        self.views = JaxViews()
+        self._merged = (aligned_float32(chunk), aligned_float32(chunk))
+        self._init = jax.jit(tx.init)
+        self._apply = jax.jit(lambda *a: _chunk_step(tx, True, None, *a))
+        self._updates = jax.jit(lambda *a: _chunk_step(tx, False, finish, *a))
+
+    def init(self, params: np.ndarray) -> Any:
+        """Fresh optimizer state for a fragment, as host buffers.
+
+        Args:
+            params: the fragment's 1-D float32 values (aligned: `host_vector`).
+
+        Returns:
+            The optax state with every leaf a numpy array (vectors aligned).
+        """
+        return host_state(self._init(self.views.of(params)))
+
+    def step(
+        self,
+        params: np.ndarray,
+        state: Any,
+        fill: Fill,
+        sink: Sink | None = None,
+        carry: np.ndarray | None = None,
+    ) -> None:
+        """One outer step of a fragment, in place, chunk by chunk.
+
+        Args:
+            params: the fragment's values (aligned float32 buffer; updated in
+                place unless `sink` is given).
+            state: its optimizer state from `init` (updated in place).
+            fill: `fill(lo, hi, out)` writes the merged delta's elements [lo, hi)
+                into `out` (float32, hi - lo elements).
+            sink: None to add each chunk's update to `params` (as
+                `optax.apply_updates` does, inside the jit); else called as
+                `sink(lo, hi, out)` with out = finish(update + carry) of
+                [lo, hi), chunk by chunk in order, and `params` is left to it.
+            carry: with `sink`, a bfloat16 vector of the fragment's size added
+                to the update before `finish` (the downlink residual; a chunk's
+                carry is read before its sink runs, so the sink may rewrite it).
+
+        Raises:
+            OuterError: params too large, or a state leaf that is not elementwise.
+        """
+        n = params.shape[0]
+        if n > MAX_ELEMENTS:
+            raise OuterError(f"a fragment of {n} elements is over {MAX_ELEMENTS}: use more")
+        leaves, treedef = jax.tree.flatten(state)
+        vector = [leaf.shape == (n,) for leaf in leaves]
+        for leaf, is_vector in zip(leaves, vector, strict=True):
+            if not is_vector and leaf.size > 1:
+                raise OuterError(f"state leaf of shape {leaf.shape} is not elementwise over {n}")
+        # scalar leaves: every chunk reads their value from before the step
+        inputs = [
+            self.views.of(x) if v else jnp.asarray(x) for x, v in zip(leaves, vector, strict=True)
+        ]
+        j_state = jax.tree.unflatten(treedef, inputs)
+        j_params = self.views.of(params)
+        fn = self._apply if sink is None else self._updates
+        extra = () if carry is None or sink is None else (self.views.of(carry.view(np.uint16)),)
+        # pipelined: chunk k+1 is filled and dispatched (XLA runs it on its own
+        # threads) before chunk k's results are copied back and sunk; chunks are
+        # disjoint, and the merged delta alternates between two scratch buffers
+        pending: tuple[int, int, Any, Any] | None = None
+        new_leaves: list[Any] = []
+        for k, lo in enumerate(range(0, n, self.chunk)):
+            hi = min(lo + self.chunk, n)
+            merged = self._merged[k % 2][: hi - lo]
+            fill(lo, hi, merged)
+            out, new_state = fn(np.int32(lo), j_params, j_state, self.views.of(merged), *extra)
+            if pending is not None:
+                new_leaves = self._take(params, leaves, vector, sink, *pending)
+            pending = (lo, hi, out, new_state)
+        if pending is not None:
+            new_leaves = self._take(params, leaves, vector, sink, *pending)
+        for leaf, new, is_vector in zip(leaves, new_leaves, vector, strict=True):
+            if not is_vector:
+                np.copyto(leaf, np.asarray(new))
+
+    @staticmethod
+    def _take(
+        params: np.ndarray,
+        leaves: list[np.ndarray],
+        vector: list[bool],
+        sink: Sink | None,
+        lo: int,
+        hi: int,
+        out: Any,
+        new_state: Any,
+    ) -> list[Any]:
+        """Copy one chunk's results into the buffers (or hand them to the sink)."""
+        new_leaves = jax.tree.leaves(new_state)
+        for leaf, new, is_vector in zip(leaves, new_leaves, vector, strict=True):
+            if is_vector:
+                np.copyto(leaf[lo:hi], np.asarray(new))
+        if sink is None:
+            np.copyto(params[lo:hi], np.asarray(out))
+        else:
+            sink(lo, hi, out)
+        return new_leaves
+
+
+def host_state(state: Any) -> Any:
+    """An optimizer state with every leaf copied into a host buffer (vectors aligned).
+
+    Args:
+        state: an optax state (jax or numpy leaves).
+
+    Returns:
+        The same structure with numpy leaves that `ChunkedStep.step` updates in place.
+    """
+
+    def to_host(leaf: Any) -> np.ndarray:
+        arr = np.asarray(leaf)
+        return host_vector(arr, arr.dtype) if arr.ndim == 1 else np.array(arr)
+
+    return jax.tree.map(to_host, state)
