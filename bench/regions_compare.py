@@ -42,7 +42,7 @@ from bench.regions_run import ROUTER_PORT
 from bench.scenarios import Budget, Scenario
 from paramserver.plumbing import daemon
 from paramserver.plumbing.clusterfile import ShardAddress, render_cluster_file
-from worker import progress as progress_files
+from worker import island_files as progress_files
 
 DDP_PORT = ROUTER_PORT + 100
 POLL_S = 0.5
