@@ -3,6 +3,8 @@
     diloco-bench regions --probe-only [--regions 4] [--scale 0.01] [--shard-regions 0]
                          [--probe-seconds 2] [--probe-rounds 3] [--prefix P] [--out DIR]
     diloco-bench regions [same flags] [--params 2000000] [--rounds 3] [--compute-s 1.0]
+    diloco-bench regions --methods ddp,sync,quorum [--quick] [--target-loss L]
+                         [--big-step-s 1.0] [--run-step-s 0.06] [--steps 30] [--inner-steps 10]
     diloco-bench regions --cleanup [--prefix P]
 
 Builds one network namespace per region joined through a WAN namespace
@@ -15,7 +17,16 @@ against configured; a link under 90% of its rate scales every link down
 again (up to `--probe-rounds`). Without `--probe-only` it then runs shards
 and one island per region pushing synthetic int8 deltas through the real
 client (`bench.regions_run`: round time against bytes / bandwidth, control
-latency while transfers are in flight). Prints the report as JSON (and writes it to
+latency while transfers are in flight). With `--methods` it instead trains
+DDP, synchronous DiLoCo and this system over the same links
+(`bench.regions_compare`), at the link scale that gives DDP the
+communication / compute ratio of a 12B model on the real links
+(`bench.regions_claims.link_scale`; `--scale` is then ignored), and reports
+each method's time to a target held-out loss and its loss at DDP's tokens
+(the claims table; also written to `--out DIR`/regions.md). `--quick` is a
+harness check, not the claim: 6 DDP steps, H = 3, batch 8, and a 10 s step
+for the big model (DDP's ratio 10x lower); it took 8-10 minutes under
+load 12-14 on 2 cores (3 JAX starts of 4 processes each dominate). Prints the report as JSON (and writes it to
 `--out DIR`/regions.json), then tears everything down.
 
 Everything lives in namespaces named after the run's prefix and is deleted
@@ -37,10 +48,21 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from bench import child, netns, outdir, regions_plan, regions_run
+from bench import (
+    child,
+    netns,
+    outdir,
+    regions_claims,
+    regions_compare,
+    regions_plan,
+    regions_run,
+)
 from bench.regions_plan import LINKS, REGIONS, Link
+from bench.scenarios import Budget
 
 LOSS_PENALTY_MS = 200.0
+RUN_PARAMS = 131_712  # worker.model "tiny" (count_params); the run's rows report it too
+RUN_STEP_S = 0.06  # tiny, batch 16 x 128, AdamW, one core (MEASURED.md)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -73,6 +95,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--out", type=Path, default=None, help="also write the report to DIR/regions.json"
     )
+    cmp = parser.add_argument_group("the comparison (--methods): DDP vs sync DiLoCo vs quorum")
+    cmp.add_argument("--methods", default="", help="comma list of ddp,sync,quorum (or 'all')")
+    cmp.add_argument("--quick", action="store_true", help="a small comparison, < 3 min")
+    cmp.add_argument("--target-loss", type=float, default=None,
+                     help="held-out loss to reach (default: DDP's final loss + 1%%)")  # fmt: skip
+    cmp.add_argument("--big-params", type=float, default=regions_claims.BIG_PARAMS,
+                     help="parameters of the model whose comm/compute ratio DDP gets")  # fmt: skip
+    cmp.add_argument("--big-step-s", type=float, default=regions_claims.BIG_STEP_S,
+                     help="its compute seconds per step at speed 1.0 (the assumption)")  # fmt: skip
+    cmp.add_argument("--run-step-s", type=float, default=RUN_STEP_S,
+                     help="the tiny model's compute seconds per step at speed 1.0, batch 16")  # fmt: skip
+    cmp.add_argument("--steps", type=int, default=None, help="DDP steps per rank (30; quick 6)")
+    cmp.add_argument("--inner-steps", type=int, default=None, help="DiLoCo H (10; quick 3)")
+    cmp.add_argument("--token-factor", type=float, default=None,
+                     help="DiLoCo runs train up to this x DDP's tokens (2; quick 1)")  # fmt: skip
+    cmp.add_argument("--method-cap-s", type=float, default=None,
+                     help="bound on each method's training wall time (900; quick 60)")  # fmt: skip
 
 
 def _cleanup(prefix: str | None) -> int:
@@ -160,6 +199,52 @@ def probe_links(
     }
 
 
+def compare_plan(args: argparse.Namespace) -> dict[str, Any]:
+    """The comparison's budget and link scale from the flags (`--quick` picks small defaults).
+
+    Args:
+        args: the parsed flags.
+
+    Returns:
+        {"budget": Budget, "scale", "token_factor", "cap_s", "statement", "inputs"}.
+    """
+    quick = args.quick
+    steps = args.steps or (6 if quick else 30)
+    inner = args.inner_steps or (3 if quick else 10)
+    batch = 8 if quick else 16
+    budget = Budget(islands=args.regions, inner_steps=inner, steps_per_island=steps,
+                    batch_size=batch, eval_batches=1 if quick else 2, shards=1)  # fmt: skip
+    # quick: a harness check, not the claim: 10x the compute per step of the big model
+    big_step_s = args.big_step_s * (10.0 if quick else 1.0)
+    scale = regions_claims.link_scale(RUN_PARAMS, args.run_step_s, args.regions, args.big_params,
+                                      big_step_s)  # fmt: skip
+    ratio_slowest = regions_claims.comm_compute_ratio(
+        regions_claims.ring_bytes_per_param(args.regions) * args.big_params,
+        regions_claims.REFERENCE_GBIT * 1000.0,
+        big_step_s,
+    )
+    return {
+        "budget": budget,
+        "scale": scale,
+        "token_factor": args.token_factor or (1.0 if quick else 2.0),
+        "cap_s": args.method_cap_s or (60.0 if quick else 900.0),
+        "quick": quick,
+        "inputs": {
+            "big_params": args.big_params,
+            "big_step_s": big_step_s,
+            "run_params": RUN_PARAMS,
+            "run_step_s": args.run_step_s,
+            "reference_bytes_per_param": regions_claims.ring_bytes_per_param(args.regions),
+            "run_bytes_per_param": regions_claims.RUN_BYTES_PER_PARAM,
+            "target_ratio_at_2gbit": round(ratio_slowest, 2),
+            "target_ratio_at_5gbit": round(ratio_slowest * regions_claims.REFERENCE_GBIT / 5.0, 2),
+        },
+        "formula": "scale = (run_bytes_per_param x run_params / run_step_s) / "
+        "(reference_bytes_per_param x big_params / big_step_s); reference: bf16 ring all-reduce, "
+        "2(N-1)/N x 2 bytes per parameter; run: fp32 gradient to one reducer and the mean back",
+    }
+
+
 def run(args: argparse.Namespace) -> int:
     """Entry point of `diloco-bench regions`."""
     why = netns.can_build()
@@ -189,6 +274,17 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    try:
+        methods = regions_compare.parse_methods(args.methods)
+    except ValueError as exc:
+        print(f"diloco-bench regions: --methods: {exc}", file=sys.stderr)
+        return 2
+    plan = None
+    if methods:
+        plan = compare_plan(args)
+        args.scale = plan["scale"]
+        if args.quick:
+            args.probe_seconds, args.probe_pings = min(args.probe_seconds, 1.0), 3
     _hangup_unwinds()
     leftovers = {p: netns.cleanup_prefix(p) for p in netns.stale_prefixes()}
     links = [ln for ln in LINKS if ln.a < args.regions and ln.b < args.regions]
@@ -201,6 +297,7 @@ def run(args: argparse.Namespace) -> int:
     started = datetime.datetime.now(datetime.UTC)
     try:
         ports = [] if args.probe_only else regions_run.shard_ports(len(shard_regions))
+        ports += [regions_compare.DDP_PORT] if methods and not args.probe_only else []
         with netns.Topology(args.regions, shapes, ports, args.prefix, LOSS_PENALTY_MS) as topo:
             report: dict[str, Any] = {
                 "command": "regions",
@@ -222,7 +319,15 @@ def run(args: argparse.Namespace) -> int:
                 },
                 **probe_links(topo, links, args.scale, args),
             }
-            if not args.probe_only:
+            if not args.probe_only and plan is not None:
+                report["compare"] = regions_compare.compare(
+                    topo, methods, plan, report["scale"], shard_regions, args.target_loss
+                )
+                topo.stop_relays()
+                report["relay_bytes"] = {
+                    REGIONS[r].name: stats for r, stats in topo.relay_stats().items()
+                }
+            elif not args.probe_only:
                 report["run"] = regions_run.run_islands(
                     topo, links, report["scale"], shard_regions, args.params, args.rounds,
                     args.compute_s, args.run_timeout,
@@ -238,5 +343,8 @@ def run(args: argparse.Namespace) -> int:
     text = json.dumps(report, indent=1)
     print(text)
     if args.out is not None:
-        (outdir.claim(args.out, "regions") / "regions.json").write_text(text + "\n")
+        claimed = outdir.claim(args.out, "regions")
+        (claimed / "regions.json").write_text(text + "\n")
+        if "compare" in report:
+            (claimed / "regions.md").write_text(regions_claims.render_markdown(report["compare"]))
     return 0 if report["held"] else 1
