@@ -6,6 +6,7 @@ import msgpack
 import numpy as np
 import pytest
 import zmq
+from conftest import wait_for
 from shard_helpers import delta_frames, init_payload, nan_frames, plan_for, push_header, small_flat
 
 import codec
@@ -266,13 +267,14 @@ def test_eq3_grace_waits_on_the_reported_pace_for_a_second_island(start_shard, p
     header = {**push_header(plan, "a", 1, 0, 0, 1000, 10), **pace}
     ack, _ = a.request(header, delta_frames(np.ones(size, np.float32)))
     assert ack["outcome"] == "accepted", ack
-    status = a.status()
-    if not reported:
-        assert status["pending"]["0"] == 0 and status["steps"] == 1 and status["paces"] == {}
+    if not reported:  # the step runs off the serving loop: status answers meanwhile
+        status = wait_for(lambda: (s := a.status())["steps"] == 1 and s, "the step")
+        assert status["pending"]["0"] == 0 and status["paces"] == {}
         return
+    status = a.status()
     assert status["paces"] == {"a": {"step_s": 0.5, "steps": 10, "round_s": 5.0}}
     assert status["pending"]["0"] == 1 and status["steps"] == 0  # inside the window
     ack, _ = b.request(push_header(plan, "b", 1, 0), delta_frames(np.ones(size, np.float32)))
     assert ack["outcome"] == "accepted" and ack["merged_version"] == 1, ack
-    status = a.status()
-    assert status["pending"]["0"] == 0 and status["steps"] == 1  # one step merged both
+    status = wait_for(lambda: (s := a.status())["steps"] == 1 and s, "the step")
+    assert status["pending"]["0"] == 0  # one step merged both

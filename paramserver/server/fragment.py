@@ -49,6 +49,8 @@ class FragmentState:
     stats: ArrivalStats = field(default_factory=ArrivalStats)
     residual: np.ndarray | None = None  # int8 downlink: quantization error carried (bfloat16)
     norms: list[float] = field(default_factory=list)  # recent (clipped) delta norms: robust.py
+    # the (island, round) keys of a step under way (its arrays belong to it), else None; live only
+    in_step: frozenset[tuple[str, int]] | None = None
 
     def waiting(self) -> list[PendingDelta]:
         """The pending deltas as the merge policy sees them (island, arrival time)."""
