@@ -246,7 +246,8 @@ class ShardCore:
             self.state.counters.bytes_in += size
             if request.frames and memoryview(request.frames[0]).nbytes == 0:
                 request = replace(request, frames=request.frames[1:], envelope=(b"",))
-            verdict, retry_after = self.throttle.admit(now, request.conn)
+            payload = len(request.frames) > 1  # a push: free while its island's are acked
+            verdict, retry_after = self.throttle.admit(now, request.conn, payload)
             if verdict != gate.ADMIT:
                 return self._throttled(request, verdict, retry_after)
         try:
@@ -418,6 +419,7 @@ class ShardCore:
             outcome = outcomes.count(self.state.counters, outcomes.unknown_island(header["island"]))
         else:
             outcome = self.state.submit_delta(header, payload, now)
+            self.throttle.pushed(header["island"], outcome.status != REJECTED)
             self.islands.heard(header["island"], header, now)
             if outcome.status == ACCEPTED:
                 self.islands.accepted(header["island"], header["round"], now)

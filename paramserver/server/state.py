@@ -311,14 +311,17 @@ class ShardState(ShardInit):
         if early is not None:
             return outcomes.count(self.counters, early)
         frag = self.fragments[header["fragment"]]
-        island, limit = header["island"], self.cfg.pending_bytes_per_island
+        island, size = header["island"], frag.params.shape[0]
         mine = self.pending_bytes(island)
+        sent = sum(memoryview(f).nbytes for f in payload)  # ~ its coded size, before decoding
+        limit = self.island_budget(sent, size)
         full = outcomes.island_budget_refusal(island, mine, None, limit)  # before decoding
         if full is not None:
             return outcomes.count(self.counters, full)
-        delta = outcomes.read_delta(payload, frag.params.shape[0])
+        delta = outcomes.read_delta(payload, size)
         if isinstance(delta, Outcome):
             return outcomes.count(self.counters, delta)
+        limit = self.island_budget(delta.nbytes, size)
         over = outcomes.island_budget_refusal(island, mine, delta.nbytes, limit)
         if over is None:
             budget = self.cfg.max_pending_bytes
@@ -340,6 +343,28 @@ class ShardState(ShardInit):
         # a step under way makes version + 1 without this delta: it joins the next one
         merged = frag.version + 1 + (frag.in_step is not None)
         return Outcome(ACCEPTED, event=event, version=frag.version, merged_version=merged)
+
+    def island_budget(self, delta_bytes: int, fragment_size: int) -> int:
+        """The pending bytes one island may keep here, given one of its deltas.
+
+        `max_pending_bytes_per_island` when set; by default a quarter of
+        `max_pending_bytes`, but at least two whole-model deltas of the island
+        on this shard at that delta's bytes per parameter (its codec): an
+        island is never refused its second round while the first is pending.
+        The shard's own budget (`max_pending_bytes`) still bounds them all.
+
+        Args:
+            delta_bytes: one of the island's deltas, coded (or as sent).
+            fragment_size: that delta's fragment's elements.
+
+        Returns:
+            Bytes.
+        """
+        if self.cfg.max_pending_bytes_per_island:
+            return self.cfg.max_pending_bytes_per_island
+        shard_size = sum(f.params.shape[0] for f in self.fragments.values())
+        whole = -(-delta_bytes * shard_size // max(1, fragment_size))
+        return max(self.cfg.pending_bytes_per_island, 2 * whole)
 
     # ----- steps ----------------------------------------------------------------
 
