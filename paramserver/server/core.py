@@ -220,7 +220,9 @@ class ShardCore:
             gate.Limits(cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s)
         )
         self.stepping: StepWork | None = None  # the step under way (start_step .. finish_step)
-        self._held: list[Request] = []  # snapshots of the fragment in step, answered after it
+        self._held: list[Request] = []  # pushes waiting for the step under way (release_held)
+        self._held_snapshots: list[Request] = []  # of the fragment in step: after it (finish_step)
+        self._due: set[int] = set()  # the fragments due at the last due_steps
 
     # ----- requests ----------------------------------------------------------------
 
@@ -402,7 +404,7 @@ class ShardCore:
         if refusal is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, refusal))
         if self.state.fragments[fragment].in_step is not None:  # its arrays change: after the step
-            self._held.append(replace(request, admitted=True))
+            self._held_snapshots.append(replace(request, admitted=True))
             return Effects()
         version, values = self.state.snapshot(fragment, offset, end)  # copies the piece only
         frames, _ = self._raw32.encode({"values": values})
@@ -429,24 +431,25 @@ class ShardCore:
     def _waits_for_step(self, header: dict, payload) -> bool:
         """Whether to answer a push after the step under way rather than now.
 
-        While a step merges some of the island's deltas, a push that its
-        pending limits (count per fragment or bytes) would refuse now waits
-        for the step that frees them: the island's pushes are paced by the
-        steps, as they were when a step held the serving loop, instead of
-        refused `too_many_pending`.
+        While a step runs, a push to a fragment in step or due (waiting for the
+        step thread) that the island's pending limits (count per fragment, or
+        bytes) would refuse now waits for the step: the island's pushes are
+        paced by the steps, as they were when a step held the serving loop,
+        instead of refused `too_many_pending`. Once no step runs, what is
+        still over the limits is refused.
         """
         work = self.stepping
-        island = header.get("island")
-        if work is None or not any(key[0] == island for key in work.frag.in_step or ()):
+        if work is None:
             return False
-        frag = self.state.fragments.get(header.get("fragment"))  # type: ignore[call-overload]
-        if frag is None:
+        island, fragment = header.get("island"), header.get("fragment")
+        frag = self.state.fragments.get(fragment)  # type: ignore[call-overload]
+        if frag is None or (fragment != work.fragment and fragment not in self._due):
             return False
         mine = sum(c.island == island for c in frag.pending)
         if mine >= self.cfg.max_pending_per_island:
             return True
         incoming = sum(memoryview(f).nbytes for f in payload)
-        budget = self.cfg.pending_bytes_per_island
+        budget = self.state.island_budget(incoming, frag.params.shape[0])
         return self.state.pending_bytes(island) + incoming > budget
 
     def _check_inner_steps(self, island: str, steps: int) -> None:
@@ -501,6 +504,7 @@ class ShardCore:
         """
         due, _ = self.state.due_fragments(now)
         limit = self.cfg.max_pending_per_island
+        self._due = set(due)
         return [DueStep(f, pending_near_limit(self.state, f, limit)) for f in due]
 
     def on_tick(self, now: float, steps: Sequence[int] | None = None) -> Effects:
@@ -567,7 +571,8 @@ class ShardCore:
     def finish_step(self, now: float, work: StepWork) -> Effects:
         """Book a step that ran: its event to log first, its update to publish after.
 
-        The snapshots held while it ran are answered too. A step of a state
+        The snapshots held while it ran are answered after it (the pushes that
+        waited are `release_held`'s). A step of a state
         since rebuilt from disk (a storage fault meanwhile) is void: its
         deltas are still pending in the rebuilt state.
 
@@ -576,7 +581,7 @@ class ShardCore:
             work: from `start_step`, run.
 
         Returns:
-            The step's effects, then the held requests'.
+            The step's effects, then the held snapshots'.
 
         Raises:
             BaseException: what the step's arithmetic raised.
@@ -601,10 +606,19 @@ class ShardCore:
             out.publishes.append(Publish(header, frames))
         else:
             logger.warning("shard %d: a step of a state rebuilt meanwhile is void", self.index)
-        held, self._held = self._held, []
-        for request in held:
+        held, self._held_snapshots = self._held_snapshots, []
+        for request in held:  # before another step of the fragment can begin
             out.extend(self.handle(now, request))
         return out
+
+    def release_held(self) -> list[Request]:
+        """The pushes held back while a step ran, to handle again (in arrival order).
+
+        Returns:
+            The pushes that waited for a step (`_waits_for_step`).
+        """
+        held, self._held = self._held, []
+        return held
 
     def next_wake(self, now: float) -> float:
         """When to tick next: the merge policy's next wake-up or the next heartbeat.

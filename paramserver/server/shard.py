@@ -120,21 +120,28 @@ def run_batch(
         [(conn, frames)] to send in order, conn None for the PUB.
     """
     effects = Effects()
+
+    def cleared() -> list[int]:  # a checkpoint being written may defer a step (it copies first)
+        due = core.due_steps(now)
+        return [d.fragment for d in due if storage.before_step(d.fragment, d.urgent)]
+
+    def start_next() -> None:  # the others are due again once it is done
+        if tick and worker is not None and not worker.busy and (fragments := cleared()):
+            worker.submit(core.start_step(now, fragments[0]))
+
     if worker is not None and (done := worker.take()) is not None:
         effects.extend(core.finish_step(now, done))
+        start_next()  # before the held requests: what still waits for a step waits again
+        requests = core.release_held() + requests
     for request in requests:
         effects.extend(core.handle(now, request))
-    if tick and (worker is None or not worker.busy):
-        # a checkpoint being written may defer a step (it copies the fragment first)
-        cleared = [
-            d.fragment for d in core.due_steps(now) if storage.before_step(d.fragment, d.urgent)
-        ]
-        if worker is None:
-            effects.extend(core.on_tick(now, cleared))
-        elif cleared:  # the others are due again once it is done
-            worker.submit(core.start_step(now, cleared[0]))
-    if tick and worker is not None:
-        effects.extend(core.heartbeat(now, effects))
+    if worker is None:
+        if tick:
+            effects.extend(core.on_tick(now, cleared()))
+    else:
+        start_next()
+        if tick:
+            effects.extend(core.heartbeat(now, effects))
     return core.settle(effects, now, store(storage, effects.records))
 
 
