@@ -7,7 +7,10 @@ policy says to step (each marked `urgent` when its pending deltas near the
 per-island limit, `pending_near_limit`); the I/O loop clears each with its
 data directory (a checkpoint being written may ask to defer one to a later
 turn) and `on_tick(now, steps)` takes the cleared steps and heartbeats an idle
-PUB; `next_wake(now)` says when to tick again; `checkpoint_due(now)` when to
+PUB; the shard's loop instead begins one with `start_step` (the fragment is in
+step: pushes to it join the next step, snapshots of it are answered after it,
+pushes over their pending limits wait for it, no checkpoint begins), has the
+step thread run it, and books it with `finish_step` (`heartbeat` for the PUB); `next_wake(now)` says when to tick again; `checkpoint_due(now)` when to
 begin a checkpoint, and `checkpoint_started` / `checkpoint_done` record one.
 Nothing here reads a clock, a socket or a file: `now` (wall-clock seconds) is
 an argument, so a simulation drives the core with a fake clock.
@@ -35,6 +38,11 @@ What the core asks its I/O loop to do is plain data defined here: a `Request`
 as received, and the `Effects` of a batch: the events to log first, the
 `Reply`s to send whatever happens, the `DurableReply`s whose answer depends
 on the log, and the `Publish`es.
+
+Why over 700 lines: one class whose request handlers, step hand-over
+(start_step / finish_step, the requests held meanwhile) and durability
+(settle) share the same state and ordering rules; the rules themselves live
+in admission/, step/ and state.
 """
 
 from __future__ import annotations
