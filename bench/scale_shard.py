@@ -158,8 +158,15 @@ class Islands:
     and it is dropped once every island joined.
     """
 
-    def __init__(self, connect: str, count: int, params: int, log: TextIO) -> None:
-        """Join every island (the first initialises the shard with zeros)."""
+    def __init__(
+        self, connect: str, count: int, params: int, log: TextIO, fragments: int = 16
+    ) -> None:
+        """Join every island (the first initialises the shard with zeros).
+
+        Each client allows as many unacked pushes as there are fragments, so
+        that a round's pushes all go out at once: `step_round`'s timer starts
+        at the last push, not once most of the round's steps already ran.
+        """
         flat = {"w": np.zeros(params, np.float32)}  # untouched zero pages: no RSS
         self.clients: list[Client] = []
         self.rounds = [0] * count
@@ -176,6 +183,7 @@ class Islands:
                     push_timeout_s=WAIT_S,
                     join_timeout_s=120.0 + 4 * params / JOIN_BYTES_PER_S,
                     keep="versions",  # they push and follow versions; values are not needed
+                    max_unacked=max(16, fragments),  # a round's pushes never wait for acks
                 )
                 self.clients.append(Client(cfg))
                 plan = self.clients[-1].join(flat).plan
@@ -291,7 +299,7 @@ def measure_steady(
         idle = settled_rss(pid)
         anon_idle = anon_rss_bytes(pid)
         bench_idle = rss_bytes(os.getpid())
-        isl = Islands(cluster.connect, islands, params, log)
+        isl = Islands(cluster.connect, islands, params, log, fragments)
         try:
             times = []
             for k in range(max(2, steps)):
@@ -419,7 +427,7 @@ def measure_checkpoints(
         cluster, pid, watcher = stack.enter_context(
             one_shard(out, params, fragments, every, log, PENDING_ALLOCATOR)
         )
-        isl = Islands(cluster.connect, islands, params, log)
+        isl = Islands(cluster.connect, islands, params, log, fragments)
         stack.callback(isl.close)
         points = _hold_pending(isl, pid, pending, watcher, log)
         rounds = probe_rounds(islands, fragments)

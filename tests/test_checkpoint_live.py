@@ -220,7 +220,8 @@ def test_kill_9_during_checkpoints_loses_no_acked_delta_and_applies_none_twice(t
         assert loaded["generation"] == first["generation"] and loaded["seconds"] is None
         assert run.push(9)["outcome"] == "duplicate"
         assert run.push(10)["outcome"] == "accepted"
-        status = run.status()
+        # its step runs off the serving loop: a sync island waits for it
+        status = wait_for(lambda: (s := run.status())["steps"] >= 10 and s, "the last step")
         reply, body = run.peer.request({"kind": "snapshot", "island": "a", "fragment": 0})
     finally:
         code = run.stop()

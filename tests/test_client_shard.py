@@ -102,9 +102,10 @@ def test_duplicate_resend_is_acked_as_duplicate_and_not_applied_twice(cluster, c
     # also have re-sent the first push before its ack came (one more duplicate)
     dups = a.stats()["duplicates"]
     assert 1 <= dups <= 2
-    status = peer(c.connect).status()
+    watcher = peer(c.connect)  # the step runs off the serving loop: wait for it
+    merged = res.versions[0] + 1
+    status = wait_for(lambda: (s := watcher.status())["versions"]["0"] == merged and s, "a step")
     assert status["accepted"] == 1 and status["duplicates"] == dups
-    assert status["versions"]["0"] == res.versions[0] + 1
 
 
 def test_rejected_push_is_counted_by_reason(cluster, client):
@@ -215,10 +216,13 @@ def test_replica_stays_bit_exact_over_many_steps(cluster, client, peer, downlink
     b.join(small_flat(0))
     size = res.plan.fragments[1].size
     rng = np.random.default_rng(3)
+    watcher = peer(c.connect)
     for round in range(5):
         delta = rng.standard_normal(size).astype(np.float32) * 0.01
         a.push(1, round, round, 10, 1, delta_frames(delta, "int8"))
         wait_for(lambda r=round: a.stats()["acked"] == r + 1, "the ack")
+        # its step runs off the serving loop: the next push is based on it
+        wait_for(lambda r=round, w=watcher: w.status()["versions"]["1"] == r + 1, "the step")
     version, values = snapshot(peer(c.connect), 1)
     latest = {}
 

@@ -313,3 +313,23 @@ def test_a_checkpoint_stores_pending_deltas_coded_and_restores_them():
     old["pending/0/0"] = out
     [c] = restore_state(state.cfg, 0, meta, old).fragments[0].pending
     assert (c.delta.scheme, c.clip) == ("raw", 1.0) and c.delta.codes.tobytes() == out.tobytes()
+
+
+def test_the_default_island_budget_admits_two_whole_model_deltas_of_the_island():
+    kept = 75_000 + 4 * -(-75_000 // 256)  # what an int8 delta of a fragment keeps
+    # the shard's budget holds 5 fragment deltas: a quarter of it is 1.25, less than one round
+    state, plan, _ = _state(max_pending_bytes=5 * kept)
+    assert state.island_budget(kept, 75_000) == 2 * 2 * kept  # two rounds of two fragments
+    state.hello("a", T0)
+
+    def push(rnd, fragment):
+        frames, _ = codec.int8().encode({"delta": random_delta(75_000, rnd)})
+        return state.submit_delta(push_header(plan, "a", rnd, fragment), frames, T0)
+
+    for rnd in (1, 2):  # two whole-model deltas of a, pending at once
+        assert push(rnd, 0).status == ACCEPTED and push(rnd, 1).status == ACCEPTED
+    refused = push(3, 0)  # a third is over its share
+    assert refused.reason == "too_many_pending" and "per_island" in refused.detail
+    # an explicit setting is the budget, whatever the deltas
+    explicit, _, _ = _state(max_pending_bytes=5 * kept, max_pending_bytes_per_island=kept)
+    assert explicit.island_budget(kept, 75_000) == kept

@@ -14,6 +14,9 @@ import pytest
 from shard_sim import Island, ShardSim
 from test_shard_durability import assert_same
 
+from paramserver.server.shard import run_batch
+from paramserver.wire import protocol
+
 pytestmark = pytest.mark.timeout(60)
 
 
@@ -216,3 +219,85 @@ def test_an_idle_pub_heartbeats_once_per_interval_with_the_last_seq(tmp_path):
     sim.batch()
     sim.batch()
     assert [(p["kind"], p["seq"]) for p in sim.published] == [("update", 1), ("heartbeat", 1)]
+
+
+class HeldStepWorker:
+    """The step thread's place in the loop (`StepWorker`'s interface), run when the test says."""
+
+    def __init__(self) -> None:
+        self.work = None
+        self.ran = False
+
+    @property
+    def busy(self) -> bool:
+        return self.work is not None
+
+    def submit(self, work) -> None:
+        assert self.work is None
+        self.work, self.ran = work, False
+
+    def finish(self) -> None:
+        self.work.run()
+        self.ran = True
+
+    def take(self):
+        if not self.ran:
+            return None
+        work, self.work, self.ran = self.work, None, False
+        return work
+
+
+def test_requests_during_a_step_are_answered_without_changing_its_result(tmp_path):
+    sim, alone = ShardSim(tmp_path / "live"), ShardSim(tmp_path / "alone")
+    a, b = Island("a"), Island("b")
+    for s in (sim, alone):
+        assert s.init(a)["kind"] == "init_ok"
+        assert s.one(b.hello())["kind"] == "welcome"
+    worker = HeldStepWorker()
+
+    def turn(*requests):
+        messages = run_batch(sim.core, sim.storage, list(requests), sim.now, True, worker)
+        return [sim_reply(frames) for conn, frames in messages if conn is not None], [
+            sim_reply(frames, publish=True) for conn, frames in messages if conn is None
+        ]
+
+    replies, _ = turn(sim.push(a, 1))
+    assert replies[0]["outcome"] == "accepted" and replies[0]["merged_version"] == 1
+    assert worker.busy and sim.core.stepping.fragment == 0  # a's delta is being stepped
+    replies, published = turn(
+        a.heartbeat(),
+        sim.push(b, 1),
+        b.request({"kind": "snapshot", "fragment": 0}),  # held: fragment 0's arrays change
+        sim.push(a, 1),
+        a.request({"kind": "status"}),
+    )
+    heartbeat, ack_b, dup_a, status = replies
+    assert heartbeat["kind"] == "heartbeat" and not published
+    # b's delta joins the next step: version 2 is the first that includes it
+    assert ack_b["outcome"] == "accepted" and (ack_b["version"], ack_b["merged_version"]) == (0, 2)
+    assert dup_a["outcome"] == "duplicate" and dup_a["merged_version"] == 1  # in the step
+    assert status["status"]["stepping"]["fragment"] == 0 and status["status"]["versions"]["0"] == 0
+    assert sim.state.fragments[0].version == 0
+    worker.finish()
+    replies, published = turn()  # the step is booked, then b's delta is stepped
+    (snapshot,) = replies  # the held snapshot, of version 1
+    assert snapshot["kind"] == "snapshot_reply" and snapshot["version"] == 1
+    assert [(p["fragment"], p["version"]) for p in published] == [(0, 1)]
+    assert worker.busy and sim.core.stepping.merged_in[0].island == "b"
+    # the step merged a's delta alone, as if b's had come after it
+    alone.one(alone.push(a, 1))
+    assert sim.state.snapshot(0)[1].tobytes() == alone.state.snapshot(0)[1].tobytes()
+    worker.finish()
+    _, published = turn()
+    assert [(p["fragment"], p["version"]) for p in published] == [(0, 2)]
+    alone.one(alone.push(b, 1))
+    assert_same(sim.state, alone.state)
+    accepted, merged = sim.logged()  # the log replays to the same state
+    assert merged == [("a", 1, 0), ("b", 1, 0)]
+    sim.crash_and_restart()
+    assert_same(sim.state, alone.state)
+
+
+def sim_reply(frames, publish: bool = False):
+    """A message's decoded header (a reply, or a publish)."""
+    return protocol.unpack(frames, protocol.PUB if publish else protocol.REPLY)[0]

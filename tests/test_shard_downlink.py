@@ -5,6 +5,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 import zmq
+from conftest import wait_for
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 import codec
@@ -104,8 +105,12 @@ def test_a_subscriber_replica_equals_the_live_shard(start_shard, peer, zmq_ctx):
             d = rng.standard_normal(plan.fragments[f].size).astype(np.float32) * 0.05
             ack, _ = p.request(push_header(plan, "a", rnd, f, 0), delta_frames(d, "int8"))
             assert ack["outcome"] == "accepted"
+        # steps run off the serving loop: pushes acked meanwhile join the next one
+        final = wait_for(
+            lambda: (s := p.status())["pending"] == {"0": 0, "1": 0} and s, "every step"
+        )
         seen, last_seq = 0, 0
-        while seen < pushes:
+        while last_seq < final["seq"]:
             assert sub.poll(10_000), f"only {seen} updates arrived"
             msg, body = protocol.unpack(sub.recv_multipart(), role=protocol.PUB)
             if msg["kind"] != "update":

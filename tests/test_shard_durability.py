@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import Peer, free_port
+from conftest import Peer, free_port, wait_for
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 from shard_process import shard_argv
 
@@ -188,7 +188,8 @@ def test_a_stopped_shard_checkpoints_and_restarts_with_the_same_state(start_shar
     size = plan.fragments[0].size
     ack, _ = p.request(push_header(plan, "a", 1, 0), delta_frames(np.ones(size, np.float32)))
     assert ack["outcome"] == "accepted"
-    before = p.status()["versions"]
+    # the step runs off the serving loop: wait for it, so that the snapshot is of version 1
+    before = wait_for(lambda: (v := p.status()["versions"])["0"] == 1 and v, "the step")
     reply, body = p.request({"kind": "snapshot", "island": "a", "fragment": 0})
     shard.stop()
     assert list((Path(shard.server.cfg.data_dir) / "shard-0").glob("checkpoint-*.ckpt"))
@@ -269,6 +270,9 @@ def test_kill_9_mid_run_loses_no_acked_delta_and_applies_none_twice(tmp_path, zm
             ack, _ = peer_.recv(timeout_s=60)  # a restarted shard compiles its first step
             assert ack["id"] == rid and ack["kind"] == "ack", ack
             assert ack["outcome"] in ("accepted", "duplicate"), ack
+            # a sync island waits for its round's merge (the step runs off the serving loop)
+            merged = ack["merged_version"]
+            wait_for(lambda m=merged, p=peer_: p.status()["versions"]["0"] >= m, "the round's step")
             acked.append(rnd)
             rnd += 1
         assert kills == 5

@@ -182,3 +182,34 @@ def test_one_island_pending_byte_budget(mine, incoming, limit, refused):
         return
     assert (out.status, out.reason) == ("rejected", "too_many_pending")
     assert f"max_pending_bytes_per_island={limit}" in out.detail
+
+
+def test_pushes_acked_in_order_are_free_a_rejected_one_puts_the_island_under_its_bucket():
+    t = Throttle(LIM)
+    t.admit(0.0, b"someone else")  # the shard is shared from now on
+    t.bind(b"c1", "a")
+    assert t.admit(0.0, b"c1", payload=True)[0] == ADMIT  # its first push takes a token
+    t.pushed("a", acked=True)
+    # 120 fragments pushed at once: none charged, none refused (the bucket holds 5)
+    assert all(t.admit(0.0, b"c1", payload=True) == (ADMIT, 0.0) for _ in range(120))
+    for _ in range(4):  # requests without payload still take tokens: 4 left of 5
+        assert t.admit(0.0, b"c1")[0] == ADMIT
+    assert t.admit(0.0, b"c1")[0] == ANSWER
+    t.pushed("a", acked=False)  # a rejected push: charged again
+    assert t.admit(0.0, b"c1", payload=True)[0] == ANSWER
+    t.pushed("a", acked=True)
+    assert t.admit(0.0, b"c1", payload=True)[0] == ADMIT
+    assert t.admit(0.0, b"c2", payload=True)[0] == ADMIT  # another connection: its own bucket
+    t.unbind("a")  # after a bye its connection is charged to itself
+    assert t.admit(0.0, b"c1", payload=True)[0] == ADMIT  # c1's own fresh bucket
+    assert t.key(b"c1") == b"c1"
+
+
+def test_an_in_order_islands_connection_is_not_forgotten_with_its_full_bucket():
+    t = Throttle(LIM)
+    t.bind(b"c1", "a")
+    t.pushed("a", acked=True)
+    for i in range(PRUNE_AT + 1):  # many keys seen: full buckets are pruned
+        t.admit(100.0, f"k{i}".encode())
+    assert t.key(b"c1") == "a"  # still charged to (and free as) island a
+    assert t.admit(100.0, b"c1", payload=True) == (ADMIT, 0.0)

@@ -2,10 +2,13 @@
 
 import logging
 import os
+import zlib
 
 import numpy as np
 import pytest
 
+import codec
+from paramserver.server.storage import wal
 from paramserver.server.storage.wal import LogReader, WalError, WriteAheadLog
 
 
@@ -143,3 +146,29 @@ def test_a_record_of_more_buffers_than_iov_max_is_written_in_batches(tmp_path):
     records = list(LogReader(tmp_path / "wal-0.log"))
     assert [r.header["n"] for r in records] == [0, 1]
     assert records[0].payload == b"".join(pieces) and records[1].payload == b"after"
+
+
+def test_crc32_combine_equals_zlib_over_the_joined_bytes():
+    rng = np.random.default_rng(3)
+    for n1, n2 in [(0, 5), (7, 0), (1, 1), (1000, 1 << 20), (3, 12345)]:
+        a, b = rng.bytes(n1), rng.bytes(n2)
+        assert wal.crc32_combine(zlib.crc32(a), zlib.crc32(b), n2) == zlib.crc32(a + b)
+
+
+def test_a_record_with_known_frame_checks_is_the_same_file(tmp_path):
+    no_zstd = codec.int8(zstd_level=None)
+    frames, _ = no_zstd.encode({"delta": np.linspace(-1, 1, 3_000_000, dtype=np.float32)})
+    checks = wal.frame_checks(frames)
+    assert checks[0] is None and all(isinstance(c, int) for c in checks[1:]) and len(checks) > 2
+    zstd_frames, _ = codec.int8(zstd_level=1).encode({"delta": np.ones(1000, np.float32)})
+    assert wal.frame_checks(zstd_frames) == [None] * len(zstd_frames)  # zstd: computed
+    header = {"t": "accept", "i": 1}
+    with_checks, computed = tmp_path / "a.log", tmp_path / "b.log"
+    for path, given in ((with_checks, checks), (computed, None)):
+        log = wal.WriteAheadLog(path)
+        log.append(header, list(frames), given)
+        log.sync()
+        log.close()
+    assert with_checks.read_bytes() == computed.read_bytes()
+    (record,) = list(wal.LogReader(with_checks))  # and it reads back, checksum and all
+    assert record.header == header

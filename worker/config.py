@@ -59,7 +59,7 @@ class IslandConfig:
     speed: float = 1.0  # emulated chip speed: 0.5 pads every step to twice its time
     jitter: float = 0.0  # multiplicative step-time noise (0.1 = +-10%), emulated
     dynamic_steps: bool = False  # slow islands run speed * inner_steps per round
-    codec: str = "int8"  # delta encoding: int8 | int4 | float32 | bfloat16 | topk
+    codec: str = "int8"  # delta encoding: int8 (no zstd) | int4 | float32 | bfloat16 | topk
     block_size: int = 0  # quantization block (topk: chunk); 0 = the codec's default
     topk_density: float = 0.02  # codec topk: share of entries sent per chunk, in (0, 1]
     topk_bits: int = 2  # codec topk: bits per sent value, 2 or 4

@@ -228,14 +228,16 @@ class ShardConfig:
     max_pending_bytes: int = field(default_factory=default_max_pending_bytes)
     # bytes one island's pending deltas may keep on this shard (counted like max_pending_bytes);
     # beyond it its push is refused too_many_pending, so one island cannot fill the shard's
-    # budget; 0 = a quarter of max_pending_bytes
+    # budget; 0 = a quarter of max_pending_bytes, but at least two whole-model deltas of the
+    # island on this shard (at its delta's bytes per parameter)
     max_pending_bytes_per_island: int = 0
     # requests per second one island (or one connection that has not said hello) may send
     # while another island or connection was heard within the last second; beyond it a request
     # is refused `throttled` with retry_after_s, before anything of it is decoded; 0 = no limit.
     # An island sends (its fragments on this shard) / (its round) pushes a second plus a
     # heartbeat: ~9 at the chaos bench's 0.3-s rounds; `diloco-bench load --flood` measured
-    # honest ack p99 1.3-1.4x under a flood at 20/16 against 2.7-3.7x at 100/50
+    # honest ack p99 1.3-1.4x under a flood at 20/16 against 2.7-3.7x at 100/50. Pushes of an
+    # island whose last push was acked are not charged (any number of fragments at once)
     max_requests_per_s: float = 20.0
     request_burst: int = 16  # requests one island may send at once above max_requests_per_s
     # answers per second to one island's (or connection's) throttled requests and headers that

@@ -7,7 +7,10 @@ policy says to step (each marked `urgent` when its pending deltas near the
 per-island limit, `pending_near_limit`); the I/O loop clears each with its
 data directory (a checkpoint being written may ask to defer one to a later
 turn) and `on_tick(now, steps)` takes the cleared steps and heartbeats an idle
-PUB; `next_wake(now)` says when to tick again; `checkpoint_due(now)` when to
+PUB; the shard's loop instead begins one with `start_step` (the fragment is in
+step: pushes to it join the next step, snapshots of it are answered after it,
+pushes over their pending limits wait for it, no checkpoint begins), has the
+step thread run it, and books it with `finish_step` (`heartbeat` for the PUB); `next_wake(now)` says when to tick again; `checkpoint_due(now)` when to
 begin a checkpoint, and `checkpoint_started` / `checkpoint_done` record one.
 Nothing here reads a clock, a socket or a file: `now` (wall-clock seconds) is
 an argument, so a simulation drives the core with a fake clock.
@@ -37,10 +40,10 @@ as received, and the `Effects` of a batch: the events to log first, the
 `Reply`s to send whatever happens, the `DurableReply`s whose answer depends
 on the log, and the `Publish`es.
 
-(Over 700 lines: the core is the shard's one protocol state machine, as h11's
-`Connection` is: the effect types, admission, the durable-reply rule and the
-tick belong together so that every rule of what may follow what is in one
-place; the decisions themselves live in `admission/`, `step/` and `state.py`.)
+Why over 700 lines: one class whose request handlers, step hand-over
+(start_step / finish_step, the requests held meanwhile) and durability
+(settle) share the same state and ordering rules; the rules themselves live
+in admission/, step/ and state.
 """
 
 from __future__ import annotations
@@ -58,7 +61,7 @@ from paramserver.server.admission.backlog import ReplyBacklog
 from paramserver.server.admission.outcomes import IslandReports, Outcome
 from paramserver.server.config import ShardConfig
 from paramserver.server.events import AcceptEvent, Event, StepEvent
-from paramserver.server.state import ShardState
+from paramserver.server.state import ShardState, StepWork
 from paramserver.wire import protocol
 from paramserver.wire.protocol import ACCEPTED, REJECTED
 
@@ -73,12 +76,15 @@ class Request:
 
     `envelope` holds the frames before the header that a reply must repeat: the
     empty delimiter frame of a REQ socket (the core strips it from `frames`).
+    `admitted`: already counted and charged to its bucket (a request the core
+    held back while a step changes the arrays it reads, handled again after).
     """
 
     conn: bytes
     frames: list[Any]
     user_id: str | None = None
     envelope: tuple[bytes, ...] = ()
+    admitted: bool = False
 
 
 @dataclass(frozen=True)
@@ -243,6 +249,7 @@ class ShardCore:
         self.seq = 0  # of the last message published
         self.bindings = gate.Bindings(cfg.heartbeat_interval_s, cfg.liveness)
         self._raw32 = codec.raw("float32")  # one per core: encoders keep work buffers
+        self._raw32_step = codec.raw("float32")  # the float32 update's, used by the step's thread
         self._last_pub = now
         self._records_since = replayed  # durable events since the last checkpoint
         self._steps_since = 0
@@ -262,6 +269,10 @@ class ShardCore:
         self.throttle = gate.Throttle(
             gate.Limits(cfg.max_requests_per_s, cfg.request_burst, cfg.max_refusals_per_s)
         )
+        self.stepping: StepWork | None = None  # the step under way (start_step .. finish_step)
+        self._held: list[Request] = []  # pushes waiting for the step under way (release_held)
+        self._held_snapshots: list[Request] = []  # of the fragment in step: after it (finish_step)
+        self._due: set[int] = set()  # the fragments due at the last due_steps
 
     # ----- requests ----------------------------------------------------------------
 
@@ -283,12 +294,14 @@ class ShardCore:
             Its effects (to be made durable, then sent); none for a dropped request.
         """
         size = protocol.message_bytes(request.frames)
-        self.state.counters.bytes_in += size
-        if request.frames and memoryview(request.frames[0]).nbytes == 0:
-            request = replace(request, frames=request.frames[1:], envelope=(b"",))
-        verdict, retry_after = self.throttle.admit(now, request.conn)
-        if verdict != gate.ADMIT:
-            return self._throttled(request, verdict, retry_after)
+        if not request.admitted:
+            self.state.counters.bytes_in += size
+            if request.frames and memoryview(request.frames[0]).nbytes == 0:
+                request = replace(request, frames=request.frames[1:], envelope=(b"",))
+            payload = len(request.frames) > 1  # a push: free while its island's are acked
+            verdict, retry_after = self.throttle.admit(now, request.conn, payload)
+            if verdict != gate.ADMIT:
+                return self._throttled(request, verdict, retry_after)
         try:
             header, payload = protocol.unpack(request.frames)
         except protocol.ProtocolError as exc:
@@ -446,6 +459,9 @@ class ShardCore:
             refusal = self.backlog.refusal(request.conn)
         if refusal is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, refusal))
+        if self.state.fragments[fragment].in_step is not None:  # its arrays change: after the step
+            self._held_snapshots.append(replace(request, admitted=True))
+            return Effects()
         version, values = self.state.snapshot(fragment, offset, end)  # copies the piece only
         frames, _ = self._raw32.encode({"values": values})
         self.backlog.charge(request.conn, protocol.message_bytes(frames))
@@ -455,15 +471,43 @@ class ShardCore:
         )  # fmt: skip
 
     def _on_push(self, request: Request, header: dict, payload, now: float, known: bool):
+        if known and self._waits_for_step(header, payload):
+            self._held.append(replace(request, admitted=True))
+            return Effects()
         if not known:
             outcome = outcomes.count(self.state.counters, outcomes.unknown_island(header["island"]))
         else:
             outcome = self.state.submit_delta(header, payload, now)
+            self.throttle.pushed(header["island"], outcome.status != REJECTED)
             self.islands.heard(header["island"], header, now)
             if outcome.status == ACCEPTED:
                 self.islands.accepted(header["island"], header["round"], now)
             self._check_inner_steps(header["island"], header.get("inner_steps"))
         return self._answer(request, header, outcome)
+
+    def _waits_for_step(self, header: dict, payload) -> bool:
+        """Whether to answer a push after the step under way rather than now.
+
+        While a step runs, a push to a fragment in step or due (waiting for the
+        step thread) that the island's pending limits (count per fragment, or
+        bytes) would refuse now waits for the step: the island's pushes are
+        paced by the steps, as they were when a step held the serving loop,
+        instead of refused `too_many_pending`. Once no step runs, what is
+        still over the limits is refused.
+        """
+        work = self.stepping
+        if work is None:
+            return False
+        island, fragment = header.get("island"), header.get("fragment")
+        frag = self.state.fragments.get(fragment)  # type: ignore[call-overload]
+        if frag is None or (fragment != work.fragment and fragment not in self._due):
+            return False
+        mine = sum(c.island == island for c in frag.pending)
+        if mine >= self.cfg.max_pending_per_island:
+            return True
+        incoming = sum(memoryview(f).nbytes for f in payload)
+        budget = self.state.island_budget(incoming, frag.params.shape[0])
+        return self.state.pending_bytes(island) + incoming > budget
 
     def _check_inner_steps(self, island: str, steps: int | None) -> None:
         """Warn once per island whose own H (its push's `inner_steps`) takes other defaults.
@@ -491,6 +535,10 @@ class ShardCore:
         status["seq"] = self.seq
         status["islands"] = self.islands.status()
         status["outer"] = self.cfg.outer_report(self.state.islands_pushing)
+        work = self.stepping
+        status["stepping"] = None if work is None else {
+            "fragment": work.fragment, "since": work.event.at, "merging": len(work.merged_in),
+        }  # fmt: skip
         status["endpoints"] = [list(e) for e in self.endpoints]  # the cluster map, without hello
         return self._reply(request, header, "status_reply", status=status)
 
@@ -517,10 +565,11 @@ class ShardCore:
         """
         due, _ = self.state.due_fragments(now)
         limit = self.cfg.max_pending_per_island
+        self._due = set(due)
         return [DueStep(f, pending_near_limit(self.state, f, limit)) for f in due]
 
     def on_tick(self, now: float, steps: Sequence[int] | None = None) -> Effects:
-        """Take the given outer steps; heartbeat an idle PUB.
+        """Take the given outer steps here and now; heartbeat an idle PUB.
 
         Args:
             now: wall-clock seconds.
@@ -536,13 +585,75 @@ class ShardCore:
         if steps is None:
             steps = [due.fragment for due in self.due_steps(now)]
         for fragment in steps:
-            frag = self.state.fragments[fragment]
-            self.islands.merged((c.island, frag.version - c.base_version) for c in frag.pending)
-            event, update = self.state.step(fragment, now)
-            out.records.append(event)
+            work = self.start_step(now, fragment)
+            work.run()
+            out.extend(self.finish_step(now, work))
+        out.extend(self.heartbeat(now, out))
+        return out
+
+    def heartbeat(self, now: float, effects: Effects | None = None) -> Effects:
+        """A PUB heartbeat when nothing was published for heartbeat_interval_s.
+
+        Args:
+            now: wall-clock seconds.
+            effects: the batch so far (a publish in it is a sign of life already).
+
+        Returns:
+            The heartbeat's effects, or none.
+        """
+        if effects is not None and effects.publishes:
+            return Effects()
+        if now - self._last_pub < self.cfg.heartbeat_interval_s:
+            return Effects()
+        return Effects(publishes=[Publish({"kind": "heartbeat", "shard": self.index})])
+
+    def start_step(self, now: float, fragment: int) -> StepWork:
+        """Begin an outer step: its event and inputs, to be run (`StepWork.run`) then finished.
+
+        Until `finish_step` the fragment's arrays belong to the step (it may run
+        in a worker thread): pushes to the fragment are accepted for the next
+        step, snapshots of it are answered after it, no checkpoint begins.
+
+        Args:
+            now: wall-clock seconds.
+            fragment: a due fragment (`due_steps`), cleared with storage.
+
+        Returns:
+            The step's work.
+        """
+        frag = self.state.fragments[fragment]
+        self.islands.merged((c.island, frag.version - c.base_version) for c in frag.pending)
+        work = self.state.begin_step(fragment, now)
+        if not self.state.stepper.downlink.compressed:  # float32: encoded with the step
+            encoder = self._raw32_step
+            work.then = lambda w: setattr(w, "extra", encoder.encode({"values": w.frag.params})[0])
+        self.stepping = work
+        return work
+
+    def finish_step(self, now: float, work: StepWork) -> Effects:
+        """Book a step that ran: its event to log first, its update to publish after.
+
+        The snapshots held while it ran are answered after it (the pushes that
+        waited are `release_held`'s). A step of a state
+        since rebuilt from disk (a storage fault meanwhile) is void: its
+        deltas are still pending in the rebuilt state.
+
+        Args:
+            now: wall-clock seconds.
+            work: from `start_step`, run.
+
+        Returns:
+            The step's effects, then the held snapshots'.
+
+        Raises:
+            BaseException: what the step's arithmetic raised.
+        """
+        self.stepping = None
+        out = Effects()
+        if work.state is self.state:
+            update = self.state.finish_step(work)
             if update.frames is None:
-                mode = protocol.UPDATE_FULL
-                frames, _ = self._raw32.encode({"values": update.values})
+                mode, frames = protocol.UPDATE_FULL, list(work.extra)
             else:
                 mode, frames = protocol.UPDATE_INCREMENT, list(update.frames)
             header = {
@@ -553,9 +664,13 @@ class ShardCore:
                 "mode": mode,
                 "credited": update.credited,
             }
+            out.records.append(work.event)
             out.publishes.append(Publish(header, frames))
-        if not out.publishes and now - self._last_pub >= self.cfg.heartbeat_interval_s:
-            out.publishes.append(Publish({"kind": "heartbeat", "shard": self.index}))
+        else:
+            logger.warning("shard %d: a step of a state rebuilt meanwhile is void", self.index)
+        held, self._held_snapshots = self._held_snapshots, []
+        for request in held:  # before another step of the fragment can begin
+            out.extend(self.handle(now, request))
         return out
 
     def _forget_idle(self, now: float) -> None:
@@ -568,6 +683,15 @@ class ShardCore:
             self.bindings.forget(island)
             self.throttle.unbind(island)
             self._h_warned.discard(island)
+
+    def release_held(self) -> list[Request]:
+        """The pushes held back while a step ran, to handle again (in arrival order).
+
+        Returns:
+            The pushes that waited for a step (`_waits_for_step`).
+        """
+        held, self._held = self._held, []
+        return held
 
     def next_wake(self, now: float) -> float:
         """When to tick next: the merge policy's next wake-up or the next heartbeat.
@@ -674,6 +798,8 @@ class ShardCore:
         """
         every_steps, every_s = self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_s
         if self._checkpoint_writing or now < self._checkpoint_retry_at:
+            return False
+        if self.stepping is not None:  # a checkpoint copies the state at a step boundary
             return False
         if not self.state.initialized:
             return False

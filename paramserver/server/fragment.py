@@ -52,6 +52,8 @@ class FragmentState:
     norms: list[float] = field(default_factory=list)  # recent (clipped) delta norms: weighting.clip
     param_norm: float | None = None  # L2 norm of params, None until computed after a change
     clock: RoundClock = field(default_factory=RoundClock)  # rounds per version (staleness, N)
+    # the (island, round) keys of a step under way (its arrays belong to it), else None; live only
+    in_step: frozenset[tuple[str, int]] | None = None
 
     def waiting(self) -> list[PendingDelta]:
         """The pending deltas as the merge policy sees them (island, arrival time)."""

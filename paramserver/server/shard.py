@@ -10,11 +10,15 @@ the files are `paramserver.server.storage`'s. One loop turn:
        peer with messages waiting in turn; the core refuses an island over its
        request rate before decoding anything, `paramserver.server.admission.gate`,
        so a flood costs a bucket check per message);
-    2. `run_batch`: hand every request read to `core.handle`; ask the
-       core which steps are due (`core.due_steps`), let the data directory
-       defer one a checkpoint still reads (`storage.before_step`), and take
-       the rest with `core.on_tick` (also the heartbeat), collecting their
-       effects; `store`: append the batch's events to the log and fsync ONCE
+    2. `run_batch`: book a step the step thread finished (`core.finish_step`:
+       its record joins this batch's, its update is published after them);
+       hand every request read to `core.handle`; ask the core which steps
+       are due (`core.due_steps`), let the data directory defer one a
+       checkpoint still reads (`storage.before_step`), and hand the first of
+       the rest to the step thread (`paramserver.server.step_worker`: the
+       loop answers heartbeats, acks and status while a step runs, whatever
+       its size), collecting the effects (and a PUB heartbeat);
+       `store`: append the batch's events to the log and fsync ONCE
        (on failure, rebuild the state from disk); `core.settle` then decides
        every reply that promises durability from that outcome (ack, or a
        storage_error refusal) and packs what to send;
@@ -31,9 +35,10 @@ the files are `paramserver.server.storage`'s. One loop turn:
 
 `run_batch` and `maybe_checkpoint` hold no sockets, so the simulation tests
 drive a core and a real data directory through them with a fake clock (the
-checkpoint written in the calling thread).
+checkpoint written in the calling thread; without a step worker the steps run
+in the calling thread too).
 
-On stop: answer what is queued, abandon a checkpoint still being written
+On stop: let a step under way finish (logged, then published), answer what is queued, abandon a checkpoint still being written
 (the log has everything), write a last one in the loop's thread, close the
 sockets.
 """
@@ -52,6 +57,7 @@ from paramserver.plumbing.curve import CurveServer
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
 from paramserver.server.state import ShardState
+from paramserver.server.step_worker import StepWorker
 from paramserver.server.storage.checkpoint_job import CheckpointResult
 from paramserver.server.storage.shard_storage import ShardStorage, StorageError
 from paramserver.wire import protocol
@@ -97,9 +103,19 @@ def store(storage: ShardStorage, records: list) -> StorageFailure | None:
 
 
 def run_batch(
-    core: ShardCore, storage: ShardStorage, requests: list[Request], now: float, tick: bool = True
+    core: ShardCore,
+    storage: ShardStorage,
+    requests: list[Request],
+    now: float,
+    tick: bool = True,
+    worker: StepWorker | None = None,
 ) -> list[tuple[bytes | None, list[Any]]]:
     """Handle a batch of requests (and a tick), store it, and settle what to send.
+
+    With a `worker`, a step that finished running there is booked first (its
+    record joins this batch's, before its update is published), and a due
+    step is handed to it at the end of the turn (one at a time) instead of
+    run here.
 
     Args:
         core: the shard's core.
@@ -107,18 +123,34 @@ def run_batch(
         requests: the requests received this turn, in order.
         now: wall-clock seconds.
         tick: also step due fragments and heartbeat (False while draining at stop).
+        worker: the step thread (None: steps run in this thread, in the turn).
 
     Returns:
         [(conn, frames)] to send in order, conn None for the PUB.
     """
     effects = Effects()
+
+    def cleared() -> list[int]:  # a checkpoint being written may defer a step (it copies first)
+        due = core.due_steps(now)
+        return [d.fragment for d in due if storage.before_step(d.fragment, d.urgent)]
+
+    def start_next() -> None:  # the others are due again once it is done
+        if tick and worker is not None and not worker.busy and (fragments := cleared()):
+            worker.submit(core.start_step(now, fragments[0]))
+
+    if worker is not None and (done := worker.take()) is not None:
+        effects.extend(core.finish_step(now, done))
+        start_next()  # before the held requests: what still waits for a step waits again
+        requests = core.release_held() + requests
     for request in requests:
         effects.extend(core.handle(now, request))
-    if tick:  # a checkpoint being written may defer a step (it copies the fragment first)
-        cleared = [
-            d.fragment for d in core.due_steps(now) if storage.before_step(d.fragment, d.urgent)
-        ]
-        effects.extend(core.on_tick(now, cleared))
+    if worker is None:
+        if tick:
+            effects.extend(core.on_tick(now, cleared()))
+    else:
+        start_next()
+        if tick:
+            effects.extend(core.heartbeat(now, effects))
     return core.settle(effects, now, store(storage, effects.records))
 
 
@@ -199,6 +231,8 @@ class ShardServer:
         self._storage: ShardStorage | None = None
         self._router: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
+        self._worker: StepWorker | None = None
+        self._poller: zmq.Poller | None = None
 
     @property
     def state(self) -> ShardState | None:
@@ -258,15 +292,22 @@ class ShardServer:
                 *self.bound_endpoints,
                 extra={"shard": self.index, "versions": state.versions()},
             )
+            self._worker = StepWorker()
+            self._poller = zmq.Poller()
+            self._poller.register(router, zmq.POLLIN)
+            self._poller.register(self._worker.wake_fd, zmq.POLLIN)
             self.ready.set()
             while not stop.is_set():
                 self._turn(tick=True)
+            self._worker.wait()  # a step under way is finished, logged and published
             self._turn(tick=False)  # drain: answer what is queued, without waiting for more
             # the writer stops at its next piece
             report_checkpoint(self.core, storage, storage.abandon_checkpoint(), time.time())
             if self.core.unsaved:  # (what the abandoned one would have covered, too)
                 storage.checkpoint(self.core.state, time.time())
         finally:
+            if self._worker is not None:
+                self._worker.close()
             if auth is not None:
                 auth.stop()
             router.close(0)
@@ -283,23 +324,24 @@ class ShardServer:
         timeout = min(STOP_CHECK_S, core.next_wake(now) - now) if tick else 0
         timeout_ms = max(0, int(timeout * 1000) + 1) if tick else 0
         requests: list[Request] = []
-        while (len(requests) < BATCH or not tick) and router.poll(
-            timeout_ms if not requests else 0
-        ):
+        if timeout_ms and self._poller is not None:  # wakes for a request or a finished step
+            self._poller.poll(timeout_ms)
+        while (len(requests) < BATCH or not tick) and router.poll(0):
             frames = router.recv_multipart(copy=False)
             # only a CURVE shard has ZAP User-Ids (reading one without ZAP raises and is caught)
             user_id = _user_id(frames[1]) if core.guard is not None and len(frames) > 1 else None
             requests.append(Request(bytes(frames[0]), frames[1:], user_id))
         now = time.time()
         idle = not requests
-        for conn, message in run_batch(core, storage, requests, now, tick):
+        for conn, message in run_batch(core, storage, requests, now, tick, self._worker):
             if conn is None:
                 self._pub.send_multipart(message, copy=False)
                 self._trim_due = True
             else:
                 send_reply(router, core, conn, message)
         core.backlog.turn_done()
-        if idle and self._trim_due:  # the first quiet turn after a publish: off the reply path
+        stepping = self._worker is not None and self._worker.busy
+        if idle and self._trim_due and not stepping:  # the first quiet turn after a publish
             self._trim_due = False
             heap.trim()
         if tick:

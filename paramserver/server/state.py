@@ -363,12 +363,14 @@ class ShardState(ShardInit):
         if early is not None:
             return outcomes.count(self.counters, early)
         frag = self.fragments[header["fragment"]]
-        island, limit = header["island"], self.cfg.pending_bytes_per_island
+        island, size = header["island"], frag.params.shape[0]
         mine = self.pending_bytes(island)
+        sent = sum(memoryview(f).nbytes for f in payload)  # ~ its coded size, before decoding
+        limit = self.island_budget(sent, size)
         full = outcomes.island_budget_refusal(island, mine, None, limit)  # before decoding
         if full is not None:
             return outcomes.count(self.counters, full)
-        delta = outcomes.read_delta(payload, frag.params.shape[0])
+        delta = outcomes.read_delta(payload, size)
         if isinstance(delta, Outcome):
             return outcomes.count(self.counters, delta)
         norm = l2_norm(delta)
@@ -376,6 +378,7 @@ class ShardState(ShardInit):
                                           self.cfg.max_delta_norm_ratio)  # fmt: skip
         if too_large is not None:
             return outcomes.count(self.counters, too_large)
+        limit = self.island_budget(delta.nbytes, size)
         over = outcomes.island_budget_refusal(island, mine, delta.nbytes, limit)
         if over is None:
             budget = self.cfg.max_pending_bytes
@@ -396,7 +399,31 @@ class ShardState(ShardInit):
         )
         event = AcceptEvent(contribution, tuple(payload))
         self.apply(event)
-        return Outcome(ACCEPTED, event=event, version=frag.version, merged_version=frag.version + 1)
+        # a step under way makes version + 1 without this delta: it joins the next one
+        merged = frag.version + 1 + (frag.in_step is not None)
+        return Outcome(ACCEPTED, event=event, version=frag.version, merged_version=merged)
+
+    def island_budget(self, delta_bytes: int, fragment_size: int) -> int:
+        """The pending bytes one island may keep here, given one of its deltas.
+
+        `max_pending_bytes_per_island` when set; by default a quarter of
+        `max_pending_bytes`, but at least two whole-model deltas of the island
+        on this shard at that delta's bytes per parameter (its codec): an
+        island is never refused its second round while the first is pending.
+        The shard's own budget (`max_pending_bytes`) still bounds them all.
+
+        Args:
+            delta_bytes: one of the island's deltas, coded (or as sent).
+            fragment_size: that delta's fragment's elements.
+
+        Returns:
+            Bytes.
+        """
+        if self.cfg.max_pending_bytes_per_island:
+            return self.cfg.max_pending_bytes_per_island
+        shard_size = sum(f.params.shape[0] for f in self.fragments.values())
+        whole = -(-delta_bytes * shard_size // max(1, fragment_size))
+        return max(self.cfg.pending_bytes_per_island, 2 * whole)
 
     # ----- steps ----------------------------------------------------------------
 
@@ -429,7 +456,9 @@ class ShardState(ShardInit):
         return due, wake
 
     def step(self, fragment: int, now: float) -> tuple[StepEvent, StepUpdate]:
-        """One outer step of a fragment merging all its pending deltas.
+        """One outer step of a fragment merging all its pending deltas, in this thread.
+
+        `begin_step`, `StepWork.run` and `finish_step` in one go.
 
         Args:
             fragment: an owned fragment with pending deltas.
@@ -438,9 +467,33 @@ class ShardState(ShardInit):
         Returns:
             (the applied StepEvent, the StepUpdate to publish).
         """
+        work = self.begin_step(fragment, now)
+        work.run()
+        return work.event, self.finish_step(work)
+
+    def begin_step(self, fragment: int, now: float) -> StepWork:
+        """Decide a live outer step of a fragment (all its pending deltas) without running it.
+
+        The fragment is marked in step (`FragmentState.in_step`) until
+        `finish_step`: meanwhile its arrays belong to the step (`StepWork.run`,
+        e.g. in a worker thread), pushes to it join its pending deltas for the
+        next step, and nothing else of the state is read by the step.
+
+        Args:
+            fragment: an owned fragment with pending deltas, not in step.
+            now: wall-clock seconds.
+
+        Returns:
+            The step's work: its event and inputs.
+
+        Raises:
+            StateError: nothing pending, or a step of it is already under way.
+        """
         frag = self.fragments.get(fragment)
         if frag is None or not frag.pending:
             raise StateError(f"fragment {fragment} has nothing to step")
+        if frag.in_step is not None:
+            raise StateError(f"fragment {fragment} is already being stepped")
         live = self.live(now)
         quorum_s = quorum_time(frag.waiting(), live, self.policy)
         # islands of a round: those that push (round_clock), not every island heard
@@ -448,18 +501,82 @@ class ShardState(ShardInit):
         event = self.stepper.groups.step_event(
             self.plan, self.index, self.fragments, fragment, float(now), expected
         )  # rda: Grams
-        started = self.timer() if self.timer else 0.0
-        update = self.apply(event)
-        assert update is not None
-        took = self.timer() - started if self.timer else 0.0
-        frag.stats = observe_step(frag.stats, quorum_s, took, self.policy.ema_alpha)
-        where = {"shard": self.index, "fragment": fragment, "version": update.version}
+        return self._work(event, quorum_s)
+
+    def _work(self, event: StepEvent, quorum_s: float | None = None) -> StepWork:
+        """The work of a step event: the deltas it merges, marked in step."""
+        frag = self.fragments.get(event.fragment)
+        if frag is None:
+            raise StateError(f"step event for fragment {event.fragment} not owned by {self.index}")
+        by_key = {(c.island, c.round): c for c in frag.pending}
+        try:
+            merged_in = [by_key[tuple(k)] for k in event.keys]
+        except KeyError as exc:
+            raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
+        if not merged_in:
+            raise StateError(f"step event for fragment {event.fragment} merges nothing")
+        merged_in = self._guard(frag, event.fragment, merged_in)
+        frag.in_step = frozenset((c.island, c.round) for c in merged_in)
+        where = self.plan.fragments[event.fragment]
+        return StepWork(self, event, frag, merged_in, where, quorum_s)
+
+    def finish_step(self, work: StepWork) -> StepUpdate:
+        """Book a step whose arithmetic ran (`StepWork.run`): pending set, version, counters.
+
+        Args:
+            work: from `begin_step` (or replay), run.
+
+        Returns:
+            The StepUpdate to publish.
+
+        Raises:
+            StateError: the work belongs to another state.
+            BaseException: what the step's arithmetic raised (re-raised here).
+        """
+        if work.state is not self:
+            raise StateError("a step of another state (the shard's state was rebuilt meanwhile)")
+        frag, event, merged_in = work.frag, work.event, work.merged_in
+        frag.in_step = None
+        if work.error is not None:
+            raise work.error
+        assert work.shares is not None
+        share_of_model = frag.params.shape[0] / self.plan.total_size
+        self.counters.add_step(  # credit: the tokens that entered the model, staleness aside
+            [frag.version - c.base_version for c in merged_in],
+            {x.island: x.tokens * share_of_model for x in work.shares},
+        )
+        done = {id(c) for c in merged_in}
+        frag.pending = [c for c in frag.pending if id(c) not in done]
+        frag.version += 1
+        self.islands_pushing = event.expected or len(work.shares)
+        frag.clock.advance(
+            round_share(len(work.shares), event.expected or None),
+            [x.island for x in work.shares],
+        )
+        frag.param_norm = l2_norm(frag.params)  # the next pushes' bound; and a finite check
+        if not np.isfinite(frag.param_norm):
+            self.counters.non_finite_steps += 1
+            logger.error(
+                "shard %d fragment %d: parameters not finite after step %d (a bug: report it)",
+                self.index, event.fragment, frag.version,
+            )  # fmt: skip
+        credited = {x.island: self.counters.credited[x.island] for x in work.shares}
+        coefficients = {x.island: round(x.coefficient, 4) for x in work.shares}
+        values = frag.params.view()
+        values.flags.writeable = False  # valid until this fragment's next step
+        update = StepUpdate(
+            event.fragment, frag.version, values, work.frames, credited, coefficients
+        )
+        if work.quorum_s is None:  # replayed
+            return update
+        frag.stats = observe_step(frag.stats, work.quorum_s, work.took, self.policy.ema_alpha)
+        where = {"shard": self.index, "fragment": event.fragment, "version": update.version}
         merged = len(event.keys)
         logger.info(
             "outer step shard=%d fragment=%d version=%d merged=%d", *where.values(), merged,
             extra={**where, "merged": merged, "coefficients": update.coefficients},
         )  # fmt: skip
-        return event, update
+        return update
 
     # ----- the one mutation path --------------------------------------------------
 
@@ -571,42 +688,58 @@ class ShardState(ShardInit):
         return scaled_in
 
     def _apply_step(self, event: StepEvent) -> StepUpdate:
-        frag = self.fragments.get(event.fragment)
-        if frag is None:
-            raise StateError(f"step event for fragment {event.fragment} not owned by {self.index}")
-        by_key = {(c.island, c.round): c for c in frag.pending}
+        work = self._work(event)
+        work.run()
+        return self.finish_step(work)
+
+
+class StepWork:
+    """One outer step between `ShardState.begin_step` and `finish_step`: inputs, then result.
+
+    `run` does the arithmetic (merge, outer step, downlink frames) on the
+    fragment's arrays and nothing else of the state, so it may run in a
+    worker thread while the state's owner goes on serving (numpy, numba and
+    XLA release the GIL); the owner then books it with `finish_step`.
+    """
+
+    def __init__(
+        self,
+        state: ShardState,
+        event: StepEvent,
+        frag: FragmentState,
+        merged_in: list[Contribution],
+        where: Any,
+        quorum_s: float | None,
+    ) -> None:
+        """Hold a step's inputs (see `ShardState.begin_step`)."""
+        self.state = state
+        self.event = event
+        self.frag = frag
+        self.merged_in = merged_in
+        self.where = where
+        self.quorum_s = quorum_s  # None: replayed (no pace statistics, no log line)
+        self.then: Callable[[StepWork], None] | None = None  # run after the arithmetic
+        self.shares: list[Any] | None = None
+        self.frames: tuple[Any, ...] | None = None
+        self.took = 0.0
+        self.error: BaseException | None = None
+        self.extra: Any = None  # what `then` made (e.g. the float32 update's frames)
+
+    @property
+    def fragment(self) -> int:
+        """The fragment this step changes."""
+        return self.event.fragment
+
+    def run(self) -> None:
+        """The step's arithmetic; an exception is kept in `error` for `finish_step` to raise."""
+        state, event = self.state, self.event
+        started = state.timer() if state.timer else 0.0
         try:
-            merged_in = [by_key[tuple(k)] for k in event.keys]
-        except KeyError as exc:
-            raise StateError(f"step event merges {exc.args[0]}, which is not pending") from None
-        if not merged_in:
-            raise StateError(f"step event for fragment {event.fragment} merges nothing")
-        merged_in = self._guard(frag, event.fragment, merged_in)
-        where = self.plan.fragments[event.fragment]
-        shares, frames = self.stepper.step(
-            frag, merged_in, where, event.expected or None, event.outside
-        )
-        share_of_model = frag.params.shape[0] / self.plan.total_size
-        self.counters.add_step(  # credit: the tokens that entered the model, staleness aside
-            [frag.version - c.base_version for c in merged_in],
-            {x.island: x.tokens * share_of_model for x in shares},
-        )
-        done = {id(c) for c in merged_in}
-        frag.pending = [c for c in frag.pending if id(c) not in done]
-        frag.version += 1
-        self.islands_pushing = event.expected or len(shares)
-        frag.clock.advance(
-            round_share(len(shares), event.expected or None), [x.island for x in shares]
-        )
-        frag.param_norm = l2_norm(frag.params)  # the next pushes' bound; and a finite check
-        if not np.isfinite(frag.param_norm):
-            self.counters.non_finite_steps += 1
-            logger.error(
-                "shard %d fragment %d: parameters not finite after step %d (a bug: report it)",
-                self.index, event.fragment, frag.version,
-            )  # fmt: skip
-        credited = {x.island: self.counters.credited[x.island] for x in shares}
-        coefficients = {x.island: round(x.coefficient, 4) for x in shares}
-        values = frag.params.view()
-        values.flags.writeable = False  # valid until this fragment's next step
-        return StepUpdate(event.fragment, frag.version, values, frames, credited, coefficients)
+            self.shares, self.frames = state.stepper.step(
+                self.frag, self.merged_in, self.where, event.expected or None, event.outside
+            )
+            if self.then is not None:
+                self.then(self)
+        except BaseException as exc:  # re-raised by finish_step, in the owner's thread
+            self.error = exc
+        self.took = state.timer() - started if state.timer else 0.0

@@ -47,6 +47,16 @@ buckets, pure data refilled by `refill` from (now, bucket):
   second's worth) has a token, and dropped unanswered (counted) after, so a
   flood of garbage is answered a few times a second, not message for message.
 
+Pushes acked in order are not charged: a request with payload frames (a push)
+from an island whose last push was acked (accepted or duplicate: `pushed`)
+is served without a token. An island pushes every fragment of a round at
+once (120 pushes at a billion parameters per shard), which no request rate
+meant for heartbeats and status should refuse, let alone drop; its pushes
+are bounded instead by the pending limits (`too_many_pending`, checked
+before the payload is read) and paced by its acks. A refused push (a bad
+payload, a limit) puts the island back under its bucket until a push of it
+is acked again, so garbage costs at most one payload check per acked push.
+
 `decide` is the whole decision as a pure function of (now, the key's buckets,
 the limits, whether others are being served: `contended`); `Throttle` keeps
 the buckets of every key (those that have refilled completely are forgotten:
@@ -393,6 +403,7 @@ class Throttle:
         self._answers: dict[Key, Bucket | None] = {}
         self._island_of: dict[bytes, str] = {}  # connection -> island it said hello as
         self._conn_of: dict[str, bytes] = {}  # island -> its connection (the newest hello)
+        self._in_order: set[str] = set()  # islands whose last push was acked: pushes are free
         self._prune_at = PRUNE_AT
 
     def key(self, conn: bytes) -> Key:
@@ -421,13 +432,28 @@ class Throttle:
         conn = self._conn_of.pop(island, None)
         if conn is not None:
             self._island_of.pop(conn, None)
+        self._in_order.discard(island)
 
-    def admit(self, now: float, conn: bytes) -> tuple[Verdict, float]:
+    def pushed(self, island: str, acked: bool) -> None:
+        """Record how a push of `island` was answered (its next pushes are free while acked).
+
+        Args:
+            island: the pushing island.
+            acked: accepted or duplicate (False: rejected).
+        """
+        if acked:
+            self._in_order.add(island)
+        else:
+            self._in_order.discard(island)
+
+    def admit(self, now: float, conn: bytes, payload: bool = False) -> tuple[Verdict, float]:
         """The verdict on one request from `conn` (see `decide`); updates the key's buckets.
 
         Args:
             now: seconds.
             conn: the connection it came on.
+            payload: the request has payload frames (a push): free when its
+                island's last push was acked (see the module docstring).
 
         Returns:
             (ADMIT | ANSWER | DROP, retry_after_s).
@@ -435,6 +461,8 @@ class Throttle:
         key = self.key(conn)
         shared = contended(self._last, key, now)
         self._last = heard(self._last, key, now)
+        if payload and key in self._in_order:
+            return ADMIT, 0.0
         requests, answers, verdict, retry = decide(
             self._requests.get(key), self._answers.get(key), now, self.limits, shared
         )
@@ -483,6 +511,8 @@ class Throttle:
             for k in full:
                 del table[k]
         for conn, island in list(self._island_of.items()):
+            if island in self._in_order:  # its free pushes leave its bucket full
+                continue
             if island not in self._requests and island not in self._answers:
                 del self._island_of[conn]
                 if self._conn_of.get(island) == conn:

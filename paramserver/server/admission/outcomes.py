@@ -471,13 +471,13 @@ def check_push(
         return bad
     if entry is not None:
         if rnd in entry.rounds:
-            still_pending = any(c.island == island and c.round == rnd for c in frag.pending)
+            merged = frag.version  # merged already: a version that includes it
+            if any(c.island == island and c.round == rnd for c in frag.pending):
+                # pending: the next step's, or the one after a step under way without it
+                in_step = frag.in_step
+                merged += 1 if in_step is None or (island, rnd) in in_step else 2
             return Outcome(
-                DUPLICATE,
-                None,
-                "already accepted",
-                version=frag.version,
-                merged_version=frag.version + 1 if still_pending else frag.version,
+                DUPLICATE, None, "already accepted", version=frag.version, merged_version=merged
             )
         if rnd < entry.low(limits.dedup_window):
             return refused(

@@ -50,12 +50,17 @@ from typing import Any
 
 from paramserver.plumbing import daemon
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import Event, StepEvent
+from paramserver.server.events import AcceptEvent, Event, StepEvent
 from paramserver.server.state import ShardState
 from paramserver.server.storage.checkpoint import checkpoint_summary, export_state
 from paramserver.server.storage.checkpoint_job import HOLD_NAME, CheckpointJob, CheckpointResult
 from paramserver.server.storage.recovery import CHECKPOINT_NAME, LOG_NAME, numbered, recover
-from paramserver.server.storage.wal import WriteAheadLog, event_to_record, fsync_dir
+from paramserver.server.storage.wal import (
+    WriteAheadLog,
+    event_to_record,
+    frame_checks,
+    fsync_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +165,11 @@ class ShardStorage:
         assert self._wal is not None, "call recover() first"
         try:
             for event in events:
-                self._wal.append(*event_to_record(event))
+                header, payload = event_to_record(event)
+                # an accepted delta's frames: their crc32s were checked on receipt
+                received = isinstance(event, AcceptEvent) and event.frames is not None
+                checks = frame_checks(event.frames) if received else None
+                self._wal.append(header, payload, checks)
         except OSError as exc:
             self._wal.rollback()
             if self._wal.broken:
