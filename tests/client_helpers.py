@@ -40,7 +40,10 @@ class RecordingClient(Client):
         super().__init__(cfg)
         self.pushes: list[PushRequest] = []
 
-    def push(self, fragment, round, base_version, tokens, steps, frames, stop=None):  # noqa: A002
-        frozen = [bytes(memoryview(f)) for f in frames]
-        self.pushes.append(PushRequest(fragment, round, base_version, tokens, steps, frozen))
-        return super().push(fragment, round, base_version, tokens, steps, frames, stop=stop)
+    def push_request(self, request, stop=None):
+        frozen = [bytes(memoryview(f)) for f in request.frames]
+        r = request
+        self.pushes.append(
+            PushRequest(r.fragment, r.round, r.base_version, r.tokens, r.steps, frozen)
+        )
+        return super().push_request(request, stop=stop)

@@ -230,6 +230,7 @@ class Session:
         self.pushed_at: dict[int, tuple[int, int]] = dict.fromkeys(range(len(self.sizes)), (0, 0))
         self.params = self.exchange.initial_params()
         self._latest = self.params
+        self._warm = False  # `warm_up` ran
         self.round = 0
         self.in_round = 0  # step calls of the current round
         self.pushed_in_round = False
@@ -550,19 +551,44 @@ class Session:
     def goodput(self) -> float | None:
         """Share of the session's wall time spent on inner steps whose work entered the model.
 
-        `worker.goodput` defines it: waits, back-pressure, the exchange's time and
-        rejected work are lost, staleness is not; deltas in flight are left out.
+        `worker.goodput` defines it: waits, back-pressure, the exchange's time in
+        `step` and rejected work are lost, staleness is not; deltas in flight are
+        left out. It is the figure of the newest metrics row (each round's end, and
+        the final row at close), the one `diloco-worker status` shows and the
+        shards and their page get: one goodput everywhere.
+
+        Returns:
+            The share, or None before any time settled.
         """
-        return self.stats_fields()["goodput"] if self.steps else None
+        return self.last_row.get("goodput")
 
     def mark_start(self) -> None:
-        """Count time (goodput, metrics) from now, e.g. after a warm-up and a start barrier.
+        """Warm the exchange up, then count time (goodput, metrics) from now.
 
-        The first inner step after it is an ordinary one; without it, the time
-        from the join to the first `step` call is warm-up (compile) and lost.
+        Call it after the caller's own warm-up and before a start barrier. The
+        exchange's pushes and folds compile here (`warm_up`), not in the first
+        rounds; the first inner step after it is an ordinary one; without it, the
+        time from the join to the first `step` call is warm-up (compile) and lost.
         """
+        self.warm_up()
         now = time.monotonic()
         self.goodput_clock = RoundClock(now, last_end=now)
+
+    def warm_up(self) -> None:
+        """Compile the exchange's pushes and folds now (once; nothing changes).
+
+        With the device exchange: the push of every fragment and of each one
+        alone, and the folds of the shards' int8 increments (all fragments and
+        each one), each run once on copies of the state. Every process calls it.
+        """
+        if self._warm or not isinstance(self.exchange, DeviceExchange):
+            return
+        self._warm = True
+        every = list(range(len(self.sizes)))
+        sets = [every] + ([[f] for f in every] if len(every) > 1 else [])
+        downlink = codec.int8().block_size  # the shards publish int8 increments
+        fresh = self.layout.leaves(self.exchange.initial_params())  # the caller's may be donated
+        self.exchange.warm(fresh, sets, [("int8", downlink)])
 
     def log_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """Append a metrics row with the session's common fields (process 0, with a data dir).
