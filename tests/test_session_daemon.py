@@ -15,7 +15,7 @@ from worker.config import IslandConfig
 from worker.session_config import session_config
 from worker.train import InnerConfig, InnerTrainer
 
-pytestmark = pytest.mark.timeout(60)
+pytestmark = pytest.mark.timeout(180)  # two clusters, two tiny-model islands, warm-ups
 
 
 def _cfg(tmp_path, connect: str, name: str) -> IslandConfig:

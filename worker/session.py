@@ -385,9 +385,14 @@ class Session:
         if self.pusher is None:
             return
         self._check_pusher()
-        if self.stop.is_set():
-            self.pusher.halt.set()  # a push blocked on back-pressure queues at once
-        waited = self.pusher.wait_for_room(self._abandoned.is_set)
+        pusher = self.pusher
+
+        def abandoned() -> bool:
+            if self.stop.is_set():  # a push blocked on back-pressure queues at once
+                pusher.halt.set()
+            return self._abandoned.is_set()
+
+        waited = pusher.wait_for_room(abandoned)
         self.goodput_clock.waited(waited)
         self._check_pusher()
 
@@ -577,15 +582,16 @@ class Session:
     def warm_up(self) -> None:
         """Compile the exchange's pushes and folds now (once; nothing changes).
 
-        With the device exchange: the push of every fragment and of each one
-        alone, and the folds of the shards' int8 increments (all fragments and
+        With the device exchange: the push of a round (every fragment, or with
+        streaming each one alone; a push of some fragments after a skipped push
+        still compiles when it first comes), and the folds of the shards' int8 increments (all fragments and
         each one), each run once on copies of the state. Every process calls it.
         """
         if self._warm or not isinstance(self.exchange, DeviceExchange):
             return
         self._warm = True
         every = list(range(len(self.sizes)))
-        sets = [every] + ([[f] for f in every] if len(every) > 1 else [])
+        sets = [[f] for f in every] if self.cfg.streaming else [every]
         downlink = codec.int8().block_size  # the shards publish int8 increments
         fresh = self.layout.leaves(self.exchange.initial_params())  # the caller's may be donated
         self.exchange.warm(fresh, sets, [("int8", downlink)])
