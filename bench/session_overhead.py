@@ -11,8 +11,10 @@ same run), the `Session.step` calls that neither push nor fold (the per-call
 overhead, target < 1% of the step), the same calls back to back without a
 train step between them (`call_alone_*`: the API's own cost; on a CPU-only
 machine the calls right after a step share the cores with XLA's still
-spinning threads) and the calls that end a round (the exchange: one host
-copy, encode, push). Prints one JSON object: medians in microseconds and the
+spinning threads) and the calls that end a round (the exchange: with
+`--overlap-rounds 0` the delta, quantize, codes to the host, outbox and push
+inside the call; by default only taking the delta, the rest runs beside the
+next inner steps). Prints one JSON object: medians in microseconds and the
 overheads as ratios of the step time.
 """
 
@@ -41,6 +43,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch", type=int, default=256, help="examples per batch of the timed MLP (default 256)"
     )
     parser.add_argument("--model", default="tiny", help="the daemon's model (default tiny)")
+    parser.add_argument(
+        "--overlap-rounds",
+        type=int,
+        default=1,
+        help="rounds whose exchange runs beside training (default 1; 0 = inside the step)",
+    )
     parser.add_argument(
         "--out",
         default="runs/session-overhead",
@@ -138,7 +146,10 @@ def _measure_mlp(connect: str, args: argparse.Namespace) -> dict[str, Any]:
     import worker
 
     params, tx, step, batch = _mlp(args.hidden, args.batch)
-    with worker.join(connect, island="mlp", params=params, inner_steps=args.inner_steps) as s:
+    with worker.join(
+        connect, island="mlp", params=params, inner_steps=args.inner_steps,
+        overlap_rounds=args.overlap_rounds,
+    ) as s:  # fmt: skip
         state = {"params": s.params}
         state["opt"] = tx.init(state["params"])
 
@@ -162,7 +173,9 @@ def _measure_daemon_loop(connect: str, args: argparse.Namespace) -> dict[str, An
     model_cfg = model.model_config(args.model)
     inner = InnerConfig(batch_size=16, seq_len=128)
     sampler = data.BatchSampler(data.default_corpus(), 16, 128, seed=0)
-    cfg = session_config(connect, "daemon", args.inner_steps, None, {})
+    cfg = session_config(
+        connect, "daemon", args.inner_steps, None, {"overlap_rounds": args.overlap_rounds}
+    )
     with Session(cfg, jax.device_get(model.init_params(model_cfg, 0))) as s:
         trainer = InnerTrainer(model_cfg, inner, s.params)
         trainer.warmup()
@@ -187,7 +200,11 @@ def run(args: argparse.Namespace) -> int:
         0.
     """
     out = outdir.claim(Path(args.out), "session_overhead")
-    result: dict[str, Any] = {"inner_steps": args.inner_steps, "rounds": args.rounds}
+    result: dict[str, Any] = {
+        "inner_steps": args.inner_steps,
+        "rounds": args.rounds,
+        "overlap_rounds": args.overlap_rounds,
+    }
     loops = {"mlp": _measure_mlp, f"daemon_loop_{args.model}": _measure_daemon_loop}
     for name, measure in loops.items():  # a fresh cluster each: they train other models
         with LocalCluster(out / name, shards=2) as cluster:

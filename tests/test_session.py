@@ -248,6 +248,7 @@ def test_unacked_deltas_are_kept_in_the_data_dir_and_sent_by_the_next_session(cl
         q = again.params
         again.step(q, tokens=1)
         again.step(q, tokens=1)  # the first new push waits until the re-sent ones are resolved
+        assert again.wait_pushed(30.0)  # (on the push thread: the step itself returned)
         kept = {(d.round, d.fragment) for d in saved.deltas}
         assert again.outbox is not None and not kept & set(again.outbox.live)  # resolved
     assert not (data_dir / outbox.OUTBOX_FILE).exists()  # nothing unacked at close

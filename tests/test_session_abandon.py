@@ -2,7 +2,8 @@
 
 Real shards in threads (`conftest.Cluster`), real sockets on 127.0.0.1. The owner
 thread must end with `SessionClosed` and nothing else, and the session must be
-left whole: its client closed, every unacked delta in the outbox file, one final
+left whole: its client closed, every unacked delta (and every delta the push
+thread persisted but could not hand to the closed client) in the outbox file, one final
 metrics row, the island id and the data dir free for the next session.
 """
 
@@ -56,6 +57,8 @@ def assert_left_whole(session, data_dir) -> set[tuple[int, int]]:
     with pytest.raises(ClientError, match="closed"):
         session.client.poll_updates()
     unacked = {(d.round, d.fragment) for d in session.client.unacked()}
+    # persisted by the push thread, never handed to the closed client: kept as well
+    unacked |= {(d.round, d.fragment) for d in session.unsent}
     saved = outbox.load(data_dir / outbox.OUTBOX_FILE)
     kept = {(d.round, d.fragment) for d in saved.deltas} if saved is not None else set()
     assert kept == unacked

@@ -7,7 +7,7 @@ the daemon's control commands, which import no JAX) stay cheap.
 
 from typing import Any
 
-__all__ = ["Session", "SessionClosed", "join", "global_model"]
+__all__ = ["PushFailed", "Session", "SessionClosed", "join", "global_model"]
 
 
 def __getattr__(name: str) -> Any:

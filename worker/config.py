@@ -71,6 +71,10 @@ class IslandConfig:
     # since its own last push, instead of all at the round's end: the peak rate at the island's
     # link falls by about P (worker.push_schedule); a cluster of mode sync is refused
     streaming: bool = False
+    # rounds (or streamed fragments) whose exchange, codes to the host, outbox fsync and push,
+    # runs on a thread beside the next inner steps; a step past them waits (lost time);
+    # 0 = inside the step that takes the delta (worker.push_thread)
+    overlap_rounds: int = 1
     eval_every: int = 2  # rounds between evaluations of the global parameters (0 = never)
     eval_batches: int = 4  # held-out batches per evaluation
     max_rounds: int = 0  # stop after this many rounds (0 = until stopped)
@@ -133,6 +137,7 @@ class IslandConfig:
             ("cpu", -1),
             ("data_shard", -1),
             ("seed", 0),
+            ("overlap_rounds", 0),
         ):
             check.integer(field, getattr(self, field), low)
         check.require(

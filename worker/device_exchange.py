@@ -60,6 +60,29 @@ from worker.exchange import delta_since, folded
 from worker.param_tree import TreeLayout
 
 
+class TakenDelta:
+    """The codes of a taken delta, on the devices until `frames` reads them (any thread).
+
+    The push that made them is dispatched; `frames` waits for it, copies each
+    fragment's codes and scales to the host and frames them.
+    """
+
+    def __init__(self, coded: list, leader: bool, frame: Callable) -> None:
+        """Args:
+        coded: (fragment, codes, scales) per fragment, device arrays.
+        leader: whether this process frames them (the others only wait).
+        frame: (fragment, codes, scales) -> that fragment's frames.
+        """
+        self.coded, self.leader, self._frame = coded, leader, frame
+
+    def frames(self) -> dict[int, list]:
+        """fragment -> codec frames ({} on processes other than 0, once the push ran)."""
+        if not self.leader:  # wait for the call's collectives: process 0 may be reading its codes
+            jax.block_until_ready([c for _, c, _ in self.coded])
+            return {}
+        return {f: self._frame(f, c, s) for f, c, s in self.coded}
+
+
 def placed_bytes(array: jax.Array) -> int:
     """Bytes of an array's shards on this process's devices (what a host-to-device copy moved)."""
     return sum(shard.data.nbytes for shard in array.addressable_shards)
@@ -126,11 +149,6 @@ class DeviceExchange:
         self.host_device_bytes += placed_bytes(out)
         return out
 
-    def _get(self, array: jax.Array) -> np.ndarray:
-        host = np.asarray(array.addressable_data(0))  # replicated: one copy is the whole
-        self.host_device_bytes += host.nbytes
-        return host
-
     def _leaves_out(
         self, regions: dict[int, jax.Array], used: Sequence[int], fallback: dict | None = None
     ) -> list[jax.Array]:
@@ -166,9 +184,16 @@ class DeviceExchange:
     # -- push ------------------------------------------------------------------------
 
     def encode(self, leaves: list[Any], fragments: Sequence[int], leader: bool) -> dict[int, list]:
-        """Take each fragment's delta since its anchor, quantize it with error feedback, frame it.
+        """`take` and its frames at once (the synchronous exchange; see `take`)."""
+        return self.take(leaves, fragments, leader).frames()
 
-        Every process calls it (the anchors and residuals move everywhere).
+    def take(self, leaves: list[Any], fragments: Sequence[int], leader: bool) -> TakenDelta:
+        """Take each fragment's delta since its anchor, quantize it with error feedback.
+
+        Only dispatches the jitted push (JAX runs it asynchronously): the anchors and
+        residuals move at once, for every later call; the codes come to the host and
+        are framed when `TakenDelta.frames` is called, on any thread. Every process
+        calls it (the anchors and residuals move everywhere).
 
         Args:
             leaves: the current parameter leaves (layout order).
@@ -176,33 +201,86 @@ class DeviceExchange:
             leader: this process frames the codes (process 0); the others get {}.
 
         Returns:
-            fragment -> codec frames (`Codec.encode`'s for the same delta and state).
+            The taken delta; its `frames()` are `Codec.encode`'s for the same delta and state.
         """
         key = tuple(sorted(fragments))
         if 1 < len(key) < len(self.flat.offset):  # some, not all: one call each (module docstring)
-            out: dict[int, list] = {}
-            for f in key:
-                out.update(self.encode(leaves, [f], leader))
-            return out
+            parts = [self.take(leaves, [f], leader) for f in key]
+            return TakenDelta([c for p in parts for c in p.coded], leader, self._frame)
         used = self.flat.leaves_of(key)
         fn = self._pushes.get(key) or self._pushes.setdefault(key, self._push_fn(key, used))
         self.anchor, self.residual, codes, scales = fn(
             [leaves[i] for i in used], self.anchor, self.residual
         )
-        if not leader:  # wait for the call's collectives: process 0 may be reading its codes
-            jax.block_until_ready(codes)
-            return {}
-        return {
-            f: frame_codes(
-                self.scheme,
-                self.block,
-                self.zstd_level,
-                self._get(c),
-                self._get(s),
-                self.flat.size[f],
-            )  # fmt: skip
-            for f, c, s in zip(key, codes, scales, strict=True)
-        }
+        if leader:  # counted now: the sizes are known before the copy
+            self.host_device_bytes += sum(
+                int(c.nbytes) + int(s.nbytes) for c, s in zip(codes, scales, strict=True)
+            )
+        return TakenDelta(list(zip(key, codes, scales, strict=True)), leader, self._frame)
+
+    def _frame(self, fragment: int, codes: jax.Array, scales: jax.Array) -> list:
+        """One fragment's codes and scales to the host, framed (any thread)."""
+        return frame_codes(
+            self.scheme,
+            self.block,
+            self.zstd_level,
+            np.asarray(codes.addressable_data(0)),  # replicated: one copy is the whole
+            np.asarray(scales.addressable_data(0)),
+            self.flat.size[fragment],
+        )  # fmt: skip
+
+    def warm(
+        self,
+        leaves: list[Any],
+        fragment_sets: Sequence[Sequence[int]],
+        folds: Sequence[tuple[str, int]],
+    ) -> None:
+        """Compile pushes and folds now, on copies of the state: nothing changes.
+
+        Args:
+            leaves: parameter leaves of the session's layout (only read).
+            fragment_sets: the sets of fragments whose push to compile.
+            folds: (scheme, block) of the increments whose whole and per-fragment folds
+                to compile (the shards' downlink).
+        """
+        copy = jax.jit(jnp.copy, out_shardings=self.spread)
+        counted = self.host_device_bytes  # warming moves nothing the session uses
+        for fragments in fragment_sets:
+            key = tuple(sorted(fragments))
+            used = self.flat.leaves_of(key)
+            fn = self._pushes.get(key) or self._pushes.setdefault(key, self._push_fn(key, used))
+            jax.block_until_ready(
+                fn([leaves[i] for i in used], copy(self.anchor), copy(self.residual))
+            )
+        for scheme, block in folds:
+            if self.block % block:
+                continue
+            step = 2 if scheme == "int4" else 1
+            covered = sum(self.flat.padded.values())
+            codes = np.zeros(covered // step, code_dtype(scheme))
+            scales = np.zeros(covered // block, np.float32)
+            used = self.flat.leaves_of(sorted(self.flat.offset))
+            key = ("whole", scheme, block)
+            fn = self._folds.get(key) or self._folds.setdefault(key, self._fold_whole_fn(key, used))
+            jax.block_until_ready(fn(
+                [leaves[i] for i in used], copy(self.anchor), copy(self.base),
+                self._put(codes, self.replicated), self._put(scales, self.replicated),
+            ))  # fmt: skip
+            for f in sorted(self.flat.offset):
+                n = self.flat.size[f]
+                key1 = ((f, scheme, block),)
+                used1 = self.flat.leaves_of([f])
+                fn = self._folds.get(key1) or self._folds.setdefault(
+                    key1, self._fold_fn(key1, used1)
+                )
+                inc = (
+                    self._put(np.zeros(-(-n // step), code_dtype(scheme)), self.replicated),
+                    self._put(np.zeros(-(-n // block), np.float32), self.replicated),
+                )
+                jax.block_until_ready(
+                    fn([leaves[i] for i in used1], copy(self.anchor), copy(self.base), [inc])
+                )
+        self.host_device_bytes = counted
 
     def _push_fn(self, fragments: tuple[int, ...], used: list[int]) -> Callable:
         levels, block, flat = self.levels, self.block, self.flat

@@ -14,6 +14,7 @@ refused goes back into the error feedback, `codec.refund` here).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from typing import Any
 
@@ -31,6 +32,17 @@ def _placed_bytes(leaves: Sequence[Any]) -> int:
     return sum(
         shard.data.nbytes for leaf in leaves for shard in getattr(leaf, "addressable_shards", ())
     )
+
+
+class TakenHostDelta:
+    """Deltas taken on the host; `frames` encodes them (any thread, once, in take order)."""
+
+    def __init__(self, deltas: dict[int, np.ndarray], encode: Any) -> None:
+        self.deltas, self._encode = deltas, encode
+
+    def frames(self) -> dict[int, list]:
+        """fragment -> codec frames ({} on processes other than 0)."""
+        return {i: self._encode(i, d) for i, d in self.deltas.items()}
 
 
 class HostExchange:
@@ -69,6 +81,9 @@ class HostExchange:
             for frag in plan.fragments
         }
         self.host_device_bytes = 0
+        self._ef_lock = (
+            threading.Lock()
+        )  # `refund` (the step's thread) against encodes (a pusher's)
         self._host: dict[str, np.ndarray] | None = None  # this step's host copy
         self._joined: dict[str, np.ndarray] | None = flat  # until initial_params
 
@@ -97,7 +112,14 @@ class HostExchange:
         return self._host
 
     def encode(self, leaves: list[Any], fragments: Sequence[int], leader: bool) -> dict[int, list]:
-        """Take each due fragment's delta (moving its anchor) and encode it (process 0 only).
+        """`take` and its frames at once (the synchronous exchange)."""
+        return self.take(leaves, fragments, leader).frames()
+
+    def take(self, leaves: list[Any], fragments: Sequence[int], leader: bool) -> TakenHostDelta:
+        """Take each due fragment's delta (moving its anchor); encode it later (process 0 only).
+
+        The host copy and the deltas are taken now; the codec's encode (its error
+        feedback in order, under the exchange's lock) runs when `frames` is called.
 
         Args:
             leaves: the current parameter leaves (layout order).
@@ -105,17 +127,16 @@ class HostExchange:
             leader: this process encodes; the others only move their anchors.
 
         Returns:
-            fragment -> codec frames ({} on the other processes).
+            The taken delta; its `frames()` are fragment -> codec frames ({} elsewhere).
         """
         host = self._host_copy(leaves)
-        out = {}
-        for index in fragments:
-            delta = self.syncs[index].take(self.plan.gather(host, index))
-            if leader:
-                out[index], self.ef_state[index] = self.codec.encode(
-                    {"delta": delta}, self.ef_state[index]
-                )
-        return out
+        deltas = {i: self.syncs[i].take(self.plan.gather(host, i)) for i in fragments}
+        return TakenHostDelta(deltas if leader else {}, self._encode_one)
+
+    def _encode_one(self, index: int, delta: np.ndarray) -> list:
+        with self._ef_lock:
+            frames, self.ef_state[index] = self.codec.encode({"delta": delta}, self.ef_state[index])
+        return frames
 
     def refund(self, fragment: int, values: np.ndarray) -> None:
         """Put a refused push's values back into the fragment's error feedback (process 0).
@@ -127,7 +148,8 @@ class HostExchange:
             fragment: the pushed fragment.
             values: the decoded delta that push carried (`codec.decode(frames)["delta"]`).
         """
-        self.ef_state[fragment] = codec.refund(self.ef_state[fragment], {"delta": values})
+        with self._ef_lock:
+            self.ef_state[fragment] = codec.refund(self.ef_state[fragment], {"delta": values})
 
     def fold(self, leaves: list[Any], updates: Sequence[Update]) -> list[Any]:
         """Adopt new global versions on the host and place the tree back; returns its leaves."""

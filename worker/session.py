@@ -70,6 +70,7 @@ from worker.leader_sync import LeaderSync
 from worker.outbox import OUTBOX_FILE, Outbox
 from worker.param_tree import TreeError, TreeLayout
 from worker.push_schedule import check_streaming_mode, due_fragments, flush_fragments, unblocked
+from worker.push_thread import PushFailed, PushJob, PushThread, deliver
 from worker.session_config import check_loss, check_tokens, make_codec, session_config
 
 logger = logging.getLogger(__name__)
@@ -243,6 +244,7 @@ class Session:
         self.pushed_at: dict[int, tuple[int, int]] = dict.fromkeys(range(len(self.sizes)), (0, 0))
         self.params = self.exchange.initial_params()
         self._latest = self.params
+        self._warm = False  # `warm_up` ran
         self.round = 0
         self.in_round = 0  # step calls of the current round
         self.pushed_in_round = False
@@ -261,6 +263,13 @@ class Session:
         # past any round of its outbox, so a restarted island never reuses one.
         newest_kept = self.outbox.newest_round if self.outbox is not None else -1
         self.round_base = max(time.time_ns() // 1000, newest_kept + 1)
+        # the exchange beside training (`worker.push_thread`): process 0 with overlap_rounds > 0
+        self.unsent: list[PushRequest] = []  # persisted, never handed to the client
+        self.pusher: PushThread | None = None
+        if self.client is not None and cfg.overlap_rounds > 0:
+            self.pusher = PushThread(
+                cfg.island, self.client, self.outbox, cfg.overlap_rounds, self._settle_resent
+            )
         logger.info(
             "island %s joined: %d fragments, versions %s, mode %s",
             cfg.island,
@@ -324,6 +333,7 @@ class Session:
                 raise
 
     def _step(self, params: Any, tokens: int, loss: float | None) -> Any:
+        self._check_pusher()  # a failure of the background exchange surfaces here
         tokens = check_tokens(tokens)
         loss = None if loss is None else check_loss(loss)
         leaves = self.layout.leaves(params)
@@ -337,10 +347,12 @@ class Session:
         else:
             due = list(range(len(self.sizes))) if round_end else []
         due = self._unblocked(due)
-        frames = self._encode(leaves, due) if due else {}  # before anything is counted
+        if due:  # before anything is counted: at most `overlap_rounds` in flight
+            self._wait_for_room()
+        taken = self._take(leaves, due) if due else None
         self.steps, self.tokens, self.in_round = self.steps + 1, self.tokens + tokens, in_round
-        if due:
-            self._push(due, frames, self.round_base + self.round)
+        if taken is not None:
+            self._push(due, taken, self.round_base + self.round)
         if round_end and self.client is not None:
             step_s = self.goodput_clock.median_step_s(self.inner_steps)
             self.client.report_step_time(step_s, inner_steps=self.inner_steps)
@@ -364,18 +376,42 @@ class Session:
         waiting = [(self.last_push[f], f) for f in due if f in self.last_push]
         return unblocked(due, self.last_push, self.client.delta_outcomes(waiting))
 
-    def _encode(self, leaves: list[Any], fragments: list[int]) -> dict[int, tuple[int, list]]:
-        """Each due fragment's (base version, frames) of its work since its last push.
+    def _take(self, leaves: list[Any], fragments: list[int]) -> tuple[dict[int, int], Any]:
+        """The due fragments' base versions and their taken delta (work since the last push).
 
-        Every process moves its anchors; process 0 alone gets frames ({} elsewhere).
+        Every process moves its anchors; the taken delta's `frames()` gives process 0
+        the frames ({} elsewhere), on whichever thread pushes.
         """
         versions = dict(self.exchange.versions)  # the versions the deltas are taken against
         t0 = time.perf_counter()
         for fragment, values in self._refused():  # their mass goes back into error feedback
             self.exchange.refund(fragment, values)
-        frames = self.exchange.encode(leaves, fragments, self.client is not None)
+        taken = self.exchange.take(leaves, fragments, self.client is not None)
         self.exchange_s += time.perf_counter() - t0
-        return {index: (versions[index], f) for index, f in frames.items()}
+        return versions, taken
+
+    def _wait_for_room(self) -> None:
+        """Past `overlap_rounds` deltas in flight: wait for the push thread (lost time)."""
+        if self.pusher is None:
+            return
+        self._check_pusher()
+        pusher = self.pusher
+
+        def abandoned() -> bool:
+            if self.stop.is_set():  # a push blocked on back-pressure queues at once
+                pusher.halt.set()
+            return self._abandoned.is_set()
+
+        waited = pusher.wait_for_room(abandoned)
+        self.goodput_clock.waited(waited)
+        self._check_pusher()
+
+    def _check_pusher(self) -> None:
+        """Raise what the push thread failed with (`PushFailed`; closed: `SessionClosed`)."""
+        if self._abandoned.is_set():
+            raise SessionClosed(self.island, abandoned=True)
+        if self.pusher is not None and self.pusher.failure is not None:
+            raise self.pusher.failure
 
     def _refused(self) -> list[tuple[int, np.ndarray]]:
         """(fragment, decoded delta) of each push the shards finally refused since the last call.
@@ -393,27 +429,32 @@ class Session:
             refused = self.leader_sync.share_refused(refused, self.sizes)
         return refused
 
-    def _push(self, fragments: list[int], frames: dict[int, tuple[int, list]], round_id: int):
-        """Push each fragment's encoded work (process 0: persisted first); note what each covered."""
-        self._settle_resent()
-        batch = []
+    def _push(self, fragments: list[int], taken: tuple[dict[int, int], Any], round_id: int):
+        """Note what each fragment's delta covers; push them (process 0: persisted first).
+
+        With a push thread the job is queued and `step` goes on; without one
+        (`overlap_rounds` 0) it is delivered here.
+        """
+        versions, delta = taken
+        fields = []
         for index in fragments:
             steps_then, tokens_then = self.pushed_at[index]
             steps, tokens = self.steps - steps_then, self.tokens - tokens_then
             self.pushed_at[index] = (self.steps, self.tokens)
             self.last_push[index] = round_id
+            fields.append((index, versions[index], tokens, steps))
             if self.client is not None:
-                version, payload = frames[index]
-                batch.append(PushRequest(index, round_id, version, tokens, steps, list(payload)))
-        if self.outbox is not None and self.client is not None:
-            self.outbox.before_push(self.client, batch)  # one fsync, before anything leaves
-        for d in batch:
-            assert self.client is not None
-            self.goodput_clock.pushed(
-                round_id, d.fragment, self.sizes[d.fragment] / sum(self.sizes)
-            )
-            self.client.push_request(d, stop=self.stop)  # the request travels whole
+                share = self.sizes[index] / sum(self.sizes)
+                self.goodput_clock.pushed(round_id, index, share)
         self.pushed_in_round = True
+        if self.client is None:
+            delta.frames()  # the other processes: the push's collectives run
+            return
+        job = PushJob(round_id, delta, fields)
+        if self.pusher is not None:
+            self.pusher.submit(job)
+        else:
+            deliver(job, self.client, self.outbox, self.stop, self._settle_resent, self.unsent)
 
     def _fold(self, leaves: list[Any], params: Any) -> Any:
         """Adopt every newer version (the same ones on every process); returns the params."""
@@ -442,15 +483,40 @@ class Session:
         assert self.client is not None
         t0 = time.monotonic()
         while not self.stop.is_set():  # woken by each message; ClientError once closed
-            if self.client.wait_round_merged(round_id, self.stop, timeout_s=1.0):
+            self._check_pusher()
+            if self.client.wait_round_merged(round_id, self.stop, timeout_s=0.2):
                 break
         self.goodput_clock.waited(time.monotonic() - t0)
 
-    def _settle_resent(self) -> None:
+    def _settle_resent(self, stop: threading.Event) -> None:
         """Before the first new round: wait until the re-sent deltas are resolved."""
         box, client = self.outbox, self.client
-        if self.resending and box and client and box.wait_resent(client, self.stop, self.resending):
+        if self.resending and box and client and box.wait_resent(client, stop, self.resending):
             self.resending = 0
+
+    def wait_pushed(self, timeout_s: float | None = None) -> bool:
+        """Block until every delta taken so far was persisted and handed to the client.
+
+        The exchange runs beside training (`overlap_rounds`): `step` returns once
+        a round's delta is taken, and a thread frames, persists and pushes it.
+
+        Args:
+            timeout_s: the longest wait (None: until done, `stop` or the session closed).
+
+        Returns:
+            True once nothing is in flight (always, without a push thread).
+
+        Raises:
+            PushFailed: the push thread failed.
+        """
+        if self.pusher is None:
+            return True
+        done = self.pusher.wait_idle(
+            lambda: self.stop.is_set() or self._abandoned.is_set(), timeout_s
+        )
+        if self.pusher.failure is not None:
+            raise self.pusher.failure
+        return done
 
     # -- what the caller reads ------------------------------------------------------
 
@@ -482,7 +548,9 @@ class Session:
             encode, fold and placement, not on network waits) and `host_device_bytes`
             (bytes the exchange moved between host and device memory, both ways); with
             an outbox (process 0, a data dir) `outbox_s` (seconds spent writing and
-            fsyncing it) and `outbox_bytes` (its size).
+            fsyncing it) and `outbox_bytes` (its size); with a push thread
+            (`overlap_rounds` > 0) `push_thread_s` (its seconds framing, persisting and
+            pushing, beside training) and `rounds_in_flight` (its jobs queued or running).
         """
         own = {
             "exchange_s": self.exchange_s,
@@ -490,25 +558,53 @@ class Session:
         }
         if self.outbox is not None:
             own.update(outbox_s=self.outbox.persist_s, outbox_bytes=self.outbox.size)
+        if self.pusher is not None:
+            own.update(push_thread_s=self.pusher.busy_s, rounds_in_flight=self.pusher.in_flight)
         return {**(self.client.stats() if self.client is not None else {}), **own}
 
     @property
     def goodput(self) -> float | None:
         """Share of the session's wall time spent on inner steps whose work entered the model.
 
-        `worker.goodput` defines it: waits, back-pressure, the exchange's time and
-        rejected work are lost, staleness is not; deltas in flight are left out.
+        `worker.goodput` defines it: waits, back-pressure, the exchange's time in
+        `step` and rejected work are lost, staleness is not; deltas in flight are
+        left out. It is the figure of the newest metrics row (each round's end, and
+        the final row at close), the one `diloco-worker status` shows and the
+        shards and their page get: one goodput everywhere.
+
+        Returns:
+            The share, or None before any time settled.
         """
-        return self.stats_fields()["goodput"] if self.steps else None
+        return self.last_row.get("goodput")
 
     def mark_start(self) -> None:
-        """Count time (goodput, metrics) from now, e.g. after a warm-up and a start barrier.
+        """Warm the exchange up, then count time (goodput, metrics) from now.
 
-        The first inner step after it is an ordinary one; without it, the time
-        from the join to the first `step` call is warm-up (compile) and lost.
+        Call it after the caller's own warm-up and before a start barrier. The
+        exchange's pushes and folds compile here (`warm_up`), not in the first
+        rounds; the first inner step after it is an ordinary one; without it, the
+        time from the join to the first `step` call is warm-up (compile) and lost.
         """
+        self.warm_up()
         now = time.monotonic()
         self.goodput_clock = RoundClock(now, last_end=now)
+
+    def warm_up(self) -> None:
+        """Compile the exchange's pushes and folds now (once; nothing changes).
+
+        With the device exchange: the push of a round (every fragment, or with
+        streaming each one alone; a push of some fragments after a skipped push
+        still compiles when it first comes), and the folds of the shards' int8 increments (all fragments and
+        each one), each run once on copies of the state. Every process calls it.
+        """
+        if self._warm or not isinstance(self.exchange, DeviceExchange):
+            return
+        self._warm = True
+        every = list(range(len(self.sizes)))
+        sets = [[f] for f in every] if self.cfg.streaming else [every]
+        downlink = codec.int8().block_size  # the shards publish int8 increments
+        fresh = self.layout.leaves(self.exchange.initial_params())  # the caller's may be donated
+        self.exchange.warm(fresh, sets, [("int8", downlink)])
 
     def log_row(self, row: dict[str, Any]) -> dict[str, Any]:
         """Append a metrics row with the session's common fields (process 0, with a data dir).
@@ -604,9 +700,13 @@ class Session:
             if rest and not self.leader_sync.broken:
                 round_id = self.round_base + self.round + int(self.pushed_in_round)
                 try:
-                    frames = self._encode(self.layout.leaves(latest), rest)
+                    if self.pusher is not None:  # the rounds in flight first, then no waits
+                        self.wait_pushed(self.cfg.flush_timeout_s)
+                        self.pusher.halt.set()  # no back-pressure wait: queue, then flush
+                        self.pusher.wait_for_room(self._abandoned.is_set)
+                    taken = self._take(self.layout.leaves(latest), rest)
                     self.exchange.end_step()
-                    self._push(rest, frames, round_id)
+                    self._push(rest, taken, round_id)
                 except RuntimeError as exc:  # e.g. its buffers were donated since
                     logger.warning("island %s: partial round not pushed: %s", self.island, exc)
             if (
@@ -648,11 +748,14 @@ class Session:
 
     def _finish(self, flush_timeout_s: float) -> None:
         try:
+            if self.pusher is not None:  # its queued jobs are framed and persisted, then pushed
+                self.pusher.close(flush_timeout_s + 30.0)
+                self.unsent += self.pusher.unsent
             if self.client is not None:
                 self.client.close(flush_timeout_s=flush_timeout_s)
                 unacked = self.client.unacked()
                 if self.outbox is not None:
-                    self.outbox.keep(unacked)
+                    self.outbox.keep(unacked + self.unsent)
                 elif unacked:
                     logger.warning(
                         "island %s closed with %d unacked deltas and no data_dir to keep them",
@@ -681,4 +784,4 @@ class Session:
         self.close()
 
 
-__all__ = ["Session", "SessionClosed", "TreeError", "join"]
+__all__ = ["PushFailed", "Session", "SessionClosed", "TreeError", "join"]

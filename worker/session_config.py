@@ -29,6 +29,7 @@ SESSION_SETTINGS = (
     "topk_density",
     "topk_bits",
     "streaming",
+    "overlap_rounds",
     "merge_rule",
     "max_unacked",
     "flush_timeout_s",

@@ -1,0 +1,269 @@
+"""The exchange beside training: a session's taken deltas are framed, persisted and pushed here.
+
+At a round's end (or a streamed fragment's step) `Session.step` takes the
+delta (`DeviceExchange.take`: the jitted delta + quantize is dispatched and the
+anchors move at once; `HostExchange.take`: the host copy and the deltas) and
+hands a `PushJob` to the session's `PushThread`, then returns. The thread, in
+the order the jobs came:
+
+1. brings the codes to the host and frames them (`job.taken.frames()`);
+2. waits, before the session's first new delta, until the deltas a previous
+   run left were resolved (`Outbox.wait_resent`);
+3. persists the batch (`Outbox.before_push`: one append and one fsync);
+4. hands each delta to the client (`Client.push_request`, back-pressure
+   included).
+
+So persist-before-send holds as before: nothing of a delta leaves before it is
+in the outbox file, fsynced. At most `max_in_flight` jobs are queued or running:
+`wait_for_room` blocks the step until one is done, and the session counts
+that wait as lost time. A failure is kept and raised by the next `step`
+(`PushFailed`); from then on the thread persists the jobs it gets and pushes
+none (the outbox keeps them for the next start). `halt` (close, abandon, the
+session's stop) makes pushes stop waiting for a slot: they queue past
+`max_unacked`, and the client's close flushes or keeps them. With
+`max_in_flight` 0 the session runs the same `deliver` inline (the synchronous
+exchange).
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from paramserver.client import Client, PushRequest
+from worker.outbox import Outbox
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 0.05  # waits sleep in slices this long (Ctrl-C reaches a waiting main thread)
+
+
+class PushFailed(RuntimeError):
+    """The background exchange could not push a delta (raised by the next `Session.step`).
+
+    Attributes:
+        island: the island id.
+        round: the round id of the delta that failed.
+        cause: the exception it failed with (also `__cause__`).
+    """
+
+    def __init__(self, island: str, round: int, cause: BaseException) -> None:
+        super().__init__(
+            f"island {island!r}: pushing round {round} failed: {type(cause).__name__}: {cause}; "
+            "its deltas and the later ones are kept in the outbox (data dir) for the next start"
+        )
+        self.island, self.round, self.cause = island, round, cause
+
+
+@dataclass
+class PushJob:
+    """One batch of deltas taken at one step: what the thread frames, persists and pushes.
+
+    Attributes:
+        round: their round id.
+        taken: the exchange's taken delta (`frames()` -> fragment -> codec frames).
+        fields: (fragment, base_version, tokens, steps) per delta, in push order.
+    """
+
+    round: int
+    taken: Any
+    fields: list[tuple[int, int, int, int]]
+
+
+class PushThread:
+    """Process 0's background exchange of one session (see the module docstring)."""
+
+    def __init__(
+        self,
+        island: str,
+        client: Client,
+        outbox: Outbox | None,
+        max_in_flight: int,
+        settle_resent: Callable[[threading.Event], None],
+    ) -> None:
+        """Start the thread.
+
+        Args:
+            island: the island id (for messages).
+            client: the joined client.
+            outbox: the outbox file (None: no data dir, nothing persisted).
+            max_in_flight: jobs queued or running before `wait_for_room` blocks (>= 1).
+            settle_resent: called with `halt` before each job's pushes (waits until the
+                deltas a previous run left are resolved).
+        """
+        self.island, self.client, self.outbox = island, client, outbox
+        self.max_in_flight = max(1, max_in_flight)
+        self.halt = threading.Event()  # pushes stop waiting for a slot
+        self.failure: PushFailed | None = None
+        self.busy_s = 0.0  # seconds spent framing, persisting and pushing
+        self.unsent: list[PushRequest] = []  # persisted, never handed to the client
+        self._settle_resent = settle_resent
+        self._cond = threading.Condition()
+        self._jobs: collections.deque[PushJob] = collections.deque()
+        self._running = 0  # jobs taken off the queue and not done
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name=f"push-{island}", daemon=True)
+        self._thread.start()
+
+    @property
+    def in_flight(self) -> int:
+        """Jobs queued or running."""
+        with self._cond:
+            return len(self._jobs) + self._running
+
+    def submit(self, job: PushJob) -> None:
+        """Queue a job (call `wait_for_room` first to keep within `max_in_flight`)."""
+        with self._cond:
+            self._jobs.append(job)
+            self._cond.notify_all()
+
+    def wait_for_room(self, stop: Callable[[], bool]) -> float:
+        """Block while `max_in_flight` jobs are queued or running.
+
+        Args:
+            stop: ends the wait when it returns True (the session's stop, close, abandon).
+
+        Returns:
+            Seconds waited.
+        """
+        t0 = time.monotonic()
+        with self._cond:
+            while len(self._jobs) + self._running >= self.max_in_flight and not stop():
+                if self.failure is not None or not self._thread.is_alive():
+                    break
+                self._cond.wait(_POLL_S)
+        return time.monotonic() - t0
+
+    def wait_idle(self, stop: Callable[[], bool], timeout_s: float | None = None) -> bool:
+        """Block until no job is queued or running.
+
+        Args:
+            stop: ends the wait when it returns True.
+            timeout_s: the longest wait (None: no limit but `stop`).
+
+        Returns:
+            True once idle.
+        """
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        with self._cond:
+            while self._jobs or self._running:
+                if stop() or not self._thread.is_alive():
+                    return False
+                if deadline is not None and time.monotonic() >= deadline:
+                    return False
+                self._cond.wait(_POLL_S)
+        return True
+
+    def close(self, timeout_s: float) -> bool:
+        """Halt the pushes' waits, let the thread finish the queued jobs, end it.
+
+        Args:
+            timeout_s: the longest wait for the thread.
+
+        Returns:
+            Whether the thread ended (False: it is stuck, e.g. in a device call; it is a
+            daemon thread and the outbox keeps what it persisted).
+        """
+        self.halt.set()
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout_s)
+        if self._thread.is_alive():
+            logger.warning("island %s: the push thread did not end within %.1f s",
+                           self.island, timeout_s)  # fmt: skip
+            return False
+        return True
+
+    # -- the thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._jobs and not self._closing:
+                    self._cond.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+                self._running += 1
+            t0 = time.perf_counter()
+            try:
+                self._deliver_or_keep(job)
+            finally:
+                self.busy_s += time.perf_counter() - t0
+                with self._cond:
+                    self._running -= 1
+                    self._cond.notify_all()
+
+    def _deliver_or_keep(self, job: PushJob) -> None:
+        try:
+            if self.failure is None:
+                deliver(job, self.client, self.outbox, self.halt, self._settle_resent, self.unsent)
+                return
+            batch = requests(job)  # failed before: persist only, for the next start
+            if self.outbox is not None:
+                self.outbox.record([], batch)
+            self.unsent += batch
+        except BaseException as exc:  # kept for the next `step`, never lost silently
+            logger.error("island %s: pushing round %d failed: %s", self.island, job.round, exc)
+            with self._cond:
+                self.failure = PushFailed(self.island, job.round, exc)
+                self.failure.__cause__ = exc
+                self._cond.notify_all()
+
+
+def requests(job: PushJob) -> list[PushRequest]:
+    """The job's deltas as PushRequests (frames them: brings the codes to the host)."""
+    frames = job.taken.frames()
+    return [
+        PushRequest(fragment, job.round, version, tokens, steps, list(frames[fragment]))
+        for fragment, version, tokens, steps in job.fields
+    ]
+
+
+def deliver(
+    job: PushJob,
+    client: Client,
+    outbox: Outbox | None,
+    stop: threading.Event,
+    settle_resent: Callable[[threading.Event], None],
+    unsent: list[PushRequest],
+) -> None:
+    """Frame a job's deltas, persist them (one fsync), then push them.
+
+    Args:
+        job: the deltas.
+        client: the joined client.
+        outbox: where they are persisted first (None: nowhere).
+        stop: ends a push's wait for a slot (it queues past the limit).
+        settle_resent: called with `stop` before the persist (the previous run's deltas
+            first).
+        unsent: gets the persisted deltas a failed push left unhanded (for `Outbox.keep`).
+
+    Raises:
+        ClientError: a push failed; the deltas not handed over are in the outbox.
+    """
+    batch = requests(job)
+    try:
+        settle_resent(stop)
+    except BaseException:  # e.g. the client closed meanwhile: kept for the next start
+        if outbox is not None:
+            outbox.record([], batch)
+            unsent.extend(batch)
+        raise
+    if outbox is not None:
+        outbox.before_push(client, batch)  # one fsync, before anything leaves
+    handed = 0
+    try:
+        for d in batch:
+            client.push_request(d, stop=stop)  # the request travels whole
+            handed += 1
+    except BaseException:
+        if outbox is not None:
+            unsent.extend(batch[handed:])
+        raise
