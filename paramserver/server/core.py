@@ -581,7 +581,6 @@ class ShardCore:
             The steps' events and updates, or a heartbeat.
         """
         out = Effects()
-        self._forget_idle(now)
         if steps is None:
             steps = [due.fragment for due in self.due_steps(now)]
         for fragment in steps:
@@ -594,6 +593,10 @@ class ShardCore:
     def heartbeat(self, now: float, effects: Effects | None = None) -> Effects:
         """A PUB heartbeat when nothing was published for heartbeat_interval_s.
 
+        Every tick of the loop comes here (with or without a step thread), so it
+        also forgets the islands idle past island_ttl_s (at most every
+        FORGET_EVERY_S).
+
         Args:
             now: wall-clock seconds.
             effects: the batch so far (a publish in it is a sign of life already).
@@ -601,6 +604,7 @@ class ShardCore:
         Returns:
             The heartbeat's effects, or none.
         """
+        self._forget_idle(now)
         if effects is not None and effects.publishes:
             return Effects()
         if now - self._last_pub < self.cfg.heartbeat_interval_s:
