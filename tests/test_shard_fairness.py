@@ -95,9 +95,9 @@ def test_garbage_is_answered_at_a_bounded_rate_and_the_shard_serves_on(start_sha
 
 def test_our_client_re_sends_throttled_deltas_and_loses_none(start_shard, peer):
     # a dedup window over every round: re-sent after newer rounds got in, none is "replayed"
-    # a bucket of 1 refilled every 5 s: the join leaves it empty, so the first pushes are
-    # throttled; once one is acked the others take no token
-    shard = start_shard(mode="async", max_requests_per_s=0.2, request_burst=1,
+    # a bucket of 4 refilled every 5 s: the join's requests (hello, snapshot pieces) leave it
+    # about empty, so the first pushes are throttled; once one is acked the others take no token
+    shard = start_shard(mode="async", max_requests_per_s=0.2, request_burst=4,
                         max_refusals_per_s=0.0, max_pending_per_island=FLOOD,
                         dedup_window=FLOOD, **SLOW_HB)  # fmt: skip
     client = Client(ClientConfig(connect=shard.router, island="flood", max_unacked=300,
