@@ -379,6 +379,7 @@ def measure_join(connect: str, sizes: dict[str, Any], log) -> dict[str, Any]:
         batch=sizes["mlp_batch"],
         inner_steps=sizes["join_inner_steps"],
         rounds=sizes["join_rounds"],
+        overlap_rounds=1,  # the session's default: the exchange beside training
     )
     print("device: worker.join against an MLP step", file=log, flush=True)
     return _measure_mlp(connect, args)

@@ -66,7 +66,8 @@ def test_small_load_run_acks_every_push_within_memory_bound(tmp_path):
     assert profile["shard"] == 1 and profile["accepted"] > 0, profile
     seconds = profile["cumulative_s"]
     assert seconds["serve"] >= seconds["turn"] >= seconds["handle"] >= seconds["push_submit"] > 0
-    assert seconds["push_decode"] > 0 and seconds["step"] > 0 and profile["top_own_s"]
+    # (the outer step runs in the shard's step thread, outside the serving loop's profile)
+    assert seconds["push_decode"] > 0 and profile["top_own_s"]
     assert json.loads((tmp_path / "load.json").read_text()) == report
 
 
