@@ -39,7 +39,8 @@ the data dir. Multi-process islands: every process calls
 `join` and `step` at the same points with its own shards; process 0 alone
 opens sockets and `worker.leader_sync` shares its decisions.
 
-(Over 400 lines: `Session` is the API's one class; its decisions live in
+(Over 700 lines: `Session` is the API's one class, and its lock, abandon and the
+hand-over to the push thread must be read together; its decisions live in
 `worker.exchange`, `worker.push_schedule`, `worker.goodput`,
 `worker.outbox` and `worker.leader_sync`, what remains is its state and
 documented methods.)

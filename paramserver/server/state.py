@@ -1,5 +1,9 @@
 """The deterministic state of one shard: parameters, optimizer, pending deltas; no sockets, no files.
 
+(Over 700 lines: one event-sourced state, whose every mutation, live or
+replayed, goes through `apply`, must be read in one place; the rules it
+applies live in `admission/` and `step/`.)
+
 This module owns what a shard knows and every rule that changes it: the plan,
 per owned fragment the fp32 parameters (1-D), outer optimizer state, version,
 pending contributions (each delta kept coded as it arrived, `codec.coded`,
