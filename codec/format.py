@@ -102,6 +102,7 @@ SCHEMES = ("int8", "int4", "raw", "topk")
 MAX_CHUNK = 1 << 16  # topk offsets are uint16
 TOPK_BITS = (2, 4)
 LEVELS = {"int8": 127, "int4": 7}
+NIBBLE_BIAS = 8  # an int4 nibble holds q + 8 (0..14); a padding nibble 8 codes 0
 DTYPES = {
     "float32": np.dtype(np.float32),
     "float16": np.dtype(np.float16),
