@@ -146,7 +146,8 @@ SERVER_ROOMS_ALLOWED = {
     "step": {"config", "events", "fragment"},
     "storage": {"config", "events", "fragment", "state", "admission", "step"},
     "state": {"config", "events", "fragment", "state_init", "admission", "step"},
-    "core": {"config", "events", "state", "admission"},
+    "effects": {"events", "state", "admission"},  # the core's effect types (state: typing only)
+    "core": {"config", "events", "effects", "state", "admission"},
 }
 
 
