@@ -141,16 +141,7 @@ def run_ddp(
                     break
                 time.sleep(POLL_S)
             stopped_at = time.time()
-            for r in ranks:
-                r.terminate()
-            codes = [r.wait_or_kill(60.0) for r in ranks]
-            failed = [
-                r for r, code in zip(ranks, codes, strict=True) if code not in (0, -signal.SIGTERM)
-            ]
-            if failed:
-                raise LaunchError(
-                    f"ddp rank failed: {failed[0].error_tail() or failed[0].proc.returncode}"
-                )
+            runs.stop_ranks(ranks, 60.0)
     finally:
         for r in ranks:
             r.stop(0.0)

@@ -270,16 +270,7 @@ def run_ddp(
                     break
                 time.sleep(POLL_S)
             stopped_at = time.time()
-            for r in ranks:
-                r.terminate()
-            codes = [r.wait_or_kill(30.0) for r in ranks]
-            failed = [
-                r for r, code in zip(ranks, codes, strict=True) if code not in (0, -signal.SIGTERM)
-            ]
-            if failed:
-                raise LaunchError(
-                    f"ddp rank failed: {failed[0].error_tail() or failed[0].proc.returncode}"
-                )
+            stop_ranks(ranks, 30.0)
     finally:
         for r in ranks:
             r.stop(0.0)  # what an error left running is killed
@@ -315,3 +306,21 @@ def run_scenario(
     record["inner_steps"], record["steps_per_island"] = budget.inner_steps, budget.steps_per_island
     (out / f"{scenario.name}.json").write_text(json.dumps(record, indent=2))
     return record
+
+
+def stop_ranks(ranks: list, wait_s: float) -> None:
+    """SIGTERM every DDP rank, wait for each, and fail on one that did not end cleanly.
+
+    Args:
+        ranks: the ranks' child processes (`bench.child` handles).
+        wait_s: how long each may take before it is killed.
+
+    Raises:
+        LaunchError: a rank exited with another code than 0 or -SIGTERM.
+    """
+    for r in ranks:
+        r.terminate()
+    codes = [r.wait_or_kill(wait_s) for r in ranks]
+    failed = [r for r, code in zip(ranks, codes, strict=True) if code not in (0, -signal.SIGTERM)]
+    if failed:
+        raise LaunchError(f"ddp rank failed: {failed[0].error_tail() or failed[0].proc.returncode}")
