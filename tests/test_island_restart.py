@@ -123,6 +123,8 @@ def test_kill_9_island_resends_its_unacked_deltas_once_and_is_welcomed_at_once(t
     assert unacked <= set(applied)  # every delta left unacked at the kill, applied
     base = min(r for r, _ in applied)  # the first run's round 0
     first_run = {(r, f) for r, f in applied if r - base < 1_000}
-    assert first_run >= {(base + r, f) for r in range(done_rounds) for f in (0, 1)}
+    # the rounds the session handed over at the kill, less the one the push thread may still
+    # have been framing (overlap_rounds=1: a round is durable once persisted, not once returned)
+    assert first_run >= {(base + r, f) for r in range(done_rounds - 1) for f in (0, 1)}
     assert not (data_dir / outbox.OUTBOX_FILE).exists()  # all resolved at the graceful stop
     assert island_files.read_rows(data_dir)[-1]["rejected"] == 0
