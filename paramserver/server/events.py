@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from codec.coded import CodedTensor, from_array
+from codec.decode import CodedTensor, from_array
 
 
 class StateError(RuntimeError):
@@ -24,7 +24,7 @@ class StateError(RuntimeError):
 class Contribution:
     """One accepted delta waiting to be merged into its fragment.
 
-    `delta` is kept as it arrived (`codec.coded`: int8/int4 codes and scales,
+    `delta` is kept as it arrived (`codec.decode`: int8/int4 codes and scales,
     topk entries, raw values), never decoded to float32 while pending; a 1-D
     array given here is kept as raw float32. `clip` is the robust clip factor
     (`paramserver.server.step.weighting`) the merge applies to its decoded values.

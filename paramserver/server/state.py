@@ -6,7 +6,7 @@ applies live in `admission/` and `step/`.)
 
 This module owns what a shard knows and every rule that changes it: the plan,
 per owned fragment the fp32 parameters (1-D), outer optimizer state, version,
-pending contributions (each delta kept coded as it arrived, `codec.coded`,
+pending contributions (each delta kept coded as it arrived, `codec.decode`,
 under the shard's `max_pending_bytes`), arrival statistics and round clock
 (`paramserver.server.step.round_clock`: staleness in rounds, the islands of a round); the dedup table; the island
 registry (last heard from); the counters reported by `status`.
