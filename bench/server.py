@@ -57,7 +57,7 @@ from bench import cli
 from bench.common import emit_json, gbps, progress, timed
 from codec.decode import read_coded
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import AcceptEvent, Contribution
+from paramserver.server.fragment import AcceptEvent, Contribution
 from paramserver.server.shard import ShardServer
 from paramserver.server.state import ShardState
 from paramserver.server.storage.shard_storage import ShardStorage

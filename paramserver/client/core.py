@@ -45,8 +45,8 @@ from paramserver.client.shards import Effect, Send, Shards, ShardState
 from paramserver.client.types import ClientConfig, ClientError, JoinResult, PushRequest, Update
 from paramserver.client.welcome import check_rewelcome, welcome_limit
 from paramserver.wire import protocol
-from paramserver.wire.liveness import is_silent, next_backoff
 from paramserver.wire.plan import Plan
+from paramserver.wire.protocol import is_silent, next_backoff
 
 logger = logging.getLogger(__name__)
 

@@ -40,8 +40,7 @@ import numpy as np
 
 import codec
 from codec.decode import CodedTensor, read_coded
-from paramserver.server.events import Event
-from paramserver.server.fragment import DedupEntry, FragmentState
+from paramserver.server.fragment import DedupEntry, Event, FragmentState
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan, PlanError
 from paramserver.wire.protocol import DUPLICATE, REJECTED, TRAINING_FIELDS

@@ -51,8 +51,13 @@ import numpy as np
 import optax
 
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import Contribution, PieceGram
-from paramserver.server.fragment import FragmentState
+from paramserver.server.fragment import (
+    Contribution,
+    FragmentState,
+    PieceGram,
+    TensorGroups,
+    partials,
+)
 from paramserver.server.step.downlink import Downlink, new_residual
 from paramserver.server.step.merge import chunk_merge, scaled
 from paramserver.server.step.outer import (
@@ -68,7 +73,6 @@ from paramserver.server.step.sparse_merge import (
     sparse_merge,
     sparse_optimizer,
 )
-from paramserver.server.step.tensor_groups import TensorGroups, partials
 from paramserver.server.step.weighting import (
     IslandShare,
     make_weighting,

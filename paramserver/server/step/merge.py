@@ -40,7 +40,7 @@ fragment's step exact, only data from the tensor's other pieces can.
 In the shard: the plan keeps the fragments of a cut tensor on one shard
 unless the tensor spans one of the S - 1 boundaries between shards' runs
 (`paramserver.wire.plan`), and a step passes the Grams of the pieces this
-shard holds of the same pushes (`paramserver.server.step.tensor_groups`, logged in
+shard holds of the same pushes (`paramserver.server.step.policy`, logged in
 the StepEvent). So a tensor is merged over the whole tensor when all its
 pieces are on one shard and hold the step's pushes (in sync mode the pieces
 of a round step together); a piece on another shard, or one without the

@@ -53,13 +53,12 @@ from codec.decode import CodedTensor, from_array
 from paramserver.plumbing.private import open_private
 from paramserver.server.admission.outcomes import ShardCounters
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import Contribution, StateError
-from paramserver.server.fragment import DedupEntry, FragmentState
+from paramserver.server.fragment import Contribution, DedupEntry, FragmentState, StateError
 from paramserver.server.state import ShardState
 from paramserver.server.step.downlink import restore_residual
 from paramserver.server.step.fragment_step import host_state, host_vector
 from paramserver.server.step.policy import ArrivalStats
-from paramserver.server.step.round_clock import RoundClock
+from paramserver.server.step.weighting import RoundClock
 from paramserver.server.storage.wal import fsync_dir
 from paramserver.wire.plan import Plan
 

@@ -1,7 +1,7 @@
 """The write-ahead log: its records (what an event is on disk) and its files (append, fsync, read back).
 
 Records (`event_to_record`, `record_to_event`): what the records of a shard's
-log mean (the events are `paramserver.server.events`').
+log mean (the events are `paramserver.server.fragment`').
 
 Log records (msgpack header + raw payload):
 
@@ -78,7 +78,7 @@ import numpy as np
 
 from codec.decode import CodedTensor, from_array, read_coded
 from paramserver.plumbing.private import open_private
-from paramserver.server.events import (
+from paramserver.server.fragment import (
     AcceptEvent,
     Contribution,
     Event,
