@@ -147,6 +147,24 @@ class StateError(RuntimeError):
     """An event that cannot be applied (a corrupted or foreign log), or misuse of the state."""
 
 
+SPARSE_SCHEMES = ("topk",)  # codec schemes whose deltas list a subset of the entries
+
+
+def is_sparse(contributions: Sequence) -> bool:
+    """Whether a step's pending deltas are all sparse-coded (merge per entry, no momentum).
+
+    Args:
+        contributions: the step's `Contribution`s (their `delta` kept coded).
+
+    Returns:
+        True when there is at least one and every delta's scheme is in SPARSE_SCHEMES
+        (`paramserver.server.step.sparse_merge` merges those).
+    """
+    return bool(contributions) and all(
+        getattr(c.delta, "scheme", None) in SPARSE_SCHEMES for c in contributions
+    )
+
+
 @dataclass(frozen=True)
 class Contribution:
     """One accepted delta waiting to be merged into its fragment.

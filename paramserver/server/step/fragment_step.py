@@ -56,6 +56,7 @@ from paramserver.server.fragment import (
     FragmentState,
     PieceGram,
     TensorGroups,
+    is_sparse,
     partials,
 )
 from paramserver.server.step.downlink import Downlink, new_residual
@@ -69,7 +70,6 @@ from paramserver.server.step.outer import (
 )
 from paramserver.server.step.sparse_merge import (
     SPARSE_PUBLISH_ZSTD_LEVEL,
-    is_sparse,
     sparse_merge,
     sparse_optimizer,
 )
