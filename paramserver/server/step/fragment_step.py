@@ -133,7 +133,7 @@ class FragmentStepper:
             where: the fragment in the plan (its leaves, for per-tensor merges).
             expected: islands the shard expected this round (its live
                 islands at the step); None: the step's own islands.
-            outside: rda: the Grams of its cut tensors' other pieces (`tensor_groups`).
+            outside: rda: the Grams of its cut tensors' other pieces (`paramserver.server.fragment.TensorGroups`).
 
         Returns:
             (the islands' shares, the published update's codec frames or None

@@ -328,7 +328,7 @@ def decide(
     Args:
         now: current time (same clock as the arrivals).
         pending: deltas waiting for this fragment (from any island, live or not).
-        live_islands: islands currently live (see paramserver.wire.liveness).
+        live_islands: islands currently live (see paramserver.wire.protocol.live_islands).
         stats: the fragment's arrival statistics.
         cfg: policy settings.
         paces: island -> reported pace (eq3 grace rule); None: none reported.

@@ -7,7 +7,7 @@ merge, exactly"). Pending deltas are first grouped per island: an island sends
 ``anchor - local``, so its pushes are disjoint increments of work and are
 **summed**, with their tokens and inner steps, each increment k damped by its
 own staleness. Then, across the n islands i of a step that the shard expected
-N islands for (the islands that push, at least n: `round_clock`)::
+N islands for (the islands that push, at least n: `RoundClock.expected` below)::
 
     merged = sum_i  c_i * sum_k g(s_ik) * delta_ik,   c_i = (n / N) * w_i
     w_i    = f(tokens_i, steps_i) / sum_j f(tokens_j, steps_j)
@@ -338,7 +338,7 @@ def merge_coefficients(
             attributes, or (island, tokens, steps, base_version) tuples.
         current_version: the fragment's version now; staleness = current - base.
         expected: islands expected per round (the islands that push:
-            `round_clock`); None: the step's own islands (a whole round).
+            `RoundClock`); None: the step's own islands (a whole round).
         clock: the fragment's round clock: staleness in rounds is the rounds
             it advanced since each base; None: (current - base) * the step's
             share (an approximation for callers without history).
