@@ -186,13 +186,15 @@ def dequantize_weighted(codes, scales, out, first, block, step, factor, weight, 
         j = (first + pos) // block
         end = min((j + 1) * block - first, n)
         st = scales[j] * step
-        for i in range(pos, end):
-            t = np.float32(codes[first + i]) * st
+        c = codes[first + pos : first + end]
+        o = out[pos:end]
+        for i in range(end - pos):
+            t = np.float32(c[i]) * st
             if scaled:
                 t = t * factor
             t = t * weight
             if add:
-                out[i] = out[i] + t
+                o[i] = o[i] + t
             else:
-                out[i] = t
+                o[i] = t
         pos = end

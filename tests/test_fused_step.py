@@ -6,7 +6,7 @@ import pytest
 
 import codec
 from codec.coded import read
-from paramserver.server.step.downlink import Downlink, new_residual
+from paramserver.server.step.downlink import Downlink, DownlinkError, new_residual
 from paramserver.server.step.fragment_step import ChunkedStep, host_vector
 from paramserver.server.step.fused_step import FusedNesterov, _kernels
 from paramserver.server.step.merge import _MeanMerge, scaled
@@ -150,3 +150,15 @@ def test_the_compiled_mean_merge_is_its_numpy_pieces():
             ["v"] for k, b in enumerate((256, 128, 256))]  # fmt: skip
     by_hand = full[0] * F32(0.5) + (full[1] * F32(0.37)) * F32(0.3) + full[2] * F32(0.2)
     assert compiled.whole().tobytes() == by_hand.tobytes()
+
+
+def test_a_non_finite_update_is_refused():
+    n = 4096
+    params = host_vector(rand(n, 0))
+    state = ChunkedStep(round_nesterov(0.7, 0.8)).init(params)
+    g = rand(n, 1)
+    g[3000] = np.inf
+    publication = Downlink("int8").begin(params, new_residual(n))
+    fused = FusedNesterov.for_config("nesterov", 0.7, 0.8, 1, chunk=1024)
+    with pytest.raises(DownlinkError, match=r"\[2048, 3072\)"):
+        fused.step(params, state, lambda lo, hi, out: np.copyto(out, g[lo:hi]), publication)

@@ -53,6 +53,24 @@ def _fma(typingctx, a, b, c):
     return sig, codegen
 
 
+@intrinsic
+def _float_of_bits(typingctx, bits):
+    # the float32 whose bits are the uint32 `bits`
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.uint32), codegen
+
+
+@intrinsic
+def _bits_of_float(typingctx, value):
+    # the uint32 bits of the float32 `value`
+    def codegen(context, builder, signature, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(types.float32), codegen
+
+
 @jit
 def _nesterov(g, m, beta, fresh, due):
     # (new momentum, the update over -lr) of one element: round_nesterov as XLA contracts it
@@ -63,12 +81,13 @@ def _nesterov(g, m, beta, fresh, due):
 
 
 @jit
-def _bf16_bits(bits):
-    # the bits of a float32 -> bfloat16 bits, round to nearest even (a NaN stays a quiet NaN)
-    if (bits & ABS_MASK) > np.uint32(0x7F800000):
-        return np.uint16((bits >> np.uint32(16)) | np.uint32(0x40))
-    rounding = np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))
-    return np.uint16((bits + rounding) >> np.uint32(16))
+def _bf16_bits(value):
+    # float32 -> bfloat16 bits, round to nearest even (a NaN stays a quiet NaN); branch-free
+    bits = _bits_of_float(value)
+    rounded = (bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)
+    quiet = (bits >> np.uint32(16)) | np.uint32(0x40)
+    nan = (bits & ABS_MASK) > np.uint32(0x7F800000)
+    return np.uint16(quiet if nan else rounded)
 
 
 @jit
@@ -101,25 +120,22 @@ def nesterov_int8(
     """
     n = merged.shape[0]
     bad = -1
-    carry = np.zeros(1, np.uint32)
-    carry_f = carry.view(np.float32)
-    top = np.zeros(1, np.uint32)
-    top_f = top.view(np.float32)
-    buf_bits = buf.view(np.uint32)
     lv = np.float32(127.0)
     for j in range((n + block - 1) // block):
         a = j * block
         e = min(a + block, n)
-        mx = np.uint32(0)
-        for i in range(a, e):
-            k = lo + i
-            m, y = _nesterov(merged[i], mom[k], beta, fresh, due)
-            mom[k] = m
-            carry[0] = np.uint32(res_bits[k]) << np.uint32(16)
-            buf[i - a] = _fma(neg_lr, y, carry_f[0])
-            mx = max(mx, buf_bits[i - a] & ABS_MASK)  # NaN above Inf, as the codec's absmax
-        top[0] = mx
-        s = top_f[0]
+        size = e - a
+        # views of the block: loops over range(size) index without wraparound, so they vectorize
+        g_b, v_b, c_b = merged[a:e], buf[:size], codes[a:e]
+        p_b, m_b, r_b = params[lo + a : lo + e], mom[lo + a : lo + e], res_bits[lo + a : lo + e]
+        top = np.uint32(0)
+        for i in range(size):
+            m, y = _nesterov(g_b[i], m_b[i], beta, fresh, due)
+            m_b[i] = m
+            v = _fma(neg_lr, y, _float_of_bits(np.uint32(r_b[i]) << np.uint32(16)))
+            v_b[i] = v
+            top = max(top, _bits_of_float(v) & ABS_MASK)  # NaN above Inf, as the codec's absmax
+        s = _float_of_bits(top)
         if s < tiny:
             s = np.float32(0.0)
         scales[j] = s
@@ -129,15 +145,13 @@ def nesterov_int8(
         if inv > inv_max:  # a NaN stays NaN
             inv = inv_max
         st = s * step
-        for i in range(a, e):
-            k = lo + i
-            v = buf[i - a]
+        for i in range(size):
+            v = v_b[i]
             q = np.rint(v * inv)
             c = np.int8(q)
-            codes[i] = c
-            params[k] = params[k] + np.float32(c) * st
-            buf[i - a] = v - q * st
-            res_bits[k] = _bf16_bits(buf_bits[i - a])
+            c_b[i] = c
+            p_b[i] = p_b[i] + np.float32(c) * st
+            r_b[i] = _bf16_bits(v - q * st)
     return bad
 
 
@@ -155,8 +169,9 @@ def nesterov_apply(merged, lo, params, mom, neg_lr, beta, fresh, due):
         fresh: the round's first step.
         due: the round is complete.
     """
-    for i in range(merged.shape[0]):
-        k = lo + i
-        m, y = _nesterov(merged[i], mom[k], beta, fresh, due)
-        mom[k] = m
-        params[k] = _fma(neg_lr, y, params[k])
+    n = merged.shape[0]
+    p_c, m_c = params[lo : lo + n], mom[lo : lo + n]
+    for i in range(n):
+        m, y = _nesterov(merged[i], m_c[i], beta, fresh, due)
+        m_c[i] = m
+        p_c[i] = _fma(neg_lr, y, p_c[i])
