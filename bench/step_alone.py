@@ -10,8 +10,10 @@ the model is, per fragment, the mean merge of its D deltas, the outer step
 and the int8 downlink's frames (`merge._MeanMerge`, `fused_step.FusedNesterov`
 or `fragment_step.ChunkedStep` with `downlink.Int8Publication`): what
 `FragmentStepper.step` does less the weighting's few scalars. The median of
-R steps (after one warm-up) over a memcpy of N float32 values measured in
-the same run, the load average alongside. JSON on stdout.
+R steps (after one warm-up) over the median of 9 memcpys of N float32
+values measured just before them, as wall time and as the process's CPU
+time (on a loaded machine the CPU time is what the step costs; wall time
+also counts the waits for a core), the load average alongside. JSON on stdout.
 """
 
 from __future__ import annotations
@@ -26,7 +28,6 @@ import time
 import numpy as np
 
 import codec
-from bench.common import memcpy_gbps
 from bench.scale import parse_count
 from codec.coded import read
 from paramserver.server.step.downlink import Downlink, new_residual
@@ -72,8 +73,8 @@ def measure(params: int, deltas: int, repeats: int) -> dict:
         f["state"] = jitted.init(f["params"])
     weights = [1.0 / deltas] * deltas
 
-    def one_step(kind: str) -> float:
-        t0 = time.perf_counter()
+    def one_step(kind: str) -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
         for f in frags:
             fill = _MeanMerge(f["deltas"], weights).fill
             pub = link.begin(f["params"], f["residual"])
@@ -82,20 +83,43 @@ def measure(params: int, deltas: int, repeats: int) -> dict:
             else:
                 jitted.step(f["params"], f["state"], fill, pub.apply, f["residual"])
             pub.frames()
-        return time.perf_counter() - t0
+        return time.perf_counter() - t0, time.process_time() - c0
 
-    copy = memcpy_gbps(min(params * 4, 256 << 20))
-    memcpy_s = params * 4 / (copy["median"] * 1e9)
-    result = {"params": params, "fragments": len(frags), "deltas": deltas, "memcpy_s": memcpy_s}
+    result: dict = {"params": params, "fragments": len(frags), "deltas": deltas}
     for kind in ("fused", "jitted"):
         if kind == "fused" and fused is None:
             continue
         one_step(kind)  # compiles
+        copy_wall, copy_cpu = _memcpy(params)  # the baseline next to each path, same load
         times = [one_step(kind) for _ in range(repeats)]
-        result[f"{kind}_s"] = statistics.median(times)
-        result[f"{kind}_vs_memcpy"] = round(statistics.median(times) / memcpy_s, 2)
+        wall = statistics.median(t for t, _ in times)
+        cpu = statistics.median(c for _, c in times)
+        result[kind] = {
+            "step_s": round(wall, 4),
+            "memcpy_s": round(copy_wall, 4),
+            "vs_memcpy": round(wall / copy_wall, 2),
+            "cpu_s": round(cpu, 4),
+            "memcpy_cpu_s": round(copy_cpu, 4),
+            "cpu_vs_memcpy_cpu": round(cpu / copy_cpu, 2),
+        }
     result["load_avg_1m"] = os.getloadavg()[0]
     return result
+
+
+def _memcpy(params: int, repeats: int = 9) -> tuple[float, float]:
+    """Median wall and CPU seconds of copying `params` float32 values (at most 256 MiB copied,
+    scaled up by size, as `diloco-bench scale` does)."""
+    n = min(params, 64 << 20)
+    src, dst = np.ones(n, np.float32), np.empty(n, np.float32)
+    np.copyto(dst, src)
+    walls, cpus = [], []
+    for _ in range(repeats):
+        t0, c0 = time.perf_counter(), time.process_time()
+        np.copyto(dst, src)
+        walls.append(time.perf_counter() - t0)
+        cpus.append(time.process_time() - c0)
+    scale = params / n
+    return statistics.median(walls) * scale, statistics.median(cpus) * scale
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,7 +34,7 @@ from codec.quant import TINY, max_factor, step_factor
 from paramserver.server.step.downlink import DownlinkError, Int8Publication
 from paramserver.server.step.outer import ROUND_TOL, RoundNesterovState, aligned_float32
 
-CHUNK = 1 << 16  # elements per fill and kernel call: 256 KiB of merged float32 stays in L2
+CHUNK = 1 << 18  # elements per fill and kernel call: 1 MiB of merged float32 (L2 or L3)
 
 Fill = Callable[[int, int, np.ndarray], None]
 
