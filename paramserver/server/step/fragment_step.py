@@ -10,7 +10,10 @@ of a run; a step that merges fewer islands than the shard expected is a
 smaller share of a round, `weighting.round_share`; sparse topk deltas:
 `paramserver.server.step.sparse_merge`'s per-entry merge and SGD) and the
 compressed downlink (`paramserver.server.step.downlink`: the fragment takes exactly
-the update replicas decode, chunk by chunk). Which deltas a step merges, and
+the update replicas decode, chunk by chunk). The default optimizer (round
+Nesterov) runs as one compiled pass per chunk where numba is installed
+(`paramserver.server.step.fused_step`: the same bits), `ChunkedStep`
+otherwise and for every other optimizer. Which deltas a step merges, and
 the bookkeeping around it (pending set, version, counters), are
 `paramserver.server.state`'s.
 
