@@ -10,7 +10,10 @@ of a run; a step that merges fewer islands than the shard expected is a
 smaller share of a round, `weighting.round_share`; sparse topk deltas:
 `paramserver.server.step.sparse_merge`'s per-entry merge and SGD) and the
 compressed downlink (`paramserver.server.step.downlink`: the fragment takes exactly
-the update replicas decode, chunk by chunk). Which deltas a step merges, and
+the update replicas decode, chunk by chunk). The default optimizer (round
+Nesterov) runs as one compiled pass per chunk where numba is installed
+(`paramserver.server.step.fused_step`: the same bits), `ChunkedStep`
+otherwise and for every other optimizer. Which deltas a step merges, and
 the bookkeeping around it (pending set, version, counters), are
 `paramserver.server.state`'s.
 
@@ -60,6 +63,7 @@ from paramserver.server.fragment import (
     partials,
 )
 from paramserver.server.step.downlink import Downlink, new_residual
+from paramserver.server.step.fused_step import FusedNesterov
 from paramserver.server.step.merge import chunk_merge, scaled
 from paramserver.server.step.outer import (
     FragmentOptimizer,
@@ -101,6 +105,8 @@ class FragmentStepper:
         self.downlink = Downlink(cfg.downlink)
         finish = self.downlink.finish if self.downlink.compressed else None
         self._step = ChunkedStep(self.optimizer.tx, finish=finish)  # the outer step, in place
+        # the same step in one compiled pass per chunk, where numba is there (fused_step)
+        self._fused = FusedNesterov.for_config(*outer, cfg.nesterov_delay)
         self.groups = TensorGroups(cfg.merge)  # rda: a cut tensor's other pieces on this shard
         # sparse (topk) deltas: per-entry merge, SGD without momentum (sparse_merge)
         self._sparse = ChunkedStep(sparse_optimizer(cfg.sparse_outer_lr), finish=finish)
@@ -165,13 +171,22 @@ class FragmentStepper:
             step, opt_state = self._step, frag.opt_state
             share = round_share(len(shares), expected) if self.weighting.scales_by_share else 1.0
             set_round_share(opt_state, share)  # the momentum moves once per round
+        fused = None if sparse else self._fused
+        if fused is not None and not fused.fits(opt_state, downlink.block_size):
+            fused = None
         if not self.downlink.compressed:
-            step.step(frag.params, opt_state, fill)
+            if fused is not None:
+                fused.step(frag.params, opt_state, fill)
+            else:
+                step.step(frag.params, opt_state, fill)
             return shares, None
         if frag.residual is None:
             frag.residual = new_residual(frag.params.shape[0])
         publication = downlink.begin(frag.params, frag.residual)
-        step.step(frag.params, opt_state, fill, publication.apply, frag.residual)
+        if fused is not None:
+            fused.step(frag.params, opt_state, fill, publication)
+        else:
+            step.step(frag.params, opt_state, fill, publication.apply, frag.residual)
         return shares, tuple(publication.frames())
 
 
