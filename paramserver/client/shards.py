@@ -1,7 +1,7 @@
 """The shards as the client's core sees them: their state, their links, the requests in flight.
 
 This module owns, with no I/O, the bookkeeping under the client's core
-(`paramserver.client.core`): `ShardState` (endpoints, links, liveness and
+(`paramserver.client.core`): `ShardLink` (endpoints, links, liveness and
 update stream of one shard) and `Shards`, which numbers links and request
 ids, keeps the tracked requests (id -> what was asked), builds the messages
 (every request carries the island id, every hello the client's session) and
@@ -35,8 +35,8 @@ class SnapshotRead:
 
 
 @dataclass
-class ShardState:
-    """What the core knows of one shard: its endpoints, links, liveness and update stream."""
+class ShardLink:
+    """One shard as the client sees it: its endpoints, links, liveness and update stream."""
 
     index: int
     router: str
@@ -66,9 +66,9 @@ class Shards:
         self.island = island
         self.session = session
         self.values = values
-        self.all: list[ShardState] = []
+        self.all: list[ShardLink] = []
         self.requests: dict[int, tuple[str, int, int]] = {}  # id -> (kind, shard, fragment)
-        self._links: dict[int, tuple[Role, ShardState]] = {}
+        self._links: dict[int, tuple[Role, ShardLink]] = {}
         self._next_link = 0
         self._next_id = 0
         self._out: list[Effect] = []
@@ -82,7 +82,7 @@ class Shards:
         """Whether any link is open."""
         return bool(self._links)
 
-    def owner(self, link: int) -> tuple[Role, ShardState] | None:
+    def owner(self, link: int) -> tuple[Role, ShardLink] | None:
         """(role, shard) of an open link, or None (closed or never opened)."""
         return self._links.get(link)
 
@@ -91,7 +91,7 @@ class Shards:
         self._next_id += 1
         return self._next_id
 
-    def open(self, shard: ShardState, role: Role) -> None:
+    def open(self, shard: ShardLink, role: Role) -> None:
         """Give `shard` a fresh link of `role` (the old one, if any, is closed)."""
         old = shard.dealer if role == "dealer" else shard.sub
         if old is not None:
@@ -113,7 +113,7 @@ class Shards:
         self.requests.clear()
         self.all = []
 
-    def send(self, shard: ShardState, header: dict, payload: list[Any] = ()) -> list[Any]:
+    def send(self, shard: ShardLink, header: dict, payload: list[Any] = ()) -> list[Any]:
         """Send one message on a shard's DEALER (adds `island`, and `session` to a hello).
 
         Returns:
@@ -125,17 +125,17 @@ class Shards:
         self.send_frames(shard, frames)
         return frames
 
-    def send_frames(self, shard: ShardState, frames: list[Any], key: Any = None) -> None:
+    def send_frames(self, shard: ShardLink, frames: list[Any], key: Any = None) -> None:
         """Send packed frames on a shard's DEALER (`key`: the ledger's delta, for a push)."""
         self._out.append(Send(-1 if shard.dealer is None else shard.dealer, frames, key))
 
-    def request(self, shard: ShardState, kind: str, about: int = -1, **fields: Any) -> None:
+    def request(self, shard: ShardLink, kind: str, about: int = -1, **fields: Any) -> None:
         """Send a tracked request (`about`: its fragment, if any); the reply is matched by id."""
         rid = self.new_id()
         self.requests[rid] = (kind, shard.index, about)
         self.send(shard, {"kind": kind, "id": rid, **fields})
 
-    def request_snapshots(self, shard: ShardState, now: float, plan: Plan) -> None:
+    def request_snapshots(self, shard: ShardLink, now: float, plan: Plan) -> None:
         """Start (or restart) a snapshot of every fragment of `shard` (its feed must exist).
 
         Args:
@@ -159,7 +159,7 @@ class Shards:
         self._ask_pieces(shard, read)
 
     def on_snapshot_piece(
-        self, shard: ShardState, header: dict, payload: list[Any]
+        self, shard: ShardLink, header: dict, payload: list[Any]
     ) -> tuple[int, int, int, np.ndarray | None] | None:
         """Take one `snapshot_reply` (to a tracked request); ask the next pieces.
 
@@ -194,7 +194,7 @@ class Shards:
         del read.fragments[pieces.fragment]
         return (pieces.fragment, *pieces.result())
 
-    def _ask_pieces(self, shard: ShardState, read: SnapshotRead) -> None:
+    def _ask_pieces(self, shard: ShardLink, read: SnapshotRead) -> None:
         while read.queue and read.in_flight < SNAPSHOT_WINDOW:
             fragment, offset, count = read.queue.pop(0)
             rid = self.new_id()
