@@ -229,6 +229,11 @@ class Bindings:
         del bound.attached[oldest]
         return oldest
 
+    def connections(self, island: str) -> int:
+        """How many connections act as `island` (its bound one and the attached ones; 0: unbound)."""
+        bound = self._bound.get(island)
+        return 0 if bound is None else 1 + len(bound.attached)
+
     def verdict(self, island: str, conn: bytes, now: float) -> str:
         """How to treat a request (other than hello) for `island` from `conn`; refreshes its own.
 
