@@ -82,7 +82,9 @@ class ClientCore:
         self.join_outcome: JoinResult | ClientError | None = None
         self.dropped: list[PushRequest] = []  # what close left unacked
         self._join: Join | None = None  # the join in progress
-        self._shards = Shards(cfg.island, cfg.session or session, cfg.keep != "versions")
+        self._shards = Shards(
+            cfg.island, cfg.session or session, cfg.keep != "versions", cfg.bulk_flows
+        )
         self._storage_warning = StorageWarning()
         self._close_at: float | None = None
         # The PUB stream heartbeats at the server's interval: judge its silence by
@@ -188,7 +190,7 @@ class ClientCore:
         try:
             if role == "dealer":
                 shard.heard = now
-                self._on_reply(now, shard, frames)
+                self._on_reply(now, shard, frames, link)
             else:
                 shard.sub_heard = now
                 self._on_published(now, shard, frames)
@@ -203,8 +205,10 @@ class ClientCore:
             self._after_join_step()
         return self._shards.flush()
 
-    def _on_reply(self, now: float, shard: ShardLink, frames: list) -> None:
+    def _on_reply(self, now: float, shard: ShardLink, frames: list, link: int) -> None:
         header, payload = protocol.unpack(frames, protocol.REPLY)
+        if self._shards.on_link_reply(shard, link, header):  # a bulk link's attach
+            return
         kind, rid = header["kind"], header.get("id")
         if kind == "ack":
             self._on_ack(now, shard, header)

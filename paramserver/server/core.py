@@ -386,6 +386,8 @@ class ShardCore:
 
     def _on_hello(self, request: Request, header: dict, payload, now: float, known: bool):
         island, session = header["island"], header.get("session")
+        if header.get("attach") is True:
+            return self._on_attach(request, header, now)
         if not self.bindings.may_bind(island, request.conn, session, now):
             detail = self.bindings.in_use_detail(island, now)
             return self._answer(request, header, self.state.reject("island_in_use", detail))
@@ -396,6 +398,34 @@ class ShardCore:
         self.throttle.bind(request.conn, island)
         if len(self.bindings) > len(self.state.last_seen):
             self.bindings.prune(self.state.last_seen)
+        return self._reply(request, header, "welcome", **self._welcome_fields())
+
+    def _on_attach(self, request: Request, header: dict, now: float) -> Effects:
+        """An attach hello: one more connection of a bound island (gate.Bindings.attach_refusal)."""
+        island = header["island"]
+        reason = self.bindings.attach_refusal(island, header.get("session"))
+        if reason is not None or not self.state.touch(island, now):
+            if reason == "island_in_use":
+                detail = self.bindings.in_use_detail(island, now)
+            else:
+                reason = "unknown_island"
+                detail = (
+                    f"island {island!r} is not bound here: say hello without `attach` "
+                    "first (on the connection that heartbeats), then attach"
+                )
+            return self._answer(request, header, self.state.reject(reason, detail))
+        let_go = self.bindings.attach(island, request.conn, now)
+        if let_go is not None:
+            self.throttle.detach(let_go)
+        self.throttle.attach(request.conn, island)
+        return self._reply(request, header, "welcome", **self._welcome_fields())
+
+    def peer(self, conn: bytes) -> gate.Key:
+        """Whom the bytes of unread replies to `conn` are charged to: its island, else itself."""
+        return self.throttle.key(conn)
+
+    def _welcome_fields(self) -> dict[str, Any]:
+        """The fields of a `welcome` (docs/protocol.md section 3.1)."""
         plan = self.state.plan
         fields: dict[str, Any] = {
             "shard": self.index,
@@ -412,7 +442,7 @@ class ShardCore:
         }
         if plan is not None:
             fields["plan"] = plan.to_wire()
-        return self._reply(request, header, "welcome", **fields)
+        return fields
 
     def _on_init(self, request: Request, header: dict, payload, now: float, known: bool):
         outcome = self.state.initialize(header["plan"], payload, now)
@@ -459,8 +489,9 @@ class ShardCore:
             refusal = outcomes.snapshot_piece_refusal(
                 offset, end, size, protocol.piece_elements(self.cfg.max_message_bytes)
             )
-        if refusal is None and not self.backlog.admits(request.conn):  # a reader that lags
-            refusal = self.backlog.refusal(request.conn)
+        peer = self.peer(request.conn)  # an island's connections share its bound
+        if refusal is None and not self.backlog.admits(peer):  # a reader that lags
+            refusal = self.backlog.refusal(peer)
         if refusal is not None:
             return self._answer(request, header, outcomes.count(self.state.counters, refusal))
         if self.state.fragments[fragment].in_step is not None:  # its arrays change: after the step
@@ -468,7 +499,7 @@ class ShardCore:
             return Effects()
         version, values = self.state.snapshot(fragment, offset, end)  # copies the piece only
         frames, _ = self._raw32.encode({"values": values})
-        self.backlog.charge(request.conn, protocol.message_bytes(frames))
+        self.backlog.charge(peer, protocol.message_bytes(frames))
         return self._reply(
             request, header, "snapshot_reply", frames, fragment=fragment, version=version,
             seq=self.seq, offset=offset, size=size,

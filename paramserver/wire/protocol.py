@@ -224,6 +224,8 @@ _OPTIONAL: dict[str, dict[str, str]] = {
         "steps_per_s": "rate",
         "goodput": "share",
         "session": "island",
+        # hello: add this connection to the island's (a bulk link) instead of moving the id
+        "attach": "bool",
         "offset": "uint",
         "count": "pos",
         # push: the lowest round of the island the client may still send (DEDUP_MAX_ROUNDS)
