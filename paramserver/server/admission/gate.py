@@ -91,6 +91,12 @@ entries with them.
 
 Nothing here touches a socket: a tracker is anything with a `done` property
 (pyzmq's `MessageTracker`).
+
+Why over 700 lines: binding, rate and reply backlog are the three checks of
+one admission, taken before a request is decoded (may this connection speak
+for this island, may it send now, may it be handed a large reply now) and
+charged to the same island over all its connections; the core asks them
+together, and one file shows the whole gate.
 """
 
 from __future__ import annotations
