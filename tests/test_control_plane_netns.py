@@ -44,9 +44,11 @@ def test_heartbeats_on_their_own_connection_do_not_wait_behind_a_push() -> None:
         assert mode["outcome"] == "accepted" and mode["heartbeats_unanswered"] == 0, mode
         assert mode["heartbeat_rtt_during_push"]["count"] >= 10, mode  # the push took seconds
     beats = split["heartbeat_rtt_during_push"]
-    # within 4 round trips plus a small constant (two Python relay hops and a Python probe on
-    # shared CPUs), whatever the push: far inside one liveness interval (1 s)
-    assert beats["p99_ms"] < 4 * RTT_MS + 250, split
+    # within 4 round trips plus a small constant, whatever the push, far inside one liveness
+    # interval. The constant: the heartbeats that reach the shard while it admits the push
+    # (its checks read the whole delta on the serving loop: a few hundred ms for 6 MB on a
+    # loaded 2-core VM, docs/results.md) are answered after it; the relays are Python too
+    assert beats["p99_ms"] < 4 * RTT_MS + 400, split
     # one connection: the heartbeats waited behind the push (about half of it at the median)
     shared_beats = shared["heartbeat_rtt_during_push"]
     assert shared_beats["p50_ms"] > 0.25 * shared["push_s"] * 1000, shared
