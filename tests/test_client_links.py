@@ -8,7 +8,7 @@ from paramserver.client.links import (
     bulk_flows,
     flow_buffer_bytes,
 )
-from paramserver.client.shards import Close, Open, Send, Shards, ShardState
+from paramserver.client.shards import Close, Open, Send, Shards, ShardLink
 from paramserver.wire import protocol
 
 pytestmark = pytest.mark.timeout(30)
@@ -49,7 +49,7 @@ def _header(effect: Send) -> dict:
 
 def test_control_and_bulk_links_of_a_shard():
     net = Shards("isl", "tok", bulk_links=2)
-    shard = ShardState(0, "tcp://s:1", "tcp://s:2")
+    shard = ShardLink(0, "tcp://s:1", "tcp://s:2")
     net.open(shard, "dealer")
     opened = net.flush()
     assert [(e.role, e.endpoint) for e in opened] == [("dealer", "tcp://s:1")] + [
@@ -96,7 +96,7 @@ def test_control_and_bulk_links_of_a_shard():
 
 def test_without_bulk_links_one_dealer_carries_everything():
     net = Shards("isl", "tok", bulk_links=0)
-    shard = ShardState(0, "tcp://s:1", "tcp://s:2")
+    shard = ShardLink(0, "tcp://s:1", "tcp://s:2")
     net.open(shard, "dealer")
     net.flush()
     net.on_link_reply(shard, shard.dealer, {"kind": "welcome"})
