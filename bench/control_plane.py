@@ -11,8 +11,13 @@ heartbeats on the push's own connection (`--links 1`, one DEALER: what a
 single-connection island does) and once on a control connection of their
 own (`--links 2`: the push on a bulk DEALER attached to the island,
 docs/protocol.md section 1), and times every heartbeat sent while the push is
-in flight. Prints one JSON object: the probed link, then per mode the push's
-seconds and Mbit/s and the heartbeats' round trips (p50, p99, max). Needs
+in flight. Then our own client (`bench.children.control_client`) pushes the
+same delta with `ClientConfig.control_link` off and on, watched from the
+shard's side (how long the shard did not hear the island, whether it counted
+it live). Prints one JSON object: the probed link, then per mode the push's
+seconds and Mbit/s and the heartbeats' round trips (p50, p99, max), then per
+client mode the push's seconds (None: not acked within three times the
+push's time at the link's rate plus 20 s), reconnects and the shard's view. Needs
 root (it creates and deletes its own namespaces); without, it exits 2 with
 one line.
 """
@@ -38,6 +43,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--beat-s", type=float, default=0.1, help="heartbeat period in the push")
     parser.add_argument("--order", default="1,2", help="the modes (links) in the order run")
     parser.add_argument(
+        "--clients", default="0,1",
+        help="our client's runs, control_link off (0) and on (1), in order; '' = none",
+    )  # fmt: skip
+    parser.add_argument(
         "--queue-ms", type=float, default=-1.0,
         help="the bottleneck's FIFO in ms at the rate; -1 = one RTT (one BDP); 0 = the kernel's "
         "default (1000 packets)",
@@ -49,7 +58,13 @@ def _shard_cmd(topo: netns.Topology, work: str, *argv: str) -> list[str]:
 
 
 def measure(
-    mbit: float, rtt_ms: float, mbytes: float, beat_s: float, order: list[int], queue_ms: float
+    mbit: float,
+    rtt_ms: float,
+    mbytes: float,
+    beat_s: float,
+    order: list[int],
+    queue_ms: float,
+    clients: list[int] = (),
 ) -> dict:
     """Build the two regions, run the pushes, tear everything down.
 
@@ -60,6 +75,7 @@ def measure(
         beat_s: heartbeat period while the push is in flight.
         order: the modes to run (1: one connection, 2: control + bulk).
         queue_ms: the bottleneck's buffer (`bench.netns.Topology`); 0: the kernel's default.
+        clients: our client's runs: 0 = control_link off, 1 = on.
 
     Returns:
         The report (see the module docstring).
@@ -90,6 +106,14 @@ def measure(
                     topo, 1, "push", remote, params, "--links", str(links),
                     "--round", str(k + 1), "--beat-s", str(beat_s),
                 )  # fmt: skip
+            bound_s = 3 * mbytes * 8 / mbit + 20
+            runs = {}
+            for k, control in enumerate(clients):
+                runs[f"control_link_{control}"] = _child(
+                    topo, 1, "bench.children.control_client", "--connect", remote,
+                    "--params", str(params), "--control-link", str(control),
+                    "--round", str(len(order) + k + 1), "--timeout-s", str(bound_s),
+                )  # fmt: skip
         finally:
             subprocess.run(
                 _shard_cmd(topo, data, "stop", "--data-dir", f"{data}/shard-0", "--timeout", "30"),
@@ -101,19 +125,25 @@ def measure(
         "push_mbytes": mbytes,
         "beat_s": beat_s,
         "modes": modes,
+        "client": runs,
     }
 
 
 def _probe(
     topo: netns.Topology, region: int, command: str, connect: str, params: int, *argv: str
 ) -> dict[str, Any]:
-    cmd = [*topo.prefix_argv(region), *child.module_argv(
-        "bench.children.control_probe", command, "--connect", connect, "--params", str(params),
-        *argv,
-    )]  # fmt: skip
+    return _child(
+        topo, region, "bench.children.control_probe", command, "--connect", connect,
+        "--params", str(params), *argv,
+    )  # fmt: skip
+
+
+def _child(topo: netns.Topology, region: int, module: str, *argv: str) -> dict[str, Any]:
+    """Run a bench child in a region; its last stdout line as JSON."""
+    cmd = [*topo.prefix_argv(region), *child.module_argv(module, *argv)]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     if proc.returncode != 0:
-        raise netns.NetnsError(f"control_probe {command}: {proc.stderr.strip()[-500:]}")
+        raise netns.NetnsError(f"{module} {argv[0]}: {proc.stderr.strip()[-500:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -125,7 +155,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     order = [int(x) for x in args.order.split(",")]
     queue_ms = args.rtt_ms if args.queue_ms < 0 else args.queue_ms
-    report = measure(args.mbit, args.rtt_ms, args.mbytes, args.beat_s, order, queue_ms)
+    clients = [int(x) for x in args.clients.split(",") if x.strip()]
+    report = measure(args.mbit, args.rtt_ms, args.mbytes, args.beat_s, order, queue_ms, clients)
     print(json.dumps(report, indent=1))
     return 0
 

@@ -8,7 +8,7 @@ from paramserver.client.links import (
     bulk_flows,
     flow_buffer_bytes,
 )
-from paramserver.client.shards import Close, Open, Send, Shards, ShardLink
+from paramserver.client.shards import Close, Open, Send, ShardLink, Shards
 from paramserver.wire import protocol
 
 pytestmark = pytest.mark.timeout(30)

@@ -35,6 +35,7 @@ from paramserver.wire import protocol
 from paramserver.wire.plan import leaf_specs, make_plan
 
 IDLE_BEATS = 5  # heartbeats timed before the push: the link's round trip
+SLOW_S = 0.5  # heartbeats slower than this are listed (when they were sent)
 
 
 def _plan(params: int) -> Any:
@@ -139,6 +140,7 @@ def push(args: argparse.Namespace) -> dict[str, Any]:
         nbytes = protocol.message_bytes(protocol.pack(header, frames))
         sent: dict[int, float] = {}
         rtts: list[float] = []
+        slow: list[tuple[float, float]] = []  # (sent, after the push began; round trip) > 0.5 s
         t0 = time.monotonic()
         push_id = probe.send(bulk, header, frames)
         ack: dict[str, Any] | None = None
@@ -162,7 +164,10 @@ def push(args: argparse.Namespace) -> dict[str, Any]:
                     if reply.get("id") == push_id:
                         ack, ack_s = reply, at - t0
                     elif reply.get("id") in sent:
-                        rtts.append(at - sent.pop(reply["id"]))
+                        began = sent.pop(reply["id"])
+                        rtts.append(at - began)
+                        if rtts[-1] > SLOW_S:
+                            slow.append((round(began - t0, 3), round(rtts[-1] * 1000, 1)))
         if ack is None:
             raise TimeoutError(f"no ack within {args.timeout_s:g} s")
         probe.request(control, {"kind": "bye"})
@@ -177,6 +182,7 @@ def push(args: argparse.Namespace) -> dict[str, Any]:
         "idle_rtt": _quantiles(idle),
         "heartbeat_rtt_during_push": _quantiles(rtts),
         "heartbeats_unanswered": len(sent),
+        "slow_heartbeats": slow[:50],  # [s after the push began, round trip ms]
     }
 
 
