@@ -21,7 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "async_outer": ("bench.async_outer", "Outer lr / momentum sweep for fully asynchronous merging (picks the mode=async defaults)."),
     "topk_outer": ("bench.topk_outer", "Outer lr sweep for sparse top-k deltas (picks `ShardConfig.sparse_outer_lr`)."),
     "outer_sweep": ("bench.outer_sweep", "Outer lr x momentum by mode, H and island count, with the daemon's fold rule (picks `outer_defaults`)."),
-    "step_rule": ("bench.step_rule", "The step rule as islands multiply: round movement for K = 1..16, async vs sync loss, the harsh mix."),
+    "step_rule": ("bench.step_rule", "The step rule as islands multiply: round movement for K = 1..16, async vs sync loss (push-only folds), the harsh mix."),
     "chaos": ("bench.chaos", "Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed."),
     "control_plane": ("bench.control_plane", "The control plane under a bulk push on a thin, long link: one shared connection against two."),
     "codec": ("bench.codec", "Codec benchmark: ratio, error, error feedback and throughput of every scheme."),
