@@ -665,6 +665,10 @@ class Session:
 
     def _round_row(self) -> None:
         extra = self.row_fields(self.round) if self.row_fields is not None else {}
+        # the client keeps ack latencies until taken: take the round's (bounded memory)
+        latencies = self.client.ack_latencies() if self.client is not None else []
+        if latencies:
+            extra = {"ack_latency_s": round(float(np.median(latencies)), 4), **extra}
         self.log_row(
             {
                 "round": self.round,
