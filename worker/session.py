@@ -29,9 +29,14 @@ whether a version arrived. In a sync cluster the round's last call waits
 until the round is merged. `close` pushes the partial round, flushes, keeps
 what stays unacked in the data dir and says bye.
 
+Each pushed delta has one record, in the session's ledger of deltas
+(`worker.deltas`, `Session.ledger`), from its take to its fate, which the
+client reports as it learns it: goodput, the outbox, the quorum skip and the
+sync wait derive what they need from it.
+
 A session runs in any thread and installs no signal handler; `stop` (a
-`threading.Event`) ends its waits, which sleep on the client's Condition in
-short slices (so Ctrl-C reaches a main thread that waits). One lock, held by
+`threading.Event`) ends its waits, which sleep on the client's or the ledger's
+Condition in short slices (so Ctrl-C reaches a main thread that waits). One lock, held by
 `step` and `close`, guards the session's state: `abandon` (the watchdog's
 thread) first closes the client, which ends any wait of `step` with
 `SessionClosed`, then takes the lock to keep the unacked deltas and release
@@ -41,7 +46,7 @@ opens sockets and `worker.leader_sync` shares its decisions.
 
 (Over 700 lines: `Session` is the API's one class, and its lock, abandon and the
 hand-over to the push thread must be read together; its decisions live in
-`worker.exchange`, `worker.push_schedule`, `worker.goodput`,
+`worker.exchange`, `worker.push_schedule`, `worker.goodput`, `worker.deltas`,
 `worker.outbox` and `worker.leader_sync`, what remains is its state and
 documented methods.)
 """
@@ -665,6 +670,10 @@ class Session:
 
     def _round_row(self) -> None:
         extra = self.row_fields(self.round) if self.row_fields is not None else {}
+        # the client keeps ack latencies until taken: take the round's (bounded memory)
+        latencies = self.client.ack_latencies() if self.client is not None else []
+        if latencies:
+            extra = {"ack_latency_s": round(float(np.median(latencies)), 4), **extra}
         self.log_row(
             {
                 "round": self.round,

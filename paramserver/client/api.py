@@ -472,7 +472,10 @@ class Client:
         its final ack), "merged" (later: a version that includes it reached this
         client), "rejected" (finally refused). A delta acked into a version this
         client already holds is told "merged" at once. Deltas left unacked at
-        `close` are told nothing (`unacked` hands them back).
+        `close` are told nothing (`unacked` hands them back). A watched client
+        keeps the merge versions of its newest 16 rounds only (`delta_outcomes`
+        and `round_merged` forget older ones): the listener's owner keeps its own
+        record of each delta.
 
         Args:
             listener: the callable, or None to stop telling.

@@ -29,6 +29,9 @@ from paramserver.client.types import Update
 
 _MAX_LATENCIES = 100_000  # ack latencies kept until `take_ack_latencies` (bounded memory)
 _MAX_MERGE_ROUNDS = 1024  # rounds whose merge versions are kept for `round_merged`
+# with a listener (`Client.watch_outcomes`), whose owner keeps its own record of each
+# delta: the newest rounds kept for `round_merged` and `delta_outcomes` (bounded memory)
+_WATCHED_MERGE_ROUNDS = 16
 _MAX_REFUSED = 256  # finally refused deltas kept for `take_refused` (the oldest go first)
 # "increments": a fragment's untaken increments may hold up to this many bytes per element
 # (its float32 values, what a snapshot of it costs); beyond, they are dropped for a snapshot
@@ -118,7 +121,8 @@ class Readout:
         elif target is None:  # a shard that does not say: a step merges all pending
             target = ack["version"] + (ack["outcome"] == "accepted")
         self._merge_targets.setdefault(ack["round"], {})[ack["fragment"]] = target
-        while len(self._merge_targets) > _MAX_MERGE_ROUNDS:
+        kept = _MAX_MERGE_ROUNDS if self.listener is None else _WATCHED_MERGE_ROUNDS
+        while len(self._merge_targets) > kept:
             del self._merge_targets[min(self._merge_targets)]
         if self.listener is not None:
             self._tell(ack["round"], ack["fragment"], target)
@@ -133,7 +137,7 @@ class Readout:
 
     def _tell(self, round: int, fragment: int, target: int | None) -> None:
         """Tell the listener a delta's final ack; a merge it still waits for is awaited."""
-        outcome = self.delta_outcome(round, fragment) if target is not None else "rejected"
+        outcome = self._outcome(fragment, target)
         if outcome == "acked":
             self._awaiting.setdefault(fragment, {})[round] = target
         self.listener(round, fragment, outcome)
@@ -252,12 +256,15 @@ class Readout:
             "merged" (acked, and the replica holds a version that includes it),
             "acked" (the shard holds it; no version including it arrived yet),
             "rejected", or "pending" (no final ack yet, or forgotten: only the
-            newest 1024 rounds are kept).
+            newest 1024 rounds are kept, 16 with a listener).
         """
         targets = self._merge_targets.get(round, {})
         if fragment not in targets:
             return "pending"
-        target = targets[fragment]
+        return self._outcome(fragment, targets[fragment])
+
+    def _outcome(self, fragment: int, target: int | None) -> str:
+        """ "rejected", "merged" or "acked" of a delta whose final ack said `target`."""
         if target is None:
             return "rejected"
         state = self.replica.get(fragment)
