@@ -175,3 +175,17 @@ def test_a_delta_the_shard_passed_over_counts_from_its_send():
     assert ledger.timer.base_s == 5.0  # 0.5 + 4 * 0.25 = 1.5: raised to the floor
     assert ledger.due(4.99, {0}) == []
     assert ledger.due(5.0, {0}) == [(0, 1)]
+
+
+def test_before_the_first_ack_a_step_of_its_fragment_restarts_the_timer():
+    """A cold start behind other islands' deltas: no ack of ours yet, but fragment 0 steps."""
+    ledger = Ledger(ack_timeout_s=5.0, ack_timeout_cap_s=60.0, ack_timeout_floor_s=5.0)
+    for key in ((0, 1), (1, 1)):
+        ledger.add(key, 0, [b"x"], 1, 0.0, _request(*key))
+        ledger.sent(key, 0.0)
+    assert ledger.on_step(0, 4.0) == []  # nothing deferred; the timer of (0, 1) restarts
+    assert ledger.due(4.99, {0}) == []
+    assert ledger.due(5.0, {0}) == [(1, 1)]  # fragment 1 did not step: 0 + 5 s
+    ledger.sent((1, 1), 5.0)  # re-sent: next due at 5 + 10 s
+    # that timeout backed the timer off (10 s): (0, 1) is due at 4 + 10 s
+    assert ledger.due(13.99, {0}) == [] and ledger.due(14.0, {0}) == [(0, 1)]

@@ -126,6 +126,7 @@ class Ledger:
         # per shard: the latest send among the deltas it acked accepted / duplicate; a delta
         # sent before it and still unacked was passed over (the shard dropped it)
         self._acked_sent: dict[int, float] = {}
+        self._stepped_at: dict[int, float] = {}  # per fragment: its last published step
         # re-sent deltas resolved by an ack `accepted`: the latency of their first copy,
         # kept until a `duplicate` proves the re-send needless (bounded, oldest dropped)
         self._resent_latency: dict[Key, float] = {}
@@ -237,7 +238,8 @@ class Ledger:
         if entry.sends == 1 and entry.attempt == 0 and reason != "throttled":
             self.timer = self.timer.sample(now - entry.sent_at)  # Karn: it answers the only copy
         self._acked_at[entry.shard] = now  # the shard answers: its timer restarts
-        if outcome != REJECTED:  # durable acks come in send order on the connection
+        if outcome != REJECTED and entry.sends == 1:  # durable acks come in send order;
+            # (Karn: the ack of a delta sent more than once may answer any copy)
             passed = self._acked_sent.get(entry.shard, entry.sent_at)
             self._acked_sent[entry.shard] = max(passed, entry.sent_at)
         if outcome == REJECTED:
@@ -285,7 +287,7 @@ class Ledger:
                     entry.retry_at, entry.deferred = None, False
                     keys.append(key)
                 continue
-            acked_at = self._acked_at.get(entry.shard)
+            acked_at = self._acked_at.get(entry.shard, self._stepped_at.get(key[0]))
             if entry.deferred or self._acked_sent.get(entry.shard, -math.inf) > entry.sent_at:
                 acked_at = None  # refused for now, or passed over: it counts from its send
             if ack_due(now, entry.sent_at, acked_at, timer.timeout_s(entry.attempt), timer.cap_s):
@@ -323,17 +325,24 @@ class Ledger:
             self.timer = self.timer.spurious(latency)
         return True
 
-    def on_step(self, fragment: int) -> list[Key]:
+    def on_step(self, fragment: int, now: float | None = None) -> list[Key]:
         """A fragment stepped, so its shard has room again: its deferred deltas, to send now.
+
+        Until its shard first acks one of ours, the step also restarts the ack timer
+        of the fragment's deltas (`due`): at a cold start behind other islands' deltas,
+        the shard shows it works through its queue before our first ack comes.
 
         Args:
             fragment: the fragment a published update named.
+            now: when the update arrived (None: no timer restart).
 
         Returns:
             Keys, in push order, of the deltas of `fragment` that were deferred
             (they are not deferred any more), throttled ones excepted: a step
             does not lift a rate limit, they wait for their `retry_at`.
         """
+        if now is not None:
+            self._stepped_at[fragment] = now
         keys = []
         for key, entry in self._entries.items():
             if entry.deferred and entry.retry_at is None and key[0] == fragment:
