@@ -157,3 +157,44 @@ def _unpack4(c, o, st):
         o[2 * i + 1] = (np.float32(b >> np.uint8(4)) - eight) * st
     if size % 2:
         o[size - 1] = (np.float32(c[half] & np.uint8(15)) - eight) * st
+
+
+@jit
+def dequantize_weighted(codes, scales, out, first, block, step, factor, weight, add):
+    """``out (+)= ((q * (m * step)) * factor) * weight`` over int8 codes, in float32.
+
+    The weighted sum of a merge (`paramserver.server.step.merge`) without a
+    decoded copy: each element is the decoder's value (`dequantize`), times a
+    clip factor, times the delta's weight, each product rounded on its own,
+    then stored (``add`` false) or added to `out` (no fused multiply-add).
+
+    Args:
+        codes: int8 codes of the whole tensor (levels 127).
+        scales: its float32 block absmax values.
+        out: float32 output, the elements [first, first + len(out)).
+        first: the tensor index of out[0].
+        block: elements per block.
+        step: float32 ``1 / 127``.
+        factor: float32 clip factor (1: none, skipped).
+        weight: float32 weight.
+        add: True to add to `out`, False to overwrite it.
+    """
+    n = out.shape[0]
+    scaled = factor != np.float32(1.0)
+    pos = 0
+    while pos < n:
+        j = (first + pos) // block
+        end = min((j + 1) * block - first, n)
+        st = scales[j] * step
+        c = codes[first + pos : first + end]
+        o = out[pos:end]
+        for i in range(end - pos):
+            t = np.float32(c[i]) * st
+            if scaled:
+                t = t * factor
+            t = t * weight
+            if add:
+                o[i] = o[i] + t
+            else:
+                o[i] = t
+        pos = end

@@ -223,7 +223,9 @@ def test_a_daemon_island_learns_a_token_file_and_evaluates_it_with_its_vocabular
         # the island's rounds (a fraction of a second each) outrun the shards' first outer
         # steps (an XLA compile), so this waits for the global model rather than for rounds
         wait_for(
-            lambda: len(evals()) > 1 and evals()[-1][0] >= 16 and evals()[-1][1] < evals()[0][1] - 1.0,
+            lambda: (
+                len(evals()) > 1 and evals()[-1][0] >= 16 and evals()[-1][1] < evals()[0][1] - 1.0
+            ),
             "the global model's held-out loss to fall by 1 nat",
             timeout_s=400,
         )

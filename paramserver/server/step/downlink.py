@@ -132,6 +132,11 @@ class Downlink:
         self.finish = lambda target: quantize_chunk(target, block)  # in the step's jit
 
     @property
+    def block_size(self) -> int:
+        """The int8 block size (0 for the float32 downlink)."""
+        return self._codec.block_size if self._codec else 0
+
+    @property
     def compressed(self) -> bool:
         """Whether updates are published as quantized deltas."""
         return self._codec is not None
@@ -194,18 +199,50 @@ class Int8Publication:
         codes, scales, decoded, residual = (np.asarray(x) for x in quantized)
         if scales.shape[0] and not np.isfinite(scales.max()):
             raise DownlinkError(f"outer update of elements [{lo}, {hi}) is not finite")
-        first = self.full * fmt.FRAME_BYTES
-        if lo < first:
-            if (lo // fmt.FRAME_BYTES) != ((hi - 1) // fmt.FRAME_BYTES):
-                raise DownlinkError(f"chunk [{lo}, {hi}) straddles a payload frame")
-            base = lo - lo % fmt.FRAME_BYTES
-            np.copyto(self.window[lo - base : hi - base], codes)
-        else:
-            np.copyto(self.tail[lo - first : hi - first].view(np.int8), codes)
-        np.copyto(self.scales[lo // self.block : -(-hi // self.block)], scales)
+        np.copyto(self.codes_out(lo, hi), codes)
+        np.copyto(self.scales_out(lo, hi), scales)
         np.add(self.params[lo:hi], decoded, out=self.params[lo:hi])
         np.copyto(self.residual_bits[lo:hi], residual)
-        if hi <= first and hi % fmt.FRAME_BYTES == 0:
+        self.written(lo, hi)
+
+    def codes_out(self, lo: int, hi: int) -> np.ndarray:
+        """Where the int8 codes of the chunk [lo, hi) go (a view of the message's buffers).
+
+        Args:
+            lo, hi: the chunk (within one payload frame).
+
+        Returns:
+            An int8 array of hi - lo elements.
+
+        Raises:
+            DownlinkError: the chunk straddles a payload frame.
+        """
+        first = self.full * fmt.FRAME_BYTES
+        if lo >= first:
+            return self.tail[lo - first : hi - first].view(np.int8)
+        if (lo // fmt.FRAME_BYTES) != ((hi - 1) // fmt.FRAME_BYTES):
+            raise DownlinkError(f"chunk [{lo}, {hi}) straddles a payload frame")
+        base = lo - lo % fmt.FRAME_BYTES
+        return self.window[lo - base : hi - base]
+
+    def scales_out(self, lo: int, hi: int) -> np.ndarray:
+        """Where the block scales of the chunk [lo, hi) go (lo a multiple of the block size).
+
+        Args:
+            lo, hi: the chunk.
+
+        Returns:
+            A float32 view of the message's scales.
+        """
+        return self.scales[lo // self.block : -(-hi // self.block)]
+
+    def written(self, lo: int, hi: int) -> None:
+        """The chunk [lo, hi)'s codes and scales are in place: close a payload frame it fills.
+
+        Args:
+            lo, hi: the chunk, fed in order.
+        """
+        if hi <= self.full * fmt.FRAME_BYTES and hi % fmt.FRAME_BYTES == 0:
             self.writer.close(memoryview(self.window).cast("B"))
             if self.zstd is None:  # the frame is the window itself: the next one gets its own
                 self.window = np.empty(fmt.FRAME_BYTES, np.int8)

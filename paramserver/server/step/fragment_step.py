@@ -10,7 +10,10 @@ of a run; a step that merges fewer islands than the shard expected is a
 smaller share of a round, `weighting.round_share`; sparse topk deltas:
 `paramserver.server.step.sparse_merge`'s per-entry merge and SGD) and the
 compressed downlink (`paramserver.server.step.downlink`: the fragment takes exactly
-the update replicas decode, chunk by chunk). Which deltas a step merges, and
+the update replicas decode, chunk by chunk). The default optimizer (round
+Nesterov) runs as one compiled pass per chunk where numba is installed
+(`paramserver.server.step.fused_step`: the same bits), `ChunkedStep`
+otherwise and for every other optimizer. Which deltas a step merges, and
 the bookkeeping around it (pending set, version, counters), are
 `paramserver.server.state`'s.
 
@@ -51,9 +54,16 @@ import numpy as np
 import optax
 
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import Contribution, PieceGram
-from paramserver.server.fragment import FragmentState
+from paramserver.server.fragment import (
+    Contribution,
+    FragmentState,
+    PieceGram,
+    TensorGroups,
+    is_sparse,
+    partials,
+)
 from paramserver.server.step.downlink import Downlink, new_residual
+from paramserver.server.step.fused_step import FusedNesterov
 from paramserver.server.step.merge import chunk_merge, scaled
 from paramserver.server.step.outer import (
     FragmentOptimizer,
@@ -64,11 +74,9 @@ from paramserver.server.step.outer import (
 )
 from paramserver.server.step.sparse_merge import (
     SPARSE_PUBLISH_ZSTD_LEVEL,
-    is_sparse,
     sparse_merge,
     sparse_optimizer,
 )
-from paramserver.server.step.tensor_groups import TensorGroups, partials
 from paramserver.server.step.weighting import (
     IslandShare,
     make_weighting,
@@ -97,6 +105,8 @@ class FragmentStepper:
         self.downlink = Downlink(cfg.downlink)
         finish = self.downlink.finish if self.downlink.compressed else None
         self._step = ChunkedStep(self.optimizer.tx, finish=finish)  # the outer step, in place
+        # the same step in one compiled pass per chunk, where numba is there (fused_step)
+        self._fused = FusedNesterov.for_config(*outer, cfg.nesterov_delay)
         self.groups = TensorGroups(cfg.merge)  # rda: a cut tensor's other pieces on this shard
         # sparse (topk) deltas: per-entry merge, SGD without momentum (sparse_merge)
         self._sparse = ChunkedStep(sparse_optimizer(cfg.sparse_outer_lr), finish=finish)
@@ -129,7 +139,7 @@ class FragmentStepper:
             where: the fragment in the plan (its leaves, for per-tensor merges).
             expected: islands the shard expected this round (its live
                 islands at the step); None: the step's own islands.
-            outside: rda: the Grams of its cut tensors' other pieces (`tensor_groups`).
+            outside: rda: the Grams of its cut tensors' other pieces (`paramserver.server.fragment.TensorGroups`).
 
         Returns:
             (the islands' shares, the published update's codec frames or None
@@ -161,13 +171,22 @@ class FragmentStepper:
             step, opt_state = self._step, frag.opt_state
             share = round_share(len(shares), expected) if self.weighting.scales_by_share else 1.0
             set_round_share(opt_state, share)  # the momentum moves once per round
+        fused = None if sparse else self._fused
+        if fused is not None and not fused.fits(opt_state, downlink.block_size):
+            fused = None
         if not self.downlink.compressed:
-            step.step(frag.params, opt_state, fill)
+            if fused is not None:
+                fused.step(frag.params, opt_state, fill)
+            else:
+                step.step(frag.params, opt_state, fill)
             return shares, None
         if frag.residual is None:
             frag.residual = new_residual(frag.params.shape[0])
         publication = downlink.begin(frag.params, frag.residual)
-        step.step(frag.params, opt_state, fill, publication.apply, frag.residual)
+        if fused is not None:
+            fused.step(frag.params, opt_state, fill, publication)
+        else:
+            step.step(frag.params, opt_state, fill, publication.apply, frag.residual)
         return shares, tuple(publication.frames())
 
 

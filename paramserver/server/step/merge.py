@@ -40,7 +40,7 @@ fragment's step exact, only data from the tensor's other pieces can.
 In the shard: the plan keeps the fragments of a cut tensor on one shard
 unless the tensor spans one of the S - 1 boundaries between shards' runs
 (`paramserver.wire.plan`), and a step passes the Grams of the pieces this
-shard holds of the same pushes (`paramserver.server.step.tensor_groups`, logged in
+shard holds of the same pushes (`paramserver.server.step.policy`, logged in
 the StepEvent). So a tensor is merged over the whole tensor when all its
 pieces are on one shard and hold the step's pushes (in sync mode the pieces
 of a round step together); a piece on another shard, or one without the
@@ -51,7 +51,7 @@ nothing.
 
 Chunks: a step's merge is a `ChunkMerge` (`chunk_merge`), whose `fill(lo, hi,
 out)` writes elements [lo, hi) of the merged delta, decoding its sources
-(`DeltaSource`: a pending delta kept coded, `codec.coded.CodedTensor`, or an
+(`DeltaSource`: a pending delta kept coded, `codec.decode.CodedTensor`, or an
 array) a piece of at most PIECE elements at a time, so a step needs no decoded
 copy of any delta. The Grams come from one pass over the deltas when the
 merge is built. Every element's value depends only on its own inputs and the
@@ -71,6 +71,7 @@ from typing import Protocol
 
 import numpy as np
 
+from codec.quant import step_factor
 from paramserver.wire.plan import Fragment
 
 MERGES = ("mean", "rda", "median")
@@ -79,7 +80,7 @@ PIECE = 1 << 16  # elements decoded at a time by a fill (scratch: a few of these
 
 
 class DeltaSource(Protocol):
-    """A delta the merge reads a range at a time (`codec.coded.CodedTensor` is one)."""
+    """A delta the merge reads a range at a time (`codec.decode.CodedTensor` is one)."""
 
     @property
     def size(self) -> int:
@@ -262,15 +263,54 @@ class ChunkMerge:
         return out
 
 
+def _compiled_kernels():
+    """`codec.kernels` (numba), or None where numba cannot be imported."""
+    try:
+        from codec import kernels
+    except ImportError:
+        return None
+    return kernels
+
+
+def _int8_coded(source: DeltaSource) -> tuple[np.ndarray, np.ndarray, int, np.float32] | None:
+    """(codes, scales, block, clip factor) of an int8-coded delta (maybe clipped), else None."""
+    factor = np.float32(1.0)
+    if isinstance(source, ScaledDelta):
+        factor, source = np.float32(source.factor), source.source
+    if getattr(source, "scheme", None) != "int8":
+        return None
+    codes, scales = source.codes, source.scales  # type: ignore[attr-defined]
+    if codes.ndim != 1 or codes.dtype != np.int8 or scales.dtype != np.float32:
+        return None
+    return codes, scales, int(source.block), factor  # type: ignore[attr-defined]
+
+
 class _MeanMerge(ChunkMerge):
-    """sum_i w_i * delta_i in float32, in delta order (each product rounded, then added)."""
+    """sum_i w_i * delta_i in float32, in delta order (each product rounded, then added).
+
+    When every delta is int8-coded (the shard's pending deltas) and numba is
+    installed, a fill is one compiled loop per delta over the whole range
+    (`codec.kernels.dequantize_weighted`), the same float32 operations in the
+    same order as the numpy pieces, so the same bits.
+    """
 
     def __init__(self, sources: Sequence[DeltaSource], weights: Sequence[float]) -> None:
         super().__init__(sources[0].size)
         self.sources = list(sources)
         self.weights = [np.float32(w) for w in weights]
+        coded = [_int8_coded(s) for s in self.sources]
+        self._kernels = _compiled_kernels() if all(c is not None for c in coded) else None
+        self._coded = coded
 
     def _fill(self, lo: int, hi: int, out: np.ndarray) -> None:
+        if self._kernels is not None and out.flags.c_contiguous:
+            step = step_factor(127)
+            for k, (coded, w) in enumerate(zip(self._coded, self.weights, strict=True)):
+                codes, scales, block, factor = coded  # type: ignore[misc]
+                self._kernels.dequantize_weighted(
+                    codes, scales, out, lo, block, step, factor, w, k > 0
+                )
+            return
         scratch = np.empty(min(PIECE, hi - lo), np.float32) if len(self.sources) > 1 else None
         for a, b in pieces(lo, hi):
             dst = out[a - lo : b - lo]
