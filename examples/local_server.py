@@ -69,14 +69,37 @@ def add_cluster_flags(parser: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def _sigterm_unwinds() -> None:
-    """From now on SIGTERM raises SystemExit(143) in the main thread, like Ctrl-C unwinds."""
+STOP = threading.Event()
+"""Set by Ctrl-C (and SIGTERM) once `interrupts()` is called, before the exception is raised.
+
+A KeyboardInterrupt that lands in a callback Python ignores (a garbage collector hook,
+a `__del__`) is lost; this event is not: the islands' waits observe it (`worker.join(...,
+stop=STOP)`) and `raise_if_interrupted` turns it back into the KeyboardInterrupt."""
+
+
+def interrupts() -> threading.Event:
+    """From now on Ctrl-C sets `STOP` and raises KeyboardInterrupt, SIGTERM sets it and exits 143.
+
+    Returns:
+        `STOP`, to pass as the islands' `stop`.
+    """
 
     def unwind(signum: int, frame: Any) -> None:
+        STOP.set()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
         raise SystemExit(128 + signum)
 
     if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGINT, unwind)
         signal.signal(signal.SIGTERM, unwind)
+    return STOP
+
+
+def raise_if_interrupted() -> None:
+    """Raise the KeyboardInterrupt of a Ctrl-C that Python swallowed (`STOP` set)."""
+    if STOP.is_set():
+        raise KeyboardInterrupt
 
 
 def _free_base_port(count: int) -> int:
@@ -122,7 +145,7 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
     Yields:
         (connect endpoint, work directory).
     """
-    _sigterm_unwinds()  # SIGTERM unwinds like Ctrl-C, so the server is stopped
+    interrupts()  # SIGTERM unwinds like Ctrl-C, so the server is stopped
     with contextlib.ExitStack() as stack:
         if args.out:
             out = Path(args.out)
@@ -132,6 +155,7 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
         if args.connect:
             yield args.connect, out
             return
+        raise_if_interrupted()
         port = args.port or _free_base_port(2 * args.shards)
         server_dir = out / "server"
         argv = [
@@ -146,6 +170,7 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
             _stop(server_dir)
             raise
         stack.callback(_stop, server_dir)  # only what this example started
+        raise_if_interrupted()
         print(f"server: {args.shards} shards at tcp://127.0.0.1:{port} ({args.mode})", flush=True)
         yield f"tcp://127.0.0.1:{port}", out
 

@@ -13,14 +13,17 @@ every delta they acked, as the same dict of arrays, and prints its held-out loss
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import threading
+import traceback
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from local_server import cluster, example_parser, print_summary
+from local_server import cluster, example_parser, interrupts, print_summary, raise_if_interrupted
 
 import worker
 
@@ -88,10 +91,10 @@ def run_island(
 
 def main() -> None:
     args = example_parser(__doc__, steps=100).parse_args()
+    stop = interrupts()  # set by Ctrl-C, even where Python swallows its KeyboardInterrupt
     initial = heldout_loss(init_mlp(0))
     with cluster(args) as (connect, out):
         results: dict[str, Any] = {}
-        stop = threading.Event()
 
         def island(name: str, seed: int) -> None:
             try:
@@ -105,6 +108,7 @@ def main() -> None:
         try:
             for thread in threads:
                 thread.join()
+            raise_if_interrupted()  # a Ctrl-C the islands saw, the main thread did not
         finally:  # on Ctrl-C: the islands close (flush, bye) before the server stops
             stop.set()
             for thread in threads:
@@ -124,4 +128,10 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # the islands kept their unacked deltas, the server stopped:
+        traceback.print_exc()  # exit now, skipping the interpreter's slow teardown of JAX
+        sys.stderr.flush()
+        sys.stdout.flush()
+        os._exit(130)

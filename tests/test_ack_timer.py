@@ -159,3 +159,33 @@ def test_a_queue_behind_a_shard_that_answers_is_not_re_sent():
     quiet = 12.0 + ledger.timer.base_s
     assert ledger.due(quiet - 0.01, {0}) == []
     assert ledger.due(quiet, {0}) == keys[8:]
+
+
+def test_a_delta_the_shard_passed_over_counts_from_its_send():
+    """Deltas 1 and 2 to shard 0 at t=0 and t=1; the shard acks 2 (accepted) at t=1.5.
+
+    Its acks come in send order, so 1 was dropped: the ack at 1.5 does not restart
+    its timer, and it is due at 0 + 5 s (the initial timeout), not at 1.5 + base.
+    """
+    ledger = Ledger(ack_timeout_s=5.0, ack_timeout_cap_s=60.0, ack_timeout_floor_s=5.0)
+    for key, at in (((0, 1), 0.0), ((0, 2), 1.0)):
+        ledger.add(key, 0, [b"x"], 1, at, _request(*key))
+        ledger.sent(key, at)
+    assert ledger.on_ack((0, 2), "accepted", None, 1.5) == "done"
+    assert ledger.timer.base_s == 5.0  # 0.5 + 4 * 0.25 = 1.5: raised to the floor
+    assert ledger.due(4.99, {0}) == []
+    assert ledger.due(5.0, {0}) == [(0, 1)]
+
+
+def test_before_the_first_ack_a_step_of_its_fragment_restarts_the_timer():
+    """A cold start behind other islands' deltas: no ack of ours yet, but fragment 0 steps."""
+    ledger = Ledger(ack_timeout_s=5.0, ack_timeout_cap_s=60.0, ack_timeout_floor_s=5.0)
+    for key in ((0, 1), (1, 1)):
+        ledger.add(key, 0, [b"x"], 1, 0.0, _request(*key))
+        ledger.sent(key, 0.0)
+    assert ledger.on_step(0, 4.0) == []  # nothing deferred; the timer of (0, 1) restarts
+    assert ledger.due(4.99, {0}) == []
+    assert ledger.due(5.0, {0}) == [(1, 1)]  # fragment 1 did not step: 0 + 5 s
+    ledger.sent((1, 1), 5.0)  # re-sent: next due at 5 + 10 s
+    # that timeout backed the timer off (10 s): (0, 1) is due at 4 + 10 s
+    assert ledger.due(13.99, {0}) == [] and ledger.due(14.0, {0}) == [(0, 1)]

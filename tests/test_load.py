@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from bench.load_meters import milliseconds, percentile, rates, spread
+from bench.load_stages import stages
 
 
 def test_percentile():
@@ -32,6 +33,23 @@ def test_rates_by_hand():
     }
     assert rates(96, 0.0, 100.0, 300.0)["pushes_per_s"] is None
     assert rates(96, 2.0, 0.0, 0.0)["pushes_per_fsync"] is None
+
+
+def test_latency_stages_by_hand():
+    cores = {"cores": 2, "load": 0.9, "shard_1": 0.5, "shard_0": 0.4}
+    got = stages([0.010, 0.020, 0.030], [1.0, 3.0], [100, 300], 400, 2.0, cores)
+    # L = 200 outstanding at 400 / 2 s = 200 acks/s: 1 s in queues (Little); mean 2 s
+    assert got == {
+        "unloaded_ack_ms": 20.0,
+        "outstanding_mean": 200.0,
+        "acks_per_s": 200.0,
+        "queueing_ms": 1000.0,
+        "ack_latency_mean_ms": 2000.0,
+        "client_process_cores": 0.9,
+        "shard_cores": [0.4, 0.5],
+    }
+    empty = stages([], [], [], 0, 0.0, {})
+    assert empty["queueing_ms"] is None and empty["acks_per_s"] == 0.0
 
 
 @pytest.mark.slow
@@ -62,6 +80,10 @@ def test_small_load_run_acks_every_push_within_memory_bound(tmp_path):
     assert report["pushes_per_fsync"] > 0
     assert set(report["cpu_cores_busy"]) == {"cores", "machine_busy", "shard_0", "shard_1", "load"}
     assert report["ack_timeout_s"]["min"] > 0
+    assert report["resent_while_acked"] == report["spurious_resends"]
+    stages = report["latency_stages"]
+    assert stages["unloaded_ack_ms"] > 0 and stages["acks_per_s"] > 0
+    assert stages["outstanding_mean"] is not None and len(stages["shard_cores"]) == 2
     profile = report["shard_profile"]  # shard 1 ran under cProfile
     assert profile["shard"] == 1 and profile["accepted"] > 0, profile
     seconds = profile["cumulative_s"]

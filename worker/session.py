@@ -82,6 +82,10 @@ from worker.session_config import check_loss, check_tokens, make_codec, session_
 
 logger = logging.getLogger(__name__)
 
+STOPPED_FLUSH_S = 2.0
+"""The longest a session whose `stop` is set (Ctrl-C) waits at close for acks: what stays
+unacked is kept in the outbox (with a data dir) and pushed again at the next start."""
+
 
 class SessionClosed(RuntimeError):
     """`step` on a session that is closed, or was abandoned while the call ran.
@@ -726,7 +730,7 @@ class Session:
                 round_id = self.round_base + self.round + int(self.pushed_in_round)
                 try:
                     if self.pusher is not None:  # the rounds in flight first, then no waits
-                        self.wait_pushed(self.cfg.flush_timeout_s)
+                        self.wait_pushed(self._flush_timeout_s())
                         self.pusher.halt.set()  # no back-pressure wait: queue, then flush
                         self.pusher.wait_for_room(self._abandoned.is_set)
                     taken = self._take(self.layout.leaves(latest), rest)
@@ -740,7 +744,13 @@ class Session:
                 self.exchange.wait()
         finally:
             self.closed = True
-            self._finish(self.cfg.flush_timeout_s)
+            self._finish(self._flush_timeout_s())
+
+    def _flush_timeout_s(self) -> float:
+        """How long close waits for acks: `flush_timeout_s`, at most `STOPPED_FLUSH_S` once stopped."""
+        if self.stop.is_set() or self._abandoned.is_set():
+            return min(self.cfg.flush_timeout_s, STOPPED_FLUSH_S)
+        return self.cfg.flush_timeout_s
 
     def abandon(self, flush_timeout_s: float) -> None:
         """Close from another thread without collectives (another process is gone).
@@ -777,7 +787,10 @@ class Session:
             if self.pusher is not None:  # its queued jobs are framed and persisted, then pushed
                 self.pusher.close(flush_timeout_s + 30.0)
             if self.client is not None:
-                self.client.close(flush_timeout_s=flush_timeout_s)
+                # a stop set while it flushes ends the flush (one set before: flush_timeout_s
+                # is already at most STOPPED_FLUSH_S)
+                during = None if self.stop.is_set() else self.stop
+                self.client.close(flush_timeout_s=flush_timeout_s, stop=during)
                 self.ledger.close()
                 unacked = self.client.unacked()
                 if self.outbox is not None:

@@ -510,14 +510,15 @@ class Client:
         with self._lock:
             return self._core.readout.take_ack_latencies()
 
-    def close(self, flush_timeout_s: float = 5.0) -> int:
+    def close(self, flush_timeout_s: float = 5.0, stop: threading.Event | None = None) -> int:
         """Wait up to `flush_timeout_s` for unacked deltas, say bye, close every socket.
 
         The wait ends early when every shard that holds an unacked delta is
-        down. The deltas left unacked are kept for `unacked`.
+        down, or once `stop` is set. The deltas left unacked are kept for `unacked`.
 
         Args:
             flush_timeout_s: how long to wait for outstanding acks.
+            stop: ends the wait once set (e.g. a second Ctrl-C while it flushes).
 
         Returns:
             Deltas dropped unacked.
@@ -528,7 +529,7 @@ class Client:
             with self._lock:
                 self._closed = True
                 self._lock.notify_all()  # waits of other threads end (ClientError: closed)
-            self._unacked = self._io.shutdown(flush_timeout_s)
+            self._unacked = self._io.shutdown(flush_timeout_s, stop)
             return len(self._unacked)
 
     def unacked(self) -> list[PushRequest]:

@@ -313,7 +313,7 @@ class ClientCore:
             self.readout.credit(shard.index, credit)
         self._publish(shard.feed.on_update(item), now)
         # The fragment stepped, so the shard has room again: re-send what it deferred.
-        for key in self.ledger.on_step(item.fragment):
+        for key in self.ledger.on_step(item.fragment, now):
             self._send_push(key)
 
     def _publish(self, updates: list[Update], now: float) -> None:

@@ -28,6 +28,7 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +43,7 @@ from paramserver.plumbing import curve
 
 logger = logging.getLogger(__name__)
 
+_STOP_POLL_S = 0.05  # how often a flush at close looks at its `stop`
 _MAX_BATCH = 256  # messages read from one socket per poll round, so no socket starves the rest
 
 
@@ -79,12 +81,15 @@ class IOThread(threading.Thread):
         self._commands.put(command)
         self._links.wake()
 
-    def shutdown(self, flush_timeout_s: float) -> list[PushRequest]:
+    def shutdown(
+        self, flush_timeout_s: float, stop: threading.Event | None = None
+    ) -> list[PushRequest]:
         """Flush (bounded), stop the thread, close every socket and the context.
 
         Args:
             flush_timeout_s: how long to wait for unacked deltas (less when every
                 shard that holds one is down).
+            stop: once set, the flush ends at once (a Ctrl-C while it waits).
 
         Returns:
             The deltas dropped unacked, in push order.
@@ -93,8 +98,15 @@ class IOThread(threading.Thread):
         if self.is_alive():
             future: Future = Future()
             self.submit(("close", max(0.0, float(flush_timeout_s)), future))
+            deadline = time.monotonic() + flush_timeout_s + 10.0
             try:
-                dropped = future.result(timeout=flush_timeout_s + 10.0)
+                while not future.done() and time.monotonic() < deadline:
+                    if stop is not None and stop.is_set():
+                        self.submit(("close", 0.0, None))  # cut the flush
+                        stop = None
+                    with contextlib.suppress(FutureTimeout):
+                        future.result(timeout=_STOP_POLL_S)
+                dropped = future.result(timeout=0)
             except Exception as exc:  # the thread failed while closing
                 logger.warning("client close: %s", exc)
             self.join(timeout=10.0)
@@ -174,8 +186,9 @@ class IOThread(threading.Thread):
                     self.perform(arg)
             elif name == "join":
                 self._start_join(arg, future)
-            elif name == "close":
-                self._closing = future
+            elif name == "close":  # future None: the flush of the close in progress is cut
+                if future is not None:
+                    self._closing = future
                 self._call(self.core.begin_close, time.monotonic(), arg)
 
     def _start_join(self, flat: Mapping[str, np.ndarray], future: Future) -> None:

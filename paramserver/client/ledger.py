@@ -19,7 +19,8 @@ The rules:
   only send (Karn's rule: `on_ack` takes the time), stays within
   [floor, `ack_timeout_cap_s`], and doubles per attempt and after a timeout;
   as TCP's, it restarts on every ack of its shard (`ack_due`), so deltas queued
-  behind others at a busy shard that keeps answering are not re-sent;
+  behind others at a busy shard that keeps answering are not re-sent, while
+  one the shard passed over (it acked a later send first) counts from its send;
   deltas of a shard that is down wait for it;
 - a re-send turns out needless ("spurious", `spurious`) when the shard answers
   `duplicate` to a copy of a delta that went out more than once; the timer then
@@ -122,6 +123,10 @@ class Ledger:
         # ack of new data, RFC 6298 5.3): a shard that keeps answering is working through
         # what we sent, and its queue is not a lost delta (`ack_due`)
         self._acked_at: dict[int, float] = {}
+        # per shard: the latest send among the deltas it acked accepted / duplicate; a delta
+        # sent before it and still unacked was passed over (the shard dropped it)
+        self._acked_sent: dict[int, float] = {}
+        self._stepped_at: dict[int, float] = {}  # per fragment: its last published step
         # re-sent deltas resolved by an ack `accepted`: the latency of their first copy,
         # kept until a `duplicate` proves the re-send needless (bounded, oldest dropped)
         self._resent_latency: dict[Key, float] = {}
@@ -232,7 +237,11 @@ class Ledger:
             raise KeyError(f"delta {key} is not pending; check `key in ledger` before on_ack")
         if entry.sends == 1 and entry.attempt == 0 and reason != "throttled":
             self.timer = self.timer.sample(now - entry.sent_at)  # Karn: it answers the only copy
-        self._acked_at[entry.shard] = now
+        self._acked_at[entry.shard] = now  # the shard answers: its timer restarts
+        if outcome != REJECTED and entry.sends == 1:  # durable acks come in send order;
+            # (Karn: the ack of a delta sent more than once may answer any copy)
+            passed = self._acked_sent.get(entry.shard, entry.sent_at)
+            self._acked_sent[entry.shard] = max(passed, entry.sent_at)
         if outcome == REJECTED:
             if reason == "unknown_island":
                 return "rejoin"
@@ -278,7 +287,9 @@ class Ledger:
                     entry.retry_at, entry.deferred = None, False
                     keys.append(key)
                 continue
-            acked_at = None if entry.deferred else self._acked_at.get(entry.shard)
+            acked_at = self._acked_at.get(entry.shard, self._stepped_at.get(key[0]))
+            if entry.deferred or self._acked_sent.get(entry.shard, -math.inf) > entry.sent_at:
+                acked_at = None  # refused for now, or passed over: it counts from its send
             if ack_due(now, entry.sent_at, acked_at, timer.timeout_s(entry.attempt), timer.cap_s):
                 if not entry.deferred:
                     self.timer = self.timer.timed_out(entry.attempt)
@@ -314,17 +325,24 @@ class Ledger:
             self.timer = self.timer.spurious(latency)
         return True
 
-    def on_step(self, fragment: int) -> list[Key]:
+    def on_step(self, fragment: int, now: float | None = None) -> list[Key]:
         """A fragment stepped, so its shard has room again: its deferred deltas, to send now.
+
+        Until its shard first acks one of ours, the step also restarts the ack timer
+        of the fragment's deltas (`due`): at a cold start behind other islands' deltas,
+        the shard shows it works through its queue before our first ack comes.
 
         Args:
             fragment: the fragment a published update named.
+            now: when the update arrived (None: no timer restart).
 
         Returns:
             Keys, in push order, of the deltas of `fragment` that were deferred
             (they are not deferred any more), throttled ones excepted: a step
             does not lift a rate limit, they wait for their `retry_at`.
         """
+        if now is not None:
+            self._stepped_at[fragment] = now
         keys = []
         for key, entry in self._entries.items():
             if entry.deferred and entry.retry_at is None and key[0] == fragment:
@@ -413,17 +431,19 @@ def ack_due(
     """Whether a delta's ack is overdue, so that it is sent again (TCP's timer, per shard).
 
     The wait counts from the later of the delta's last send and its shard's last
-    ack of any of this client's deltas (RFC 6298 5.3 restarts the timer on each
+    ack of one of this client's deltas (RFC 6298 5.3 restarts the timer on each
     ack): while a shard answers, the deltas queued behind wait their turn in its
-    queue, so a long queue (many islands, one busy shard) is not mistaken for a
-    lost delta. A delta the shard passed over while it kept answering is re-sent
-    once it waited `cap_s` since its send.
+    queue, so a long queue (many islands, a starved shard) is not mistaken for a
+    lost delta. The caller passes no ack time for a delta the shard passed over
+    (it acked a delta sent later; its accepted / duplicate acks come in send
+    order), which then counts from its send; and any delta is re-sent once it
+    waited `cap_s` since its send.
 
     Args:
         now: current time.
         sent_at: the delta's last send (or try of one).
-        acked_at: its shard's last ack of a pending delta, or None (none yet, or
-            the delta is deferred: refused for now, so it counts from its send).
+        acked_at: its shard's last ack, or None (none yet; or the delta is
+            deferred, refused for now, or was passed over: it counts from its send).
         timeout_s: the timer's timeout for the delta (`AckTimer.timeout_s`).
         cap_s: the longest wait from its send (`AckTimer.cap_s`).
 

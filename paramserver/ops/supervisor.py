@@ -153,11 +153,15 @@ def local_binds(cfg: ShardConfig) -> list[tuple[str, str]]:
 
 
 def _terminate(procs: list[subprocess.Popen], timeout_s: float) -> list[int | None]:
-    """SIGTERM every live process, then wait for each; kill what does not exit in time."""
+    """SIGTERM every live process, then wait for each; kill what does not exit in time.
+
+    Each SIGTERM is followed by a SIGCONT: a shard someone SIGSTOPped acts on it too.
+    """
     for proc in procs:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 proc.send_signal(signal.SIGTERM)
+                proc.send_signal(signal.SIGCONT)
     codes: list[int | None] = []
     deadline = time.monotonic() + timeout_s
     for i, proc in enumerate(procs):

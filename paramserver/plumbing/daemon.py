@@ -609,7 +609,7 @@ def wait_exit(pid: int, timeout_s: float) -> bool:
 
 
 def stop(data_dir: str | Path, timeout_s: float = 30.0) -> int:
-    """Stop the daemon that owns `data_dir`: SIGTERM, then wait for it to drain and exit.
+    """Stop the daemon that owns `data_dir`: SIGTERM (and SIGCONT), then wait for it to exit.
 
     Args:
         data_dir: the daemon's data directory (holding ``daemon.pid``).
@@ -635,6 +635,7 @@ def stop(data_dir: str | Path, timeout_s: float = 30.0) -> int:
     logger.info("sending SIGTERM to pid %d (%s)", pid, data_dir)
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGTERM)
+        os.kill(pid, signal.SIGCONT)  # a SIGSTOPped daemon acts on it too
     if not wait_exit(pid, timeout_s):
         raise DaemonError(
             f"daemon pid {pid} did not exit within {timeout_s:g}s of SIGTERM; "
