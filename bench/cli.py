@@ -20,8 +20,10 @@ from bench.outdir import OutDirError
 COMMANDS: dict[str, tuple[str, str]] = {
     "async_outer": ("bench.async_outer", "Outer lr / momentum sweep for fully asynchronous merging (picks the mode=async defaults)."),
     "topk_outer": ("bench.topk_outer", "Outer lr sweep for sparse top-k deltas (picks `ShardConfig.sparse_outer_lr`)."),
+    "outer_sweep": ("bench.outer_sweep", "Outer lr x momentum by mode, H and island count, with the daemon's fold rule (picks `outer_defaults`)."),
     "step_rule": ("bench.step_rule", "The step rule as islands multiply: round movement for K = 1..16, async vs sync loss, the harsh mix."),
     "chaos": ("bench.chaos", "Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed."),
+    "control_plane": ("bench.control_plane", "The control plane under a bulk push on a thin, long link: one shared connection against two."),
     "codec": ("bench.codec", "Codec benchmark: ratio, error, error feedback and throughput of every scheme."),
     "device": ("bench.device_check", "The accelerator check: installs CUDA JAX where a GPU lacks it; island, quantize and join figures against baselines, one JSON."),
     "demo": ("bench.demo", "The main job: a local cluster (2 shards, 3 islands, one at half speed) training on the embedded corpus."),

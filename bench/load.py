@@ -14,7 +14,11 @@ as JSON on stdout: every push acked (nothing lost), the shards' accepted
 counts equal the pushes, the whole run finished within `--timeout` (no
 deadlock), and the shards' peak RSS stayed under `--max-rss-mb`; plus pushes
 per second and p50/p99 ack latency (push call to ack), the islands' re-sends
-and how many were spurious (the shard already had the delta), the requests
+and how many were spurious (the shard already had the delta:
+`resent_while_acked`, and its share of the pushes), the latency's stages
+(`latency_stages`, `bench.load_stages`: one push's service time unloaded, the
+queueing behind the deltas in flight, the CPU of this process and of each
+shard), the requests
 the shards' request limits refused `throttled` or dropped, and what bounds
 the rate: the fsync rate of the shards' data dir's disk in the same run
 (`fsync_per_s`: write + fsync of one push-sized record in a loop, before and
@@ -39,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import outdir, shard_profile
+from bench import load_stages, outdir, shard_profile
 from bench.common import emit_json
 from bench.launcher import LaunchError, LocalCluster
 from bench.load_cluster import (
@@ -195,11 +199,16 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
             print(f"load: {args.islands} islands joined; pushing", file=log)
             sizes = {f.index: f.size for f in plan.fragments}
             frames = random_frames(sizes, variants=4, seed=0)
+            # the service time of one push with nothing else in flight (rounds after the load's)
+            unloaded = load_stages.probe_unloaded(clients[0], 0, args.rounds, frames[0][0])
+            probed = load_stages.PROBE_PUSHES
             expected = args.islands * args.rounds * len(sizes)
             # one push's payload: about what a shard's log appends (and fsyncs, grouped) per push
             record = int(np.mean([sum(len(x) for x in v) for fs in frames.values() for v in fs]))
             fsync_before = fsync_rate(cluster.server_dir, record)
+            outstanding = load_stages.OutstandingSampler(clients)
             cpu.start()
+            outstanding.start()
             t0 = time.monotonic()
             threads = [
                 threading.Thread(
@@ -214,11 +223,12 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
                 t.join(max(0.0, deadline - time.monotonic()))
             acked = 0
             while time.monotonic() < deadline:
-                acked = sum(c.stats()["acked"] for c in clients)
+                acked = sum(c.stats()["acked"] for c in clients) - probed
                 if acked >= expected or errors:
                     break
                 time.sleep(0.05)
             elapsed = time.monotonic() - t0
+            outstanding.stop_event.set()
             cores = cpu.stop()
             fsync_after = fsync_rate(cluster.server_dir, record)
             latencies = [x for c in clients for x in c.ack_latencies()]
@@ -228,7 +238,7 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
             sampler.stop_event.set()
             sampler.join(5.0)
         server = cluster.server_status()
-    accepted = sum(s.get("accepted", 0) for s in server.get("shards", []))
+    accepted = sum(s.get("accepted", 0) for s in server.get("shards", [])) - probed
     measured = rates(expected, elapsed, fsync_before, fsync_after)
     peak_mb = max(sampler.peak.values(), default=0) / 2**20
     timed_out = acked < expected and not errors
@@ -256,6 +266,14 @@ def run_load(args: argparse.Namespace, log=sys.stderr) -> dict[str, Any]:
         "shard_dropped": sum(sum(s.get("dropped", {}).values()) for s in server.get("shards", [])),
         "resent": sum(s["resent"] for s in stats),
         "spurious_resends": sum(s["spurious_resends"] for s in stats),
+        # re-sends of a delta whose first copy the shard had accepted (its ack was coming)
+        "resent_while_acked": sum(s["spurious_resends"] for s in stats),
+        "resent_while_acked_share": round(
+            sum(s["spurious_resends"] for s in stats) / max(1, expected), 4
+        ),
+        "latency_stages": load_stages.stages(
+            unloaded, latencies, outstanding.samples, acked, elapsed, cores
+        ),
         "ack_timeout_s": spread([s["ack_timeout_s"] for s in stats]),
         "dropped_at_close": dropped,
         "elapsed_s": round(elapsed, 3),

@@ -258,6 +258,7 @@ class Topology:
         ports: list[int],
         prefix: str | None = None,
         loss_penalty_ms: float = 200.0,
+        queue_ms: float = 0.0,
     ) -> None:
         """Args:
         regions: number of regions.
@@ -265,12 +266,20 @@ class Topology:
         ports: TCP ports the relays forward (the probe's is added).
         prefix: the run's name prefix (default: a fresh one).
         loss_penalty_ms: stall of a stream per emulated lost packet.
+        queue_ms: the bottleneck's buffer, in milliseconds at the link's rate (a
+            `bfifo` under each link's htb class, at least 16 KiB; e.g. one RTT:
+            the classic router buffer of one bandwidth-delay product); 0 = the
+            kernel's default FIFO (the veth's txqueuelen, 1000 packets: about
+            1.2 s at 10 Mbit/s, a bloated buffer). This kernel has no fair
+            queueing qdisc (fq_codel, sfq), so every connection of a link shares
+            its one FIFO.
         """
         self.regions = regions
         self.links = list(links)
         self.ports = sorted({PROBE_PORT, *ports})
         self.prefix = prefix
         self.loss_penalty_ms = loss_penalty_ms
+        self.queue_ms = queue_ms
         self.relays: list[child.Child] = []
         self._probe_servers: list[child.Child] = []
         self._tmp: tempfile.TemporaryDirectory | None = None
@@ -343,6 +352,10 @@ class Topology:
                 sh("tc", "-n", wan, "filter", "add", "dev", dev, "parent", "1:", "protocol",
                    "ip", "prio", "1", "u32", "match", "ip", "src", f"{service_address(other)}/32",
                    "flowid", cls)  # fmt: skip
+                if self.queue_ms > 0:
+                    limit = max(16 * 1024, int(link.mbit * 1e6 / 8 * self.queue_ms / 1000))
+                    sh("tc", "-n", wan, "qdisc", "add", "dev", dev, "parent", cls, "handle",
+                       f"{100 + k}:", "bfifo", "limit", str(limit))  # fmt: skip
         for region in range(self.regions):
             self._start_relay(region)
 

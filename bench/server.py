@@ -55,9 +55,9 @@ import zmq
 import codec
 from bench import cli
 from bench.common import emit_json, gbps, progress, timed
-from codec import coded
+from codec.decode import read_coded
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import AcceptEvent, Contribution
+from paramserver.server.fragment import AcceptEvent, Contribution
 from paramserver.server.shard import ShardServer
 from paramserver.server.state import ShardState
 from paramserver.server.storage.shard_storage import ShardStorage
@@ -150,7 +150,7 @@ def measure_merge_step(args, data_dir: str, p) -> tuple[dict, ShardState, ShardS
             vec = rng.standard_normal(f.size, dtype=np.float32) * 0.01
             frames, _ = int8.encode({"delta": vec})
             frames = [bytes(fr) for fr in frames]
-            deltas[f.index].append((frames, coded.read(frames)[0]))  # kept as pending keeps it
+            deltas[f.index].append((frames, read_coded(frames)[0]))  # kept as pending keeps it
     p.advance(task)
     all_frames = [fr for lst in deltas.values() for fr, _ in lst]
     consumed = sum(4 * d.size for lst in deltas.values() for _, d in lst)  # float32 bytes

@@ -1,4 +1,4 @@
-"""The step rule as islands multiply: round movement for K = 1..16, async vs sync loss, the harsh mix.
+"""The step rule as islands multiply: round movement for K = 1..16, async vs sync loss (push-only folds), the harsh mix.
 
 JSON on stdout, progress on stderr. In process, no sockets: a real
 `ShardState` (default outer settings of its mode, float32 downlink) driven on
@@ -14,7 +14,14 @@ a simulated clock, as `bench.async_outer` does. Three parts:
   AdamW, the embedded corpus) for the same island rounds in sync mode (every
   round, one step on all K) and in async mode (island i needs 1 + i/(2K) time
   units per inner step, so slower islands push staler deltas); held-out loss
-  of the global parameters at the end, at equal tokens.
+  of the global parameters at the end, at equal tokens. What it models:
+  an island adopts the global model only at its own push (it pushes, the
+  shard steps, the island takes the newest version and starts its next
+  round from it), not the daemon's fold rule, under which a real island
+  folds every published version at its next inner step (`worker.session`).
+  With push-only folds async reads worse than the daemons do (the issue-32
+  audit: +3.1% against +0.2% at K=8); `bench.outer_sweep` simulates the
+  daemon's fold rule and is the one to read for the async price.
 - ``harsh``: quorum mode (quorum 2, eq3 grace) on the harsh speed mix of
   `bench.fidelity_plan.HARSH` (one island of 4 at half speed), same loss.
 

@@ -28,7 +28,7 @@ ways that give the same bits: numpy, the compiled numba loops, and JAX
 (`codec.jax_quant`, for quantizing inside `jax.jit` on the values' own devices:
 the island's device exchange and the shard's downlink). Every message, whoever
 quantized it, is written by one frame writer (`codec.writer`;
-`codec.prequantized.frame_codes` for codes and scales computed elsewhere).
+`codec.decode.frame_codes` for codes and scales computed elsewhere).
 Dependencies: numpy, zstandard, msgpack and ml_dtypes. numba and JAX are
 optional and imported only where used: numba by the first large block encode
 or decode, JAX only by a caller that imports `codec.jax_quant` itself (nothing
@@ -50,12 +50,10 @@ keep zstd for topk on WAN links.
 """
 
 from .decode import decode
-from .errors import CodecError
-from .format import DEFAULT_MAX_ELEMENTS, FORMAT_VERSION
+from .format import DEFAULT_MAX_ELEMENTS, FORMAT_VERSION, CodecError, flatten, unflatten
 from .framing import join, split
 from .schemes import Codec, int4, int8, raw, topk
 from .state import ErrorFeedbackState, refund
-from .tree import flatten, unflatten
 
 __all__ = [
     "DEFAULT_MAX_ELEMENTS",

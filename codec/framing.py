@@ -5,7 +5,7 @@ Owns `join` and `split` (layout in codec/format.py's docstring).
 
 import struct
 
-from .errors import CodecError
+from .format import CodecError
 
 BLOB_MAGIC = b"DDCJ"
 MAX_FRAMES = 1 << 24

@@ -23,14 +23,22 @@ numpy formulation: 64K-element chunks with `out=` on every operation, no
 allocation in the loop. A process that only codes small tensors (tests, the
 tiny model, the shard's 64K-element merge pieces) thus never pays for importing
 numba; decoding gains little from it (about 10%).
+
+Beside the rule, what its kernels run on: the scratch buffers (`Workspace`,
+one set per thread and block size, so no kernel allocates in its inner loop)
+and the raw schemes' kernel (`encode_raw`: the cast to float32 or bfloat16,
+its residual and finiteness check).
 """
 
-import functools
+from __future__ import annotations
 
+import functools
+import threading
+
+import ml_dtypes
 import numpy as np
 
 from .format import NIBBLE_BIAS
-from .workspace import Workspace
 
 F32 = np.float32
 TINY = F32(2.0**-118)
@@ -254,3 +262,115 @@ def decode_numpy(codes, scales, out, levels, ws: Workspace) -> None:
             np.multiply(w[kb:], st[k], out=dst[kb:])
         if not direct:
             np.copyto(out[a : a + m], dst, casting="unsafe")
+
+
+CHUNK_TARGET = 1 << 17  # large enough that threads rarely wait for the GIL
+
+_local = threading.local()
+
+
+class Workspace:
+    """Scratch arrays for one chunk of `chunk` elements.
+
+    Attributes:
+        chunk: elements per chunk (a multiple of `block`).
+        tmp, work, noise: float32 [chunk] scratch.
+        q: int8 [chunk] scratch (int4 packing and unpacking).
+        blk_a, blk_b, blk_c: float32 [chunk // block] per-block scratch.
+    """
+
+    def __init__(self, block: int):
+        self.block = block
+        self.chunk = max(block, (CHUNK_TARGET // block) * block)
+        nb = self.chunk // block
+        self.tmp = np.empty(self.chunk, np.float32)
+        self.work = np.empty(self.chunk, np.float32)
+        self.noise = np.empty(self.chunk, np.float32)
+        self.q = np.empty(self.chunk, np.int8)
+        self.blk_a = np.empty(nb, np.float32)
+        self.blk_b = np.empty(nb, np.float32)
+        self.blk_c = np.empty(nb, np.float32)
+
+
+def workspace(block: int) -> Workspace:
+    """This thread's workspace for a block size.
+
+    Args:
+        block: block size in elements (1 for raw kernels).
+
+    Returns:
+        a Workspace, created on first use and reused after.
+    """
+    cache = getattr(_local, "cache", None)
+    if cache is None:
+        cache = _local.cache = {}
+    ws = cache.get(block)
+    if ws is None:
+        ws = cache[block] = Workspace(block)
+    return ws
+
+
+def scratch(name: str, n: int, dtype) -> np.ndarray:
+    """This thread's scratch array `name` of at least n elements (first n returned).
+
+    Args:
+        name: buffer name (one buffer per name and thread, grown as needed).
+        n: elements needed.
+        dtype: element type (a name keeps one dtype).
+
+    Returns:
+        array view of n elements (contents undefined).
+    """
+    bufs = getattr(_local, "scratch", None)
+    if bufs is None:
+        bufs = _local.scratch = {}
+    buf = bufs.get(name)
+    if buf is None or buf.shape[0] < n or buf.dtype != dtype:
+        buf = bufs[name] = np.empty(max(n, 1), dtype)
+    return buf[:n]
+
+
+BF16_MAX = np.float32(ml_dtypes.finfo(ml_dtypes.bfloat16).max)
+
+
+def encode_raw(x, res, new_res, out, ws: Workspace) -> bool:
+    """Copy `x` (+ `res`) into `out`, casting to its dtype.
+
+    Args:
+        x: 1-D float32/float16/bfloat16 input.
+        res: 1-D float32 residual or None.
+        new_res: 1-D float32 output residual or None.
+        out: 1-D output in the stored dtype (float32 or bfloat16).
+        ws: workspace (block size 1).
+
+    Returns:
+        True when every value written is finite.
+    """
+    n, chunk = x.shape[0], ws.chunk
+    exact = out.dtype == np.float32
+    finite = True
+    for a in range(0, n, chunk):
+        m = min(chunk, n - a)
+        if res is None and x.dtype == np.float32:
+            src = x[a : a + m]
+        else:
+            src = ws.tmp[:m]
+            np.copyto(src, x[a : a + m], casting="unsafe")
+            if res is not None:
+                np.add(src, res[a : a + m], out=src)
+        hi, lo = src.max(), src.min()
+        finite = finite and bool(np.isfinite(hi) and np.isfinite(lo))
+        stored = src
+        if not exact and (hi > BF16_MAX or lo < -BF16_MAX):
+            # would round to +-inf in bfloat16: saturate; the residual keeps the rest
+            stored = ws.noise[:m]
+            np.clip(src, -BF16_MAX, BF16_MAX, out=stored)
+        np.copyto(out[a : a + m], stored, casting="unsafe")
+        if new_res is not None:
+            if exact:
+                new_res[a : a + m] = 0
+            else:
+                back = ws.work[:m]
+                np.copyto(back, out[a : a + m], casting="unsafe")
+                np.subtract(src, back, out=new_res[a : a + m])
+    return finite

@@ -14,16 +14,11 @@ import threading
 import numpy as np
 
 from . import format as fmt
-from . import parallel
-from .errors import CodecError
-from .parallel import check_threads, run_all
-from .quant import encode_blocks
-from .rawcast import encode_raw
+from .format import CodecError, leaf_items
+from .quant import encode_blocks, encode_raw, workspace
 from .sparse import encode_topk, piece_elements
 from .state import ErrorFeedbackState, advance, check_state, init_state
-from .tree import leaf_items
-from .workspace import workspace
-from .writer import FrameWriter, block_codes, block_scales
+from .writer import FrameWriter, block_codes, block_scales, check_threads, pool, run_all
 
 PIECE_ELEMENTS = 1 << 18  # elements per parallel encode job (int8, int4, raw)
 
@@ -142,7 +137,7 @@ class Codec:
             new_res = None if state is None else state.spare[i]
             x = arr.reshape(-1)
             jobs += [(i, t, x, res, new_res, payload, a, b) for a, b in self._pieces(t.size)]
-        workers = parallel.pool(self.zstd_threads)
+        workers = pool(self.zstd_threads)
         # stochastic rounding draws from one generator: in order, in this thread
         ok = run_all(None if self.stochastic else workers, self._encode_piece, jobs)
         for job, good in zip(jobs, ok, strict=True):

@@ -17,8 +17,7 @@ mask picks the entries at or above it, and only chunks with ties at that value
 
 import numpy as np
 
-from .quant import TINY
-from .workspace import scratch
+from .quant import TINY, scratch
 
 F32 = np.float32
 ENCODE_PIECE = 1 << 18  # elements per parallel piece (whole chunks)

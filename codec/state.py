@@ -13,8 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .errors import CodecError
-from .tree import build_tree, leaf_items
+from .format import CodecError, build_tree, leaf_items
 
 
 class _Ticket:

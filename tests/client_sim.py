@@ -251,7 +251,7 @@ class Sim:
     def _queue_down(self, link: int, frames: list[Any]) -> None:
         frames = [bytes(memoryview(f)) for f in frames]
         header, _ = protocol.unpack(
-            frames, protocol.REPLY if self.links[link][0] == "dealer" else protocol.PUB
+            frames, protocol.PUB if self.links[link][0] == "sub" else protocol.REPLY
         )
         what = self.fault("down", header)
         if what == "drop":

@@ -21,7 +21,7 @@ from shard_helpers import delta_frames, init_payload, plan_for, push_header, sma
 
 from paramserver.server.config import ShardConfig
 from paramserver.server.core import Request, ShardCore
-from paramserver.server.events import AcceptEvent, StepEvent
+from paramserver.server.fragment import AcceptEvent, StepEvent
 from paramserver.server.shard import maybe_checkpoint, run_batch
 from paramserver.server.storage import wal
 from paramserver.server.storage.shard_storage import ShardStorage

@@ -4,7 +4,8 @@ import math
 
 import pytest
 
-from paramserver.client.ledger import AckTimer, smoothed
+from paramserver.client import PushRequest
+from paramserver.client.ledger import AckTimer, Ledger, ack_due, smoothed
 
 INITIAL_S, FLOOR_S, CAP_S = 5.0, 1.0, 60.0
 
@@ -113,3 +114,48 @@ def test_spurious_table(srtt, rttvar, latency, srtt_after, rttvar_after):
     timer = AckTimer(INITIAL_S, FLOOR_S, CAP_S, srtt_s=srtt, rttvar_s=rttvar, backoff=2)
     after = timer.spurious(latency)
     assert (after.srtt_s, after.rttvar_s, after.backoff) == (srtt_after, rttvar_after, 0)
+
+
+# now, sent_at, shard's last ack (None: none / deferred), timeout, cap -> due
+DUE = [
+    (10.0, 7.0, None, 3.0, 60.0, True),  # 3 s since the send, no ack since: due
+    (9.9, 7.0, None, 3.0, 60.0, False),
+    (10.0, 7.0, 9.0, 3.0, 60.0, False),  # its shard answered 1 s ago: the timer restarted
+    (12.0, 7.0, 9.0, 3.0, 60.0, True),  # 3 s of silence since that ack
+    (10.0, 7.0, 5.0, 3.0, 60.0, True),  # an ack before the send does not restart it
+    (67.0, 7.0, 66.0, 3.0, 60.0, True),  # passed over while the shard answered: cap since send
+    (66.9, 7.0, 66.0, 3.0, 60.0, False),
+]
+
+
+@pytest.mark.parametrize("now, sent_at, acked_at, timeout, cap, due", DUE)
+def test_ack_due_restarts_on_each_ack_of_the_shard(now, sent_at, acked_at, timeout, cap, due):
+    assert ack_due(now, sent_at, acked_at, timeout, cap) is due
+
+
+def _request(fragment: int, round_id: int) -> PushRequest:
+    return PushRequest(fragment, round_id, 0, 1, 1, [b"x"])
+
+
+def test_a_queue_behind_a_shard_that_answers_is_not_re_sent():
+    """16 deltas to one shard at t=0; it acks one every 1.5 s (a long queue, no loss).
+
+    The timer is at its floor (2 s), below the last delta's latency (24 s), yet
+    the shard never stays silent 2 s: nothing is due until it stops answering.
+    """
+    ledger = Ledger(ack_timeout_s=2.0, ack_timeout_cap_s=60.0, ack_timeout_floor_s=2.0)
+    keys = [(0, r) for r in range(16)]
+    for key in keys:
+        ledger.add(key, 0, [b"x"], 1, 0.0, _request(*key))
+        ledger.sent(key, 0.0)
+    for i, key in enumerate(keys[:8]):
+        now = 1.5 * (i + 1)
+        assert ledger.due(now - 0.01, {0}) == []  # the moment before each ack
+        assert ledger.on_ack(key, "accepted", None, now) == "done"
+    # latencies 1.5 .. 12 s raised the timer above its floor: it follows the latency
+    assert ledger.timer.base_s > 12.0
+    assert ledger.due(12.0 + 1.9, {0}) == []
+    # the shard falls silent for good: after the timeout the rest is due, once
+    quiet = 12.0 + ledger.timer.base_s
+    assert ledger.due(quiet - 0.01, {0}) == []
+    assert ledger.due(quiet, {0}) == keys[8:]

@@ -72,3 +72,61 @@ def test_an_id_under_a_session_needs_its_token_until_the_island_is_dead():
     b.bind("x", bound)
     assert b.expire_s == 5.0 and not b.may_bind("x", B, None, 94.0)
     assert "session token" in b.in_use_detail("x", 94.0)
+
+
+C = b"\x00conn-c"
+
+
+def test_an_attached_connection_acts_as_the_island_until_a_hello_moves_the_id():
+    b = Bindings(1.0, 5)  # quiet after 2 s
+    assert b.attach_refusal("x", "s1") == "unknown_island"  # nothing bound: plain hello first
+    b.bind("x", Binding(A, "s1", 10.0))
+    assert b.attach_refusal("x", "s2") == "island_in_use"
+    assert b.attach_refusal("x", None) == "island_in_use"
+    assert b.attach_refusal("x", "s1") is None
+    assert b.attach("x", B, 10.5) is None
+    assert b.verdict("x", B, 11.0) == OWN and b.verdict("x", A, 11.0) == OWN
+    assert b.verdict("x", C, 11.0) == IN_USE
+    # heard on the attached connection only (the bound one busy or quiet): still held
+    assert b.verdict("x", B, 12.8) == OWN and b.verdict("x", C, 13.5) == IN_USE
+    b.bind("x", Binding(A, "s1", 14.0))  # hello again on the bound connection: B stays
+    assert b.verdict("x", B, 14.1) == OWN
+    b.bind("x", Binding(C, "s1", 15.0))  # a hello that moves the id lets B go
+    assert b.verdict("x", B, 15.1) == IN_USE and b.verdict("x", A, 15.1) == IN_USE
+
+
+def test_an_unbound_id_is_never_taken_by_an_attach_and_a_session_less_one_cannot_attach():
+    b = Bindings(1.0, 5)
+    b.bind("x", Binding(A, None, 0.0))
+    assert b.attach_refusal("x", None) == "island_in_use"
+    assert b.attach_refusal("y", "s1") == "unknown_island"
+
+
+def test_at_most_max_attached_connections_the_least_recently_heard_goes():
+    from paramserver.server.admission.gate import MAX_ATTACHED
+
+    b = Bindings(1.0, 5)
+    b.bind("x", Binding(A, "s", 0.0))
+    conns = [bytes([0, i]) for i in range(MAX_ATTACHED + 1)]
+    for i, conn in enumerate(conns[:MAX_ATTACHED]):
+        assert b.attach("x", conn, float(i)) is None
+    b.verdict("x", conns[0], 100.0)  # heard lately: the second one is the oldest now
+    assert b.attach("x", conns[-1], 101.0) == conns[1]
+    assert b.verdict("x", conns[0], 101.0) == OWN and b.verdict("x", conns[1], 101.0) == IN_USE
+
+
+def test_a_throttle_charges_every_connection_of_an_island_to_it():
+    from paramserver.server.admission.gate import Limits, Throttle
+
+    t = Throttle(Limits(rate=1.0, burst=1, answers_per_s=0.0))
+    t.bind(A, "x")
+    t.attach(B, "x")
+    assert t.key(A) == "x" and t.key(B) == "x"
+    t.bind(C, "x")  # moved: A and B are charged to themselves again
+    assert t.key(A) == A and t.key(B) == B and t.key(C) == "x"
+    t.attach(B, "x")
+    t.detach(B)
+    assert t.key(B) == B
+    t.attach(A, "x")
+    t.unbind("x")
+    assert t.key(A) == A and t.key(C) == C

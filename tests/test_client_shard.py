@@ -420,3 +420,25 @@ def test_a_restarted_island_gets_its_id_back_once_the_old_connection_is_silent(
     third = client(shard.router, "a", heartbeat_interval_s=0.5, in_use_wait_s=1.0)
     with pytest.raises(ClientError, match="in use by another running island"):
         third.join(small_flat(0))
+
+
+@pytest.mark.parametrize(
+    "links", [{"control_link": False}, {"bulk_links": 3}], ids=["one_dealer", "control_and_3_bulk"]
+)
+def test_every_fragment_of_every_round_is_acked_once_whatever_the_links(cluster, client, links):
+    c = cluster(2)
+    a = client(c.connect, "a", **links)
+    res = a.join(small_flat(0))
+    rounds = 4
+    for rnd in range(rounds):
+        for f in res.plan.fragments:
+            delta = np.full(f.size, 0.001, np.float32)
+            a.push(f.index, rnd, res.versions[f.index], 100, 1, delta_frames(delta))
+    pushed = rounds * res.plan.num_fragments
+    wait_for(lambda: a.stats()["acked"] == pushed, "every ack")
+    stats = a.stats()
+    assert stats["duplicates"] == 0 and stats["rejected"] == {} and stats["reconnects"] == 0
+    cores = [server.core for server in c.servers]
+    assert sum(core.state.counters.accepted for core in cores) == pushed
+    expected = 1 if "control_link" in links else 1 + links["bulk_links"]
+    assert [core.bindings.connections("a") for core in cores] == [expected, expected]

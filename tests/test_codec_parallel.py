@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import codec
-from codec import parallel
+from codec import writer as parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -21,8 +21,8 @@ import pytest
 
 import codec
 from codec import jax_quant, quant
-from codec.prequantized import frame_codes
-from codec.workspace import workspace
+from codec.decode import frame_codes
+from codec.quant import workspace
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -375,3 +375,26 @@ def test_detached_curve_cluster_status_and_metrics(tmp_path, keys):
         stop = [sys.executable, "-m", "paramserver.ops.cli", "stop", "--data-dir", str(data_dir)]
         stopped = subprocess.run(stop, capture_output=True, text=True, timeout=CLI_TIMEOUT_S * 2)
     assert stopped.returncode == 0, stopped.stderr
+
+
+def test_an_attached_connection_is_held_to_its_key_too(tmp_path, keys, zmq_ctx):
+    shard = _curve_shard(tmp_path, keys)
+    peers = [
+        CurvePeer(zmq_ctx, shard.router, keys[name], keys["server_pub"])
+        for name in ("isl", "isl", "mal")
+    ]
+    control, bulk, mal = peers
+    try:
+        hello = {"kind": "hello", "island": "isl", "session": "s-1"}
+        assert control.request(hello)["kind"] == "welcome"
+        # another key with the right session still may not act as isl
+        reply = mal.request({**hello, "attach": True})
+        assert (reply["kind"], reply["reason"]) == ("rejected", "forbidden_island")
+        assert bulk.request({**hello, "attach": True})["kind"] == "welcome"
+        assert bulk.request({"kind": "heartbeat", "island": "isl"})["kind"] == "heartbeat"
+        status = control.request({"kind": "status"})["status"]
+        assert status["islands_live"] == ["isl"] and status["rejected"] == {"forbidden_island": 1}
+    finally:
+        for peer in peers:
+            peer.close()
+        shard.stop()

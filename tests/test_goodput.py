@@ -19,23 +19,27 @@ import worker
 from paramserver.client.readout import Readout
 from paramserver.client.replica import ReplicaFragment
 from paramserver.plumbing import probe
-from worker.goodput import ACKED, MERGED, PENDING, REJECTED, RoundClock, WorkLedger, session_goodput
+from worker.deltas import ACKED, MERGED, PENDING, REJECTED, DeltaLedger
+from worker.goodput import RoundClock, session_goodput
 
 pytestmark = pytest.mark.timeout(60)
 FAST = {"heartbeat_interval_s": 0.2, "join_timeout_s": 20.0, "flush_timeout_s": 5.0}
 
 
 def test_ledger_settles_merged_as_useful_rejected_as_lost_and_keeps_the_rest_in_flight():
-    ledger = WorkLedger()
-    ledger.pushed(1, 0, 2.0)
-    ledger.pushed(1, 1, 1.0)
-    ledger.pushed(2, 0, 3.0)
-    ledger.pushed(3, 0, 0.5)
-    ledger.settle({(1, 0): MERGED, (1, 1): REJECTED, (2, 0): ACKED})
+    ledger = DeltaLedger()
+    ledger.taken(1, 0, 0, tokens=8, steps=2, work_s=2.0)
+    ledger.taken(1, 1, 0, tokens=8, steps=2, work_s=1.0)
+    ledger.taken(2, 0, 0, tokens=8, steps=2, work_s=3.0)
+    ledger.taken(3, 0, 0, tokens=8, steps=2, work_s=0.5)
+    for key, outcome in {(1, 0): MERGED, (1, 1): REJECTED, (2, 0): ACKED}.items():
+        ledger.on_outcome(*key, outcome)  # as the client's I/O thread tells it
     assert (ledger.useful_s, ledger.lost_s) == (2.0, 1.0)
-    assert ledger.in_flight_s == 3.5 and sorted(ledger.keys()) == [(2, 0), (3, 0)]
+    assert ledger.in_flight_s == 3.5 and len(ledger) == 2  # (2, 0) acked, (3, 0) pending
+    assert ledger.round_done(1) and not ledger.round_done(2)
+    assert ledger.newest_outcomes([0, 1]) == ({0: 3, 1: 1}, {(3, 0): PENDING, (1, 1): REJECTED})
     # closed: an acked delta is its shard's to merge (useful), an unacked one is lost
-    ledger.settle({(2, 0): ACKED, (3, 0): PENDING}, final=True)
+    ledger.settle_final()
     assert (ledger.useful_s, ledger.lost_s, ledger.in_flight_s) == (5.0, 1.5, 0.0)
 
 
@@ -51,12 +55,15 @@ def test_round_clock_splits_step_time_by_fragment_share_and_counts_waits_and_war
     clock.step_started(1.0)
     clock.step_ended(1.0)
     clock.step_started(3.0)  # 2 s of inner step
-    clock.pushed(7, 0, 0.25)  # fragment 0 carries 0.5 s, fragment 1 1.5 s
-    clock.pushed(7, 1, 0.75)
+    assert clock.pushed(0, 0.25) == 0.5  # fragment 0 carries 0.5 s, fragment 1 1.5 s
+    assert clock.pushed(1, 0.75) == 1.5
+    clock.ledger.taken(7, 0, 0, tokens=1, steps=1, work_s=0.5)
+    clock.ledger.taken(7, 1, 0, tokens=1, steps=1, work_s=1.5)
     clock.step_ended(4.0)  # 1 s inside step (a sync wait, back-pressure): lost
     clock.step_started(6.0)  # 2 s more, not pushed yet
-    assert clock.ledger.in_flight == {(7, 0): 0.5, (7, 1): 1.5}
-    clock.ledger.settle({(7, 0): MERGED, (7, 1): REJECTED})
+    assert clock.ledger.in_flight_s == 2.0
+    clock.ledger.on_outcome(7, 0, MERGED)
+    clock.ledger.on_outcome(7, 1, REJECTED)
     row = clock.fields({}, tokens=20, steps=2, now=6.0, shares=[0.25, 0.75])
     # wall 6 s, 2 s unpushed left out: 0.5 useful of 4 settled; lost 1 + 1.5 + 1 s
     assert row["goodput"] == pytest.approx(0.5 / 4)

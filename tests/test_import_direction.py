@@ -142,12 +142,11 @@ def test_paramserver_wings_import_only_below_them(wing):
 # its own room: admission and step are rules over the state's data; persistence stores the
 # state; the core runs a request through them; only the loop (`shard`) holds sockets and files
 SERVER_ROOMS_ALLOWED = {
-    "admission": {"events", "fragment"},
-    "step": {"config", "events", "fragment"},
-    "storage": {"config", "events", "fragment", "state", "admission", "step"},
-    "state": {"config", "events", "fragment", "state_init", "admission", "step"},
-    "effects": {"events", "state", "admission"},  # the core's effect types (state: typing only)
-    "core": {"config", "events", "effects", "state", "admission"},
+    "admission": {"fragment"},
+    "step": {"config", "fragment"},
+    "storage": {"config", "fragment", "state", "admission", "step"},
+    "state": {"config", "fragment", "state_init", "admission", "step"},
+    "core": {"config", "fragment", "state", "admission"},
 }
 
 

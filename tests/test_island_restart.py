@@ -17,7 +17,7 @@ import pytest
 from conftest import Peer, wait_for
 from shard_process import ShardProcess
 
-from paramserver.server.events import AcceptEvent
+from paramserver.server.fragment import AcceptEvent
 from paramserver.server.storage.wal import LogReader, record_to_event
 from worker import island_files, outbox
 

@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from paramserver.wire.liveness import (
+from paramserver.wire.protocol import (
     LivenessError,
     is_silent,
     live_islands,

@@ -10,6 +10,10 @@ import pytest
 from worker import model
 
 TINY = model.MODEL_CONFIGS["tiny"]
+# compiled once each: run eagerly, every op of the transformer compiles on its own (~2x slower)
+_apply = jax.jit(model.apply, static_argnums=2)
+_token_losses = jax.jit(model.token_losses, static_argnums=2)
+_loss_fn = jax.jit(model.loss_fn, static_argnums=2)
 
 
 def _random_tokens(shape, seed=0):
@@ -51,7 +55,7 @@ def test_count_params_matches_manual_sum():
 
 def test_loss_at_init_is_close_to_uniform():
     params = model.init_params(TINY, 0)
-    loss = float(model.loss_fn(params, _random_tokens((4, 65)), TINY))
+    loss = float(_loss_fn(params, _random_tokens((4, 65)), TINY))
     assert abs(loss - math.log(256)) < 0.05
 
 
@@ -60,10 +64,10 @@ def test_changing_a_future_token_leaves_earlier_positions_unchanged():
     tokens = _random_tokens((2, 33), seed=3)
     k = 20
     changed = tokens.at[:, k].set((tokens[:, k] + 1) % 256)
-    logits, logits_changed = (model.apply(params, t[:, :-1], TINY) for t in (tokens, changed))
+    logits, logits_changed = (_apply(params, t[:, :-1], TINY) for t in (tokens, changed))
     np.testing.assert_allclose(logits[:, :k], logits_changed[:, :k], rtol=0, atol=1e-6)
     assert np.abs(np.asarray(logits[:, k:] - logits_changed[:, k:])).max() > 1e-4
-    losses, losses_changed = (model.token_losses(params, t, TINY) for t in (tokens, changed))
+    losses, losses_changed = (_token_losses(params, t, TINY) for t in (tokens, changed))
     # Position k-1 predicts token k, so losses before k-1 are untouched.
     np.testing.assert_allclose(losses[:, : k - 1], losses_changed[:, : k - 1], rtol=0, atol=1e-6)
 

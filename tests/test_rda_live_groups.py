@@ -238,7 +238,7 @@ def test_a_checkpoint_between_a_groups_steps_recovers_the_same_bits(tmp_path):
 
 
 def test_a_data_dir_written_under_the_greedy_placement_says_why_it_cannot_resume(tmp_path):
-    from paramserver.server.events import InitEvent
+    from paramserver.server.fragment import InitEvent
     from paramserver.server.storage.recovery import DurabilityError
 
     cfg = ShardConfig(shards=2, fragments=3, fsync=False, data_dir=str(tmp_path))

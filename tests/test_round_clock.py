@@ -10,8 +10,13 @@ from shard_helpers import init_payload, plan_for, push_header, small_flat
 import codec
 from paramserver.server.config import ShardConfig
 from paramserver.server.state import ShardState
-from paramserver.server.step.round_clock import HISTORY, ClockError, RoundClock
-from paramserver.server.step.weighting import make_weighting, merge_coefficients
+from paramserver.server.step.weighting import CLOCK_HISTORY as HISTORY
+from paramserver.server.step.weighting import (
+    ClockError,
+    RoundClock,
+    make_weighting,
+    merge_coefficients,
+)
 from paramserver.server.storage.checkpoint import export_state, restore_state
 from paramserver.wire.protocol import ACCEPTED
 

@@ -157,12 +157,12 @@ def test_per_round_state_stays_bounded_over_many_rounds(tmp_path):
             fragments = len(session.sizes)
             clock = session.goodput_clock
             # each round's records are dropped once settled: far fewer than the rounds
-            assert len(clock.ledger.in_flight) <= 4 * fragments * 16
+            assert len(clock.ledger) <= 4 * fragments * 16
             assert len(clock.step_times) <= 256
-            assert len(session.last_push) == len(session.pushed_at) == fragments
+            assert len(session.pushed_at) == fragments
             assert session.outbox is not None and len(session.outbox.live) <= 2 * 16
             assert len(session.pusher._jobs) <= session.pusher.max_in_flight
-            assert session.unsent == [] and session.pusher.unsent == []
+            assert session.unsent == []
             assert len(session.client._core.ledger) <= 16  # max_unacked
             assert session.stats["pushes"] >= rounds * fragments
     finally:

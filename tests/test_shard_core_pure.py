@@ -12,9 +12,9 @@ pytestmark = pytest.mark.timeout(60)
 ROOT = Path(__file__).resolve().parent.parent
 SERVER = ROOT / "paramserver" / "server"
 DECIDING = [
-    "core", "state", "state_init", "events", "fragment",
+    "core", "state", "state_init", "fragment",
     "admission/gate", "admission/outcomes",
-    "step/policy", "step/weighting", "step/merge", "step/sparse_merge", "step/tensor_groups",
+    "step/policy", "step/weighting", "step/merge", "step/sparse_merge",
     "step/outer", "step/fragment_step", "step/downlink",
 ]  # fmt: skip
 FORBIDDEN = {"zmq", "threading", "time"}

@@ -117,3 +117,35 @@ def test_the_status_probe_says_bye_on_the_connection_of_its_hello(start_shard, p
     assert probe.cluster_endpoints(zmq_ctx, shard.router, timeout_s=10)
     status = peer(shard.router, "watcher").status()
     assert status["islands_live"] == [] and status["rejected"] == {}  # not left live
+
+
+def test_an_attached_connection_pushes_as_the_island_while_the_other_heartbeats(start_shard, peer):
+    shard = start_shard(mode="sync", **SLOW_HB)
+    control, plan = _init(peer, shard)
+    assert (
+        control.request({"kind": "hello", "island": "a", "session": "s-1"})[0]["kind"] == "welcome"
+    )
+    bulk = peer(shard.router, "a")
+    zeros = delta_frames(np.zeros(plan.fragments[0].size, np.float32))
+    ack, _ = bulk.request(push_header(plan, "a", 1, 0), zeros)
+    _refused(ack, "ack")  # not attached yet: another live connection holds the id
+    attach = {"kind": "hello", "island": "a", "attach": True}
+    for wrong in ({}, {"session": "s-2"}):
+        _refused(bulk.request({**attach, **wrong})[0])
+    stranger = peer(shard.router, "b")
+    reply, _ = stranger.request({**attach, "island": "b", "session": "s-9"})
+    assert reply["reason"] == "unknown_island", reply  # an attach never binds a free id
+    reply, _ = bulk.request({**attach, "session": "s-1"})
+    assert reply["kind"] == "welcome" and reply["plan_hash"] == plan.hash
+    ack, _ = bulk.request(push_header(plan, "a", 1, 0), zeros)
+    assert ack["outcome"] == "accepted", ack
+    assert control.request({"kind": "heartbeat", "island": "a"})[0]["kind"] == "heartbeat"
+    ack, _ = control.request(push_header(plan, "a", 1, 0), zeros)  # a re-send on the other one
+    assert ack["outcome"] == "duplicate", ack
+    status = control.status()
+    assert status["islands_live"] == ["a"] and status["islands_known"] == 1
+    assert status["accepted"] == 1 and status["duplicates"] == 1
+    # a hello that moves the id (same session, new connection) lets the attached one go
+    mover = peer(shard.router, "a")
+    assert mover.request({"kind": "hello", "island": "a", "session": "s-1"})[0]["kind"] == "welcome"
+    _refused(bulk.request({"kind": "heartbeat", "island": "a"})[0])

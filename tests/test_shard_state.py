@@ -14,7 +14,7 @@ from shard_helpers import (
 )
 
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import StateError
+from paramserver.server.fragment import StateError
 from paramserver.server.state import ShardState
 from paramserver.wire.protocol import ACCEPTED, DUPLICATE, REJECTED
 

@@ -10,7 +10,7 @@ jitted function over the due fragments: the parameters into that layout
 error-feedback int8/int4 quantization of every due block at once
 (`worker.device_quant`, the codec's JAX formulation, bit-equal to the numpy
 codec), the anchor moved to the local values; only the codes and
-block scales come back to the host, where `codec.prequantized` frames them
+block scales come back to the host, where `codec.decode` frames them
 (zstd there when the codec has it) into the very frames `Codec.encode` would
 write. A published version folds in on the devices too: an int8 increment
 that follows the adopted version crosses as its codes and is dequantized and
@@ -51,8 +51,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from codec.decode import Coded, code_dtype, frame_codes
 from codec.format import LEVELS
-from codec.prequantized import Coded, code_dtype, frame_codes
 from paramserver.client import Update
 from worker.device_flat import FlatLayout
 from worker.device_quant import dequantize, quantize

@@ -24,25 +24,25 @@ so an island that never waits reads 1 during the run, not 1 - its last round.
 At close an acked delta counts as merged (its shard holds it durably and merges
 it at its next step; the shards' credit says whether it was).
 
-`WorkLedger` is that bookkeeping per pushed delta; `RoundClock` (a session's
-`goodput_clock`) keeps the times a session needs (its start, the caller's step
-durations between two `Session.step` calls, sync-mode waits, the round's start,
-the inner-step time each push carries in its `WorkLedger`) and turns them and
-the client's counters into a metrics row's fields.
+Each pushed delta's seconds live in its record of the island's ledger of
+deltas (`worker.deltas.DeltaLedger`), which moves them to useful or lost as the
+client reports the delta's fate. `RoundClock` (a session's `goodput_clock`)
+keeps the times a session needs (its start, the caller's step durations
+between two `Session.step` calls, sync-mode waits, the round's start, the
+inner-step time each push carries) and turns them, the ledger's totals (a view,
+not a copy) and the client's counters into a metrics row's fields.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import numpy as np
 
-MERGED, ACKED, REJECTED, PENDING = "merged", "acked", "rejected", "pending"
-"""What became of one pushed delta, as the client knows it (`Client.delta_outcomes`)."""
+from worker.deltas import DeltaLedger
 
 
 def step_rate(step_times_s: Sequence[float], tokens_per_step: int) -> float | None:
@@ -83,53 +83,6 @@ def goodput(useful: float, available: float) -> float | None:
     return useful / available if available > 0 else None
 
 
-@dataclass
-class WorkLedger:
-    """One session's inner-step seconds by what became of the deltas that carry them."""
-
-    useful_s: float = 0.0
-    lost_s: float = 0.0
-    in_flight: dict[tuple[int, int], float] = field(default_factory=dict)
-
-    def pushed(self, round: int, fragment: int, seconds: float) -> None:
-        """A delta left carrying `seconds` of inner-step work.
-
-        Args:
-            round: its round id (the idempotency key with `fragment`).
-            fragment: its fragment.
-            seconds: the inner-step time it carries (its fragment's share of each
-                step since that fragment's last push).
-        """
-        key = (round, fragment)
-        self.in_flight[key] = self.in_flight.get(key, 0.0) + seconds
-
-    def keys(self) -> list[tuple[int, int]]:
-        """The (round, fragment) of every delta still in flight."""
-        return list(self.in_flight)
-
-    def settle(self, outcomes: Mapping[tuple[int, int], str], final: bool = False) -> None:
-        """Move the time of settled deltas to useful or lost.
-
-        Args:
-            outcomes: (round, fragment) -> MERGED, ACKED, REJECTED or PENDING; a
-                key it lacks stays in flight (PENDING).
-            final: the session has closed and will see no more versions: an
-                acked delta counts as merged (its shard holds it durably and
-                merges it at its next step), one still unacked as lost.
-        """
-        for key in list(self.in_flight):
-            outcome = outcomes.get(key, PENDING)
-            if outcome == MERGED or (final and outcome == ACKED):
-                self.useful_s += self.in_flight.pop(key)
-            elif outcome == REJECTED or final:
-                self.lost_s += self.in_flight.pop(key)
-
-    @property
-    def in_flight_s(self) -> float:
-        """Seconds carried by deltas not settled yet."""
-        return sum(self.in_flight.values())
-
-
 def session_goodput(useful_s: float, wall_s: float, unsettled_s: Iterable[float]) -> float | None:
     """A session's goodput: useful inner-step time over the settled part of its wall time.
 
@@ -168,7 +121,7 @@ class RoundClock:
     timed_steps: int = 0  # the inner steps work_s holds
     # fragment -> work_s when it was last pushed: its unpushed work is work_s minus this
     work_at: dict[int, float] = dataclasses.field(default_factory=dict)
-    ledger: WorkLedger = dataclasses.field(default_factory=WorkLedger)
+    ledger: DeltaLedger = dataclasses.field(default_factory=DeltaLedger)  # the session's
 
     def __post_init__(self) -> None:
         if self.round_started < 0:
@@ -190,17 +143,19 @@ class RoundClock:
         """Add time spent waiting for a merge."""
         self.wait_s += seconds
 
-    def pushed(self, round: int, fragment: int, share: float) -> None:
-        """A fragment's delta left: it carries its share of the steps since its last push.
+    def pushed(self, fragment: int, share: float) -> float:
+        """A fragment's delta was taken: it carries its share of the steps since its last push.
 
         Args:
-            round: the push's round id.
             fragment: its fragment.
             share: the fragment's share of all parameters.
+
+        Returns:
+            The inner-step seconds it carries (its record in the ledger keeps them).
         """
         since = self.work_s - self.work_at.get(fragment, 0.0)
         self.work_at[fragment] = self.work_s
-        self.ledger.pushed(round, fragment, since * share)
+        return since * share
 
     def unpushed_s(self, shares: list[float]) -> float:
         """Inner-step seconds not pushed yet (each fragment's share since its last push)."""
@@ -208,7 +163,6 @@ class RoundClock:
 
     def drop_unpushed(self, shares: list[float]) -> None:
         """The session closed: work no delta carries is lost (it never entered the model)."""
-        self.ledger.lost_s += self.unpushed_s(shares)
         self.work_at = dict.fromkeys(range(len(shares)), self.work_s)
 
     def median_step_s(self, last: int) -> float:
@@ -226,7 +180,8 @@ class RoundClock:
     ) -> dict[str, Any]:
         """The counters a metrics row carries and the goodput they imply.
 
-        Settle the ledger first (`ledger.settle` with the client's outcomes).
+        The ledger settles as the client reports outcomes; at close call
+        `ledger.settle_final` first.
 
         Args:
             stats: `Client.stats()` ({} on a process other than 0).

@@ -6,10 +6,12 @@ client). `Outbox.open` reads what a previous run left (either format; a torn
 last record, from a kill -9 in the middle of an append, is ignored), sets
 aside a file it cannot use (another island or plan, unreadable: renamed,
 never deleted) and rewrites the rest compactly. Before each batch of pushes
-(`Session._push`: one round's fragments, or one streamed fragment)
-`Outbox.before_push` appends a "resolved" record for the deltas the client
-saw acked or refused since the last batch, then a record per new delta, with
-one fsync for the batch; only then are the deltas handed to the client. When
+(`worker.push_thread.deliver`: one round's fragments, or one streamed
+fragment) `Outbox.record` appends a "resolved" record for the deltas the
+island's ledger of deltas (`worker.deltas`) saw acked or refused since the
+last batch, then a record per new delta, with one fsync for the batch; only
+then are the deltas handed to the client. The outbox keeps no fate of its
+own: its index (`live`) maps each live delta to its bytes in the file. When
 the resolved records dominate the file (it is over twice its live records
 and over `COMPACT_MIN_BYTES`), the batch is written as a fresh file instead:
 the live records and the new ones, fsynced, renamed over the old, directory
@@ -215,35 +217,6 @@ class Outbox:
             logger.info("island %s: re-sent %d deltas kept in %s", self.island, len(deltas),
                         self.path)  # fmt: skip
         return len(deltas)
-
-    def wait_resent(self, client: Client, stop: threading.Event, count: int) -> bool:
-        """Before the first new round: wait until the `count` re-sent deltas are resolved.
-
-        (A shard refuses a round far below the newest it saw from this island, so
-        the previous run's deltas must land first.)
-
-        Returns:
-            False when `stop` ended the wait.
-
-        Raises:
-            ClientError: the client was closed meanwhile (e.g. an abandoned session).
-        """
-        while not client.wait_settled(stop, timeout_s=1.0):  # woken by each ack
-            if stop.is_set():
-                return False
-        logger.info("island %s: the %d re-sent deltas are resolved", self.island, count)
-        return True
-
-    def before_push(self, client: Client, deltas: Sequence[PushRequest]) -> None:
-        """Persist `deltas` (one fsync) before they are pushed; drop those `client` resolved.
-
-        Args:
-            client: the island's client (asked which live deltas are no longer pending).
-            deltas: the batch about to be pushed.
-        """
-        live = self.live
-        outcomes = client.delta_outcomes(live) if live else {}
-        self.record([k for k, how in outcomes.items() if how != "pending"], deltas)
 
     def record(self, resolved: Iterable[Key], deltas: Sequence[PushRequest]) -> None:
         """Mark `resolved` deltas done and append `deltas`, durably (one fsync), in one write.

@@ -6,19 +6,24 @@ anchors move at once; `HostExchange.take`: the host copy and the deltas) and
 hands a `PushJob` to the session's `PushThread`, then returns. The thread, in
 the order the jobs came:
 
-1. brings the codes to the host and frames them (`job.taken.frames()`);
+1. brings the codes to the host and frames them (`job.taken.frames()`) into
+   the requests of the deltas' records in the island's ledger
+   (`worker.deltas.DeltaLedger.framed`: the session noted each delta there
+   when it took it);
 2. waits, before the session's first new delta, until the deltas a previous
-   run left were resolved (`Outbox.wait_resent`);
-3. persists the batch (`Outbox.before_push`: one append and one fsync);
+   run left were resolved (on the ledger's Condition);
+3. persists the batch (`Outbox.record`: the deltas the ledger saw resolved
+   since the last batch, then the new ones, one append and one fsync);
 4. hands each delta to the client (`Client.push_request`, back-pressure
-   included).
+   included) and tells the ledger (`handed`).
 
 So persist-before-send holds as before: nothing of a delta leaves before it is
 in the outbox file, fsynced. At most `max_in_flight` jobs are queued or running:
 `wait_for_room` blocks the step until one is done, and the session counts
 that wait as lost time. A failure is kept and raised by the next `step`
 (`PushFailed`); from then on the thread persists the jobs it gets and pushes
-none (the outbox keeps them for the next start). `halt` (close, abandon, the
+none (the outbox keeps them for the next start; the ledger's `unhanded`
+names them at close). `halt` (close, abandon, the
 session's stop) makes pushes stop waiting for a slot: they queue past
 `max_unacked`, and the client's close flushes or keeps them. With
 `max_in_flight` 0 the session runs the same `deliver` inline (the synchronous
@@ -36,6 +41,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from paramserver.client import Client, PushRequest
+from worker.deltas import DeltaLedger
 from worker.outbox import Outbox
 
 logger = logging.getLogger(__name__)
@@ -64,15 +70,17 @@ class PushFailed(RuntimeError):
 class PushJob:
     """One batch of deltas taken at one step: what the thread frames, persists and pushes.
 
+    Their fields (base version, tokens, steps) are in their records in the ledger.
+
     Attributes:
         round: their round id.
         taken: the exchange's taken delta (`frames()` -> fragment -> codec frames).
-        fields: (fragment, base_version, tokens, steps) per delta, in push order.
+        fragments: their fragments, in push order.
     """
 
     round: int
     taken: Any
-    fields: list[tuple[int, int, int, int]]
+    fragments: list[int]
 
 
 class PushThread:
@@ -83,6 +91,7 @@ class PushThread:
         island: str,
         client: Client,
         outbox: Outbox | None,
+        ledger: DeltaLedger,
         max_in_flight: int,
         settle_resent: Callable[[threading.Event], None],
     ) -> None:
@@ -92,16 +101,16 @@ class PushThread:
             island: the island id (for messages).
             client: the joined client.
             outbox: the outbox file (None: no data dir, nothing persisted).
+            ledger: the island's ledger of deltas (their records, payloads and fates).
             max_in_flight: jobs queued or running before `wait_for_room` blocks (>= 1).
             settle_resent: called with `halt` before each job's pushes (waits until the
                 deltas a previous run left are resolved).
         """
-        self.island, self.client, self.outbox = island, client, outbox
+        self.island, self.client, self.outbox, self.ledger = island, client, outbox, ledger
         self.max_in_flight = max(1, max_in_flight)
         self.halt = threading.Event()  # pushes stop waiting for a slot
         self.failure: PushFailed | None = None
         self.busy_s = 0.0  # seconds spent framing, persisting and pushing
-        self.unsent: list[PushRequest] = []  # persisted, never handed to the client
         self._settle_resent = settle_resent
         self._cond = threading.Condition()
         self._jobs: collections.deque[PushJob] = collections.deque()
@@ -203,12 +212,11 @@ class PushThread:
     def _deliver_or_keep(self, job: PushJob) -> None:
         try:
             if self.failure is None:
-                deliver(job, self.client, self.outbox, self.halt, self._settle_resent, self.unsent)
+                deliver(job, self.client, self.outbox, self.ledger, self.halt, self._settle_resent)
                 return
-            batch = requests(job)  # failed before: persist only, for the next start
+            batch = requests(job, self.ledger)  # failed before: persist only, for the next start
             if self.outbox is not None:
                 self.outbox.record([], batch)
-            self.unsent += batch
         except BaseException as exc:  # kept for the next `step`, never lost silently
             logger.error("island %s: pushing round %d failed: %s", self.island, job.round, exc)
             with self._cond:
@@ -217,22 +225,18 @@ class PushThread:
                 self._cond.notify_all()
 
 
-def requests(job: PushJob) -> list[PushRequest]:
-    """The job's deltas as PushRequests (frames them: brings the codes to the host)."""
-    frames = job.taken.frames()
-    return [
-        PushRequest(fragment, job.round, version, tokens, steps, list(frames[fragment]))
-        for fragment, version, tokens, steps in job.fields
-    ]
+def requests(job: PushJob, ledger: DeltaLedger) -> list[PushRequest]:
+    """The job's deltas as PushRequests, kept in their ledger records (brings codes to host)."""
+    return ledger.framed(job.round, job.taken.frames(), job.fragments)
 
 
 def deliver(
     job: PushJob,
     client: Client,
     outbox: Outbox | None,
+    ledger: DeltaLedger,
     stop: threading.Event,
     settle_resent: Callable[[threading.Event], None],
-    unsent: list[PushRequest],
 ) -> None:
     """Frame a job's deltas, persist them (one fsync), then push them.
 
@@ -240,30 +244,24 @@ def deliver(
         job: the deltas.
         client: the joined client.
         outbox: where they are persisted first (None: nowhere).
+        ledger: the island's ledger of deltas (their fields; told what was framed and handed).
         stop: ends a push's wait for a slot (it queues past the limit).
         settle_resent: called with `stop` before the persist (the previous run's deltas
             first).
-        unsent: gets the persisted deltas a failed push left unhanded (for `Outbox.keep`).
 
     Raises:
-        ClientError: a push failed; the deltas not handed over are in the outbox.
+        ClientError: a push failed; the deltas not handed over are in the outbox (and
+            `ledger.unhanded()`).
     """
-    batch = requests(job)
+    batch = requests(job, ledger)
     try:
         settle_resent(stop)
     except BaseException:  # e.g. the client closed meanwhile: kept for the next start
         if outbox is not None:
             outbox.record([], batch)
-            unsent.extend(batch)
         raise
-    if outbox is not None:
-        outbox.before_push(client, batch)  # one fsync, before anything leaves
-    handed = 0
-    try:
-        for d in batch:
-            client.push_request(d, stop=stop)  # the request travels whole
-            handed += 1
-    except BaseException:
-        if outbox is not None:
-            unsent.extend(batch[handed:])
-        raise
+    if outbox is not None:  # one fsync, before anything leaves
+        outbox.record(ledger.take_resolved(), batch)
+    for d in batch:
+        client.push_request(d, stop=stop)  # the request travels whole
+        ledger.handed(d)

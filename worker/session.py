@@ -64,6 +64,7 @@ import codec
 from paramserver.client import Client, ClientError, JoinResult, PushRequest, Update
 from worker import compile_cache, island_files, session_token
 from worker.config import IslandConfig
+from worker.deltas import DeltaLedger
 from worker.device_exchange import DeviceExchange
 from worker.goodput import RoundClock
 from worker.host_exchange import HostExchange
@@ -203,6 +204,9 @@ class Session:
         self.client: Client | None = None
         self.outbox: Outbox | None = None  # process 0 with a data dir: `worker.outbox`
         self.token: session_token.HeldToken | None = None
+        # one record per pushed delta (process 0; `worker.deltas`): goodput, the outbox,
+        # the quorum skip and the sync wait derive from it; the client tells it each fate
+        self.ledger = DeltaLedger(outbox=self.data_dir is not None and self.leader_sync.leader)
         try:
             self._open(params, client_factory)
         except BaseException:
@@ -249,15 +253,18 @@ class Session:
         self.round = 0
         self.in_round = 0  # step calls of the current round
         self.pushed_in_round = False
-        self.last_push: dict[int, int] = {}  # fragment -> round id of its newest push
         self.steps = self.tokens = 0
         self.adopted = 0
         self._round_losses: list[Any] = []  # the `loss` values of this round's steps
-        self.goodput_clock = RoundClock(time.monotonic())
+        has_outbox = self.client is not None and self.data_dir is not None
+        self.goodput_clock = RoundClock(time.monotonic(), ledger=self.ledger)
         self._leader_stop = False  # process 0's stop as of the last step (multi-process)
         self.resending = 0  # deltas of a previous run pushed again and not resolved yet
-        if self.client is not None and self.data_dir is not None:
+        if self.client is not None:
+            self.client.watch_outcomes(self.ledger.on_outcome)
+        if has_outbox:
             self.outbox = Outbox.open(self.data_dir / OUTBOX_FILE, cfg.island, self.plan.hash)
+            self.ledger.resent(self.outbox.to_resend)  # before they leave: their acks find them
             self.resending = self.outbox.resend(self.client, self.stop)
         # Round ids are the idempotency key (island, round, fragment) on the shards: start
         # each run's rounds from its start time in microseconds (a round takes longer), and
@@ -265,12 +272,10 @@ class Session:
         newest_kept = self.outbox.newest_round if self.outbox is not None else -1
         self.round_base = max(time.time_ns() // 1000, newest_kept + 1)
         # the exchange beside training (`worker.push_thread`): process 0 with overlap_rounds > 0
-        self.unsent: list[PushRequest] = []  # persisted, never handed to the client
         self.pusher: PushThread | None = None
         if self.client is not None and cfg.overlap_rounds > 0:
-            self.pusher = PushThread(
-                cfg.island, self.client, self.outbox, cfg.overlap_rounds, self._settle_resent
-            )
+            self.pusher = PushThread(cfg.island, self.client, self.outbox, self.ledger,
+                                     cfg.overlap_rounds, self._settle_resent)  # fmt: skip
         logger.info(
             "island %s joined: %d fragments, versions %s, mode %s",
             cfg.island,
@@ -374,8 +379,8 @@ class Session:
         down = self.client is not None and self.client.stats().get("shards_down")  # queue
         if self.client is None or self.mode != "quorum" or self.leader_sync.multi or down:
             return due
-        waiting = [(self.last_push[f], f) for f in due if f in self.last_push]
-        return unblocked(due, self.last_push, self.client.delta_outcomes(waiting))
+        last_push, outcomes = self.ledger.newest_outcomes(due)
+        return unblocked(due, last_push, outcomes)
 
     def _take(self, leaves: list[Any], fragments: list[int]) -> tuple[dict[int, int], Any]:
         """The due fragments' base versions and their taken delta (work since the last push).
@@ -437,25 +442,22 @@ class Session:
         (`overlap_rounds` 0) it is delivered here.
         """
         versions, delta = taken
-        fields = []
         for index in fragments:
             steps_then, tokens_then = self.pushed_at[index]
             steps, tokens = self.steps - steps_then, self.tokens - tokens_then
             self.pushed_at[index] = (self.steps, self.tokens)
-            self.last_push[index] = round_id
-            fields.append((index, versions[index], tokens, steps))
-            if self.client is not None:
-                share = self.sizes[index] / sum(self.sizes)
-                self.goodput_clock.pushed(round_id, index, share)
+            if self.client is not None:  # its record in the ledger, before anything leaves
+                work_s = self.goodput_clock.pushed(index, self.sizes[index] / sum(self.sizes))
+                self.ledger.taken(round_id, index, versions[index], tokens, steps, work_s)
         self.pushed_in_round = True
         if self.client is None:
             delta.frames()  # the other processes: the push's collectives run
             return
-        job = PushJob(round_id, delta, fields)
+        job = PushJob(round_id, delta, list(fragments))
         if self.pusher is not None:
             self.pusher.submit(job)
         else:
-            deliver(job, self.client, self.outbox, self.stop, self._settle_resent, self.unsent)
+            deliver(job, self.client, self.outbox, self.ledger, self.stop, self._settle_resent)
 
     def _fold(self, leaves: list[Any], params: Any) -> Any:
         """Adopt every newer version (the same ones on every process); returns the params."""
@@ -481,18 +483,28 @@ class Session:
 
     def _wait_for_merge(self, round_id: int) -> None:
         """Sync mode: block until the shards published versions that include `round_id`."""
-        assert self.client is not None
-        t0 = time.monotonic()
-        while not self.stop.is_set():  # woken by each message; ClientError once closed
-            self._check_pusher()
-            if self.client.wait_round_merged(round_id, self.stop, timeout_s=0.2):
-                break
+        pusher = self.pusher
+
+        def give_up() -> bool:
+            failed = pusher is not None and pusher.failure is not None
+            return self.stop.is_set() or self._abandoned.is_set() or failed
+
+        t0 = time.monotonic()  # woken by each outcome the client reports
+        self.ledger.wait(lambda: self.ledger.round_done(round_id), give_up)
         self.goodput_clock.waited(time.monotonic() - t0)
+        self._check_pusher()
 
     def _settle_resent(self, stop: threading.Event) -> None:
-        """Before the first new round: wait until the re-sent deltas are resolved."""
-        box, client = self.outbox, self.client
-        if self.resending and box and client and box.wait_resent(client, stop, self.resending):
+        """Before the first new round: wait until the re-sent deltas are resolved.
+
+        (A shard refuses a round far below the newest it saw from this island, so
+        the previous run's deltas must land first.)
+        """
+        if self.resending and self.ledger.wait(
+            lambda: not self.ledger.resent_pending(), stop.is_set
+        ):
+            logger.info("island %s: the %d re-sent deltas are resolved", self.island,
+                        self.resending)  # fmt: skip
             self.resending = 0
 
     def wait_pushed(self, timeout_s: float | None = None) -> bool:
@@ -520,6 +532,11 @@ class Session:
         return done
 
     # -- what the caller reads ------------------------------------------------------
+
+    @property
+    def unsent(self) -> list[PushRequest]:
+        """Deltas persisted but never handed to the client (a failed push; kept at close)."""
+        return self.ledger.unhanded()
 
     def global_params(self) -> Any:
         """The newest global parameters this session adopted, as the session's tree type.
@@ -588,7 +605,7 @@ class Session:
         """
         self.warm_up()
         now = time.monotonic()
-        self.goodput_clock = RoundClock(now, last_end=now)
+        self.goodput_clock = RoundClock(now, last_end=now, ledger=self.ledger)
 
     def warm_up(self) -> None:
         """Compile the exchange's pushes and folds now (once; nothing changes).
@@ -637,11 +654,9 @@ class Session:
                 and unpushed work as lost, and the wall time ends with the last
                 `step` (the flush and the caller's own epilogue are not island time).
         """
-        if self.client is not None:
-            outcomes = self.client.delta_outcomes(self.goodput_clock.ledger.keys())
-            self.goodput_clock.ledger.settle(outcomes, final=final)
         shares = [size / sum(self.sizes) for size in self.sizes]
         if final:
+            self.ledger.settle_final()
             self.goodput_clock.drop_unpushed(shares)
         now = time.monotonic()
         if final and self.goodput_clock.last_end is not None:
@@ -733,7 +748,8 @@ class Session:
         self._abandoned.set()
         self.leader_sync.broken = True  # no more collectives, not even at close
         if self.client is not None:
-            self.client.close(flush_timeout_s=flush_timeout_s)  # thread-safe; ends step's waits
+            self.client.close(flush_timeout_s=flush_timeout_s)  # thread-safe
+        self.ledger.close()  # ends step's waits on the ledger
         if not self._lock.acquire(timeout=flush_timeout_s + 5.0):
             logger.warning(
                 "island %s: abandoned while a step is stuck; its outbox keeps what it pushed",
@@ -751,9 +767,9 @@ class Session:
         try:
             if self.pusher is not None:  # its queued jobs are framed and persisted, then pushed
                 self.pusher.close(flush_timeout_s + 30.0)
-                self.unsent += self.pusher.unsent
             if self.client is not None:
                 self.client.close(flush_timeout_s=flush_timeout_s)
+                self.ledger.close()
                 unacked = self.client.unacked()
                 if self.outbox is not None:
                     self.outbox.keep(unacked + self.unsent)

@@ -463,6 +463,23 @@ class Client:
         with self._lock:
             return {(r, f): self._core.readout.delta_outcome(r, f) for r, f in keys}
 
+    def watch_outcomes(self, listener: Callable[[int, int, str], None] | None) -> None:
+        """Be told what becomes of each pushed delta, as it happens (no polling).
+
+        Call it before the first push. `listener(round, fragment, outcome)` runs on
+        the client's I/O thread, under the client's lock, so it must be quick and
+        must not call the client: "acked" (its shard holds it; once per delta, at
+        its final ack), "merged" (later: a version that includes it reached this
+        client), "rejected" (finally refused). A delta acked into a version this
+        client already holds is told "merged" at once. Deltas left unacked at
+        `close` are told nothing (`unacked` hands them back).
+
+        Args:
+            listener: the callable, or None to stop telling.
+        """
+        with self._lock:
+            self._core.readout.listener = listener
+
     def stats(self) -> dict[str, Any]:
         """Counters of this client.
 

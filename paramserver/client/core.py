@@ -41,12 +41,12 @@ from paramserver.client.joining import Join
 from paramserver.client.ledger import Key, Ledger, StorageWarning
 from paramserver.client.readout import Readout
 from paramserver.client.replica import Resync, published_update
-from paramserver.client.shards import Effect, Send, Shards, ShardState
+from paramserver.client.shards import Effect, Send, ShardLink, Shards
 from paramserver.client.types import ClientConfig, ClientError, JoinResult, PushRequest, Update
 from paramserver.client.welcome import check_rewelcome, welcome_limit
 from paramserver.wire import protocol
-from paramserver.wire.liveness import is_silent, next_backoff
 from paramserver.wire.plan import Plan
+from paramserver.wire.protocol import is_silent, next_backoff
 
 logger = logging.getLogger(__name__)
 
@@ -82,7 +82,9 @@ class ClientCore:
         self.join_outcome: JoinResult | ClientError | None = None
         self.dropped: list[PushRequest] = []  # what close left unacked
         self._join: Join | None = None  # the join in progress
-        self._shards = Shards(cfg.island, cfg.session or session, cfg.keep != "versions")
+        self._shards = Shards(
+            cfg.island, cfg.session or session, cfg.keep != "versions", cfg.bulk_flows
+        )
         self._storage_warning = StorageWarning()
         self._close_at: float | None = None
         # The PUB stream heartbeats at the server's interval: judge its silence by
@@ -188,7 +190,7 @@ class ClientCore:
         try:
             if role == "dealer":
                 shard.heard = now
-                self._on_reply(now, shard, frames)
+                self._on_reply(now, shard, frames, link)
             else:
                 shard.sub_heard = now
                 self._on_published(now, shard, frames)
@@ -203,8 +205,10 @@ class ClientCore:
             self._after_join_step()
         return self._shards.flush()
 
-    def _on_reply(self, now: float, shard: ShardState, frames: list) -> None:
+    def _on_reply(self, now: float, shard: ShardLink, frames: list, link: int) -> None:
         header, payload = protocol.unpack(frames, protocol.REPLY)
+        if self._shards.on_link_reply(shard, link, header):  # a bulk link's attach
+            return
         kind, rid = header["kind"], header.get("id")
         if kind == "ack":
             self._on_ack(now, shard, header)
@@ -241,7 +245,7 @@ class ClientCore:
         elif what == "hello" and kind == "welcome":
             self._on_rewelcome(now, shard, header)
 
-    def _on_snapshot(self, now: float, shard: ShardState, header: dict, payload: list) -> None:
+    def _on_snapshot(self, now: float, shard: ShardLink, header: dict, payload: list) -> None:
         done = self._shards.on_snapshot_piece(shard, header, payload)
         if done is None or shard.feed is None:
             return
@@ -250,7 +254,7 @@ class ClientCore:
         self.readout.note_version(fragment, version)
         self._publish(shard.feed.on_snapshot(fragment, version, seq, values), now)
 
-    def _on_rewelcome(self, now: float, shard: ShardState, welcome: dict) -> None:
+    def _on_rewelcome(self, now: float, shard: ShardLink, welcome: dict) -> None:
         """A shard answered the hello of a reconnect: re-send its deltas and re-snapshot."""
         check_rewelcome(welcome, self.plan, shard.index)
         limit = welcome_limit(welcome)
@@ -263,7 +267,7 @@ class ClientCore:
             self._send_push(key)
         self._resync(shard, now)
 
-    def _on_ack(self, now: float, shard: ShardState, header: dict) -> None:
+    def _on_ack(self, now: float, shard: ShardLink, header: dict) -> None:
         key = (header["fragment"], header["round"])
         self.readout.note_version(header["fragment"], header["version"])
         if self.ledger.spurious(key, header["outcome"]):
@@ -295,7 +299,7 @@ class ClientCore:
                     header.get("reason"),
                 )
 
-    def _on_published(self, now: float, shard: ShardState, frames: list) -> None:
+    def _on_published(self, now: float, shard: ShardLink, frames: list) -> None:
         header, payload = protocol.unpack(frames, protocol.PUB)
         if shard.feed is None or header["shard"] != shard.index:
             return
@@ -328,7 +332,7 @@ class ClientCore:
                 logger.info("shard %d: updates not taken in time; re-snapshot", shard.index)
                 self._resync(shard, now)
 
-    def _resync(self, shard: ShardState, now: float) -> None:
+    def _resync(self, shard: ShardLink, now: float) -> None:
         if shard.feed is None:
             return
         self.readout.add(resyncs=1)
@@ -450,7 +454,7 @@ class ClientCore:
         for key in self.ledger.due(now, up):
             self._send_push(key)
 
-    def _reconnect(self, shard: ShardState, now: float) -> None:
+    def _reconnect(self, shard: ShardLink, now: float) -> None:
         """Paranoid Pirate: a silent shard gets a fresh DEALER and a new hello."""
         if shard.up:
             logger.warning(

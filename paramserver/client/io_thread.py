@@ -28,12 +28,14 @@ import threading
 import time
 from collections.abc import Iterator, Mapping, Sequence
 from concurrent.futures import Future
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import zmq
 
 from paramserver.client.core import ClientCore
+from paramserver.client.links import flow_buffer_bytes
 from paramserver.client.shards import Close, Effect, Open, Send
 from paramserver.client.types import ClientConfig, ClientError, PushRequest
 from paramserver.plumbing import curve
@@ -219,6 +221,17 @@ class IOThread(threading.Thread):
 # -- the sockets ------------------------------------------------------------------------
 
 
+def _kernel_max() -> int:
+    """The largest socket buffer this host lets a process set (net.core.wmem_max, rmem_max)."""
+    sizes = []
+    for name in ("wmem_max", "rmem_max"):
+        try:
+            sizes.append(int(Path(f"/proc/sys/net/core/{name}").read_text()))
+        except (OSError, ValueError):
+            return 0
+    return min(sizes)
+
+
 class Links:
     """Every socket of one client, by link number."""
 
@@ -233,6 +246,8 @@ class Links:
             ClientError: a CURVE key file cannot be used.
         """
         self._reconnect_cap_s = cfg.reconnect_cap_s
+        flows = cfg.bulk_flows
+        self._bulk_buffer = flow_buffer_bytes(cfg.link_bdp_bytes, max(1, flows), _kernel_max())
         self._curve: tuple[bytes, bytes, bytes] | None = None
         if cfg.curve_secret_key_file:
             try:
@@ -289,11 +304,15 @@ class Links:
         return ready
 
     def open(self, link: int, role: str, endpoint: str) -> None:
-        """Open link `link`: a DEALER ("dealer") or a subscribe-all SUB ("sub") to `endpoint`."""
+        """Open link `link` to `endpoint`: a DEALER ("dealer"), a bulk DEALER ("bulk": its
+        buffers sized from the link's bandwidth-delay product) or a subscribe-all SUB ("sub")."""
         self.close(link)
-        kind = zmq.DEALER if role == "dealer" else zmq.SUB
+        kind = zmq.SUB if role == "sub" else zmq.DEALER
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
+        if role == "bulk" and self._bulk_buffer:
+            sock.setsockopt(zmq.SNDBUF, self._bulk_buffer)
+            sock.setsockopt(zmq.RCVBUF, self._bulk_buffer)
         if self._curve is not None:
             curve.secure_client(sock, *self._curve)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)

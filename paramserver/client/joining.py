@@ -28,7 +28,7 @@ from paramserver.client.handshake import FIRST, Handshake
 from paramserver.client.init_upload import Ask
 from paramserver.client.readout import Readout
 from paramserver.client.replica import ReplicaFragment, ShardFeed
-from paramserver.client.shards import Shards, ShardState
+from paramserver.client.shards import ShardLink, Shards
 from paramserver.client.types import ClientConfig, ClientError, JoinResult
 from paramserver.client.welcome import Cluster
 
@@ -42,7 +42,7 @@ _IDEMPOTENT = ("hello", "init_begin", "init_piece")
 class _Call:
     """A join request in flight: re-sent (hello, init_begin, init_piece) until answered."""
 
-    shard: ShardState
+    shard: ShardLink
     name: int  # the handshake's name of the shard (`FIRST` before the first welcome)
     kind: str
     frames: list[Any]
@@ -81,7 +81,7 @@ class Join:
         self.cluster: Cluster | None = None  # once the first welcome was read
         self.syncing = False
         self.outcome: JoinResult | ClientError | None = None
-        first = ShardState(FIRST, cfg.connect, "")
+        first = ShardLink(FIRST, cfg.connect, "")
         net.all = [first]
         net.open(first, "dealer")
         self._ask(self._handshake.start(now), now)
@@ -161,7 +161,7 @@ class Join:
                 first.index, first.pub = i, pub
                 shards.append(first)
             else:
-                shard = ShardState(i, router, pub)
+                shard = ShardLink(i, router, pub)
                 self._shards.open(shard, "dealer")
                 shards.append(shard)
         self._shards.all = shards

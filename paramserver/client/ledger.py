@@ -18,6 +18,8 @@ The rules:
   at `ack_timeout_s`, learns from the latency of every delta acked after its
   only send (Karn's rule: `on_ack` takes the time), stays within
   [floor, `ack_timeout_cap_s`], and doubles per attempt and after a timeout;
+  as TCP's, it restarts on every ack of its shard (`ack_due`), so deltas queued
+  behind others at a busy shard that keeps answering are not re-sent;
   deltas of a shard that is down wait for it;
 - a re-send turns out needless ("spurious", `spurious`) when the shard answers
   `duplicate` to a copy of a delta that went out more than once; the timer then
@@ -116,6 +118,10 @@ class Ledger:
         floor = ack_timeout_s if ack_timeout_floor_s is None else ack_timeout_floor_s
         self.timer = AckTimer(ack_timeout_s, min(floor, ack_timeout_s), ack_timeout_cap_s)
         self._entries: dict[Key, Entry] = {}
+        # per shard: when its last ack of a pending delta came (TCP restarts its timer on an
+        # ack of new data, RFC 6298 5.3): a shard that keeps answering is working through
+        # what we sent, and its queue is not a lost delta (`ack_due`)
+        self._acked_at: dict[int, float] = {}
         # re-sent deltas resolved by an ack `accepted`: the latency of their first copy,
         # kept until a `duplicate` proves the re-send needless (bounded, oldest dropped)
         self._resent_latency: dict[Key, float] = {}
@@ -226,6 +232,7 @@ class Ledger:
             raise KeyError(f"delta {key} is not pending; check `key in ledger` before on_ack")
         if entry.sends == 1 and entry.attempt == 0 and reason != "throttled":
             self.timer = self.timer.sample(now - entry.sent_at)  # Karn: it answers the only copy
+        self._acked_at[entry.shard] = now
         if outcome == REJECTED:
             if reason == "unknown_island":
                 return "rejoin"
@@ -254,9 +261,9 @@ class Ledger:
             up: the shards that are up (deltas of the others wait for `on_rejoin`).
 
         Returns:
-            Keys, in push order, of the deltas last sent (or tried) at least
-            `timer.timeout_s(attempt)` ago, as the timer stood before this call,
-            and of the throttled ones whose `retry_at` has come (no attempt
+            Keys, in push order, of the deltas that `ack_due` names (last sent, or
+            tried, and last heard of their shard at least `timer.timeout_s(attempt)`
+            ago, as the timer stood before this call), and of the throttled ones whose `retry_at` has come (no attempt
             counted: they are due again, not late). Deferred deltas are included
             and stay deferred. The timeout of a delta that was not deferred (its
             ack is late) backs the timer off.
@@ -271,7 +278,8 @@ class Ledger:
                     entry.retry_at, entry.deferred = None, False
                     keys.append(key)
                 continue
-            if now - entry.sent_at >= timer.timeout_s(entry.attempt):
+            acked_at = None if entry.deferred else self._acked_at.get(entry.shard)
+            if ack_due(now, entry.sent_at, acked_at, timer.timeout_s(entry.attempt), timer.cap_s):
                 if not entry.deferred:
                     self.timer = self.timer.timed_out(entry.attempt)
                 entry.attempt += 1
@@ -397,6 +405,34 @@ class StorageWarning:
 ALPHA = 1 / 8  # gain of the smoothed latency
 BETA = 1 / 4  # gain of the latency's mean deviation
 K = 4  # deviations added to the smoothed latency
+
+
+def ack_due(
+    now: float, sent_at: float, acked_at: float | None, timeout_s: float, cap_s: float
+) -> bool:
+    """Whether a delta's ack is overdue, so that it is sent again (TCP's timer, per shard).
+
+    The wait counts from the later of the delta's last send and its shard's last
+    ack of any of this client's deltas (RFC 6298 5.3 restarts the timer on each
+    ack): while a shard answers, the deltas queued behind wait their turn in its
+    queue, so a long queue (many islands, one busy shard) is not mistaken for a
+    lost delta. A delta the shard passed over while it kept answering is re-sent
+    once it waited `cap_s` since its send.
+
+    Args:
+        now: current time.
+        sent_at: the delta's last send (or try of one).
+        acked_at: its shard's last ack of a pending delta, or None (none yet, or
+            the delta is deferred: refused for now, so it counts from its send).
+        timeout_s: the timer's timeout for the delta (`AckTimer.timeout_s`).
+        cap_s: the longest wait from its send (`AckTimer.cap_s`).
+
+    Returns:
+        True when `now - max(sent_at, acked_at) >= timeout_s`, or when
+        `now - sent_at >= cap_s`.
+    """
+    since = sent_at if acked_at is None else max(sent_at, acked_at)
+    return now - since >= timeout_s or now - sent_at >= cap_s
 
 
 def smoothed(srtt: float | None, rttvar: float | None, sample: float) -> tuple[float, float]:

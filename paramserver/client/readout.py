@@ -20,6 +20,7 @@ restart the chain).
 from __future__ import annotations
 
 from collections import Counter, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -78,6 +79,10 @@ class Readout:
         self._credited: dict[int, float] = {}  # shard -> tokens of ours that entered the model
         # (fragment, round, codec frames) of deltas finally refused, until `take_refused`
         self._refused: deque[tuple[int, int, list[Any]]] = deque(maxlen=_MAX_REFUSED)
+        # told (round, fragment, outcome) as a delta is acked, refused or merged (`Client.watch_outcomes`)
+        self.listener: Callable[[int, int, str], None] | None = None
+        # with a listener: fragment -> round -> the version that merges it, acked and not merged yet
+        self._awaiting: dict[int, dict[int, int]] = {}
 
     # -- written by the core ------------------------------------------------------------------
 
@@ -115,6 +120,8 @@ class Readout:
         self._merge_targets.setdefault(ack["round"], {})[ack["fragment"]] = target
         while len(self._merge_targets) > _MAX_MERGE_ROUNDS:
             del self._merge_targets[min(self._merge_targets)]
+        if self.listener is not None:
+            self._tell(ack["round"], ack["fragment"], target)
         if ack["outcome"] in ("accepted", "duplicate"):
             self._counters.acked += 1
             self._ack_latencies.append(latency_s)
@@ -123,6 +130,22 @@ class Readout:
             self._counters.rejected[ack.get("reason") or "unknown"] += 1
             if payload is not None:
                 self._refused.append((ack["fragment"], ack["round"], payload))
+
+    def _tell(self, round: int, fragment: int, target: int | None) -> None:
+        """Tell the listener a delta's final ack; a merge it still waits for is awaited."""
+        outcome = self.delta_outcome(round, fragment) if target is not None else "rejected"
+        if outcome == "acked":
+            self._awaiting.setdefault(fragment, {})[round] = target
+        self.listener(round, fragment, outcome)
+
+    def _merged_upto(self, fragment: int) -> None:
+        """Tell the listener of each awaited delta of `fragment` the replica now includes."""
+        waiting, state = self._awaiting.get(fragment), self.replica.get(fragment)
+        if not waiting or state is None:
+            return
+        for round in [r for r, target in waiting.items() if state.version >= target]:
+            del waiting[round]
+            self.listener(round, fragment, "merged")
 
     def credit(self, shard: int, credited: object) -> None:
         """A shard's cumulative credit of this island's tokens (ignored unless a number)."""
@@ -140,6 +163,9 @@ class Readout:
             ("increments"): their shard must be snapshotted again. Else [].
         """
         dropped: list[int] = []
+        if self.listener is not None:
+            for fragment in sorted({u.fragment for u in updates}):
+                self._merged_upto(fragment)
         for u in updates:
             self._counters.updates_applied += 1
             chain = self._updates.setdefault(u.fragment, [])

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from codec.prequantized import Coded, read_codes
+from codec.decode import Coded, read_codes
 from paramserver.client.types import Update
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import UPDATE_FULL, UPDATE_INCREMENT, ProtocolError

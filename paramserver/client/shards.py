@@ -1,7 +1,7 @@
 """The shards as the client's core sees them: their state, their links, the requests in flight.
 
 This module owns, with no I/O, the bookkeeping under the client's core
-(`paramserver.client.core`): `ShardState` (endpoints, links, liveness and
+(`paramserver.client.core`): `ShardLink` (endpoints, links, liveness and
 update stream of one shard) and `Shards`, which numbers links and request
 ids, keeps the tracked requests (id -> what was asked), builds the messages
 (every request carries the island id, every hello the client's session) and
@@ -12,15 +12,19 @@ shard's snapshot goes in pieces that fit its `max_message_bytes`
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
+from paramserver.client.links import BULK_KINDS
 from paramserver.client.replica import ShardFeed
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 from paramserver.wire.snapshot import SnapshotPieces, snapshot_request
+
+logger = logging.getLogger(__name__)
 
 SNAPSHOT_WINDOW = 2  # snapshot pieces in flight per shard
 
@@ -35,13 +39,15 @@ class SnapshotRead:
 
 
 @dataclass
-class ShardState:
-    """What the core knows of one shard: its endpoints, links, liveness and update stream."""
+class ShardLink:
+    """One shard as the client sees it: its endpoints, links, liveness and update stream."""
 
     index: int
     router: str
     pub: str
-    dealer: int | None = None  # link of its DEALER
+    dealer: int | None = None  # link of its (control) DEALER
+    bulk: list[int] = field(default_factory=list)  # links of its bulk DEALERs
+    attached: set[int] = field(default_factory=set)  # bulk links attached since the last welcome
     sub: int | None = None  # link of its SUB
     heard: float = 0.0  # last message on the DEALER
     sub_heard: float = 0.0  # last message on the SUB
@@ -55,20 +61,23 @@ class ShardState:
 class Shards:
     """Every shard of one client (`all`, by index), their links and the requests in flight."""
 
-    def __init__(self, island: str, session: str, values: bool = True) -> None:
+    def __init__(self, island: str, session: str, values: bool = True, bulk_links: int = 0) -> None:
         """Start with no shard and no link.
 
         Args:
             island: the island id every request carries.
             session: the token every hello carries.
             values: False: snapshots read only each fragment's version (no replica).
+            bulk_links: bulk DEALERs per shard beside the control one (0: one
+                DEALER per shard carries everything).
         """
         self.island = island
         self.session = session
         self.values = values
-        self.all: list[ShardState] = []
+        self.bulk_links = bulk_links
+        self.all: list[ShardLink] = []
         self.requests: dict[int, tuple[str, int, int]] = {}  # id -> (kind, shard, fragment)
-        self._links: dict[int, tuple[Role, ShardState]] = {}
+        self._links: dict[int, tuple[Role, ShardLink]] = {}
         self._next_link = 0
         self._next_id = 0
         self._out: list[Effect] = []
@@ -82,7 +91,7 @@ class Shards:
         """Whether any link is open."""
         return bool(self._links)
 
-    def owner(self, link: int) -> tuple[Role, ShardState] | None:
+    def owner(self, link: int) -> tuple[Role, ShardLink] | None:
         """(role, shard) of an open link, or None (closed or never opened)."""
         return self._links.get(link)
 
@@ -91,20 +100,95 @@ class Shards:
         self._next_id += 1
         return self._next_id
 
-    def open(self, shard: ShardState, role: Role) -> None:
-        """Give `shard` a fresh link of `role` (the old one, if any, is closed)."""
+    def open(self, shard: ShardLink, role: Role) -> None:
+        """Give `shard` a fresh link of `role` (the old one, if any, is closed).
+
+        A fresh DEALER comes with fresh bulk links (`bulk_links`), attached
+        once the control link is welcomed.
+        """
         old = shard.dealer if role == "dealer" else shard.sub
-        if old is not None:
-            self._links.pop(old, None)
-            self._out.append(Close(old))
-        self._next_link += 1
-        link = self._next_link
-        self._links[link] = (role, shard)
-        self._out.append(Open(link, role, shard.router if role == "dealer" else shard.pub))
+        closing = [old] if old is not None else []
+        if role == "dealer":
+            closing += shard.bulk
+            shard.bulk, shard.attached = [], set()
+        for link in closing:
+            self._links.pop(link, None)
+            self._out.append(Close(link))
+        link = self._new_link(role, shard, shard.router if role == "dealer" else shard.pub)
         if role == "dealer":
             shard.dealer = link
+            shard.bulk = [self._new_link("bulk", shard, shard.router)
+                          for _ in range(self.bulk_links)]  # fmt: skip
         else:
             shard.sub = link
+
+    def _new_link(self, kind: str, shard: ShardLink, endpoint: str) -> int:
+        self._next_link += 1
+        link = self._next_link
+        self._links[link] = ("sub" if kind == "sub" else "dealer", shard)
+        self._out.append(Open(link, kind, endpoint))  # type: ignore[arg-type]
+        return link
+
+    def on_link_reply(self, shard: ShardLink, link: int, header: dict) -> bool:
+        """Keep the bulk links attached; called with every reply on a shard's DEALERs.
+
+        A `welcome` on the control link (a join's hello, a reconnect's, a
+        rejoin's) attaches every bulk link not attached: a hello with `attach`
+        on each, after which bulk requests use it. A refused attach, or an
+        `unknown_island` on a bulk link, leaves that link unused until the
+        next welcome (the core says hello on the control link for the latter).
+
+        Args:
+            shard: the shard it came from.
+            link: the link it came on.
+            header: the reply's header.
+
+        Returns:
+            True when the reply was the answer to an attach (nothing else to do).
+        """
+        kind, rid = header["kind"], header.get("id")
+        if link == shard.dealer:
+            if kind == "welcome":
+                self._attach(shard)
+            return False
+        asked = self.requests.get(rid) if isinstance(rid, int) else None
+        if asked is not None and asked[0] == "attach":
+            del self.requests[rid]
+            if kind != "welcome":
+                shard.attached.discard(link)
+                logger.warning(
+                    "shard %d refused a bulk link: %s: %s",
+                    shard.index, header.get("reason"), header.get("detail"),
+                )  # fmt: skip
+            return True
+        if header.get("reason") == "unknown_island":
+            shard.attached.discard(link)
+        return False
+
+    def _attach(self, shard: ShardLink) -> None:
+        for link in [link for link in shard.bulk if link not in shard.attached]:
+            rid = self.new_id()
+            self.requests[rid] = ("attach", shard.index, -1)
+            header = {"kind": "hello", "id": rid, "island": self.island,
+                      "session": self.session, "attach": True}  # fmt: skip
+            self._out.append(Send(link, protocol.pack(header)))
+            shard.attached.add(link)  # what follows on the link comes after the attach
+
+    def link_for(self, shard: ShardLink, kind: str, spread: int = 0) -> int:
+        """The link a request of `kind` goes on (-1: the shard has no DEALER).
+
+        Args:
+            shard: the shard.
+            kind: the request's kind.
+            spread: picks among the attached bulk links (a push's fragment + round).
+
+        Returns:
+            An attached bulk link for BULK_KINDS when there is one, else the control link.
+        """
+        if kind in BULK_KINDS and shard.attached:
+            links = [link for link in shard.bulk if link in shard.attached]
+            return links[spread % len(links)]
+        return -1 if shard.dealer is None else shard.dealer
 
     def close_all(self) -> None:
         """Close every link, forget every shard and request."""
@@ -113,7 +197,7 @@ class Shards:
         self.requests.clear()
         self.all = []
 
-    def send(self, shard: ShardState, header: dict, payload: list[Any] = ()) -> list[Any]:
+    def send(self, shard: ShardLink, header: dict, payload: list[Any] = ()) -> list[Any]:
         """Send one message on a shard's DEALER (adds `island`, and `session` to a hello).
 
         Returns:
@@ -122,20 +206,25 @@ class Shards:
         if header["kind"] == "hello":
             header = {**header, "session": self.session}
         frames = protocol.pack({"island": self.island, **header}, list(payload))
-        self.send_frames(shard, frames)
+        link = self.link_for(shard, header["kind"], header.get("fragment", 0))
+        self._out.append(Send(link, frames))
         return frames
 
-    def send_frames(self, shard: ShardState, frames: list[Any], key: Any = None) -> None:
-        """Send packed frames on a shard's DEALER (`key`: the ledger's delta, for a push)."""
-        self._out.append(Send(-1 if shard.dealer is None else shard.dealer, frames, key))
+    def send_frames(self, shard: ShardLink, frames: list[Any], key: Any = None) -> None:
+        """Send packed frames on a shard's control DEALER, or a push (`key`: the ledger's
+        (fragment, round)) on one of its bulk links."""
+        if key is None:
+            self._out.append(Send(self.link_for(shard, "hello"), frames, key))
+            return
+        self._out.append(Send(self.link_for(shard, "push", key[0] + key[1]), frames, key))
 
-    def request(self, shard: ShardState, kind: str, about: int = -1, **fields: Any) -> None:
+    def request(self, shard: ShardLink, kind: str, about: int = -1, **fields: Any) -> None:
         """Send a tracked request (`about`: its fragment, if any); the reply is matched by id."""
         rid = self.new_id()
         self.requests[rid] = (kind, shard.index, about)
         self.send(shard, {"kind": kind, "id": rid, **fields})
 
-    def request_snapshots(self, shard: ShardState, now: float, plan: Plan) -> None:
+    def request_snapshots(self, shard: ShardLink, now: float, plan: Plan) -> None:
         """Start (or restart) a snapshot of every fragment of `shard` (its feed must exist).
 
         Args:
@@ -159,7 +248,7 @@ class Shards:
         self._ask_pieces(shard, read)
 
     def on_snapshot_piece(
-        self, shard: ShardState, header: dict, payload: list[Any]
+        self, shard: ShardLink, header: dict, payload: list[Any]
     ) -> tuple[int, int, int, np.ndarray | None] | None:
         """Take one `snapshot_reply` (to a tracked request); ask the next pieces.
 
@@ -194,7 +283,7 @@ class Shards:
         del read.fragments[pieces.fragment]
         return (pieces.fragment, *pieces.result())
 
-    def _ask_pieces(self, shard: ShardState, read: SnapshotRead) -> None:
+    def _ask_pieces(self, shard: ShardLink, read: SnapshotRead) -> None:
         while read.queue and read.in_flight < SNAPSHOT_WINDOW:
             fragment, offset, count = read.queue.pop(0)
             rid = self.new_id()
@@ -226,10 +315,11 @@ Role = Literal["dealer", "sub"]
 
 @dataclass(frozen=True)
 class Open:
-    """Open link `link`: a DEALER (`role` "dealer") or a subscribe-all SUB to `endpoint`."""
+    """Open link `link` to `endpoint`: a DEALER (`role` "dealer"), a bulk DEALER ("bulk":
+    its socket buffers sized for the link) or a subscribe-all SUB ("sub")."""
 
     link: int
-    role: Role
+    role: Literal["dealer", "bulk", "sub"]
     endpoint: str
 
 

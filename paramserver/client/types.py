@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from codec.prequantized import Coded
+from codec.decode import Coded
+from paramserver.client.links import MAX_BULK_LINKS, bulk_flows
 from paramserver.plumbing.exposure import refusal
 from paramserver.plumbing.validate import Checks
 from paramserver.wire.plan import Plan
@@ -116,6 +117,18 @@ class ClientConfig:
     # (secret) where the island keeps its state, so a restart after a crash is welcomed at
     # once (`worker.session_token`); "" = a fresh random token per Client.
     session: str = ""
+    # Hello, heartbeats, status and bye on a DEALER of their own per shard, apart from the
+    # bulk (pushes, snapshots, init pieces), so that a long push on a thin link cannot delay
+    # them (docs/protocol.md section 1); False: one DEALER per shard carries everything.
+    control_link: bool = True
+    # Bulk DEALERs per shard (with control_link): pushes are spread over them, one push
+    # whole on one; 0 = one per 4 MiB of link_bdp_bytes, at least 1, at most 8.
+    bulk_links: int = 0
+    # The links' bandwidth-delay product (rate x round-trip time) in bytes, e.g.
+    # 2 Gbit/s x 60 ms = 15_000_000: sets bulk_links when that is 0, and each bulk socket's
+    # send/receive buffers to its share when that exceeds what the kernel's autotuning
+    # reaches and fits net.core.wmem_max/rmem_max; 0 = unknown (the kernel's autotuning).
+    link_bdp_bytes: int = 0
 
     def __post_init__(self) -> None:
         check = Checks("ClientConfig", ClientConfigError)
@@ -144,6 +157,16 @@ class ClientConfig:
         )
         check.choice("keep", self.keep, KEEP)
         check.require(
+            isinstance(self.control_link, bool),
+            "control_link", self.control_link, "must be True or False",
+        )  # fmt: skip
+        check.integer("bulk_links", self.bulk_links, 0)
+        check.require(
+            self.bulk_links <= MAX_BULK_LINKS,
+            "bulk_links", self.bulk_links, f"must be at most {MAX_BULK_LINKS}",
+        )  # fmt: skip
+        check.integer("link_bdp_bytes", self.link_bdp_bytes, 0)
+        check.require(
             self.session == "" or is_island_id(self.session),
             "session",
             self.session,
@@ -166,6 +189,11 @@ class ClientConfig:
             self.reconnect_cap_s,
             f"must be >= heartbeat_interval_s={self.heartbeat_interval_s}",
         )
+
+    @property
+    def bulk_flows(self) -> int:
+        """Bulk DEALERs per shard (`paramserver.client.shards.bulk_flows`); 0 without control_link."""
+        return bulk_flows(self.control_link, self.bulk_links, self.link_bdp_bytes)
 
     def plain_tcp_refusal(self, endpoint: str) -> str | None:
         """Why this client may not talk plain TCP to `endpoint`, or None when it may.
@@ -210,7 +238,7 @@ class Update:
     itself (a new array per version, never changed in place), not a copy.
 
     `increment`, when not None, holds the int8/int4 codes and scales of the published
-    change from `version - 1` (`codec.prequantized.Coded`): a reader that holds
+    change from `version - 1` (`codec.decode.Coded`): a reader that holds
     version - 1 can add their dequantized values (in float32, as the replica does)
     instead of taking `values`, e.g. on its accelerator. None when `version` came
     from a snapshot or a full-values update.

@@ -1,11 +1,13 @@
 """The shard: one process's logic, in rooms by concept.
 
 - `shard`: the I/O loop (ROUTER and PUB sockets, one fsync per batch, then send);
-- `core`: the sans-I/O protocol core (requests and ticks in, effects out);
-- `admission/`: who may send and how fast (`gate`), what came of a request (`outcomes`);
-- `state`, `state_init`, `events`, `fragment`: the event-sourced state and its init;
-- `step/`: when to step (`policy`), the weights, the merge, the outer optimizer, the
-  chunked step and the quantized downlink;
+- `core`: the sans-I/O protocol core (requests and ticks in, effects out, their types);
+- `admission/`: who may send, how fast, how much unread (`gate`), what came of a request
+  (`outcomes`);
+- `state`, `state_init`, `fragment`: the event-sourced state (a fragment's state and the
+  events of its log: `fragment`) and its init;
+- `step/`: when to step (`policy`), the weights and the round clock (`weighting`), the
+  merge, the outer optimizer, the chunked step and the quantized downlink;
 - `storage/`: the write-ahead log, checkpoints, recovery, the data directory;
 - `config`: the shard's settings.
 

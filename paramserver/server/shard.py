@@ -391,7 +391,7 @@ def send_reply(router: zmq.Socket, core: ShardCore, conn: bytes, message: list[A
     router.send_multipart([conn, *frames], copy=False)
     tracked = [f for f in frames if isinstance(f, zmq.Frame)]
     if tracked:
-        core.backlog.track(conn, nbytes, zmq.MessageTracker(*tracked))
+        core.backlog.track(core.peer(conn), nbytes, zmq.MessageTracker(*tracked))
 
 
 def _user_id(frame: Any) -> str | None:

@@ -6,9 +6,9 @@ applies live in `admission/` and `step/`.)
 
 This module owns what a shard knows and every rule that changes it: the plan,
 per owned fragment the fp32 parameters (1-D), outer optimizer state, version,
-pending contributions (each delta kept coded as it arrived, `codec.coded`,
+pending contributions (each delta kept coded as it arrived, `codec.decode`,
 under the shard's `max_pending_bytes`), arrival statistics and round clock
-(`paramserver.server.step.round_clock`: staleness in rounds, the islands of a round); the dedup table; the island
+(`paramserver.server.step.weighting`: staleness in rounds, the islands of a round); the dedup table; the island
 registry (last heard from); the counters reported by `status`.
 
 Event-sourced: every change that must survive a crash is one of these events,
@@ -58,17 +58,20 @@ import numpy as np
 from paramserver.server.admission import outcomes
 from paramserver.server.admission.outcomes import Outcome, ShardCounters
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import (
+from paramserver.server.fragment import (
+    DEDUP_MAX_ROUNDS,
     AcceptEvent,
     Contribution,
+    DedupEntry,
     Event,
+    FragmentState,
     InitBeginEvent,
     InitEvent,
     InitPieceEvent,
     StateError,
     StepEvent,
+    StepUpdate,
 )
-from paramserver.server.fragment import DEDUP_MAX_ROUNDS, DedupEntry, FragmentState, StepUpdate
 from paramserver.server.state_init import PartialInit, ShardInit
 from paramserver.server.step.fragment_step import FragmentStepper
 from paramserver.server.step.policy import (
@@ -80,9 +83,8 @@ from paramserver.server.step.policy import (
     quorum_time,
 )
 from paramserver.server.step.weighting import HISTORY, clip_factor, l2_norm, round_share
-from paramserver.wire import liveness
 from paramserver.wire.plan import Plan
-from paramserver.wire.protocol import ACCEPTED
+from paramserver.wire.protocol import ACCEPTED, live_islands
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +159,7 @@ class ShardState(ShardInit):
         Returns:
             The live island ids.
         """
-        return liveness.live_islands(
-            now, self.last_seen, self.cfg.heartbeat_interval_s, self.cfg.liveness
-        )
+        return live_islands(now, self.last_seen, self.cfg.heartbeat_interval_s, self.cfg.liveness)
 
     def snapshot(self, fragment: int, lo: int = 0, hi: int | None = None) -> tuple[int, np.ndarray]:
         """The current version and values [lo, hi) of an owned fragment.
@@ -440,7 +440,7 @@ class ShardState(ShardInit):
         Returns:
             (fragments to step now, earliest wake_at of the others or None); under
             rda in sync mode a due piece of a cut tensor waits for its siblings
-            (`paramserver.server.step.tensor_groups`).
+            (`paramserver.server.step.policy`).
         """
         live = self.live(now)
         due: list[int] = []

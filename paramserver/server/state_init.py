@@ -30,8 +30,13 @@ import numpy as np
 import codec
 from paramserver.server.admission import outcomes
 from paramserver.server.admission.outcomes import Outcome, refused
-from paramserver.server.events import InitBeginEvent, InitEvent, InitPieceEvent, StateError
-from paramserver.server.fragment import FragmentState
+from paramserver.server.fragment import (
+    FragmentState,
+    InitBeginEvent,
+    InitEvent,
+    InitPieceEvent,
+    StateError,
+)
 from paramserver.server.step.fragment_step import host_vector
 from paramserver.server.step.outer import aligned_float32
 from paramserver.wire import protocol

@@ -19,7 +19,7 @@ ceil(F / S) fragments (bytes balanced to one fragment plus one element per
 fragment), and the pieces of a leaf cut across fragments sit on one shard
 unless the leaf spans one of the S - 1 run boundaries. A shard can then merge
 a cut tensor as a whole (RDA's whole-tensor norms,
-`paramserver.server.step.tensor_groups`) without another shard's data. (Before
+`paramserver.server.step.policy`) without another shard's data. (Before
 this rule fragments went to shards greedily, largest first; a shard refuses
 to resume a data dir written under that rule, saying its plan does not match.)
 

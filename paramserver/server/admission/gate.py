@@ -21,7 +21,17 @@ The rule, with `quiet_s = min(TAKEOVER_INTERVALS, liveness) * heartbeat_interval
 - a push, heartbeat or bye from another connection is refused
   `island_in_use` while the bound one has been heard within `quiet_s`, and
   answered `unknown_island` ("say hello") once it has not, so that hello
-  takes the id over.
+  takes the id over;
+- an *attach* hello (`attach` true) adds its connection to a binding made
+  under a session, when it carries that session: the island then has several
+  connections to the shard (a control connection for hello and heartbeats,
+  bulk connections for pushes and snapshots), each of which acts as the
+  island. At most MAX_ATTACHED are attached (the least recently heard one is
+  let go for a new one); a hello that moves the id to another connection
+  lets them all go (they belonged to the connection it replaces), a hello on
+  the bound connection keeps them. An attach to an id that is not bound is
+  refused `unknown_island` (say the plain hello first), one without the
+  binding's session `island_in_use`.
 
 Why it is sound: a live island heartbeats every interval, so its connection
 is never silent for two; a second process with the same id is refused at its
@@ -63,13 +73,35 @@ the buckets of every key (those that have refilled completely are forgotten:
 a full bucket equals a fresh one), the keys heard last and the
 connection -> island map. The core (`paramserver.server.core`) asks it
 before unpacking a request.
+
+Bytes of replies a peer has not read yet, per connection: the bound on what a slow reader holds.
+
+ZeroMQ bounds a peer's queued replies in messages (its high-water mark,
+1000), and a snapshot piece may be ~58 MB: a client that asks pieces and
+never reads would hold gigabytes of the shard's memory. So the shard counts
+bytes: a reply with a large payload (a snapshot piece, a status) is charged
+to its connection when the core builds it (`charge`), and, once sent, stays
+counted until ZeroMQ has written it to the socket (`track` with the send's
+tracker: done when ZeroMQ let go of its frames). A connection holding
+`limit` bytes or more is refused `throttled` for such a request
+(`admits`), with a retry after `RETRY_AFTER_S`; a connection that holds
+nothing is always served one reply, so a piece larger than the limit can
+still be read. A peer that disconnects frees its queued replies, and its
+entries with them.
+
+Nothing here touches a socket: a tracker is anything with a `done` property
+(pyzmq's `MessageTracker`).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Container, Sequence
-from dataclasses import dataclass
-from typing import Literal, NamedTuple
+from dataclasses import dataclass, field
+from typing import Any, Literal, NamedTuple, Protocol
+
+from paramserver.server.admission.outcomes import Outcome
+from paramserver.wire.protocol import REJECTED
 
 TAKEOVER_INTERVALS = 2  # heartbeat intervals of silence after which a binding may be taken
 
@@ -78,13 +110,28 @@ IN_USE = "in_use"  # the id is bound to another connection that is not silent
 SAY_HELLO = "say_hello"  # bound to another connection that fell silent: hello takes it over
 
 
+MAX_ATTACHED = 16  # attached connections one island may hold on a shard besides its bound one
+
+
 @dataclass
 class Binding:
-    """The connection an island id is bound to, and when it was last heard."""
+    """The connection an island id is bound to, its attached ones, and when it was last heard.
+
+    Attributes:
+        conn: the connection whose plain hello bound the id.
+        session: that hello's session token, or None.
+        heard: when any of the island's connections was last heard.
+        attached: connections added by an attach hello -> when each was last heard.
+    """
 
     conn: bytes
     session: str | None
     heard: float
+    attached: dict[bytes, float] = field(default_factory=dict)
+
+    def holds(self, conn: bytes) -> bool:
+        """Whether `conn` acts as the island (the bound connection or an attached one)."""
+        return conn == self.conn or conn in self.attached
 
 
 def may_take_over(
@@ -111,7 +158,7 @@ def may_take_over(
         session, or its connection has been silent for more than `quiet_s`
         (no session) or `expire_s` (a session: its token is needed until then).
     """
-    if bound is None or bound.conn == conn:
+    if bound is None or bound.holds(conn):
         return True
     if session is not None and session == bound.session:
         return True
@@ -152,11 +199,62 @@ class Bindings:
     def bind(self, island: str, held: Binding) -> None:
         """Bind `island` (after its hello was welcomed).
 
+        A hello on the connection already bound keeps the attached connections;
+        one that moves the id lets them go.
+
         Args:
             island: island id.
             held: its connection, session and the time of the hello.
         """
+        old = self._bound.get(island)
+        if old is not None and old.conn == held.conn and not held.attached:
+            held.attached = old.attached
         self._bound[island] = held
+
+    def attach_refusal(self, island: str, session: str | None) -> str | None:
+        """Why an attach hello for `island` with `session` is refused (None: attach it).
+
+        Args:
+            island: island id.
+            session: the attach hello's session token, or None.
+
+        Returns:
+            None, "unknown_island" (the id is not bound here: say the plain hello
+            first) or "island_in_use" (bound without a session, or under another).
+        """
+        bound = self._bound.get(island)
+        if bound is None:
+            return "unknown_island"
+        if session is None or session != bound.session:
+            return "island_in_use"
+        return None
+
+    def attach(self, island: str, conn: bytes, now: float) -> bytes | None:
+        """Add `conn` to `island`'s connections (after `attach_refusal` said None).
+
+        Args:
+            island: a bound island id.
+            conn: the connection of the attach hello.
+            now: current time, seconds.
+
+        Returns:
+            The attached connection let go to make room (MAX_ATTACHED), or None.
+        """
+        bound = self._bound[island]
+        bound.heard = max(bound.heard, now)
+        if conn == bound.conn:
+            return None
+        bound.attached[conn] = now
+        if len(bound.attached) <= MAX_ATTACHED:
+            return None
+        oldest = min(bound.attached, key=bound.attached.__getitem__)
+        del bound.attached[oldest]
+        return oldest
+
+    def connections(self, island: str) -> int:
+        """How many connections act as `island` (its bound one and the attached ones; 0: unbound)."""
+        bound = self._bound.get(island)
+        return 0 if bound is None else 1 + len(bound.attached)
 
     def verdict(self, island: str, conn: bytes, now: float) -> str:
         """How to treat a request (other than hello) for `island` from `conn`; refreshes its own.
@@ -172,8 +270,10 @@ class Bindings:
         bound = self._bound.get(island)
         if bound is None:
             return OWN
-        if bound.conn == conn:
+        if bound.holds(conn):
             bound.heard = max(bound.heard, now)
+            if conn in bound.attached:
+                bound.attached[conn] = max(bound.attached[conn], now)
             return OWN
         return SAY_HELLO if now - bound.heard > self.quiet_s else IN_USE
 
@@ -402,7 +502,7 @@ class Throttle:
         self._requests: dict[Key, Bucket | None] = {}
         self._answers: dict[Key, Bucket | None] = {}
         self._island_of: dict[bytes, str] = {}  # connection -> island it said hello as
-        self._conn_of: dict[str, bytes] = {}  # island -> its connection (the newest hello)
+        self._conns_of: dict[str, set[bytes]] = {}  # island -> its connections (hello, attach)
         self._in_order: set[str] = set()  # islands whose last push was acked: pushes are free
         self._prune_at = PRUNE_AT
 
@@ -413,24 +513,48 @@ class Throttle:
     def bind(self, conn: bytes, island: str) -> None:
         """`conn` said hello as `island` (welcomed): its requests are charged to the island.
 
+        A hello from a connection the island does not hold yet moves it there: its
+        other connections are charged to themselves again.
+
         Args:
             conn: the connection (ROUTER identity).
             island: the island id.
         """
-        old = self._conn_of.get(island)
-        if old is not None and old != conn:
-            self._island_of.pop(old, None)
+        if conn not in self._conns_of.get(island, ()):
+            for old in self._conns_of.pop(island, set()):
+                self._island_of.pop(old, None)
+        self.attach(conn, island)
+
+    def attach(self, conn: bytes, island: str) -> None:
+        """`conn` was attached to `island` (an attach hello): charged to the island too.
+
+        Args:
+            conn: the connection (ROUTER identity).
+            island: the island id.
+        """
         before = self._island_of.get(conn)
-        if before is not None and self._conn_of.get(before) == conn:
-            del self._conn_of[before]
+        if before is not None and before != island:
+            self._drop_conn(before, conn)
         self._island_of[conn] = island
-        self._conn_of[island] = conn
+        self._conns_of.setdefault(island, set()).add(conn)
         self._last = rekey(self._last, conn, island)
 
+    def detach(self, conn: bytes) -> None:
+        """`conn` no longer acts as its island (let go for a newer attached one)."""
+        island = self._island_of.pop(conn, None)
+        if island is not None:
+            self._drop_conn(island, conn)
+
+    def _drop_conn(self, island: str, conn: bytes) -> None:
+        conns = self._conns_of.get(island)
+        if conns is not None:
+            conns.discard(conn)
+            if not conns:
+                del self._conns_of[island]
+
     def unbind(self, island: str) -> None:
-        """`island` left (bye): its connection's requests are charged to the connection again."""
-        conn = self._conn_of.pop(island, None)
-        if conn is not None:
+        """`island` left (bye): its connections' requests are charged to each connection again."""
+        for conn in self._conns_of.pop(island, set()):
             self._island_of.pop(conn, None)
         self._in_order.discard(island)
 
@@ -515,10 +639,112 @@ class Throttle:
                 continue
             if island not in self._requests and island not in self._answers:
                 del self._island_of[conn]
-                if self._conn_of.get(island) == conn:
-                    del self._conn_of[island]
+                self._drop_conn(island, conn)
         self._prune_at = max(PRUNE_AT, 2 * (len(self._requests) + len(self._answers)))
 
     def __len__(self) -> int:
         """Keys with a bucket that is not full (as last stored)."""
         return len(set(self._requests) | set(self._answers))
+
+
+RETRY_AFTER_S = 0.5  # a backlogged peer's throttled reply: ask again after this long
+
+
+class Tracker(Protocol):
+    """What tells when a sent message's frames were released (pyzmq's MessageTracker)."""
+
+    @property
+    def done(self) -> bool: ...  # noqa: D102
+
+
+class ReplyBacklog:
+    """Per-connection bytes of replies built or sent and not yet written out."""
+
+    def __init__(self, limit: int) -> None:
+        """Start empty.
+
+        Args:
+            limit: bytes one connection may hold before its large requests are
+                refused; 0 = no limit.
+        """
+        self.limit = limit
+        self._sent: dict[bytes, list[tuple[int, Any]]] = {}
+        self._charged: Counter[bytes] = Counter()
+
+    def held(self, conn: bytes) -> int:
+        """Bytes of `conn`'s replies built this turn or sent and not yet written out.
+
+        Args:
+            conn: the connection (ROUTER routing id).
+
+        Returns:
+            The bytes (entries whose tracker is done are dropped).
+        """
+        entries = self._sent.get(conn)
+        if entries:
+            entries[:] = [(n, t) for n, t in entries if not t.done]
+            if not entries:
+                del self._sent[conn]
+        return sum(n for n, _ in entries or ()) + self._charged[conn]
+
+    def admits(self, conn: bytes) -> bool:
+        """Whether a large reply to `conn` may be built now.
+
+        Args:
+            conn: the connection.
+
+        Returns:
+            True when there is no limit, or `conn` holds less than the limit.
+        """
+        return self.limit <= 0 or self.held(conn) < self.limit
+
+    def charge(self, conn: bytes, nbytes: int) -> None:
+        """Count a reply built for `conn` (until the turn's sends are tracked).
+
+        Args:
+            conn: the connection.
+            nbytes: its payload bytes.
+        """
+        self._charged[conn] += nbytes
+
+    def track(self, conn: bytes, nbytes: int, tracker: Tracker) -> None:
+        """Count a sent reply until its tracker is done.
+
+        Args:
+            conn: the connection.
+            nbytes: its bytes.
+            tracker: done once ZeroMQ released its frames.
+        """
+        if not tracker.done:
+            self._sent.setdefault(conn, []).append((nbytes, tracker))
+
+    def turn_done(self) -> None:
+        """Forget this turn's charges (its replies were sent, and the large ones tracked).
+
+        Also drops what was written out for every connection (gone peers included).
+        """
+        self._charged.clear()
+        for conn in list(self._sent):
+            self.held(conn)
+
+    def refusal(self, conn: bytes) -> Outcome:
+        """The `throttled` refusal of a large request from a connection at its limit.
+
+        Args:
+            conn: the connection.
+
+        Returns:
+            A rejected `throttled` outcome with retry_after_s, not yet counted.
+        """
+        return Outcome(
+            REJECTED,
+            "throttled",
+            f"{self.held(conn)} bytes of replies to this connection are not read yet "
+            f"(max_unread_reply_bytes={self.limit}): read them, and ask again after "
+            f"{RETRY_AFTER_S:g} s",
+            retry_after_s=RETRY_AFTER_S,
+        )
+
+    def total(self) -> int:
+        """Bytes held over every connection (for status)."""
+        return sum(self.held(conn) for conn in list(self._sent)) + sum(self._charged.values())

@@ -39,10 +39,8 @@ from typing import Any
 import numpy as np
 
 import codec
-from codec import coded
-from codec.coded import CodedTensor
-from paramserver.server.events import Event
-from paramserver.server.fragment import DedupEntry, FragmentState
+from codec.decode import CodedTensor, read_coded
+from paramserver.server.fragment import DedupEntry, Event, FragmentState
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan, PlanError
 from paramserver.wire.protocol import DUPLICATE, REJECTED, TRAINING_FIELDS
@@ -236,7 +234,7 @@ def read_delta(payload: Sequence[Any], size: int) -> CodedTensor | Outcome:
     """The delta of a push's payload, kept coded, or why it is refused.
 
     Checks what decoding it would (frames, checksums, header sizes, finite
-    non-negative scales, topk offsets: `codec.coded.read`), the tree, dtype
+    non-negative scales, topk offsets: `codec.decode.read_coded`), the tree, dtype
     and shape, and that every decoded value is finite, without decoding it.
 
     Args:
@@ -248,7 +246,7 @@ def read_delta(payload: Sequence[Any], size: int) -> CodedTensor | Outcome:
         bad_shape, bad_dtype, non_finite), not yet counted.
     """
     try:
-        tensors = coded.read(payload, max_elements=size)
+        tensors = read_coded(payload, max_elements=size)
     except codec.CodecError as exc:
         return refused("codec_error", str(exc))
     paths = sorted("/".join(t.path) for t in tensors)

@@ -54,8 +54,14 @@ import numpy as np
 import optax
 
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import Contribution, PieceGram
-from paramserver.server.fragment import FragmentState
+from paramserver.server.fragment import (
+    Contribution,
+    FragmentState,
+    PieceGram,
+    TensorGroups,
+    is_sparse,
+    partials,
+)
 from paramserver.server.step.downlink import Downlink, new_residual
 from paramserver.server.step.fused_step import FusedNesterov
 from paramserver.server.step.merge import chunk_merge, scaled
@@ -68,11 +74,9 @@ from paramserver.server.step.outer import (
 )
 from paramserver.server.step.sparse_merge import (
     SPARSE_PUBLISH_ZSTD_LEVEL,
-    is_sparse,
     sparse_merge,
     sparse_optimizer,
 )
-from paramserver.server.step.tensor_groups import TensorGroups, partials
 from paramserver.server.step.weighting import (
     IslandShare,
     make_weighting,
@@ -135,7 +139,7 @@ class FragmentStepper:
             where: the fragment in the plan (its leaves, for per-tensor merges).
             expected: islands the shard expected this round (its live
                 islands at the step); None: the step's own islands.
-            outside: rda: the Grams of its cut tensors' other pieces (`tensor_groups`).
+            outside: rda: the Grams of its cut tensors' other pieces (`paramserver.server.fragment.TensorGroups`).
 
         Returns:
             (the islands' shares, the published update's codec frames or None

@@ -40,7 +40,7 @@ fragment's step exact, only data from the tensor's other pieces can.
 In the shard: the plan keeps the fragments of a cut tensor on one shard
 unless the tensor spans one of the S - 1 boundaries between shards' runs
 (`paramserver.wire.plan`), and a step passes the Grams of the pieces this
-shard holds of the same pushes (`paramserver.server.step.tensor_groups`, logged in
+shard holds of the same pushes (`paramserver.server.step.policy`, logged in
 the StepEvent). So a tensor is merged over the whole tensor when all its
 pieces are on one shard and hold the step's pushes (in sync mode the pieces
 of a round step together); a piece on another shard, or one without the
@@ -51,7 +51,7 @@ nothing.
 
 Chunks: a step's merge is a `ChunkMerge` (`chunk_merge`), whose `fill(lo, hi,
 out)` writes elements [lo, hi) of the merged delta, decoding its sources
-(`DeltaSource`: a pending delta kept coded, `codec.coded.CodedTensor`, or an
+(`DeltaSource`: a pending delta kept coded, `codec.decode.CodedTensor`, or an
 array) a piece of at most PIECE elements at a time, so a step needs no decoded
 copy of any delta. The Grams come from one pass over the deltas when the
 merge is built. Every element's value depends only on its own inputs and the
@@ -80,7 +80,7 @@ PIECE = 1 << 16  # elements decoded at a time by a fill (scratch: a few of these
 
 
 class DeltaSource(Protocol):
-    """A delta the merge reads a range at a time (`codec.coded.CodedTensor` is one)."""
+    """A delta the merge reads a range at a time (`codec.decode.CodedTensor` is one)."""
 
     @property
     def size(self) -> int:

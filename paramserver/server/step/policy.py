@@ -35,11 +35,12 @@ Grace rules (quorum mode):
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
-from paramserver.plumbing.validate import Checks, is_finite_number
+from paramserver.plumbing.validate import Checks
 
 MODES = ("sync", "quorum", "async")
 GRACE_RULES = ("fraction", "eq3")
@@ -94,7 +95,8 @@ class PolicyConfig:
 
 
 def _check_time(name: str, value: object) -> float:
-    if not is_finite_number(value):
+    # `validate.is_finite_number`, inline: it runs at every decision
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         raise PolicyError(f"{name}={value!r} must be a finite time in seconds")
     return float(value)
 
@@ -135,7 +137,7 @@ def observe(stats: ArrivalStats, now: float, alpha: float = 0.3) -> ArrivalStats
         The updated statistics.
     """
     now = _check_time("now", now)
-    if not is_finite_number(alpha) or not 0 < alpha <= 1:
+    if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not 0 < alpha <= 1:
         raise PolicyError(f"alpha={alpha!r} must be in (0, 1]")
     if stats.last_arrival is None:
         return ArrivalStats(None, now, stats.count + 1)
@@ -326,7 +328,7 @@ def decide(
     Args:
         now: current time (same clock as the arrivals).
         pending: deltas waiting for this fragment (from any island, live or not).
-        live_islands: islands currently live (see paramserver.wire.liveness).
+        live_islands: islands currently live (see paramserver.wire.protocol.live_islands).
         stats: the fragment's arrival statistics.
         cfg: policy settings.
         paces: island -> reported pace (eq3 grace rule); None: none reported.

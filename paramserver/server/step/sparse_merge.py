@@ -26,8 +26,8 @@ sent stay 0. Given no weights, p_i = W_i / sum_j W_j with W_i = mean_k c_ik.
 No outer momentum: the islands' error feedback already re-sends what was not
 applied, so a momentum buffer replays it a second time (every momentum variant
 of the issue-22 simulation rose late in a run; SGD decreased steadily). A
-shard knows a step is sparse from its pending deltas' codec (`is_sparse`: every
-delta merged is topk-coded) and then steps with plain SGD at
+shard knows a step is sparse from its pending deltas' codec (`paramserver.server.fragment.is_sparse`:
+every delta merged is topk-coded) and then steps with plain SGD at
 `ShardConfig.sparse_outer_lr` (default 1.0, the issue-22 simulation's value;
 `diloco-bench topk_outer` sweeps it). A cluster
 whose islands all run `--codec topk` thus has one outer optimizer for the
@@ -57,25 +57,10 @@ from paramserver.server.step.merge import (
     pieces,
 )
 
-SPARSE_SCHEMES = ("topk",)  # codec schemes whose deltas list a subset of the entries
 # zstd level of a sparse step's published int8 update: its codes are mostly zeros, which
 # zstd level 1 shrinks ~6x (134 KB -> 22 KB for 6% nonzero entries of 131,712); the dense
 # updates of other steps publish without zstd (paramserver.server.step.downlink)
 SPARSE_PUBLISH_ZSTD_LEVEL = 1
-
-
-def is_sparse(contributions: Sequence) -> bool:
-    """Whether a step's pending deltas are all sparse-coded (merge per entry, no momentum).
-
-    Args:
-        contributions: the step's `Contribution`s (their `delta` kept coded).
-
-    Returns:
-        True when there is at least one and every delta's scheme is in SPARSE_SCHEMES.
-    """
-    return bool(contributions) and all(
-        getattr(c.delta, "scheme", None) in SPARSE_SCHEMES for c in contributions
-    )
 
 
 def sparse_optimizer(lr: float) -> optax.GradientTransformation:

@@ -3,7 +3,7 @@
 Content (`export_state` / `restore_state`): a shard state <-> (msgpack-ready
 meta, named arrays). The island
 registry is not included (islands say hello again after a restart). Pending
-deltas are stored as they are kept, coded (`codec.coded.CodedTensor`: codes
+deltas are stored as they are kept, coded (`codec.decode.CodedTensor`: codes
 and scales, topk entries or raw values, with their clip factor), not decoded.
 
 `export_state` copies nothing big: its meta map is built fresh, but its
@@ -49,17 +49,16 @@ import jax
 import msgpack
 import numpy as np
 
-from codec.coded import CodedTensor, from_array
+from codec.decode import CodedTensor, from_array
 from paramserver.plumbing.private import open_private
 from paramserver.server.admission.outcomes import ShardCounters
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import Contribution, StateError
-from paramserver.server.fragment import DedupEntry, FragmentState
+from paramserver.server.fragment import Contribution, DedupEntry, FragmentState, StateError
 from paramserver.server.state import ShardState
 from paramserver.server.step.downlink import restore_residual
 from paramserver.server.step.fragment_step import host_state, host_vector
 from paramserver.server.step.policy import ArrivalStats
-from paramserver.server.step.round_clock import RoundClock
+from paramserver.server.step.weighting import RoundClock
 from paramserver.server.storage.wal import fsync_dir
 from paramserver.wire.plan import Plan
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from paramserver.plumbing.private import private_dir
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import StateError
+from paramserver.server.fragment import StateError
 from paramserver.server.state import ShardState
 from paramserver.server.storage.checkpoint import (
     CheckpointError,

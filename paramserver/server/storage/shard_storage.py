@@ -50,7 +50,7 @@ from typing import Any
 
 from paramserver.plumbing import daemon
 from paramserver.server.config import ShardConfig
-from paramserver.server.events import AcceptEvent, Event, StepEvent
+from paramserver.server.fragment import AcceptEvent, Event, StepEvent
 from paramserver.server.state import ShardState
 from paramserver.server.storage.checkpoint import checkpoint_summary, export_state
 from paramserver.server.storage.checkpoint_job import HOLD_NAME, CheckpointJob, CheckpointResult

@@ -1,7 +1,7 @@
 """The write-ahead log: its records (what an event is on disk) and its files (append, fsync, read back).
 
 Records (`event_to_record`, `record_to_event`): what the records of a shard's
-log mean (the events are `paramserver.server.events`').
+log mean (the events are `paramserver.server.fragment`').
 
 Log records (msgpack header + raw payload):
 
@@ -15,7 +15,7 @@ Log records (msgpack header + raw payload):
             steps, arrived, codec: [frame lengths] or nil, floor?: the push's
             `floor`, absent when it had none}; payload: the codec
             frames as received, back to back (read again on replay into the
-            same coded pending delta: `codec.coded.read` is deterministic), or
+            same coded pending delta: `codec.decode.read_coded` is deterministic), or
             the float32 delta when codec is nil (an event built without frames)
     step    {"t": "step", fragment, keys: [[island, round], ...], at, expected,
             outside?: [[path, fragment, [[island, round], ...], [float64 row-major]], ...]}
@@ -76,9 +76,9 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from codec import coded
+from codec.decode import CodedTensor, from_array, read_coded
 from paramserver.plumbing.private import open_private
-from paramserver.server.events import (
+from paramserver.server.fragment import (
     AcceptEvent,
     Contribution,
     Event,
@@ -253,7 +253,7 @@ def record_to_event(record: Record) -> Event:
         if kind == "accept":
             lengths = h.get("codec")
             if lengths is None:
-                delta = coded.from_array(np.frombuffer(record.payload, dtype=np.float32))
+                delta = from_array(np.frombuffer(record.payload, dtype=np.float32))
             else:
                 frames, offset = [], 0
                 view = memoryview(record.payload)
@@ -299,9 +299,9 @@ def record_to_event(record: Record) -> Event:
     raise WalError(f"log record at byte {record.offset} has unknown type {h.get('t')!r}")
 
 
-def _coded_delta(frames: list) -> coded.CodedTensor:
+def _coded_delta(frames: list) -> CodedTensor:
     """The coded delta of an accept record's frames (raises ValueError: not one 'delta')."""
-    tensors = coded.read(frames)
+    tensors = read_coded(frames)
     if len(tensors) != 1 or tensors[0].path != ("delta",):
         raise ValueError(f"frames hold {[t.path for t in tensors]}, not one 'delta'")
     return tensors[0]

@@ -1,0 +1,62 @@
+"""How many connections a client keeps per shard, what travels on which, and their buffers.
+
+Pure rules, no sockets (docs/protocol.md section 1, "Control and bulk
+connections"): an island's control DEALER carries hello, heartbeats, status
+and bye; its bulk DEALERs carry `BULK_KINDS`, so that a long push never
+delays a heartbeat. One TCP flow's window is what the kernel lets its socket
+buffers grow to (autotuning up to net.ipv4.tcp_wmem/tcp_rmem's maximum, 4 MiB
+by default), so a link whose bandwidth-delay product is larger needs several
+flows or larger buffers: `bulk_flows` picks the count, `flow_buffer_bytes`
+the buffer of each (`paramserver.client.io_thread.Links` applies it as ZeroMQ
+SNDBUF/RCVBUF).
+"""
+
+from __future__ import annotations
+
+# What travels on a bulk link once one is attached; everything else on the control link.
+BULK_KINDS = frozenset({"push", "snapshot", "init", "init_begin", "init_piece"})
+FLOW_WINDOW_BYTES = 4 * 1024 * 1024  # what one TCP flow's autotuned window reaches (tcp_wmem)
+MAX_BULK_LINKS = 8  # bulk links per shard at most (the shard attaches up to 16)
+
+
+def bulk_flows(control_link: bool, bulk_links: int, bdp_bytes: int) -> int:
+    """How many bulk links per shard a client opens.
+
+    Args:
+        control_link: whether control traffic gets a connection of its own.
+        bulk_links: the configured count; 0 = from `bdp_bytes`.
+        bdp_bytes: the links' bandwidth-delay product (0: unknown).
+
+    Returns:
+        0 without a control link (one connection carries everything), else
+        `bulk_links`, or ceil(bdp_bytes / FLOW_WINDOW_BYTES) clamped to
+        [1, MAX_BULK_LINKS] when it is 0.
+    """
+    if not control_link:
+        return 0
+    if bulk_links > 0:
+        return bulk_links
+    return max(1, min(MAX_BULK_LINKS, -(-bdp_bytes // FLOW_WINDOW_BYTES)))
+
+
+def flow_buffer_bytes(bdp_bytes: int, flows: int, kernel_max: int) -> int:
+    """The SNDBUF/RCVBUF of one bulk socket: its share of the bandwidth-delay product.
+
+    Setting a buffer turns the kernel's autotuning off for that socket and is
+    capped by net.core.wmem_max / rmem_max, so it is set only when it helps.
+
+    Args:
+        bdp_bytes: the links' bandwidth-delay product (0: unknown).
+        flows: bulk links per shard (>= 1).
+        kernel_max: the smaller of the kernel's wmem_max and rmem_max.
+
+    Returns:
+        ceil(bdp_bytes / flows) plus a quarter for headroom, when that exceeds
+        FLOW_WINDOW_BYTES (what autotuning reaches) and fits `kernel_max`;
+        else 0 (leave the kernel's autotuning).
+    """
+    if bdp_bytes <= 0:
+        return 0
+    share = -(-bdp_bytes // max(1, flows))
+    share += share // 4
+    return share if FLOW_WINDOW_BYTES < share <= kernel_max else 0

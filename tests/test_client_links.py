@@ -1,0 +1,104 @@
+"""paramserver.client.links and the Shards' control / bulk links: pure rules, no sockets."""
+
+import pytest
+
+from paramserver.client.links import (
+    FLOW_WINDOW_BYTES,
+    MAX_BULK_LINKS,
+    bulk_flows,
+    flow_buffer_bytes,
+)
+from paramserver.client.shards import Close, Open, Send, Shards, ShardState
+from paramserver.wire import protocol
+
+pytestmark = pytest.mark.timeout(30)
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize(
+    ("control", "configured", "bdp", "flows"),
+    [
+        (False, 4, 10**9, 0),  # one connection carries everything
+        (True, 3, 0, 3),  # as configured
+        (True, 0, 0, 1),  # unknown BDP: one bulk flow
+        (True, 0, 4 * MIB, 1),  # fits one flow's autotuned window
+        (True, 0, 4 * MIB + 1, 2),
+        (True, 0, 15_000_000, 4),  # 2 Gbit/s x 60 ms: ceil(15e6 / 4 MiB) = 4
+        (True, 0, 10**9, MAX_BULK_LINKS),
+    ],
+)
+def test_bulk_flows(control, configured, bdp, flows):
+    assert bulk_flows(control, configured, bdp) == flows
+
+
+def test_a_buffer_is_set_only_where_it_beats_autotuning_and_the_kernel_allows_it():
+    assert flow_buffer_bytes(0, 1, 10**9) == 0  # unknown BDP
+    # 4 MiB plus a quarter: more than autotuning's 4 MiB buffer (whose window is less)
+    assert flow_buffer_bytes(FLOW_WINDOW_BYTES, 1, 10**9) == 5 * MIB
+    assert flow_buffer_bytes(3 * MIB, 1, 10**9) == 0  # 3.75 MiB: autotuning reaches it
+    # 24 MiB over 2 flows: 12 MiB each, plus a quarter = 15 MiB
+    assert flow_buffer_bytes(24 * MIB, 2, 10**9) == 15 * MIB
+    assert flow_buffer_bytes(24 * MIB, 2, 212992) == 0  # wmem_max's default: capped, so not set
+    assert flow_buffer_bytes(8 * MIB, 4, 10**9) == 0  # 2.5 MiB each: autotuning reaches it
+
+
+def _header(effect: Send) -> dict:
+    header, _ = protocol.unpack(effect.frames, protocol.REQUEST)
+    return header
+
+
+def test_control_and_bulk_links_of_a_shard():
+    net = Shards("isl", "tok", bulk_links=2)
+    shard = ShardState(0, "tcp://s:1", "tcp://s:2")
+    net.open(shard, "dealer")
+    opened = net.flush()
+    assert [(e.role, e.endpoint) for e in opened] == [("dealer", "tcp://s:1")] + [
+        ("bulk", "tcp://s:1")
+    ] * 2
+    control, bulk = shard.dealer, shard.bulk
+    assert all(net.owner(link) == ("dealer", shard) for link in [control, *bulk])
+    # nothing attached yet: everything goes on the control link
+    net.request(shard, "snapshot", 0, fragment=0)
+    assert [e.link for e in net.flush()] == [control]
+    # a welcome on the control link attaches both bulk links (hello + attach + session)
+    assert not net.on_link_reply(shard, control, {"kind": "welcome"})
+    attaches = net.flush()
+    assert [e.link for e in attaches] == bulk
+    for effect in attaches:
+        assert _header(effect) | {"id": 0} == {
+            "v": 1, "kind": "hello", "island": "isl", "session": "tok", "attach": True, "id": 0
+        }  # fmt: skip
+    # bulk kinds on the bulk links, spread by fragment (+ round for a push); control stays
+    net.request(shard, "snapshot", 0, fragment=1)
+    net.send(shard, {"kind": "heartbeat"})
+    net.send_frames(shard, [b"push"], key=(0, 1))
+    net.send_frames(shard, [b"push"], key=(0, 2))
+    links = [e.link for e in net.flush()]
+    assert links == [bulk[1], control, bulk[1], bulk[0]]
+    # the attach's welcome is taken here; a refused one leaves the link unused
+    rid = _header(attaches[0])["id"]
+    assert net.on_link_reply(shard, bulk[0], {"kind": "rejected", "id": rid, "reason": "x"})
+    net.send_frames(shard, [b"push"], key=(0, 2))
+    assert [e.link for e in net.flush()] == [bulk[1]]
+    # an unknown_island on a bulk link: unused until the next welcome re-attaches it
+    assert not net.on_link_reply(shard, bulk[1], {"kind": "ack", "reason": "unknown_island"})
+    net.send_frames(shard, [b"push"], key=(0, 2))
+    assert [e.link for e in net.flush()] == [control]
+    net.on_link_reply(shard, control, {"kind": "welcome"})
+    assert sorted(e.link for e in net.flush()) == bulk
+    # a reconnect replaces the control link and the bulk links
+    net.open(shard, "dealer")
+    effects = net.flush()
+    assert {e.link for e in effects if isinstance(e, Close)} == {control, *bulk}
+    assert [e.role for e in effects if isinstance(e, Open)] == ["dealer", "bulk", "bulk"]
+    assert shard.attached == set()
+
+
+def test_without_bulk_links_one_dealer_carries_everything():
+    net = Shards("isl", "tok", bulk_links=0)
+    shard = ShardState(0, "tcp://s:1", "tcp://s:2")
+    net.open(shard, "dealer")
+    net.flush()
+    net.on_link_reply(shard, shard.dealer, {"kind": "welcome"})
+    net.send_frames(shard, [b"push"], key=(0, 1))
+    assert [e.link for e in net.flush()] == [shard.dealer]

@@ -1,0 +1,37 @@
+"""diloco-bench outer_sweep runs on a tiny grid and prints its JSON (no thresholds on figures)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.timeout(300)
+
+
+def test_the_sweep_runs_a_tiny_grid_and_prints_its_tables():
+    argv = [sys.executable, "-m", "bench.outer_sweep", "--modes", "sync,quorum,async",
+            "--islands", "2", "--inner-steps", "3", "--lrs", "0.7", "--momenta", "0.8",
+            "--async-lrs", "0.7", "--budget", "12", "--min-rounds", "1", "--push-skip", "both",
+            "--batch", "2", "--seq-len", "8", "--eval-batches", "1"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert {"command", "settings", "model", "too_short", "cells", "best", "async_vs_sync",
+            "quorum_vs_sync", "push_skip", "seconds"} <= set(result)  # fmt: skip
+    # sync + quorum with the skip off and on + async: 4 cells, each of 2 islands x 2 rounds
+    assert [(c["mode"], c["push_skip"]) for c in result["cells"]] == [
+        ("sync", False),
+        ("quorum", False),
+        ("quorum", True),
+        ("async", False),
+    ]
+    for cell in result["cells"]:
+        assert cell["island_rounds"] == [2, 2], cell
+        assert set(cell) >= {"heldout_loss", "outer_steps", "pushes", "skipped_pushes", "folds"}
+    assert set(result["best"]) == {"sync", "quorum", "async"}
+    assert set(result["best"]["sync"]["3"]["2"]) == {"lr", "momentum", "heldout_loss", "on_edge"}
+    assert set(result["async_vs_sync"]["3"]) == {"2"}
+    assert set(result["push_skip"]["3"]["2"][0]) >= {"on", "off", "on_vs_off", "skipped_pushes"}
