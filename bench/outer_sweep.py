@@ -79,6 +79,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--async-lrs", default="0.4,0.7,1.0", help="outer lr grid of async")
     parser.add_argument("--async-momenta", default="0.0", help="outer momentum grid of async")
     parser.add_argument(
+        "--pairs",
+        default="",
+        help="lr/momentum pairs of sync and quorum, comma-separated (instead of --lrs x --momenta)",
+    )
+    parser.add_argument(
+        "--async-pairs",
+        default="",
+        help="lr/momentum pairs of async (instead of --async-lrs x --async-momenta)",
+    )
+    parser.add_argument(
         "--budget", type=int, default=2400, help="inner steps summed over the islands, per cell"
     )
     parser.add_argument(
@@ -357,22 +367,29 @@ class Sim:
             wake = self.step_due(wake)
 
 
+def pairs_of(args, mode: str) -> list[tuple[float, float]]:
+    """The (lr, momentum) cells of a mode: its --pairs, else its lr grid x momentum grid."""
+    given = args.async_pairs if mode == "async" else args.pairs
+    if given:
+        return [(float(a), float(b)) for a, b in (x.split("/") for x in given.split(","))]
+    lrs = args.async_lrs if mode == "async" else args.lrs
+    momenta = args.async_momenta if mode == "async" else args.momenta
+    return [(float(lr), float(m)) for lr in lrs.split(",") for m in momenta.split(",")]
+
+
 def grid_cells(args) -> list[Cell]:
-    """Every cell of the grid part, in mode, H, K, lr, momentum order."""
+    """Every cell of the grid, in mode, H, K, lr, momentum order."""
     cells = []
     skip_modes = {"on": (True,), "off": (False,), "both": (False, True)}[args.push_skip]
     for mode in args.modes.split(","):
-        lrs = args.async_lrs if mode == "async" else args.lrs
-        momenta = args.async_momenta if mode == "async" else args.momenta
         for h in (int(x) for x in args.inner_steps.split(",")):
             for k in (int(x) for x in args.islands.split(",")):
                 if args.budget // (k * h) < args.min_rounds:
                     continue
-                for lr in (float(x) for x in lrs.split(",")):
-                    for m in (float(x) for x in momenta.split(",")):
-                        for skip in skip_modes if mode == "quorum" else (False,):
-                            for seed in range(args.seeds):
-                                cells.append(Cell(mode, k, h, lr, m, skip, seed))
+                for lr, m in pairs_of(args, mode):
+                    for skip in skip_modes if mode == "quorum" else (False,):
+                        for seed in range(args.seeds):
+                            cells.append(Cell(mode, k, h, lr, m, skip, seed))
     return cells
 
 
@@ -386,9 +403,8 @@ def best_of(rows: list[dict], args) -> dict:
     for (mode, h, k, lr, m, skip), losses in means.items():
         if skip and args.push_skip == "both":
             continue
-        lrs = args.async_lrs if mode == "async" else args.lrs
-        momenta = args.async_momenta if mode == "async" else args.momenta
-        lr_grid, m_grid = [float(x) for x in lrs.split(",")], [float(x) for x in momenta.split(",")]
+        pairs = pairs_of(args, mode)
+        lr_grid, m_grid = sorted({a for a, _ in pairs}), sorted({b for _, b in pairs})
         slot = best.setdefault(mode, {}).setdefault(str(h), {})
         mean = float(np.mean(losses))
         if str(k) not in slot or mean < slot[str(k)]["heldout_loss"]:
