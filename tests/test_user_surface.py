@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax_cache
 import pytest
 from conftest import Cluster
 
@@ -21,7 +22,7 @@ from worker import island_files
 ROOT = Path(__file__).resolve().parent.parent
 CMD_TIMEOUT_S = 60
 FAST = ("--model", "tiny", "--batch-size", "2", "--seq-len", "16", "--eval-every", "0",
-        "--inner-steps", "2", "--heartbeat-interval-s", "0.2", "--compile-cache-dir", "off")  # fmt: skip
+        "--inner-steps", "2", "--heartbeat-interval-s", "0.2", "--compile-cache-dir", jax_cache.DIR)  # fmt: skip
 
 
 def run(*argv: str, timeout: float = CMD_TIMEOUT_S) -> subprocess.CompletedProcess:
