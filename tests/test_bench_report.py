@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from model_helpers import tiny_params
 
 from bench.plots import PLOTS
 
@@ -35,8 +36,10 @@ def test_quick_report_writes_json_markdown_and_plots_with_sane_values(tmp_path):
             assert record["eval_final"] < record["eval_initial"], name
             assert record["tokens_total"] >= report["budget"]["tokens"] * 0.9, name
     runs = report["runs"]
+    # each island pushed an int8 delta of every parameter (1 byte each) at least once
+    pushed = tiny_params()
     for name in ("sync", "quorum"):
-        assert runs[name]["ddp_bytes_same_tokens"] > runs[name]["bytes_per_island"] > 0
+        assert runs[name]["ddp_bytes_same_tokens"] > runs[name]["bytes_per_island"] >= pushed
         assert runs[name]["ddp_over_this"] > 1
         assert all(0 < g <= 1 for g in runs[name]["goodput"].values())
         assert 0 <= runs[name]["uptime"] <= 1

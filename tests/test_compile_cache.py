@@ -4,12 +4,14 @@ absent with `--compile-cache-dir off`. Real worker processes; a real shard in a 
 from __future__ import annotations
 
 import datetime
+import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 from conftest import Cluster
+from jax_cache import SHARED_ENV
 
 from bench.restart import _log_phases, summarize
 from worker import compile_cache, island_files
@@ -19,10 +21,14 @@ FEW = ("--inner-steps", "2", "--max-rounds", "1", "--heartbeat-interval-s", "0.2
 
 
 def run_island(connect: str, island: str, data_dir: Path, *extra: str) -> None:
-    """Run one island process for one short round; fail the test with its output if it fails."""
+    """Run one island process for one short round; fail the test with its output if it fails.
+
+    Its cache is the island's own default (`<data_dir>/jax-cache`), not the suite's shared one.
+    """
     argv = [sys.executable, "-m", "worker.cli", "start", "--connect", connect,
             "--island", island, "--data-dir", str(data_dir), *FAST, *FEW, *extra]  # fmt: skip
-    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240)
+    env = {k: v for k, v in os.environ.items() if k != SHARED_ENV}
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=240, env=env)
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 

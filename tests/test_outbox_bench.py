@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+from model_helpers import tiny_params
 
 
 def bench(tmp_path, *flags: str) -> subprocess.CompletedProcess:
@@ -30,7 +31,7 @@ def test_the_bench_times_the_outbox_against_the_exchange_and_the_file_stays_boun
     proc = bench(tmp_path, "--models", "tiny", "--rounds", "12")
     assert proc.returncode == 0, proc.stderr[-2000:]
     row = json.loads(proc.stdout.strip().splitlines()[-1])["tiny"]
-    assert row["rounds"] == 12 and row["params"] > 0
+    assert row["rounds"] == 12 and row["params"] == tiny_params()
     assert row["persist_ms"] > 0 and row["exchange_ms"] > 0  # every round pushed, persisted
     # every round's delta is written once (~1 B per parameter, int8) ...
     assert row["bytes_written_per_round"] > row["params"] // 2

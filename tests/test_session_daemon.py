@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import threading
 
+import jax_cache
 import pytest
 from client_helpers import RecordingClient
 from conftest import Cluster
@@ -23,7 +24,7 @@ def _cfg(tmp_path, connect: str, name: str) -> IslandConfig:
         connect=connect,
         island="same",
         data_dir=str(tmp_path / name),
-        compile_cache_dir="off",
+        compile_cache_dir=jax_cache.DIR,
         inner_steps=4,
         batch_size=4,
         seq_len=16,
@@ -68,7 +69,11 @@ def test_the_daemon_and_a_library_loop_push_bit_equal_frames_in_round_one(tmp_pa
         model_cfg = model.model_config(cfg.model, cfg.vocab_size)
         sampler = data.island_data(cfg).sampler
         inner = InnerConfig(lr=cfg.lr, warmup_steps=cfg.warmup_steps, batch_size=4, seq_len=16)
-        settings = {"codec": "int8", "heartbeat_interval_s": 0.2, "compile_cache_dir": "off"}
+        settings = {
+            "codec": "int8",
+            "heartbeat_interval_s": 0.2,
+            "compile_cache_dir": jax_cache.DIR,
+        }
         session_cfg = session_config(cfg.connect, "same", 4, tmp_path / "library", settings)
         params = model.init_params(model_cfg, cfg.seed)
         with worker.Session(session_cfg, params, client_factory=factory) as session:

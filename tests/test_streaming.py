@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import threading
 
+import jax_cache
 import pytest
 from client_helpers import RecordingClient
 from conftest import Cluster
@@ -106,7 +107,7 @@ def _island_cfg(tmp_path, connect: str, streaming: bool) -> IslandConfig:
         connect=connect,
         island="s",
         data_dir=str(tmp_path / "island"),
-        compile_cache_dir="off",
+        compile_cache_dir=jax_cache.DIR,
         inner_steps=8,
         batch_size=2,
         seq_len=16,
