@@ -73,7 +73,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """
     parser.add_argument("--modes", default="sync,quorum,async", help="merge modes to sweep")
     parser.add_argument("--islands", default="2,4,8", help="island counts K")
-    parser.add_argument("--inner-steps", default="10,30,100", help="H values")
+    parser.add_argument(
+        "--inner-steps",
+        default="10,30,100",
+        help="comma-separated inner steps per round (H) to sweep",
+    )
     parser.add_argument("--lrs", default="0.4,0.7,1.0", help="outer lr grid (sync, quorum)")
     parser.add_argument("--momenta", default="0.8,0.9", help="outer momentum grid (sync, quorum)")
     parser.add_argument("--async-lrs", default="0.4,0.7,1.0", help="outer lr grid of async")
