@@ -34,7 +34,7 @@ from conftest import Cluster
 import worker
 from paramserver.client.readout import _WATCHED_MERGE_ROUNDS
 
-pytestmark = [pytest.mark.timeout(600)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 ROUNDS = 320
 MEASURE_FROM = 100  # the first snapshot (warm: compiled, caches filled)
