@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # issue 35's target is 25 files; this is the count the repository has reached (lower it as the
 # path gets straighter, never raise it without saying why in the commit)
