@@ -1,8 +1,9 @@
 """The step rule as islands multiply: round movement for K = 1..16, async vs sync loss (push-only folds), the harsh mix.
 
 JSON on stdout, progress on stderr. In process, no sockets: a real
-`ShardState` (default outer settings of its mode, async movement at lr 0.7, float32 downlink) driven on
-a simulated clock, as `bench.async_outer` does. Three parts:
+`ShardState` (default outer settings of its mode, async movement at lr 0.7,
+float32 downlink) driven on a simulated clock, as `bench.async_outer` does.
+Three parts:
 
 - ``movement``: K islands each push the same delta d (base version 0) in one
   round, arriving one per second; the shard steps whenever its merge policy
