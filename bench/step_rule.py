@@ -1,8 +1,9 @@
 """The step rule as islands multiply: round movement for K = 1..16, async vs sync loss (push-only folds), the harsh mix.
 
 JSON on stdout, progress on stderr. In process, no sockets: a real
-`ShardState` (default outer settings of its mode, float32 downlink) driven on
-a simulated clock, as `bench.async_outer` does. Three parts:
+`ShardState` (default outer settings of its mode, async movement at lr 0.7,
+float32 downlink) driven on a simulated clock, as `bench.async_outer` does.
+Three parts:
 
 - ``movement``: K islands each push the same delta d (base version 0) in one
   round, arriving one per second; the shard steps whenever its merge policy
@@ -56,6 +57,9 @@ from worker import data, model
 from worker.train import InnerConfig
 
 T0 = 1_000_000.0
+# async movement at one lr for every K (the async default grows with the island count since
+# bench.outer_sweep; the movement table measures the step rule, not the lr)
+MOVEMENT_ASYNC_LR = 0.7
 EXTRA = ("delayed-nesterov", "fedbuff")  # candidates that are settings, not step rules
 HAS_RULE = any(f.name == "step_rule" for f in dataclasses.fields(ShardConfig))
 
@@ -152,7 +156,10 @@ def movement(candidate: str, mode: str, k: int, together: bool = False) -> dict:
     rng = np.random.default_rng(0)
     init = {"w": rng.standard_normal(4096).astype(np.float32)}
     d = (rng.standard_normal(4096) * 0.01).astype(np.float32)
-    state, plan = _shard(_config(candidate, mode, k), init, k)
+    cfg = _config(candidate, mode, k)
+    if mode == "async" and cfg.outer_lr is None:  # one lr at every K: the step rule alone
+        cfg = dataclasses.replace(cfg, outer_lr=MOVEMENT_ASYNC_LR, outer_momentum=0.0)
+    state, plan = _shard(cfg, init, k)
     local = {"w": init["w"] - d}
     base = state.versions()
     wake = None

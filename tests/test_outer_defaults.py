@@ -1,4 +1,4 @@
-"""The default outer lr / momentum as a function of the islands' H, and refused bad values."""
+"""The default outer lr / momentum by mode, the islands' H and the islands that push; bad values."""
 
 from __future__ import annotations
 
@@ -13,23 +13,26 @@ from shard_sim import Island, ShardSim
 from paramserver.plumbing.settings import SettingsError, load_settings
 from paramserver.server.config import ShardConfig, outer_defaults, sync_outer_defaults
 
-# the rule, written out by hand: (lr, momentum) SHORT for H <= 17, MIDDLE to 55, LONG above
-SHORT, MIDDLE, LONG = (0.4, 0.8), (0.5, 0.8), (0.7, 0.8)
+# the table at 2 pushing islands, written out by hand (bench.outer_sweep, 2026-12-03):
+# (lr, momentum) SHORT for H <= 17, MIDDLE to 55, LONG above; sync and quorum apart
+SHORT, MIDDLE, LONG = (0.7, 0.6), (0.7, 0.8), (0.7, 0.8)
+QUORUM = {"SHORT": (0.7, 0.6), "MIDDLE": (1.0, 0.6), "LONG": (1.0, 0.8)}
+ASYNC_K4, ASYNC_K8 = 1.4, 1.4  # async's lr from 3 pushing islands on (1.0 below)
+BY_H = [(1, "SHORT"), (10, "SHORT"), (17, "SHORT"), (18, "MIDDLE"), (30, "MIDDLE"),
+        (50, "MIDDLE"), (55, "MIDDLE"), (56, "LONG"), (100, "LONG"), (500, "LONG")]  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    ("h", "expected"),
-    [(1, SHORT), (10, SHORT), (17, SHORT), (18, MIDDLE), (30, MIDDLE), (50, MIDDLE),
-     (55, MIDDLE), (56, LONG), (100, LONG), (500, LONG)],
-)  # fmt: skip
-def test_default_outer_settings_by_h(h, expected):
+@pytest.mark.parametrize(("h", "row"), BY_H)
+def test_default_outer_settings_by_h(h, row):
+    expected = {"SHORT": SHORT, "MIDDLE": MIDDLE, "LONG": LONG}[row]
     assert sync_outer_defaults(h) == expected
-    for mode, quorum in (("sync", 2), ("quorum", 2), ("quorum", 3)):
+    for mode, quorum, want in (("sync", 2, expected), ("quorum", 2, QUORUM[row]),
+                               ("quorum", 3, QUORUM[row])):  # fmt: skip
         cfg = ShardConfig(mode=mode, quorum=quorum, inner_steps=h)
-        assert (cfg.effective_outer_lr, cfg.effective_outer_momentum) == expected
+        assert (cfg.effective_outer_lr, cfg.effective_outer_momentum) == want
         report = cfg.outer_report()
         assert report.pop("why").startswith(f"{mode}: the default of H={h} at 2 pushing")
-        assert report == {"optimizer": "nesterov", "lr": expected[0], "momentum": expected[1],
+        assert report == {"optimizer": "nesterov", "lr": want[0], "momentum": want[1],
                           "inner_steps": h, "islands": None,
                           "from_inner_steps": True}  # fmt: skip
 
@@ -48,7 +51,7 @@ def test_explicit_settings_override_the_default_of_h():
     assert cfg.inner_steps_mismatch("a", 100) is None  # nothing defaulted: nothing to warn
     # async steps (one delta each) keep their own defaults, whatever H
     single = ShardConfig(mode="async", inner_steps=10)
-    assert (single.effective_outer_lr, single.effective_outer_momentum) == (0.7, 0.0)
+    assert (single.effective_outer_lr, single.effective_outer_momentum) == (1.0, 0.0)
     assert single.inner_steps_mismatch("a", 100) is None
 
 
@@ -84,7 +87,7 @@ def test_bad_outer_lr_flag_exits_2_with_one_line():
 def test_mismatch_names_the_island_and_the_fix():
     cfg = ShardConfig(mode="sync", inner_steps=100)
     text = cfg.inner_steps_mismatch("island-3", 10)
-    assert "island-3" in text and "--inner-steps 10" in text
+    assert "island-3" in text and "--inner-steps 10" in text  # 0.7/0.8 against H=10's 0.7/0.6
     assert f"{LONG[0]}/{LONG[1]}" in text and f"{SHORT[0]}/{SHORT[1]}" in text
     assert cfg.inner_steps_mismatch("island-3", 120) is None  # same defaults: no warning
 
@@ -131,14 +134,18 @@ def test_a_push_of_merged_rounds_does_not_warn_about_h():
 @pytest.mark.parametrize(
     ("mode", "h", "islands", "expected"),
     [
-        ("sync", 15, 2, (0.4, 0.8)),  # the 2-island sweep (outer_h)
-        ("sync", 15, 4, (0.7, 0.8)),  # the audit: 0.7/0.8 beat 0.4/0.8 by 1.5% at 4, H=15
-        ("quorum", 15, 3, (0.7, 0.8)),  # 3 > sqrt(2 * 4): the 4-island row
-        ("quorum", 17, 8, (0.7, 0.8)),
-        ("quorum", 18, 8, (0.5, 0.8)),  # not measured with more islands: the 2-island row
-        ("quorum", 100, 4, (0.7, 0.8)),
-        ("async", 15, 4, (0.7, 0.0)),  # async_outer: no momentum on single deltas
-        ("async", 100, 2, (0.7, 0.0)),
+        ("sync", 10, 2, (0.7, 0.6)),  # H <= 17: 0.7 / 0.6 at 2, 4 and 8 islands
+        ("sync", 17, 8, (0.7, 0.6)),
+        ("sync", 30, 8, (0.7, 0.8)),  # H 18-55: 0.7 / 0.8
+        ("sync", 100, 8, (0.7, 0.8)),  # H > 55: only 2 islands measured, the one column
+        ("quorum", 10, 4, (0.7, 0.6)),
+        ("quorum", 18, 2, (1.0, 0.6)),  # quorum 1 + grace wants a larger lr at H=30
+        ("quorum", 55, 8, (1.0, 0.6)),
+        ("quorum", 56, 2, (1.0, 0.8)),
+        ("async", 10, 2, (1.0, 0.0)),  # async: no momentum, the lr grows with the islands
+        ("async", 100, 1, (1.0, 0.0)),
+        ("async", 30, 3, (ASYNC_K4, 0.0)),
+        ("async", 10, 8, (ASYNC_K8, 0.0)),
     ],
 )
 def test_outer_defaults_are_a_function_of_mode_h_and_islands(mode, h, islands, expected):
@@ -151,20 +158,22 @@ def test_a_quorum_of_one_takes_the_settings_of_its_mode_not_async():
     for quorum in (1, 2, 4):
         cfg = ShardConfig(mode="quorum", quorum=quorum, inner_steps=15)
         assert (cfg.effective_outer_lr, cfg.effective_outer_momentum) == SHORT
-        assert cfg.outer_settings(4)[:2] == (0.7, 0.8)
-    assert ShardConfig(mode="async", inner_steps=15).outer_settings(4)[:2] == (0.7, 0.0)
+        assert cfg.outer_settings(8)[:2] == SHORT
+    assert ShardConfig(mode="async", inner_steps=15).outer_settings(4)[:2] == (ASYNC_K4, 0.0)
 
 
 def test_the_lr_follows_the_pushing_islands_as_a_scale_of_the_step():
-    cfg = ShardConfig(mode="sync", inner_steps=10)  # starts at 0.4 (2 islands)
+    cfg = ShardConfig(mode="async", inner_steps=10)  # starts at 1.0 (2 islands)
     assert cfg.outer_lr_scale(2) == 1.0 and cfg.outer_lr_scale(None) == 1.0
-    assert cfg.outer_lr_scale(4) == pytest.approx(0.7 / 0.4)
-    assert ShardConfig(mode="sync", inner_steps=10, outer_lr=0.4).outer_lr_scale(4) == 1.0
+    assert cfg.outer_lr_scale(3) == pytest.approx(1.4 / 1.0)
+    assert cfg.outer_lr_scale(8) == pytest.approx(1.4 / 1.0)
+    assert ShardConfig(mode="sync", inner_steps=10).outer_lr_scale(8) == 1.0  # 0.7 at any count
+    assert ShardConfig(mode="async", inner_steps=10, outer_lr=0.4).outer_lr_scale(4) == 1.0
     _, _, why = ShardConfig(mode="sync", outer_lr=0.3).outer_settings(4)
     assert why.startswith("outer_lr given; otherwise sync:")
 
 
-@pytest.mark.parametrize(("islands", "lr"), [(2, 0.4), (4, 0.7)])
+@pytest.mark.parametrize(("islands", "lr"), [(2, 0.7), (6, 0.7)])
 def test_a_sync_step_moves_by_the_lr_of_its_island_count(islands, lr):
     import numpy as np
     from shard_helpers import init_payload, plan_for, small_flat
@@ -185,7 +194,7 @@ def test_a_sync_step_moves_by_the_lr_of_its_island_count(islands, lr):
         header = push_header(plan, name, 1, 0, 0, 1000, 10)
         assert state.submit_delta(header, delta_frames(d), 1000.0).status == "accepted"
     state.step(0, 1000.0)
-    # first Nesterov step (momentum 0.8): m = d, update = lr * (d + 0.8 * m) = 1.8 lr d
+    # first Nesterov step (momentum 0.6 at H=10): m = d, update = lr * (d + 0.6 m) = 1.6 lr d
     moved = before - state.snapshot(0)[1]
-    np.testing.assert_allclose(moved, 1.8 * lr * 0.01, rtol=1e-5)
+    np.testing.assert_allclose(moved, 1.6 * lr * 0.01, rtol=1e-5)
     assert state.islands_pushing == islands

@@ -5,12 +5,7 @@ import os
 import pytest
 
 from paramserver.plumbing.settings import SettingsError, load_settings
-from paramserver.server.config import (
-    ASYNC_OUTER_LR,
-    ASYNC_OUTER_MOMENTUM,
-    ConfigError,
-    ShardConfig,
-)
+from paramserver.server.config import ConfigError, ShardConfig
 
 
 @pytest.mark.parametrize(
@@ -22,8 +17,9 @@ def test_async_steps_take_the_async_outer_defaults_and_any_quorum_the_sync_ones(
 ):
     cfg = ShardConfig(mode=mode, quorum=quorum)
     assert cfg.steps_on_single_deltas is single
-    # sync and quorum steps: the default of the islands' default H (50), written out by hand
-    lr, momentum = (ASYNC_OUTER_LR, ASYNC_OUTER_MOMENTUM) if single else (0.5, 0.8)
+    # the default of the islands' default H (50) at 2 islands, written out by hand from
+    # config.OUTER_DEFAULTS_TABLE: async 1.0 without momentum, sync 0.7 / 0.8, quorum 1.0 / 0.6
+    lr, momentum = {"sync": (0.7, 0.8), "quorum": (1.0, 0.6), "async": (1.0, 0.0)}[mode]
     assert (cfg.effective_outer_lr, cfg.effective_outer_momentum) == (lr, momentum)
 
 

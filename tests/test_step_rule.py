@@ -23,9 +23,13 @@ from paramserver.wire.plan import leaf_specs, make_plan
 pytestmark = pytest.mark.timeout(120)
 
 T0 = 1_000_000.0
-# the hand values below take DiLoCo's Nesterov 0.7 / 0.9 for quorum steps (the default of
-# sync and quorum steps depends on H: config.sync_outer_defaults) and async's 0.7 / 0
-OUTER = {"quorum": {"outer_lr": 0.7, "outer_momentum": 0.9}}
+# the hand values below take DiLoCo's Nesterov 0.7 / 0.9 for quorum steps and lr 0.7
+# without momentum for async steps, given (the defaults depend on H and the island count:
+# config.outer_defaults)
+OUTER = {
+    "quorum": {"outer_lr": 0.7, "outer_momentum": 0.9},
+    "async": {"outer_lr": 0.7, "outer_momentum": 0.0},
+}
 SIZE = 2048
 
 
@@ -71,7 +75,7 @@ def _round(mode: str, k: int, spaced: bool = True) -> float:
 
 
 def test_async_round_movement_is_the_same_for_1_2_4_8_islands():
-    # async defaults: lr 0.7, no momentum. The k-th delta (k = 0..K-1) is k versions
+    # async at lr 0.7, no momentum (given). The k-th delta (k = 0..K-1) is k versions
     # old, k/K of a round: c_k = (1/K) * (1 + k/K)^-0.5, movement 0.7 * sum_k c_k
     moved = {k: _round("async", k) for k in (1, 2, 4, 8)}
     for k, m in moved.items():

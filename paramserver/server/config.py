@@ -10,6 +10,7 @@ TOML / environment / flags is `paramserver.plumbing.settings`' job.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -23,101 +24,110 @@ from paramserver.server.step.weighting import STEP_RULES, WEIGHTINGS
 MIB = 1024 * 1024
 
 # Outer lr / momentum used when outer_lr / outer_momentum are left at None: a function of
-# the mode, the islands' H and the number of islands that push, chosen per mode
-# (`outer_defaults`), never inherited from another mode.
-# Sync and quorum mode (any quorum, 1 included): `sync_outer_defaults` below. One
-# optimizer per run: with the round rule a quorum step that merges n of N islands is n/N
-# of a round and the momentum moves once per round (`step.outer.round_nesterov`), so a
-# quorum of 1 takes the settings of K = all (it took async's lr 0.7 without momentum
-# before, so "K = 1 + grace against K = all" compared two optimizers; issue 32).
-# Async mode steps once per delta: each step carries one island's stale pseudo-gradient.
-# Chosen by `diloco-bench async_outer --rounds 48
-# --seeds 2` (2026-11-30, after the merge fix: per-island sums, absolute staleness
-# factor (1+s)^-0.5, delayed Nesterov = one Nesterov step on the mean of N deltas;
-# 3 islands at speeds 1/1.5/2.5, tiny model, 10 inner steps per round, staleness
-# 0-5; held-out nats/byte, mean over 2 seeds, spread max-min). Momentum 0 at lr
-# 1.0/0.7/0.5: 2.216 (0.006) / 2.180 (0.016) / 2.226 (0.009); delayed Nesterov
-# (delay 3) at lr 0.7/1.0/0.5 momentum 0.9: 2.339 (0.021) / 2.342 (0.009) / 2.330
-# (0.005), lr 0.7 momentum 0.8: 2.278 (0.029); delay 6: 2.402 (0.025); plain
-# Nesterov 0.9 per delta at lr 0.7/0.35: 4.982 (0.71) / 2.771 (0.016).
+# the mode, the islands' H and the number of islands that push (`outer_defaults`), each
+# mode's row chosen for it by the same sweep, none inherited from another mode. A quorum
+# step that merges n of N islands is n/N of a round and the momentum moves once per round
+# (`step.outer.round_nesterov`); async mode steps once per delta (no momentum: Nesterov on
+# every single delta diverged in `diloco-bench async_outer`, 2026-11-30).
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server.step.outer
 DOWNLINKS = ("float32", "int8")  # paramserver.server.step.downlink
-ASYNC_OUTER_LR = 0.7
-ASYNC_OUTER_MOMENTUM = 0.0
+# Per mode: rows (largest H, momentum, ((fewest pushing islands, lr), ...)). A row serves
+# every H up to its largest (the boundaries 17 and 55 are geometric means of the measured
+# H = 10, 30, 100); in it the last column whose island count is <= the islands that push
+# (3 and 6: geometric means of the measured 2, 4, 8). One momentum per row: the shard keeps
+# its starting momentum for the run and only the lr follows the island count
+# (`ShardConfig.outer_lr_scale`).
+# Chosen by `python -m bench.outer_sweep --budget 800` (2026-12-03; docs/results.md "Outer
+# settings by mode, H and island count"): a real ShardState, islands folding every
+# published version at their next inner step, a micro model (d 32, 1 layer), 800 inner
+# steps of 8 x 32 bytes summed over the islands per cell, one seed; held-out nats/byte,
+# lr x momentum {0.4, 0.7, 1.0} x 0.8 and 0.7 / 0.9, widened where the best sat on an edge
+# (lr 0.25, 1.4, 2.0; momentum 0.6).
+# Best per cell, lr/momentum and nats/byte (sync | quorum 1 + grace | async):
+#   H=10:  K=2 0.7/0.6 2.269 | 0.7/0.6 2.291 | 1.0/0 2.291
+#          K=4 0.7/0.6 2.355 | 0.7/0.6 2.402 | 1.4/0 2.384
+#          K=8 0.7/0.6 2.565 | 0.7/0.6 2.707 | 1.4/0 2.558
+#   H=30:  K=2 0.7/0.8 2.271 | 0.7/0.8 2.315 (1.0/0.8 2.316) | 1.4/0 2.316 (1.0/0 2.318)
+#          K=4 0.7/0.6 2.407 (0.7/0.8 2.412) | 1.0/0.6 2.419 | 1.4/0 2.393
+#          K=8 0.7/0.8 2.671 (0.7/0.6 2.672) | 1.0/0.6 2.720 | 1.4/0 2.618
+#   H=100: K=2 0.7/0.8 2.314 | 1.0/0.8 2.318 | 1.0/0 2.302 (4 and 8 islands: under 3
+#          rounds in the budget, not measured; the row has one column)
+# Momentum 0.9 lost to 0.8 in every cell; 0.6 (the lowest tried) beat 0.8 at H=10 and in
+# quorum at H=30. Where a row's momentum was not measured at some K (quorum H=30 at 2
+# islands: 0.8 only, 0.7 and 1.0 tied) the row's lr is the one of its other columns.
+OUTER_DEFAULTS_TABLE: dict[str, tuple[tuple[float, float, tuple[tuple[int, float], ...]], ...]] = {
+    "sync": (
+        (17, 0.6, ((1, 0.7),)),
+        (55, 0.8, ((1, 0.7),)),
+        (math.inf, 0.8, ((1, 0.7),)),
+    ),
+    "quorum": (
+        (17, 0.6, ((1, 0.7),)),
+        (55, 0.6, ((1, 1.0),)),
+        (math.inf, 0.8, ((1, 1.0),)),
+    ),
+    "async": ((math.inf, 0.0, ((1, 1.0), (3, 1.4))),),
+}
 # Steps of sparse (topk) deltas: plain SGD, the islands' error feedback is the momentum.
 # 1.0: the issue-22 sync simulation (3 islands, 300 steps: outer SGD lr 1 with the
 # per-entry merge 2.378 / 2.226 at H=30 / 10 against 2.716 / 2.547 as shipped);
 # `diloco-bench topk_outer` sweeps it.
 SPARSE_OUTER_LR = 1.0
 DEFAULT_INNER_STEPS = 50  # the islands' default H (worker.config.IslandConfig.inner_steps)
-# (largest H, outer lr, outer momentum) of synchronous / quorum steps, by the islands' H.
-# Chosen by `diloco-bench outer_h --seq-len 32` (2026-12-01: 2 islands, tiny model, batch
-# 8, 480 steps per island, sync DiLoCo through a real ShardState against DDP at equal
-# tokens; held-out nats/byte, seed 0 unless 3 seeds are given as mean (spread); DDP 2.287
-# (0.017) over seeds 0-2, 2.293 on seed 0). H=10: lr/momentum 0.4/0.8 2.265 (0.047, below
-# DDP on every seed), 0.7/0.9 2.348 (0.024), 0.4/0.9 2.292, 0.2/0.9 2.325, 0.3/0.8 2.290,
-# 0.6/0.8 2.305, 0.5/0.7 2.296, 0.7/0.6 2.279. H=30: 0.7/0.8 2.301 (0.029), 0.7/0.9 2.307
-# (0.017), 0.5/0.8 2.289 (0.023), 0.6/0.7 2.288, 0.4/0.9 2.302, 1.0/0.9 2.344. H=100 (5 rounds):
-# 0.7/0.8 2.346 (0.040), 0.7/0.9 2.359 (0.066), 0.6/0.7 2.329, 0.5/0.8 2.357, 1.0/0.9 2.410,
-# 0.4/0.9 2.444. The boundaries 17 and 55 are geometric means of the measured H.
-SYNC_OUTER_BY_H = ((17, 0.4, 0.8), (55, 0.5, 0.8))
-SYNC_OUTER_LONG_H = (0.7, 0.8)  # H above the table's last row
-# (largest H, fewest islands, outer lr, outer momentum): rows that take precedence over
-# SYNC_OUTER_BY_H from that many pushing islands on. Measured by the issue-32 audit (held-out
-# scripts, in process with the daemons' budget: 4 islands, H=15, 300 steps, 128-byte
-# sequences, int8 both ways, single seed): lr 0.7 / momentum 0.8 beat 0.4 / 0.8 by 1.5%,
-# lr 1.0 overshot (+9.3%). Not swept at 3 islands (3 > sqrt(2 * 4) = 2.83 takes the 4-island
-# row) nor at longer H with more islands (those keep the 2-island rows).
-SYNC_OUTER_MANY_ISLANDS = ((17, 3, 0.7, 0.8),)
 DEFAULT_ISLANDS = 2  # the island count the table assumes before any island pushed
 
 
-def sync_outer_defaults(inner_steps: int, islands: int = DEFAULT_ISLANDS) -> tuple[float, float]:
-    """The default outer (lr, momentum) of sync and quorum steps.
-
-    Args:
-        inner_steps: H, the islands' inner steps per round (>= 1).
-        islands: the islands that push (a round's N), >= 1.
-
-    Returns:
-        (lr, momentum): the first SYNC_OUTER_MANY_ISLANDS row whose H is >=
-        inner_steps and whose island count is <= islands, else the first
-        SYNC_OUTER_BY_H row whose H is >= inner_steps, SYNC_OUTER_LONG_H past the table.
-    """
-    for largest_h, fewest, lr, momentum in SYNC_OUTER_MANY_ISLANDS:
-        if inner_steps <= largest_h and islands >= fewest:
-            return lr, momentum
-    for largest_h, lr, momentum in SYNC_OUTER_BY_H:
-        if inner_steps <= largest_h:
-            return lr, momentum
-    return SYNC_OUTER_LONG_H
+def _outer_cell(mode: str, inner_steps: int, islands: int) -> tuple[float, float, float, int]:
+    """The table's (lr, momentum, largest H of the row, fewest islands of the column)."""
+    rows = OUTER_DEFAULTS_TABLE[mode]
+    largest, momentum, columns = next((r for r in rows if inner_steps <= r[0]), rows[-1])
+    fewest, lr = columns[0]
+    for count, value in columns:
+        if islands >= count:
+            fewest, lr = count, value
+    return lr, momentum, largest, fewest
 
 
 def outer_defaults(mode: str, inner_steps: int, islands: int) -> tuple[float, float, str]:
     """The default outer (lr, momentum) of a mode, and why (what `status.outer` shows).
 
     Args:
-        mode: "sync", "quorum" or "async".
-        inner_steps: H, the islands' inner steps per round.
-        islands: the islands that push (a round's N).
+        mode: "sync", "quorum" or "async" (a key of OUTER_DEFAULTS_TABLE).
+        inner_steps: H, the islands' inner steps per round (>= 1).
+        islands: the islands that push (a round's N, >= 1).
 
     Returns:
-        (lr, momentum, the reason in one line).
+        (lr, momentum, the reason in one line): the table row of the first
+        largest H >= inner_steps, in it the last column whose island count is
+        <= islands.
     """
-    if mode == "async":
-        return (
-            ASYNC_OUTER_LR,
-            ASYNC_OUTER_MOMENTUM,
-            "async: each step merges one delta; lr 0.7 without momentum (diloco-bench "
-            "async_outer: Nesterov with momentum per delta diverged)",
-        )
-    lr, momentum = sync_outer_defaults(inner_steps, islands)
+    lr, momentum, largest, fewest = _outer_cell(mode, inner_steps, islands)
+    rows = OUTER_DEFAULTS_TABLE[mode]
+    index = [r[0] for r in rows].index(largest)
+    low = int(rows[index - 1][0]) + 1 if index else 1
+    if math.isinf(largest):
+        row = "any H" if low == 1 else f"H >= {low}"
+    else:
+        row = f"H {low}-{int(largest)}"
     return (
         lr,
         momentum,
-        f"{mode}: the default of H={inner_steps} at {islands} pushing islands "
-        "(sync_outer_defaults; any quorum takes it: a step is a share of a round)",
+        f"{mode}: the default of H={inner_steps} at {islands} pushing islands (row {row}, "
+        f"column {fewest}+ islands of OUTER_DEFAULTS_TABLE; bench.outer_sweep 2026-12-03)",
     )
+
+
+def sync_outer_defaults(inner_steps: int, islands: int = DEFAULT_ISLANDS) -> tuple[float, float]:
+    """The default outer (lr, momentum) of sync steps (`outer_defaults` of mode sync).
+
+    Args:
+        inner_steps: H, the islands' inner steps per round (>= 1).
+        islands: the islands that push (a round's N), >= 1.
+
+    Returns:
+        (lr, momentum).
+    """
+    return outer_defaults("sync", inner_steps, islands)[:2]
 
 
 PENDING_MEMORY_SHARE = 4  # default max_pending_bytes: 1/4 of the machine's physical memory
@@ -564,7 +574,8 @@ class ShardConfig:
         """
         if steps is None or not self.outer_from_inner_steps:
             return None
-        ours, theirs = sync_outer_defaults(self.inner_steps), sync_outer_defaults(steps)
+        ours = outer_defaults(self.mode, self.inner_steps, DEFAULT_ISLANDS)[:2]
+        theirs = outer_defaults(self.mode, steps, DEFAULT_ISLANDS)[:2]
         if ours == theirs:
             return None
         return (
