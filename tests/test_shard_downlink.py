@@ -105,24 +105,31 @@ def test_a_subscriber_replica_equals_the_live_shard(start_shard, peer, zmq_ctx):
             d = rng.standard_normal(plan.fragments[f].size).astype(np.float32) * 0.05
             ack, _ = p.request(push_header(plan, "a", rnd, f, 0), delta_frames(d, "int8"))
             assert ack["outcome"] == "accepted"
-        # steps run off the serving loop: pushes acked meanwhile join the next one
-        final = wait_for(
-            lambda: (s := p.status())["pending"] == {"0": 0, "1": 0} and s, "every step"
+        # steps run off the serving loop, and a step's update is published after its
+        # record is fsynced: once nothing is pending or stepping, the snapshots say where
+        # each fragment is (a last update may still be on its way: a snapshot's seq says)
+        wait_for(
+            lambda: (s := p.status())["pending"] == {"0": 0, "1": 0} and s["stepping"] is None,
+            "every step",
         )
+        snaps = {}
+        for f in (0, 1):
+            reply, body = p.request({"kind": "snapshot", "island": "a", "fragment": f})
+            snaps[f] = (reply["seq"], codec.decode(body)["values"])
         seen, last_seq = 0, 0
-        while last_seq < final["seq"]:
+        while last_seq < max(seq for seq, _ in snaps.values()):
             assert sub.poll(10_000), f"only {seen} updates arrived"
             msg, body = protocol.unpack(sub.recv_multipart(), role=protocol.PUB)
             if msg["kind"] != "update":
                 continue
             assert msg["mode"] == "increment" and msg["seq"] == last_seq + 1
             last_seq = msg["seq"]
-            values = codec.decode(body)["values"]
-            replica[msg["fragment"]] = np.add(replica[msg["fragment"]], values, dtype=np.float32)
+            f = msg["fragment"]
+            if last_seq <= snaps[f][0]:  # the snapshot of f was taken after this update
+                values = codec.decode(body)["values"]
+                replica[f] = np.add(replica[f], values, dtype=np.float32)
             seen += 1
         for f in (0, 1):
-            reply, body = p.request({"kind": "snapshot", "island": "a", "fragment": f})
-            assert reply["seq"] == last_seq
-            assert codec.decode(body)["values"].tobytes() == replica[f].tobytes()
+            assert snaps[f][1].tobytes() == replica[f].tobytes()
     finally:
         sub.close(linger=0)
