@@ -152,16 +152,17 @@ def _measure(connect: str, name: str, args: argparse.Namespace, data_dir: Path, 
 
 
 @contextlib.contextmanager
-def _timing(module: Any, name: str, spent: list[float]) -> Iterator[None]:
-    """Wrap `module.name` for the block: each call's seconds are appended to `spent`."""
+def _timing(module: Any, name: str, spent: list[float], cpu: list[float]) -> Iterator[None]:
+    """Wrap `module.name` for the block: each call's seconds (wall, thread CPU) are appended."""
     original = getattr(module, name)
 
     def timed(*a: Any, **kw: Any) -> Any:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         try:
             return original(*a, **kw)
         finally:
             spent.append(time.perf_counter() - t0)
+            cpu.append(time.thread_time() - c0)
 
     setattr(module, name, timed)
     try:
@@ -176,7 +177,7 @@ def _persist(frames: list, data_dir: Path, round_id: int) -> dict[str, float]:
     Returns:
         Seconds: `persist_s` (the outbox's own clock: record, write, fdatasync), and its
         stages `record_s` (the record built: msgpack + prefix), `fsync_s` and `write_s`
-        (the rest).
+        (the rest); `*_cpu_s`: this thread's CPU time of the same (load-independent).
     """
     from paramserver.client import PushRequest
     from worker import outbox_format
@@ -187,9 +188,16 @@ def _persist(frames: list, data_dir: Path, round_id: int) -> dict[str, float]:
     request = PushRequest(0, round_id, 0, 1, 1, frames)
     record_s: list[float] = []
     fsync_s: list[float] = []
+    record_cpu: list[float] = []
+    fsync_cpu: list[float] = []
     try:
-        with _timing(outbox_format, "delta_record", record_s), _timing(os, "fdatasync", fsync_s):
+        c0 = time.thread_time()
+        with (
+            _timing(outbox_format, "delta_record", record_s, record_cpu),
+            _timing(os, "fdatasync", fsync_s, fsync_cpu),
+        ):
             box.record([], [request])
+        persist_cpu = time.thread_time() - c0
         if box.bytes_written < len(frames[0]) + sum(len(f) for f in frames[1:]):
             raise OSError(f"the outbox in {data_dir} did not persist the delta (see the log)")
         persist = box.persist_s
@@ -201,13 +209,20 @@ def _persist(frames: list, data_dir: Path, round_id: int) -> dict[str, float]:
         "record_s": sum(record_s),
         "fsync_s": sum(fsync_s),
         "write_s": persist - sum(record_s) - sum(fsync_s),
+        "persist_cpu_s": persist_cpu,
+        "record_cpu_s": sum(record_cpu),
+        "fsync_cpu_s": sum(fsync_cpu),
+        "write_cpu_s": persist_cpu - sum(record_cpu) - sum(fsync_cpu),
     }
 
 
-def _push_loopback(frames: list) -> float:
+def _push_loopback(frames: list) -> tuple[float, float]:
     """Seconds to move `frames` as one multipart message over loopback ZeroMQ DEALER -> ROUTER.
 
     Timed from the send until the receiver holds the whole message (copy-free on both ends).
+
+    Returns:
+        (wall seconds, the process's CPU seconds meanwhile: sender, receiver, ZeroMQ threads).
     """
     import zmq
 
@@ -230,9 +245,10 @@ def _push_loopback(frames: list) -> float:
 
         thread = threading.Thread(target=receive, name="outbox-bench-router", daemon=True)
         thread.start()
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         dealer.send_multipart(frames, copy=False)
         thread.join(660)
+        cpu = time.process_time() - c0
     finally:
         dealer.close(0)
         router.close(0)
@@ -240,7 +256,7 @@ def _push_loopback(frames: list) -> float:
     sent = sum(len(memoryview(f).cast("B")) for f in frames)
     if received.get("bytes") != sent:
         raise RuntimeError(f"loopback push: {received.get('bytes')} of {sent} bytes received")
-    return received["at"] - t0
+    return received["at"] - t0, cpu
 
 
 def _rounded(seconds: float) -> float:
@@ -269,12 +285,13 @@ def measure_delta(params: int, repeats: int, link_gbit: float, where: Path) -> d
     rows = []
     for k in range(repeats):
         codes = np.frombuffer(rng.bytes(params), np.int8)  # random: no zstd on this path anyway
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         frames = frame_codes("int8", block, island_codec.zstd_level, codes, scales, params)
-        frame_s = time.perf_counter() - t0
+        frame_s, frame_cpu = time.perf_counter() - t0, time.thread_time() - c0
         del codes  # the payload behind the frames holds the codes now
-        row = {"frame_s": frame_s, **_persist(frames, where / f"data-{k}", k)}
-        row["push_loopback_s"] = _push_loopback(frames)
+        row = {"frame_s": frame_s, "frame_cpu_s": frame_cpu}
+        row.update(_persist(frames, where / f"data-{k}", k))
+        row["push_loopback_s"], row["push_loopback_cpu_s"] = _push_loopback(frames)
         wire, n_frames = sum(len(memoryview(f).cast("B")) for f in frames), len(frames)
         del frames
         rows.append(row)
@@ -304,6 +321,7 @@ def measure_delta(params: int, repeats: int, link_gbit: float, where: Path) -> d
             "wire_bytes": int(seed_bytes),
             "frame_s": round(per_byte["frame_s"] * seed_bytes, 2),
             "persist_s": round(per_byte["persist_s"] * seed_bytes, 2),
+            "persist_cpu_s": round(per_byte["persist_cpu_s"] * seed_bytes, 2),
             "fsync_s": round(per_byte["fsync_s"] * seed_bytes, 2),
             "push_at_link_s": round(seed_link_s, 2),
             "push_loopback_s": round(per_byte["push_loopback_s"] * seed_bytes, 2),

@@ -8,12 +8,24 @@ import sys
 
 import pytest
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+@pytest.mark.timeout(60)
+def test_an_unknown_model_is_one_line_and_exit_2(tmp_path):
+    argv = [sys.executable, "-m", "bench.cli", "session_overhead", "--models", "tiny,huge",
+            "--out", str(tmp_path / "o")]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=50)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "session_overhead: models ['tiny', 'huge'] must be of ('tiny', 'small', 'base')"
+    ]
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_the_bench_times_every_call_and_says_whether_a_round_end_costs_more(tmp_path):
     argv = [sys.executable, "-m", "bench.cli", "session_overhead", "--rounds", "2",
-            "--inner-steps", "5", "--hidden", "64", "--batch", "16", "--out", str(tmp_path / "o")]  # fmt: skip
+            "--inner-steps", "5", "--hidden", "64", "--batch", "16", "--stages",
+            "--out", str(tmp_path / "o")]  # fmt: skip
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=280)
     assert proc.returncode == 0, proc.stderr[-2000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
@@ -29,3 +41,6 @@ def test_the_bench_times_every_call_and_says_whether_a_round_end_costs_more(tmp_
         )
         # that a round end costs more than a call alone is the bench's figure, not checked here
         assert row["round_end_costs_more"] in (True, False), row
+        # --stages: the round-end call split into the session's pieces (medians, us)
+        stages = row["round_end_stages_us"]
+        assert {"_take", "_push", "_fold", "_round_row", "unaccounted"} <= set(stages), stages
