@@ -41,6 +41,8 @@ def test_the_bench_times_every_call_and_says_whether_a_round_end_costs_more(tmp_
         )
         # that a round end costs more than a call alone is the bench's figure, not checked here
         assert row["round_end_costs_more"] in (True, False), row
-        # --stages: the round-end call split into the session's pieces (medians, us)
+        # --stages: the round-end call split into the session's pieces (medians, us); _take and
+        # _push show only when the timed round pushed (quorum mode holds a fragment back while
+        # its previous push has no outcome yet)
         stages = row["round_end_stages_us"]
-        assert {"_take", "_push", "_fold", "_round_row", "unaccounted"} <= set(stages), stages
+        assert {"_fold", "_round_row", "_report_training", "unaccounted"} <= set(stages), stages
