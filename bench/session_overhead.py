@@ -16,13 +16,24 @@ spinning threads) and the calls that end a round (the exchange: with
 inside the call; by default only taking the delta, the rest runs beside the
 next inner steps). Prints one JSON object: medians in microseconds and the
 overheads as ratios of the step time.
+
+With `--stages` every round-end call is also split into its pieces: the
+session's methods that `Session.step` calls (`_take`, `_push`, `_fold`,
+`_round_row`, ...) and the client's reports are wrapped on the instance for the
+run with `time.perf_counter` stamps, and `round_end_stages_us` gives each
+piece's median over the timed round ends (`unaccounted`: the call's time
+outside them). `--models` runs the daemon's loop for each named model (the MLP
+once).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +54,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch", type=int, default=256, help="examples per batch of the timed MLP (default 256)"
     )
     parser.add_argument("--model", default="tiny", help="the daemon's model (default tiny)")
+    parser.add_argument(
+        "--models",
+        default=None,
+        help="comma-separated models for the daemon's loop, each in its own run (overrides --model)",
+    )
+    parser.add_argument(
+        "--stages",
+        action="store_true",
+        help="split each round-end call into the session's pieces (round_end_stages_us)",
+    )
     parser.add_argument(
         "--overlap-rounds",
         type=int,
@@ -96,22 +117,80 @@ def _summary(step_s: list[float], call_s: list[float], push_s: list[float]) -> d
     }
 
 
-def _timed_loop(session, steps: int, train, read, adopt) -> dict[str, Any]:
+# what `Session.step` calls at a round's end (worker/session.py), timed by --stages
+SESSION_STAGES = ("_check_pusher", "_unblocked", "_wait_for_room", "_take", "_push",
+                  "_wait_for_merge", "_fold", "_round_row", "_report_training")  # fmt: skip
+CLIENT_STAGES = ("report_step_time", "poll_updates", "report_training", "stats")
+
+
+@contextlib.contextmanager
+def _stage_stamps(session, spent: dict[str, float]) -> Iterator[None]:
+    """Wrap the session's (and its client's) round-end pieces on the instances for the block.
+
+    Each call adds its seconds to `spent[name]` (nested pieces count in both).
+    """
+    targets = [(session, n, n) for n in SESSION_STAGES]
+    targets.append((session.exchange, "end_step", "exchange.end_step"))
+    if session.client is not None:
+        targets += [(session.client, n, f"client.{n}") for n in CLIENT_STAGES]
+    wrapped = []
+    for obj, name, label in targets:
+        original = getattr(obj, name, None)
+        if original is None:
+            continue
+
+        def timed(*a, _original=original, _label=label, **kw):
+            t0 = time.perf_counter()
+            try:
+                return _original(*a, **kw)
+            finally:
+                spent[_label] = spent.get(_label, 0.0) + time.perf_counter() - t0
+
+        setattr(obj, name, timed)
+        wrapped.append((obj, name))
+    try:
+        yield
+    finally:
+        for obj, name in wrapped:
+            with contextlib.suppress(AttributeError):
+                delattr(obj, name)  # the class's method again
+
+
+def _stage_medians(rows: list[dict[str, float]], calls: list[float]) -> dict[str, float]:
+    """Median microseconds of each piece over the round-end calls, and what they leave out."""
+    names = sorted({n for r in rows for n in r})
+    out = {n: round(float(np.median([r.get(n, 0.0) for r in rows]) * 1e6), 1) for n in names}
+    nested = ("_check_pusher",)  # also called inside _wait_for_room
+    top = [n for n in names if (n.startswith("_") and n not in nested) or n == "exchange.end_step"]
+    left = [c - sum(r.get(n, 0.0) for n in top) for r, c in zip(rows, calls, strict=True)]
+    out["unaccounted"] = round(float(np.median(left)) * 1e6, 1)
+    return out
+
+
+def _timed_loop(session, steps: int, train, read, adopt, stages: bool = False) -> dict[str, Any]:
     """Run `steps` inner steps; time each train step and each `Session.step` call."""
     import jax
 
-    step_s, call_s, push_s = [], [], []
-    for k in range(1, steps + 1):
-        t0 = time.perf_counter()
-        train()
-        jax.block_until_ready(read())
-        t1 = time.perf_counter()
-        out = session.step(read(), tokens=1)
-        t2 = time.perf_counter()
-        adopt(out)
-        step_s.append(t1 - t0)
-        (push_s if k % session.inner_steps == 0 else call_s).append(t2 - t1)
+    step_s, call_s, push_s, stage_rows = [], [], [], []
+    spent: dict[str, float] = {}
+    with _stage_stamps(session, spent) if stages else contextlib.nullcontext():
+        for k in range(1, steps + 1):
+            t0 = time.perf_counter()
+            train()
+            jax.block_until_ready(read())
+            spent.clear()
+            t1 = time.perf_counter()
+            out = session.step(read(), tokens=1)
+            t2 = time.perf_counter()
+            adopt(out)
+            step_s.append(t1 - t0)
+            (push_s if k % session.inner_steps == 0 else call_s).append(t2 - t1)
+            if k % session.inner_steps == 0:
+                stage_rows.append(dict(spent))
     summary = _summary(step_s[5:], call_s[5:], push_s[1:] or push_s)
+    if stages:
+        kept = slice(1, None) if len(push_s) > 1 else slice(None)
+        summary["round_end_stages_us"] = _stage_medians(stage_rows[kept], push_s[kept])
     summary.update(_calls_alone(session, read, adopt, steps, float(np.median(step_s[5:]))))
     # a round-end call copies the parameters to the host, encodes and pushes them
     summary["round_end_costs_more"] = summary["round_call_us"] > summary["call_alone_us"]
@@ -159,10 +238,11 @@ def _measure_mlp(connect: str, args: argparse.Namespace) -> dict[str, Any]:
         def adopt(out) -> None:
             state["params"] = out
 
-        return _timed_loop(s, args.rounds * args.inner_steps, train, lambda: state["params"], adopt)
+        read = lambda: state["params"]  # noqa: E731
+        return _timed_loop(s, args.rounds * args.inner_steps, train, read, adopt, args.stages)
 
 
-def _measure_daemon_loop(connect: str, args: argparse.Namespace) -> dict[str, Any]:
+def _measure_daemon_loop(connect: str, args: argparse.Namespace, name: str) -> dict[str, Any]:
     import jax
 
     from worker import data, model
@@ -170,7 +250,7 @@ def _measure_daemon_loop(connect: str, args: argparse.Namespace) -> dict[str, An
     from worker.session_config import session_config
     from worker.train import InnerConfig, InnerTrainer
 
-    model_cfg = model.model_config(args.model)
+    model_cfg = model.model_config(name)
     inner = InnerConfig(batch_size=16, seq_len=128)
     sampler = data.BatchSampler(data.default_corpus(), 16, 128, seed=0)
     cfg = session_config(
@@ -187,7 +267,8 @@ def _measure_daemon_loop(connect: str, args: argparse.Namespace) -> dict[str, An
             if out is not trainer.params:
                 trainer.set_params(out)
 
-        return _timed_loop(s, args.rounds * args.inner_steps, train, lambda: trainer.params, adopt)
+        read = lambda: trainer.params  # noqa: E731
+        return _timed_loop(s, args.rounds * args.inner_steps, train, read, adopt, args.stages)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -197,15 +278,23 @@ def run(args: argparse.Namespace) -> int:
         args: the parsed flags.
 
     Returns:
-        0.
+        0, or 2 for an unknown model (one line on stderr).
     """
+    from worker.config import MODEL_NAMES
+
+    models = [m for m in (args.models or args.model).split(",") if m]
+    if not models or any(m not in MODEL_NAMES for m in models):
+        print(f"session_overhead: models {models} must be of {MODEL_NAMES}", file=sys.stderr)
+        return 2
     out = outdir.claim(Path(args.out), "session_overhead")
     result: dict[str, Any] = {
         "inner_steps": args.inner_steps,
         "rounds": args.rounds,
         "overlap_rounds": args.overlap_rounds,
     }
-    loops = {"mlp": _measure_mlp, f"daemon_loop_{args.model}": _measure_daemon_loop}
+    loops = {"mlp": _measure_mlp}
+    for m in models:
+        loops[f"daemon_loop_{m}"] = lambda c, a, m=m: _measure_daemon_loop(c, a, m)
     for name, measure in loops.items():  # a fresh cluster each: they train other models
         with LocalCluster(out / name, shards=2) as cluster:
             cluster.start_server()

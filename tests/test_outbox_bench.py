@@ -39,3 +39,36 @@ def test_the_bench_times_the_outbox_against_the_exchange_and_the_file_stays_boun
     # (~7 rounds of tiny), far below all 14 rounds (2 of warm-up)
     assert row["outbox_max_bytes"] < 10 * row["bytes_written_per_round"]
     assert row["compactions"] >= 2
+
+
+@pytest.mark.timeout(200)
+def test_one_delta_is_framed_persisted_and_pushed_and_a_12b_round_is_computed(tmp_path):
+    proc = bench(tmp_path, "--params", "1e5", "--repeats", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert {"filesystem", "cpus", "load_1m_before", "load_1m_after"} <= set(result)
+    delta = result["delta"]
+    # 100,000 int8 codes and ceil(100000 / 256) = 391 float32 scales, plus the codec's header
+    assert delta["params"] == 100_000 and delta["block"] == 256 and delta["repeats"] == 2
+    assert delta["wire_bytes"] > 100_000 + 4 * 391
+    wall = {"frame_s", "persist_s", "record_s", "write_s", "fsync_s", "push_loopback_s"}
+    stages = wall | {k.replace("_s", "_cpu_s") for k in wall}  # wall and CPU seconds
+    assert set(delta["measured_s"]) == stages == set(delta["ns_per_byte"])
+    assert [set(row) for row in delta["measured_s_each"]] == [stages, stages]
+    # the computed push at the link: wire bytes * 8 / 2 Gbit/s
+    assert delta["push_at_link_s_computed"] == round(delta["wire_bytes"] * 8 / 2e9, 4)
+    assert {"persist_over_push_at_link", "persist_over_push_loopback"} <= set(delta)
+    assert {"frame_s", "persist_s", "fsync_s", "push_at_link_s", "push_loopback_s"} <= set(
+        delta["round_12b_computed"]
+    )
+    assert not list((tmp_path / "o").glob("data-*"))  # the outbox data dirs were removed
+
+
+@pytest.mark.timeout(60)
+def test_a_bad_delta_size_is_one_line_and_exit_2(tmp_path):
+    proc = bench(tmp_path, "--params", "1.5")
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "outbox_cost: --params 1.5 must be a whole number >= 1, --repeats 3 >= 1 and "
+        "--link-gbit 2 > 0"
+    ]
