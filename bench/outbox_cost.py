@@ -70,7 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "frame, persist (write + fsync), loopback push; no cluster",
     )
     parser.add_argument(
-        "--repeats", type=int, default=3, help="--params: measurements (default 3; medians)"
+        "--repeats",
+        type=int,
+        default=3,
+        help="with --params: how many times each stage is measured, medians reported (default 3)",
     )
     parser.add_argument(
         "--link-gbit",
