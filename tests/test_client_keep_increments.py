@@ -156,3 +156,40 @@ def test_a_re_snapshot_of_the_versions_handed_out_hands_nothing_again():
     updates = sim.core.readout.take_updates()
     assert [(u.version, u.values is None) for u in updates] == [(2, True)]
     assert_holds_the_shards_values(sim, follow(held, updates))
+
+
+def test_a_restarted_re_snapshot_still_hands_out_the_values_the_first_one_read():
+    shard = SimShard(0, plan_for(small_flat(0), shards=1, fragments=2))
+    shard.init_with(small_flat(0))
+    cfg = ClientConfig(connect=shard.router, island="isl", keep="increments",
+                       ack_timeout_floor_s=0.1, snapshot_timeout_s=1.0)  # fmt: skip
+    sim = Sim(cfg, [shard])
+    result = sim.join(small_flat(0))
+    held = {f: (result.versions[f], result.plan.gather(result.params, f)) for f in (0, 1)}
+    sim.publish(shard, 0, change(sim, 0, 1), increment=True)
+    sim.run(0.1)
+    held = follow(held, sim.core.readout.take_updates())
+    faults = {"drop_update": True, "hold_snapshot_of_1": True}
+
+    def fault(direction: str, header: dict) -> str:
+        if header["kind"] == "update" and faults["drop_update"]:
+            faults["drop_update"] = False
+            return "drop"
+        if header["kind"] == "snapshot_reply" and header["fragment"] == 1:
+            return "hold" if faults["hold_snapshot_of_1"] else "deliver"
+        return "deliver"
+
+    sim.fault = fault
+    sim.publish(shard, 0, change(sim, 0, 2), increment=True)  # lost
+    sim.publish(shard, 0, change(sim, 0, 3), increment=True)  # a gap: re-snapshot
+    sim.run(0.2)  # fragment 0's snapshot (version 3) is in, fragment 1's is held back
+    assert sim.core.readout.take_updates() == [] and len(sim.held) == 1
+    faults["hold_snapshot_of_1"] = False
+    sim.run(1.5)  # the re-snapshot times out and starts again: fragment 0 is still at 3
+    assert sim.core.stats()["resyncs"] == 2
+    sim.publish(shard, 0, change(sim, 0, 4), increment=True)
+    sim.run(0.1)
+    updates = sim.core.readout.take_updates()
+    # the first read's values of 3 were not handed out yet: the second read hands them out
+    assert [(u.version, u.values is None) for u in updates] == [(3, False), (4, True)]
+    assert_holds_the_shards_values(sim, follow(held, updates))

@@ -146,7 +146,8 @@ SERVER_ROOMS_ALLOWED = {
     "step": {"config", "fragment"},
     "storage": {"config", "fragment", "state", "admission", "step"},
     "state": {"config", "fragment", "state_init", "admission", "step"},
-    "core": {"config", "fragment", "state", "admission"},
+    "effects": {"fragment", "state", "admission"},
+    "core": {"config", "effects", "fragment", "state", "admission"},
 }
 
 

@@ -174,8 +174,11 @@ class ShardFeed:
         old = self.replica.get(fragment)
         unchanged = old is not None and old.version == version
         kept = None if values is None or self.keep == "versions" else read_only(values)
-        if self.keep == "increments" and unchanged and not self.holding:
-            kept = None  # the caller holds (or will take) this version: later ones as codes
+        if self.keep == "increments" and unchanged and not self.holding and old.values is None:
+            # the caller holds (or will take) this version: later ones as codes. Values
+            # still held (an earlier read of this re-sync, which restarted) are not yet
+            # handed out: keep them, or the caller would miss this version
+            kept = None
         self.replica[fragment] = ReplicaFragment(version, kept)
         out: list[Update] = []
         if self.keep != "increments" and not unchanged:

@@ -35,18 +35,15 @@ what `status` shows of each island are `paramserver.server.admission.outcomes`;
 the state's rules (dedup, limits, staleness) decide a push. Snapshots, status
 and heartbeats need no disk, so they are served through storage faults.
 
-What the core asks its I/O loop to do is plain data, defined at the top of
-this module: a `Request` as received, and the `Effects` of a batch: the events
-to log first, the `Reply`s to send whatever happens, the `DurableReply`s whose
-answer depends on the log, and the `Publish`es; a `DueStep` the policy says is
-due; a `StorageFailure`, what the loop tells the core when records did not
-become durable.
+What the core asks its I/O loop to do is plain data
+(`paramserver.server.effects`): a `Request` as received, and the `Effects` of
+a batch; a `DueStep` the policy says is due; a `StorageFailure`, what the loop
+tells the core when records did not become durable.
 
 Why over 700 lines: one class whose request handlers, step hand-over
 (start_step / finish_step, the requests held meanwhile) and durability
 (settle) share the same state and ordering rules; the rules themselves live
-in admission/, step/ and state. The effect types sit here, beside the core that
-returns them, so that one file shows what goes in and what comes out.
+in admission/, step/ and state.
 """
 
 from __future__ import annotations
@@ -54,7 +51,7 @@ from __future__ import annotations
 import logging
 from collections import Counter
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import Any
 
 import codec
@@ -63,148 +60,21 @@ from paramserver.server.admission import gate, outcomes
 from paramserver.server.admission.gate import ReplyBacklog
 from paramserver.server.admission.outcomes import IslandReports, Outcome
 from paramserver.server.config import ShardConfig
-from paramserver.server.fragment import AcceptEvent, Event, StepEvent
+from paramserver.server.effects import (
+    DueStep,
+    DurableReply,
+    Effects,
+    Publish,
+    Reply,
+    Request,
+    StorageFailure,
+)
+from paramserver.server.fragment import StepEvent
 from paramserver.server.state import ShardState, StepWork
 from paramserver.wire import protocol
 from paramserver.wire.protocol import ACCEPTED, REJECTED
 
 logger = logging.getLogger(__name__)
-
-
-# -- the effects the core returns (the I/O loop performs them) --
-
-
-@dataclass(frozen=True)
-class Request:
-    """One request off the ROUTER: the connection, the message's frames, its CURVE User-Id.
-
-    `envelope` holds the frames before the header that a reply must repeat: the
-    empty delimiter frame of a REQ socket (the core strips it from `frames`).
-    `admitted`: already counted and charged to its bucket (a request the core
-    held back while a step changes the arrays it reads, handled again after).
-    """
-
-    conn: bytes
-    frames: list[Any]
-    user_id: str | None = None
-    envelope: tuple[bytes, ...] = ()
-    admitted: bool = False
-
-
-@dataclass(frozen=True)
-class Reply:
-    """A reply to send to `conn` whatever the batch's storage outcome (a refusal, a welcome, ...).
-
-    `envelope` (the request's, e.g. a REQ socket's empty delimiter) goes before the header.
-    """
-
-    conn: bytes
-    header: dict[str, Any]
-    payload: list[Any]
-    envelope: tuple[bytes, ...] = ()
-
-
-@dataclass(frozen=True)
-class DurableReply:
-    """A reply that tells the island something is on disk (an accepted / duplicate ack, init_*).
-
-    It is rendered once, after the batch's storage outcome is known
-    (`paramserver.server.core.ShardCore.settle`): stored, it says `kind` with
-    `fields` (for an ack: the `outcome` and the fragment's `version` when
-    answered); not stored, it is a `storage_error` refusal instead.
-    """
-
-    conn: bytes
-    request: dict[str, Any]
-    kind: str  # "ack", "init_ok", "init_begun" or "init_piece_ok"
-    fields: dict[str, Any] = field(default_factory=dict)
-    outcome: Outcome | None = None  # an ack's outcome (accepted or duplicate)
-    version: int = 0  # an ack's fragment version when answered
-    envelope: tuple[bytes, ...] = ()
-    event: Event | None = None  # the event whose record the reply vouches for (None: none)
-
-
-@dataclass(frozen=True)
-class Publish:
-    """A message for the PUB: an `update` (numbered at release, needs durability) or a heartbeat."""
-
-    header: dict[str, Any]
-    payload: list[Any] = field(default_factory=list)
-
-    @property
-    def is_update(self) -> bool:
-        """Whether it publishes a step (dropped when the step did not become durable)."""
-        return self.header["kind"] == "update"
-
-
-@dataclass
-class Effects:
-    """What the I/O loop does for a batch: append `records`, fsync, then send the rest."""
-
-    records: list[Event] = field(default_factory=list)
-    replies: list[Reply | DurableReply] = field(default_factory=list)
-    publishes: list[Publish] = field(default_factory=list)
-
-    def extend(self, other: Effects) -> None:
-        """Add another request's effects after these (in order).
-
-        Args:
-            other: the effects to add.
-        """
-        self.records += other.records
-        self.replies += other.replies
-        self.publishes += other.publishes
-
-
-@dataclass(frozen=True)
-class DueStep:
-    """An outer step the merge policy says is due: its fragment, and whether deferring it risks refusals."""
-
-    fragment: int
-    urgent: bool
-
-
-@dataclass(frozen=True)
-class StorageFailure:
-    """A batch whose records did not all become durable: what failed, the state rebuilt from disk.
-
-    `lost` holds the events whose records are not on disk (the rest of the
-    batch is); None: none of the batch is (a failed sync).
-    """
-
-    error: str
-    rebuilt: ShardState
-    lost: tuple[Event, ...] | None = None
-
-    def lost_event(self, event: Event | None, request: dict[str, Any] | None = None) -> bool:
-        """Whether a reply vouching for `event` must be refused (its record is not on disk).
-
-        Args:
-            event: the event the reply vouches for (None: none of its own).
-            request: the request's header: a duplicate of a push whose
-                record was lost in the same batch is refused too.
-
-        Returns:
-            True when the reply must say `storage_error`.
-        """
-        if self.lost is None:
-            return True
-        if event is not None:
-            return any(event is e for e in self.lost)
-        if request is None or request.get("kind") != "push":
-            return False
-        key = (request.get("island"), request.get("round"), request.get("fragment"))
-        return any(
-            isinstance(e, AcceptEvent)
-            and (e.contribution.island, e.contribution.round, e.contribution.fragment) == key
-            for e in self.lost
-        )
-
-    def lost_step(self, fragment: Any) -> bool:
-        """Whether an update of `fragment` must not be published (its step is not on disk)."""
-        if self.lost is None:
-            return True
-        return any(isinstance(e, StepEvent) and e.fragment == fragment for e in self.lost)
 
 
 # ----- the core ---------------------------------------------------------------------
