@@ -86,6 +86,15 @@ def test_control_and_bulk_links_of_a_shard():
     assert [e.link for e in net.flush()] == [control]
     net.on_link_reply(shard, control, {"kind": "welcome"})
     assert sorted(e.link for e in net.flush()) == bulk
+    # island_in_use on a bulk link (a restarted shard bound the island to the control
+    # link's hello): the link is unused until re-attached, and the refusal is not final
+    refusal = {"kind": "ack", "outcome": "rejected", "reason": "island_in_use"}
+    assert not net.on_link_reply(shard, bulk[0], refusal)
+    assert refusal["reason"] == "unknown_island" and bulk[0] not in shard.attached
+    net.send_frames(shard, [b"push"], key=(0, 2))
+    assert [e.link for e in net.flush()] == [bulk[1]]
+    net.on_link_reply(shard, control, {"kind": "welcome"})
+    assert [e.link for e in net.flush()] == [bulk[0]]
     # a reconnect replaces the control link and the bulk links
     net.open(shard, "dealer")
     effects = net.flush()

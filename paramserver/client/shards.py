@@ -136,7 +136,10 @@ class Shards:
         rejoin's) attaches every bulk link not attached: a hello with `attach`
         on each, after which bulk requests use it. A refused attach, or an
         `unknown_island` on a bulk link, leaves that link unused until the
-        next welcome (the core says hello on the control link for the latter).
+        next welcome (the core says hello on the control link for the latter);
+        an `island_in_use` on a bulk link (a restarted shard bound the island to
+        the control link's hello) is read as `unknown_island`: not a final
+        refusal.
 
         Args:
             shard: the shard it came from.
@@ -161,8 +164,13 @@ class Shards:
                     shard.index, header.get("reason"), header.get("detail"),
                 )  # fmt: skip
             return True
-        if header.get("reason") == "unknown_island":
+        if header.get("reason") in ("unknown_island", "island_in_use"):
+            # the shard does not hold this bulk link as the island's: it forgot the island,
+            # or it restarted and holds only the control link's hello (island_in_use).
+            # Either way what it refused is pending as after `unknown_island`: the core
+            # says hello on the control link, whose welcome re-attaches and re-sends.
             shard.attached.discard(link)
+            header["reason"] = "unknown_island"
         return False
 
     def _attach(self, shard: ShardLink) -> None:
