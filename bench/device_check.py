@@ -380,6 +380,7 @@ def measure_join(connect: str, sizes: dict[str, Any], log) -> dict[str, Any]:
         inner_steps=sizes["join_inner_steps"],
         rounds=sizes["join_rounds"],
         overlap_rounds=1,  # the session's default: the exchange beside training
+        stages=False,  # no per-piece stamps on the round-end call
     )
     print("device: worker.join against an MLP step", file=log, flush=True)
     return _measure_mlp(connect, args)

@@ -214,13 +214,20 @@ def _drive(case: Case, moment: Moment) -> float:
         _wait(case, lambda: _training(case), "training")
     if moment.kind in HELD:  # acks are held from now on
         rounds = {i: len(_rows(case, i)) for i in ISLANDS}
+        silent = case.output().count("silent for")  # the islands' "shard N silent" lines so far
         _signal(case.shard_pids(), signal.SIGSTOP)
     if moment.kind == "backpressure":  # an island's pushes wait for a slot
         _wait(case, lambda: any(_blocked(case, i) for i in ISLANDS), "back-pressure")
     elif moment.kind == "flush":  # an island logged its last round and flushes at close
         _wait(case, lambda: any(_closing(case, i) for i in ISLANDS), "an island's flush")
-    elif moment.kind == "stopped":  # an island pushed a round after the stop (rows: one each)
-        _wait(case, lambda: any(len(_rows(case, i)) >= rounds[i] + 2 for i in ISLANDS), "a push")
+    elif moment.kind == "stopped":  # an island pushed a round after the stop (rows: one each),
+        # or judged the shards silent (an island near its unacked cap blocks instead of pushing)
+
+        def stopped_seen() -> bool:
+            pushed = any(len(_rows(case, i)) >= rounds[i] + 2 for i in ISLANDS)
+            return pushed or case.output().count("silent for") > silent
+
+        _wait(case, stopped_seen, "a push or the shards judged silent")
     time.sleep(moment.delay_s)
     case.daemon_pids()
     sent = time.monotonic()
