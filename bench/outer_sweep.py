@@ -72,6 +72,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser: the subcommand's parser.
     """
     parser.add_argument("--modes", default="sync,quorum,async", help="merge modes to sweep")
+    parser.add_argument(
+        "--merge",
+        default="mean",
+        choices=("mean", "median"),
+        help="the shards' merge rule (median: the robust rule for untrusted islands)",
+    )
     parser.add_argument("--islands", default="2,4,8", help="island counts K")
     parser.add_argument(
         "--inner-steps",
@@ -191,6 +197,7 @@ class Sim:
             fsync=False,
             dedup_window=1 << 20,
             downlink="float32",
+            merge=args.merge,
             **kw,
         )
         self.plan = make_plan(leaf_specs(init), self.cfg.shards, self.cfg.num_fragments)
