@@ -388,6 +388,8 @@ class Session:
         down = self.client is not None and self.client.stats().get("shards_down")  # queue
         if self.client is None or self.mode != "quorum" or self.leader_sync.multi or down:
             return due
+        if not self.cfg.skip_stale_pushes:  # `IslandConfig.skip_stale_pushes`
+            return due
         last_push, outcomes = self.ledger.newest_outcomes(due)
         return unblocked(due, last_push, outcomes)
 

@@ -30,6 +30,7 @@ SESSION_SETTINGS = (
     "topk_bits",
     "streaming",
     "overlap_rounds",
+    "skip_stale_pushes",
     "merge_rule",
     "max_unacked",
     "flush_timeout_s",
