@@ -210,19 +210,19 @@ class LocalCluster:
     def start_islands(self, specs: Sequence[IslandSpec], timeout_s: float = 300.0) -> None:
         """Start islands (detached) in parallel and return once each has joined.
 
+        All start at once: the shards take the first `init` and the others join the
+        cluster it made (an init race is part of the protocol), so no island waits
+        for another's JAX import and compile.
+
         Args:
             specs: the islands.
             timeout_s: bound on the whole start.
         """
-        started = []
-        for i, spec in enumerate(specs):
-            started.append(
-                child.start(self.island_argv(spec), f"island {spec.name}", ready_timeout_s=None)
-            )
-            if i == 0:
-                # the first island initialises the cluster; let it do so before the others join
-                self._wait_started(started[0], timeout_s)
-        for item in started[1:]:
+        started = [
+            child.start(self.island_argv(spec), f"island {spec.name}", ready_timeout_s=None)
+            for spec in specs
+        ]
+        for item in started:
             self._wait_started(item, timeout_s)
 
     def island_argv(self, spec: IslandSpec) -> list[str]:

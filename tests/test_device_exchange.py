@@ -20,6 +20,7 @@ from paramserver.client import Update
 from paramserver.wire.plan import leaf_specs, make_plan
 from worker import device_quant
 from worker.device_exchange import DeviceExchange
+from worker.exchange import UnfoldableUpdate
 from worker.param_tree import TreeLayout
 
 pytestmark = pytest.mark.timeout(120)
@@ -198,6 +199,35 @@ def test_an_increment_that_skips_a_version_folds_from_the_full_values():
     (out,) = dev.fold(layout.leaves({"w": jnp.asarray(start["w"])}), [skipped])
     assert np.array_equal(np.asarray(out), target)  # overwrite: local = the full values
     assert dev.versions == {0: 5}
+
+
+def test_an_update_with_neither_usable_codes_nor_values_is_refused_by_type_and_folds_nothing():
+    rng = np.random.default_rng(2)
+    start = {"w": rng.normal(size=(64,)).astype(np.float32)}
+    plan = make_plan(leaf_specs(start), 1, 1)
+    layout = TreeLayout.of({"w": jnp.asarray(start["w"])})
+    dev = DeviceExchange(
+        layout, plan, start, {0: 3}, scheme="int8", block=16, zstd_level=None, rule="overwrite"
+    )
+    leaves = layout.leaves({"w": jnp.asarray(start["w"])})
+    frames, _ = codec.int8().encode({"values": np.ones(64, np.float32)})
+    cases = [  # (update, has_increment, values_size)
+        (Update(0, 5, None, read_codes(frames, "values")), True, None),  # codes of 4 -> 5
+        (Update(0, 4, None), False, None),  # a version alone (keep="versions")
+        (Update(0, 4, np.zeros(63, np.float32)), False, 63),  # values of another size
+    ]
+    for update, has_increment, values_size in cases:
+        with pytest.raises(UnfoldableUpdate) as caught:
+            dev.fold(leaves, [update])
+        err = caught.value
+        assert (err.fragment, err.version, err.held_version) == (0, update.version, 3)
+        assert (err.has_increment, err.values_size, err.fragment_size) == (
+            has_increment,
+            values_size,
+            64,
+        )
+        assert dev.versions == {0: 3}  # nothing adopted
+    assert np.array_equal(dev.base_values()["w"], start["w"])
 
 
 def test_streamed_pushes_of_some_fragments_equal_the_codecs_and_leave_the_others_alone():

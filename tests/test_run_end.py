@@ -69,3 +69,31 @@ def test_a_fragment_waits_while_a_shard_holds_its_last_delta_unmerged():
     assert push_schedule.unblocked([0, 1, 2, 3], last_push, outcomes) == [0, 2, 3]
     unmerged = {(7, 0): "pending", (7, 1): "acked", (6, 2): "merged"}  # in flight or held
     assert push_schedule.unblocked([0, 1, 2, 3], last_push, unmerged) == [2, 3]
+
+
+def _pushes_of_one_island(tmp_path, skip_stale_pushes: bool, rounds: int) -> tuple[int, int]:
+    """(pushes, fragments) of an island whose deltas never merge: a quorum of 2, one idle."""
+    cluster = Cluster(tmp_path / f"skip-{skip_stale_pushes}", shards=1, mode="quorum", quorum=2)
+    try:
+        init = mlp.init_mlp(0)
+        idle = worker.join(cluster.connect, island="idle", params=init, inner_steps=2, **FAST)
+        with idle, worker.join(cluster.connect, island="a", params=init, inner_steps=2,
+                               overlap_rounds=0, skip_stale_pushes=skip_stale_pushes,
+                               **FAST) as session:  # fmt: skip
+            params, rng = session.params, np.random.default_rng(1)
+            opt_state = mlp.OPTIMIZER.init(params)
+            for _ in range(2 * rounds):
+                x, y = mlp.batch(rng)
+                params, opt_state, _loss = mlp.train_step(params, opt_state, x, y)
+                params = session.step(params, tokens=mlp.BATCH)
+            return session.stats["pushes"], len(session.sizes)
+    finally:
+        cluster.stop()
+
+
+def test_with_skip_stale_pushes_off_an_island_pushes_every_round_while_its_deltas_wait(tmp_path):
+    # "idle" keeps the quorum of 2 out of reach: no delta of "a" merges in the run
+    pushes, fragments = _pushes_of_one_island(tmp_path, skip_stale_pushes=False, rounds=5)
+    assert pushes == 5 * fragments
+    pushes, fragments = _pushes_of_one_island(tmp_path, skip_stale_pushes=True, rounds=5)
+    assert pushes == fragments  # the default: the first round's push, then every round skips

@@ -430,6 +430,8 @@ def _eval(args: argparse.Namespace) -> int:
     if not _eval_batches_given(args):
         args.eval_batches = str(EVAL_BATCHES)
     cfg = _load_config(args)
+    if not args.wait_s >= 0:  # every check of the arguments before the JAX import below
+        raise ValueError(f"wait_s must be >= 0, got {args.wait_s!r}")
     from worker import evaluate  # imports JAX: only for eval
 
     try:

@@ -75,6 +75,10 @@ class IslandConfig:
     # runs on a thread beside the next inner steps; a step past them waits (lost time);
     # 0 = inside the step that takes the delta (worker.push_thread)
     overlap_rounds: int = 1
+    # quorum mode: a fragment whose last delta is not merged yet skips its push and carries the
+    # work into the next one (fewer, larger deltas against newer bases when the shards lag;
+    # worker.push_schedule.unblocked); false = push every round as sync and async islands do
+    skip_stale_pushes: bool = True
     eval_every: int = 2  # rounds between evaluations of the global parameters (0 = never)
     eval_batches: int = 4  # held-out batches per evaluation
     max_rounds: int = 0  # stop after this many rounds (0 = until stopped)

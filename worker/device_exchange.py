@@ -62,7 +62,7 @@ from codec.decode import Coded, code_dtype, frame_codes
 from codec.format import LEVELS
 from paramserver.client import Update
 from worker.device_quant import dequantize, quantize
-from worker.exchange import delta_since, folded
+from worker.exchange import UnfoldableUpdate, delta_since, folded
 from worker.param_tree import TreeLayout
 
 # -- the flat layout of the exchange state -------------------------------------------
@@ -475,7 +475,13 @@ class DeviceExchange:
 
         Returns:
             The leaves after the fold (untouched leaves are the same objects).
+
+        Raises:
+            UnfoldableUpdate: an update has neither codes that follow the adopted version
+                nor full values of its fragment's size (checked before any is folded in).
         """
+        for u in updates:
+            self._check_foldable(u)
         whole = self._whole_increment(updates)
         if whole is not None:
             return self._fold_whole(leaves, updates, *whole)
@@ -500,6 +506,19 @@ class DeviceExchange:
         key = tuple(key)
         used = self.flat.leaves_of([f for f, _, _ in key])
         return self._run_fold(key, used, self._fold_fn, leaves, updates, incoming)
+
+    def _check_foldable(self, update: Update) -> None:
+        """Raise `UnfoldableUpdate` unless `update` has usable codes or full values."""
+        if self.usable_increment(update) is not None:
+            return
+        size = self.flat.size[update.fragment]
+        values = update.values
+        values_size = None if values is None else int(np.size(values))
+        if values_size != size or np.ndim(values) != 1:
+            raise UnfoldableUpdate(
+                update.fragment, update.version, self.versions[update.fragment],
+                getattr(update, "increment", None) is not None, values_size, size,
+            )  # fmt: skip
 
     def _run_fold(self, key, used, build, leaves, updates, *incoming) -> list[Any]:
         """Call (building once) the fold `key`; take its state; return the new leaves."""

@@ -38,6 +38,48 @@ class ExchangeError(ValueError):
     """An exchange setting or input is invalid."""
 
 
+class UnfoldableUpdate(ExchangeError):
+    """A published version the exchange cannot fold in: it holds neither codes that follow
+    the adopted version nor full values of the fragment's size.
+
+    Attributes:
+        fragment: the update's fragment.
+        version: the update's version.
+        held_version: the fragment's version the exchange holds (codes must follow it).
+        has_increment: the update carries increment codes (of another base version).
+        values_size: the length of its values, None without values.
+        fragment_size: the length its values must have.
+    """
+
+    def __init__(
+        self,
+        fragment: int,
+        version: int,
+        held_version: int,
+        has_increment: bool,
+        values_size: int | None,
+        fragment_size: int,
+    ) -> None:
+        codes = (
+            f"its increment codes follow version {version - 1}, not {held_version}"
+            if has_increment
+            else "it has no increment codes"
+        )
+        values = (
+            "no values"
+            if values_size is None
+            else f"{values_size} values, not the fragment's {fragment_size}"
+        )
+        super().__init__(
+            f"update of fragment {fragment} to version {version} cannot be folded in: "
+            f"{codes} and {values} (a client kept for increments hands out full values "
+            "after a gap)"
+        )
+        self.fragment, self.version, self.held_version = fragment, version, held_version
+        self.has_increment, self.values_size = has_increment, values_size
+        self.fragment_size = fragment_size
+
+
 def check_merge_rule(rule: str) -> str:
     """Validate a merge rule name.
 

@@ -118,7 +118,8 @@ def unblocked(
     each round's merge; async mode steps on every delta as it comes, so its
     islands push every round: examples/own_mlp.py, async, ended at 0.028
     without the skip and 0.049 with it. A multi-process island pushes on
-    schedule: its processes must agree on what each step pushes.)
+    schedule: its processes must agree on what each step pushes. An island
+    with `skip_stale_pushes` false never asks.)
 
     Args:
         due: fragments due to push now.

@@ -44,18 +44,18 @@ the data dir. Multi-process islands: every process calls
 `join` and `step` at the same points with its own shards; process 0 alone
 opens sockets and `worker.leader_sync` shares its decisions.
 
-(Over 700 lines: `Session` is the API's one class, and its lock, abandon and the
-hand-over to the push thread must be read together; its decisions live in
-`worker.exchange`, `worker.push_schedule`, `worker.goodput`, `worker.deltas`,
-`worker.outbox` and `worker.leader_sync`, what remains is its state and
-documented methods.)
+Its parts: `worker.session_rows` (the metrics rows and the training report
+at each round's end) and `worker.session_end` (`close`, `abandon`,
+`SessionClosed`); its decisions live in `worker.exchange`,
+`worker.push_schedule`, `worker.goodput`, `worker.deltas`, `worker.outbox` and
+`worker.leader_sync`.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-import math
+import numbers
 import threading
 import time
 from collections.abc import Callable
@@ -67,7 +67,7 @@ import numpy as np
 
 import codec
 from paramserver.client import Client, ClientError, JoinResult, PushRequest, Update
-from worker import compile_cache, island_files, session_token
+from worker import compile_cache, session_token
 from worker.config import IslandConfig
 from worker.deltas import DeltaLedger
 from worker.device_exchange import DeviceExchange
@@ -76,37 +76,13 @@ from worker.host_exchange import HostExchange
 from worker.leader_sync import LeaderSync
 from worker.outbox import OUTBOX_FILE, Outbox
 from worker.param_tree import TreeError, TreeLayout
-from worker.push_schedule import check_streaming_mode, due_fragments, flush_fragments, unblocked
+from worker.push_schedule import check_streaming_mode, due_fragments, unblocked
 from worker.push_thread import PushFailed, PushJob, PushThread, deliver
-from worker.session_config import check_loss, check_tokens, make_codec, session_config
+from worker.session_config import make_codec, session_config
+from worker.session_end import SessionClosed, SessionEnd, claim_island
+from worker.session_rows import SessionRows
 
 logger = logging.getLogger(__name__)
-
-STOPPED_FLUSH_S = 2.0
-"""The longest a session whose `stop` is set (Ctrl-C) waits at close for acks: what stays
-unacked is kept in the outbox (with a data dir) and pushed again at the next start."""
-
-
-class SessionClosed(RuntimeError):
-    """`step` on a session that is closed, or was abandoned while the call ran.
-
-    Attributes:
-        island: the island id.
-        abandoned: True when `abandon` (another process of the island is gone) closed it.
-    """
-
-    def __init__(self, island: str, abandoned: bool) -> None:
-        why = (
-            "was abandoned (another process of the island is gone)"
-            if abandoned
-            else ("is closed: step() after close()")
-        )
-        super().__init__(f"island {island!r}: the session {why}; join again")
-        self.island, self.abandoned = island, abandoned
-
-
-_open_islands: set[str] = set()
-_open_lock = threading.Lock()
 
 
 def join(
@@ -162,7 +138,26 @@ def _host_reason(cfg: IslandConfig, layout: TreeLayout) -> str | None:
     return None
 
 
-class Session:
+def _check_tokens(tokens: Any) -> int:
+    """`Session.step`'s tokens as an int (ValueError: not an int >= 1)."""
+    if isinstance(tokens, bool) or not isinstance(tokens, int | np.integer) or tokens < 1:
+        raise ValueError(
+            f"tokens must be an int >= 1 (the tokens this inner step trained), got {tokens!r}"
+        )
+    return int(tokens)
+
+
+def _check_loss(loss: Any) -> Any:
+    """`loss` itself when it is a number or a one-element array (read at the round's end,
+    so that a device scalar is not waited for at every step)."""
+    if isinstance(loss, bool) or not (
+        isinstance(loss, numbers.Real) or getattr(loss, "size", None) == 1
+    ):
+        raise ValueError(f"loss must be a number (the inner step's train loss), got {loss!r}")
+    return loss
+
+
+class Session(SessionRows, SessionEnd):
     """One island's membership of the cluster, driven by the caller's training loop."""
 
     def __init__(
@@ -197,13 +192,7 @@ class Session:
         self.data_dir = Path(cfg.data_dir) if cfg.data_dir else None
         self.leader_sync = LeaderSync(jax.process_count() > 1, jax.process_index() == 0)
         self.island = cfg.island
-        with _open_lock:
-            if cfg.island in _open_islands:
-                raise RuntimeError(
-                    f"island {cfg.island!r} already has an open session in this process: "
-                    "close it first, or join with another island id"
-                )
-            _open_islands.add(cfg.island)
+        claim_island(cfg.island)
         self.closed = False
         # held by `step`, `close` and `abandon`'s second half: the session's state changes
         # under it (`abandon` runs on the watchdog's thread)
@@ -349,8 +338,8 @@ class Session:
 
     def _step(self, params: Any, tokens: int, loss: float | None) -> Any:
         self._check_pusher()  # a failure of the background exchange surfaces here
-        tokens = check_tokens(tokens)
-        loss = None if loss is None else check_loss(loss)
+        tokens = _check_tokens(tokens)
+        loss = None if loss is None else _check_loss(loss)
         leaves = self.layout.leaves(params)
         self.goodput_clock.step_started(time.monotonic())
         in_round = self.in_round + 1
@@ -387,6 +376,8 @@ class Session:
     def _unblocked(self, due: list[int]) -> list[int]:  # `push_schedule.unblocked`
         down = self.client is not None and self.client.stats().get("shards_down")  # queue
         if self.client is None or self.mode != "quorum" or self.leader_sync.multi or down:
+            return due
+        if not self.cfg.skip_stale_pushes:  # `IslandConfig.skip_stale_pushes`
             return due
         last_push, outcomes = self.ledger.newest_outcomes(due)
         return unblocked(due, last_push, outcomes)
@@ -589,21 +580,6 @@ class Session:
             own.update(push_thread_s=self.pusher.busy_s, rounds_in_flight=self.pusher.in_flight)
         return {**(self.client.stats() if self.client is not None else {}), **own}
 
-    @property
-    def goodput(self) -> float | None:
-        """Share of the session's wall time spent on inner steps whose work entered the model.
-
-        `worker.goodput` defines it: waits, back-pressure, the exchange's time in
-        `step` and rejected work are lost, staleness is not; deltas in flight are
-        left out. It is the figure of the newest metrics row (each round's end, and
-        the final row at close), the one `diloco-worker status` shows and the
-        shards and their page get: one goodput everywhere.
-
-        Returns:
-            The share, or None before any time settled.
-        """
-        return self.last_row.get("goodput")
-
     def mark_start(self) -> None:
         """Warm the exchange up, then count time (goodput, metrics) from now.
 
@@ -633,188 +609,11 @@ class Session:
         fresh = self.layout.leaves(self.exchange.initial_params())  # the caller's may be donated
         self.exchange.warm(fresh, sets, [("int8", downlink)])
 
-    def log_row(self, row: dict[str, Any]) -> dict[str, Any]:
-        """Append a metrics row with the session's common fields (process 0, with a data dir).
-
-        Args:
-            row: the row's own fields.
-
-        Returns:
-            The row as written (common fields first).
-        """
-        full = {
-            "island": self.island,
-            "params": sum(self.sizes),
-            **self.row_tags,
-            "time_s": round(time.monotonic() - self.goodput_clock.started, 3),
-            "wall": time.time(),
-            **row,
-        }
-        if self.data_dir is not None and self.leader_sync.leader:
-            island_files.append_row(self.data_dir, full)
-        self.last_row = full
-        return full
-
-    def stats_fields(self, final: bool = False) -> dict[str, Any]:
-        """The counters a metrics row carries and the goodput they imply.
-
-        Args:
-            final: the client has closed: acked deltas count as merged, unacked ones
-                and unpushed work as lost, and the wall time ends with the last
-                `step` (the flush and the caller's own epilogue are not island time).
-        """
-        shares = [size / sum(self.sizes) for size in self.sizes]
-        if final:
-            self.ledger.settle_final()
-            self.goodput_clock.drop_unpushed(shares)
-        now = time.monotonic()
-        if final and self.goodput_clock.last_end is not None:
-            now = self.goodput_clock.last_end
-        return self.goodput_clock.fields(self.stats, self.tokens, self.steps, now, shares)
-
-    def _round_row(self) -> None:
-        extra = self.row_fields(self.round) if self.row_fields is not None else {}
-        # the client keeps ack latencies until taken: take the round's (bounded memory)
-        latencies = self.client.ack_latencies() if self.client is not None else []
-        if latencies:
-            extra = {"ack_latency_s": round(float(np.median(latencies)), 4), **extra}
-        self.log_row(
-            {
-                "round": self.round,
-                "round_s": self.goodput_clock.round_done(time.monotonic()),
-                "versions_adopted": self.adopted,
-                **self.stats_fields(),
-                **extra,
-            }
-        )
-        self.adopted = 0
-
-    def _report_training(self) -> None:
-        """Tell the shards the round's train loss (`step`'s, else the row's), step rate, goodput."""
-        losses, self._round_losses = self._round_losses, []
-        if self.client is None:
-            return
-        row = self.last_row
-        loss, round_s, share = row.get("loss"), row.get("round_s"), row.get("goodput")
-        if losses:
-            loss = float(np.mean([float(x) for x in losses]))
-        finite = isinstance(loss, int | float) and math.isfinite(loss)
-        self.client.report_training(
-            inner_loss=float(loss) if finite else None,
-            steps_per_s=self.inner_steps / round_s if round_s else None,
-            goodput=min(1.0, max(0.0, float(share))) if share is not None else None,
-        )
-
-    # -- the end --------------------------------------------------------------------
-
     def _check_open(self) -> None:
         if self.closed or self._abandoned.is_set():
             raise SessionClosed(self.island, abandoned=self._abandoned.is_set())
 
-    def close(self, params: Any = None) -> None:
-        """Push the partial round, flush, keep what stays unacked in the data dir, say bye.
-
-        Args:
-            params: the latest parameters if the loop trained after its last `step`
-                (default: what the last `step` returned). Every process calls `close`.
-        """
-        with self._lock:
-            if not self.closed:
-                self._close(params)
-
-    def _close(self, params: Any) -> None:
-        try:
-            latest = self._latest if params is None else params
-            rest = flush_fragments({i: self.steps - at for i, (at, _) in self.pushed_at.items()})
-            if rest and not self.leader_sync.broken:
-                round_id = self.round_base + self.round + int(self.pushed_in_round)
-                try:
-                    if self.pusher is not None:  # the rounds in flight first, then no waits
-                        self.wait_pushed(self._flush_timeout_s())
-                        self.pusher.halt.set()  # no back-pressure wait: queue, then flush
-                        self.pusher.wait_for_room(self._abandoned.is_set)
-                    taken = self._take(self.layout.leaves(latest), rest)
-                    self.exchange.end_step()
-                    self._push(rest, taken, round_id)
-                except RuntimeError as exc:  # e.g. its buffers were donated since
-                    logger.warning("island %s: partial round not pushed: %s", self.island, exc)
-            if (
-                not self.leader_sync.broken
-            ):  # no process leaves a collective of the others unfinished
-                self.exchange.wait()
-        finally:
-            self.closed = True
-            self._finish(self._flush_timeout_s())
-
-    def _flush_timeout_s(self) -> float:
-        """How long close waits for acks: `flush_timeout_s`, at most `STOPPED_FLUSH_S` once stopped."""
-        if self.stop.is_set() or self._abandoned.is_set():
-            return min(self.cfg.flush_timeout_s, STOPPED_FLUSH_S)
-        return self.cfg.flush_timeout_s
-
-    def abandon(self, flush_timeout_s: float) -> None:
-        """Close from another thread without collectives (another process is gone).
-
-        Closes the client first (a `step` in the owner thread then ends with
-        `SessionClosed` at its next client call or wait), then, once `step` let go
-        of the session, keeps the unacked deltas and releases the data dir. A
-        `step` stuck in a collective for longer than `flush_timeout_s` + 5 s is
-        left as it is (every pushed delta is in the outbox file already).
-
-        Args:
-            flush_timeout_s: how long to wait for unacked deltas.
-        """
-        self._abandoned.set()
-        self.leader_sync.broken = True  # no more collectives, not even at close
-        if self.client is not None:
-            self.client.close(flush_timeout_s=flush_timeout_s)  # thread-safe
-        self.ledger.close()  # ends step's waits on the ledger
-        if not self._lock.acquire(timeout=flush_timeout_s + 5.0):
-            logger.warning(
-                "island %s: abandoned while a step is stuck; its outbox keeps what it pushed",
-                self.island,
-            )
-            return
-        try:
-            if not self.closed:
-                self.closed = True
-                self._finish(flush_timeout_s)
-        finally:
-            self._lock.release()
-
-    def _finish(self, flush_timeout_s: float) -> None:
-        try:
-            if self.pusher is not None:  # its queued jobs are framed and persisted, then pushed
-                self.pusher.close(flush_timeout_s + 30.0)
-            if self.client is not None:
-                # a stop set while it flushes ends the flush (one set before: flush_timeout_s
-                # is already at most STOPPED_FLUSH_S)
-                during = None if self.stop.is_set() else self.stop
-                self.client.close(flush_timeout_s=flush_timeout_s, stop=during)
-                self.ledger.close()
-                unacked = self.client.unacked()
-                if self.outbox is not None:
-                    self.outbox.keep(unacked + self.unsent)
-                elif unacked:
-                    logger.warning(
-                        "island %s closed with %d unacked deltas and no data_dir to keep them",
-                        self.island,
-                        len(unacked),
-                    )
-                if self.steps:
-                    self.log_row(
-                        {**self.stats_fields(final=True), "round": self.round, "final": True}
-                    )
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        if self.outbox is not None:
-            self.outbox.close()
-        if self.token is not None:
-            self.token.release()
-        with _open_lock:
-            _open_islands.discard(self.island)
+    # -- the end (`worker.session_end`) ----------------------------------------------
 
     def __enter__(self) -> Session:
         return self

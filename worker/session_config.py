@@ -5,18 +5,14 @@ exchange with the daemon's names (`SESSION_SETTINGS`); `session_config`
 builds an `IslandConfig` from them, so every value goes through the same
 validation as `diloco-worker start --FLAG`. Options of the daemon's own model,
 data and loop (model, data, lr, speed, ...) have no meaning for a user's
-training loop and are refused by name. `check_tokens` and `check_loss` validate
-`Session.step`'s arguments.
+training loop and are refused by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import numbers
 from pathlib import Path
 from typing import Any
-
-import numpy as np
 
 import codec
 from worker.config import IslandConfig
@@ -30,6 +26,7 @@ SESSION_SETTINGS = (
     "topk_bits",
     "streaming",
     "overlap_rounds",
+    "skip_stale_pushes",
     "merge_rule",
     "max_unacked",
     "flush_timeout_s",
@@ -110,22 +107,3 @@ def make_codec(cfg: IslandConfig) -> codec.Codec:
         chunk = {"chunk": cfg.block_size} if cfg.block_size else {}
         return codec.topk(density=cfg.topk_density, bits=cfg.topk_bits, **chunk)
     return codec.raw(cfg.codec)
-
-
-def check_tokens(tokens: Any) -> int:
-    """`Session.step`'s tokens as an int (ValueError: not an int >= 1)."""
-    if isinstance(tokens, bool) or not isinstance(tokens, int | np.integer) or tokens < 1:
-        raise ValueError(
-            f"tokens must be an int >= 1 (the tokens this inner step trained), got {tokens!r}"
-        )
-    return int(tokens)
-
-
-def check_loss(loss: Any) -> Any:
-    """`loss` itself when it is a number or a one-element array (read at the round's end,
-    so that a device scalar is not waited for at every step)."""
-    if isinstance(loss, bool) or not (
-        isinstance(loss, numbers.Real) or getattr(loss, "size", None) == 1
-    ):
-        raise ValueError(f"loss must be a number (the inner step's train loss), got {loss!r}")
-    return loss
