@@ -478,10 +478,9 @@ class DeviceExchange:
 
         Raises:
             UnfoldableUpdate: an update has neither codes that follow the adopted version
-                nor full values of its fragment's size (checked before any is folded in).
+                (as it stands when that update's turn comes: a fragment's versions may
+                follow each other in one call) nor full values of its fragment's size.
         """
-        for u in updates:
-            self._check_foldable(u)
         whole = self._whole_increment(updates)
         if whole is not None:
             return self._fold_whole(leaves, updates, *whole)
@@ -490,6 +489,8 @@ class DeviceExchange:
                 leaves = self.fold(leaves, [u])
             return leaves
         key, incoming = [], []
+        for u in updates:
+            self._check_foldable(u)
         for u in sorted(updates, key=lambda u: u.fragment):
             coded = self.usable_increment(u)
             if coded is not None:
