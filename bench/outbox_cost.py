@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import outdir
+from bench import child, outdir
 from bench.common import progress
 from bench.launcher import LocalCluster
 
@@ -406,6 +406,7 @@ def main() -> int:
     """`python -m bench.outbox_cost`."""
     parser = argparse.ArgumentParser(prog="python -m bench.outbox_cost", description=__doc__)
     add_arguments(parser)
+    child.sigterm_unwinds()  # daemons stop as on Ctrl-C
     return run(parser.parse_args())
 
 
