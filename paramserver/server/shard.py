@@ -1,4 +1,4 @@
-"""The shard daemon's I/O loop: sockets, the data directory, and the core between them.
+"""The shard daemon's I/O loop: sockets, the data directory, the core between them, the step thread.
 
 This module owns the ZeroMQ side of one shard: a ROUTER for requests and a PUB
 for sequenced updates and heartbeats (wire format: `paramserver.wire.protocol`),
@@ -15,7 +15,7 @@ the files are `paramserver.server.storage`'s. One loop turn:
        hand every request read to `core.handle`; ask the core which steps
        are due (`core.due_steps`), let the data directory defer one a
        checkpoint still reads (`storage.before_step`), and hand the first of
-       the rest to the step thread (`paramserver.server.step_worker`: the
+       the rest to the step thread (`StepWorker`, below: the
        loop answers heartbeats, acks and status while a step runs, whatever
        its size), collecting the effects (and a PUB heartbeat);
        `store`: append the batch's events to the log and fsync ONCE
@@ -46,6 +46,8 @@ sockets.
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
 import time
 from typing import Any
@@ -56,8 +58,7 @@ from paramserver.plumbing import heap
 from paramserver.plumbing.curve import CurveServer
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
-from paramserver.server.state import ShardState
-from paramserver.server.step_worker import StepWorker
+from paramserver.server.state import ShardState, StepWork
 from paramserver.server.storage.checkpoint_job import CheckpointResult
 from paramserver.server.storage.shard_storage import ShardStorage, StorageError
 from paramserver.wire import protocol
@@ -400,3 +401,107 @@ def _user_id(frame: Any) -> str | None:
         return frame.get("User-Id")
     except (zmq.ZMQError, AttributeError):
         return None
+
+
+# -- the step thread ------------------------------------------------------------
+
+
+class StepWorker:
+    """The shard's step thread: runs one outer step's arithmetic while the serving loop goes on.
+
+    A step's cost grows with its fragment (seconds at a billion parameters); the
+    answers to heartbeats, acks and status must not. The loop hands a step's
+    work (`paramserver.server.state.StepWork`, begun by `ShardCore.start_step`)
+    to this thread, keeps serving, and books the result (`ShardCore.finish_step`:
+    the step's record is logged and fsynced, then its update published) on the
+    first turn after the thread says it is done. The thread touches only the
+    stepping fragment's arrays; numpy, numba and XLA release the GIL while they
+    work, so the loop is answered within a GIL switch interval.
+
+    One step at a time. The thread wakes the loop through a pipe whose read end
+    the loop polls beside its sockets (`wake_fd`).
+    """
+
+    def __init__(self) -> None:
+        """Start the thread (a daemon: a stuck step never keeps the process alive)."""
+        self._todo: queue.SimpleQueue[StepWork | None] = queue.SimpleQueue()
+        self._done: StepWork | None = None
+        self._running: StepWork | None = None
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        self._thread = threading.Thread(target=self._serve, name="outer-step", daemon=True)
+        self._thread.start()
+
+    @property
+    def wake_fd(self) -> int:
+        """A file descriptor readable once a step is done (poll it beside the sockets)."""
+        return self._read_fd
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step was submitted and not yet taken back (`take`)."""
+        with self._lock:
+            return self._running is not None or self._done is not None
+
+    def submit(self, work: StepWork) -> None:
+        """Run a step's arithmetic in the thread.
+
+        Args:
+            work: the step (from `ShardCore.start_step`).
+
+        Raises:
+            RuntimeError: a step is still under way or not taken back.
+        """
+        with self._lock:
+            if self._running is not None or self._done is not None:
+                raise RuntimeError("a step is already under way")
+            self._running = work
+            self._finished.clear()
+        self._todo.put(work)
+
+    def take(self) -> StepWork | None:
+        """The step that finished running, once (then the worker is free).
+
+        Returns:
+            The run work (its `error` set if the arithmetic raised), or None
+            while it runs or when none was submitted.
+        """
+        try:
+            while os.read(self._read_fd, 64):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            done, self._done = self._done, None
+        return done
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the step under way to finish running (the drain at stop).
+
+        Args:
+            timeout_s: how long at most (None: until it finishes).
+
+        Returns:
+            Whether no step is running now.
+        """
+        with self._lock:
+            if self._running is None:
+                return True
+        return self._finished.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop the thread after the step under way (if any) and close the pipe."""
+        self._todo.put(None)
+        self._thread.join()
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+    def _serve(self) -> None:
+        while (work := self._todo.get()) is not None:
+            work.run()  # keeps an exception in work.error for finish_step
+            with self._lock:
+                self._running, self._done = None, work
+                self._finished.set()
+            os.write(self._write_fd, b"\x01")
