@@ -12,6 +12,9 @@ the files are `paramserver.server.storage`'s. One loop turn:
        so a flood costs a bucket check per message);
     2. `run_batch`: book a step the step thread finished (`core.finish_step`:
        its record joins this batch's, its update is published after them);
+       admit the pushes whose payload the checker thread has checked
+       (`core.finish_push`; a push of at least CHECK_OFF_LOOP_BYTES is
+       checked there, off the loop: `paramserver.server.admission.checker`);
        hand every request read to `core.handle`; ask the core which steps
        are due (`core.due_steps`), let the data directory defer one a
        checkpoint still reads (`storage.before_step`), and hand the first of
@@ -54,6 +57,7 @@ import zmq
 
 from paramserver.plumbing import heap
 from paramserver.plumbing.curve import CurveServer
+from paramserver.server.admission.checker import PushChecker
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
 from paramserver.server.state import ShardState
@@ -70,6 +74,9 @@ BATCH = 64
 STOP_CHECK_S = 0.1
 # Replies (and frames) of at least this many bytes are tracked until ZeroMQ wrote them out.
 TRACK_MIN_BYTES = 64 * 1024
+# Pushes of at least this many payload bytes are checked in the checker thread, off the loop
+# (`paramserver.server.admission.checker`); smaller ones cost the loop well under a millisecond.
+CHECK_OFF_LOOP_BYTES = 1 << 20
 # Updates the PUB keeps for one subscriber (ZeroMQ SNDHWM; the default is 1000).
 PUB_HWM = 64
 
@@ -109,6 +116,7 @@ def run_batch(
     now: float,
     tick: bool = True,
     worker: StepWorker | None = None,
+    checker: PushChecker | None = None,
 ) -> list[tuple[bytes | None, list[Any]]]:
     """Handle a batch of requests (and a tick), store it, and settle what to send.
 
@@ -117,6 +125,11 @@ def run_batch(
     step is handed to it at the end of the turn (one at a time) instead of
     run here.
 
+    With a `checker`, the pushes whose payload checks finished there are
+    admitted first (`core.finish_push`), and the pushes the core hands off
+    (`Effects.checks`) are submitted to it; without one, or while draining,
+    they are checked here, each as it is handled.
+
     Args:
         core: the shard's core.
         storage: the shard's data directory.
@@ -124,6 +137,7 @@ def run_batch(
         now: wall-clock seconds.
         tick: also step due fragments and heartbeat (False while draining at stop).
         worker: the step thread (None: steps run in this thread, in the turn).
+        checker: the push checker thread (None: checks run in this thread).
 
     Returns:
         [(conn, frames)] to send in order, conn None for the PUB.
@@ -142,8 +156,18 @@ def run_batch(
         effects.extend(core.finish_step(now, done))
         start_next()  # before the held requests: what still waits for a step waits again
         requests = core.release_held() + requests
+    if checker is not None:
+        for job in checker.take():
+            effects.extend(core.finish_push(now, job))
     for request in requests:
-        effects.extend(core.handle(now, request))
+        handled = core.handle(now, request)
+        checks, handled.checks = handled.checks, []
+        effects.extend(handled)
+        for job in checks:
+            if checker is not None and tick:
+                checker.submit(job)
+            else:
+                effects.extend(core.finish_push(now, job.run()))
     if worker is None:
         if tick:
             effects.extend(core.on_tick(now, cleared()))
@@ -232,6 +256,7 @@ class ShardServer:
         self._router: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
         self._worker: StepWorker | None = None
+        self._checker: PushChecker | None = None
         self._poller: zmq.Poller | None = None
 
     @property
@@ -293,13 +318,17 @@ class ShardServer:
                 extra={"shard": self.index, "versions": state.versions()},
             )
             self._worker = StepWorker()
+            self._checker = PushChecker()
+            self.core.check_off_loop_bytes = CHECK_OFF_LOOP_BYTES
             self._poller = zmq.Poller()
             self._poller.register(router, zmq.POLLIN)
             self._poller.register(self._worker.wake_fd, zmq.POLLIN)
+            self._poller.register(self._checker.wake_fd, zmq.POLLIN)
             self.ready.set()
             while not stop.is_set():
                 self._turn(tick=True)
             self._worker.wait()  # a step under way is finished, logged and published
+            self._checker.wait()  # the pushes being checked are answered in the drain
             self._turn(tick=False)  # drain: answer what is queued, without waiting for more
             # the writer stops at its next piece
             report_checkpoint(self.core, storage, storage.abandon_checkpoint(), time.time())
@@ -308,6 +337,8 @@ class ShardServer:
         finally:
             if self._worker is not None:
                 self._worker.close()
+            if self._checker is not None:
+                self._checker.close()
             if auth is not None:
                 auth.stop()
             router.close(0)
@@ -333,7 +364,8 @@ class ShardServer:
             requests.append(Request(bytes(frames[0]), frames[1:], user_id))
         now = time.time()
         idle = not requests
-        for conn, message in run_batch(core, storage, requests, now, tick, self._worker):
+        turn = run_batch(core, storage, requests, now, tick, self._worker, self._checker)
+        for conn, message in turn:
             if conn is None:
                 self._pub.send_multipart(message, copy=False)
                 self._trim_due = True

@@ -72,7 +72,7 @@ from typing import Protocol
 import numpy as np
 
 from codec.decode import CodedTensor
-from codec.quant import step_factor, sum_squares_int8
+from codec.quant import step_factor
 from paramserver.wire.plan import Fragment
 
 MERGES = ("mean", "rda", "median")
@@ -172,16 +172,16 @@ def sum_squares(delta: DeltaSource, lo: int = 0, hi: int | None = None) -> float
         delta: the delta.
         lo, hi: the range (hi None: to the end).
 
-    An int8 delta kept coded is summed from its codes and block scales in one
-    compiled pass (`codec.quant.sum_squares_int8`: equal to the sum over its
-    decoded values within 2**-23 relative), with no decoded piece.
+    A delta kept coded sums itself (`codec.decode.CodedTensor.sum_squares`:
+    an int8 one from its codes and block scales in one compiled pass, equal
+    to the sum over its decoded values within 2**-23 relative).
 
     Returns:
         The sum.
     """
     hi = delta.size if hi is None else hi
-    if isinstance(delta, CodedTensor) and delta.scheme == "int8":
-        return sum_squares_int8(delta.codes, delta.scales, lo, hi, delta.block)
+    if isinstance(delta, CodedTensor):
+        return delta.sum_squares(lo, hi)
     buf = np.empty(min(PIECE, max(hi - lo, 0)), np.float32)
     wide = np.empty(buf.shape[0], np.float64)
     total = 0.0
