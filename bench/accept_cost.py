@@ -5,7 +5,8 @@
 In process, no sockets: a shard core over a real data directory (fsync on),
 one fragment of N float32 parameters, and whole-model int8 pushes (block 256)
 from R islands, each handed to the batch path of the shard's loop alone
-(`paramserver.server.shard.run_batch`, no tick: no step runs). `accept_s` is
+(`paramserver.server.shard.run_batch`; no step is due: the island that
+initialised the shard never pushes). `accept_s` is
 the median time from the push's frames to its ack ready to send: the
 header and payload checks, the norm, the log append and the fsync
 (`accept_vs_memcpy`: over one memcpy of N float32 values, the median of 9
@@ -134,11 +135,12 @@ def measure(params: int, repeats: int, zstd: bool, out: Path) -> dict[str, Any]:
         request = Request(island.encode(), protocol.pack({"id": next(ids), "island": island,
                                                          **header}, list(payload)))  # fmt: skip
         started = time.perf_counter()
-        sent = run_batch(core, storage, [request], T0, False, **checker)
+        sent = run_batch(core, storage, [request], T0, True, **checker)
         hold = time.perf_counter() - started
-        while not sent and checker:  # the payload is checked off the loop: wait, then book
-            sent = run_batch(core, storage, [], T0, False, **checker) if _wait(checker) else []
         replies = [protocol.unpack(m, protocol.REPLY)[0] for c, m in sent if c is not None]
+        while not replies and checker and _wait(checker):  # checked off the loop: book it
+            sent = run_batch(core, storage, [], T0, True, **checker)
+            replies = [protocol.unpack(m, protocol.REPLY)[0] for c, m in sent if c is not None]
         return replies[-1], hold
 
     init = codec.raw("float32").encode({"0": np.zeros(params, np.float32)})[0]

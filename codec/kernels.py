@@ -241,3 +241,35 @@ def sum_squares_int8(codes, scales, lo, hi, block, step):
         st = np.float64(scales[j] * step)
         total += np.float64(whole) * (st * st)
     return total
+
+
+@jit
+def sum_squares_f32(values):
+    """Sum of the squares of float32 values, in float64 (eight running sums, added at the end).
+
+    Args:
+        values: float32 [n] (contiguous).
+
+    Returns:
+        The float64 sum (the same bits on any host: a fixed order of additions).
+    """
+    n = values.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    m = n - n % 8
+    for i in range(0, m, 8):
+        x0, x1 = np.float64(values[i]), np.float64(values[i + 1])
+        x2, x3 = np.float64(values[i + 2]), np.float64(values[i + 3])
+        x4, x5 = np.float64(values[i + 4]), np.float64(values[i + 5])
+        x6, x7 = np.float64(values[i + 6]), np.float64(values[i + 7])
+        s0 += x0 * x0
+        s1 += x1 * x1
+        s2 += x2 * x2
+        s3 += x3 * x3
+        s4 += x4 * x4
+        s5 += x5 * x5
+        s6 += x6 * x6
+        s7 += x7 * x7
+    for i in range(m, n):
+        x = np.float64(values[i])
+        s0 += x * x
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))

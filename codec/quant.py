@@ -292,6 +292,32 @@ def sum_squares_int8(codes, scales, lo: int, hi: int, block: int) -> float:
         return float(loops.sum_squares_int8(codes, scales, lo, hi, block, step))
 
 
+def sum_squares_float32(values: np.ndarray) -> float:
+    """Sum of the squares of 1-D float32 values in float64 (a raw tensor's L2 norm squared).
+
+    The compiled loop (`codec.kernels.sum_squares_f32`, a fixed order of
+    additions) for at least COMPILED_MIN_ELEMENTS contiguous values; else
+    float64 dot products of 64K-element pieces.
+
+    Args:
+        values: float32 [n].
+
+    Returns:
+        The float64 sum.
+    """
+    loops = _loops() if values.shape[0] >= COMPILED_MIN_ELEMENTS else None
+    if loops is not None and values.flags.c_contiguous:
+        return float(loops.sum_squares_f32(values))
+    piece = 1 << 16
+    wide = np.empty(min(piece, values.shape[0]), np.float64)
+    total = 0.0
+    for a in range(0, values.shape[0], piece):
+        w = wide[: min(piece, values.shape[0] - a)]
+        np.copyto(w, values[a : a + piece])
+        total += float(np.dot(w, w))
+    return total
+
+
 def sum_squares_int8_numpy(codes, scales, lo: int, hi: int, block: int, step) -> float:
     """sum_squares_int8 in numpy (chunks of whole blocks; integer sums per block).
 

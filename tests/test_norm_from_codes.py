@@ -7,7 +7,13 @@ import pytest
 
 import codec
 from codec.decode import read_coded
-from codec.quant import COMPILED_MIN_ELEMENTS, step_factor, sum_squares_int8, sum_squares_int8_numpy
+from codec.quant import (
+    COMPILED_MIN_ELEMENTS,
+    step_factor,
+    sum_squares_float32,
+    sum_squares_int8,
+    sum_squares_int8_numpy,
+)
 from paramserver.server.step.merge import ArrayDelta, sum_squares
 from paramserver.server.step.weighting import l2_norm
 
@@ -79,3 +85,11 @@ def test_the_largest_scales_stay_finite_in_float64():
     expected = reference_sum_squares(codes, scales, 256, 0, 512)
     assert np.isfinite(expected)
     assert sum_squares_int8(codes, scales, 0, 512, 256) == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.mark.parametrize("n", [0, 7, 1000, COMPILED_MIN_ELEMENTS + 13])
+def test_float32_sum_squares_matches_numpy(n):
+    values = np.random.default_rng(n).standard_normal(n).astype(np.float32) * 3
+    expected = float(np.linalg.norm(values.astype(np.float64))) ** 2
+    assert sum_squares_float32(values) == pytest.approx(expected, rel=1e-12)
+    assert l2_norm(values) == pytest.approx(np.sqrt(expected), rel=1e-12)

@@ -72,7 +72,7 @@ from typing import Protocol
 import numpy as np
 
 from codec.decode import CodedTensor
-from codec.quant import step_factor
+from codec.quant import step_factor, sum_squares_float32
 from paramserver.wire.plan import Fragment
 
 MERGES = ("mean", "rda", "median")
@@ -182,6 +182,8 @@ def sum_squares(delta: DeltaSource, lo: int = 0, hi: int | None = None) -> float
     hi = delta.size if hi is None else hi
     if isinstance(delta, CodedTensor):
         return delta.sum_squares(lo, hi)
+    if isinstance(delta, ArrayDelta) and delta.values.dtype == np.float32:
+        return sum_squares_float32(delta.values[lo:hi])  # a fragment's params: one pass
     buf = np.empty(min(PIECE, max(hi - lo, 0)), np.float32)
     wide = np.empty(buf.shape[0], np.float64)
     total = 0.0
