@@ -17,8 +17,9 @@ own: its index (`live`) maps each live delta to its bytes in the file. When
 the resolved records dominate the file (it is over twice its live records
 and over `COMPACT_MIN_BYTES`), the batch is written as a fresh file instead:
 the live records (copied file to file by the kernel, `os.copy_file_range`)
-and the new ones, fsynced, renamed over the old, directory fsynced. So the file stays within about twice the unacked deltas (at most
-`max_unacked` plus a batch) however long the island runs.
+and the new ones, fsynced, renamed over the old, directory fsynced. So the
+file stays within about twice the unacked deltas (at most `max_unacked` plus
+a batch) however long the island runs.
 
 After a kill -9 the next start with the same island id and data dir pushes
 the live deltas again (`Outbox.resend`), with their round ids and base
@@ -52,7 +53,7 @@ COMPACT_MIN_BYTES = 1 << 20  # below this size the file is never rewritten to dr
 COMPACT_FACTOR = 2  # rewrite once the file is over this many times its live records
 COPY_CHUNK_BYTES = 64 << 20  # a record copied without copy_file_range goes in reads of this size
 # errors of copy_file_range that mean "not here" (old kernel, file system): copy by reading
-_NO_COPY_RANGE = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
+_NO_COPY_RANGE = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP}
 
 
 def iov_max() -> int:
