@@ -234,3 +234,26 @@ def test_compaction_and_keep_copy_live_records_byte_for_byte(
         by_the_format(d) for d in (latest, live, delta(99, 0))
     )
     assert outbox.load(path).deltas == [latest, live, delta(99, 0)]
+
+
+@pytest.mark.timeout(30)
+def test_a_file_of_the_previous_writer_is_read_resent_and_appended_to(tmp_path):
+    # the previous writer joined msgpack.packb of each record's map: the same bytes
+    path = tmp_path / "outbox.bin"
+    header = msgpack.packb(
+        {"kind": "header", "version": 2, "island": "a", "plan_hash": "plan", "created_at": 1.0},
+        use_bin_type=True,
+    )
+    old = [delta(1, 0), delta(1, 1, frames_of(1, MANY_FRAMES))]
+    path.write_bytes(
+        fmt.MAGIC
+        + len(header).to_bytes(8, "big")
+        + zlib.crc32(header).to_bytes(4, "big")
+        + header
+        + b"".join(by_the_format(d) for d in old)
+    )
+    box = Outbox.open(path, "a", "plan")
+    assert box.to_resend == old and box.live == [(1, 0), (1, 1)]
+    box.record([(1, 0)], [delta(2, 0)])
+    box.close()
+    assert outbox.load(path).deltas == [old[1], delta(2, 0)]
