@@ -7,6 +7,7 @@ from paramserver.client.links import (
     MAX_BULK_LINKS,
     bulk_flows,
     flow_buffer_bytes,
+    pieces_in_flight,
 )
 from paramserver.client.shards import Close, Open, Send, ShardLink, Shards
 from paramserver.wire import protocol
@@ -40,6 +41,13 @@ def test_a_buffer_is_set_only_where_it_beats_autotuning_and_the_kernel_allows_it
     assert flow_buffer_bytes(24 * MIB, 2, 10**9) == 15 * MIB
     assert flow_buffer_bytes(24 * MIB, 2, 212992) == 0  # wmem_max's default: capped, so not set
     assert flow_buffer_bytes(8 * MIB, 4, 10**9) == 0  # 2.5 MiB each: autotuning reaches it
+
+
+def test_one_piece_in_flight_per_bulk_flow_holding_no_more_than_two_full_pieces():
+    assert pieces_in_flight(0, 64 * MIB) == (2, 64 * MIB)  # one connection: as before
+    assert pieces_in_flight(2, 64 * MIB) == (2, 64 * MIB)
+    assert pieces_in_flight(4, 64 * MIB) == (4, 32 * MIB)  # 4 x 32 MiB = 2 x 64 MiB
+    assert pieces_in_flight(3, 3000) == (3, 2000)
 
 
 def _header(effect: Send) -> dict:

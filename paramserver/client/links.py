@@ -42,6 +42,29 @@ def bulk_flows(control_link: bool, bulk_links: int, bdp_bytes: int) -> int:
     return max(1, min(MAX_BULK_LINKS, -(-bdp_bytes // FLOW_WINDOW_BYTES)))
 
 
+PIECE_WINDOW = 2  # init and snapshot pieces in flight per shard over one bulk flow
+
+
+def pieces_in_flight(flows: int, max_message_bytes: int) -> tuple[int, int]:
+    """How many init or snapshot pieces a client keeps in flight per shard, and their size.
+
+    One per bulk flow (at least `PIECE_WINDOW`), so that every flow carries
+    one; cut smaller so that they hold no more than `PIECE_WINDOW` pieces of
+    the largest size would: the shard counts an island's unread snapshot
+    replies against 2 x max_message_bytes (docs/protocol.md section 8), and
+    the island holds its init pieces encoded.
+
+    Args:
+        flows: bulk links per shard (0: one connection carries everything).
+        max_message_bytes: the shards' message limit (their welcome's).
+
+    Returns:
+        (pieces in flight, the message limit each piece is cut to).
+    """
+    window = max(PIECE_WINDOW, flows)
+    return window, max(1, max_message_bytes * PIECE_WINDOW // window)
+
+
 def flow_buffer_bytes(bdp_bytes: int, flows: int, kernel_max: int) -> int:
     """The SNDBUF/RCVBUF of one bulk socket: its share of the bandwidth-delay product.
 

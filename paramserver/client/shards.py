@@ -7,7 +7,7 @@ ids, keeps the tracked requests (id -> what was asked), builds the messages
 (every request carries the island id, every hello the client's session) and
 collects the effects (`Open`, `Close`, `Send`, below) the core returns. A
 shard's snapshot goes in pieces that fit its `max_message_bytes`
-(`SnapshotRead`, `SNAPSHOT_WINDOW` pieces in flight, or one per bulk link).
+(`SnapshotRead`, `links.pieces_in_flight`: two in flight, or one per bulk link).
 Bulk requests go on the attached bulk link with the fewest bytes in flight
 (`paramserver.client.links.Flows`); a bulk link whose connection died is
 replaced and what it carried is sent again on the others (`on_link_down`).
@@ -22,15 +22,13 @@ from typing import Any, Literal
 
 import numpy as np
 
-from paramserver.client.links import BULK_KINDS, Flows
+from paramserver.client.links import BULK_KINDS, Flows, pieces_in_flight
 from paramserver.client.replica import ShardFeed
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 from paramserver.wire.snapshot import SnapshotPieces, snapshot_request
 
 logger = logging.getLogger(__name__)
-
-SNAPSHOT_WINDOW = 2  # snapshot pieces in flight per shard
 
 
 @dataclass
@@ -330,7 +328,7 @@ class Shards:
         ]:
             del self.requests[rid]  # replies to an earlier read are ignored
             shard.flows.release(rid)
-        limit = self.max_message_bytes
+        _, limit = pieces_in_flight(self.bulk_links, self.max_message_bytes)
         read = SnapshotRead(
             {
                 f: SnapshotPieces(f, plan.fragments[f].size, limit, self.values)
@@ -378,7 +376,8 @@ class Shards:
         return (pieces.fragment, *pieces.result())
 
     def _ask_pieces(self, shard: ShardLink, read: SnapshotRead) -> None:
-        while read.queue and read.in_flight < max(SNAPSHOT_WINDOW, self.bulk_links):
+        window, _ = pieces_in_flight(self.bulk_links, self.max_message_bytes)
+        while read.queue and read.in_flight < window:
             fragment, offset, count = read.queue.pop(0)
             rid = self.new_id()
             self.requests[rid] = ("snapshot", shard.index, fragment)
