@@ -35,6 +35,14 @@ FRAGMENTS = 6
 ROWS, COLS = 6, 65536  # 6 fragments of 256 KiB of float32
 BULK_LINKS = 3
 _RESET = struct.pack("ii", 1, 0)  # SO_LINGER on, 0 s: close sends a reset
+# 3 bulk links; no re-send on a timer and no reconnect of a shard slow under load
+# (10 s of silence): what goes again here goes because its connection died
+_SLOW_TO_GIVE_UP = {
+    "bulk_links": BULK_LINKS,
+    "ack_timeout_s": 30.0,
+    "heartbeat_interval_s": 0.5,
+    "liveness": 20,
+}
 
 
 @dataclass
@@ -237,7 +245,7 @@ def _shard_values(res, router: str, peer) -> dict[str, np.ndarray]:
 
 def _run(relayed, client, cut_after: int | None):
     shard, relay, front, router = relayed()
-    island = client(front, "a", bulk_links=BULK_LINKS, ack_timeout_s=30.0)
+    island = client(front, "a", **_SLOW_TO_GIVE_UP)
     res = island.join(_init())
     assert res.plan.num_fragments == FRAGMENTS
     joined = relay.carried()
@@ -285,7 +293,7 @@ def test_init_and_snapshot_pieces_spread_over_the_bulk_connections_and_survive_a
     # the first island initialises the shard in pieces, one per fragment here; one of
     # its connections is cut in the middle of a piece, which goes again on another
     relay.arm(fragment_bytes // 2)
-    first = client(front, "a", bulk_links=BULK_LINKS, ack_timeout_s=30.0)
+    first = client(front, "a", **_SLOW_TO_GIVE_UP)
     res = first.join(_init())
     assert relay.cuts() == 1
     uploaded = [n for n in relay.carried() if n >= fragment_bytes]
@@ -300,7 +308,7 @@ def test_init_and_snapshot_pieces_spread_over_the_bulk_connections_and_survive_a
     np.testing.assert_array_equal(got["w"], _init()["w"])
     # a second island reads the shard's snapshot in pieces over its bulk connections
     before = len(relay.brought())
-    second = client(front, "b", bulk_links=BULK_LINKS, ack_timeout_s=30.0)
+    second = client(front, "b", **_SLOW_TO_GIVE_UP)
     joined = second.join(_init())
     np.testing.assert_array_equal(joined.params["w"], _init()["w"])
     read = [n for n in relay.brought()[before:] if n >= fragment_bytes]
