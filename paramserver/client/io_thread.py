@@ -144,11 +144,7 @@ class IOThread(threading.Thread):
             active = self.core.has_links
         timeout_ms = int(self._tick_s * 1000) if active else 1000
         ready, down = self._links.poll(timeout_ms)
-        for link in down:
-            self._call(self.core.on_link_down, time.monotonic(), link)
-        for link in ready:
-            if not self._links.is_open(link):  # replaced after its connection died
-                continue
+        for link in ready:  # first: what a dead link got before it died is still read
             for _ in range(_MAX_BATCH):
                 frames = self._links.recv(link)
                 if frames is None:
@@ -156,6 +152,8 @@ class IOThread(threading.Thread):
                 self._call(self.core.on_message, time.monotonic(), link, frames)
                 if not self._links.is_open(link):  # replaced while handling the message
                     break
+        for link in down:
+            self._call(self.core.on_link_down, time.monotonic(), link)
         self._run_commands()
         if self.stop_join.is_set():
             self.stop_join.clear()

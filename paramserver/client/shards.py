@@ -50,9 +50,8 @@ class ShardLink:
     dealer: int | None = None  # link of its (control) DEALER
     bulk: list[int] = field(default_factory=list)  # links of its bulk DEALERs
     attached: set[int] = field(default_factory=set)  # bulk links attached since the last welcome
-    confirmed: set[int] = field(
-        default_factory=set
-    )  # attached bulk links whose attach was welcomed
+    # attached bulk links whose attach was welcomed
+    confirmed: set[int] = field(default_factory=set)
     welcomed: bool = False  # its control link was welcomed (bulk links may attach)
     flows: Flows = field(default_factory=Flows)  # what its bulk links carry
     sub: int | None = None  # link of its SUB
@@ -221,7 +220,7 @@ class Shards:
         for what, nbytes, frames in lost:
             if isinstance(what, tuple):  # a push, by its ledger key
                 self.send_frames(shard, frames, key=what)
-            else:  # a request, by its id (its reply matches it as before)
+            else:  # a request (a snapshot's, an init's), by its id: its reply matches it
                 self.send_frames(shard, frames, kind="snapshot", rid=what, load=nbytes)
 
     def _attach(self, shard: ShardLink) -> None:
