@@ -198,14 +198,24 @@ def module_argv(module: str, *args: str) -> list[str]:
 
 
 def _unwind(signum: int, _frame: Any) -> None:
+    signal.signal(signum, _while_unwinding)
     raise SystemExit(128 + signum)
+
+
+def _while_unwinding(signum: int, _frame: Any) -> None:
+    """A later SIGTERM while the first one unwinds: ignored, so the cleanup runs to its end.
+
+    (`timeout` sends two: one to the command, one to its process group. A Python
+    handler, not SIG_IGN, so that the stop commands the cleanup runs keep the default.)
+    """
 
 
 def sigterm_unwinds() -> None:
     """From now on SIGTERM raises `SystemExit(143)` in the main thread (no-op elsewhere).
 
-    A harness calls it first, so that SIGTERM unwinds the `with` blocks that own
-    its daemons, helpers and network namespaces.
+    A harness calls it first (`bench.cli` does for every subcommand), so that
+    SIGTERM unwinds the `with` blocks that own its daemons, helpers and network
+    namespaces, as Ctrl-C does; a further SIGTERM during that unwind is ignored.
     """
     if threading.current_thread() is threading.main_thread():
         signal.signal(signal.SIGTERM, _unwind)

@@ -6,13 +6,16 @@ is imported, so a heavy subcommand never slows the others down. A name with an
 underscore is also accepted with a hyphen (`island_memory`, `island-memory`).
 Adding a subcommand is one entry here. An output directory a subcommand
 refuses (`bench.outdir.OutDirError`) ends it here with one line on stderr and
-exit status 2.
+exit status 2. SIGTERM unwinds a subcommand as Ctrl-C does (`child.sigterm_unwinds`:
+SystemExit(143) in the main thread), so the daemons, helpers and network
+namespaces it started are stopped and removed when `timeout` or a scheduler ends it.
 """
 
 import argparse
 import importlib
 import sys
 
+from bench import child
 from bench.outdir import OutDirError
 
 # one line per subcommand: name -> (module, help)
@@ -79,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     """
     argv = sys.argv[1:] if argv is None else list(argv)
     args = build_parser(argv).parse_args(argv)
+    child.sigterm_unwinds()
     try:
         return int(args._module.run(args) or 0)
     except OutDirError as exc:

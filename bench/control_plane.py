@@ -165,6 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point for `python -m bench.control_plane`."""
     parser = argparse.ArgumentParser(prog="python -m bench.control_plane", description=__doc__)
     add_arguments(parser)
+    child.sigterm_unwinds()  # daemons stop as on Ctrl-C
     return run(parser.parse_args(argv))
 
 

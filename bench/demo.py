@@ -45,6 +45,7 @@ from worker.data import default_corpus, unigram_entropy
 UNIGRAM_NATS = round(unigram_entropy(default_corpus()), 3)  # best context-free loss
 PROGRESS_S = 5.0  # seconds between two plain progress lines (no terminal)
 INTERRUPTED_EXIT = 130  # 128 + SIGINT, as a shell reports it
+STOP_SIGNALS = {signal.SIGINT, signal.SIGTERM}  # both stop every daemon the demo started
 GOODPUT_LINE = (  # printed under the summary table
     "goodput: share of an island's wall time spent on inner steps whose work entered the "
     "model (waits, back-pressure, rejected work are lost; staleness is not: it shows in the loss)"
@@ -52,14 +53,14 @@ GOODPUT_LINE = (  # printed under the summary table
 
 
 class Interrupted(KeyboardInterrupt):
-    """Ctrl-C (SIGINT) ended the demo; the message is already printed."""
+    """Ctrl-C (SIGINT) or SIGTERM ended the demo; the message is already printed."""
 
 
 class _Interrupt:
-    """SIGINT handler: one line, then raise `Interrupted`, or later while daemons start.
+    """SIGINT and SIGTERM handler: one line, then raise `Interrupted`, or later while daemons start.
 
     While `deferred` is set (a start of daemons is under way) the signal is only
-    recorded; `check` raises once the start returned. A second SIGINT is ignored,
+    recorded; `check` raises once the start returned. A second signal is ignored,
     so that stopping the cluster is never cut short.
     """
 
@@ -78,16 +79,16 @@ class _Interrupt:
             raise Interrupted
 
     def check(self) -> None:
-        """Raise `Interrupted` if a SIGINT arrived while deferred."""
+        """Raise `Interrupted` if a SIGINT or SIGTERM arrived while deferred."""
         if self.hit:
             raise Interrupted
 
     def shielded(self, start: Callable[[], None]) -> None:
         """Run a daemon start where Ctrl-C cannot cut it short.
 
-        The start runs in a thread that blocks SIGINT, so the launcher processes
+        The start runs in a thread that blocks SIGINT and SIGTERM, so the launcher processes
         it runs (and the daemons they spawn) inherit the blocked signal and finish
-        starting; this thread keeps receiving SIGINT and defers it until then.
+        starting; this thread keeps receiving them and defers them until then.
 
         Args:
             start: starts daemons (e.g. `LocalCluster.start_islands` with its specs).
@@ -95,7 +96,7 @@ class _Interrupt:
         errors: list[BaseException] = []
 
         def target() -> None:
-            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+            signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
             try:
                 start()
             except BaseException as exc:  # re-raised below, in the main thread
@@ -307,7 +308,7 @@ def run(args: argparse.Namespace) -> int:
     """
     interrupt = _Interrupt()
     main_thread = threading.current_thread() is threading.main_thread()
-    previous = signal.signal(signal.SIGINT, interrupt.handler) if main_thread else None
+    previous = {s: signal.signal(s, interrupt.handler) for s in STOP_SIGNALS} if main_thread else {}
     try:
         return _run(args, interrupt)
     except Interrupted:
@@ -318,8 +319,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"diloco-bench demo: {exc}", file=sys.stderr)
         return 1
     finally:
-        if previous is not None:
-            signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
 
 
 def _run(args: argparse.Namespace, interrupt: _Interrupt) -> int:

@@ -47,7 +47,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import outdir
+from bench import child, outdir
 from bench.common import progress
 from bench.launcher import LocalCluster
 
@@ -179,8 +179,9 @@ def _persist(frames: list, data_dir: Path, round_id: int) -> dict[str, float]:
 
     Returns:
         Seconds: `persist_s` (the outbox's own clock: record, write, fdatasync), and its
-        stages `record_s` (the record built: msgpack + prefix), `fsync_s` and `write_s`
-        (the rest); `*_cpu_s`: this thread's CPU time of the same (load-independent).
+        stages `record_s` (the record built: msgpack head, bin headers, crc32 over the
+        frames), `fsync_s` and `write_s` (the rest: writev); `*_cpu_s`: this thread's CPU
+        time of the same (load-independent).
     """
     from paramserver.client import PushRequest
     from worker import outbox_format
@@ -406,6 +407,7 @@ def main() -> int:
     """`python -m bench.outbox_cost`."""
     parser = argparse.ArgumentParser(prog="python -m bench.outbox_cost", description=__doc__)
     add_arguments(parser)
+    child.sigterm_unwinds()  # daemons stop as on Ctrl-C
     return run(parser.parse_args())
 
 

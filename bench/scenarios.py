@@ -92,7 +92,7 @@ def quick() -> tuple[Budget, list[Scenario]]:
     budget = Budget(
         islands=2,
         inner_steps=10,
-        steps_per_island=40,
+        steps_per_island=20,  # 2 rounds: every figure of the report, in the least training
         link=LinkSpec(rate_mbit=5.0, delay_ms=25.0),
         wall_cap_s=120.0,
     )

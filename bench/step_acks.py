@@ -25,6 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
+from bench import child
 from bench.scale import parse_count
 from bench.scale_shard import Islands, one_shard
 
@@ -122,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fragments", type=int, default=0)
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    child.sigterm_unwinds()  # the shard stops as on Ctrl-C
     with tempfile.TemporaryDirectory(prefix="step-acks-") as tmp:
         out = args.out or Path(tmp)
         print(json.dumps(measure(args.params, args.probes, out, args.fragments), indent=1))

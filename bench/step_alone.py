@@ -7,7 +7,7 @@ cuts them), each with its params, round-Nesterov momentum and bfloat16
 downlink residual as a shard keeps them, and D int8 pending deltas kept
 coded (`codec.decode.read_coded`, as a shard keeps an accepted push). A step of
 the model is, per fragment, the mean merge of its D deltas, the outer step
-and the int8 downlink's frames (`merge._MeanMerge`, `fused_step.FusedNesterov`
+and the int8 downlink's frames (`merge._MeanMerge`, `fragment_step.FusedNesterov`
 or `fragment_step.ChunkedStep` with `downlink.Int8Publication`): what
 `FragmentStepper.step` does less the weighting's few scalars. The median of
 R steps (after one warm-up) over the median of 9 memcpys of N float32
@@ -31,8 +31,7 @@ import codec
 from bench.scale import parse_count
 from codec.decode import read_coded as read
 from paramserver.server.step.downlink import Downlink, new_residual
-from paramserver.server.step.fragment_step import ChunkedStep, host_vector
-from paramserver.server.step.fused_step import FusedNesterov
+from paramserver.server.step.fragment_step import ChunkedStep, FusedNesterov, host_vector
 from paramserver.server.step.merge import _MeanMerge
 from paramserver.server.step.outer import round_nesterov
 

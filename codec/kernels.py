@@ -198,3 +198,78 @@ def dequantize_weighted(codes, scales, out, first, block, step, factor, weight, 
             else:
                 o[i] = t
         pos = end
+
+
+# elements whose squared int8 codes an int32 sums exactly: 65536 * 128**2 = 2**30 < 2**31
+SQUARES_RUN = 1 << 16
+
+
+@jit
+def sum_squares_int8(codes, scales, lo, hi, block, step):
+    """Sum of the squares of elements [lo, hi) of an int8 tensor, from its codes and block scales.
+
+    Per block b, ``st_b**2 * sum_i q_i**2`` with st_b = float32(m_b * step)
+    (the decoder's step) widened to float64, and the integer sum of the
+    squared codes exact (int32 runs of SQUARES_RUN elements, which
+    vectorize); the blocks' terms are added in block order, in float64
+    (`codec.quant.sum_squares_int8_numpy` gives the same bits).
+
+    Args:
+        codes: int8 codes of the whole tensor.
+        scales: its float32 block absmax values.
+        lo, hi: the range, 0 <= lo <= hi <= len(codes).
+        block: elements per block.
+        step: float32 ``1 / 127``.
+
+    Returns:
+        The float64 sum.
+    """
+    total = 0.0
+    if hi <= lo:
+        return total
+    for j in range(lo // block, (hi - 1) // block + 1):
+        a = max(lo, j * block)
+        e = min(hi, (j + 1) * block)
+        whole = np.int64(0)
+        for r in range(a, e, SQUARES_RUN):
+            c = codes[r : min(r + SQUARES_RUN, e)]
+            run = np.int32(0)
+            for i in range(c.shape[0]):
+                q = np.int32(c[i])
+                run += q * q
+            whole += np.int64(run)
+        st = np.float64(scales[j] * step)
+        total += np.float64(whole) * (st * st)
+    return total
+
+
+@jit
+def sum_squares_f32(values):
+    """Sum of the squares of float32 values, in float64 (eight running sums, added at the end).
+
+    Args:
+        values: float32 [n] (contiguous).
+
+    Returns:
+        The float64 sum (the same bits on any host: a fixed order of additions).
+    """
+    n = values.shape[0]
+    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
+    m = n - n % 8
+    for i in range(0, m, 8):
+        x0, x1 = np.float64(values[i]), np.float64(values[i + 1])
+        x2, x3 = np.float64(values[i + 2]), np.float64(values[i + 3])
+        x4, x5 = np.float64(values[i + 4]), np.float64(values[i + 5])
+        x6, x7 = np.float64(values[i + 6]), np.float64(values[i + 7])
+        s0 += x0 * x0
+        s1 += x1 * x1
+        s2 += x2 * x2
+        s3 += x3 * x3
+        s4 += x4 * x4
+        s5 += x5 * x5
+        s6 += x6 * x6
+        s7 += x7 * x7
+    for i in range(m, n):
+        x = np.float64(values[i])
+        s0 += x * x
+    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))

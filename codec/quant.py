@@ -264,6 +264,91 @@ def decode_numpy(codes, scales, out, levels, ws: Workspace) -> None:
             np.copyto(out[a : a + m], dst, casting="unsafe")
 
 
+def sum_squares_int8(codes, scales, lo: int, hi: int, block: int) -> float:
+    """Sum of the squares of the decoded elements [lo, hi) of an int8 tensor, without decoding it.
+
+    Per block b, ``st_b**2 * sum_i q_i**2`` in float64, st_b = ``m_b *
+    step_factor(127)`` in float32 (the decoder's step) and the squared codes
+    summed exactly as integers; the blocks' terms are added in block order.
+    A decoded value is ``q * st_b`` rounded to float32, so the result differs
+    from the sum over decoded values by at most 2**-23 relative. The compiled
+    loop (`codec.kernels.sum_squares_int8`) and the numpy formulation give the
+    same bits on any host (no reassociated float sum).
+
+    Args:
+        codes: int8 codes of the whole tensor.
+        scales: its float32 block absmax values.
+        lo, hi: the range, 0 <= lo <= hi <= len(codes).
+        block: elements per block.
+
+    Returns:
+        The float64 sum (inf for a huge finite tensor).
+    """
+    step = step_factor(127)
+    loops = _loops() if hi - lo >= COMPILED_MIN_ELEMENTS else None
+    with np.errstate(over="ignore"):
+        if loops is None:
+            return sum_squares_int8_numpy(codes, scales, lo, hi, block, step)
+        return float(loops.sum_squares_int8(codes, scales, lo, hi, block, step))
+
+
+def sum_squares_float32(values: np.ndarray) -> float:
+    """Sum of the squares of 1-D float32 values in float64 (a raw tensor's L2 norm squared).
+
+    The compiled loop (`codec.kernels.sum_squares_f32`, a fixed order of
+    additions) for at least COMPILED_MIN_ELEMENTS contiguous values; else
+    float64 dot products of 64K-element pieces.
+
+    Args:
+        values: float32 [n].
+
+    Returns:
+        The float64 sum.
+    """
+    loops = _loops() if values.shape[0] >= COMPILED_MIN_ELEMENTS else None
+    if loops is not None and values.flags.c_contiguous:
+        return float(loops.sum_squares_f32(values))
+    piece = 1 << 16
+    wide = np.empty(min(piece, values.shape[0]), np.float64)
+    total = 0.0
+    for a in range(0, values.shape[0], piece):
+        w = wide[: min(piece, values.shape[0] - a)]
+        np.copyto(w, values[a : a + piece])
+        total += float(np.dot(w, w))
+    return total
+
+
+def sum_squares_int8_numpy(codes, scales, lo: int, hi: int, block: int, step) -> float:
+    """sum_squares_int8 in numpy (chunks of whole blocks; integer sums per block).
+
+    Args:
+        codes, scales, lo, hi, block: as for `sum_squares_int8`.
+        step: float32 ``1 / 127``.
+
+    Returns:
+        The float64 sum.
+    """
+    if hi <= lo:
+        return 0.0
+    first, last = lo // block, (hi - 1) // block + 1
+    whole = np.zeros(last - first, np.int64)
+    chunk = max(block, (CHUNK_TARGET // block) * block)
+    squares = np.empty(min(chunk, hi - lo), np.int32)
+    a = lo
+    while a < hi:
+        e = min(hi, (a // chunk + 1) * chunk)  # chunks of whole blocks: none spans two
+        sq = squares[: e - a]
+        np.multiply(codes[a:e], codes[a:e], out=sq, dtype=np.int32)
+        cuts = np.arange((a // block + 1) * block, e, block) - a
+        sums = np.add.reduceat(sq, np.concatenate(([0], cuts)), dtype=np.int64)
+        j = a // block - first
+        whole[j : j + sums.shape[0]] += sums
+        a = e
+    st = (scales[first:last] * step).astype(np.float64)  # float32 product, as the decoder's
+    terms = whole.astype(np.float64) * (st * st)
+    return float(np.add.accumulate(terms)[-1])  # in block order, as the compiled loop
+
+
 CHUNK_TARGET = 1 << 17  # large enough that threads rarely wait for the GIL
 
 _local = threading.local()

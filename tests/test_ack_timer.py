@@ -177,6 +177,21 @@ def test_a_delta_the_shard_passed_over_counts_from_its_send():
     assert ledger.due(5.0, {0}) == [(0, 1)]
 
 
+def test_a_later_send_acked_first_on_another_connection_passes_nothing_over():
+    """As above, but 1 went on flow 7 and 2 on flow 8 (two bulk connections of shard 0).
+
+    Acks keep send order per connection only: the ack of 2 on flow 8 says nothing of
+    1, which waits its turn as behind any ack of its shard (due at 1.5 + 5 s).
+    """
+    ledger = Ledger(ack_timeout_s=5.0, ack_timeout_cap_s=60.0, ack_timeout_floor_s=5.0)
+    for key, at, flow in (((0, 1), 0.0, 7), ((0, 2), 1.0, 8)):
+        ledger.add(key, 0, [b"x"], 1, at, _request(*key))
+        ledger.sent(key, at, flow)
+    assert ledger.on_ack((0, 2), "accepted", None, 1.5) == "done"
+    assert ledger.due(6.49, {0}) == []
+    assert ledger.due(6.5, {0}) == [(0, 1)]
+
+
 def test_before_the_first_ack_a_step_of_its_fragment_restarts_the_timer():
     """A cold start behind other islands' deltas: no ack of ours yet, but fragment 0 steps."""
     ledger = Ledger(ack_timeout_s=5.0, ack_timeout_cap_s=60.0, ack_timeout_floor_s=5.0)

@@ -7,6 +7,7 @@ from paramserver.client.links import (
     MAX_BULK_LINKS,
     bulk_flows,
     flow_buffer_bytes,
+    pieces_in_flight,
 )
 from paramserver.client.shards import Close, Open, Send, ShardLink, Shards
 from paramserver.wire import protocol
@@ -42,6 +43,13 @@ def test_a_buffer_is_set_only_where_it_beats_autotuning_and_the_kernel_allows_it
     assert flow_buffer_bytes(8 * MIB, 4, 10**9) == 0  # 2.5 MiB each: autotuning reaches it
 
 
+def test_one_piece_in_flight_per_bulk_flow_holding_no_more_than_two_full_pieces():
+    assert pieces_in_flight(0, 64 * MIB) == (2, 64 * MIB)  # one connection: as before
+    assert pieces_in_flight(2, 64 * MIB) == (2, 64 * MIB)
+    assert pieces_in_flight(4, 64 * MIB) == (4, 32 * MIB)  # 4 x 32 MiB = 2 x 64 MiB
+    assert pieces_in_flight(3, 3000) == (3, 2000)
+
+
 def _header(effect: Send) -> dict:
     header, _ = protocol.unpack(effect.frames, protocol.REQUEST)
     return header
@@ -68,13 +76,18 @@ def test_control_and_bulk_links_of_a_shard():
         assert _header(effect) | {"id": 0} == {
             "v": 1, "kind": "hello", "island": "isl", "session": "tok", "attach": True, "id": 0
         }  # fmt: skip
-    # bulk kinds on the bulk links, spread by fragment (+ round for a push); control stays
-    net.request(shard, "snapshot", 0, fragment=1)
+    # bulk kinds on the attached bulk link with the fewest bytes in flight (ties in
+    # turn); control stays on the control link
+    net.send_frames(shard, [b"x" * 1000], key=(0, 1))
+    net.send_frames(shard, [b"x" * 500], key=(1, 1))
+    net.send_frames(shard, [b"x" * 100], key=(2, 1))  # 500 bytes in flight < 1000
     net.send(shard, {"kind": "heartbeat"})
-    net.send_frames(shard, [b"push"], key=(0, 1))
-    net.send_frames(shard, [b"push"], key=(0, 2))
-    links = [e.link for e in net.flush()]
-    assert links == [bulk[1], control, bulk[1], bulk[0]]
+    assert [e.link for e in net.flush()] == [bulk[0], bulk[1], bulk[1], control]
+    assert shard.flows.load == {bulk[0]: 1000, bulk[1]: 600}
+    # an ack takes its push's bytes off its link (whatever link the ack came on)
+    net.on_link_reply(shard, bulk[1], {"kind": "ack", "fragment": 0, "round": 1})
+    net.send_frames(shard, [b"x" * 10], key=(3, 1))
+    assert [e.link for e in net.flush()] == [bulk[0]]
     # the attach's welcome is taken here; a refused one leaves the link unused
     rid = _header(attaches[0])["id"]
     assert net.on_link_reply(shard, bulk[0], {"kind": "rejected", "id": rid, "reason": "x"})
@@ -111,3 +124,64 @@ def test_without_bulk_links_one_dealer_carries_everything():
     net.on_link_reply(shard, shard.dealer, {"kind": "welcome"})
     net.send_frames(shard, [b"push"], key=(0, 1))
     assert [e.link for e in net.flush()] == [shard.dealer]
+
+
+def _attached_shard(links: int) -> tuple[Shards, ShardLink]:
+    """A shard whose control link was welcomed and whose `links` bulk links were attached."""
+    net = Shards("isl", "tok", bulk_links=links)
+    shard = ShardLink(0, "tcp://s:1", "tcp://s:2")
+    net.open(shard, "dealer")
+    net.flush()
+    net.on_link_reply(shard, shard.dealer, {"kind": "welcome"})
+    for attach in net.flush():
+        welcome = {"kind": "welcome", "id": _header(attach)["id"]}
+        assert net.on_link_reply(shard, attach.link, welcome)
+    assert shard.confirmed == set(shard.bulk)
+    return net, shard
+
+
+def test_a_dead_bulk_link_is_replaced_and_what_it_carried_goes_again():
+    net, shard = _attached_shard(2)
+    first, second = shard.bulk
+    big, small = [b"x" * 1000], [b"y" * 10]
+    net.send_frames(shard, big, key=(0, 1))  # on the first
+    net.request(shard, "snapshot", 0, fragment=0)  # on the second (nothing in flight)
+    net.send_frames(shard, small, key=(1, 1))  # on the second (fewer bytes in flight)
+    sent = net.flush()
+    assert [e.link for e in sent] == [first, second, second]
+    snapshot = sent[1]
+    # the second one's connection dies: closed, replaced, attached, and then its two
+    # messages go again, whole and unchanged (the push under its ledger key, the request
+    # under its id), on the link with the fewest bytes in flight: the fresh one
+    net.on_link_down(shard, second)
+    effects = net.flush()
+    assert isinstance(effects[0], Close) and effects[0].link == second
+    assert isinstance(effects[1], Open) and effects[1].role == "bulk"
+    fresh = effects[1].link
+    assert shard.bulk == [first, fresh] and net.owner(second) is None
+    attach, again_snapshot, again_push = effects[2:]
+    assert attach.link == fresh and _header(attach)["attach"] is True
+    assert again_snapshot.link == fresh and again_snapshot.frames is snapshot.frames
+    assert again_push.link == fresh and again_push.frames is small and again_push.key == (1, 1)
+    assert len(effects) == 5  # the first link's push is not touched
+    # the control link's connection is left to liveness; an unknown link is ignored
+    net.on_link_down(shard, shard.dealer)
+    net.on_link_down(shard, 999)
+    assert net.flush() == []
+
+
+def test_a_bulk_link_that_dies_before_its_attach_was_welcomed_is_replaced_at_the_next_welcome():
+    net = Shards("isl", "tok", bulk_links=2)
+    shard = ShardLink(0, "tcp://s:1", "tcp://s:2")
+    net.open(shard, "dealer")
+    net.flush()
+    net.on_link_reply(shard, shard.dealer, {"kind": "welcome"})
+    net.flush()  # the attaches, not answered yet
+    gone = shard.bulk[0]
+    net.on_link_down(shard, gone)
+    effects = net.flush()
+    assert [type(e) for e in effects] == [Close]  # not reopened: the shard may be going away
+    assert len(shard.bulk) == 1 and gone not in shard.bulk
+    net.on_link_reply(shard, shard.dealer, {"kind": "welcome"})  # e.g. a reconnect's
+    effects = net.flush()
+    assert [type(e) for e in effects] == [Open, Send] and len(shard.bulk) == 2

@@ -148,8 +148,16 @@ def test_with_stdout_piped_the_demo_prints_progress_lines_while_it_trains(tmp_pa
 
 @pytest.mark.slow
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize("phase", ["starting islands", "training"])
-def test_ctrl_c_is_one_line_and_stops_every_daemon(tmp_path, phase):
+@pytest.mark.parametrize(
+    ("phase", "signum"),
+    [
+        ("starting islands", signal.SIGINT),
+        ("training", signal.SIGINT),
+        ("starting islands", signal.SIGTERM),  # `timeout`, a scheduler: the same path
+    ],
+    ids=["starting islands", "training", "starting islands, sigterm"],
+)
+def test_ctrl_c_is_one_line_and_stops_every_daemon(tmp_path, phase, signum):
     run = DemoRun(tmp_path / "demo", duration=300)
     try:
         if phase == "training":
@@ -157,7 +165,7 @@ def test_ctrl_c_is_one_line_and_stops_every_daemon(tmp_path, phase):
         else:
             run.wait_line(lambda line: line.startswith("starting 1 islands"), timeout_s=120)
         signalled, said = len(run.lines), len(run.errors)
-        run.proc.send_signal(signal.SIGINT)
+        run.proc.send_signal(signum)
         code = run.finish(timeout_s=300)
     finally:
         run.kill_leftovers()

@@ -7,8 +7,7 @@ import pytest
 import codec
 from codec.decode import read_coded as read
 from paramserver.server.step.downlink import Downlink, DownlinkError, new_residual
-from paramserver.server.step.fragment_step import ChunkedStep, host_vector
-from paramserver.server.step.fused_step import FusedNesterov, _kernels
+from paramserver.server.step.fragment_step import ChunkedStep, FusedNesterov, _kernels, host_vector
 from paramserver.server.step.merge import _MeanMerge, scaled
 from paramserver.server.step.outer import round_nesterov, set_round_share
 

@@ -10,13 +10,16 @@ never deleted) and rewrites the rest compactly. Before each batch of pushes
 fragment) `Outbox.record` appends a "resolved" record for the deltas the
 island's ledger of deltas (`worker.deltas`) saw acked or refused since the
 last batch, then a record per new delta, with one fsync for the batch; only
-then are the deltas handed to the client. The outbox keeps no fate of its
+then are the deltas handed to the client. A batch is written with `os.writev`
+(in runs of at most IOV_MAX buffers) straight from the deltas' frames: no
+record is ever joined in memory (issue 37). The outbox keeps no fate of its
 own: its index (`live`) maps each live delta to its bytes in the file. When
 the resolved records dominate the file (it is over twice its live records
 and over `COMPACT_MIN_BYTES`), the batch is written as a fresh file instead:
-the live records and the new ones, fsynced, renamed over the old, directory
-fsynced. So the file stays within about twice the unacked deltas (at most
-`max_unacked` plus a batch) however long the island runs.
+the live records (copied file to file by the kernel, `os.copy_file_range`)
+and the new ones, fsynced, renamed over the old, directory fsynced. So the
+file stays within about twice the unacked deltas (at most `max_unacked` plus
+a batch) however long the island runs.
 
 After a kill -9 the next start with the same island id and data dir pushes
 the live deltas again (`Outbox.resend`), with their round ids and base
@@ -30,22 +33,39 @@ left unacked after its flush, and removes it when that is nothing.
 from __future__ import annotations
 
 import contextlib
+import errno
 import logging
 import os
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from paramserver.client import Client, PushRequest
 from worker import outbox_format as fmt
-from worker.outbox_format import Key, OutboxFileError, Saved, key_of
+from worker.outbox_format import Buffer, Key, OutboxFileError, Record, Saved, key_of
 
 logger = logging.getLogger(__name__)
 
 OUTBOX_FILE = "outbox.bin"
 COMPACT_MIN_BYTES = 1 << 20  # below this size the file is never rewritten to drop resolved deltas
 COMPACT_FACTOR = 2  # rewrite once the file is over this many times its live records
+COPY_CHUNK_BYTES = 64 << 20  # a record copied without copy_file_range goes in reads of this size
+# errors of copy_file_range that mean "not here" (old kernel, file system): copy by reading
+_NO_COPY_RANGE = {errno.ENOSYS, errno.EXDEV, errno.EINVAL, errno.EOPNOTSUPP}
+
+
+def iov_max() -> int:
+    """The most buffers one `os.writev` takes here (IOV_MAX: 1024 on Linux; 16 if unknown)."""
+    try:
+        limit = os.sysconf("SC_IOV_MAX")
+    except (ValueError, OSError):
+        limit = -1
+    return limit if limit > 0 else 16
+
+
+IOV_MAX = iov_max()
 
 __all__ = ["OUTBOX_FILE", "Outbox", "OutboxFileError", "Saved", "load", "set_aside"]
 
@@ -58,10 +78,70 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_all(fd: int, data: bytes | memoryview) -> None:
-    view = memoryview(data)
-    while view:
-        view = view[os.write(fd, view) :]
+def write_all(fd: int, buffers: Iterable[Buffer]) -> int:
+    """Write the buffers back to back at the file position: `os.writev`, IOV_MAX at a time.
+
+    Nothing is joined: a delta's frames go from where they lie. A short write
+    (a signal, a nearly full disk) goes on with the rest.
+
+    Args:
+        fd: the file, at the position to write.
+        buffers: bytes-like pieces, in order (empty ones are skipped).
+
+    Returns:
+        The bytes written (the buffers' total size).
+
+    Raises:
+        OSError: a write failed, or made no progress (ENOSPC); part may be written.
+    """
+    views = [v for v in (memoryview(b).cast("B") for b in buffers) if v.nbytes]
+    total, first = 0, 0
+    while first < len(views):
+        batch = views[first : first + IOV_MAX]
+        written = os.writev(fd, batch)
+        if written <= 0:
+            raise OSError(errno.ENOSPC, "writev wrote nothing")
+        total += written
+        for view in batch:  # skip what went out; a buffer cut short keeps its rest
+            if written < view.nbytes:
+                views[first] = view[written:]
+                break
+            written -= view.nbytes
+            first += 1
+    return total
+
+
+def copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    """Copy `length` bytes at `offset` of `src` to the file position of `dst`.
+
+    `os.copy_file_range` where the kernel and file system have it (no bytes
+    through this process), else reads of `COPY_CHUNK_BYTES`.
+
+    Raises:
+        OSError: a read or write failed, or `src` ends before `offset + length`.
+    """
+    while length:
+        try:
+            moved = os.copy_file_range(src, dst, length, offset)
+        except (AttributeError, OSError) as exc:
+            if isinstance(exc, OSError) and exc.errno not in _NO_COPY_RANGE:
+                raise
+            chunk = os.pread(src, min(length, COPY_CHUNK_BYTES), offset)
+            moved = write_all(dst, [chunk]) if chunk else 0
+        if moved <= 0:
+            raise OSError(errno.EIO, f"outbox file ends {length} bytes before a live record does")
+        offset, length = offset + moved, length - moved
+
+
+@dataclass(frozen=True)
+class _Kept:
+    """A record already in the open file, at `offset` for `length` bytes (copied, not read)."""
+
+    offset: int
+    length: int
+
+    def __len__(self) -> int:
+        return self.length
 
 
 def load(path: Path) -> Saved | None:
@@ -235,7 +315,7 @@ class Outbox:
             gone = [k for k in resolved if k in self._live]
             for k in gone:
                 self._live_bytes -= self._live.pop(k)[1]
-            new = [(key_of(d), fmt.delta_record(d)) for d in deltas]
+            new: list[tuple[Key, Record]] = [(key_of(d), fmt.delta_record(d)) for d in deltas]
             if not new and not gone:
                 return
             head = fmt.resolved_record(gone) if gone else b""
@@ -259,40 +339,50 @@ class Outbox:
                 )
         self.persist_s += time.perf_counter() - t0
 
-    def _append(self, head: bytes, new: list[tuple[Key, bytes]]) -> None:
+    def _append(self, head: bytes, new: list[tuple[Key, Record]]) -> None:
         assert self._fd is not None
         offset = self._size + len(head)
-        chunk = head + b"".join(r for _, r in new)
-        _write_all(self._fd, chunk)
+        written = write_all(self._fd, [head, *(p for _, rec in new for p in rec.pieces)])
         os.fdatasync(self._fd)
-        self._size += len(chunk)
-        self.bytes_written += len(chunk)
+        self._size += written
+        self.bytes_written += written
         for key, rec in new:
             self._live[key] = (offset, len(rec))
             self._live_bytes += len(rec)
             offset += len(rec)
 
-    def _rewrite(self, new: list[tuple[Key, bytes]]) -> None:
+    def _rewrite(self, new: list[tuple[Key, Record]]) -> None:
         """Write a fresh file of the live records and `new` ones; rename it over the old one."""
-        kept = [(k, os.pread(self._fd, n, at)) for k, (at, n) in self._live.items()]
-        self._replace(kept + new)
+        kept = [(k, _Kept(at, n)) for k, (at, n) in self._live.items()]
+        self._replace([*kept, *new])
 
-    def _replace(self, records: list[tuple[Key, bytes]]) -> None:
+    def _replace(self, records: Sequence[tuple[Key, Record | _Kept]]) -> None:
+        """Write a fresh file: header, then `records` (new ones written, kept ones copied)."""
         header = fmt.header(self.island, self.plan_hash)
         tmp = self.path.with_name(self.path.name + ".tmp")
-        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND, 0o600)
+        # no O_APPEND: copy_file_range refuses such a target; the position only moves forward
+        fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
         try:
-            data = header + b"".join(r for _, r in records)
-            _write_all(fd, data)
+            pending: list[Buffer] = [header]
+            for _, rec in records:
+                if isinstance(rec, _Kept):
+                    assert self._fd is not None
+                    write_all(fd, pending)
+                    pending = []
+                    copy_range(self._fd, fd, rec.offset, rec.length)
+                else:
+                    pending += rec.pieces
+            write_all(fd, pending)
             os.fsync(fd)
             os.replace(tmp, self.path)
         except BaseException:
             os.close(fd)
             raise
+        size = len(header) + sum(len(rec) for _, rec in records)
         if self._fd is not None:
             os.close(self._fd)
-        self._fd, self._size = fd, len(data)
-        self.bytes_written += len(data)
+        self._fd, self._size = fd, size
+        self.bytes_written += size
         self.compactions += 1
         self._live, offset = {}, len(header)
         for key, rec in records:
@@ -324,11 +414,11 @@ class Outbox:
                 return True
             try:
                 if unacked:
-                    records = []
+                    records: list[tuple[Key, Record | _Kept]] = []
                     for d in unacked:
                         at = self._live.get(key_of(d))
-                        raw = os.pread(self._fd, at[1], at[0]) if at else fmt.delta_record(d)
-                        records.append((key_of(d), raw))
+                        rec = _Kept(*at) if at else fmt.delta_record(d)
+                        records.append((key_of(d), rec))
                     self._replace(records)
                 else:
                     with contextlib.suppress(FileNotFoundError):

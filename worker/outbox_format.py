@@ -18,6 +18,12 @@ or failing its crc is ignored (a kill -9 in the middle of an append tears
 only the last record); a corrupt record with bytes after it makes the file
 unusable (`OutboxFileError`: the island sets it aside).
 
+A delta record is built as pieces, never joined (`Record`, issue 37): the
+prefix and the msgpack body's head, then per frame its msgpack bin header and
+the frame itself where it lies; the crc32 runs over the pieces in order
+(`zlib.crc32` chained). The bytes are exactly those `msgpack.packb` makes of
+the same map, so files written before and after read the same way.
+
 Format version 1 (written by earlier versions at a graceful stop) is one
 snapshot: b"DILOCO-OUTBOX\\n", crc32 of the body (4 bytes, big-endian), body
 (msgpack map: version 1, island, plan_hash, saved_at, deltas: list of maps
@@ -31,7 +37,7 @@ import time
 import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeAlias
 
 import msgpack
 
@@ -44,6 +50,9 @@ _PREFIX = struct.Struct(">QI")  # body length, crc32 of the body
 _FIELDS = ("fragment", "round", "base_version", "tokens", "steps")
 
 Key = tuple[int, int]  # (round, fragment): with the island id, the shards' idempotency key
+Buffer: TypeAlias = bytes | memoryview
+_DELTA_MAP_SIZE = len(_FIELDS) + 2  # the fields, "kind" and "frames"
+_MAX_BIN = (1 << 32) - 1  # msgpack's largest bin object
 
 
 class OutboxFileError(RuntimeError):
@@ -72,8 +81,37 @@ def key_of(delta: PushRequest) -> Key:
     return (int(delta.round), int(delta.fragment))
 
 
-def _raw(frame: Any) -> bytes | memoryview:
+def _raw(frame: Any) -> Buffer:
     return frame if isinstance(frame, bytes) else memoryview(frame).cast("B")
+
+
+def _bin_header(size: int) -> bytes:
+    """The msgpack header of a bin object of `size` bytes (as `msgpack.packb` writes it)."""
+    if size < 1 << 8:
+        return b"\xc4" + size.to_bytes(1, "big")
+    if size < 1 << 16:
+        return b"\xc5" + size.to_bytes(2, "big")
+    if size <= _MAX_BIN:
+        return b"\xc6" + size.to_bytes(4, "big")
+    raise ValueError(f"a frame of {size} bytes is over msgpack's {_MAX_BIN}-byte bin limit")
+
+
+@dataclass(frozen=True)
+class Record:
+    """One framed record as the buffers that make it, back to back (written with writev).
+
+    `size` is the record's length in bytes (prefix included); `bytes(record)`
+    joins the pieces (a copy: for tests and small records only).
+    """
+
+    pieces: tuple[Buffer, ...]
+    size: int
+
+    def __len__(self) -> int:
+        return self.size
+
+    def __bytes__(self) -> bytes:
+        return b"".join(self.pieces)
 
 
 def record(body: dict[str, Any]) -> bytes:
@@ -110,12 +148,43 @@ def header(island: str, plan_hash: str) -> bytes:
     )
 
 
-def delta_record(delta: PushRequest) -> bytes:
-    """The record of one delta (its frames copied once into the body)."""
-    body: dict[str, Any] = {k: int(getattr(delta, k)) for k in _FIELDS}
-    body["kind"] = "delta"
-    body["frames"] = [_raw(f) for f in delta.frames]
-    return record(body)
+def delta_record(delta: PushRequest) -> Record:
+    """The record of one delta, its frames not copied: pieces and a running crc32.
+
+    The pieces are the bytes `record` would make of the map (fields, "kind":
+    "delta", "frames": list of bin), in order: the prefix with the msgpack
+    head, then each frame's bin header and the frame itself.
+
+    Args:
+        delta: the pushed delta (frames: bytes or any buffer).
+
+    Returns:
+        The Record; its pieces reference the delta's frames, so they must stay
+        unchanged until it is written.
+
+    Raises:
+        ValueError: a frame is over msgpack's bin limit (4 GiB).
+    """
+    packer = msgpack.Packer(use_bin_type=True)
+    frames = [_raw(f) for f in delta.frames]
+    head = [packer.pack_map_header(_DELTA_MAP_SIZE)]
+    head += [packer.pack(k) + packer.pack(int(getattr(delta, k))) for k in _FIELDS]
+    head += [packer.pack("kind"), packer.pack("delta"), packer.pack("frames")]
+    head.append(packer.pack_array_header(len(frames)))
+    first = b"".join(head)
+    body: list[Buffer] = []
+    for frame in frames:
+        header = _bin_header(memoryview(frame).nbytes)
+        if body:
+            body += [header, frame]
+        else:
+            first += header
+            body.append(frame)
+    length, crc = len(first), zlib.crc32(first)
+    for piece in body:
+        length += memoryview(piece).nbytes
+        crc = zlib.crc32(piece, crc)
+    return Record((_PREFIX.pack(length, crc) + first, *body), _PREFIX.size + length)
 
 
 def resolved_record(keys: Iterable[Key]) -> bytes:
@@ -281,4 +350,4 @@ def snapshot(island: str, plan_hash: str, deltas: Sequence[PushRequest]) -> byte
     Returns:
         The file's bytes.
     """
-    return header(island, plan_hash) + b"".join(delta_record(d) for d in deltas)
+    return header(island, plan_hash) + b"".join(bytes(delta_record(d)) for d in deltas)

@@ -16,7 +16,8 @@ gradient, not its own.)
                          --data-dir D [--inner-steps 50 --max-rounds 10 ...]
 
 Every `diloco-worker` setting is accepted and means the same thing (model, data
-shard, batch, lr, speed, ...); a "round" is `inner_steps` synchronous steps, and
+shard, batch, lr, speed, ...), as a flag or in the environment (`DILOCO_WORKER_*`,
+e.g. a shared `DILOCO_WORKER_COMPILE_CACHE_DIR`); a "round" is `inner_steps` synchronous steps, and
 each round appends one row to the data dir's metrics file (`worker.island_files`) in the islands'
 schema (loss, tokens, bytes_sent / bytes_received counted at this rank's socket,
 eval_global on rank 0). The rank stops after `max_rounds` rounds or on SIGTERM.
@@ -40,6 +41,7 @@ import zmq
 from bench.child import stop_on_signals
 from paramserver.plumbing import daemon, settings
 from worker import island_files
+from worker.cli import ENV_PREFIX
 from worker.config import IslandConfig
 
 logger = logging.getLogger(__name__)
@@ -300,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; returns the exit code (2 for bad settings, 1 for a reducer failure)."""
     args = _parser().parse_args(argv)
     try:
-        cfg = settings.load_settings(IslandConfig, flags=args)
+        cfg = settings.load_settings(IslandConfig, env_prefix=ENV_PREFIX, flags=args)
         if not 0 <= args.rank < args.world:
             raise ValueError(f"--rank must be in [0, --world), got {args.rank} of {args.world}")
     except (settings.SettingsError, ValueError) as exc:

@@ -205,6 +205,28 @@ class ClientCore:
             self._after_join_step()
         return self._shards.flush()
 
+    def on_link_down(self, now: float, link: int) -> list[Effect]:
+        """The connection of `link` died (the I/O loop saw it disconnect).
+
+        A bulk link is replaced and what it carried unanswered is sent again on
+        the shard's other links (`Shards.on_link_down`); the control link is
+        left to the shard's liveness (a silent shard is reconnected).
+
+        Args:
+            now: when it was seen.
+            link: the link (one already closed is ignored).
+
+        Returns:
+            Effects to perform.
+        """
+        owner = self._shards.owner(link)
+        if owner is not None and self.state in ("joining", "joined"):
+            _, shard = owner
+            if link in shard.bulk:
+                logger.info("shard %d: a bulk connection died; its messages go again", shard.index)
+                self._shards.on_link_down(shard, link)
+        return self._shards.flush()
+
     def _on_reply(self, now: float, shard: ShardLink, frames: list, link: int) -> None:
         header, payload = protocol.unpack(frames, protocol.REPLY)
         if self._shards.on_link_reply(shard, link, header):  # a bulk link's attach
@@ -397,7 +419,7 @@ class ClientCore:
         if send.key is None or send.key not in self.ledger:
             return
         if went_out:
-            self.readout.add(resent=int(self.ledger.sent(send.key, now)))
+            self.readout.add(resent=int(self.ledger.sent(send.key, now, send.link)))
         else:
             self.ledger.blocked(send.key, now)  # queue full: try again after the back-off
 

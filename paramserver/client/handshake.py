@@ -41,6 +41,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from paramserver.client.init_upload import DONE, LOST, Ask, Upload
+from paramserver.client.links import pieces_in_flight
 from paramserver.client.types import ClientConfig, ClientError, JoinTimeout
 from paramserver.client.welcome import (
     Cluster,
@@ -280,7 +281,8 @@ class Handshake:
     def _init(self, shard: int) -> list[Ask]:
         """Start the init of `shard` in pieces sized to its message limit (init_upload)."""
         limit = self.cluster.max_message_bytes or protocol.DEFAULT_MAX_MESSAGE_BYTES
-        self._upload = Upload(self.plan, self._flat, shard, limit)
+        window, piece_limit = pieces_in_flight(self.cfg.bulk_flows, limit)  # one per bulk link
+        self._upload = Upload(self.plan, self._flat, shard, piece_limit, window)
         self._waiting[shard] = "init"
         return self._upload.begin()
 

@@ -4,8 +4,9 @@ This module owns, with no I/O and no clock, the client's side of an init in
 pieces (docs/protocol.md section 3.2): `Upload` cuts the shard's fragments
 into pieces that fit the shard's `max_message_bytes`
 (`protocol.piece_elements`), asks `init_begin`, then keeps `WINDOW` pieces
-in flight, each gathered from the island's parameters only when it is sent
-(so the island holds at most WINDOW pieces of encoded values). A lost piece or
+(or one per bulk link, if more) in flight, each gathered from the island's
+parameters only when it is sent (so the island holds at most that many
+pieces of encoded values). A lost piece or
 reply is re-sent by the join on its timeout (pieces are idempotent); a
 `not_initialized` (the shard dropped our unfinished init: another island took
 it over after our silence) starts the upload over, at most `RESTARTS` times.
@@ -24,7 +25,7 @@ from paramserver.client.types import ClientError, PlanMismatch
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 
-WINDOW = 2  # pieces in flight per shard
+WINDOW = 2  # pieces in flight per shard (the join asks `links.pieces_in_flight`)
 RESTARTS = 3  # uploads started over (our unfinished init was dropped) before the join fails
 _RAW = codec.raw("float32")
 
@@ -45,7 +46,12 @@ class Upload:
     """The init in pieces of one shard (see the module docstring)."""
 
     def __init__(
-        self, plan: Plan, flat: Mapping[str, np.ndarray], shard: int, max_message_bytes: int
+        self,
+        plan: Plan,
+        flat: Mapping[str, np.ndarray],
+        shard: int,
+        max_message_bytes: int,
+        window: int = WINDOW,
     ) -> None:
         """Cut the shard's fragments into pieces.
 
@@ -53,9 +59,12 @@ class Upload:
             plan: the island's plan.
             flat: path -> the island's parameters (the values sent).
             shard: the shard to initialise.
-            max_message_bytes: the shard's request size limit (its welcome's).
+            max_message_bytes: the size each piece is cut to fit (the shard's limit, its
+                welcome's, or less: `links.pieces_in_flight`).
+            window: pieces in flight (>= 1; one per bulk link fills them all).
         """
         self.plan, self._flat, self.shard = plan, flat, shard
+        self._window = max(1, window)
         per = protocol.piece_elements(max_message_bytes)
         self._pieces = [
             (f.index, offset, count)
@@ -93,7 +102,7 @@ class Upload:
         if kind == "init_ok":
             return DONE, []
         if kind == "init_begun":
-            return MORE, [self._piece() for _ in range(WINDOW) if self._next < self.total]
+            return MORE, [self._piece() for _ in range(self._window) if self._next < self.total]
         if kind == "init_piece_ok":
             return MORE, [self._piece()] if self._next < self.total else []
         reason, detail = header.get("reason"), header.get("detail")

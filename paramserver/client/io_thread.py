@@ -14,7 +14,10 @@ lock) says why the thread died, if it did.
 one socket per link (a shard's DEALER or SUB) named by the link numbers the
 core picks (`paramserver.client.shards`), connecting with linger 0 and a
 capped reconnect interval, the poller, non-blocking sends and reads, and
-closing everything. Only `wake` and `close_wake` may be called from another
+closing everything. A bulk DEALER is watched by a ZeroMQ socket monitor: a
+connection that dies under it is reported (`poll`) to the core
+(`ClientCore.on_link_down`), which replaces the link and sends again what it
+carried. Only `wake` and `close_wake` may be called from another
 thread than the I/O thread.
 """
 
@@ -34,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from paramserver.client.core import ClientCore
 from paramserver.client.links import flow_buffer_bytes
@@ -139,7 +143,8 @@ class IOThread(threading.Thread):
         with self.lock:
             active = self.core.has_links
         timeout_ms = int(self._tick_s * 1000) if active else 1000
-        for link in self._links.poll(timeout_ms):
+        ready, down = self._links.poll(timeout_ms)
+        for link in ready:  # first: what a dead link got before it died is still read
             for _ in range(_MAX_BATCH):
                 frames = self._links.recv(link)
                 if frames is None:
@@ -147,6 +152,8 @@ class IOThread(threading.Thread):
                 self._call(self.core.on_message, time.monotonic(), link, frames)
                 if not self._links.is_open(link):  # replaced while handling the message
                     break
+        for link in down:
+            self._call(self.core.on_link_down, time.monotonic(), link)
         self._run_commands()
         if self.stop_join.is_set():
             self.stop_join.clear()
@@ -280,6 +287,7 @@ class Links:
         self._poller.register(self._wake_rx, zmq.POLLIN)
         self._sockets: dict[int, zmq.Socket] = {}  # link -> socket
         self._links: dict[zmq.Socket, int] = {}  # socket -> link
+        self._monitors: dict[zmq.Socket, int] = {}  # a bulk link's monitor -> link
 
     # -- any thread ---------------------------------------------------------------------
 
@@ -302,19 +310,31 @@ class Links:
 
     # -- the I/O thread ---------------------------------------------------------------------
 
-    def poll(self, timeout_ms: int) -> list[int]:
+    def poll(self, timeout_ms: int) -> tuple[list[int], list[int]]:
         """Wait up to `timeout_ms` for messages; wake-ups are drained here.
 
         Returns:
-            The links with messages to read.
+            (the links with messages to read, the bulk links whose connection died).
         """
-        ready = []
+        ready, down = [], []
         for sock, _ in self._poller.poll(timeout_ms):
             if sock is self._wake_rx:
                 self._drain_wake()
             elif sock in self._links:
                 ready.append(self._links[sock])
-        return ready
+            elif sock in self._monitors and self._disconnected(sock):
+                down.append(self._monitors[sock])
+        return ready, down
+
+    def _disconnected(self, monitor: zmq.Socket) -> bool:
+        """Whether a bulk link's monitor reported a connection that died (its events read)."""
+        died = False
+        while True:
+            try:
+                event = parse_monitor_message(monitor.recv_multipart(zmq.NOBLOCK))
+            except zmq.Again:
+                return died
+            died = died or event["event"] == zmq.EVENT_DISCONNECTED
 
     def open(self, link: int, role: str, endpoint: str) -> None:
         """Open link `link` to `endpoint`: a DEALER ("dealer"), a bulk DEALER ("bulk": its
@@ -326,6 +346,10 @@ class Links:
         if role == "bulk" and self._bulk_buffer:
             sock.setsockopt(zmq.SNDBUF, self._bulk_buffer)
             sock.setsockopt(zmq.RCVBUF, self._bulk_buffer)
+        if role == "bulk":
+            monitor = sock.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+            self._monitors[monitor] = link
+            self._poller.register(monitor, zmq.POLLIN)
         if self._curve is not None:
             curve.secure_client(sock, *self._curve)
         sock.setsockopt(zmq.RECONNECT_IVL, 100)
@@ -373,6 +397,11 @@ class Links:
             return
         del self._links[sock]
         self._poller.unregister(sock)
+        for monitor in [m for m, of in self._monitors.items() if of == link]:
+            del self._monitors[monitor]
+            self._poller.unregister(monitor)
+            sock.disable_monitor()
+            monitor.close(linger=0)
         sock.close(linger=0)
 
     def close_all(self) -> None:

@@ -117,9 +117,9 @@ class Join:
         if self.syncing:
             self._sync_tick(now)
             return
-        for call in self._calls.values():
+        for rid, call in self._calls.items():
             if call.kind in _IDEMPOTENT and now > call.resend_at:
-                self._shards.send_frames(call.shard, call.frames)
+                self._shards.send_frames(call.shard, call.frames, kind=call.kind, rid=rid)
                 if call.kind != "hello":  # a large piece on a thin link: back off, do not flood
                     call.timeout = min(2 * call.timeout, self.cfg.ack_timeout_cap_s)
                 call.resend_at = now + call.timeout

@@ -20,7 +20,9 @@ The rules:
   [floor, `ack_timeout_cap_s`], and doubles per attempt and after a timeout;
   as TCP's, it restarts on every ack of its shard (`ack_due`), so deltas queued
   behind others at a busy shard that keeps answering are not re-sent, while
-  one the shard passed over (it acked a later send first) counts from its send;
+  one the shard passed over (it acked a later send on the same connection
+  first: acks keep send order per connection, not across an island's
+  several bulk connections) counts from its send;
   deltas of a shard that is down wait for it;
 - a re-send turns out needless ("spurious", `spurious`) when the shard answers
   `duplicate` to a copy of a delta that went out more than once; the timer then
@@ -96,6 +98,7 @@ class Entry:
     decode_retries: int = 0  # re-sends after the shard could not decode it (codec_error)
     deferred: bool = False  # refused for now (RETRYABLE_REASONS): re-sent when its fragment steps
     retry_at: float | None = None  # throttled: re-sent at this time (`due`), not on a step
+    flow: int = 0  # the connection (link) of its last send: acks keep send order per flow
 
 
 class Ledger:
@@ -123,9 +126,9 @@ class Ledger:
         # ack of new data, RFC 6298 5.3): a shard that keeps answering is working through
         # what we sent, and its queue is not a lost delta (`ack_due`)
         self._acked_at: dict[int, float] = {}
-        # per shard: the latest send among the deltas it acked accepted / duplicate; a delta
-        # sent before it and still unacked was passed over (the shard dropped it)
-        self._acked_sent: dict[int, float] = {}
+        # per (shard, flow): the latest send among the deltas it acked accepted / duplicate;
+        # a delta sent before it on that flow and still unacked was passed over (dropped)
+        self._acked_sent: dict[tuple[int, int], float] = {}
         self._stepped_at: dict[int, float] = {}  # per fragment: its last published step
         # re-sent deltas resolved by an ack `accepted`: the latency of their first copy,
         # kept until a `duplicate` proves the re-send needless (bounded, oldest dropped)
@@ -175,12 +178,13 @@ class Ledger:
         self._entries[key] = Entry(request, shard, frames, nbytes, queued_at=now, sent_at=now)
         return True
 
-    def sent(self, key: Key, now: float) -> bool:
+    def sent(self, key: Key, now: float, flow: int = 0) -> bool:
         """Record a send that went out.
 
         Args:
             key: a pending delta.
             now: when it was sent.
+            flow: the connection it went on (one of its shard's links).
 
         Returns:
             Whether it was a re-send (the delta had gone out before).
@@ -190,7 +194,7 @@ class Ledger:
         if not resend:
             entry.first_sent_at = now
         entry.sends += 1
-        entry.sent_at = now
+        entry.sent_at, entry.flow = now, flow
         return resend
 
     def blocked(self, key: Key, now: float) -> None:
@@ -240,8 +244,8 @@ class Ledger:
         self._acked_at[entry.shard] = now  # the shard answers: its timer restarts
         if outcome != REJECTED and entry.sends == 1:  # durable acks come in send order;
             # (Karn: the ack of a delta sent more than once may answer any copy)
-            passed = self._acked_sent.get(entry.shard, entry.sent_at)
-            self._acked_sent[entry.shard] = max(passed, entry.sent_at)
+            flow = (entry.shard, entry.flow)
+            self._acked_sent[flow] = max(self._acked_sent.get(flow, entry.sent_at), entry.sent_at)
         if outcome == REJECTED:
             if reason == "unknown_island":
                 return "rejoin"
@@ -288,7 +292,8 @@ class Ledger:
                     keys.append(key)
                 continue
             acked_at = self._acked_at.get(entry.shard, self._stepped_at.get(key[0]))
-            if entry.deferred or self._acked_sent.get(entry.shard, -math.inf) > entry.sent_at:
+            passed = self._acked_sent.get((entry.shard, entry.flow), -math.inf) > entry.sent_at
+            if entry.deferred or passed:
                 acked_at = None  # refused for now, or passed over: it counts from its send
             if ack_due(now, entry.sent_at, acked_at, timer.timeout_s(entry.attempt), timer.cap_s):
                 if not entry.deferred:

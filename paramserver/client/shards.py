@@ -7,26 +7,28 @@ ids, keeps the tracked requests (id -> what was asked), builds the messages
 (every request carries the island id, every hello the client's session) and
 collects the effects (`Open`, `Close`, `Send`, below) the core returns. A
 shard's snapshot goes in pieces that fit its `max_message_bytes`
-(`SnapshotRead`, `SNAPSHOT_WINDOW` pieces in flight).
+(`SnapshotRead`, `links.pieces_in_flight`: two in flight, or one per bulk link).
+Bulk requests go on the attached bulk link with the fewest bytes in flight
+(`paramserver.client.links.Flows`); a bulk link whose connection died is
+replaced and what it carried is sent again on the others (`on_link_down`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
 
-from paramserver.client.links import BULK_KINDS
+from paramserver.client.links import BULK_KINDS, Flows, pieces_in_flight
 from paramserver.client.replica import ShardFeed
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 from paramserver.wire.snapshot import SnapshotPieces, snapshot_request
 
 logger = logging.getLogger(__name__)
-
-SNAPSHOT_WINDOW = 2  # snapshot pieces in flight per shard
 
 
 @dataclass
@@ -48,6 +50,10 @@ class ShardLink:
     dealer: int | None = None  # link of its (control) DEALER
     bulk: list[int] = field(default_factory=list)  # links of its bulk DEALERs
     attached: set[int] = field(default_factory=set)  # bulk links attached since the last welcome
+    # attached bulk links whose attach was welcomed
+    confirmed: set[int] = field(default_factory=set)
+    welcomed: bool = False  # its control link was welcomed (bulk links may attach)
+    flows: Flows = field(default_factory=Flows)  # what its bulk links carry
     sub: int | None = None  # link of its SUB
     heard: float = 0.0  # last message on the DEALER
     sub_heard: float = 0.0  # last message on the SUB
@@ -110,7 +116,9 @@ class Shards:
         closing = [old] if old is not None else []
         if role == "dealer":
             closing += shard.bulk
-            shard.bulk, shard.attached = [], set()
+            shard.bulk, shard.attached, shard.confirmed = [], set(), set()
+            shard.welcomed = False
+            shard.flows.clear()  # the reconnect's welcome re-sends the shard's deltas
         for link in closing:
             self._links.pop(link, None)
             self._out.append(Close(link))
@@ -150,14 +158,21 @@ class Shards:
             True when the reply was the answer to an attach (nothing else to do).
         """
         kind, rid = header["kind"], header.get("id")
+        if isinstance(rid, int):
+            shard.flows.release(rid)  # answered: no longer in flight
+        if kind == "ack" and "fragment" in header and "round" in header:
+            shard.flows.release((header["fragment"], header["round"]))
         if link == shard.dealer:
             if kind == "welcome":
+                shard.welcomed = True
                 self._attach(shard)
             return False
         asked = self.requests.get(rid) if isinstance(rid, int) else None
         if asked is not None and asked[0] == "attach":
             del self.requests[rid]
-            if kind != "welcome":
+            if kind == "welcome":
+                shard.confirmed.add(link)
+            else:
                 shard.attached.discard(link)
                 logger.warning(
                     "shard %d refused a bulk link: %s: %s",
@@ -170,10 +185,48 @@ class Shards:
             # Either way what it refused is pending as after `unknown_island`: the core
             # says hello on the control link, whose welcome re-attaches and re-sends.
             shard.attached.discard(link)
+            shard.confirmed.discard(link)
             header["reason"] = "unknown_island"
         return False
 
+    def on_link_down(self, shard: ShardLink, link: int) -> None:
+        """The connection of one of `shard`'s bulk links died (the control link: no-op).
+
+        ZeroMQ would reconnect it as a connection the shard does not hold as
+        the island's, and what was on its way is lost: the link is closed
+        instead, and what it carried unanswered (`Flows.drop`) is sent again
+        on the other links. A link whose attach had been welcomed is replaced
+        at once by a fresh one, attached before those re-sends; any other
+        (the shard may be going away) is replaced at the next welcome of the
+        control link, so that a peer that drops every connection is not
+        reconnected in a loop. Nothing about exactly-once changes: a push is
+        deduplicated by its key whatever link it travels on.
+
+        Args:
+            shard: the shard whose link it is.
+            link: the link whose connection died.
+        """
+        if link not in shard.bulk:
+            return
+        replace_now = link in shard.confirmed and shard.welcomed
+        lost = shard.flows.drop(link)
+        shard.bulk.remove(link)
+        shard.attached.discard(link)
+        shard.confirmed.discard(link)
+        self._links.pop(link, None)
+        self._out.append(Close(link))
+        if replace_now:
+            self._attach(shard)
+        for what, nbytes, frames in lost:
+            if isinstance(what, tuple):  # a push, by its ledger key
+                self.send_frames(shard, frames, key=what)
+            else:  # a request (a snapshot's, an init's), by its id: its reply matches it
+                self.send_frames(shard, frames, kind="snapshot", rid=what, load=nbytes)
+
     def _attach(self, shard: ShardLink) -> None:
+        """Attach every bulk link not attached, first opening any missing of `bulk_links`."""
+        while len(shard.bulk) < self.bulk_links:
+            shard.bulk.append(self._new_link("bulk", shard, shard.router))
         for link in [link for link in shard.bulk if link not in shard.attached]:
             rid = self.new_id()
             self.requests[rid] = ("attach", shard.index, -1)
@@ -182,20 +235,19 @@ class Shards:
             self._out.append(Send(link, protocol.pack(header)))
             shard.attached.add(link)  # what follows on the link comes after the attach
 
-    def link_for(self, shard: ShardLink, kind: str, spread: int = 0) -> int:
+    def link_for(self, shard: ShardLink, kind: str) -> int:
         """The link a request of `kind` goes on (-1: the shard has no DEALER).
 
         Args:
             shard: the shard.
             kind: the request's kind.
-            spread: picks among the attached bulk links (a push's fragment + round).
 
         Returns:
-            An attached bulk link for BULK_KINDS when there is one, else the control link.
+            For BULK_KINDS the attached bulk link with the fewest bytes in flight
+            (`Flows.pick`) when there is one, else the control link.
         """
         if kind in BULK_KINDS and shard.attached:
-            links = [link for link in shard.bulk if link in shard.attached]
-            return links[spread % len(links)]
+            return shard.flows.pick([link for link in shard.bulk if link in shard.attached])
         return -1 if shard.dealer is None else shard.dealer
 
     def close_all(self) -> None:
@@ -203,10 +255,21 @@ class Shards:
         self._out.extend(Close(link) for link in self._links)
         self._links.clear()
         self.requests.clear()
+        for shard in self.all:
+            shard.flows.clear()
         self.all = []
 
-    def send(self, shard: ShardLink, header: dict, payload: list[Any] = ()) -> list[Any]:
+    def send(
+        self, shard: ShardLink, header: dict, payload: list[Any] = (), load: int | None = None
+    ) -> list[Any]:
         """Send one message on a shard's DEALER (adds `island`, and `session` to a hello).
+
+        Args:
+            shard: the shard.
+            header: the request's header (a bulk one with an `id` is carried until its reply).
+            payload: its payload frames.
+            load: the bytes it puts in flight on a bulk link (None: its own size;
+                a snapshot request: the reply's).
 
         Returns:
             The packed frames.
@@ -214,17 +277,36 @@ class Shards:
         if header["kind"] == "hello":
             header = {**header, "session": self.session}
         frames = protocol.pack({"island": self.island, **header}, list(payload))
-        link = self.link_for(shard, header["kind"], header.get("fragment", 0))
-        self._out.append(Send(link, frames))
+        self.send_frames(shard, frames, kind=header["kind"], rid=header.get("id"), load=load)
         return frames
 
-    def send_frames(self, shard: ShardLink, frames: list[Any], key: Any = None) -> None:
-        """Send packed frames on a shard's control DEALER, or a push (`key`: the ledger's
-        (fragment, round)) on one of its bulk links."""
-        if key is None:
-            self._out.append(Send(self.link_for(shard, "hello"), frames, key))
-            return
-        self._out.append(Send(self.link_for(shard, "push", key[0] + key[1]), frames, key))
+    def send_frames(
+        self,
+        shard: ShardLink,
+        frames: list[Any],
+        key: Hashable | None = None,
+        *,
+        kind: str = "hello",
+        rid: Any = None,
+        load: int | None = None,
+    ) -> None:
+        """Send packed frames on the link their kind goes on (`link_for`).
+
+        Args:
+            shard: the shard.
+            frames: the packed message.
+            key: a push's ledger key (fragment, round) (its `kind` is then "push").
+            kind: the request's kind (a re-send of the join's: its own).
+            rid: the request's id, if it has one.
+            load: see `send`.
+        """
+        if key is not None:
+            kind, rid = "push", key
+        link = self.link_for(shard, kind)
+        if link in shard.attached and rid is not None:
+            nbytes = protocol.message_bytes(frames) if load is None else load
+            shard.flows.carry(rid, link, nbytes, frames)
+        self._out.append(Send(link, frames, key))
 
     def request(self, shard: ShardLink, kind: str, about: int = -1, **fields: Any) -> None:
         """Send a tracked request (`about`: its fragment, if any); the reply is matched by id."""
@@ -244,7 +326,8 @@ class Shards:
             r for r, (k, s, _) in self.requests.items() if (k, s) == ("snapshot", shard.index)
         ]:
             del self.requests[rid]  # replies to an earlier read are ignored
-        limit = self.max_message_bytes
+            shard.flows.release(rid)
+        _, limit = pieces_in_flight(self.bulk_links, self.max_message_bytes)
         read = SnapshotRead(
             {
                 f: SnapshotPieces(f, plan.fragments[f].size, limit, self.values)
@@ -292,11 +375,14 @@ class Shards:
         return (pieces.fragment, *pieces.result())
 
     def _ask_pieces(self, shard: ShardLink, read: SnapshotRead) -> None:
-        while read.queue and read.in_flight < SNAPSHOT_WINDOW:
+        window, _ = pieces_in_flight(self.bulk_links, self.max_message_bytes)
+        while read.queue and read.in_flight < window:
             fragment, offset, count = read.queue.pop(0)
             rid = self.new_id()
             self.requests[rid] = ("snapshot", shard.index, fragment)
-            self.send(shard, snapshot_request(self.island, fragment, rid, (offset, count)))
+            reply_bytes = 4 * count if self.values else 64  # what the reply brings back
+            request = snapshot_request(self.island, fragment, rid, (offset, count))
+            self.send(shard, request, load=reply_bytes)
             read.in_flight += 1
 
     def forget_requests(self, shard: int) -> None:

@@ -121,8 +121,9 @@ class ClientConfig:
     # bulk (pushes, snapshots, init pieces), so that a long push on a thin link cannot delay
     # them (docs/protocol.md section 1); False: one DEALER per shard carries everything.
     control_link: bool = True
-    # Bulk DEALERs per shard (with control_link): pushes are spread over them, one push
-    # whole on one; 0 = one per 4 MiB of link_bdp_bytes, at least 1, at most 8.
+    # Bulk DEALERs per shard (with control_link): each push, init or snapshot piece goes
+    # whole on the one with the fewest bytes in flight, and one that dies is replaced and
+    # its messages sent again; 0 = one per 4 MiB of link_bdp_bytes, at least 1, at most 8.
     bulk_links: int = 0
     # The links' bandwidth-delay product (rate x round-trip time) in bytes, e.g.
     # 2 Gbit/s x 60 ms = 15_000_000: sets bulk_links when that is 0, and each bulk socket's

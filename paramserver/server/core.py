@@ -32,7 +32,10 @@ header), its island id checked against its connection and, under CURVE,
 against the keys that may use it (`paramserver.server.admission.gate`,
 `paramserver.plumbing.identity`); its outcome and refusals, their counts and
 what `status` shows of each island are `paramserver.server.admission.outcomes`;
-the state's rules (dedup, limits, staleness) decide a push. Snapshots, status
+the state's rules (dedup, limits, staleness) decide a push. A large push's
+payload (checksums, decompression, the norm) is checked off the core: `handle`
+returns it as a `PushCheck` (`Effects.checks`) and `finish_push` admits it once
+checked (`paramserver.server.admission.checker`). Snapshots, status
 and heartbeats need no disk, so they are served through storage faults.
 
 What the core asks its I/O loop to do is plain data
@@ -57,6 +60,7 @@ from typing import Any
 import codec
 from paramserver.plumbing.identity import IslandGuard
 from paramserver.server.admission import gate, outcomes
+from paramserver.server.admission.checker import PushCheck
 from paramserver.server.admission.gate import ReplyBacklog
 from paramserver.server.admission.outcomes import IslandReports, Outcome
 from paramserver.server.config import ShardConfig
@@ -147,6 +151,10 @@ class ShardCore:
         self._held: list[Request] = []  # pushes waiting for the step under way (release_held)
         self._held_snapshots: list[Request] = []  # of the fragment in step: after it (finish_step)
         self._due: set[int] = set()  # the fragments due at the last due_steps
+        # pushes of at least this many payload bytes are checked off the core (0: never;
+        # the shard's loop, which has a checker thread, sets it): see admission.checker
+        self.check_off_loop_bytes = 0
+        self.checking = 0  # pushes handed off (Effects.checks) and not yet finish_push'ed
 
     # ----- requests ----------------------------------------------------------------
 
@@ -381,13 +389,58 @@ class ShardCore:
             return Effects()
         if not known:
             outcome = outcomes.count(self.state.counters, outcomes.unknown_island(header["island"]))
-        else:
-            outcome = self.state.submit_delta(header, payload, now)
-            self.throttle.pushed(header["island"], outcome.status != REJECTED)
-            self.islands.heard(header["island"], header, now)
-            if outcome.status == ACCEPTED:
-                self.islands.accepted(header["island"], header["round"], now)
-            self._check_inner_steps(header["island"], header.get("inner_steps"))
+            return self._answer(request, header, outcome)
+        sent = sum(memoryview(f).nbytes for f in payload)
+        off_loop = self.check_off_loop_bytes
+        if off_loop and (self.checking or sent >= off_loop):
+            early = self.state.precheck_push(header, payload, now)
+            if early is None:  # the payload is checked off the core; finish_push books it
+                self.checking += 1
+                size = self.state.fragments[header["fragment"]].params.shape[0]
+                job = PushCheck(replace(request, admitted=True), header, payload, size)
+                return Effects(checks=[job])
+            return self._pushed(request, header, early, now)
+        return self._pushed(request, header, self.state.submit_delta(header, payload, now), now)
+
+    def finish_push(self, now: float, job: PushCheck) -> Effects:
+        """Admit a push whose payload was checked off the core (`Effects.checks`).
+
+        The checks that read no payload byte run again (a copy of the push
+        may have been accepted since, a step begun, a budget filled): what
+        they refuse is refused, a push a step under way would refuse waits
+        for it (and is checked again after), and the rest is admitted with
+        the checked delta.
+
+        Args:
+            now: wall-clock seconds.
+            job: the check, run (`PushCheck.run`).
+
+        Returns:
+            Its effects: the accepted record and its ack, or a refusal.
+        """
+        self.checking -= 1
+        request, header, payload = job.request, job.header, job.payload
+        assert job.result is not None, "finish_push of a check that did not run"
+        try:
+            if self._waits_for_step(header, payload):
+                self._held.append(request)
+                return Effects()
+            outcome = self.state.precheck_push(header, payload, now)
+            if outcome is None:
+                outcome = self.state.admit_checked(header, payload, job.result, now)
+            return self._pushed(request, header, outcome, now)
+        except Exception as exc:  # a bug must not take the shard down; it is counted
+            logger.exception("shard %d: error admitting a checked push", self.index)
+            outcome = self.state.reject("internal_error", f"{type(exc).__name__}: {exc}")
+            return self._answer(request, header, outcome)
+
+    def _pushed(self, request: Request, header: dict, outcome: Outcome, now: float) -> Effects:
+        """Book a known island's push outcome (rate, reports) and answer it."""
+        self.throttle.pushed(header["island"], outcome.status != REJECTED)
+        self.islands.heard(header["island"], header, now)
+        if outcome.status == ACCEPTED:
+            self.islands.accepted(header["island"], header["round"], now)
+        self._check_inner_steps(header["island"], header.get("inner_steps"))
         return self._answer(request, header, outcome)
 
     def _waits_for_step(self, header: dict, payload) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from paramserver.server.admission.checker import PushCheck
 from paramserver.server.admission.outcomes import Outcome
 from paramserver.server.fragment import AcceptEvent, Event, StepEvent
 from paramserver.server.state import ShardState
@@ -88,6 +89,8 @@ class Effects:
     records: list[Event] = field(default_factory=list)
     replies: list[Reply | DurableReply] = field(default_factory=list)
     publishes: list[Publish] = field(default_factory=list)
+    # pushes whose payload the loop checks off the core, then hands back (`ShardCore.finish_push`)
+    checks: list[PushCheck] = field(default_factory=list)
 
     def extend(self, other: Effects) -> None:
         """Add another request's effects after these (in order).
@@ -98,6 +101,7 @@ class Effects:
         self.records += other.records
         self.replies += other.replies
         self.publishes += other.publishes
+        self.checks += other.checks
 
 
 @dataclass(frozen=True)

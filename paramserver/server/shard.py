@@ -1,4 +1,4 @@
-"""The shard daemon's I/O loop: sockets, the data directory, and the core between them.
+"""The shard daemon's I/O loop: sockets, the data directory, the core between them, the step thread.
 
 This module owns the ZeroMQ side of one shard: a ROUTER for requests and a PUB
 for sequenced updates and heartbeats (wire format: `paramserver.wire.protocol`),
@@ -12,10 +12,13 @@ the files are `paramserver.server.storage`'s. One loop turn:
        so a flood costs a bucket check per message);
     2. `run_batch`: book a step the step thread finished (`core.finish_step`:
        its record joins this batch's, its update is published after them);
+       admit the pushes whose payload the checker thread has checked
+       (`core.finish_push`; a push of at least CHECK_OFF_LOOP_BYTES is
+       checked there, off the loop: `paramserver.server.admission.checker`);
        hand every request read to `core.handle`; ask the core which steps
        are due (`core.due_steps`), let the data directory defer one a
        checkpoint still reads (`storage.before_step`), and hand the first of
-       the rest to the step thread (`paramserver.server.step_worker`: the
+       the rest to the step thread (`StepWorker`, below: the
        loop answers heartbeats, acks and status while a step runs, whatever
        its size), collecting the effects (and a PUB heartbeat);
        `store`: append the batch's events to the log and fsync ONCE
@@ -46,6 +49,8 @@ sockets.
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
 import time
 from typing import Any
@@ -54,10 +59,10 @@ import zmq
 
 from paramserver.plumbing import heap
 from paramserver.plumbing.curve import CurveServer
+from paramserver.server.admission.checker import PushChecker
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
-from paramserver.server.state import ShardState
-from paramserver.server.step_worker import StepWorker
+from paramserver.server.state import ShardState, StepWork
 from paramserver.server.storage.checkpoint_job import CheckpointResult
 from paramserver.server.storage.shard_storage import ShardStorage, StorageError
 from paramserver.wire import protocol
@@ -70,6 +75,9 @@ BATCH = 64
 STOP_CHECK_S = 0.1
 # Replies (and frames) of at least this many bytes are tracked until ZeroMQ wrote them out.
 TRACK_MIN_BYTES = 64 * 1024
+# Pushes of at least this many payload bytes are checked in the checker thread, off the loop
+# (`paramserver.server.admission.checker`); smaller ones cost the loop well under a millisecond.
+CHECK_OFF_LOOP_BYTES = 1 << 20
 # Updates the PUB keeps for one subscriber (ZeroMQ SNDHWM; the default is 1000).
 PUB_HWM = 64
 
@@ -109,6 +117,7 @@ def run_batch(
     now: float,
     tick: bool = True,
     worker: StepWorker | None = None,
+    checker: PushChecker | None = None,
 ) -> list[tuple[bytes | None, list[Any]]]:
     """Handle a batch of requests (and a tick), store it, and settle what to send.
 
@@ -117,6 +126,11 @@ def run_batch(
     step is handed to it at the end of the turn (one at a time) instead of
     run here.
 
+    With a `checker`, the pushes whose payload checks finished there are
+    admitted first (`core.finish_push`), and the pushes the core hands off
+    (`Effects.checks`) are submitted to it; without one, or while draining,
+    they are checked here, each as it is handled.
+
     Args:
         core: the shard's core.
         storage: the shard's data directory.
@@ -124,6 +138,7 @@ def run_batch(
         now: wall-clock seconds.
         tick: also step due fragments and heartbeat (False while draining at stop).
         worker: the step thread (None: steps run in this thread, in the turn).
+        checker: the push checker thread (None: checks run in this thread).
 
     Returns:
         [(conn, frames)] to send in order, conn None for the PUB.
@@ -142,8 +157,18 @@ def run_batch(
         effects.extend(core.finish_step(now, done))
         start_next()  # before the held requests: what still waits for a step waits again
         requests = core.release_held() + requests
+    if checker is not None:
+        for job in checker.take():
+            effects.extend(core.finish_push(now, job))
     for request in requests:
-        effects.extend(core.handle(now, request))
+        handled = core.handle(now, request)
+        checks, handled.checks = handled.checks, []
+        effects.extend(handled)
+        for job in checks:
+            if checker is not None and tick:
+                checker.submit(job)
+            else:
+                effects.extend(core.finish_push(now, job.run()))
     if worker is None:
         if tick:
             effects.extend(core.on_tick(now, cleared()))
@@ -232,6 +257,7 @@ class ShardServer:
         self._router: zmq.Socket | None = None
         self._pub: zmq.Socket | None = None
         self._worker: StepWorker | None = None
+        self._checker: PushChecker | None = None
         self._poller: zmq.Poller | None = None
 
     @property
@@ -293,13 +319,17 @@ class ShardServer:
                 extra={"shard": self.index, "versions": state.versions()},
             )
             self._worker = StepWorker()
+            self._checker = PushChecker()
+            self.core.check_off_loop_bytes = CHECK_OFF_LOOP_BYTES
             self._poller = zmq.Poller()
             self._poller.register(router, zmq.POLLIN)
             self._poller.register(self._worker.wake_fd, zmq.POLLIN)
+            self._poller.register(self._checker.wake_fd, zmq.POLLIN)
             self.ready.set()
             while not stop.is_set():
                 self._turn(tick=True)
             self._worker.wait()  # a step under way is finished, logged and published
+            self._checker.wait()  # the pushes being checked are answered in the drain
             self._turn(tick=False)  # drain: answer what is queued, without waiting for more
             # the writer stops at its next piece
             report_checkpoint(self.core, storage, storage.abandon_checkpoint(), time.time())
@@ -308,6 +338,8 @@ class ShardServer:
         finally:
             if self._worker is not None:
                 self._worker.close()
+            if self._checker is not None:
+                self._checker.close()
             if auth is not None:
                 auth.stop()
             router.close(0)
@@ -333,7 +365,8 @@ class ShardServer:
             requests.append(Request(bytes(frames[0]), frames[1:], user_id))
         now = time.time()
         idle = not requests
-        for conn, message in run_batch(core, storage, requests, now, tick, self._worker):
+        turn = run_batch(core, storage, requests, now, tick, self._worker, self._checker)
+        for conn, message in turn:
             if conn is None:
                 self._pub.send_multipart(message, copy=False)
                 self._trim_due = True
@@ -400,3 +433,107 @@ def _user_id(frame: Any) -> str | None:
         return frame.get("User-Id")
     except (zmq.ZMQError, AttributeError):
         return None
+
+
+# -- the step thread ------------------------------------------------------------
+
+
+class StepWorker:
+    """The shard's step thread: runs one outer step's arithmetic while the serving loop goes on.
+
+    A step's cost grows with its fragment (seconds at a billion parameters); the
+    answers to heartbeats, acks and status must not. The loop hands a step's
+    work (`paramserver.server.state.StepWork`, begun by `ShardCore.start_step`)
+    to this thread, keeps serving, and books the result (`ShardCore.finish_step`:
+    the step's record is logged and fsynced, then its update published) on the
+    first turn after the thread says it is done. The thread touches only the
+    stepping fragment's arrays; numpy, numba and XLA release the GIL while they
+    work, so the loop is answered within a GIL switch interval.
+
+    One step at a time. The thread wakes the loop through a pipe whose read end
+    the loop polls beside its sockets (`wake_fd`).
+    """
+
+    def __init__(self) -> None:
+        """Start the thread (a daemon: a stuck step never keeps the process alive)."""
+        self._todo: queue.SimpleQueue[StepWork | None] = queue.SimpleQueue()
+        self._done: StepWork | None = None
+        self._running: StepWork | None = None
+        self._lock = threading.Lock()
+        self._finished = threading.Event()
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        self._thread = threading.Thread(target=self._serve, name="outer-step", daemon=True)
+        self._thread.start()
+
+    @property
+    def wake_fd(self) -> int:
+        """A file descriptor readable once a step is done (poll it beside the sockets)."""
+        return self._read_fd
+
+    @property
+    def busy(self) -> bool:
+        """Whether a step was submitted and not yet taken back (`take`)."""
+        with self._lock:
+            return self._running is not None or self._done is not None
+
+    def submit(self, work: StepWork) -> None:
+        """Run a step's arithmetic in the thread.
+
+        Args:
+            work: the step (from `ShardCore.start_step`).
+
+        Raises:
+            RuntimeError: a step is still under way or not taken back.
+        """
+        with self._lock:
+            if self._running is not None or self._done is not None:
+                raise RuntimeError("a step is already under way")
+            self._running = work
+            self._finished.clear()
+        self._todo.put(work)
+
+    def take(self) -> StepWork | None:
+        """The step that finished running, once (then the worker is free).
+
+        Returns:
+            The run work (its `error` set if the arithmetic raised), or None
+            while it runs or when none was submitted.
+        """
+        try:
+            while os.read(self._read_fd, 64):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            done, self._done = self._done, None
+        return done
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the step under way to finish running (the drain at stop).
+
+        Args:
+            timeout_s: how long at most (None: until it finishes).
+
+        Returns:
+            Whether no step is running now.
+        """
+        with self._lock:
+            if self._running is None:
+                return True
+        return self._finished.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop the thread after the step under way (if any) and close the pipe."""
+        self._todo.put(None)
+        self._thread.join()
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+    def _serve(self) -> None:
+        while (work := self._todo.get()) is not None:
+            work.run()  # keeps an exception in work.error for finish_step
+            with self._lock:
+                self._running, self._done = None, work
+                self._finished.set()
+            os.write(self._write_fd, b"\x01")

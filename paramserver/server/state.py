@@ -56,6 +56,7 @@ from typing import Any
 import numpy as np
 
 from paramserver.server.admission import outcomes
+from paramserver.server.admission.checker import CheckedPayload, check_payload
 from paramserver.server.admission.outcomes import Outcome, ShardCounters
 from paramserver.server.config import ShardConfig
 from paramserver.server.fragment import (
@@ -354,6 +355,27 @@ class ShardState(ShardInit):
             read, or the shard's over max_pending_bytes); counted.
             Parameters are never touched here.
         """
+        early = self.precheck_push(header, payload, now)
+        if early is not None:
+            return early
+        size = self.fragments[header["fragment"]].params.shape[0]
+        return self.admit_checked(header, payload, check_payload(payload, size), now)
+
+    def precheck_push(
+        self, header: Mapping[str, Any], payload: Sequence[Any], now: float
+    ) -> Outcome | None:
+        """The checks of a push that read no payload byte: its refusal (counted), or None.
+
+        Args:
+            header: a push header that passed protocol.unpack.
+            payload: its codec frames (only their byte counts are read).
+            now: wall-clock arrival time.
+
+        Returns:
+            The early outcome (a duplicate, or a refusal: plan, fragment, dedup,
+            staleness, count limits, the island's budget at the size sent),
+            or None when the payload is worth checking (`checker.check_payload`).
+        """
         key = (header["island"], header["fragment"])
         early = outcomes.check_push(
             header,
@@ -368,16 +390,40 @@ class ShardState(ShardInit):
             return outcomes.count(self.counters, early)
         frag = self.fragments[header["fragment"]]
         island, size = header["island"], frag.params.shape[0]
-        mine = self.pending_bytes(island)
         sent = sum(memoryview(f).nbytes for f in payload)  # ~ its coded size, before decoding
         limit = self.island_budget(sent, size)
-        full = outcomes.island_budget_refusal(island, mine, None, limit)  # before decoding
-        if full is not None:
-            return outcomes.count(self.counters, full)
-        delta = outcomes.read_delta(payload, size)
-        if isinstance(delta, Outcome):
-            return outcomes.count(self.counters, delta)
-        norm = l2_norm(delta)
+        full = outcomes.island_budget_refusal(island, self.pending_bytes(island), None, limit)
+        return None if full is None else outcomes.count(self.counters, full)
+
+    def admit_checked(
+        self,
+        header: Mapping[str, Any],
+        payload: Sequence[Any],
+        checked: CheckedPayload,
+        now: float,
+    ) -> Outcome:
+        """Accept a push whose payload was checked (`checker.check_payload`), or refuse it.
+
+        Call right after `precheck_push` returned None for it, with no state
+        change in between (the shard's loop calls both again when the payload
+        was checked off the loop meanwhile).
+
+        Args:
+            header: the push header.
+            payload: its codec frames (kept for the log record).
+            checked: its checked delta and norm, or the payload's refusal.
+            now: wall-clock arrival time.
+
+        Returns:
+            accepted (with its AcceptEvent) or rejected (counted).
+        """
+        if checked.refusal is not None:
+            return outcomes.count(self.counters, checked.refusal)
+        delta, norm = checked.delta, checked.norm
+        assert delta is not None
+        frag = self.fragments[header["fragment"]]
+        island, size = header["island"], frag.params.shape[0]
+        mine = self.pending_bytes(island)
         too_large = outcomes.norm_refusal(norm, self._param_norm(frag), frag.params.shape[0],
                                           self.cfg.max_delta_norm_ratio)  # fmt: skip
         if too_large is not None:

@@ -23,7 +23,7 @@ host); every other product is rounded on its own, as in the codec's rule.
 tests/test_fused_step.py checks the bits against the jitted step and against
 a numpy reference. On a host without FMA, XLA would round twice and the two
 paths would differ in the last bit of some elements.
-Imports numba: `fused_step` imports this module only when numba is there.
+Imports numba: `fragment_step.FusedNesterov` imports this module only when numba is there.
 """
 
 import numba

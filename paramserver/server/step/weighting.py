@@ -433,7 +433,7 @@ def clip_factor(
 
 
 def l2_norm(delta: DeltaSource | np.ndarray) -> float:
-    """L2 norm of a 1-D delta, accumulated in float64 piece by piece.
+    """L2 norm of a 1-D delta, accumulated in float64 (an int8 one from its codes: `merge.sum_squares`).
 
     Args:
         delta: the delta (a 1-D array, or a pending delta kept coded).

@@ -165,11 +165,7 @@ class ShardStorage:
         assert self._wal is not None, "call recover() first"
         try:
             for event in events:
-                header, payload = event_to_record(event)
-                # an accepted delta's frames: their crc32s were checked on receipt
-                received = isinstance(event, AcceptEvent) and event.frames is not None
-                checks = frame_checks(event.frames) if received else None
-                self._wal.append(header, payload, checks)
+                self._wal.append(*_record(event))
         except OSError as exc:
             self._wal.rollback()
             if self._wal.broken:
@@ -205,7 +201,7 @@ class ShardStorage:
                 lost.append(event)
                 continue
             try:
-                self._wal.append(*event_to_record(event))
+                self._wal.append(*_record(event))
             except OSError as exc:
                 if self._wal.broken:  # the record could not be cut off: cut the batch
                     self._wal.rollback()
@@ -431,3 +427,17 @@ class ShardStorage:
         if self._wal is not None:
             self._wal.close()
             self._wal = None
+
+
+def _record(event: Event) -> tuple[dict[str, Any], list[Any], list[int | None] | None]:
+    """An event's log record and, for an accepted delta's frames, the crc32s checked on receipt.
+
+    Args:
+        event: the event.
+
+    Returns:
+        (header, payload, checks) for `WriteAheadLog.append`.
+    """
+    header, payload = event_to_record(event)
+    received = isinstance(event, AcceptEvent) and event.frames is not None
+    return header, payload, frame_checks(event.frames) if received else None
