@@ -228,6 +228,15 @@ def test_an_update_with_neither_usable_codes_nor_values_is_refused_by_type_and_f
         )
         assert dev.versions == {0: 3}  # nothing adopted
     assert np.array_equal(dev.base_values()["w"], start["w"])
+    # two versions of one fragment in one call: the second's codes follow the first
+    steps = [np.full(64, 0.5, np.float32), np.linspace(-1, 1, 64, dtype=np.float32)]
+    coded = [codec.int8(block_size=16).encode({"values": x})[0] for x in steps]
+    (out,) = dev.fold(
+        leaves, [Update(0, 4 + i, None, read_codes(c, "values")) for i, c in enumerate(coded)]
+    )
+    want = start["w"] + codec.decode(coded[0])["values"] + codec.decode(coded[1])["values"]
+    assert dev.versions == {0: 5}
+    assert np.array_equal(np.asarray(out), want)  # overwrite: local = the new global values
 
 
 def test_streamed_pushes_of_some_fragments_equal_the_codecs_and_leave_the_others_alone():
