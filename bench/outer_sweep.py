@@ -19,7 +19,7 @@ corpus, each island its own shard of it). What the islands do is what
   `Session` does, so rounds run in lock step;
 - quorum mode: with ``--push-skip on`` a fragment whose last push is not yet
   merged skips its push and carries the work into the next one
-  (`worker.push_schedule.unblocked`); the last round always pushes.
+  (`worker.push_thread.unblocked`); the last round always pushes.
 
 Island i needs ``step_s * (1 + i / (2K))`` seconds per inner step (a mild
 speed mix), which it reports to the shard for the eq3 grace window. A step's

@@ -5,7 +5,7 @@
 
 Runs the same local cluster twice, `--streaming false` (the baseline: every
 fragment pushed at the round's end) and `--streaming true` (fragment p of P
-pushed at inner step floor(p * H / P) of each round, `worker.push_schedule`):
+pushed at inner step floor(p * H / P) of each round, `worker.push_thread`):
 one shard with `--fragments P`, N islands of the same speed, the same seed,
 data shards, H and rounds, so both runs put the same tokens into the model.
 Each island reaches the shard's ROUTER through its own port of a counting

@@ -20,7 +20,7 @@ import pytest
 from conftest import Cluster
 
 import worker
-from worker import push_schedule
+from worker import push_thread
 
 pytestmark = pytest.mark.timeout(90)
 FAST = {"heartbeat_interval_s": 0.2, "join_timeout_s": 30.0, "flush_timeout_s": 10.0}
@@ -66,9 +66,9 @@ def test_islands_faster_than_the_shard_get_no_too_many_pending_refusals(tmp_path
 def test_a_fragment_waits_while_a_shard_holds_its_last_delta_unmerged():
     last_push = {0: 7, 1: 7, 2: 6}  # fragment 3 was never pushed
     outcomes = {(7, 0): "merged", (7, 1): "acked", (6, 2): "rejected"}
-    assert push_schedule.unblocked([0, 1, 2, 3], last_push, outcomes) == [0, 2, 3]
+    assert push_thread.unblocked([0, 1, 2, 3], last_push, outcomes) == [0, 2, 3]
     unmerged = {(7, 0): "pending", (7, 1): "acked", (6, 2): "merged"}  # in flight or held
-    assert push_schedule.unblocked([0, 1, 2, 3], last_push, unmerged) == [2, 3]
+    assert push_thread.unblocked([0, 1, 2, 3], last_push, unmerged) == [2, 3]
 
 
 def _pushes_of_one_island(tmp_path, skip_stale_pushes: bool, rounds: int) -> tuple[int, int]:

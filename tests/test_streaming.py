@@ -10,7 +10,7 @@ from client_helpers import RecordingClient
 from conftest import Cluster
 
 from worker.config import IslandConfig
-from worker.push_schedule import (
+from worker.push_thread import (
     StreamingError,
     check_streaming_mode,
     due_fragments,

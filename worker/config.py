@@ -69,7 +69,7 @@ class IslandConfig:
     exchange: str = "device"
     # push fragment p of P at inner step floor(p * H / P) of each round, each with its own delta
     # since its own last push, instead of all at the round's end: the peak rate at the island's
-    # link falls by about P (worker.push_schedule); a cluster of mode sync is refused
+    # link falls by about P (worker.push_thread); a cluster of mode sync is refused
     streaming: bool = False
     # rounds (or streamed fragments) whose exchange, codes to the host, outbox fsync and push,
     # runs on a thread beside the next inner steps; a step past them waits (lost time);
@@ -77,7 +77,7 @@ class IslandConfig:
     overlap_rounds: int = 1
     # quorum mode: a fragment whose last delta is not merged yet skips its push and carries the
     # work into the next one (fewer, larger deltas against newer bases when the shards lag;
-    # worker.push_schedule.unblocked); false = push every round as sync and async islands do
+    # worker.push_thread.unblocked); false = push every round as sync and async islands do
     skip_stale_pushes: bool = True
     eval_every: int = 2  # rounds between evaluations of the global parameters (0 = never)
     eval_batches: int = 4  # held-out batches per evaluation

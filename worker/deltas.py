@@ -214,7 +214,7 @@ class DeltaLedger:
             return out
 
     def newest_outcomes(self, fragments: Iterable[int]) -> tuple[dict[int, int], dict[Key, str]]:
-        """Each fragment's newest push and its outcome (quorum's skip, `push_schedule.unblocked`).
+        """Each fragment's newest push and its outcome (quorum's skip, `push_thread.unblocked`).
 
         Args:
             fragments: the fragments asked about.

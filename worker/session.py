@@ -13,7 +13,7 @@ island's persisted session token, `worker.session_token`), re-sends what a
 previous run left in ``<data_dir>/outbox.bin`` (`worker.outbox`) and hands out
 the global model placed like `params`. `Session.step` counts inner steps;
 when a fragment's delta is due (every `inner_steps` calls, or per fragment at
-its own step with streaming: `worker.push_schedule`) it pushes each due
+its own step with streaming: `worker.push_thread`) it pushes each due
 fragment's work since its last push (`worker.exchange`'s rule, encoded with
 error feedback, written to the outbox file before it leaves; a
 fragment whose previous delta is not merged skips a push in quorum mode and
@@ -47,7 +47,7 @@ opens sockets and `worker.leader_sync` shares its decisions.
 Its parts: `worker.session_rows` (the metrics rows and the training report
 at each round's end) and `worker.session_end` (`close`, `abandon`,
 `SessionClosed`); its decisions live in `worker.exchange`,
-`worker.push_schedule`, `worker.goodput`, `worker.deltas`, `worker.outbox` and
+`worker.push_thread`, `worker.goodput`, `worker.deltas`, `worker.outbox` and
 `worker.leader_sync`.
 """
 
@@ -76,8 +76,15 @@ from worker.host_exchange import HostExchange
 from worker.leader_sync import LeaderSync
 from worker.outbox import OUTBOX_FILE, Outbox
 from worker.param_tree import TreeError, TreeLayout
-from worker.push_schedule import check_streaming_mode, due_fragments, unblocked
-from worker.push_thread import PushFailed, PushJob, PushThread, deliver
+from worker.push_thread import (
+    PushFailed,
+    PushJob,
+    PushThread,
+    check_streaming_mode,
+    deliver,
+    due_fragments,
+    unblocked,
+)
 from worker.session_config import make_codec, session_config
 from worker.session_end import SessionClosed, SessionEnd, claim_island
 from worker.session_rows import SessionRows
@@ -373,7 +380,7 @@ class Session(SessionRows, SessionEnd):
         self.goodput_clock.step_ended(time.monotonic())
         return out
 
-    def _unblocked(self, due: list[int]) -> list[int]:  # `push_schedule.unblocked`
+    def _unblocked(self, due: list[int]) -> list[int]:  # `push_thread.unblocked`
         down = self.client is not None and self.client.stats().get("shards_down")  # queue
         if self.client is None or self.mode != "quorum" or self.leader_sync.multi or down:
             return due

@@ -22,8 +22,7 @@ from worker.deltas import DeltaLedger
 from worker.leader_sync import LeaderSync
 from worker.outbox import Outbox
 from worker.param_tree import TreeLayout
-from worker.push_schedule import flush_fragments
-from worker.push_thread import PushThread
+from worker.push_thread import PushThread, flush_fragments
 
 logger = logging.getLogger(__name__)
 
