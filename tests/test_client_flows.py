@@ -54,6 +54,7 @@ class Flow:
     up: int = 0
     down: int = 0
     cut: bool = False
+    closed: bool = False
 
 
 class Relay:
@@ -133,6 +134,8 @@ class Relay:
 
     def _pipe(self, sel: selectors.BaseSelector, index: int, towards_shard: bool) -> None:
         flow = self.flows[index]
+        if flow.closed:  # its other end's event of the same round closed it
+            return
         source, sink = (flow.island, flow.shard) if towards_shard else (flow.shard, flow.island)
         try:
             data = source.recv(1 << 16)
@@ -159,12 +162,13 @@ class Relay:
             except OSError:
                 cut = True
         if cut or not data:
-            flow.cut = flow.cut or cut
+            flow.cut, flow.closed = flow.cut or cut, True
             for sock in (flow.island, flow.shard):
                 with contextlib.suppress(KeyError, ValueError):
                     sel.unregister(sock)
-                # reset, not a clean close: a connection cut in the middle of a message
-                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
+                with contextlib.suppress(OSError):
+                    # reset, not a clean close: a connection cut in the middle of a message
+                    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, _RESET)
                 sock.close()
 
 
@@ -236,6 +240,9 @@ def _expected(res, deltas: dict[int, np.ndarray]) -> dict[str, np.ndarray]:
 def _shard_values(res, router: str, peer) -> dict[str, np.ndarray]:
     out = {leaf.path: np.zeros(leaf.shape, np.float32) for leaf in res.plan.leaves}
     reader = peer(router)
+    stepped = {str(f.index): res.versions[f.index] + 1 for f in res.plan.fragments}
+    # the steps run off the shard's serving loop: they may come after the acks
+    wait_for(lambda: reader.status()["versions"] == stepped, "the steps", poll_s=0.25)
     for f in res.plan.fragments:
         reply, values = reader.snapshot(f.index, f.size)
         assert reply["version"] == res.versions[f.index] + 1  # one step per fragment

@@ -3,12 +3,15 @@
 Pure rules, no sockets (docs/protocol.md section 1, "Control and bulk
 connections"): an island's control DEALER carries hello, heartbeats, status
 and bye; its bulk DEALERs carry `BULK_KINDS`, so that a long push never
-delays a heartbeat, each message whole on the one `Flows` picks. One TCP flow's window is what the kernel lets its socket
+delays a heartbeat. One TCP flow's window is what the kernel lets its socket
 buffers grow to (autotuning up to net.ipv4.tcp_wmem/tcp_rmem's maximum, 4 MiB
 by default), so a link whose bandwidth-delay product is larger needs several
 flows or larger buffers: `bulk_flows` picks the count, `flow_buffer_bytes`
 the buffer of each (`paramserver.client.io_thread.Links` applies it as ZeroMQ
-SNDBUF/RCVBUF).
+SNDBUF/RCVBUF). `Flows` puts each bulk message, whole, on the flow with the
+fewest bytes in flight and knows what a flow that died was carrying;
+`pieces_in_flight` sizes the init and snapshot pieces so that every flow
+carries one.
 """
 
 from __future__ import annotations
