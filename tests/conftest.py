@@ -216,8 +216,13 @@ class Peer:
         return reply, snapshot_values(reply, payload, size)
 
     def status(self) -> dict[str, Any]:
-        """The shard's status dict."""
-        reply, _ = self.request({"kind": "status"})
+        """The shard's status dict (a `throttled` refusal is waited out, as a client does)."""
+        deadline = time.monotonic() + 30.0
+        while True:
+            reply, _ = self.request({"kind": "status"})
+            if reply.get("reason") != "throttled" or time.monotonic() > deadline:
+                break
+            time.sleep(min(1.0, float(reply.get("retry_after_s") or 0.05)))
         assert reply["kind"] == "status_reply", reply
         return reply["status"]
 
