@@ -10,9 +10,12 @@ initialised the shard never pushes). `accept_s` is
 the median time from the push's frames to its ack ready to send: the
 header and payload checks, the norm, the log append and the fsync
 (`accept_vs_memcpy`: over one memcpy of N float32 values, the median of 9
-measured in the same run, at the same load). Where the shard checks a large
-push's payload off its loop (`paramserver.server.admission.checker`), the
-loop's own share is `loop_hold_s` (what a heartbeat waits at most).
+measured in the same run, at the same load). `loop_hold_s` is the longest
+loop turn of a push (what a heartbeat arriving meanwhile waits at most):
+all of it where the loop checks the payload itself; where the shard checks
+a large push's payload off its loop (`paramserver.server.admission.checker`),
+the longer of the turn that hands it off and the one that logs, fsyncs and
+acks it.
 
 Stages, the same frames outside the shard: `read_s` (frames, checksums or
 zstd, header; `outcomes.read_delta`), `norm_s` (`weighting.l2_norm` of the
@@ -139,7 +142,9 @@ def measure(params: int, repeats: int, zstd: bool, out: Path) -> dict[str, Any]:
         hold = time.perf_counter() - started
         replies = [protocol.unpack(m, protocol.REPLY)[0] for c, m in sent if c is not None]
         while not replies and checker and _wait(checker):  # checked off the loop: book it
+            started = time.perf_counter()
             sent = run_batch(core, storage, [], T0, True, **checker)
+            hold = max(hold, time.perf_counter() - started)  # the turn that logs and acks it
             replies = [protocol.unpack(m, protocol.REPLY)[0] for c, m in sent if c is not None]
         return replies[-1], hold
 

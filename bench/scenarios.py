@@ -91,8 +91,8 @@ def quick() -> tuple[Budget, list[Scenario]]:
     """The CI smoke report: 2 islands, few rounds, the core comparison only."""
     budget = Budget(
         islands=2,
-        inner_steps=10,
-        steps_per_island=20,  # 2 rounds: every figure of the report, in the least training
+        inner_steps=5,  # 4 rounds (uptime needs whole rounds after the first merge)
+        steps_per_island=20,
         link=LinkSpec(rate_mbit=5.0, delay_ms=25.0),
         wall_cap_s=120.0,
     )
