@@ -23,7 +23,8 @@ JSON object: the inputs, per run the join and round seconds, the round's
 bytes and MB/s, the client's and the shard's counters (acked, duplicates,
 re-sends, reconnects; accepted) and the bytes each relayed connection
 carried towards the shard; the speed-up of `--links` over 1 (round and
-join, same run), and the load average before and after.
+join, same run), and the load average before and after. A line on stderr
+after each join and round.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _say(line: str) -> None:
+    """One progress line on stderr."""
+    print(f"flows: {line}", file=sys.stderr, flush=True)
 
 
 class _Shard:
@@ -164,6 +170,7 @@ def run_once(
             start = time.monotonic()
             joined = client.join({"w": values})
             join_s = time.monotonic() - start
+            _say(f"bulk_links={bulk_links}: joined in {join_s:.2f} s")
             delta = np.full(fragment_values, 0.001, np.float32)
             frames, _ = codec.raw("float32").encode({"delta": delta})
             start = time.monotonic()
@@ -175,6 +182,7 @@ def run_once(
                     raise FlowsBenchError(f"not every push acked within {timeout_s} s", bulk_links)
                 time.sleep(POLL_S)
             round_s = time.monotonic() - start
+            _say(f"bulk_links={bulk_links}: round of {fragments} pushes in {round_s:.2f} s")
             stats = client.stats()
         finally:
             if client is not None:
