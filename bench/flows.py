@@ -45,6 +45,7 @@ import codec
 from bench import child
 from bench.window_relay import WindowRelay
 from paramserver.client import Client, ClientConfig
+from paramserver.client.links import MAX_BULK_LINKS
 from paramserver.server.config import ShardConfig
 from paramserver.server.shard import ShardServer
 
@@ -263,7 +264,14 @@ def measure(
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the bench; print the JSON report."""
+    """Run the bench; print the JSON report (exit 2 with one line on a flag out of range)."""
+    if not 1 <= args.links <= MAX_BULK_LINKS or args.fragments < 1 or args.window_kib < 1:
+        print(
+            f"python -m bench.flows: --links must be 1-{MAX_BULK_LINKS}, --fragments and "
+            "--window-kib at least 1",
+            file=sys.stderr,
+        )
+        return 2
     values = max(1, int(args.fragment_mib * (1 << 20) / 4))
     report = measure(
         args.links, args.fragments, values, args.window_kib * 1024,
