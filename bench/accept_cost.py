@@ -13,7 +13,7 @@ header and payload checks, the norm, the log append and the fsync
 measured in the same run, at the same load). `loop_hold_s` is the longest
 loop turn of a push (what a heartbeat arriving meanwhile waits at most):
 all of it where the loop checks the payload itself; where the shard checks
-a large push's payload off its loop (`paramserver.server.admission.checker`),
+a large push's payload off its loop (`paramserver.server.shard.PushChecker`),
 the longer of the turn that hands it off and the one that logs, fsyncs and
 acks it.
 
@@ -183,8 +183,7 @@ def measure(params: int, repeats: int, zstd: bool, out: Path) -> dict[str, Any]:
 def _checker(core: ShardCore) -> dict[str, Any]:
     """run_batch's keyword for the payload checker thread, where the shard has one (as its loop)."""
     try:
-        from paramserver.server.admission.checker import PushChecker
-        from paramserver.server.shard import CHECK_OFF_LOOP_BYTES
+        from paramserver.server.shard import CHECK_OFF_LOOP_BYTES, PushChecker
     except ImportError:  # a shard that checks every push on its loop
         return {}
     core.check_off_loop_bytes = CHECK_OFF_LOOP_BYTES

@@ -27,6 +27,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "step_rule": ("bench.step_rule", "The step rule as islands multiply: round movement for K = 1..16, async vs sync loss (push-only folds), the harsh mix."),
     "chaos": ("bench.chaos", "Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed."),
     "control_plane": ("bench.control_plane", "The control plane under a bulk push on a thin, long link: one shared connection against two."),
+    "flows": ("bench.flows", "Several bulk flows against one on window-limited connections: a join and a round of pushes."),
     "codec": ("bench.codec", "Codec benchmark: ratio, error, error feedback and throughput of every scheme."),
     "device": ("bench.device_check", "The accelerator check: installs CUDA JAX where a GPU lacks it; island, quantize and join figures against baselines, one JSON."),
     "demo": ("bench.demo", "The main job: a local cluster (2 shards, 3 islands, one at half speed) training on the embedded corpus."),

@@ -10,8 +10,9 @@ from shard_helpers import delta_frames, nan_frames, push_header
 from shard_sim import Island, ShardSim
 
 import codec
-from paramserver.server.admission.checker import PushCheck, PushChecker, check_payload
-from paramserver.server.shard import run_batch
+from paramserver.server.admission.outcomes import check_payload
+from paramserver.server.effects import PushCheck
+from paramserver.server.shard import PushChecker, run_batch
 from paramserver.wire import protocol
 
 pytestmark = pytest.mark.timeout(120)

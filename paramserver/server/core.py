@@ -35,7 +35,7 @@ what `status` shows of each island are `paramserver.server.admission.outcomes`;
 the state's rules (dedup, limits, staleness) decide a push. A large push's
 payload (checksums, decompression, the norm) is checked off the core: `handle`
 returns it as a `PushCheck` (`Effects.checks`) and `finish_push` admits it once
-checked (`paramserver.server.admission.checker`). Snapshots, status
+checked (`paramserver.server.shard.PushChecker`). Snapshots, status
 and heartbeats need no disk, so they are served through storage faults.
 
 What the core asks its I/O loop to do is plain data
@@ -60,7 +60,6 @@ from typing import Any
 import codec
 from paramserver.plumbing.identity import IslandGuard
 from paramserver.server.admission import gate, outcomes
-from paramserver.server.admission.checker import PushCheck
 from paramserver.server.admission.gate import ReplyBacklog
 from paramserver.server.admission.outcomes import IslandReports, Outcome
 from paramserver.server.config import ShardConfig
@@ -69,6 +68,7 @@ from paramserver.server.effects import (
     DurableReply,
     Effects,
     Publish,
+    PushCheck,
     Reply,
     Request,
     StorageFailure,
@@ -152,7 +152,7 @@ class ShardCore:
         self._held_snapshots: list[Request] = []  # of the fragment in step: after it (finish_step)
         self._due: set[int] = set()  # the fragments due at the last due_steps
         # pushes of at least this many payload bytes are checked off the core (0: never;
-        # the shard's loop, which has a checker thread, sets it): see admission.checker
+        # the shard's loop, which has a checker thread, sets it): see shard.PushChecker
         self.check_off_loop_bytes = 0
         self.checking = 0  # pushes handed off (Effects.checks) and not yet finish_push'ed
 

@@ -4,17 +4,20 @@
 first, the `Reply`s to send whatever happens, the `DurableReply`s whose answer
 depends on the log, the `Publish`es); the I/O loop
 (`paramserver.server.shard.run_batch`) performs them and tells the core of a
-`StorageFailure`. A `DueStep` is a step the merge policy says is due. Plain
-data, no I/O.
+`StorageFailure`. A `DueStep` is a step the merge policy says is due. A
+`PushCheck` is a push whose payload the loop checks off the core (its one
+piece of work: `outcomes.check_payload`, pure) and hands back. Plain data,
+no I/O.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from paramserver.server.admission.checker import PushCheck
-from paramserver.server.admission.outcomes import Outcome
+from paramserver.server.admission import outcomes
+from paramserver.server.admission.outcomes import CheckedPayload, Outcome, check_payload
 from paramserver.server.fragment import AcceptEvent, Event, StepEvent
 from paramserver.server.state import ShardState
 
@@ -153,3 +156,35 @@ class StorageFailure:
         if self.lost is None:
             return True
         return any(isinstance(e, StepEvent) and e.fragment == fragment for e in self.lost)
+
+
+@dataclass
+class PushCheck:
+    """A push whose payload the loop has checked off the core (`check_payload`).
+
+    Attributes:
+        request: the request as received (admitted: its rate was charged).
+        header: its decoded header.
+        payload: its codec frames.
+        size: the fragment's size.
+        result: the checked payload, once `run` ran.
+    """
+
+    request: Request
+    header: dict[str, Any]
+    payload: Sequence[Any]
+    size: int
+    result: CheckedPayload | None = field(default=None)
+
+    def run(self) -> PushCheck:
+        """Check the payload (any error becomes an internal_error refusal).
+
+        Returns:
+            self, with `result` set.
+        """
+        try:
+            self.result = check_payload(self.payload, self.size)
+        except Exception as exc:  # a bug must not take the shard down; it is counted
+            refusal = outcomes.refused("internal_error", f"{type(exc).__name__}: {exc}")
+            self.result = CheckedPayload(None, refusal=refusal)
+        return self

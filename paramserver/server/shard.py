@@ -14,7 +14,7 @@ the files are `paramserver.server.storage`'s. One loop turn:
        its record joins this batch's, its update is published after them);
        admit the pushes whose payload the checker thread has checked
        (`core.finish_push`; a push of at least CHECK_OFF_LOOP_BYTES is
-       checked there, off the loop: `paramserver.server.admission.checker`);
+       checked there, off the loop: `PushChecker`);
        hand every request read to `core.handle`; ask the core which steps
        are due (`core.due_steps`), let the data directory defer one a
        checkpoint still reads (`storage.before_step`), and hand the first of
@@ -59,9 +59,9 @@ import zmq
 
 from paramserver.plumbing import heap
 from paramserver.plumbing.curve import CurveServer
-from paramserver.server.admission.checker import PushChecker
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
+from paramserver.server.effects import PushCheck
 from paramserver.server.state import ShardState, StepWork
 from paramserver.server.storage.checkpoint_job import CheckpointResult
 from paramserver.server.storage.shard_storage import ShardStorage, StorageError
@@ -76,7 +76,7 @@ STOP_CHECK_S = 0.1
 # Replies (and frames) of at least this many bytes are tracked until ZeroMQ wrote them out.
 TRACK_MIN_BYTES = 64 * 1024
 # Pushes of at least this many payload bytes are checked in the checker thread, off the loop
-# (`paramserver.server.admission.checker`); smaller ones cost the loop well under a millisecond.
+# (`PushChecker`); smaller ones cost the loop well under a millisecond.
 CHECK_OFF_LOOP_BYTES = 1 << 20
 # Updates the PUB keeps for one subscriber (ZeroMQ SNDHWM; the default is 1000).
 PUB_HWM = 64
@@ -536,4 +536,103 @@ class StepWorker:
             with self._lock:
                 self._running, self._done = None, work
                 self._finished.set()
+            os.write(self._write_fd, b"\x01")
+
+
+# -- the push checker thread ------------------------------------------------------
+
+
+class PushChecker:
+    """The shard's push checker thread: checks large pushes' payloads while the loop serves.
+
+    A push's payload check (`outcomes.check_payload`: the codec frames'
+    checksums or zstd, the header's sizes, finiteness, the delta's L2 norm)
+    reads every byte the island sent: tens of milliseconds or more for a
+    large push, which heartbeats, acks and status on the loop would wait too.
+    The core hands a push of at least `ShardCore.check_off_loop_bytes` (the
+    loop sets CHECK_OFF_LOOP_BYTES) to the loop as a `PushCheck` once the
+    checks that read no payload byte passed; the loop submits it here and
+    keeps serving, and on a later turn hands the checked job back
+    (`ShardCore.finish_push`), which runs the payload-free checks again (a
+    copy may have been accepted meanwhile, or a step begun) and admits it.
+    Its record is logged with that turn's batch and fsynced before its ack.
+
+    One thread, first in first out; once any push is being checked every
+    later push goes the same way (`ShardCore`), so pushes are admitted in
+    arrival order. Without a checker (the simulation tests) or while
+    draining, `run_batch` runs the job itself in the same turn. The thread
+    wakes the loop through a pipe whose read end the loop polls beside its
+    sockets (`wake_fd`), as the step thread does.
+    """
+
+    def __init__(self) -> None:
+        """Start the thread (a daemon: a stuck check never keeps the process alive)."""
+        self._todo: queue.SimpleQueue[PushCheck | None] = queue.SimpleQueue()
+        self._done: list[PushCheck] = []
+        self._queued = 0  # submitted and not yet done
+        self._lock = threading.Lock()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._read_fd, self._write_fd = os.pipe()
+        os.set_blocking(self._read_fd, False)
+        self._thread = threading.Thread(target=self._serve, name="push-check", daemon=True)
+        self._thread.start()
+
+    @property
+    def wake_fd(self) -> int:
+        """A file descriptor readable once a check is done (poll it beside the sockets)."""
+        return self._read_fd
+
+    def submit(self, job: PushCheck) -> None:
+        """Check a push in the thread, after those submitted before it.
+
+        Args:
+            job: the push (from the core's effects).
+        """
+        with self._lock:
+            self._queued += 1
+            self._idle.clear()
+        self._todo.put(job)
+
+    def take(self) -> list[PushCheck]:
+        """The checks done since the last call, in submission order.
+
+        Returns:
+            The jobs, each with its `result`.
+        """
+        try:
+            while os.read(self._read_fd, 64):
+                pass
+        except BlockingIOError:
+            pass
+        with self._lock:
+            done, self._done = self._done, []
+        return done
+
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait until every submitted check is done (the drain at stop).
+
+        Args:
+            timeout_s: how long at most (None: until they are).
+
+        Returns:
+            Whether none is still running or queued.
+        """
+        return self._idle.wait(timeout_s)
+
+    def close(self) -> None:
+        """Stop the thread after the checks queued (if any) and close the pipe."""
+        self._todo.put(None)
+        self._thread.join()
+        os.close(self._read_fd)
+        os.close(self._write_fd)
+
+    def _serve(self) -> None:
+        while (job := self._todo.get()) is not None:
+            job.run()
+            with self._lock:
+                self._done.append(job)
+                self._queued -= 1
+                if not self._queued:
+                    self._idle.set()
             os.write(self._write_fd, b"\x01")

@@ -56,8 +56,12 @@ from typing import Any
 import numpy as np
 
 from paramserver.server.admission import outcomes
-from paramserver.server.admission.checker import CheckedPayload, check_payload
-from paramserver.server.admission.outcomes import Outcome, ShardCounters
+from paramserver.server.admission.outcomes import (
+    CheckedPayload,
+    Outcome,
+    ShardCounters,
+    check_payload,
+)
 from paramserver.server.config import ShardConfig
 from paramserver.server.fragment import (
     DEDUP_MAX_ROUNDS,
@@ -374,7 +378,7 @@ class ShardState(ShardInit):
         Returns:
             The early outcome (a duplicate, or a refusal: plan, fragment, dedup,
             staleness, count limits, the island's budget at the size sent),
-            or None when the payload is worth checking (`checker.check_payload`).
+            or None when the payload is worth checking (`outcomes.check_payload`).
         """
         key = (header["island"], header["fragment"])
         early = outcomes.check_push(
@@ -402,7 +406,7 @@ class ShardState(ShardInit):
         checked: CheckedPayload,
         now: float,
     ) -> Outcome:
-        """Accept a push whose payload was checked (`checker.check_payload`), or refuse it.
+        """Accept a push whose payload was checked (`outcomes.check_payload`), or refuse it.
 
         Call right after `precheck_push` returned None for it, with no state
         change in between (the shard's loop calls both again when the payload

@@ -8,7 +8,8 @@ per-island pending bound), the delta's norm bound (`norm_refusal`), the pending 
 (`oversize`), the refusals of a snapshot request (`snapshot_refusal`), the
 answer to an island the shard does not know on that connection
 (`unknown_island`), the payload checks of `init` and `push` (`read_init`,
-`read_delta`), how an outcome is counted (`count`) and the reply header
+`read_delta`, and `check_payload`: a push's whole payload check with its
+delta's norm, the work the shard's loop may run off its thread), how an outcome is counted (`count`) and the reply header
 it becomes (`render`: an `ack` for a push, else `rejected`). The rules take
 plain values, so they import nothing of the shard's state.
 
@@ -260,6 +261,39 @@ def read_delta(payload: Sequence[Any], size: int) -> CodedTensor | Outcome:
     if not delta.all_finite():
         return refused("non_finite", "values contain NaN or Inf")
     return delta
+
+
+@dataclass(frozen=True)
+class CheckedPayload:
+    """A push's payload, checked: its delta (kept coded) and norm, or why it is refused.
+
+    Attributes:
+        delta: the delta, or None when refused.
+        norm: its L2 norm (float64; 0 when refused).
+        refusal: the rejected outcome (codec_error, bad_shape, bad_dtype,
+            non_finite; not yet counted), or None.
+    """
+
+    delta: CodedTensor | None
+    norm: float = 0.0
+    refusal: Outcome | None = None
+
+
+def check_payload(payload: Sequence[Any], size: int) -> CheckedPayload:
+    """Check a push's payload and take its delta's norm (reads every byte once; no state).
+
+    Args:
+        payload: codec frames of the tree {"delta": 1-D vector}.
+        size: the fragment's size.
+
+    Returns:
+        The checked payload.
+    """
+    delta = read_delta(payload, size)
+    if isinstance(delta, Outcome):
+        return CheckedPayload(None, refusal=delta)
+    # the norm `step.weighting.l2_norm` takes of a coded delta, bit for bit
+    return CheckedPayload(delta, float(np.sqrt(delta.sum_squares())))
 
 
 def norm_refusal(norm: float, param_norm: float, size: int, ratio: float) -> Outcome | None:
