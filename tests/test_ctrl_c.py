@@ -136,7 +136,7 @@ def examples(tmp_path) -> Iterator[Callable[[str, list[str]], Case]]:
         argv = [sys.executable, "-u", str(EXAMPLE), "--out", str(out), "--json", *flags]
         proc = subprocess.Popen(
             argv, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            text=True, env={**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONFAULTHANDLER": "1"},
         )  # fmt: skip
         case = Case(proc, out, pids={proc.pid})
         with lock:
@@ -248,8 +248,14 @@ def _run_case(start: Callable[[str, list[str]], Case], index: int, moment: Momen
         time.sleep(_POLL_S)
     took = time.monotonic() - sent
     label = f"case {index} ({moment.kind}, +{moment.delay_s:.2f}s)"
-    if case.proc.poll() is None:
-        return f"{label}: still running {took:.1f}s after the SIGINT:\n{case.output()[-3000:]}"
+    if case.proc.poll() is None:  # where its threads are: faulthandler dumps them on SIGABRT
+        case.proc.send_signal(signal.SIGABRT)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            case.proc.wait(timeout=10)
+        dumped = time.monotonic() + 5.0  # the reader thread takes the dump's lines
+        while "most recent call first" not in case.output() and time.monotonic() < dumped:
+            time.sleep(_POLL_S)
+        return f"{label}: still running {took:.1f}s after the SIGINT:\n{case.output()[-12000:]}"
     left = sorted(pid for pid in case.pids if daemon.pid_alive(pid))
     if left:
         return f"{label}: pids {left} left running:\n{case.output()[-3000:]}"

@@ -110,12 +110,14 @@ def run_island(
         results = finish(procs, 400)
         for code, text in results:
             assert code == 0, text[-3000:]
-        versions = shard_status(shard)["versions"]
+        shard_report = shard_status(shard)
+        versions = shard_report["versions"]
     finally:
         shard.stop()
     rows = metrics(tmp / f"{name}-p0")
     return {
         "versions": versions,
+        "shard": shard_report,
         "rows": [r for r in rows if "loss" in r and not r.get("final")],
         "evals": [r["eval_global"] for r in rows if "eval_global" in r],
         "outputs": [text for _, text in results],

@@ -191,8 +191,11 @@ def test_a_two_process_streaming_island_pushes_through_the_announced_gather(tmp_
         shard_flags=("--mode", "async", "--fragments", "4"), rounds=3,
     )  # fmt: skip
     versions = run["versions"]
-    # H = 4, P = 4: one fragment per step; 3 rounds, then fragments 1..3 flushed
-    assert len(versions) == 4 and all(int(v) >= 3 for v in versions.values()), versions
+    # H = 4, P = 4: one fragment per step; 3 rounds, then fragments 1..3 flushed: 15 pushes,
+    # every one accepted (a version counts steps: a step may merge two pushes of a fragment
+    # when the shard lags, so versions are only known to have moved)
+    assert len(versions) == 4 and all(int(v) >= 1 for v in versions.values()), versions
+    assert run["shard"]["accepted"] == 3 * 4 + 3, run["shard"]
     final = [r for r in metrics(tmp_path / "s-p0") if r.get("final")][-1]
     assert final["pushes"] == 3 * 4 + 3 and final["acked"] == final["pushes"], final
     follower = run["status"][1]
