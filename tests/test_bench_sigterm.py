@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from paramserver.plumbing import daemon
+from paramserver.plumbing import daemon, probe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 
@@ -35,12 +35,20 @@ def _wait_for(check, timeout_s: float, what: str, proc: subprocess.Popen) -> obj
     raise AssertionError(f"no {what} within {timeout_s} s")
 
 
-def _ready_pids(ready: Path) -> list[int] | None:
+def _ready(ready: Path) -> dict | None:
     try:
-        info = json.loads(ready.read_text())
+        return json.loads(ready.read_text())
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-    return [info["pid"], *info["shard_pids"]]
+
+
+def _island_joined(router: str) -> bool:
+    """Whether an island said hello to the shard at `router` (the bench is past its start)."""
+    try:
+        shards = probe.cluster_status(router, timeout_s=2.0)["shards"]
+    except probe.ProbeError:
+        return False
+    return any(s.get("islands_known", 0) >= 1 for s in shards)
 
 
 def test_sigterm_as_timeout_sends_it_stops_every_daemon_the_bench_started(tmp_path):
@@ -52,8 +60,13 @@ def test_sigterm_as_timeout_sends_it_stops_every_daemon_the_bench_started(tmp_pa
     pids: list[int] = []
     try:
         ready = out / "mlp" / "server" / "ready.json"  # the supervisor's, once every shard serves
-        pids = _wait_for(lambda: _ready_pids(ready), 90.0, "a serving server", bench)
+        info = _wait_for(lambda: _ready(ready), 90.0, "a serving server", bench)
+        pids = [info["pid"], *info["shard_pids"]]
         assert all(daemon.pid_alive(p) for p in pids), pids
+        # the bench's island joined: its server start returned (a SIGTERM while
+        # `diloco-server start` still runs is not what this test covers)
+        router = info["endpoints"][0][0]
+        _wait_for(lambda: _island_joined(router), 90.0, "the bench's island", bench)
         os.kill(bench.pid, signal.SIGTERM)  # as `timeout` does: the command, then its group
         os.killpg(bench.pid, signal.SIGTERM)
         code = bench.wait(60)
