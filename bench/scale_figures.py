@@ -287,6 +287,7 @@ def size_figures(
             "during_checkpoint": milliseconds(during_p99),
             "samples": {"quiet": len(quiet), "during_checkpoint": len(during)},
             **judged("ack_p99_checkpoint_vs_quiet", ratio),
+            **_unmeasured_why(quiet, during),
         },
         "checkpoint_s": {
             "median": round(statistics.median(seconds), 3) if seconds else None,
@@ -312,6 +313,20 @@ def size_figures(
             " joins, over N",
         },
     }
+
+
+def _unmeasured_why(quiet: list[float], during: list[float]) -> dict[str, str]:
+    """{"why": ...} when the checkpoint ratio has no sample on one side, else {}.
+
+    A small model's checkpoint can be written before the first probe is pushed:
+    then no probe overlapped one and the ratio is not measured (met None).
+    """
+    if not during:
+        return {"why": "no probe overlapped a checkpoint (each was written before the first"
+                " probe); the ratio is not measured"}
+    if not quiet:
+        return {"why": "no probe ran outside a checkpoint; the ratio is not measured"}
+    return {}
 
 
 def _over(value: float | None, base: float | None, params: int) -> float | None:
