@@ -322,8 +322,10 @@ def _unmeasured_why(quiet: list[float], during: list[float]) -> dict[str, str]:
     then no probe overlapped one and the ratio is not measured (met None).
     """
     if not during:
-        return {"why": "no probe overlapped a checkpoint (each was written before the first"
-                " probe); the ratio is not measured"}
+        return {
+            "why": "no probe overlapped a checkpoint (each was written before the first"
+            " probe); the ratio is not measured"
+        }
     if not quiet:
         return {"why": "no probe ran outside a checkpoint; the ratio is not measured"}
     return {}
