@@ -20,7 +20,9 @@ What waits, and for what:
 - a `snapshot_reply` while a step's record is being written: that record
   (a snapshot never shows a version that a crash could take back);
 - everything else (heartbeats, status, welcome, refusals, PUB heartbeats):
-  nothing; it is sent in the turn that answered it.
+  nothing; it is sent in the turn that answered it. (So `status` shows the
+  state as admitted: its versions and counters may be ahead of the disk by
+  what the writer still holds.)
 
 The log's order is the order of admission: one writer, first in first out.
 So a record on disk has every record admitted before it on disk too, which
