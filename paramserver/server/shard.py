@@ -37,7 +37,8 @@ the files are `paramserver.server.storage`'s. One loop turn:
        (`heap.trim`: a step's temporaries, the merged pushes' frames, sent
        updates);
     4. `maybe_checkpoint`: collect a checkpoint that finished writing; begin
-       one when the core says it is due and the log writer holds nothing. It is captured here, between two
+       one when the core says it is due and the log writer holds nothing
+       (the state is then the one on disk). It is captured here, between two
        turns, and written by a thread while the loop goes on acking pushes
        (`paramserver.server.storage.checkpoint_job`); the log is pruned only
        once it is durable.
