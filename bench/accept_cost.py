@@ -14,8 +14,9 @@ measured in the same run, at the same load). `loop_hold_s` is the longest
 loop turn of a push (what a heartbeat arriving meanwhile waits at most):
 all of it where the loop checks the payload itself; where the shard checks
 a large push's payload off its loop (`paramserver.server.shard.PushChecker`),
-the longer of the turn that hands it off and the one that logs, fsyncs and
-acks it.
+the longest of the turn that hands it off, the one that admits it and, where
+a log writer thread writes and fsyncs its record
+(`paramserver.server.group_commit`), the one that acks it.
 
 Stages, the same frames outside the shard: `read_s` (frames, checksums or
 zstd, header; `outcomes.read_delta`), `norm_s` (`weighting.l2_norm` of the
@@ -131,7 +132,7 @@ def measure(params: int, repeats: int, zstd: bool, out: Path) -> dict[str, Any]:
     plan = make_plan(leaf_specs({"w": np.empty(params, np.float32)}), 1, 1)
     storage = ShardStorage(cfg, 0)
     core = ShardCore(cfg, 0, storage.recover(), [("tcp://127.0.0.1:1", "tcp://127.0.0.1:2")], T0)
-    checker = _checker(core)
+    checker = _checker(core, storage)
     ids = iter(range(1, 1 << 30))
 
     def turn(island: str, header: dict[str, Any], payload=()) -> tuple[dict[str, Any], float]:
@@ -163,8 +164,8 @@ def measure(params: int, repeats: int, zstd: bool, out: Path) -> dict[str, Any]:
         accept.append(time.perf_counter() - started)
         holds.append(hold)
         assert ack.get("outcome") == "accepted", ack
-    storage.close()
     _close(checker)
+    storage.close()
     memcpy = _memcpy_s(params)
     stages = _stages(frames, params, data, repeats)
     return {
@@ -180,23 +181,35 @@ def measure(params: int, repeats: int, zstd: bool, out: Path) -> dict[str, Any]:
     }
 
 
-def _checker(core: ShardCore) -> dict[str, Any]:
-    """run_batch's keyword for the payload checker thread, where the shard has one (as its loop)."""
+def _checker(core: ShardCore, storage: ShardStorage) -> dict[str, Any]:
+    """run_batch's keywords for the checker and log writer threads, where the shard has them."""
+    threads: dict[str, Any] = {}
     try:
         from paramserver.server.shard import CHECK_OFF_LOOP_BYTES, PushChecker
     except ImportError:  # a shard that checks every push on its loop
-        return {}
+        return threads
     core.check_off_loop_bytes = CHECK_OFF_LOOP_BYTES
-    return {"checker": PushChecker()}
+    threads["checker"] = PushChecker()
+    try:
+        from paramserver.server.group_commit import GroupCommit, LogWriter
+    except ImportError:  # a shard that writes and fsyncs on its loop
+        return threads
+    threads["commit"] = GroupCommit(storage, LogWriter(storage))
+    return threads
 
 
-def _wait(checker: dict[str, Any]) -> bool:
-    return checker["checker"].wait(60.0)
+def _wait(threads: dict[str, Any]) -> bool:
+    done = threads["checker"].wait(60.0)
+    if "commit" in threads:
+        done = threads["commit"].writer.wait(60.0) and done
+    return done
 
 
-def _close(checker: dict[str, Any]) -> None:
-    if checker:
-        checker["checker"].close()
+def _close(threads: dict[str, Any]) -> None:
+    if "checker" in threads:
+        threads["checker"].close()
+    if "commit" in threads:
+        threads["commit"].writer.close()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -59,7 +59,8 @@ def test_a_log_that_cannot_grow_refuses_pushes_keeps_serving_and_recovers(tmp_pa
             return p.request(push_header(plan, "a", rnd, 0, base_version=0), delta_frames(vec))[0]
 
         assert push(1)["outcome"] == "accepted"
-        wait_for(lambda: p.status()["versions"]["0"] == 1, "the step of round 1", timeout_s=30)
+        # a snapshot waits for the step's record (status may show it before its fsync)
+        wait_for(lambda: p.snapshot(0)[0]["version"] == 1, "the step of round 1", timeout_s=30)
         good = wal.stat().st_size
         # room for part of a record: the write is cut short, then fails (EFBIG)
         _limit_file_size(proc.pid, good + 100)
@@ -81,7 +82,7 @@ def test_a_log_that_cannot_grow_refuses_pushes_keeps_serving_and_recovers(tmp_pa
 
         _limit_file_size(proc.pid, resource.RLIM_INFINITY)
         assert push(2)["outcome"] == "accepted"
-        wait_for(lambda: p.status()["versions"]["0"] == 2, "the step of round 2", timeout_s=30)
+        wait_for(lambda: p.snapshot(0)[0]["version"] == 2, "the step of round 2", timeout_s=30)
         # stopping while the disk is full: the final checkpoint fails, the log has it all
         _limit_file_size(proc.pid, wal.stat().st_size)
     finally:

@@ -15,9 +15,9 @@ begin a checkpoint, and `checkpoint_started` / `checkpoint_done` record one.
 Nothing here reads a clock, a socket or a file: `now` (wall-clock seconds) is
 an argument, so a simulation drives the core with a fake clock.
 
-The one rule of durability: nothing in a batch's effects is sent before its
-events are appended and fsynced once (`paramserver.server.shard.run_batch`).
-A reply that says something is on disk (an accepted or duplicate ack,
+The one rule of durability: nothing that vouches for an event is sent before
+the event's record is fsynced (`paramserver.server.shard.run_batch`; the
+shard's log writer thread, `.group_commit`). A reply that says something is on disk (an accepted or duplicate ack,
 `init_ok`, `init_begun`, `init_piece_ok`) is a `DurableReply`, decided once
 the storage outcome is known: `settle(effects, now, failure)` renders it as
 answered when its record is on disk, or, when it is not, adopts the state

@@ -21,17 +21,24 @@ the files are `paramserver.server.storage`'s. One loop turn:
        the rest to the step thread (`StepWorker`, below: the
        loop answers heartbeats, acks and status while a step runs, whatever
        its size), collecting the effects (and a PUB heartbeat);
-       `store`: append the batch's events to the log and fsync ONCE
-       (on failure, rebuild the state from disk); `core.settle` then decides
-       every reply that promises durability from that outcome (ack, or a
-       storage_error refusal) and packs what to send;
+       hand the batch's events, in order, to the log writer thread
+       (`paramserver.server.group_commit`: it appends everything queued and
+       fsyncs once per group); what promises nothing about the disk
+       (heartbeats, status, refusals, a duplicate of a push already on disk)
+       is settled and sent this turn, and every reply that promises
+       durability (an ack, init_*) and every update waits for its record's
+       fsync: on the turn after the writer reports it, `core.settle` decides
+       it from that outcome (ack, or a storage_error refusal after the state
+       is rebuilt from disk) and packs it. Without a writer (the simulation
+       tests) `store` appends and fsyncs the batch ONCE in the turn;
     3. send it (replies, then publishes); on the first turn without
        requests after a publish (an update, or a heartbeat: then trimming
        finds little), return the C heap's free memory to the OS
        (`heap.trim`: a step's temporaries, the merged pushes' frames, sent
        updates);
     4. `maybe_checkpoint`: collect a checkpoint that finished writing; begin
-       one when the core says it is due. It is captured here, between two
+       one when the core says it is due and the log writer holds nothing
+       (the state is then the one on disk). It is captured here, between two
        turns, and written by a thread while the loop goes on acking pushes
        (`paramserver.server.storage.checkpoint_job`); the log is pruned only
        once it is durable.
@@ -41,7 +48,8 @@ drive a core and a real data directory through them with a fake clock (the
 checkpoint written in the calling thread; without a step worker the steps run
 in the calling thread too).
 
-On stop: let a step under way finish (logged, then published), answer what is queued, abandon a checkpoint still being written
+On stop: let a step under way finish (logged, then published), answer what is queued (and
+what the log writer still holds, once written), abandon a checkpoint still being written
 (the log has everything), write a last one in the loop's thread, close the
 sockets.
 """
@@ -49,8 +57,6 @@ sockets.
 from __future__ import annotations
 
 import logging
-import os
-import queue
 import threading
 import time
 from typing import Any
@@ -59,9 +65,11 @@ import zmq
 
 from paramserver.plumbing import heap
 from paramserver.plumbing.curve import CurveServer
+from paramserver.plumbing.loop_thread import LoopThread
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
 from paramserver.server.effects import PushCheck
+from paramserver.server.group_commit import HOLD_LOG_NAME, GroupCommit, LogWriter
 from paramserver.server.state import ShardState, StepWork
 from paramserver.server.storage.checkpoint_job import CheckpointResult
 from paramserver.server.storage.shard_storage import ShardStorage, StorageError
@@ -118,6 +126,7 @@ def run_batch(
     tick: bool = True,
     worker: StepWorker | None = None,
     checker: PushChecker | None = None,
+    commit: GroupCommit | None = None,
 ) -> list[tuple[bytes | None, list[Any]]]:
     """Handle a batch of requests (and a tick), store it, and settle what to send.
 
@@ -131,6 +140,13 @@ def run_batch(
     (`Effects.checks`) are submitted to it; without one, or while draining,
     they are checked here, each as it is handled.
 
+    With a `commit` (the log writer thread), what the writer made durable
+    since the last turn is settled and sent first (after a storage fault:
+    the state rebuilt from disk), and the batch's records are handed to it:
+    what needs no durability is sent now, the rest when its record is on
+    disk (`paramserver.server.group_commit`). Without one the batch is
+    written and fsynced here (`store`) and settled at once.
+
     Args:
         core: the shard's core.
         storage: the shard's data directory.
@@ -139,11 +155,13 @@ def run_batch(
         tick: also step due fragments and heartbeat (False while draining at stop).
         worker: the step thread (None: steps run in this thread, in the turn).
         checker: the push checker thread (None: checks run in this thread).
+        commit: the log writer (None: the log is written and synced in this thread).
 
     Returns:
         [(conn, frames)] to send in order, conn None for the PUB.
     """
     effects = Effects()
+    sent = commit.complete(core, now) if commit is not None else []
 
     def cleared() -> list[int]:  # a checkpoint being written may defer a step (it copies first)
         due = core.due_steps(now)
@@ -176,11 +194,17 @@ def run_batch(
         start_next()
         if tick:
             effects.extend(core.heartbeat(now, effects))
+    if commit is not None:
+        return sent + commit.submit(core, effects, now)
     return core.settle(effects, now, store(storage, effects.records))
 
 
 def maybe_checkpoint(
-    core: ShardCore, storage: ShardStorage, now: float, background: bool = False
+    core: ShardCore,
+    storage: ShardStorage,
+    now: float,
+    background: bool = False,
+    may_begin: bool = True,
 ) -> None:
     """Collect a finished checkpoint; begin one when the core says it is due (between turns).
 
@@ -190,9 +214,11 @@ def maybe_checkpoint(
         now: wall-clock seconds.
         background: write it from a thread while serving goes on (the shard's
             loop); False writes it before returning (the simulation tests).
+        may_begin: whether the state is the one on disk (the log writer holds
+            nothing: `GroupCommit.idle`); False: a due one begins on a later turn.
     """
     report_checkpoint(core, storage, storage.poll_checkpoint(), now)
-    if not core.checkpoint_due(now):
+    if not may_begin or not core.checkpoint_due(now):
         return
     job = storage.begin_checkpoint(core.state, now)
     if job is None:
@@ -258,6 +284,7 @@ class ShardServer:
         self._pub: zmq.Socket | None = None
         self._worker: StepWorker | None = None
         self._checker: PushChecker | None = None
+        self._commit: GroupCommit | None = None
         self._poller: zmq.Poller | None = None
 
     @property
@@ -320,17 +347,22 @@ class ShardServer:
             )
             self._worker = StepWorker()
             self._checker = PushChecker()
+            writer = LogWriter(storage, storage.dir / HOLD_LOG_NAME)
+            self._commit = GroupCommit(storage, writer)
             self.core.check_off_loop_bytes = CHECK_OFF_LOOP_BYTES
             self._poller = zmq.Poller()
             self._poller.register(router, zmq.POLLIN)
             self._poller.register(self._worker.wake_fd, zmq.POLLIN)
             self._poller.register(self._checker.wake_fd, zmq.POLLIN)
+            self._poller.register(writer.wake_fd, zmq.POLLIN)
             self.ready.set()
             while not stop.is_set():
                 self._turn(tick=True)
             self._worker.wait()  # a step under way is finished, logged and published
             self._checker.wait()  # the pushes being checked are answered in the drain
             self._turn(tick=False)  # drain: answer what is queued, without waiting for more
+            while not self._commit.idle:  # acks of what the log writer still holds
+                self._send(self._commit.drain(self.core, STOP_CHECK_S))
             # the writer stops at its next piece
             report_checkpoint(self.core, storage, storage.abandon_checkpoint(), time.time())
             if self.core.unsaved:  # (what the abandoned one would have covered, too)
@@ -340,6 +372,8 @@ class ShardServer:
                 self._worker.close()
             if self._checker is not None:
                 self._checker.close()
+            if self._commit is not None:
+                self._commit.writer.close()
             if auth is not None:
                 auth.stop()
             router.close(0)
@@ -365,20 +399,28 @@ class ShardServer:
             requests.append(Request(bytes(frames[0]), frames[1:], user_id))
         now = time.time()
         idle = not requests
-        turn = run_batch(core, storage, requests, now, tick, self._worker, self._checker)
-        for conn, message in turn:
-            if conn is None:
-                self._pub.send_multipart(message, copy=False)
-                self._trim_due = True
-            else:
-                send_reply(router, core, conn, message)
+        commit = self._commit
+        self._send(
+            run_batch(core, storage, requests, now, tick, self._worker, self._checker, commit)
+        )
         core.backlog.turn_done()
         stepping = self._worker is not None and self._worker.busy
         if idle and self._trim_due and not stepping:  # the first quiet turn after a publish
             self._trim_due = False
             heap.trim()
         if tick:
-            maybe_checkpoint(core, storage, now, background=True)
+            may_begin = commit is None or commit.idle
+            maybe_checkpoint(core, storage, now, background=True, may_begin=may_begin)
+
+    def _send(self, messages: list[tuple[bytes | None, list[Any]]]) -> None:
+        """Send a turn's messages in order: replies on the ROUTER, conn None on the PUB."""
+        assert self.core and self._router and self._pub
+        for conn, message in messages:
+            if conn is None:
+                self._pub.send_multipart(message, copy=False)
+                self._trim_due = True
+            else:
+                send_reply(self._router, self.core, conn, message)
 
 
 def bound_peers(router: zmq.Socket, pub: zmq.Socket, cfg: ShardConfig) -> None:
@@ -438,7 +480,7 @@ def _user_id(frame: Any) -> str | None:
 # -- the step thread ------------------------------------------------------------
 
 
-class StepWorker:
+class StepWorker(LoopThread):
     """The shard's step thread: runs one outer step's arithmetic while the serving loop goes on.
 
     A step's cost grows with its fragment (seconds at a billion parameters); the
@@ -451,25 +493,14 @@ class StepWorker:
     work, so the loop is answered within a GIL switch interval.
 
     One step at a time. The thread wakes the loop through a pipe whose read end
-    the loop polls beside its sockets (`wake_fd`).
+    the loop polls beside its sockets (`wake_fd`; `paramserver.plumbing.loop_thread`).
     """
 
     def __init__(self) -> None:
-        """Start the thread (a daemon: a stuck step never keeps the process alive)."""
-        self._todo: queue.SimpleQueue[StepWork | None] = queue.SimpleQueue()
+        """Start the thread."""
         self._done: StepWork | None = None
         self._running: StepWork | None = None
-        self._lock = threading.Lock()
-        self._finished = threading.Event()
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._read_fd, False)
-        self._thread = threading.Thread(target=self._serve, name="outer-step", daemon=True)
-        self._thread.start()
-
-    @property
-    def wake_fd(self) -> int:
-        """A file descriptor readable once a step is done (poll it beside the sockets)."""
-        return self._read_fd
+        super().__init__("outer-step")
 
     @property
     def busy(self) -> bool:
@@ -490,8 +521,7 @@ class StepWorker:
             if self._running is not None or self._done is not None:
                 raise RuntimeError("a step is already under way")
             self._running = work
-            self._finished.clear()
-        self._todo.put(work)
+        self._put(work)
 
     def take(self) -> StepWork | None:
         """The step that finished running, once (then the worker is free).
@@ -500,49 +530,22 @@ class StepWorker:
             The run work (its `error` set if the arithmetic raised), or None
             while it runs or when none was submitted.
         """
-        try:
-            while os.read(self._read_fd, 64):
-                pass
-        except BlockingIOError:
-            pass
+        self._drain_wake()
         with self._lock:
             done, self._done = self._done, None
         return done
 
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait for the step under way to finish running (the drain at stop).
-
-        Args:
-            timeout_s: how long at most (None: until it finishes).
-
-        Returns:
-            Whether no step is running now.
-        """
+    def _handle(self, jobs: list[StepWork]) -> None:
+        (work,) = jobs
+        work.run()  # keeps an exception in work.error for finish_step
         with self._lock:
-            if self._running is None:
-                return True
-        return self._finished.wait(timeout_s)
-
-    def close(self) -> None:
-        """Stop the thread after the step under way (if any) and close the pipe."""
-        self._todo.put(None)
-        self._thread.join()
-        os.close(self._read_fd)
-        os.close(self._write_fd)
-
-    def _serve(self) -> None:
-        while (work := self._todo.get()) is not None:
-            work.run()  # keeps an exception in work.error for finish_step
-            with self._lock:
-                self._running, self._done = None, work
-                self._finished.set()
-            os.write(self._write_fd, b"\x01")
+            self._running, self._done = None, work
 
 
 # -- the push checker thread ------------------------------------------------------
 
 
-class PushChecker:
+class PushChecker(LoopThread):
     """The shard's push checker thread: checks large pushes' payloads while the loop serves.
 
     A push's payload check (`outcomes.check_payload`: the codec frames'
@@ -555,7 +558,8 @@ class PushChecker:
     keeps serving, and on a later turn hands the checked job back
     (`ShardCore.finish_push`), which runs the payload-free checks again (a
     copy may have been accepted meanwhile, or a step begun) and admits it.
-    Its record is logged with that turn's batch and fsynced before its ack.
+    Its record goes to the log writer with that turn's batch, and its ack
+    waits for the record's fsync.
 
     One thread, first in first out; once any push is being checked every
     later push goes the same way (`ShardCore`), so pushes are admitted in
@@ -566,22 +570,9 @@ class PushChecker:
     """
 
     def __init__(self) -> None:
-        """Start the thread (a daemon: a stuck check never keeps the process alive)."""
-        self._todo: queue.SimpleQueue[PushCheck | None] = queue.SimpleQueue()
+        """Start the thread."""
         self._done: list[PushCheck] = []
-        self._queued = 0  # submitted and not yet done
-        self._lock = threading.Lock()
-        self._idle = threading.Event()
-        self._idle.set()
-        self._read_fd, self._write_fd = os.pipe()
-        os.set_blocking(self._read_fd, False)
-        self._thread = threading.Thread(target=self._serve, name="push-check", daemon=True)
-        self._thread.start()
-
-    @property
-    def wake_fd(self) -> int:
-        """A file descriptor readable once a check is done (poll it beside the sockets)."""
-        return self._read_fd
+        super().__init__("push-check")
 
     def submit(self, job: PushCheck) -> None:
         """Check a push in the thread, after those submitted before it.
@@ -589,10 +580,7 @@ class PushChecker:
         Args:
             job: the push (from the core's effects).
         """
-        with self._lock:
-            self._queued += 1
-            self._idle.clear()
-        self._todo.put(job)
+        self._put(job)
 
     def take(self) -> list[PushCheck]:
         """The checks done since the last call, in submission order.
@@ -600,39 +588,13 @@ class PushChecker:
         Returns:
             The jobs, each with its `result`.
         """
-        try:
-            while os.read(self._read_fd, 64):
-                pass
-        except BlockingIOError:
-            pass
+        self._drain_wake()
         with self._lock:
             done, self._done = self._done, []
         return done
 
-    def wait(self, timeout_s: float | None = None) -> bool:
-        """Wait until every submitted check is done (the drain at stop).
-
-        Args:
-            timeout_s: how long at most (None: until they are).
-
-        Returns:
-            Whether none is still running or queued.
-        """
-        return self._idle.wait(timeout_s)
-
-    def close(self) -> None:
-        """Stop the thread after the checks queued (if any) and close the pipe."""
-        self._todo.put(None)
-        self._thread.join()
-        os.close(self._read_fd)
-        os.close(self._write_fd)
-
-    def _serve(self) -> None:
-        while (job := self._todo.get()) is not None:
-            job.run()
-            with self._lock:
-                self._done.append(job)
-                self._queued -= 1
-                if not self._queued:
-                    self._idle.set()
-            os.write(self._write_fd, b"\x01")
+    def _handle(self, jobs: list[PushCheck]) -> None:
+        (job,) = jobs
+        job.run()
+        with self._lock:
+            self._done.append(job)
