@@ -6,7 +6,8 @@ islands' shares (`paramserver.server.step.weighting`), the merged delta
 handed to the step as `fill(lo, hi, out)`, which decodes them a piece at a
 time), the outer optimizer (`paramserver.server.step.outer`, applied in place chunk
 by chunk by `ChunkedStep`, below: one optimizer for every step
-of a run; a step that merges fewer islands than the shard expected is a
+of a run, its lr and momentum given to each step by `ShardConfig.outer_settings`
+of the step's N; a step that merges fewer islands than the shard expected is a
 smaller share of a round, `weighting.round_share`; sparse topk deltas:
 `paramserver.server.step.sparse_merge`'s per-entry merge and SGD) and the
 compressed downlink (`paramserver.server.step.downlink`: the fragment takes exactly

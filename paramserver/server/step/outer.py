@@ -2,7 +2,10 @@
 
 This module owns the outer update rule, its state and the whole-fragment
 jitted step that applies it (`DonatingStep`; `FragmentOptimizer.step` is a
-copying wrapper around it). A shard applies the same transformation in place,
+copying wrapper around it). A rule (`outer_rule`) leaves lr and momentum open:
+the shard's steps take them as arguments of one compiled step, so they can
+follow the island count step by step, with the bits of the transformation that
+has them as constants (`make_outer_optimizer`). A shard applies the same transformation in place,
 chunk by chunk (`paramserver.server.step.fragment_step`), bit for bit equal to it.
 Sign convention: the merged delta is the pseudo-gradient (global params an
 island started from minus its local params), fed to optax as the gradient, so
