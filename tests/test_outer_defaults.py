@@ -16,7 +16,7 @@ from paramserver.server.config import ShardConfig, outer_defaults, sync_outer_de
 # the table at 2 pushing islands, written out by hand (bench.outer_sweep, 2026-12-03):
 # (lr, momentum) SHORT for H <= 17, MIDDLE to 55, LONG above; sync and quorum apart
 SHORT, MIDDLE, LONG = (0.7, 0.6), (0.7, 0.8), (0.7, 0.8)
-QUORUM = {"SHORT": (0.7, 0.6), "MIDDLE": (1.0, 0.6), "LONG": (1.0, 0.8)}
+QUORUM = {"SHORT": (0.7, 0.6), "MIDDLE": (1.0, 0.6), "LONG": (1.0, 0.6)}
 ASYNC_K4, ASYNC_K8 = 1.4, 1.4  # async's lr from 3 pushing islands on (1.0 below)
 BY_H = [(1, "SHORT"), (10, "SHORT"), (17, "SHORT"), (18, "MIDDLE"), (30, "MIDDLE"),
         (50, "MIDDLE"), (55, "MIDDLE"), (56, "LONG"), (100, "LONG"), (500, "LONG")]  # fmt: skip
@@ -125,7 +125,8 @@ def test_a_push_of_merged_rounds_does_not_warn_about_h():
     cfg = ShardConfig(mode="quorum", inner_steps=20)
     assert cfg.inner_steps_mismatch("a", None) is None  # no own H said: no warning
     assert cfg.inner_steps_mismatch("a", 20) is None
-    assert "--inner-steps 120" in cfg.inner_steps_mismatch("a", 120)  # only if it says so
+    assert "--inner-steps 10" in cfg.inner_steps_mismatch("a", 10)  # only if it says so
+    assert cfg.inner_steps_mismatch("a", 120) is None  # quorum: 1.0/0.6 at 2 islands both
 
 
 # ----- the outer settings by mode, H and the islands that push (issue 32) -----------------
@@ -146,8 +147,8 @@ def test_a_push_of_merged_rounds_does_not_warn_about_h():
         ("quorum", 18, 2, (1.0, 0.6)),  # quorum 1 + grace wants a larger lr at H=30
         ("quorum", 30, 3, (1.4, 0.0)),
         ("quorum", 55, 8, (1.4, 0.0)),
-        ("quorum", 56, 2, (1.0, 0.8)),
-        ("quorum", 100, 8, (1.0, 0.8)),  # H > 55: only 2 islands measured, the one column
+        ("quorum", 56, 2, (1.0, 0.6)),
+        ("quorum", 100, 8, (1.0, 0.6)),  # H > 55: only 2 islands measured, the one column
         ("async", 10, 2, (1.0, 0.0)),  # async: no momentum, the lr grows with the islands
         ("async", 100, 1, (1.0, 0.0)),
         ("async", 30, 3, (ASYNC_K4, 0.0)),
