@@ -104,6 +104,8 @@ def test_changing_lr_and_momentum_between_steps_compiles_nothing_new():
     assert compiled == [2] * len(schedule)  # one per chunk length (1024, 952), not per setting
     with pytest.raises(OuterError, match="pass settings"):
         chunked.step(params, state, slices_of(delta))
+    with pytest.raises(OuterError, match="momentum"):
+        chunked.step(params, state, slices_of(delta), settings=(0.7, 1.0))
 
 
 def test_the_sink_gets_the_optimizer_update_plus_the_carry():

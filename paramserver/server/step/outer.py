@@ -2,12 +2,12 @@
 
 This module owns the outer update rule, its state and the whole-fragment
 jitted step that applies it (`DonatingStep`; `FragmentOptimizer.step` is a
-copying wrapper around it). A rule (`outer_rule`) leaves lr and momentum open:
-the shard's steps take them as arguments of one compiled step, so they can
-follow the island count step by step, with the bits of the transformation that
-has them as constants (`make_outer_optimizer`). A shard applies the same transformation in place,
-chunk by chunk (`paramserver.server.step.fragment_step`), bit for bit equal to it.
-Sign convention: the merged delta is the pseudo-gradient (global params an
+copying wrapper around it). A rule (`outer_rule`) leaves lr and momentum
+open: the shard's steps take them as arguments of one compiled step, so they
+can follow the island count step by step, with the bits of the transformation
+that has them as constants (`make_outer_optimizer`). A shard applies the same
+transformation in place, chunk by chunk (`paramserver.server.step.fragment_step`),
+bit for bit equal to it. Sign convention: the merged delta is the pseudo-gradient (global params an
 island started from minus its local params), fed to optax as the gradient, so
 plain SGD with lr=1 and one island moves the global params exactly onto that
 island's params.
@@ -255,12 +255,13 @@ def settings_args(
         (float32 lr, float32 momentum).
 
     Raises:
-        OuterError: a rule without settings.
+        OuterError: a rule without settings, or settings out of range.
     """
     if settings is None:
         if not fixed:
             raise OuterError("this outer step takes its lr and momentum per step: pass settings")
         return np.float32(0), np.float32(0)
+    check_outer_settings(*settings)
     return np.float32(settings[0]), np.float32(settings[1])
 
 
