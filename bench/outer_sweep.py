@@ -91,12 +91,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--pairs",
         default="",
-        help="lr/momentum pairs of sync and quorum, comma-separated (instead of --lrs x --momenta)",
+        help="lr/momentum pairs of sync and quorum, comma-separated (instead of --lrs x "
+        "--momenta); 'default': the shard's own defaults (`outer_defaults` of mode, H and K)",
     )
     parser.add_argument(
         "--async-pairs",
         default="",
-        help="lr/momentum pairs of async (instead of --async-lrs x --async-momenta)",
+        help="lr/momentum pairs of async (instead of --async-lrs x --async-momenta); 'default' "
+        "as in --pairs",
     )
     parser.add_argument(
         "--budget", type=int, default=2400, help="inner steps summed over the islands, per cell"
@@ -107,7 +109,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=3,
         help="leave out (H, K) whose budget gives each island fewer rounds (listed as too_short)",
     )
-    parser.add_argument("--seeds", type=int, default=1, help="data orders per cell (0, 1, ...)")
+    parser.add_argument("--seeds", type=int, default=1, help="data orders per cell")
+    parser.add_argument(
+        "--first-seed",
+        type=int,
+        default=0,
+        help="the first data order (seeds first, first + 1, ...)",
+    )
     parser.add_argument(
         "--push-skip",
         default="off",
@@ -133,8 +141,8 @@ class Cell:
     mode: str
     islands: int
     inner_steps: int
-    lr: float
-    momentum: float
+    lr: float | None  # None: the shard's default (`outer_defaults` of mode, H, K)
+    momentum: float | None
     push_skip: bool
     seed: int
 
@@ -194,6 +202,7 @@ class Sim:
             mode=cell.mode,
             outer_lr=cell.lr,
             outer_momentum=cell.momentum,
+            inner_steps=cell.inner_steps,  # the row of the defaults
             fsync=False,
             dedup_window=1 << 20,
             downlink="float32",
@@ -314,8 +323,10 @@ class Sim:
             heldout, self.args.batch, self.args.seq_len, self.args.eval_batches
         )
         loss = float(np.mean([float(self.inner.loss(params, b)) for b in batches]))
+        lr, momentum, _ = self.cfg.outer_settings(self.cell.islands)
         return {
             "heldout_loss": loss,
+            "outer_in_effect": {"lr": lr, "momentum": momentum},  # at K pushing islands
             "outer_steps": self.outer_steps,
             "island_rounds": [isl.round for isl in self.islands],
             "pushes": sum(isl.pushes for isl in self.islands),
@@ -378,9 +389,14 @@ class Sim:
             wake = self.step_due(wake)
 
 
-def pairs_of(args, mode: str) -> list[tuple[float, float]]:
-    """The (lr, momentum) cells of a mode: its --pairs, else its lr grid x momentum grid."""
+def pairs_of(args, mode: str) -> list[tuple[float | None, float | None]]:
+    """The (lr, momentum) cells of a mode: its --pairs, else its lr grid x momentum grid.
+
+    --pairs default gives one cell (None, None): the shard's defaults.
+    """
     given = args.async_pairs if mode == "async" else args.pairs
+    if given == "default":
+        return [(None, None)]
     if given:
         return [(float(a), float(b)) for a, b in (x.split("/") for x in given.split(","))]
     lrs = args.async_lrs if mode == "async" else args.lrs
@@ -399,7 +415,7 @@ def grid_cells(args) -> list[Cell]:
                     continue
                 for lr, m in pairs_of(args, mode):
                     for skip in skip_modes if mode == "quorum" else (False,):
-                        for seed in range(args.seeds):
+                        for seed in range(args.first_seed, args.first_seed + args.seeds):
                             cells.append(Cell(mode, k, h, lr, m, skip, seed))
     return cells
 

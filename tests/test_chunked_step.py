@@ -14,7 +14,13 @@ from paramserver.server.config import ShardConfig
 from paramserver.server.state import ShardState
 from paramserver.server.step.downlink import Downlink, DownlinkError, new_residual, quantize_chunk
 from paramserver.server.step.fragment_step import ChunkedStep, host_vector
-from paramserver.server.step.outer import DonatingStep, FragmentOptimizer, make_outer_optimizer
+from paramserver.server.step.outer import (
+    DonatingStep,
+    FragmentOptimizer,
+    OuterError,
+    make_outer_optimizer,
+    outer_rule,
+)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -53,6 +59,53 @@ def test_the_chunked_step_is_the_whole_fragment_step_bit_for_bit(name, lr, momen
         assert params.tobytes() == np.asarray(ref_p).tobytes(), k
         for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_s), strict=True):
             assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), k
+
+
+@pytest.mark.parametrize(("name", "lr", "momentum", "delay"), CONFIGS)
+def test_settings_given_per_step_are_the_constant_step_bit_for_bit(name, lr, momentum, delay):
+    # the shard's step: lr and momentum as arguments of the jit, not constants compiled into it
+    tx = make_outer_optimizer(name, lr, momentum, delay)
+    n = 5000
+    whole, chunked = DonatingStep(tx), ChunkedStep(outer_rule(name, delay), chunk=1024)
+    whole_rule = DonatingStep(outer_rule(name, delay))
+    params = host_vector(rand(n, 0))
+    state = chunked.init(params)
+    ref_p, ref_s = jax.numpy.array(params), tx.init(jax.numpy.array(params))
+    rule_p, rule_s = jax.numpy.array(params), tx.init(jax.numpy.array(params))
+    for k in range(7):
+        delta = host_vector(rand(n, k + 1, 0.1))
+        ref_p, ref_s = whole(ref_p, ref_s, delta)
+        rule_p, rule_s = whole_rule(rule_p, rule_s, delta, (lr, momentum))
+        chunked.step(params, state, slices_of(delta), settings=(lr, momentum))
+        assert params.tobytes() == np.asarray(ref_p).tobytes() == np.asarray(rule_p).tobytes(), k
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_s), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), k
+
+
+def test_changing_lr_and_momentum_between_steps_compiles_nothing_new():
+    # each step equals the constant transformation of its own settings on the same state
+    schedule = [(0.7, 0.6), (1.0, 0.3), (1.4, 0.0), (0.7, 0.6), (1.0, 0.8)]
+    n = 3000
+    chunked = ChunkedStep(outer_rule("nesterov"), chunk=1024)
+    params = host_vector(rand(n, 0))
+    state = chunked.init(params)
+    ref_p, ref_s = jax.numpy.array(params), chunked.tx.init(jax.numpy.array(params))
+    compiled = []
+    for k, (lr, momentum) in enumerate(schedule):
+        delta = host_vector(rand(n, k + 1, 0.1))
+        ref_p, ref_s = DonatingStep(make_outer_optimizer("nesterov", lr, momentum))(
+            ref_p, ref_s, delta
+        )
+        chunked.step(params, state, slices_of(delta), settings=(lr, momentum))
+        compiled.append(chunked._apply._cache_size())
+        assert params.tobytes() == np.asarray(ref_p).tobytes(), k
+        for a, b in zip(jax.tree.leaves(state), jax.tree.leaves(ref_s), strict=True):
+            assert np.asarray(a).tobytes() == np.asarray(b).tobytes(), k
+    assert compiled == [2] * len(schedule)  # one per chunk length (1024, 952), not per setting
+    with pytest.raises(OuterError, match="pass settings"):
+        chunked.step(params, state, slices_of(delta))
+    with pytest.raises(OuterError, match="momentum"):
+        chunked.step(params, state, slices_of(delta), settings=(0.7, 1.0))
 
 
 def test_the_sink_gets_the_optimizer_update_plus_the_carry():

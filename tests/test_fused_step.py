@@ -9,7 +9,7 @@ from codec.decode import read_coded as read
 from paramserver.server.step.downlink import Downlink, DownlinkError, new_residual
 from paramserver.server.step.fragment_step import ChunkedStep, FusedNesterov, _kernels, host_vector
 from paramserver.server.step.merge import _MeanMerge, scaled
-from paramserver.server.step.outer import round_nesterov, set_round_share
+from paramserver.server.step.outer import outer_rule, round_nesterov, set_round_share
 
 pytestmark = [
     pytest.mark.timeout(300),
@@ -161,3 +161,44 @@ def test_a_non_finite_update_is_refused():
     fused = FusedNesterov.for_config("nesterov", 0.7, 0.8, 1, chunk=1024)
     with pytest.raises(DownlinkError, match=r"\[2048, 3072\)"):
         fused.step(params, state, lambda lo, hi, out: np.copyto(out, g[lo:hi]), publication)
+
+
+@pytest.mark.parametrize("downlink", ["int8", "float32"])
+def test_settings_per_step_are_the_jitted_rule_bit_for_bit(downlink):
+    # lr and momentum change between steps (the quorum column of a new island count):
+    # the fused loops take them as arguments, as the jitted rule does
+    n = 5 * 1024 + 256 + 7
+    schedule = [
+        (0.7, 0.6, 1.0),
+        (1.0, 0.3, 0.5),
+        (1.0, 0.3, 0.5),
+        (1.4, 0.0, 0.25),
+        (0.7, 0.6, 1.0),
+    ]
+    link = Downlink(downlink)
+    jitted = ChunkedStep(outer_rule("nesterov"), chunk=1024, finish=link.finish)
+    fused = FusedNesterov.for_config("nesterov", 0.5, 0.9, 1, chunk=2048)  # built with others
+    runs = []
+    for kind in ("jit", "fused"):
+        params = host_vector(rand(n, 0))
+        state, residual, frames = jitted.init(params), new_residual(n), []
+        for k, (lr, beta, share) in enumerate(schedule):
+            g = rand(n, 10 + k, 0.01)
+            set_round_share(state, share)
+
+            def fill(lo, hi, out, g=g):
+                np.copyto(out, g[lo:hi])
+
+            publication = link.begin(params, residual) if link.compressed else None
+            if kind == "jit":
+                sink = publication.apply if publication else None
+                carry = residual if publication else None
+                jitted.step(params, state, fill, sink, carry, settings=(lr, beta))
+            else:
+                fused.step(params, state, fill, publication, settings=(lr, beta))
+            if publication:
+                frames.append(b"".join(bytes(f) for f in publication.frames()))
+        runs.append((params.tobytes(), state.momentum.tobytes(), residual.tobytes(), frames))
+    assert runs[0] == runs[1]
+    # one compile per chunk length (1024 and the tail of 263), not per setting
+    assert jitted._apply._cache_size() + jitted._updates._cache_size() == 2

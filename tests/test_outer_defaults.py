@@ -16,7 +16,7 @@ from paramserver.server.config import ShardConfig, outer_defaults, sync_outer_de
 # the table at 2 pushing islands, written out by hand (bench.outer_sweep, 2026-12-03):
 # (lr, momentum) SHORT for H <= 17, MIDDLE to 55, LONG above; sync and quorum apart
 SHORT, MIDDLE, LONG = (0.7, 0.6), (0.7, 0.8), (0.7, 0.8)
-QUORUM = {"SHORT": (0.7, 0.6), "MIDDLE": (1.0, 0.6), "LONG": (1.0, 0.8)}
+QUORUM = {"SHORT": (0.7, 0.6), "MIDDLE": (1.0, 0.6), "LONG": (1.0, 0.6)}
 ASYNC_K4, ASYNC_K8 = 1.4, 1.4  # async's lr from 3 pushing islands on (1.0 below)
 BY_H = [(1, "SHORT"), (10, "SHORT"), (17, "SHORT"), (18, "MIDDLE"), (30, "MIDDLE"),
         (50, "MIDDLE"), (55, "MIDDLE"), (56, "LONG"), (100, "LONG"), (500, "LONG")]  # fmt: skip
@@ -125,7 +125,8 @@ def test_a_push_of_merged_rounds_does_not_warn_about_h():
     cfg = ShardConfig(mode="quorum", inner_steps=20)
     assert cfg.inner_steps_mismatch("a", None) is None  # no own H said: no warning
     assert cfg.inner_steps_mismatch("a", 20) is None
-    assert "--inner-steps 120" in cfg.inner_steps_mismatch("a", 120)  # only if it says so
+    assert "--inner-steps 10" in cfg.inner_steps_mismatch("a", 10)  # only if it says so
+    assert cfg.inner_steps_mismatch("a", 120) is None  # quorum: 1.0/0.6 at 2 islands both
 
 
 # ----- the outer settings by mode, H and the islands that push (issue 32) -----------------
@@ -138,10 +139,16 @@ def test_a_push_of_merged_rounds_does_not_warn_about_h():
         ("sync", 17, 8, (0.7, 0.6)),
         ("sync", 30, 8, (0.7, 0.8)),  # H 18-55: 0.7 / 0.8
         ("sync", 100, 8, (0.7, 0.8)),  # H > 55: only 2 islands measured, the one column
-        ("quorum", 10, 4, (0.7, 0.6)),
+        ("quorum", 10, 2, (0.7, 0.6)),  # quorum: the momentum falls as the islands grow
+        ("quorum", 10, 4, (1.0, 0.3)),
+        ("quorum", 17, 5, (1.0, 0.3)),
+        ("quorum", 10, 6, (1.4, 0.0)),
+        ("quorum", 10, 8, (1.4, 0.0)),
         ("quorum", 18, 2, (1.0, 0.6)),  # quorum 1 + grace wants a larger lr at H=30
-        ("quorum", 55, 8, (1.0, 0.6)),
-        ("quorum", 56, 2, (1.0, 0.8)),
+        ("quorum", 30, 3, (1.4, 0.0)),
+        ("quorum", 55, 8, (1.4, 0.0)),
+        ("quorum", 56, 2, (1.0, 0.6)),
+        ("quorum", 100, 8, (1.0, 0.6)),  # H > 55: only 2 islands measured, the one column
         ("async", 10, 2, (1.0, 0.0)),  # async: no momentum, the lr grows with the islands
         ("async", 100, 1, (1.0, 0.0)),
         ("async", 30, 3, (ASYNC_K4, 0.0)),
@@ -158,17 +165,35 @@ def test_a_quorum_of_one_takes_the_settings_of_its_mode_not_async():
     for quorum in (1, 2, 4):
         cfg = ShardConfig(mode="quorum", quorum=quorum, inner_steps=15)
         assert (cfg.effective_outer_lr, cfg.effective_outer_momentum) == SHORT
-        assert cfg.outer_settings(8)[:2] == SHORT
+        assert cfg.outer_settings(8)[:2] == (1.4, 0.0)  # quorum's column, not async's row
     assert ShardConfig(mode="async", inner_steps=15).outer_settings(4)[:2] == (ASYNC_K4, 0.0)
 
 
-def test_the_lr_follows_the_pushing_islands_as_a_scale_of_the_step():
-    cfg = ShardConfig(mode="async", inner_steps=10)  # starts at 1.0 (2 islands)
-    assert cfg.outer_lr_scale(2) == 1.0 and cfg.outer_lr_scale(None) == 1.0
-    assert cfg.outer_lr_scale(3) == pytest.approx(1.4 / 1.0)
-    assert cfg.outer_lr_scale(8) == pytest.approx(1.4 / 1.0)
-    assert ShardConfig(mode="sync", inner_steps=10).outer_lr_scale(8) == 1.0  # 0.7 at any count
-    assert ShardConfig(mode="async", inner_steps=10, outer_lr=0.4).outer_lr_scale(4) == 1.0
+def test_lr_and_momentum_follow_the_pushing_islands_and_given_values_win():
+    cfg = ShardConfig(mode="quorum", inner_steps=10)  # starts at 0.7 / 0.6 (2 islands)
+    assert cfg.outer_settings(None)[:2] == (0.7, 0.6) == cfg.outer_settings(2)[:2]
+    assert cfg.outer_settings(4)[:2] == (1.0, 0.3)
+    lr, momentum, why = cfg.outer_settings(8)
+    assert (lr, momentum) == (1.4, 0.0)
+    assert why == (
+        "quorum: the default of H=10 at 8 pushing islands (row H 1-17, column 6+ islands "
+        "of OUTER_DEFAULTS_TABLE; bench.outer_sweep 2026-12-04)"
+    )
+    # a value the user set wins at every island count; the other one still follows the table
+    lr_given = ShardConfig(mode="quorum", inner_steps=10, outer_lr=0.5)
+    assert [lr_given.outer_settings(k)[:2] for k in (2, 4, 8)] == [
+        (0.5, 0.6),
+        (0.5, 0.3),
+        (0.5, 0.0),
+    ]
+    momentum_given = ShardConfig(mode="quorum", inner_steps=10, outer_momentum=0.9)
+    assert [momentum_given.outer_settings(k)[:2] for k in (2, 4, 8)] == [
+        (0.7, 0.9), (1.0, 0.9), (1.4, 0.9)
+    ]  # fmt: skip
+    assert momentum_given.outer_settings(8)[2].startswith("outer_momentum given; otherwise quorum:")
+    both = ShardConfig(mode="quorum", inner_steps=10, outer_lr=0.3, outer_momentum=0.2)
+    assert both.outer_settings(8)[:2] == (0.3, 0.2)
+    assert ShardConfig(mode="sync", inner_steps=10).outer_settings(8)[:2] == (0.7, 0.6)
     _, _, why = ShardConfig(mode="sync", outer_lr=0.3).outer_settings(4)
     assert why.startswith("outer_lr given; otherwise sync:")
 
@@ -198,3 +223,38 @@ def test_a_sync_step_moves_by_the_lr_of_its_island_count(islands, lr):
     moved = before - state.snapshot(0)[1]
     np.testing.assert_allclose(moved, 1.6 * lr * 0.01, rtol=1e-5)
     assert state.islands_pushing == islands
+
+
+@pytest.mark.parametrize(
+    ("islands", "lr", "momentum"), [(2, 0.7, 0.6), (4, 1.0, 0.3), (8, 1.4, 0.0)]
+)
+def test_a_quorum_step_takes_the_lr_and_momentum_of_its_island_count(islands, lr, momentum):
+    import numpy as np
+    from shard_helpers import init_payload, plan_for, small_flat
+
+    from paramserver.server.state import ShardState
+
+    cfg = ShardConfig(
+        mode="quorum", quorum=islands, inner_steps=10, fsync=False, downlink="float32", fragments=1
+    )
+    flat = small_flat()
+    plan = plan_for(flat, 1, 1)
+    state = ShardState(cfg, 0)
+    assert state.initialize(plan.to_wire(), init_payload(plan, flat)).status == "accepted"
+    names = [f"i{k}" for k in range(islands)]
+    for name in names:
+        state.hello(name, 1000.0)
+    d = np.full(plan.fragments[0].size, 0.01, np.float32)
+    start = state.snapshot(0)[1].astype(np.float64)
+    for rnd in (1, 2):
+        for name in names:  # every island pushes the same d against the latest version
+            header = push_header(plan, name, rnd, 0, rnd - 1, 1000, 10)
+            assert state.submit_delta(header, delta_frames(d), 1000.0).status == "accepted"
+        state.step(0, 1000.0)
+    # by hand: round 1 m = d, moves lr (d + beta d); round 2 m = beta d + d, moves
+    # lr (d + beta (1 + beta) d); in all lr (2 + 2 beta + beta^2) d
+    moved = start - state.snapshot(0)[1]
+    np.testing.assert_allclose(moved, lr * (2 + 2 * momentum + momentum**2) * 0.01, rtol=1e-5)
+    assert state.islands_pushing == islands
+    report = cfg.outer_report(state.islands_pushing)
+    assert (report["lr"], report["momentum"], report["islands"]) == (lr, momentum, islands)

@@ -35,3 +35,17 @@ def test_the_sweep_runs_a_tiny_grid_and_prints_its_tables():
     assert set(result["best"]["sync"]["3"]["2"]) == {"lr", "momentum", "heldout_loss", "on_edge"}
     assert set(result["async_vs_sync"]["3"]) == {"2"}
     assert set(result["push_skip"]["3"]["2"][0]) >= {"on", "off", "on_vs_off", "skipped_pushes"}
+
+
+def test_the_sweep_runs_the_shipped_defaults_from_a_first_seed():
+    # --pairs default: each cell takes outer_defaults(mode, H, K), and says what was in effect
+    argv = [sys.executable, "-m", "bench.outer_sweep", "--modes", "quorum", "--islands", "4",
+            "--inner-steps", "3", "--pairs", "default", "--budget", "12", "--min-rounds", "1",
+            "--seeds", "1", "--first-seed", "5", "--batch", "2", "--seq-len", "8",
+            "--eval-batches", "1"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (cell,) = json.loads(proc.stdout)["cells"]
+    assert (cell["seed"], cell["lr"], cell["momentum"]) == (5, None, None)
+    # quorum at H <= 17 with 3-5 pushing islands: 1.0 / 0.3 (OUTER_DEFAULTS_TABLE)
+    assert cell["outer_in_effect"] == {"lr": 1.0, "momentum": 0.3}

@@ -31,12 +31,12 @@ MIB = 1024 * 1024
 # every single delta diverged in `diloco-bench async_outer`, 2026-11-30).
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server.step.outer
 DOWNLINKS = ("float32", "int8")  # paramserver.server.step.downlink
-# Per mode: rows (largest H, momentum, ((fewest pushing islands, lr), ...)). A row serves
+# Per mode: rows (largest H, ((fewest pushing islands, lr, momentum), ...)). A row serves
 # every H up to its largest (the boundaries 17 and 55 are geometric means of the measured
 # H = 10, 30, 100); in it the last column whose island count is <= the islands that push
-# (3 and 6: geometric means of the measured 2, 4, 8). One momentum per row: the shard keeps
-# its starting momentum for the run and only the lr follows the island count
-# (`ShardConfig.outer_lr_scale`).
+# (3 and 6: geometric means of the measured 2, 4, 8). The shard looks the cell up at every
+# step with that step's N and passes lr and momentum to the outer step as arguments
+# (`step.outer.outer_rule`), so both follow the island count during a run.
 # Chosen by `python -m bench.outer_sweep --budget 800` (2026-12-03; docs/results.md "Outer
 # settings by mode, H and island count"): a real ShardState, islands folding every
 # published version at their next inner step, a micro model (d 32, 1 layer), 800 inner
@@ -52,21 +52,29 @@ DOWNLINKS = ("float32", "int8")  # paramserver.server.step.downlink
 #          K=8 0.7/0.8 2.671 (0.7/0.6 2.672) | 1.0/0.6 2.720 | 1.4/0 2.618
 #   H=100: K=2 0.7/0.8 2.314 | 1.0/0.8 2.318 | 1.0/0 2.302 (4 and 8 islands: under 3
 #          rounds in the budget, not measured; the row has one column)
-# Momentum 0.9 lost to 0.8 in every cell; 0.6 (the lowest tried) beat 0.8 at H=10 and in
-# quorum at H=30. Where a row's momentum was not measured at some K (quorum H=30 at 2
-# islands: 0.8 only, 0.7 and 1.0 tied) the row's lr is the one of its other columns.
-OUTER_DEFAULTS_TABLE: dict[str, tuple[tuple[float, float, tuple[tuple[int, float], ...]], ...]] = {
+# Momentum 0.9 lost to 0.8 in every cell; 0.6 beat 0.8 at H=10 and in quorum at H=30.
+# Quorum (1 + grace) columns re-chosen over 3 seeds (2026-12-04, docs/results.md "K = 1 +
+# grace and async against sync over 3 seeds"): its best momentum falls as a step merges a
+# smaller share of the islands; best rows per cell, vs sync (seeds 0-2):
+#   H=10:  K=2 0.7/0.6 +0.9% | K=4 1.0/0.3 +0.9% (1.4/0 +1.0%) | K=8 1.4/0 +0.4%
+#   H=30:  K=2 1.0/0.6 +1.2% (1.0/0.3, 1.4/0 +1.4%) | K=4 1.4/0 -0.7% | K=8 1.4/0 -1.7%
+#   H=100: K=2 1.0/0.8 +0.4% (4 and 8 islands not measured: the row has one column);
+#          over seeds 0-5 1.0/0.6 -0.4% against 1.0/0.8 +0.8% (better on all 6 paired
+#          seeds; 1.4/0.6 +0.4%, 1.4/0.8 +1.6%), so the row takes 1.0/0.6
+# Sync keeps one momentum per row (0.4 beat 0.6 only at 2 islands, by 0.4%: "Outer
+# momentum below 0.6 at H = 10 over 3 seeds"). Async: no momentum, lr by island count.
+OUTER_DEFAULTS_TABLE: dict[str, tuple[tuple[float, tuple[tuple[int, float, float], ...]], ...]] = {
     "sync": (
-        (17, 0.6, ((1, 0.7),)),
-        (55, 0.8, ((1, 0.7),)),
-        (math.inf, 0.8, ((1, 0.7),)),
+        (17, ((1, 0.7, 0.6),)),
+        (55, ((1, 0.7, 0.8),)),
+        (math.inf, ((1, 0.7, 0.8),)),
     ),
     "quorum": (
-        (17, 0.6, ((1, 0.7),)),
-        (55, 0.6, ((1, 1.0),)),
-        (math.inf, 0.8, ((1, 1.0),)),
+        (17, ((1, 0.7, 0.6), (3, 1.0, 0.3), (6, 1.4, 0.0))),
+        (55, ((1, 1.0, 0.6), (3, 1.4, 0.0))),
+        (math.inf, ((1, 1.0, 0.6),)),
     ),
-    "async": ((math.inf, 0.0, ((1, 1.0), (3, 1.4))),),
+    "async": ((math.inf, ((1, 1.0, 0.0), (3, 1.4, 0.0))),),
 }
 # Steps of sparse (topk) deltas: plain SGD, the islands' error feedback is the momentum.
 # 1.0: the issue-22 sync simulation (3 islands, 300 steps: outer SGD lr 1 with the
@@ -80,11 +88,11 @@ DEFAULT_ISLANDS = 2  # the island count the table assumes before any island push
 def _outer_cell(mode: str, inner_steps: int, islands: int) -> tuple[float, float, float, int]:
     """The table's (lr, momentum, largest H of the row, fewest islands of the column)."""
     rows = OUTER_DEFAULTS_TABLE[mode]
-    largest, momentum, columns = next((r for r in rows if inner_steps <= r[0]), rows[-1])
-    fewest, lr = columns[0]
-    for count, value in columns:
+    largest, columns = next((r for r in rows if inner_steps <= r[0]), rows[-1])
+    fewest, lr, momentum = columns[0]
+    for count, lr_of, momentum_of in columns:
         if islands >= count:
-            fewest, lr = count, value
+            fewest, lr, momentum = count, lr_of, momentum_of
     return lr, momentum, largest, fewest
 
 
@@ -113,7 +121,7 @@ def outer_defaults(mode: str, inner_steps: int, islands: int) -> tuple[float, fl
         lr,
         momentum,
         f"{mode}: the default of H={inner_steps} at {islands} pushing islands (row {row}, "
-        f"column {fewest}+ islands of OUTER_DEFAULTS_TABLE; bench.outer_sweep 2026-12-03)",
+        f"column {fewest}+ islands of OUTER_DEFAULTS_TABLE; bench.outer_sweep 2026-12-04)",
     )
 
 
@@ -204,12 +212,13 @@ class ShardConfig:
     # the default outer lr and momentum of sync and quorum steps; an island that says it runs
     # another H (its pushes' inner_steps) that would take other defaults gets one warning
     inner_steps: int = DEFAULT_INNER_STEPS
-    # outer learning rate; unset, sync and quorum steps (any quorum) take the default of
-    # --inner-steps and the islands that push (0.4 for H <= 17, 0.7 there from 3 islands,
-    # 0.5 up to 55, 0.7 above) and async mode takes 0.7; status `outer` shows it and why
+    # outer learning rate; unset, each step takes the default of the mode, --inner-steps and
+    # the islands that push (OUTER_DEFAULTS_TABLE: sync 0.7; quorum 0.7-1.4, larger with more
+    # islands; async 1.0, 1.4 from 3 islands); status `outer` shows it and why
     outer_lr: float | None = None
-    # outer (Nesterov) momentum in [0, 1); unset, sync and quorum steps take 0.8 and async
-    # mode takes 0 (no momentum)
+    # outer (Nesterov) momentum in [0, 1); unset, each step takes the default of the mode, H
+    # and the islands that push (sync 0.6 for H <= 17, else 0.8; quorum 0.6 at 2 islands,
+    # 0.3 at 3-5 and 0 from 6 for H <= 17, 0 from 3 for H 18-55, 0.6 above 55; async 0)
     outer_momentum: float | None = None
     nesterov_delay: int = 1  # contributions between momentum updates (delayed Nesterov)
     # outer lr of steps whose deltas are all topk-coded: SGD without momentum, each entry
@@ -506,27 +515,8 @@ class ShardConfig:
 
     @property
     def effective_outer_momentum(self) -> float:
-        """The outer momentum after resolving the mode's default (fixed for the run)."""
+        """The outer momentum the shard starts with (DEFAULT_ISLANDS pushing islands)."""
         return self.outer_settings()[1]
-
-    def outer_lr_scale(self, islands: int | None) -> float:
-        """How much the outer lr in effect with `islands` pushing islands differs from the start's.
-
-        The jitted outer step keeps its lr as a constant; a step scales its
-        merged delta by this ratio instead, which moves the parameters as the
-        lr in effect would (the momentum buffer adds the scaled deltas). The
-        default momentum does not depend on the island count, so only the lr
-        follows it.
-
-        Args:
-            islands: the islands that push (a step's N, logged with it).
-
-        Returns:
-            outer_settings(islands).lr / effective_outer_lr (1 when lr was given).
-        """
-        if self.outer_lr is not None:
-            return 1.0
-        return self.outer_settings(islands)[0] / self.effective_outer_lr
 
     @property
     def outer_from_inner_steps(self) -> bool:

@@ -6,7 +6,8 @@ islands' shares (`paramserver.server.step.weighting`), the merged delta
 handed to the step as `fill(lo, hi, out)`, which decodes them a piece at a
 time), the outer optimizer (`paramserver.server.step.outer`, applied in place chunk
 by chunk by `ChunkedStep`, below: one optimizer for every step
-of a run; a step that merges fewer islands than the shard expected is a
+of a run, its lr and momentum given to each step by `ShardConfig.outer_settings`
+of the step's N; a step that merges fewer islands than the shard expected is a
 smaller share of a round, `weighting.round_share`; sparse topk deltas:
 `paramserver.server.step.sparse_merge`'s per-entry merge and SGD) and the
 compressed downlink (`paramserver.server.step.downlink`: the fragment takes exactly
@@ -44,6 +45,7 @@ chunk. The arithmetic is the transformation's own, jitted as the whole-fragment
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -69,10 +71,14 @@ from paramserver.server.step.outer import (
     ROUND_TOL,
     FragmentOptimizer,
     OuterError,
+    OuterRule,
     RoundNesterovState,
     aligned_float32,
-    make_outer_optimizer,
+    as_rule,
+    is_fixed,
+    outer_rule,
     set_round_share,
+    settings_args,
 )
 from paramserver.server.step.sparse_merge import (
     SPARSE_PUBLISH_ZSTD_LEVEL,
@@ -87,6 +93,8 @@ from paramserver.server.step.weighting import (
 )
 from paramserver.wire.plan import Fragment
 
+logger = logging.getLogger(__name__)
+
 
 class FragmentStepper:
     """One shard's outer step: weighting, merge, outer optimizer and downlink, per fragment."""
@@ -98,17 +106,22 @@ class FragmentStepper:
             cfg: weighting, merge, outer optimizer and downlink settings.
         """
         self.merge = cfg.merge
-        self.outer_lr_scale = cfg.outer_lr_scale  # the default lr follows the island count
+        # (lr, momentum, why) in effect with N pushing islands: given values, else the
+        # defaults of mode, H and N (`ShardConfig.outer_settings`), per step
+        self.outer_settings = cfg.outer_settings
+        self.in_effect: tuple[float, float] | None = None  # the latest step's (lr, momentum)
         self.weighting = make_weighting(
             cfg.weighting, cfg.staleness_exponent, cfg.step_rule, cfg.max_weight_ratio
         )
-        outer = (cfg.outer_optimizer, cfg.effective_outer_lr, cfg.effective_outer_momentum)
-        self.optimizer = FragmentOptimizer(make_outer_optimizer(*outer, cfg.nesterov_delay))
+        # the rule with lr and momentum as arguments of each step: one compile for any settings
+        rule = outer_rule(cfg.outer_optimizer, cfg.nesterov_delay)
+        self.optimizer = FragmentOptimizer(rule)  # state <-> arrays (checkpoints)
         self.downlink = Downlink(cfg.downlink)
         finish = self.downlink.finish if self.downlink.compressed else None
-        self._step = ChunkedStep(self.optimizer.tx, finish=finish)  # the outer step, in place
+        self._step = ChunkedStep(rule, finish=finish)  # the outer step, in place
         # the same step in one compiled pass per chunk, where numba is there (FusedNesterov)
-        self._fused = FusedNesterov.for_config(*outer, cfg.nesterov_delay)
+        start = (cfg.effective_outer_lr, cfg.effective_outer_momentum)
+        self._fused = FusedNesterov.for_config(cfg.outer_optimizer, *start, cfg.nesterov_delay)
         self.groups = TensorGroups(cfg.merge)  # rda: a cut tensor's other pieces on this shard
         # sparse (topk) deltas: per-entry merge, SGD without momentum (sparse_merge)
         self._sparse = ChunkedStep(sparse_optimizer(cfg.sparse_outer_lr), finish=finish)
@@ -153,16 +166,14 @@ class FragmentStepper:
         )  # staleness: the fragment's round clock; sparse entries: not diluted by the share
         sources = [(c.island, scaled(c.delta, c.clip)) for c in merged_in]
         downlink = self.downlink
+        settings = None  # the sparse step's SGD keeps its lr as a constant
         if sparse:  # per entry, no momentum
             weights = {x.island: x.weight for x in shares}
             fill = sparse_merge(sources, coefficients, where.size, weights).fill
             step, opt_state = self._sparse, self._sparse.init(frag.params)
             downlink = self._sparse_downlink  # a mostly-zero update: zstd shrinks its codes
         else:
-            # the outer lr in effect with this round's islands, as a scale of the merged delta
-            lr_scale = self.outer_lr_scale(expected or len(shares))
-            if lr_scale != 1.0:
-                coefficients = [c * lr_scale for c in coefficients]
+            settings = self.settings_for(expected or len(shares))
             fill = chunk_merge(
                 self.merge,
                 sources,
@@ -178,18 +189,35 @@ class FragmentStepper:
             fused = None
         if not self.downlink.compressed:
             if fused is not None:
-                fused.step(frag.params, opt_state, fill)
+                fused.step(frag.params, opt_state, fill, settings=settings)
             else:
-                step.step(frag.params, opt_state, fill)
+                step.step(frag.params, opt_state, fill, settings=settings)
             return shares, None
         if frag.residual is None:
             frag.residual = new_residual(frag.params.shape[0])
         publication = downlink.begin(frag.params, frag.residual)
         if fused is not None:
-            fused.step(frag.params, opt_state, fill, publication)
+            fused.step(frag.params, opt_state, fill, publication, settings=settings)
         else:
-            step.step(frag.params, opt_state, fill, publication.apply, frag.residual)
+            step.step(
+                frag.params, opt_state, fill, publication.apply, frag.residual, settings=settings
+            )
         return shares, tuple(publication.frames())
+
+    def settings_for(self, islands: int) -> tuple[float, float]:
+        """The outer (lr, momentum) of a step with `islands` pushing islands; logs a change.
+
+        Args:
+            islands: the step's N (the islands the shard expected, else those it merges).
+
+        Returns:
+            (lr, momentum): `ShardConfig.outer_settings(islands)` (given values win).
+        """
+        lr, momentum, why = self.outer_settings(islands)
+        if (lr, momentum) != self.in_effect:
+            logger.info("outer lr %s momentum %s from this step on: %s", lr, momentum, why)
+            self.in_effect = (lr, momentum)
+        return lr, momentum
 
 
 CHUNK = 1 << 18  # elements per jitted call: 1 MiB of float32, a few of them stay in cache
@@ -243,21 +271,24 @@ class JaxViews:
 
 
 def _chunk_step(
-    tx: optax.GradientTransformation,
+    rule: OuterRule,
     apply: bool,
     finish: Finish | None,
     offset: jax.Array,
     params: jax.Array,
     state: Any,
     merged: jax.Array,
+    lr: jax.Array,
+    momentum: jax.Array,
     carry: jax.Array | None = None,
 ) -> tuple[jax.Array, Any]:
-    """The transformation on the chunk [offset, offset + len(merged)) of a fragment.
+    """The rule at (lr, momentum) on the chunk [offset, offset + len(merged)) of a fragment.
 
     Returns (new params, new state) when `apply`, else (finish(update + carry),
     new state), `carry` being a bfloat16 vector of the fragment's size as uint16
     bits (none: 0) and `finish` the identity when None.
     """
+    tx = rule(lr, momentum)
     n, size = params.shape[0], merged.shape[0]
 
     def cut(leaf: jax.Array) -> jax.Array:
@@ -279,12 +310,17 @@ class ChunkedStep:
     """One elementwise optax transformation, stepped in place over host buffers."""
 
     def __init__(
-        self, tx: optax.GradientTransformation, chunk: int = CHUNK, finish: Finish | None = None
+        self,
+        tx: optax.GradientTransformation | OuterRule,
+        chunk: int = CHUNK,
+        finish: Finish | None = None,
     ) -> None:
         """Jit the chunk step of a transformation.
 
         Args:
-            tx: the outer transformation (kept as `tx`).
+            tx: the outer transformation with its settings as constants, or a
+                rule (`outer.outer_rule`: lr and momentum given to each `step`
+                as arguments of the one compiled chunk step).
             chunk: elements per jitted call (a multiple of 1024; tests use small ones).
             finish: a jax function of a chunk's update (+ carry) run in the same
                 jit, whose outputs a `step`'s sink takes (the downlink's
@@ -292,13 +328,15 @@ class ChunkedStep:
         """
         if chunk <= 0 or chunk % 1024:
             raise OuterError(f"chunk={chunk} must be a positive multiple of 1024")
-        self.tx = tx
+        self.fixed = is_fixed(tx)
+        rule = as_rule(tx)
+        self.tx = tx if self.fixed else rule(1.0, 0.0)  # init: the same for any settings
         self.chunk = chunk
         self.views = JaxViews()
         self._merged = (aligned_float32(chunk), aligned_float32(chunk))
-        self._init = jax.jit(tx.init)
-        self._apply = jax.jit(lambda *a: _chunk_step(tx, True, None, *a))
-        self._updates = jax.jit(lambda *a: _chunk_step(tx, False, finish, *a))
+        self._init = jax.jit(self.tx.init)
+        self._apply = jax.jit(lambda *a: _chunk_step(rule, True, None, *a))
+        self._updates = jax.jit(lambda *a: _chunk_step(rule, False, finish, *a))
 
     def init(self, params: np.ndarray) -> Any:
         """Fresh optimizer state for a fragment, as host buffers.
@@ -318,6 +356,7 @@ class ChunkedStep:
         fill: Fill,
         sink: Sink | None = None,
         carry: np.ndarray | None = None,
+        settings: tuple[float, float] | None = None,
     ) -> None:
         """One outer step of a fragment, in place, chunk by chunk.
 
@@ -334,11 +373,15 @@ class ChunkedStep:
             carry: with `sink`, a bfloat16 vector of the fragment's size added
                 to the update before `finish` (the downlink residual; a chunk's
                 carry is read before its sink runs, so the sink may rewrite it).
+            settings: (lr, momentum) of this step, traced (changing them compiles
+                nothing); None for a transformation with constant settings.
 
         Raises:
-            OuterError: params too large, or a state leaf that is not elementwise.
+            OuterError: params too large, a state leaf that is not elementwise,
+                or a rule without settings.
         """
         n = params.shape[0]
+        lr, momentum = settings_args(settings, self.fixed)
         if n > MAX_ELEMENTS:
             raise OuterError(f"a fragment of {n} elements is over {MAX_ELEMENTS}: use more")
         leaves, treedef = jax.tree.flatten(state)
@@ -363,7 +406,9 @@ class ChunkedStep:
             hi = min(lo + self.chunk, n)
             merged = self._merged[k % 2][: hi - lo]
             fill(lo, hi, merged)
-            out, new_state = fn(np.int32(lo), j_params, j_state, self.views.of(merged), *extra)
+            out, new_state = fn(
+                np.int32(lo), j_params, j_state, self.views.of(merged), lr, momentum, *extra
+            )
             if pending is not None:
                 new_leaves = self._take(params, leaves, vector, sink, *pending)
             pending = (lo, hi, out, new_state)
@@ -507,6 +552,7 @@ class FusedNesterov:
         state: RoundNesterovState,
         fill: Fill,
         publication: Int8Publication | None = None,
+        settings: tuple[float, float] | None = None,
     ) -> None:
         """One outer step of a fragment, in place, chunk by chunk.
 
@@ -516,6 +562,8 @@ class FusedNesterov:
             fill: `fill(lo, hi, out)` writes the merged delta's [lo, hi) into `out`.
             publication: the int8 downlink's message (codes and scales written
                 into it, params and its residual updated); None: params += update.
+            settings: (lr, momentum) of this step (arguments of the compiled
+                loops); None: those this step was built with.
 
         Raises:
             DownlinkError: the update is not finite (the chunks before stay applied,
@@ -528,6 +576,9 @@ class FusedNesterov:
         due = bool(phase >= np.float32(1 - ROUND_TOL))
         mom = state.momentum
         k = self.kernels
+        neg_lr, beta = self.neg_lr, self.beta
+        if settings is not None:
+            neg_lr, beta = np.float32(-settings[0]), np.float32(settings[1])
         if publication is not None:
             block = publication.block
             if self._buf.shape[0] < block:
@@ -539,12 +590,12 @@ class FusedNesterov:
             merged = self._merged[: hi - lo]
             fill(lo, hi, merged)
             if publication is None:
-                k.nesterov_apply(merged, lo, params, mom, self.neg_lr, self.beta, fresh, due)
+                k.nesterov_apply(merged, lo, params, mom, neg_lr, beta, fresh, due)
                 continue
             bad = k.nesterov_int8(
                 merged, lo, params, mom, residual,
                 publication.codes_out(lo, hi), publication.scales_out(lo, hi), self._buf,
-                self.neg_lr, self.beta, fresh, due, block, tiny, inv_max, step,
+                neg_lr, beta, fresh, due, block, tiny, inv_max, step,
             )  # fmt: skip
             if bad >= 0:
                 raise DownlinkError(f"outer update of elements [{lo}, {hi}) is not finite")

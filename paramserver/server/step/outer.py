@@ -2,9 +2,12 @@
 
 This module owns the outer update rule, its state and the whole-fragment
 jitted step that applies it (`DonatingStep`; `FragmentOptimizer.step` is a
-copying wrapper around it). A shard applies the same transformation in place,
-chunk by chunk (`paramserver.server.step.fragment_step`), bit for bit equal to it.
-Sign convention: the merged delta is the pseudo-gradient (global params an
+copying wrapper around it). A rule (`outer_rule`) leaves lr and momentum
+open: the shard's steps take them as arguments of one compiled step, so they
+can follow the island count step by step, with the bits of the transformation
+that has them as constants (`make_outer_optimizer`). A shard applies the same
+transformation in place, chunk by chunk (`paramserver.server.step.fragment_step`),
+bit for bit equal to it. Sign convention: the merged delta is the pseudo-gradient (global params an
 island started from minus its local params), fed to optax as the gradient, so
 plain SGD with lr=1 and one island moves the global params exactly onto that
 island's params.
@@ -13,7 +16,7 @@ island's params.
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
@@ -165,10 +168,107 @@ def set_round_share(state: Any, share: float) -> None:
         np.copyto(state.share, np.float32(share))
 
 
+OuterRule = Callable[[Any, Any], optax.GradientTransformation]
+"""An outer update rule as a function of (lr, momentum): Python floats give a transformation
+with them as constants, JAX scalars (inside a jit) one whose lr and momentum are arguments."""
+
+
+def check_outer_settings(lr: float, momentum: float) -> None:
+    """Refuse an outer lr or momentum the rules cannot take.
+
+    Args:
+        lr: outer learning rate, finite and > 0.
+        momentum: momentum decay in [0, 1).
+
+    Raises:
+        OuterError: either is out of range (or not a real number).
+    """
+    if not (isinstance(lr, numbers.Real) and np.isfinite(lr) and lr > 0):
+        raise OuterError(f"outer lr={lr!r} must be a finite number > 0")
+    if not (isinstance(momentum, numbers.Real) and 0 <= momentum < 1):
+        raise OuterError(f"outer momentum={momentum!r} must be in [0, 1)")
+
+
+def outer_rule(name: str = "nesterov", delay: int = 1) -> OuterRule:
+    """The outer update rule of a name, with lr and momentum left open.
+
+    The shard's steps call it inside their jit with the lr and momentum of
+    each step as traced float32 scalars, so changing them between steps
+    compiles nothing new; called with Python floats it is
+    `make_outer_optimizer`'s transformation.
+
+    Args:
+        name: "nesterov" (`round_nesterov`; delayed Nesterov when delay > 1),
+            "sgd" (plain, momentum ignored; delay must be 1) or "delayed-nesterov".
+        delay: contributions between momentum updates, >= 1.
+
+    Returns:
+        rule(lr, momentum) -> optax.GradientTransformation; its `init` does not
+        depend on lr or momentum.
+
+    Raises:
+        OuterError: an unknown name, a bad delay, or sgd with a delay.
+    """
+    if name not in OUTER_OPTIMIZERS:
+        raise OuterError(f"unknown outer optimizer {name!r}; choose one of {OUTER_OPTIMIZERS}")
+    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
+        raise OuterError(f"outer delay={delay!r} must be an int >= 1")
+    if name == "sgd":
+        if delay != 1:
+            raise OuterError(f"delay={delay} needs momentum: use 'delayed-nesterov', not 'sgd'")
+        return lambda lr, momentum: optax.sgd(lr)
+    if name == "nesterov" and delay == 1:
+        return round_nesterov
+    return lambda lr, momentum: delayed_nesterov(lr, momentum, delay)
+
+
+def as_rule(tx: optax.GradientTransformation | OuterRule) -> OuterRule:
+    """A rule of a transformation whose settings are constants (it ignores lr and momentum).
+
+    Args:
+        tx: a transformation (e.g. `make_outer_optimizer`'s), or already a rule.
+
+    Returns:
+        A rule: `tx` itself when it is one, else a rule that returns `tx`.
+    """
+    if isinstance(tx, optax.GradientTransformation):
+        return lambda lr, momentum: tx
+    return tx
+
+
+def is_fixed(tx: optax.GradientTransformation | OuterRule) -> bool:
+    """Whether `tx` carries its settings as constants (a transformation, not a rule)."""
+    return isinstance(tx, optax.GradientTransformation)
+
+
+def settings_args(
+    settings: tuple[float, float] | None, fixed: bool
+) -> tuple[np.float32, np.float32]:
+    """A step's (lr, momentum) as the float32 scalars its jit takes.
+
+    Args:
+        settings: (lr, momentum) of this step; None only for a fixed transformation.
+        fixed: whether the step's transformation has its settings as constants
+            (then the arguments are unused and `settings` may be None).
+
+    Returns:
+        (float32 lr, float32 momentum).
+
+    Raises:
+        OuterError: a rule without settings, or settings out of range.
+    """
+    if settings is None:
+        if not fixed:
+            raise OuterError("this outer step takes its lr and momentum per step: pass settings")
+        return np.float32(0), np.float32(0)
+    check_outer_settings(*settings)
+    return np.float32(settings[0]), np.float32(settings[1])
+
+
 def make_outer_optimizer(
     name: str = "nesterov", lr: float = 0.7, momentum: float = 0.9, delay: int = 1
 ) -> optax.GradientTransformation:
-    """Build the outer optax transformation.
+    """Build the outer optax transformation with its lr and momentum as constants.
 
     Args:
         name: "nesterov" (`round_nesterov`: momentum moved once per round;
@@ -179,23 +279,13 @@ def make_outer_optimizer(
         delay: contributions between momentum updates, >= 1.
 
     Returns:
-        An optax.GradientTransformation applied to the pseudo-gradient.
+        An optax.GradientTransformation applied to the pseudo-gradient
+        (`outer_rule(name, delay)(lr, momentum)`).
     """
     if name not in OUTER_OPTIMIZERS:
         raise OuterError(f"unknown outer optimizer {name!r}; choose one of {OUTER_OPTIMIZERS}")
-    if not (isinstance(lr, numbers.Real) and np.isfinite(lr) and lr > 0):
-        raise OuterError(f"outer lr={lr!r} must be a finite number > 0")
-    if not (isinstance(momentum, numbers.Real) and 0 <= momentum < 1):
-        raise OuterError(f"outer momentum={momentum!r} must be in [0, 1)")
-    if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
-        raise OuterError(f"outer delay={delay!r} must be an int >= 1")
-    if name == "sgd":
-        if delay != 1:
-            raise OuterError(f"delay={delay} needs momentum: use 'delayed-nesterov', not 'sgd'")
-        return optax.sgd(lr)
-    if name == "nesterov" and delay == 1:
-        return round_nesterov(lr, momentum)
-    return delayed_nesterov(lr, momentum, delay)
+    check_outer_settings(lr, momentum)
+    return outer_rule(name, delay)(lr, momentum)
 
 
 def _check_vector(name: str, arr: np.ndarray, size: int | None = None) -> None:
@@ -232,28 +322,38 @@ class DonatingStep:
     delta entering zero-copy (a 64-byte aligned numpy buffer via DLPack; an
     unaligned one is copied by JAX). Measured on a 8M-element fragment: 10 ms
     instead of 150 ms, which went to copies and page faults of freshly
-    allocated memory.
+    allocated memory. Given a rule (`outer_rule`), each call takes its lr and
+    momentum as arguments of the one compiled step.
 
     A numpy view of the old params (e.g. a shard's `snapshot`) stays valid:
     JAX does not donate a buffer that has external references (it copies instead).
     """
 
-    def __init__(self, tx: optax.GradientTransformation) -> None:
+    def __init__(self, tx: optax.GradientTransformation | OuterRule) -> None:
         """Jit the step of a transformation.
 
         Args:
-            tx: the outer optax transformation (kept as `tx`).
+            tx: the outer transformation with its settings as constants, or a
+                rule (lr and momentum given per call).
         """
-        self.tx = tx
+        self.fixed = is_fixed(tx)
+        rule = as_rule(tx)
+        self.tx = tx if self.fixed else rule(1.0, 0.0)  # init: the same for any settings
 
-        def step(params: jax.Array, opt_state: Any, delta: jax.Array) -> tuple[jax.Array, Any]:
-            updates, opt_state = tx.update(delta, opt_state, params)
+        def step(
+            params: jax.Array, opt_state: Any, delta: jax.Array, lr: jax.Array, momentum: jax.Array
+        ) -> tuple[jax.Array, Any]:
+            updates, opt_state = rule(lr, momentum).update(delta, opt_state, params)
             return optax.apply_updates(params, updates), opt_state
 
         self._step = jax.jit(step, donate_argnums=(0, 1))
 
     def __call__(
-        self, params: jax.Array, opt_state: Any, merged: np.ndarray
+        self,
+        params: jax.Array,
+        opt_state: Any,
+        merged: np.ndarray,
+        settings: tuple[float, float] | None = None,
     ) -> tuple[jax.Array, Any]:
         """One step; `merged` may be reused by the caller as soon as this returns.
 
@@ -261,12 +361,14 @@ class DonatingStep:
             params: the fragment's params (donated: do not use them afterwards).
             opt_state: its optimizer state (donated).
             merged: the merged pseudo-gradient, 1-D float32, C-contiguous, writable.
+            settings: (lr, momentum) of this step (a rule); None for a fixed transformation.
 
         Returns:
             (new params, new optimizer state).
         """
         delta = jax.dlpack.from_dlpack(merged)  # zero-copy when 64-byte aligned
-        new_params, new_state = self._step(params, opt_state, delta)
+        lr, momentum = settings_args(settings, self.fixed)
+        new_params, new_state = self._step(params, opt_state, delta, lr, momentum)
         jax.block_until_ready((new_params, new_state))
         return new_params, new_state
 
@@ -278,14 +380,15 @@ class FragmentOptimizer:
     in and out, so one instance serves every fragment (jit caches per shape).
     """
 
-    def __init__(self, tx: optax.GradientTransformation) -> None:
+    def __init__(self, tx: optax.GradientTransformation | OuterRule) -> None:
         """Wrap a transformation.
 
         Args:
-            tx: e.g. from make_outer_optimizer.
+            tx: e.g. from make_outer_optimizer, or a rule (`outer_rule`: lr and
+                momentum given to each `step`).
         """
-        self.tx = tx
         self.donating = DonatingStep(tx)
+        self.tx = self.donating.tx  # for init and the state's structure
 
     def init(self, params: np.ndarray) -> Any:
         """Fresh optimizer state for one fragment.
@@ -300,7 +403,11 @@ class FragmentOptimizer:
         return self.tx.init(jnp.asarray(params))
 
     def step(
-        self, params: np.ndarray, state: Any, merged_delta: np.ndarray
+        self,
+        params: np.ndarray,
+        state: Any,
+        merged_delta: np.ndarray,
+        settings: tuple[float, float] | None = None,
     ) -> tuple[np.ndarray, Any]:
         """One outer step of a fragment, through `self.donating`.
 
@@ -312,6 +419,7 @@ class FragmentOptimizer:
             params: current 1-D float32 values.
             state: state from init / a previous step (stays usable).
             merged_delta: weighted pseudo-gradient, 1-D float32 of the same size.
+            settings: (lr, momentum) of this step (a rule); None for a fixed transformation.
 
         Returns:
             (new params as a writable 1-D float32 numpy array, new state).
@@ -323,7 +431,7 @@ class FragmentOptimizer:
             merged = aligned_float32(merged_delta.shape[0])
             merged[...] = merged_delta
         new_params, new_state = self.donating(
-            jnp.array(params, copy=True), jax.tree.map(jnp.copy, state), merged
+            jnp.array(params, copy=True), jax.tree.map(jnp.copy, state), merged, settings
         )
         # np.asarray of a jax array is a read-only view; callers write into params.
         return np.array(new_params, dtype=np.float32), new_state
