@@ -4,7 +4,9 @@ Two loops train, each against a fresh local 2-shard cluster (real daemons, 127.0
 
 - a user's plain-JAX MLP (its own optax step, not our model), and
 - the daemon's loop: our transformer's `InnerTrainer` (`--model`) driving the
-  same `Session` the daemon drives.
+  same `Session` the daemon drives, joined as the daemon joins (with the
+  trainer's placed parameters: the device exchange; each loop's `exchange`
+  names the one that ran).
 
 For each it times the model's own inner step (the baseline, measured in the
 same run), the `Session.step` calls that neither push nor fold (the per-call
@@ -111,7 +113,7 @@ def _summary(step_s: list[float], call_s: list[float], push_s: list[float]) -> d
         "call_us": round(call * 1e6, 1),
         "round_call_us": round(push * 1e6, 1),
         "call_over_step": round(call / step, 5),
-        "round_over_step": round(push / step, 3),
+        "round_over_step": round(push / step, 5),
         "calls_timed": len(call_s),
         "rounds_timed": len(push_s),
     }
@@ -188,6 +190,7 @@ def _timed_loop(session, steps: int, train, read, adopt, stages: bool = False) -
             if k % session.inner_steps == 0:
                 stage_rows.append(dict(spent))
     summary = _summary(step_s[5:], call_s[5:], push_s[1:] or push_s)
+    summary["exchange"] = type(session.exchange).__name__  # DeviceExchange or HostExchange
     if stages:
         kept = slice(1, None) if len(push_s) > 1 else slice(None)
         summary["round_end_stages_us"] = _stage_medians(stage_rows[kept], push_s[kept])
@@ -256,9 +259,14 @@ def _measure_daemon_loop(connect: str, args: argparse.Namespace, name: str) -> d
     cfg = session_config(
         connect, "daemon", args.inner_steps, None, {"overlap_rounds": args.overlap_rounds}
     )
-    with Session(cfg, jax.device_get(model.init_params(model_cfg, 0))) as s:
-        trainer = InnerTrainer(model_cfg, inner, s.params)
+    # as the daemon joins (`worker.island`): with the trainer's placed parameters, so the
+    # session runs the device exchange on the trainer's mesh (numpy parameters would take
+    # the host exchange: a host copy and numpy quantize inside the round-end call)
+    trainer = InnerTrainer(model_cfg, inner, jax.device_get(model.init_params(model_cfg, 0)))
+    with Session(cfg, trainer.params) as s:
+        trainer.set_params(s.params)
         trainer.warmup()
+        s.mark_start()  # the exchange's pushes and folds compile here, as the daemon's do
 
         def train() -> None:
             trainer.step(sampler.next())

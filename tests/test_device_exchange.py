@@ -308,3 +308,46 @@ def test_a_refused_pushs_mass_returns_into_the_residual_as_the_codecs_refund(sch
             assert np.abs(refused).sum() > 0  # there is mass to lose
             dev.refund(1, refused)
             ref.state[1] = codec.refund(ref.state[1], {"delta": refused})
+
+
+def test_after_warm_up_no_round_compiles_a_function_and_warming_changes_nothing():
+    """What faults call for (a push of some fragments, a fold of full values, a refund)
+    is compiled by `warm(rare=True)`: the compiled functions kept per exchange stay as
+    many over the rounds (each one holds memory: islands grew in steps mid-run)."""
+    rng = np.random.default_rng(11)
+    start, plan, layout, dev, ref = _both(rng, 2, "int8", 64)
+    downlink = codec.int8(block_size=64)
+    every = [0, 1, 2]
+    dev.warm(layout.leaves({k: jnp.asarray(v) for k, v in start.items()}),
+             [every, [0], [1], [2]], [("int8", 64)], rare=True)  # fmt: skip
+    compiled = (len(dev._pushes), len(dev._folds), len(dev._refunds))
+    assert compiled == (4, 1 + 3 + 3, 3)  # folds: whole, codes per fragment, values per fragment
+    local = {k: np.asarray(v) for k, v in start.items()}
+    versions = dict.fromkeys(every, 0)
+    for r in range(6):
+        local = {k: (v + rng.normal(size=v.shape) * 0.01).astype(v.dtype) for k, v in local.items()}
+        due = every if r % 2 == 0 else [0, 2]  # a skipped push: some fragments, one call each
+        leaves = layout.leaves({k: jnp.asarray(v) for k, v in local.items()})
+        got = dev.encode(leaves, due, leader=True)
+        want = ref.push(local, due)
+        assert all(_same_frames(got[i], want[i]) for i in due)  # warming changed nothing
+        if r == 3:  # the shards refused fragment 2's push: its mass goes back
+            values = codec.decode(list(got[2]))["delta"]
+            dev.refund(2, values)
+            ref.state[2] = codec.refund(ref.state[2], {"delta": values})
+        updates, targets = [], {}
+        for f in every if r % 2 else [1]:  # increments: whole or one; fragment 0 full values
+            step = rng.normal(size=plan.fragments[f].size).astype(np.float32) * 0.1
+            frames, _ = downlink.encode({"values": step})
+            targets[f] = ref.base[f] + codec.decode(frames)["values"]
+            updates.append(Update(f, versions[f] + 1, targets[f], read_codes(frames, "values")))
+        if r % 2 == 0:
+            targets[0] = (ref.base[0] + 0.25).astype(np.float32)
+            updates.append(Update(0, versions[0] + 1, targets[0]))
+        versions.update((f, versions[f] + 1) for f in targets)
+        folded = dev.fold(leaves, updates)
+        for f, target in targets.items():
+            local = ref.fold(local, f, target)
+        for name, leaf in zip(layout.names, folded, strict=True):
+            assert np.array_equal(np.asarray(leaf), local[name]), name
+        assert (len(dev._pushes), len(dev._folds), len(dev._refunds)) == compiled, r

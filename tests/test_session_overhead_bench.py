@@ -34,6 +34,8 @@ def test_the_bench_times_every_call_and_says_whether_a_round_end_costs_more(tmp_
         row = result[loop]
         # 10 steps: 2 end a round; the first 5 samples of each kind are warm-up (1 round call kept)
         assert (row["calls_timed"], row["rounds_timed"]) == (3, 1), row
+        # both loops join with placed jax arrays, as the daemon does: the device exchange
+        assert row["exchange"] == "DeviceExchange", row
         assert row["calls_alone_timed"] == 8, row  # 10 calls back to back, 2 of them round ends
         # the ratios are rounded to 5 / 6 decimals: tiny ones differ by up to half of that
         assert row["call_over_step"] == pytest.approx(

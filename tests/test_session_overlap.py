@@ -149,6 +149,9 @@ def test_per_round_state_stays_bounded_over_many_rounds(tmp_path):
     try:
         with worker.join(cluster.connect, island="a", params=mlp.init_mlp(0), inner_steps=1,
                          data_dir=tmp_path / "island", **FAST) as session:  # fmt: skip
+            session.mark_start()  # compiles every push, fold and refund a round may call for
+            exchange = session.exchange
+            compiled = (len(exchange._pushes), len(exchange._folds), len(exchange._refunds))
             p = session.params
             for k in range(rounds):
                 p = session.step(jax.tree_util.tree_map(lambda x: x - 1e-3, p), tokens=1)
@@ -165,5 +168,9 @@ def test_per_round_state_stays_bounded_over_many_rounds(tmp_path):
             assert session.unsent == []
             assert len(session.client._core.ledger) <= 16  # max_unacked
             assert session.stats["pushes"] >= rounds * fragments
+            # no round compiled a function the warm-up did not (each one stays in memory)
+            assert (len(exchange._pushes), len(exchange._folds), len(exchange._refunds)) == compiled
+            readout = session.client._core.readout
+            assert sum(len(v) for v in readout._awaiting.values()) <= 16  # acked, merge unseen
     finally:
         cluster.stop()

@@ -358,6 +358,8 @@ class DeviceExchange:
         leaves: list[Any],
         fragment_sets: Sequence[Sequence[int]],
         folds: Sequence[tuple[str, int]],
+        *,
+        rare: bool = False,
     ) -> None:
         """Compile pushes and folds now, on copies of the state: nothing changes.
 
@@ -366,9 +368,15 @@ class DeviceExchange:
             fragment_sets: the sets of fragments whose push to compile.
             folds: (scheme, block) of the increments whose whole and per-fragment folds
                 to compile (the shards' downlink).
+            rare: also compile what only faults or a skipped push call for: each
+                fragment's fold of full values (a version that does not follow the
+                adopted one) and its refund (a push the shards refused), so that no
+                executable is compiled (and its memory kept) mid-run.
         """
         copy = jax.jit(jnp.copy, out_shardings=self.spread)
         counted = self.host_device_bytes  # warming moves nothing the session uses
+        if rare:
+            self._warm_rare(leaves, copy)
         for fragments in fragment_sets:
             key = tuple(sorted(fragments))
             used = self.flat.leaves_of(key)
@@ -405,6 +413,20 @@ class DeviceExchange:
                     fn([leaves[i] for i in used1], copy(self.anchor), copy(self.base), [inc])
                 )
         self.host_device_bytes = counted
+
+    def _warm_rare(self, leaves: list[Any], copy: Callable) -> None:
+        """Compile each fragment's full-values fold and refund, on copies of the state."""
+        for f in sorted(self.flat.offset):
+            key = ((f, "full", 0),)
+            used = self.flat.leaves_of([f])
+            fn = self._folds.get(key) or self._folds.setdefault(key, self._fold_fn(key, used))
+            values = self._put(np.zeros(self.flat.size[f], np.float32), self.replicated)
+            jax.block_until_ready(
+                fn([leaves[i] for i in used], copy(self.anchor), copy(self.base), [(values,)])
+            )
+            refund = self._refund_fn(f)
+            back = self._put(np.zeros(self.flat.padded[f], np.float32), self.replicated)
+            jax.block_until_ready(refund(copy(self.residual), back))
 
     def _push_fn(self, fragments: tuple[int, ...], used: list[int]) -> Callable:
         levels, block, flat = self.levels, self.block, self.flat
@@ -446,6 +468,11 @@ class DeviceExchange:
         """
         padded = np.zeros(self.flat.padded[fragment], np.float32)
         padded[: self.flat.size[fragment]] = np.asarray(values, np.float32).reshape(-1)
+        fn = self._refund_fn(fragment)
+        self.residual = fn(self.residual, self._put(padded, self.replicated))
+
+    def _refund_fn(self, fragment: int) -> Callable:
+        """The jitted refund of one fragment (built once)."""
         fn = self._refunds.get(fragment)
         if fn is None:
             start, length = self.flat.offset[fragment], self.flat.padded[fragment]
@@ -454,7 +481,7 @@ class DeviceExchange:
                 donate_argnums=(0,),
                 out_shardings=self.spread,
             )
-        self.residual = fn(self.residual, self._put(padded, self.replicated))
+        return fn
 
     # -- fold ------------------------------------------------------------------------
 

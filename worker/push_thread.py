@@ -16,7 +16,10 @@ the order the jobs came:
 3. persists the batch (`Outbox.record`: the deltas the ledger saw resolved
    since the last batch, then the new ones, one append and one fsync);
 4. hands each delta to the client (`Client.push_request`, back-pressure
-   included) and tells the ledger (`handed`).
+   included) and tells the ledger (`handed`);
+5. once the job is done, at most every `TRIM_EVERY_S`, hands the C heap's
+   freed memory back to the OS (`paramserver.plumbing.heap.trim`), as a shard
+   does after its steps: the island's RSS otherwise creeps up in glibc's arenas.
 
 So persist-before-send holds as before: nothing of a delta leaves before it is
 in the outbox file, fsynced. At most `max_in_flight` jobs are queued or running:
@@ -63,6 +66,7 @@ from __future__ import annotations
 
 import collections
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Mapping
@@ -70,12 +74,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from paramserver.client import Client, PushRequest
+from paramserver.plumbing import heap
 from worker.deltas import DeltaLedger
 from worker.outbox import Outbox
 
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # waits sleep in slices this long (Ctrl-C reaches a waiting main thread)
+# the push thread trims the C heap after a job at most this often (`PushThread._trim_heap`)
+TRIM_EVERY_S = 5.0
 
 
 class PushFailed(RuntimeError):
@@ -140,6 +147,8 @@ class PushThread:
         self.halt = threading.Event()  # pushes stop waiting for a slot
         self.failure: PushFailed | None = None
         self.busy_s = 0.0  # seconds spent framing, persisting and pushing
+        self.trim_s = 0.0  # seconds trimming the C heap after jobs (not in busy_s)
+        self._trimmed_at = -math.inf
         self._settle_resent = settle_resent
         self._cond = threading.Condition()
         self._jobs: collections.deque[PushJob] = collections.deque()
@@ -237,6 +246,21 @@ class PushThread:
                 with self._cond:
                     self._running -= 1
                     self._cond.notify_all()
+            self._trim_heap()
+
+    def _trim_heap(self) -> None:
+        """Hand the C heap's free memory back to the OS, at most every `TRIM_EVERY_S`.
+
+        A round's frames, codes and the client's message buffers are freed but stay
+        in glibc's arenas (RSS at its high-water mark, growing as they fragment);
+        trimmed here, beside training and after the job is done, so no `step` waits.
+        """
+        now = time.monotonic()
+        if now - self._trimmed_at < TRIM_EVERY_S:
+            return
+        heap.trim()
+        self._trimmed_at = time.monotonic()
+        self.trim_s += self._trimmed_at - now
 
     def _deliver_or_keep(self, job: PushJob) -> None:
         try:

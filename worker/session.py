@@ -575,7 +575,8 @@ class Session(SessionRows, SessionEnd):
             an outbox (process 0, a data dir) `outbox_s` (seconds spent writing and
             fsyncing it) and `outbox_bytes` (its size); with a push thread
             (`overlap_rounds` > 0) `push_thread_s` (its seconds framing, persisting and
-            pushing, beside training) and `rounds_in_flight` (its jobs queued or running).
+            pushing, beside training), `rounds_in_flight` (its jobs queued or running)
+            and `heap_trim_s` (its seconds handing freed C heap back to the OS).
         """
         own = {
             "exchange_s": self.exchange_s,
@@ -584,7 +585,8 @@ class Session(SessionRows, SessionEnd):
         if self.outbox is not None:
             own.update(outbox_s=self.outbox.persist_s, outbox_bytes=self.outbox.size)
         if self.pusher is not None:
-            own.update(push_thread_s=self.pusher.busy_s, rounds_in_flight=self.pusher.in_flight)
+            own.update(push_thread_s=self.pusher.busy_s, rounds_in_flight=self.pusher.in_flight,
+                       heap_trim_s=self.pusher.trim_s)  # fmt: skip
         return {**(self.client.stats() if self.client is not None else {}), **own}
 
     def mark_start(self) -> None:
@@ -602,19 +604,24 @@ class Session(SessionRows, SessionEnd):
     def warm_up(self) -> None:
         """Compile the exchange's pushes and folds now (once; nothing changes).
 
-        With the device exchange: the push of a round (every fragment, or with
-        streaming each one alone; a push of some fragments after a skipped push
-        still compiles when it first comes), and the folds of the shards' int8 increments (all fragments and
-        each one), each run once on copies of the state. Every process calls it.
+        With the device exchange: the push of a round (every fragment) and of each
+        fragment alone (streaming, or a push of some fragments after a skipped push),
+        the folds of the shards' int8 increments (all fragments and each one), and
+        what faults call for (each fragment's fold of full values, its refund), each
+        run once on copies of the state, so that none compiles mid-run: each compiled
+        function stays in memory (~2 MB each for `tiny` on CPU), and islands whose
+        first fault compiled them grew in steps. Every process calls it.
         """
         if self._warm or not isinstance(self.exchange, DeviceExchange):
             return
         self._warm = True
         every = list(range(len(self.sizes)))
-        sets = [[f] for f in every] if self.cfg.streaming else [every]
+        # each fragment alone too: a push of some fragments (a skipped push) runs one each
+        singles = [[f] for f in every]
+        sets = singles if self.cfg.streaming or len(every) == 1 else [every, *singles]
         downlink = codec.int8().block_size  # the shards publish int8 increments
         fresh = self.layout.leaves(self.exchange.initial_params())  # the caller's may be donated
-        self.exchange.warm(fresh, sets, [("int8", downlink)])
+        self.exchange.warm(fresh, sets, [("int8", downlink)], rare=True)
 
     def _check_open(self) -> None:
         if self.closed or self._abandoned.is_set():
