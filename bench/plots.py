@@ -8,6 +8,7 @@ plot is made and saved.
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -313,20 +314,20 @@ def _round_breakdown(ax, islands: Sequence[Mapping[str, Any]]) -> None:
         if not rounds:
             continue
         labels.append(f"{island['region']} x{island['speed']:g}")
-        compute.append(sum(r.get("compute_s", 0.0) for r in rounds) / len(rounds))
-        transfer.append(sum(r["seconds"] for r in rounds) / len(rounds))
+        compute.append(statistics.median(r.get("compute_s", 0.0) for r in rounds))
+        transfer.append(statistics.median(r["seconds"] for r in rounds))
         ideals = [r["bytes_over_bandwidth_s"] for r in rounds if r.get("bytes_over_bandwidth_s")]
-        ideal.append(sum(ideals) / len(ideals) if ideals else None)
+        ideal.append(statistics.median(ideals) if ideals else None)
     xs = list(range(len(labels)))
     ax.bar(xs, compute, label="compute (inner steps, emulated)")
-    ax.bar(xs, transfer, bottom=compute, label="first push to last ack (mean)")
+    ax.bar(xs, transfer, bottom=compute, label="first push to last ack (median round)")
     for x, c, i in zip(xs, compute, ideal, strict=True):
         if i is not None:
             ax.plot([x - 0.4, x + 0.4], [c + i, c + i], "k--", lw=1)
     ax.plot([], [], "k--", lw=1, label="compute + bytes / bandwidth")
     ax.set_xticks(xs, labels, fontsize=8)
     ax.set_ylabel("seconds per round")
-    ax.set_title("round time per island: compute and transfer")
+    ax.set_title("round time per island: compute and transfer (medians over its rounds)")
     ax.legend(fontsize=7)
 
 

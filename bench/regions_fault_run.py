@@ -33,6 +33,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,7 @@ class Island:
         self.argv = argv
         self.log = log
         self.rounds: list[Round] = []
+        self.bytes_sent: list[int] = []  # of each settled round, in `rounds` order
         self.pushing: list[tuple[int, float]] = []  # (round, at)
         self.results: list[dict[str, Any]] = []  # final lines of instances that finished
         self.starts: list[float] = []
@@ -96,6 +98,7 @@ class Island:
                     self.pushing.append((int(obj["pushing"]), float(obj["at"])))
                 elif "progress" in obj:
                     p = obj["progress"]
+                    self.bytes_sent.append(int(p["bytes_sent"]))
                     self.rounds.append(
                         Round(p["round"], p["started"], p["started"] + p["seconds"], p["acked"],
                               p["fragments"])
@@ -107,6 +110,11 @@ class Island:
         """Its settled rounds so far (a copy)."""
         with self._lock:
             return list(self.rounds)
+
+    def settled_bytes(self) -> list[tuple[Round, int]]:
+        """Its settled rounds with the bytes each sent."""
+        with self._lock:
+            return list(zip(self.rounds, self.bytes_sent, strict=True))
 
     def mid_push(self) -> int | None:
         """The round being pushed now (a push started, not settled), or None."""
@@ -248,8 +256,12 @@ def run_faulted(
             island.kill()
     status = [_shard_status(topo, region, s.router) for s, region in zip(shards, shard_regions, strict=True)]  # fmt: skip
     regions_run.stop_shards(topo, work, shard_regions)
+
+    def ideal(region: int, nbytes: int) -> float | None:
+        return regions_run.bytes_over_bandwidth_s(nbytes, region, shard_regions, links, scale)
+
     return score(islands, windows, events, errors, status, sampler, t0, run_end, compute_s,
-                 params, fault_scale, targets)  # fmt: skip
+                 params, fault_scale, targets, ideal)  # fmt: skip
 
 
 def _inject(
@@ -332,6 +344,10 @@ def _inject(
     settle()
 
 
+def _rounded(value: float | None) -> float | None:
+    return None if value is None else round(value, 4)
+
+
 def errors_status(status: list[dict[str, Any]]) -> list[str]:
     """The shards whose status could not be read (their error lines)."""
     return [st["error"] for st in status if "error" in st]
@@ -350,8 +366,13 @@ def score(
     params: int,
     fault_scale: float,
     targets: dict[str, int],
+    ideal: Callable[[int, int], float | None],
 ) -> dict[str, Any]:
-    """The faulted run's report from what the run collected (`bench.regions_faults` scores)."""
+    """The faulted run's report from what the run collected (`bench.regions_faults` scores).
+
+    `ideal(region, bytes)` is a round's bytes / bandwidth at the links' real
+    rates (`regions_run.bytes_over_bandwidth_s`; the cut is not in it).
+    """
     names = {i.region: regions_run.island_name(i.region) for i in islands}
     region_names = {i.region: REGIONS[i.region].name for i in islands}
     rounds = {i.region: i.settled() for i in islands}
@@ -394,8 +415,10 @@ def score(
                         "compute_s": round(compute_s / REGIONS[i.region].island_speed, 4),
                         "acked": r.acked,
                         "fragments": r.fragments,
+                        "bytes_sent": nbytes,
+                        "bytes_over_bandwidth_s": _rounded(ideal(i.region, nbytes)),
                     }
-                    for r in i.settled()
+                    for r, nbytes in i.settled_bytes()
                 ],
                 "client": [res["client"] for res in i.results],
                 "failed": [res["failed"] for res in i.results if res["failed"]],
