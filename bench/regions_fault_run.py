@@ -306,8 +306,10 @@ def _inject(
         killed_round = victim.mid_push()
         victim.kill()
         start = time.monotonic()
+        pushed_at = victim.pushing[-1][1] if victim.pushing else start
         events.append({"kind": "kill_island", "round": killed_round,
-                       "mid_push": killed_round is not None})  # fmt: skip
+                       "mid_push": killed_round is not None,
+                       "killed_after_push_s": round(start - pushed_at, 3)})  # fmt: skip
         _wait(stop, start + regions_faults.KILL_DOWN_S * fault_scale)
         resume = victim.next_round()
         victim.start(resume)
