@@ -125,3 +125,29 @@ def test_region_goodput() -> None:
     # until 6: rounds 0 and 1 (1 useful s) over 0..6
     assert rf.region_goodput(rounds, 1.0, until=6.0)["goodput"] == round(1.0 / 6.0, 4)
     assert rf.region_goodput([], 1.0)["goodput"] is None
+
+
+def test_link_utilisation_from_counters_and_rate_changes() -> None:
+    from types import SimpleNamespace
+
+    from bench import netns
+    from bench.regions_run import LinkSampler
+
+    topo = SimpleNamespace(links=[netns.LinkShape(0, 1, mbit=10.0, rtt_ms=30.0)])
+    sampler = LinkSampler(topo)  # type: ignore[arg-type]  (only its links are read)
+    # the link at 10 Mbit/s from t = 0, cut to 1 Mbit/s at t = 1.5
+    sampler.rates = [(0.0, {(0, 1): 10.0}), (1.5, {(0, 1): 1.0})]
+    # towards region 0: 1,250,000 B in [0, 1] = 10 Mbit/s; then 125,000 B per second = 1 Mbit/s
+    sampler.samples = [
+        (0.0, {(0, 1): 0, (1, 0): 0}),
+        (1.0, {(0, 1): 1_250_000, (1, 0): 0}),
+        (2.0, {(0, 1): 1_375_000, (1, 0): 0}),
+        (3.0, {(0, 1): 1_500_000, (1, 0): 0}),
+    ]
+    rows = {row["towards"]: row for row in sampler.utilisation(t0=0.0)}
+    east = rows["us-east"]
+    assert east["link"] == "us-east-us-central" and east["mbit"] == 10.0
+    # [0, 1]: 10 of 10 Mbit/s; [1, 2] spans the change: against the larger rate, 1 of 10;
+    # [2, 3]: 1 of 1
+    assert east["points"] == [[1.0, 10.0, 1.0], [2.0, 1.0, 0.1], [3.0, 1.0, 1.0]]
+    assert [p[1] for p in rows["us-central"]["points"]] == [0.0, 0.0, 0.0]
