@@ -17,8 +17,9 @@ rounds it injects, one after the other (`bench.regions_faults`):
    WAN end down) for `PARTITION_S` x scale, then restored.
 
 Before each fault, and after the last, it waits until every island settled
-`SETTLE_ROUNDS` more rounds (bounded by `SETTLE_ROUNDS` x 20 typical rounds),
-so each fault has rounds before and after it. A fault is undone in a
+`SETTLE_ROUNDS` more rounds (at most max(60 s, 20 x `SETTLE_ROUNDS` x the
+longest round so far); a wait that ran out is listed in "errors"), so each
+fault has rounds before and after it. A fault is undone in a
 `finally` whatever happens (an error, SIGTERM, Ctrl-C); the namespaces go
 with the topology at the bench's exit in any case. Then the islands stop,
 the shards report their per-island accepted and duplicate counts (a status
@@ -204,7 +205,8 @@ def run_faulted(
         params: float32 parameters of the synthetic model.
         compute_s: compute per round of a speed-1.0 island.
         fault_scale: the faults' durations x this (1: 60 s cut, 30 s partition).
-        timeout_s: bound on each settling wait's start-up and on the islands' exit.
+        timeout_s: bound on the islands' start (their first rounds), on the wait for
+            the victim's push, and on their exit at the end.
 
     Returns:
         JSON-ready: islands (their settled rounds), faults (scored), acked_vs_applied,
