@@ -42,6 +42,7 @@ import contextlib
 import dataclasses
 import json
 import os
+import re
 import secrets
 import shutil
 import signal
@@ -59,6 +60,7 @@ PREFIX_START = "drg"
 BASE = "10.9"
 PROBE_PORT = 5201
 WORKDIR_START = "diloco-regions-"
+_SENT = re.compile(r"Sent (\d+) bytes")
 
 
 class NetnsError(RuntimeError):
@@ -411,6 +413,35 @@ class Topology:
                    f"{self.prefix}w{towards}", "parent", "1:", "classid", f"1:{10 + k}",
                    "htb", *htb_rate(rate), "quantum", "60000")  # fmt: skip
             self.links[k] = dataclasses.replace(link, mbit=rate)
+
+    def class_bytes(self) -> dict[tuple[int, int], int]:
+        """Bytes each link's htb class has sent so far, per direction (the kernel's counters).
+
+        Returns:
+            (towards, from) region pair -> bytes sent towards `towards` on the
+            link between the two (whole frames, as htb counts them).
+        """
+        out: dict[tuple[int, int], int] = {}
+        for k, link in enumerate(self.links):
+            for towards, other in ((link.a, link.b), (link.b, link.a)):
+                text = sh("tc", "-n", wan_ns(self.prefix), "-s", "class", "show", "dev",
+                          f"{self.prefix}w{towards}", "classid", f"1:{10 + k}")  # fmt: skip
+                match = _SENT.search(text)
+                out[(towards, other)] = int(match.group(1)) if match else 0
+        return out
+
+    def set_region_down(self, region: int, down: bool) -> None:
+        """Partition a region from the WAN (its veth's WAN end down), or restore it.
+
+        Its connections stay open and retransmit; the kernel restores the
+        end's connected route when it comes up again, and the htb qdisc stays.
+
+        Args:
+            region: the region.
+            down: True to cut it off, False to restore it.
+        """
+        sh("ip", "-n", wan_ns(self.prefix), "link", "set", f"{self.prefix}w{region}",
+           "down" if down else "up")  # fmt: skip
 
     # ---- running things in it
     def prefix_argv(self, region: int) -> tuple[str, ...]:

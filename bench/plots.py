@@ -8,6 +8,7 @@ plot is made and saved.
 from __future__ import annotations
 
 import contextlib
+import statistics
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -255,3 +256,91 @@ def write_demo_plot(
         ax.set_ylabel("loss (nats/byte)")
         ax.set_title("decoupled-diloco demo: islands training through the sharded parameter server")
         ax.legend()
+
+
+REGIONS_PLOTS = ("link_utilisation.png", "round_breakdown.png")
+REGIONS_FAULT_PLOT = "round_times_faults.png"
+FAULT_COLOURS = {"kill_island": "tab:red", "cut_link": "tab:orange", "partition": "tab:purple"}
+
+
+def write_regions_plots(run: Mapping[str, Any], out: Path) -> dict[str, str]:
+    """The regions run's PNGs: link use over time, the round-time breakdown, and the faults' rounds.
+
+    Args:
+        run: the report's "run" part (`bench.regions_run.run_islands` or
+            `bench.regions_fault_run.run_faulted`).
+        out: the directory (next to regions.json).
+
+    Returns:
+        Plot name -> path written (the fault plot only when the run has "faults").
+    """
+    paths = {name.removesuffix(".png"): out / name for name in REGIONS_PLOTS}
+    with figure(paths["link_utilisation"]) as ax:
+        _link_utilisation(ax, run.get("link_utilisation", []), run.get("faults", []))
+    with figure(paths["round_breakdown"]) as ax:
+        _round_breakdown(ax, run.get("islands", []))
+    if "faults" in run:
+        paths[REGIONS_FAULT_PLOT.removesuffix(".png")] = out / REGIONS_FAULT_PLOT
+        with figure(out / REGIONS_FAULT_PLOT) as ax:
+            _fault_rounds(ax, run["islands"], run["faults"])
+    return {name: str(path) for name, path in paths.items()}
+
+
+def _shade_faults(ax, faults: Sequence[Mapping[str, Any]]) -> None:
+    for f in faults:
+        colour = FAULT_COLOURS.get(f["kind"], "grey")
+        ax.axvspan(f["at_s"], f["end_s"], color=colour, alpha=0.25,
+                   label=f"{f['kind']} ({f['region']})")  # fmt: skip
+        ax.axvspan(f["end_s"], f["span_end_s"], color=colour, alpha=0.08)
+
+
+def _link_utilisation(ax, rows: Sequence[Mapping[str, Any]], faults) -> None:
+    for row in rows:
+        points = row["points"]
+        if any(p[1] > 0 for p in points):
+            ax.plot([p[0] for p in points], [100 * p[2] for p in points], lw=1,
+                    label=f"{row['link']} towards {row['towards']}")  # fmt: skip
+    _shade_faults(ax, faults)
+    ax.set_xlabel("seconds since the islands started")
+    ax.set_ylabel("% of the link's configured rate (htb bytes per second)")
+    ax.set_title("link utilisation per link and direction (idle directions left out)")
+    ax.legend(fontsize=6)
+
+
+def _round_breakdown(ax, islands: Sequence[Mapping[str, Any]]) -> None:
+    labels, compute, transfer, ideal = [], [], [], []
+    for island in islands:
+        rounds = island.get("rounds", [])
+        if not rounds:
+            continue
+        labels.append(f"{island['region']} x{island['speed']:g}")
+        compute.append(statistics.median(r.get("compute_s", 0.0) for r in rounds))
+        transfer.append(statistics.median(r["seconds"] for r in rounds))
+        ideals = [r["bytes_over_bandwidth_s"] for r in rounds if r.get("bytes_over_bandwidth_s")]
+        ideal.append(statistics.median(ideals) if ideals else None)
+    xs = list(range(len(labels)))
+    ax.bar(xs, compute, label="compute (inner steps, emulated)")
+    ax.bar(xs, transfer, bottom=compute, label="first push to last ack (median round)")
+    for x, c, i in zip(xs, compute, ideal, strict=True):
+        if i is not None:
+            ax.plot([x - 0.4, x + 0.4], [c + i, c + i], "k--", lw=1)
+    ax.plot([], [], "k--", lw=1, label="compute + bytes / bandwidth")
+    ax.set_xticks(xs, labels, fontsize=8)
+    ax.set_ylabel("seconds per round")
+    ax.set_title("round time per island: compute and transfer (medians over its rounds)")
+    ax.legend(fontsize=7)
+
+
+def _fault_rounds(ax, islands: Sequence[Mapping[str, Any]], faults) -> None:
+    for island in islands:
+        rounds = island.get("rounds", [])
+        ax.plot([r["started_s"] + r["seconds"] for r in rounds], [r["seconds"] for r in rounds],
+                ".-", lw=1, label=island["region"])  # fmt: skip
+    _shade_faults(ax, faults)
+    ax.set_yscale("log")
+    ax.set_xlabel("seconds since the islands started (round settled at)")
+    ax.set_ylabel("round time: first push to last ack (s)")
+    ax.set_title(
+        "round times through the faults (dark: the fault, light: until its island recovered)"
+    )
+    ax.legend(fontsize=7)

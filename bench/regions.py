@@ -5,6 +5,7 @@
     diloco-bench regions [same flags] [--params 2000000] [--rounds 3] [--compute-s 1.0]
     diloco-bench regions --methods ddp,sync,quorum [--quick] [--target-loss L]
                          [--big-step-s 1.0] [--run-step-s 0.06] [--steps 30] [--inner-steps 10]
+    diloco-bench regions --faults [--fault-scale 1.0] [same run flags]
     diloco-bench regions --cleanup [--prefix P]
 
 Builds one network namespace per region joined through a WAN namespace
@@ -23,7 +24,16 @@ DDP, synchronous DiLoCo and this system over the same links
 communication / compute ratio of a 12B model on the real links
 (`bench.regions_claims.link_scale`; `--scale` is then ignored), and reports
 each method's time to a target held-out loss and its loss at DDP's tokens
-(the claims table; also written to `--out DIR`/regions.md). `--quick` is a
+(the claims table; also written to `--out DIR`/regions.md). With `--faults`
+the run's islands push until three faults were injected and recovered from
+(`bench.regions_fault_run`: an island killed with -9 mid-push and restarted,
+a region's links cut to a tenth for 60 s, a region partitioned for 30 s;
+`--fault-scale` multiplies the durations) and the report scores them
+(`bench.regions_faults`: acked = applied, training during each fault,
+round times after against before, goodput per region). With `--out`, the
+run writes its plots next to regions.json (`bench.plots.write_regions_plots`:
+link utilisation over time, the round-time breakdown, and with `--faults`
+round times with the fault windows shaded); "plots" in the JSON lists them. `--quick` is a
 harness check, not the claim: 6 DDP steps, H = 3, batch 8, and a 10 s step
 for the big model (DDP's ratio 10x lower); it took 8-10 minutes under
 load 12-14 on 2 cores (3 JAX starts of 4 processes each dominate). Prints the report as JSON (and writes it to
@@ -52,8 +62,10 @@ from bench import (
     child,
     netns,
     outdir,
+    plots,
     regions_claims,
     regions_compare,
+    regions_fault_run,
     regions_plan,
     regions_run,
 )
@@ -92,6 +104,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--compute-s", type=float, default=1.0, help="compute per round of a speed-1.0 island"
     )
     run.add_argument("--run-timeout", type=float, default=600.0, help="bound on the islands, s")
+    run.add_argument("--faults", action="store_true",
+                     help="inject a kill -9, a link cut and a partition into the run")  # fmt: skip
+    run.add_argument("--fault-scale", type=float, default=1.0,
+                     help="the faults' durations x this (1: 60 s cut, 30 s partition)")  # fmt: skip
     parser.add_argument(
         "--out", type=Path, default=None, help="also write the report to DIR/regions.json"
     )
@@ -264,6 +280,13 @@ def run(args: argparse.Namespace) -> int:
     if args.scale <= 0:
         print("diloco-bench regions: --scale must be > 0", file=sys.stderr)
         return 2
+    if args.fault_scale <= 0:
+        print("diloco-bench regions: --fault-scale must be > 0", file=sys.stderr)
+        return 2
+    if args.faults and (args.probe_only or args.methods):
+        print("diloco-bench regions: --faults runs the islands: not with --probe-only or "
+              "--methods", file=sys.stderr)  # fmt: skip
+        return 2
     if args.prefix is not None and not (
         args.prefix.startswith(netns.PREFIX_START)
         and len(args.prefix) <= 7
@@ -327,6 +350,15 @@ def run(args: argparse.Namespace) -> int:
                 report["relay_bytes"] = {
                     REGIONS[r].name: stats for r, stats in topo.relay_stats().items()
                 }
+            elif args.faults:
+                report["run"] = regions_fault_run.run_faulted(
+                    topo, links, report["scale"], shard_regions, args.params, args.compute_s,
+                    args.fault_scale, args.run_timeout,
+                )  # fmt: skip
+                topo.stop_relays()
+                report["relay_bytes"] = {
+                    REGIONS[r].name: stats for r, stats in topo.relay_stats().items()
+                }
             elif not args.probe_only:
                 report["run"] = regions_run.run_islands(
                     topo, links, report["scale"], shard_regions, args.params, args.rounds,
@@ -340,10 +372,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"diloco-bench regions: {exc}", file=sys.stderr)
         return 2
     report["held"] = all(ln["rate_held"] and ln["rtt_held"] for ln in report["links"])
+    claimed = outdir.claim(args.out, "regions") if args.out is not None else None
+    if claimed is not None and "run" in report:
+        report["plots"] = plots.write_regions_plots(report["run"], claimed)
     text = json.dumps(report, indent=1)
     print(text)
-    if args.out is not None:
-        claimed = outdir.claim(args.out, "regions")
+    if claimed is not None:
         (claimed / "regions.json").write_text(text + "\n")
         if "compare" in report:
             (claimed / "regions.md").write_text(regions_claims.render_markdown(report["compare"]))

@@ -19,10 +19,14 @@ against one liveness interval (heartbeat_interval_s x liveness of the shard).
 
 from __future__ import annotations
 
+import itertools
 import json
 import statistics
 import subprocess
 import sys
+import threading
+import time
+from pathlib import Path
 from typing import Any
 
 from bench import child, netns
@@ -145,30 +149,99 @@ def island_report(
     }
 
 
-def run_islands(
-    topo: netns.Topology,
-    links: list[Link],
-    scale: float,
-    shard_regions: list[int],
-    params: int,
-    rounds: int,
-    compute_s: float,
-    timeout_s: float,
-) -> dict[str, Any]:
-    """Start the shards and one island per region, wait for the islands, report.
+class LinkSampler:
+    """Every `interval_s`, each link direction's htb byte counter (`Topology.class_bytes`), on a thread.
+
+    `samples` holds (monotonic t, {(towards, from): bytes}); `utilisation`
+    turns them into Mbit/s and the share of each link's rate per interval.
+    """
+
+    def __init__(self, topo: netns.Topology, interval_s: float = 1.0) -> None:
+        """Args:
+        topo: the built topology.
+        interval_s: the sampling period.
+        """
+        self.topo = topo
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, dict[tuple[int, int], int]]] = []
+        self.rates: list[tuple[float, dict[tuple[int, int], float]]] = []  # rate changes
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _rates_now(self) -> dict[tuple[int, int], float]:
+        return {(ln.a, ln.b): ln.mbit for ln in self.topo.links}
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                counters = self.topo.class_bytes()
+            except netns.NetnsError:
+                counters = None
+            if counters is not None:
+                self.samples.append((time.monotonic(), counters))
+            self._stop.wait(self.interval_s)
+
+    def note_rates(self) -> None:
+        """Record the links' configured rates now (call after every rate change)."""
+        self.rates.append((time.monotonic(), self._rates_now()))
+
+    def __enter__(self) -> LinkSampler:
+        self.note_rates()
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(10.0)
+
+    def _rate_at(self, pair: tuple[int, int], t: float) -> float:
+        """The link's configured rate at `t` (an interval across a change takes the larger)."""
+        return next((r[pair] for at, r in reversed(self.rates) if at <= t), self.rates[0][1][pair])
+
+    def utilisation(self, t0: float) -> list[dict[str, Any]]:
+        """Per link direction: [(seconds after t0, Mbit/s, share of its configured rate)].
+
+        Args:
+            t0: the run's start.
+
+        Returns:
+            JSON-ready rows {"link", "towards", "mbit", "points": [[t, mbit_s, share], ...]}.
+        """
+        out = []
+        if len(self.samples) < 2:
+            return out
+        for towards, other in sorted(self.samples[0][1]):
+            pair = (min(towards, other), max(towards, other))
+            points = []
+            for (ta, ca), (tb, cb) in itertools.pairwise(self.samples):
+                if tb <= ta:
+                    continue
+                mbit_s = (cb[(towards, other)] - ca[(towards, other)]) * 8 / (tb - ta) / 1e6
+                rate = max(self._rate_at(pair, ta), self._rate_at(pair, tb))
+                points.append([round(tb - t0, 3), round(mbit_s, 4), round(mbit_s / rate, 4)])
+            out.append(
+                {
+                    "link": f"{REGIONS[pair[0]].name}-{REGIONS[pair[1]].name}",
+                    "towards": REGIONS[towards].name,
+                    "mbit": self.rates[0][1][pair],
+                    "points": points,
+                }
+            )
+        return out
+
+
+def start_shards(topo: netns.Topology, shard_regions: list[int]) -> tuple[Path, list[ShardAddress]]:
+    """Write the cluster file and start every shard in its region (detached).
 
     Args:
-        topo: the built, probed topology (its relays forward `shard_ports`).
-        links: the links at real rates.
-        scale: the final scale (emulated Mbit/s = Gbit/s x 1000 x scale).
+        topo: the built topology.
         shard_regions: where shard 0, 1, ... run.
-        params: float32 parameters of the synthetic model.
-        rounds: rounds per island.
-        compute_s: compute per round of a speed-1.0 island (a sleep).
-        timeout_s: bound on the islands.
 
     Returns:
-        The run part of the report.
+        (the run's work dir, the shards' addresses).
+
+    Raises:
+        netns.NetnsError: a shard did not start.
     """
     work = topo.workdir / "run"  # removed with the topology's work dir
     work.mkdir()
@@ -197,43 +270,103 @@ def run_islands(
         if proc.returncode != 0:
             tail = (proc.stderr or proc.stdout).strip().splitlines()
             raise netns.NetnsError(f"shard {i} did not start: {tail[-1] if tail else ''}")
-    islands = []
-    for region in range(topo.regions):
-        speed = REGIONS[region].island_speed
-        argv = [*topo.prefix_argv(region), *child.module_argv(
-            "bench.children.region_island", "--connect", shards[0].router,
-            "--island", f"island-{REGIONS[region].name}", "--params", str(params),
-            "--rounds", str(rounds), "--compute-s", str(compute_s), "--speed", str(speed),
-            "--seed", str(region),
-        )]  # fmt: skip
-        err = open(work / f"island{region}.log", "w+b")  # noqa: SIM115 (read after the run)
-        islands.append(
-            (region, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True), err)
-        )
-    reports, errors = [], []
-    for region, proc, err in islands:
-        try:
-            out, _ = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, _ = proc.communicate()
-        lines = out.strip().splitlines()
-        if not lines:
-            err.seek(0)
-            tail = err.read().decode(errors="replace").strip().splitlines()
-            errors.append(
-                f"island in {REGIONS[region].name}: {tail[-1] if tail else proc.returncode}"
-            )
-            continue
-        reports.append(island_report(json.loads(lines[-1]), region, shard_regions, links, scale))
-    for _, _, err in islands:
-        err.close()
+    return work, shards
+
+
+def stop_shards(topo: netns.Topology, work: Path, shard_regions: list[int]) -> None:
+    """Stop every shard (`diloco-server stop` inside its region)."""
     for i, region in enumerate(shard_regions):
         subprocess.run(
             [*topo.prefix_argv(region), sys.executable, "-m", "paramserver.server.cli", "stop",
              "--data-dir", str(daemon.shard_dir(work / "server", i)), "--timeout", "30"],
             capture_output=True, timeout=60,
         )  # fmt: skip
+
+
+def island_argv(
+    topo: netns.Topology,
+    region: int,
+    connect: str,
+    params: int,
+    rounds: int,
+    compute_s: float,
+    *extra: str,
+) -> list[str]:
+    """The argv of region `region`'s island (`bench.children.region_island`), inside its namespace."""
+    return [*topo.prefix_argv(region), *child.module_argv(
+        "bench.children.region_island", "--connect", connect,
+        "--island", island_name(region), "--params", str(params),
+        "--rounds", str(rounds), "--compute-s", str(compute_s),
+        "--speed", str(REGIONS[region].island_speed), "--seed", str(region), *extra,
+    )]  # fmt: skip
+
+
+def island_name(region: int) -> str:
+    """The island id of region `region`."""
+    return f"island-{REGIONS[region].name}"
+
+
+def run_islands(
+    topo: netns.Topology,
+    links: list[Link],
+    scale: float,
+    shard_regions: list[int],
+    params: int,
+    rounds: int,
+    compute_s: float,
+    timeout_s: float,
+) -> dict[str, Any]:
+    """Start the shards and one island per region, wait for the islands, report.
+
+    Args:
+        topo: the built, probed topology (its relays forward `shard_ports`).
+        links: the links at real rates.
+        scale: the final scale (emulated Mbit/s = Gbit/s x 1000 x scale).
+        shard_regions: where shard 0, 1, ... run.
+        params: float32 parameters of the synthetic model.
+        rounds: rounds per island.
+        compute_s: compute per round of a speed-1.0 island (a sleep).
+        timeout_s: bound on the islands.
+
+    Returns:
+        The run part of the report (with "t0", the islands' start, and
+        "link_utilisation": `LinkSampler.utilisation`).
+    """
+    work, shards = start_shards(topo, shard_regions)
+    islands = []
+    sampler = LinkSampler(topo)
+    t0 = time.monotonic()
+    with sampler:
+        for region in range(topo.regions):
+            argv = island_argv(topo, region, shards[0].router, params, rounds, compute_s)
+            err = open(work / f"island{region}.log", "w+b")  # noqa: SIM115 (read after the run)
+            islands.append(
+                (region, subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=err, text=True), err)
+            )
+        reports, errors = [], []
+        for region, proc, err in islands:
+            try:
+                out, _ = proc.communicate(timeout=timeout_s)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                out, _ = proc.communicate()
+            lines = out.strip().splitlines()
+            if not lines:
+                err.seek(0)
+                tail = err.read().decode(errors="replace").strip().splitlines()
+                errors.append(
+                    f"island in {REGIONS[region].name}: {tail[-1] if tail else proc.returncode}"
+                )
+                continue
+            result = json.loads(lines[-1])
+            report = island_report(result, region, shard_regions, links, scale)
+            for row, raw in zip(report["rounds"], result["rounds"], strict=True):
+                row["started_s"] = round(raw["started"] - t0, 3)
+                row["compute_s"] = round(compute_s / result["speed"], 4)
+            reports.append(report)
+    for _, _, err in islands:
+        err.close()
+    stop_shards(topo, work, shard_regions)
     return {
         "params": params,
         "rounds": rounds,
@@ -241,4 +374,5 @@ def run_islands(
         "codec": "int8 (random deltas, bench.load_cluster.random_frames)",
         "islands": reports,
         "errors": errors,
+        "link_utilisation": sampler.utilisation(t0),
     }

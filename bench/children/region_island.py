@@ -2,6 +2,7 @@
 
     python -m bench.children.region_island --connect tcp://IP:PORT --island NAME
         [--params 2000000] [--rounds 3] [--compute-s 1.0] [--speed 1.0] [--seed 0]
+        [--first-round 0] [--stop-file PATH] [--progress]
 
 Runs inside its region's namespace. Joins with `paramserver.client.Client`
 (no replica: it only pushes), then per round: "computes" for
@@ -14,6 +15,15 @@ flight. Prints one JSON line at the end: per round its seconds from the
 first push to the last ack, the bytes the client sent, the ack latencies,
 and the status round trips (each marked whether a transfer was in flight),
 plus the client's counters. Exit 1 when a push failed.
+
+For the faulted run (`bench.regions_fault_run`): `--progress` also prints a
+JSON line when a round's push starts ({"pushing": round, "at": t}) and one
+when it is settled ({"progress": {...the round's entry, "acked": the
+fragments acked}}), so what a killed island had acked survives it;
+`--first-round` resumes a restarted island at its first round not fully
+acked (re-pushing it under the same idempotency keys); `--stop-file` ends the
+run before the next round once that file exists. Times are
+`time.monotonic()`, one clock for every process of the machine.
 """
 
 from __future__ import annotations
@@ -24,6 +34,7 @@ import json
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -85,11 +96,16 @@ def run_island(args: argparse.Namespace) -> dict[str, Any]:
     watcher.start()
     rounds: list[dict[str, Any]] = []
     failed = ""
+    stop_file = Path(args.stop_file) if args.stop_file else None
     try:
-        for r in range(args.rounds):
+        for r in range(args.first_round, args.rounds):
+            if stop_file is not None and stop_file.exists():
+                break
             time.sleep(args.compute_s / args.speed)
             sent0 = client.stats()["bytes_sent"]
             started = time.monotonic()
+            if args.progress:
+                print(json.dumps({"pushing": r, "at": started}), flush=True)
             for f in sorted(sizes):
                 client.push(f, r, 0, 1000, 10, frames[f][r % 2])
             keys = [(r, f) for f in sizes]
@@ -106,6 +122,11 @@ def run_island(args: argparse.Namespace) -> dict[str, Any]:
                     "outcomes": sorted(set(client.delta_outcomes(keys).values())),
                 }
             )
+            if args.progress:
+                outcomes = client.delta_outcomes(keys).values()
+                acked = sum(1 for o in outcomes if o in ("acked", "merged"))
+                progress = {**rounds[-1], "acked": acked, "fragments": len(keys)}
+                print(json.dumps({"progress": progress}), flush=True)
     except ClientError as exc:
         failed = str(exc)
     finally:
@@ -145,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the random deltas")
     parser.add_argument(
         "--status-interval-s", type=float, default=0.2, help="pause between status requests"
+    )
+    parser.add_argument("--first-round", type=int, default=0, help="the first round to push")
+    parser.add_argument("--stop-file", default="", help="stop before a round once this exists")
+    parser.add_argument(
+        "--progress", action="store_true", help="a JSON line per push start and settled round"
     )
     result = run_island(parser.parse_args(argv))
     print(json.dumps(result), flush=True)
