@@ -10,6 +10,9 @@ push's own connection they wait behind the push. Skipped without root or
 where `ip netns` does not work; the bench creates and deletes its own
 namespaces. Then our client (`ClientConfig.control_link` on) pushes the
 same delta: acked once, no reconnect, and the shard counts it live throughout.
+
+Slow and serial: three pushes of several seconds each over emulated links (about
+40-70 s), and its bounds are on heartbeat round trips, which a busy machine stretches.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ ENV = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
 RTT_MS = 80.0
 
 
+@pytest.mark.slow
+@pytest.mark.serial
 @pytest.mark.timeout(600)
 def test_heartbeats_on_their_own_connection_do_not_wait_behind_a_push() -> None:
     argv = [sys.executable, "-m", "bench.control_plane", "--mbit", "10", "--rtt-ms", str(RTT_MS),
@@ -50,9 +55,16 @@ def test_heartbeats_on_their_own_connection_do_not_wait_behind_a_push() -> None:
     # (its checks read the whole delta on the serving loop: a few hundred ms for 6 MB on a
     # loaded 2-core VM, docs/results.md) are answered after it; the relays are Python too
     assert beats["p99_ms"] < 4 * RTT_MS + 400, split
-    # one connection: the heartbeats waited behind the push (about half of it at the median)
+    # one connection: the heartbeats waited behind the push. A beat sent t into the bytes'
+    # transfer (T s) waits T - t; one sent during the shard's admission after it (A s) waits
+    # for the admission's end. Over beats sent evenly through push_s = T + A the median wait
+    # is max((T + A) / 4, (T - A) / 2), never below T / 3, and T is at least the bytes over
+    # the link's rate. (A bound on push_s / 4 sat exactly on that median whenever a busy shard
+    # took A >= T / 3 to admit, and failed at 1773 ms > 1778 ms.) Heartbeats that did not wait
+    # behind the push answer within a few round trips, far below.
     shared_beats = shared["heartbeat_rtt_during_push"]
-    assert shared_beats["p50_ms"] > 0.25 * shared["push_s"] * 1000, shared
+    transfer_ms = shared["push_bytes"] * 8 / (report["link"]["mbit"] * 1e6) * 1000
+    assert shared_beats["p50_ms"] > 0.25 * transfer_ms, (shared, transfer_ms)
     assert shared_beats["p99_ms"] > 5 * beats["p99_ms"], (shared, split)
     # our client with its control link: acked, never reconnected, never dead on the shard
     ours = report["client"]["control_link_1"]

@@ -1,4 +1,9 @@
-"""diloco-bench outer_sweep runs on a tiny grid and prints its JSON (no thresholds on figures)."""
+"""diloco-bench outer_sweep runs on a tiny grid and prints its JSON (no thresholds on figures).
+
+Slow: the bench end to end in a subprocess, whose cost is its ~20 XLA compilations (12 s of
+CPU with a cold cache, 20-60 s on a busy machine) however small the grid; a smaller grid
+would drop a mode or a table this test checks.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.timeout(300)
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 def test_the_sweep_runs_a_tiny_grid_and_prints_its_tables():
