@@ -39,8 +39,7 @@ import numpy as np
 import codec
 from paramserver.client.joining import Join
 from paramserver.client.ledger import Key, Ledger, StorageWarning
-from paramserver.client.readout import Readout
-from paramserver.client.replica import Resync, published_update
+from paramserver.client.replica import Readout, Resync, published_update
 from paramserver.client.shards import Effect, Send, ShardLink, Shards
 from paramserver.client.types import ClientConfig, ClientError, JoinResult, PushRequest, Update
 from paramserver.client.welcome import check_rewelcome, welcome_limit

@@ -40,8 +40,7 @@ import zmq
 from zmq.utils.monitor import parse_monitor_message
 
 from paramserver.client.core import ClientCore
-from paramserver.client.links import flow_buffer_bytes
-from paramserver.client.shards import Close, Effect, Open, Send
+from paramserver.client.shards import Close, Effect, Open, Send, flow_buffer_bytes
 from paramserver.client.types import ClientConfig, ClientError, PushRequest
 from paramserver.plumbing import curve
 

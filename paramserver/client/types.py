@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from codec.decode import Coded
-from paramserver.client.links import MAX_BULK_LINKS, bulk_flows
+from paramserver.client.shards import MAX_BULK_LINKS, bulk_flows
 from paramserver.plumbing.exposure import refusal
 from paramserver.plumbing.validate import Checks
 from paramserver.wire.plan import Plan
