@@ -184,7 +184,7 @@ def _persist(frames: list, data_dir: Path, round_id: int) -> dict[str, float]:
         time of the same (load-independent).
     """
     from paramserver.client import PushRequest
-    from worker import outbox_format
+    from worker import outbox as outbox_format
     from worker.outbox import OUTBOX_FILE, Outbox
 
     data_dir.mkdir(parents=True)
