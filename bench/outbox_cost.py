@@ -280,7 +280,7 @@ def measure_delta(params: int, repeats: int, link_gbit: float, where: Path) -> d
         The figures (seconds, ratios, per-byte costs, the 12B round computed from them).
     """
     import codec
-    from codec.decode import frame_codes
+    from codec.format import frame_codes
 
     island_codec = codec.int8(zstd_level=None)  # the island's (worker.session_config)
     block = island_codec.block_size

@@ -29,7 +29,7 @@ import numpy as np
 
 import codec
 from bench.scale import parse_count
-from codec.decode import read_coded as read
+from codec.format import read_coded as read
 from paramserver.server.step.downlink import Downlink, new_residual
 from paramserver.server.step.fragment_step import ChunkedStep, FusedNesterov, host_vector
 from paramserver.server.step.merge import _MeanMerge

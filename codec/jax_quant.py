@@ -44,8 +44,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from .format import NIBBLE_BIAS
-from .quant import TINY, max_factor, step_factor
+from .quant import NIBBLE_BIAS, TINY, max_factor, step_factor
 
 
 def _rounded(product: jax.Array, scale: jax.Array) -> jax.Array:

@@ -19,7 +19,7 @@ compiled on their first call and cached on disk.
 import numba
 import numpy as np
 
-from .format import NIBBLE_BIAS
+from .quant import NIBBLE_BIAS
 
 ABS_MASK = np.int32(0x7FFFFFFF)
 BIAS = np.int8(NIBBLE_BIAS)

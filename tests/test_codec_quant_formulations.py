@@ -21,7 +21,7 @@ import pytest
 
 import codec
 from codec import jax_quant, quant
-from codec.decode import frame_codes
+from codec.format import frame_codes
 from codec.quant import workspace
 
 pytestmark = pytest.mark.timeout(300)

@@ -5,7 +5,7 @@ import pytest
 
 import codec
 from codec import format as fmt
-from codec.writer import FrameWriter, block_codes, block_scales
+from codec.format import FrameWriter, block_codes, block_scales
 
 pytestmark = pytest.mark.timeout(60)
 

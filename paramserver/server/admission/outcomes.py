@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 import codec
-from codec.decode import CodedTensor, read_coded
+from codec.format import CodedTensor, read_coded
 from paramserver.server.fragment import DedupEntry, Event, FragmentState
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan, PlanError

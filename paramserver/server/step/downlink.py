@@ -43,7 +43,7 @@ import numpy as np
 import codec
 from codec import format as fmt
 from codec import jax_quant
-from codec.writer import FrameWriter
+from codec.format import FrameWriter
 from paramserver.server.config import DOWNLINKS
 from paramserver.server.step.outer import aligned_float32
 

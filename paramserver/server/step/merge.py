@@ -71,7 +71,7 @@ from typing import Protocol
 
 import numpy as np
 
-from codec.decode import CodedTensor
+from codec.format import CodedTensor
 from codec.quant import step_factor, sum_squares_float32
 from paramserver.wire.plan import Fragment
 

@@ -49,7 +49,7 @@ import jax
 import msgpack
 import numpy as np
 
-from codec.decode import CodedTensor, from_array
+from codec.format import CodedTensor, from_array
 from paramserver.plumbing.private import open_private
 from paramserver.server.admission.outcomes import ShardCounters
 from paramserver.server.config import ShardConfig

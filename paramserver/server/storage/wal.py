@@ -76,7 +76,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from codec.decode import CodedTensor, from_array, read_coded
+from codec.format import CodedTensor, from_array, read_coded
 from paramserver.plumbing.private import open_private
 from paramserver.server.fragment import (
     AcceptEvent,
