@@ -330,7 +330,7 @@ def measure_quantize(elements: int, repeats: int = 9) -> dict[str, Any]:
     import jax.numpy as jnp
 
     import codec
-    from codec import jax_quant
+    from codec.quant import jax_rule as jax_quant
 
     block = codec.int8().block_size
     key_x, key_r = jax.random.split(jax.random.PRNGKey(0))

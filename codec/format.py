@@ -114,7 +114,7 @@ Two readers keep a block-scheme tensor's codes instead of decoding it:
 1 B/param, and dequantizes a range at a time at the merge: `decode_into`), and
 `read_codes` gives a `Coded` (an island dequantizes an increment's codes on its
 devices). `frame_codes` goes the other way for codes quantized elsewhere (on an
-accelerator, `codec.jax_quant`): it frames them with the one frame writer, byte
+accelerator, `codec.quant.jax_rule`): it frames them with the one frame writer, byte
 for byte as `Codec.encode` would.
 
 Also here: the codec's one error type (`CodecError`) and the tree helpers that

@@ -42,8 +42,8 @@ import numpy as np
 
 import codec
 from codec import format as fmt
-from codec import jax_quant
 from codec.format import FrameWriter
+from codec.quant import jax_rule as jax_quant
 from paramserver.server.config import DOWNLINKS
 from paramserver.server.step.outer import aligned_float32
 

@@ -275,7 +275,7 @@ class ChunkMerge:
 def _compiled_kernels():
     """`codec.kernels` (numba), or None where numba cannot be imported."""
     try:
-        from codec import kernels
+        from codec.quant import compiled_loops as kernels
     except ImportError:
         return None
     return kernels
