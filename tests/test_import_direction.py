@@ -65,7 +65,7 @@ def _jax_if_allowed(path: Path) -> set[str]:
     return {"jax"} if path == ROOT / "codec" / CODEC_JAX_MODULE else set()
 
 
-def test_importing_codec_and_its_modules_loads_no_jax():
+def test_importing_codec_and_its_modules_loads_neither_jax_nor_numba():
     # JAX (and numba) are optional for codec: only a caller that asks for codec.quant.jax_rule
     # (or compiled_loops) loads it
     modules = [p.stem for p in package_files("codec") if p.name != "__init__.py"]
@@ -82,6 +82,29 @@ def test_importing_codec_and_its_modules_loads_no_jax():
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
+
+
+# the codec's floors: the block rule (`quant`, with its numba loops and JAX formulation) builds
+# on nothing of the codec; the sparse scheme on the rule; the frame format (`format`: layout,
+# writer, readers) on both; the schemes and the error feedback above them
+CODEC_FLOORS = {
+    "codec.quant": set(),
+    "codec.sparse": {"codec.quant"},
+    "codec.format": {"codec.quant", "codec.sparse"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(CODEC_FLOORS))
+def test_the_codecs_rule_and_frame_format_import_only_below_them(module):
+    graph = import_graph(package_files("codec"))
+    assert graph[module] <= CODEC_FLOORS[module], f"{module} imports {sorted(graph[module])}"
+
+
+def test_only_the_clients_threaded_shell_touches_sockets():
+    # `paramserver.client.api` (Client and its I/O thread) is the one client module with zmq
+    files = sorted((ROOT / "paramserver" / "client").glob("*.py"))
+    with_zmq = sorted(p.name for p in files if "zmq" in imported_top_levels(p))
+    assert with_zmq == ["api.py"], with_zmq
 
 
 def imported_modules(path: Path) -> set[str]:
