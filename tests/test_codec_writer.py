@@ -1,4 +1,4 @@
-"""codec.writer.FrameWriter: the one frame writer, whole or frame by frame, same bytes."""
+"""codec.format.FrameWriter: the one frame writer, whole or frame by frame, same bytes."""
 
 import numpy as np
 import pytest
