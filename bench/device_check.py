@@ -17,7 +17,7 @@ figure against its baseline measured in the same run:
   after the first: the inner step time, `Session.stats` `exchange_s` and
   `host_device_bytes`. Baselines: the inner step, the other exchange path, a
   jitted device copy of the parameters (`bench.island_exchange`'s memcpy).
-- `quantize`: the in-jit int8 quantize with error feedback (`codec.jax_quant`,
+- `quantize`: the in-jit int8 quantize with error feedback (`codec.quant.jax_rule`,
   the codec's default block) of a float32 vector against a jitted copy of the
   same vector on the same device.
 - `join`: `worker.join`'s per-call overhead against a user's MLP step
@@ -330,7 +330,7 @@ def measure_quantize(elements: int, repeats: int = 9) -> dict[str, Any]:
     import jax.numpy as jnp
 
     import codec
-    from codec import jax_quant
+    from codec.quant import jax_rule as jax_quant
 
     block = codec.int8().block_size
     key_x, key_r = jax.random.split(jax.random.PRNGKey(0))

@@ -45,7 +45,7 @@ import codec
 from bench import child
 from bench.window_relay import WindowRelay
 from paramserver.client import Client, ClientConfig
-from paramserver.client.links import MAX_BULK_LINKS
+from paramserver.client.shards import MAX_BULK_LINKS
 from paramserver.server.config import ShardConfig
 from paramserver.server.shard import ShardServer
 

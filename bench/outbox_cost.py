@@ -16,12 +16,12 @@ compacts it once resolved records dominate).
 
 With `--params N` (issue 37) it measures one large delta instead, without a
 cluster: N int8 codes (random bytes, block scales) framed by the codec's frame
-writer as the island frames device codes (`codec.decode.frame_codes`, int8
+writer as the island frames device codes (`codec.format.frame_codes`, int8
 without zstd), persisted through a real `worker.outbox.Outbox` in a fresh
 data dir under `--out` (`Outbox.record`: the record built, written, fdatasynced,
 as the push thread calls it), and pushed as one multipart message over
 loopback ZeroMQ (DEALER -> ROUTER, measured until the last byte is received).
-The persist's stages are timed by wrapping `worker.outbox_format.delta_record`
+The persist's stages are timed by wrapping `worker.outbox.delta_record`
 and `os.fdatasync` for the call (the rest is the write). Prints the medians
 over `--repeats`, the push time at `--link-gbit` (computed: bytes * 8 / rate,
 not measured), the persist / push ratios, and a 12B-parameter round computed
@@ -184,7 +184,7 @@ def _persist(frames: list, data_dir: Path, round_id: int) -> dict[str, float]:
         time of the same (load-independent).
     """
     from paramserver.client import PushRequest
-    from worker import outbox_format
+    from worker import outbox as outbox_format
     from worker.outbox import OUTBOX_FILE, Outbox
 
     data_dir.mkdir(parents=True)
@@ -280,7 +280,7 @@ def measure_delta(params: int, repeats: int, link_gbit: float, where: Path) -> d
         The figures (seconds, ratios, per-byte costs, the 12B round computed from them).
     """
     import codec
-    from codec.decode import frame_codes
+    from codec.format import frame_codes
 
     island_codec = codec.int8(zstd_level=None)  # the island's (worker.session_config)
     block = island_codec.block_size

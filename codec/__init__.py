@@ -24,15 +24,17 @@ and zstd runs at about 0.2x memcpy and decode at about 0.3x, most of it zstd
 as before compute the same bits, at about half the encode speed.
 
 The int8/int4 block rule is defined once (`codec.quant`) and computed three
-ways that give the same bits: numpy, the compiled numba loops, and JAX
-(`codec.jax_quant`, for quantizing inside `jax.jit` on the values' own devices:
-the island's device exchange and the shard's downlink). Every message, whoever
-quantized it, is written by one frame writer (`codec.writer`;
-`codec.decode.frame_codes` for codes and scales computed elsewhere).
+ways that give the same bits, all three there: numpy, the compiled numba loops
+(`codec.quant.compiled_loops`), and JAX (`codec.quant.jax_rule`, for quantizing
+inside `jax.jit` on the values' own devices: the island's device exchange and
+the shard's downlink). Every message, whoever
+quantized it, is written by one frame writer (`codec.format`, beside the
+format's specification and its readers; `codec.format.frame_codes` for codes
+and scales computed elsewhere).
 Dependencies: numpy, zstandard, msgpack and ml_dtypes. numba and JAX are
 optional and imported only where used: numba by the first large block encode
-or decode, JAX only by a caller that imports `codec.jax_quant` itself (nothing
-in `codec` imports it, so `import codec` never loads JAX).
+or decode, JAX only by a caller that asks for `codec.quant.jax_rule` itself
+(nothing in `codec` does, so `import codec` never loads JAX).
 
 Speed: `zstd_threads=N` (encode) and `decode(frames, threads=N)` spread the
 quantize/dequantize pieces and the 1 MiB zstd frames over N threads (the
@@ -49,8 +51,7 @@ compress well) and its timings there were too small to separate from noise:
 keep zstd for topk on WAN links.
 """
 
-from .decode import decode
-from .format import DEFAULT_MAX_ELEMENTS, FORMAT_VERSION, CodecError, flatten, unflatten
+from .format import DEFAULT_MAX_ELEMENTS, FORMAT_VERSION, CodecError, decode, flatten, unflatten
 from .framing import join, split
 from .schemes import Codec, int4, int8, raw, topk
 from .state import ErrorFeedbackState, refund

@@ -14,11 +14,19 @@ import threading
 import numpy as np
 
 from . import format as fmt
-from .format import CodecError, leaf_items
+from .format import (
+    CodecError,
+    FrameWriter,
+    block_codes,
+    block_scales,
+    check_threads,
+    leaf_items,
+    pool,
+    run_all,
+)
 from .quant import encode_blocks, encode_raw, workspace
 from .sparse import encode_topk, piece_elements
 from .state import ErrorFeedbackState, advance, check_state, init_state
-from .writer import FrameWriter, block_codes, block_scales, check_threads, pool, run_all
 
 PIECE_ELEMENTS = 1 << 18  # elements per parallel encode job (int8, int4, raw)
 

@@ -459,8 +459,7 @@ def test_close_does_not_wait_for_a_shard_that_is_down():
 # -- the core decides without I/O ---------------------------------------------------------
 
 DECIDING = (
-    "core", "joining", "handshake", "welcome", "ledger", "replica", "shards",
-    "readout", "types",
+    "core", "joining", "handshake", "welcome", "ledger", "replica", "shards", "types",
 )  # fmt: skip
 
 

@@ -1,15 +1,19 @@
-"""paramserver.client.links and the Shards' control / bulk links: pure rules, no sockets."""
+"""paramserver.client.shards and the Shards' control / bulk links: pure rules, no sockets."""
 
 import pytest
 
-from paramserver.client.links import (
+from paramserver.client.shards import (
     FLOW_WINDOW_BYTES,
     MAX_BULK_LINKS,
+    Close,
+    Open,
+    Send,
+    ShardLink,
+    Shards,
     bulk_flows,
     flow_buffer_bytes,
     pieces_in_flight,
 )
-from paramserver.client.shards import Close, Open, Send, ShardLink, Shards
 from paramserver.wire import protocol
 
 pytestmark = pytest.mark.timeout(30)

@@ -184,7 +184,7 @@ def test_block_payload_residual_and_decode_equal_a_plain_numpy_reference(name, b
 
 @pytest.mark.timeout(120)
 def test_large_block_tensors_run_the_compiled_kernels_and_small_ones_numpy(monkeypatch):
-    from codec import kernels
+    kernels = quant.compiled_loops
 
     calls = {"quantize": 0, "dequantize": 0}
 

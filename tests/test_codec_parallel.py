@@ -2,7 +2,6 @@
 name the tensor, a failed job leaves nothing running, and a forked child
 encodes without the parent's threads."""
 
-import importlib
 import subprocess
 import sys
 from pathlib import Path
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 
 import codec
-from codec import writer as parallel
+from codec import format as parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -31,8 +30,7 @@ def many_jobs(monkeypatch):
     monkeypatch.setattr(codec.format, "FRAME_BYTES", 4096)
     monkeypatch.setattr(codec.schemes, "PIECE_ELEMENTS", 2048)
     monkeypatch.setattr(codec.sparse, "ENCODE_PIECE", 2048)
-    # codec.decode is the function; its module is codec/decode.py
-    monkeypatch.setattr(importlib.import_module("codec.decode"), "PIECE_ELEMENTS", 2048)
+    monkeypatch.setattr(codec.format, "PIECE_ELEMENTS", 2048)
 
 
 def tree(seed=0):

@@ -1,9 +1,9 @@
 """The int8/int4 block rule's three formulations give the same bits: numpy, numba, JAX.
 
 `codec.quant` defines the rule; its numpy kernels, the compiled numba loops
-(`codec.kernels`, when numba is installed) and the traceable JAX functions
-(`codec.jax_quant`, used by the island's device exchange and the shard's
-downlink) must agree on codes and scales, bit for bit, on awkward inputs (all
+(`codec.quant.compiled_loops`, when numba is installed) and the traceable JAX
+functions (`codec.quant.jax_rule`, used by the island's device exchange and the
+shard's downlink) must agree on codes and scales, bit for bit, on awkward inputs (all
 zeros, one huge value, subnormals, values around the flush threshold, ties,
 short last blocks, odd int4 lengths), with and without an error-feedback
 residual. Residuals agree too, but for subnormals, which XLA flushes to zero.
@@ -20,9 +20,9 @@ import numpy as np
 import pytest
 
 import codec
-from codec import jax_quant, quant
-from codec.decode import frame_codes
-from codec.quant import workspace
+from codec import quant
+from codec.format import frame_codes
+from codec.quant import jax_rule, workspace
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -78,7 +78,8 @@ def _numpy(x, res, levels, block):
 
 
 def _numba(x, res, levels, block):
-    kernels = pytest.importorskip("codec.kernels")  # numba is optional
+    pytest.importorskip("numba")  # numba is optional
+    kernels = quant.compiled_loops
     codes, scales, new_res = _outputs(x.shape[0], levels, block)
     quant.encode_compiled(kernels, x, res, new_res, codes, scales, levels, workspace(block))
     return codes, scales, new_res
@@ -90,7 +91,7 @@ _JITTED: dict = {}
 def _jax(x, res, levels, block):
     fn = _JITTED.get((levels, block))
     if fn is None:
-        fn = _JITTED[levels, block] = jax.jit(lambda v, r: jax_quant.quantize(v + r, levels, block))
+        fn = _JITTED[levels, block] = jax.jit(lambda v, r: jax_rule.quantize(v + r, levels, block))
     r = np.zeros_like(x) if res is None else res
     return tuple(np.asarray(a) for a in fn(x, r))
 
@@ -164,7 +165,7 @@ def test_jax_decoded_values_are_codec_decode_of_the_frames_its_codes_make(
 ):
     # the downlink applies `decoded` to the shard's parameters and publishes the frames
     scheme = "int8" if levels == 127 else "int4"
-    encode = jax.jit(lambda v: jax_quant.encode(v, levels, block))
+    encode = jax.jit(lambda v: jax_rule.encode(v, levels, block))
     for name, x in _inputs(block).items():
         codes, scales, decoded, residual = (np.asarray(a) for a in encode(x))
         frames = frame_codes(scheme, block, zstd_level, codes, scales, x.shape[0], "values")
@@ -175,7 +176,7 @@ def test_jax_decoded_values_are_codec_decode_of_the_frames_its_codes_make(
         values = codec.decode(frames)["values"]
         assert decoded.tobytes() == values.tobytes(), name
         dequantize = functools.partial(
-            jax_quant.dequantize, n=x.shape[0], levels=levels, block=block
+            jax_rule.dequantize, n=x.shape[0], levels=levels, block=block
         )
         dequantized = jax.jit(dequantize)(codes, scales)
         assert np.asarray(dequantized).tobytes() == values.tobytes(), name

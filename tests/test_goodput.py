@@ -16,8 +16,7 @@ import pytest
 from conftest import Cluster
 
 import worker
-from paramserver.client.readout import Readout
-from paramserver.client.replica import ReplicaFragment
+from paramserver.client.replica import Readout, ReplicaFragment
 from paramserver.plumbing import probe
 from worker.deltas import ACKED, MERGED, PENDING, REJECTED, DeltaLedger
 from worker.goodput import RoundClock, session_goodput

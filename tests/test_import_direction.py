@@ -3,8 +3,9 @@
 Walks every module's source with `ast` (no import side effects) and fails on an
 import of a package that sits later in the chain, and on codec importing
 anything but numpy, zstandard, msgpack (ml_dtypes for bf16, numba for the
-compiled block kernels) and the stdlib; JAX only in `codec/jax_quant.py`, which
-no codec module imports.
+compiled block kernels) and the stdlib; JAX only in `codec/quant.py`, inside the
+function that builds its JAX formulation (`codec.quant.jax_rule`), so importing
+any codec module loads no JAX.
 """
 
 import ast
@@ -18,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["codec", "paramserver", "worker", "bench"]
 CODEC_THIRD_PARTY = {"numpy", "zstandard", "msgpack", "ml_dtypes", "numba"}
-CODEC_JAX_MODULE = "jax_quant.py"  # the one codec module that imports JAX (optional)
+CODEC_JAX_MODULE = "quant.py"  # the one codec module that imports JAX (in a function, on use)
 
 
 def imported_top_levels(path: Path) -> set[str]:
@@ -64,21 +65,46 @@ def _jax_if_allowed(path: Path) -> set[str]:
     return {"jax"} if path == ROOT / "codec" / CODEC_JAX_MODULE else set()
 
 
-def test_importing_codec_and_its_modules_loads_no_jax():
-    # JAX is optional for codec: only a caller that imports codec.jax_quant loads it
-    modules = [
-        p.stem for p in package_files("codec") if p.name not in ("__init__.py", CODEC_JAX_MODULE)
-    ]
+def test_importing_codec_and_its_modules_loads_neither_jax_nor_numba():
+    # JAX (and numba) are optional for codec: only a caller that asks for codec.quant.jax_rule
+    # (or compiled_loops) loads it
+    modules = [p.stem for p in package_files("codec") if p.name != "__init__.py"]
     code = (
         "import importlib, sys\n"
         f"for m in {modules!r}: importlib.import_module('codec.' + m)\n"
         "assert 'jax' not in sys.modules, 'jax was imported'\n"
+        "assert 'numba' not in sys.modules, 'numba was imported'\n"
+        "from codec.quant import jax_rule\n"
+        "assert 'jax' in sys.modules and callable(jax_rule.encode)\n"
     )
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     done = subprocess.run(
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
+
+
+# the codec's floors: the block rule (`quant`, with its numba loops and JAX formulation) builds
+# on nothing of the codec; the sparse scheme on the rule; the frame format (`format`: layout,
+# writer, readers) on both; the schemes and the error feedback above them
+CODEC_FLOORS = {
+    "codec.quant": set(),
+    "codec.sparse": {"codec.quant"},
+    "codec.format": {"codec.quant", "codec.sparse"},
+}
+
+
+@pytest.mark.parametrize("module", sorted(CODEC_FLOORS))
+def test_the_codecs_rule_and_frame_format_import_only_below_them(module):
+    graph = import_graph(package_files("codec"))
+    assert graph[module] <= CODEC_FLOORS[module], f"{module} imports {sorted(graph[module])}"
+
+
+def test_only_the_clients_threaded_shell_touches_sockets():
+    # `paramserver.client.api` (Client and its I/O thread) is the one client module with zmq
+    files = sorted((ROOT / "paramserver" / "client").glob("*.py"))
+    with_zmq = sorted(p.name for p in files if "zmq" in imported_top_levels(p))
+    assert with_zmq == ["api.py"], with_zmq
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -35,7 +35,7 @@ import pytest
 from conftest import Cluster
 
 import worker
-from paramserver.client.readout import _WATCHED_MERGE_ROUNDS
+from paramserver.client.replica import _WATCHED_MERGE_ROUNDS
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 

@@ -15,7 +15,6 @@ from conftest import wait_for
 
 from paramserver.client import PushRequest
 from worker import outbox
-from worker import outbox_format as fmt
 from worker.outbox import Outbox
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -79,7 +78,7 @@ def test_a_torn_or_corrupt_last_record_is_ignored_and_the_earlier_ones_kept(tmp_
     full = path.read_bytes()
     box.close()
     assert outbox.load(path).deltas == [delta(1, 1), delta(2, 0)]
-    resolved = len(intact) + len(fmt.resolved_record([(1, 0)]))
+    resolved = len(intact) + len(outbox.resolved_record([(1, 0)]))
     for cut in range(len(intact) + 1, len(full)):  # a kill -9 mid-append, at every byte
         path.write_bytes(full[:cut])
         saved = outbox.load(path)
@@ -117,7 +116,7 @@ def test_an_old_format_file_is_read_and_rewritten_in_the_new_one(tmp_path):
     box = Outbox.open(path, "a", "plan")
     assert box.to_resend == [delta(4, 0), delta(4, 1)]
     box.close()
-    assert path.read_bytes().startswith(fmt.MAGIC)
+    assert path.read_bytes().startswith(outbox.MAGIC)
     assert outbox.load(path).deltas == [delta(4, 0), delta(4, 1)]
 
 
@@ -151,12 +150,12 @@ def test_a_file_this_island_cannot_use_is_set_aside_never_deleted(tmp_path, capl
         other.record([], [delta(1, 0), delta(1, 1)])
         other.close()
         data = bytearray(path.read_bytes())
-        data[len(fmt.header("a", "plan")) + 40] ^= 1  # inside the first delta record
+        data[len(outbox.header("a", "plan")) + 40] ^= 1  # inside the first delta record
         path.write_bytes(bytes(data))
     elif content == "garbage":
         path.write_bytes(b"not an outbox")
     else:
-        path.write_bytes(fmt.MAGIC + b"\x00\x00")
+        path.write_bytes(outbox.MAGIC + b"\x00\x00")
     before = path.read_bytes()
     box = Outbox.open(path, "a", "plan")
     box.close()
@@ -179,7 +178,7 @@ def test_the_file_stays_bounded_over_many_rounds(tmp_path):
         sizes.append(path.stat().st_size)
         assert path.stat().st_size == box.size
     assert box.live == [(r, f) for r in (299, 300) for f in range(4)]
-    record_bytes = len(fmt.delta_record(delta(1, 0, size)))
+    record_bytes = len(outbox.delta_record(delta(1, 0, size)))
     bound = max(outbox.COMPACT_FACTOR * 8 * record_bytes, outbox.COMPACT_MIN_BYTES)
     assert max(sizes) <= bound + 4 * record_bytes + 1024  # + one batch and its resolved record
     assert sum(sizes) / len(sizes) < bound

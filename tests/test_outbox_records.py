@@ -26,7 +26,6 @@ import pytest
 
 from paramserver.client import PushRequest
 from worker import outbox
-from worker import outbox_format as fmt
 from worker.outbox import IOV_MAX, Outbox
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -72,7 +71,7 @@ def by_the_format(d: PushRequest) -> bytes:
 )
 def test_a_delta_record_is_the_msgpack_map_of_the_format_byte_for_byte(frames):
     d = PushRequest(1, 2**40, 7, 123456, 3, frames)
-    rec = fmt.delta_record(d)
+    rec = outbox.delta_record(d)
     assert bytes(rec) == by_the_format(d) and len(rec) == len(by_the_format(d))
     # the frames are referenced, not copied: each big frame is its own piece
     big = [f for f in frames if memoryview(f).nbytes > 100]
@@ -101,7 +100,7 @@ def test_a_delta_of_more_frames_than_iov_max_round_trips(tmp_path):
     box.record([], [many, delta(1, 1)])
     assert path.stat().st_size == box.size
     data = path.read_bytes()
-    start = len(fmt.header("a", "plan"))
+    start = len(outbox.header("a", "plan"))
     assert data[start:] == by_the_format(many) + by_the_format(delta(1, 1))
     saved = outbox.load(path)
     assert saved.torn == 0 and saved.deltas == [many, delta(1, 1)]
@@ -119,7 +118,7 @@ def test_a_batch_with_resolved_keys_is_one_append_in_order(tmp_path):
     before = path.read_bytes()
     new = [delta(2, 0, frames_of(2, MANY_FRAMES)), delta(2, 1)]
     box.record([(1, 0), (8, 8)], new)  # (8, 8): unknown, left out of the record
-    expected = fmt.resolved_record([(1, 0)]) + b"".join(by_the_format(d) for d in new)
+    expected = outbox.resolved_record([(1, 0)]) + b"".join(by_the_format(d) for d in new)
     assert path.read_bytes() == before + expected
     assert box.live == [(1, 1), (2, 0), (2, 1)]
     assert outbox.load(path).deltas == [delta(1, 1), *new]
@@ -158,7 +157,7 @@ def test_a_damaged_last_record_fails_its_crc_and_is_dropped_whatever_piece_is_hi
     box = Outbox.open(path, "a", "plan")  # the torn record dropped, the file rewritten
     assert box.to_resend == [delta(1, 0)]
     box.close()
-    head = len(fmt.header("a", "plan"))  # (its created_at is new)
+    head = len(outbox.header("a", "plan"))  # (its created_at is new)
     assert path.read_bytes()[head:] == intact[head:]
 
 
@@ -226,7 +225,7 @@ def test_compaction_and_keep_copy_live_records_byte_for_byte(
     while box.compactions < 3:  # (open's fresh file is one)
         box.record([(r - 1, 0)] if r > 2 else [], [delta(r, 0, frames_of(r, 10, 30_000))])
         r += 1
-    head = len(fmt.header("a", "plan"))
+    head = len(outbox.header("a", "plan"))
     latest = delta(r - 1, 0, frames_of(r - 1, 10, 30_000))
     assert path.read_bytes()[head:] == by_the_format(live) + by_the_format(latest)
     assert box.keep([latest, live, delta(99, 0)])  # two copied from the file, one written
@@ -246,7 +245,7 @@ def test_a_file_of_the_previous_writer_is_read_resent_and_appended_to(tmp_path):
     )
     old = [delta(1, 0), delta(1, 1, frames_of(1, MANY_FRAMES))]
     path.write_bytes(
-        fmt.MAGIC
+        outbox.MAGIC
         + len(header).to_bytes(8, "big")
         + zlib.crc32(header).to_bytes(4, "big")
         + header

@@ -1,15 +1,17 @@
 """The client side: what an island uses to join, push deltas and receive updates.
 
 The public import path is this package: `from paramserver.client import Client,
-ClientConfig`. Its modules: `api` (the `Client` API), `types` (config,
-errors, results), `core` (`ClientCore`, the sans-I/O protocol state: join,
-ledger, replica, acks, re-sends), `joining` (a join in progress) and `handshake` (its states up to an
-initialised cluster), `welcome` (checks of a shard's welcome), `shards` (the
-shards' state, links and requests in flight, and the effects the core asks
-the I/O loop to perform), `ledger` (the one ledger of
-pending deltas and its adaptive re-send timeout), `replica` (applying published versions),
-`readout` (counters, updates and outcomes: what the API reads), `io_thread` (the one thread that
-owns the sockets, `Links`, and moves bytes). Nothing here imports
+ClientConfig`. Its modules: `api` (the `Client` API and the one thread that
+owns the sockets, `IOThread` with its `Links`, and moves bytes), `types`
+(config, errors, results), `core` (`ClientCore`, the sans-I/O protocol state:
+join, ledger, replica, acks, re-sends), `joining` (a join in progress) and
+`handshake` (its states up to an initialised cluster), `welcome` (checks of a
+shard's welcome), `shards` (the connections to the shards: their state,
+links, flows and requests in flight, and the effects the core asks the I/O
+loop to perform), `ledger` (the one ledger of pending deltas and its adaptive
+re-send timeout), `replica` (what the island keeps of the global model:
+applying published versions, the shards' update feeds, and the counters,
+updates and outcomes the API reads). Nothing here imports
 `paramserver.server`.
 """
 

@@ -4,7 +4,7 @@ This module owns the island side of the wire protocol (docs/protocol.md) as
 one object that takes the time and the messages as arguments and returns
 what to do (`paramserver.client.shards`: open, close, send on numbered
 links), in the h11 pattern. It imports neither zmq, threading nor the
-clock: the I/O thread (`paramserver.client.io_thread`) only moves bytes and
+clock: the I/O thread (`paramserver.client.api.IOThread`) only moves bytes and
 calls `on_message`, `on_tick`, `push` and `on_sent`, under one lock that also
 guards the API's reads. `ClientCore` holds:
 
@@ -39,8 +39,7 @@ import numpy as np
 import codec
 from paramserver.client.joining import Join
 from paramserver.client.ledger import Key, Ledger, StorageWarning
-from paramserver.client.readout import Readout
-from paramserver.client.replica import Resync, published_update
+from paramserver.client.replica import Readout, Resync, published_update
 from paramserver.client.shards import Effect, Send, ShardLink, Shards
 from paramserver.client.types import ClientConfig, ClientError, JoinResult, PushRequest, Update
 from paramserver.client.welcome import check_rewelcome, welcome_limit

@@ -41,7 +41,7 @@ from collections.abc import Mapping
 import numpy as np
 
 from paramserver.client.init_upload import DONE, LOST, Ask, Upload
-from paramserver.client.links import pieces_in_flight
+from paramserver.client.shards import pieces_in_flight
 from paramserver.client.types import ClientConfig, ClientError, JoinTimeout
 from paramserver.client.welcome import (
     Cluster,

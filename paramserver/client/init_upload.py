@@ -25,7 +25,7 @@ from paramserver.client.types import ClientError, PlanMismatch
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 
-WINDOW = 2  # pieces in flight per shard (the join asks `links.pieces_in_flight`)
+WINDOW = 2  # pieces in flight per shard (the join asks `shards.pieces_in_flight`)
 RESTARTS = 3  # uploads started over (our unfinished init was dropped) before the join fails
 _RAW = codec.raw("float32")
 
@@ -60,7 +60,7 @@ class Upload:
             flat: path -> the island's parameters (the values sent).
             shard: the shard to initialise.
             max_message_bytes: the size each piece is cut to fit (the shard's limit, its
-                welcome's, or less: `links.pieces_in_flight`).
+                welcome's, or less: `shards.pieces_in_flight`).
             window: pieces in flight (>= 1; one per bulk link fills them all).
         """
         self.plan, self._flat, self.shard = plan, flat, shard

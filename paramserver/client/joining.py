@@ -26,8 +26,7 @@ import numpy as np
 
 from paramserver.client.handshake import FIRST, Handshake
 from paramserver.client.init_upload import Ask
-from paramserver.client.readout import Readout
-from paramserver.client.replica import ReplicaFragment, ShardFeed
+from paramserver.client.replica import Readout, ReplicaFragment, ShardFeed
 from paramserver.client.shards import ShardLink, Shards
 from paramserver.client.types import ClientConfig, ClientError, JoinResult
 from paramserver.client.welcome import Cluster

@@ -14,10 +14,10 @@ bit while the shard publishes int8 instead of float32, applied chunk by chunk
     residual  = bfloat16(target - decoded)        (carried into the next update)
 
 The update is quantized once, by the codec's int8 rule in its JAX form
-(`codec.jax_quant`); the shard applies exactly the decoded values and never
+(`codec.quant.jax_rule`); the shard applies exactly the decoded values and never
 decodes its own frames. The frames are those
 `codec.int8(zstd_level=PUBLISH_ZSTD_LEVEL).encode` writes for {"values":
-target}, byte for byte (the codec's frame writer, `codec.writer`), but built
+target}, byte for byte (the codec's frame writer, `codec.format`), but built
 as the chunks come: each 1 MiB payload frame of codes is written into its own
 buffer and closed (crc32, or zstd with a level) as soon as it is full.
 Without zstd the frames are those buffers
@@ -42,8 +42,8 @@ import numpy as np
 
 import codec
 from codec import format as fmt
-from codec import jax_quant
-from codec.writer import FrameWriter
+from codec.format import FrameWriter
+from codec.quant import jax_rule as jax_quant
 from paramserver.server.config import DOWNLINKS
 from paramserver.server.step.outer import aligned_float32
 
@@ -91,7 +91,7 @@ def restore_residual(saved: np.ndarray) -> np.ndarray:
 def quantize_chunk(target: jax.Array, block: int) -> tuple[jax.Array, ...]:
     """The int8 encoding of one chunk, inside the step's jit: codes, scales, decoded, residual.
 
-    The codec's int8 rule in its JAX formulation (`codec.jax_quant.encode`), so
+    The codec's int8 rule in its JAX formulation (`codec.quant.jax_rule.encode`), so
     codes and scales are the codec's bit for bit, `decoded` is what
     `codec.decode` gives for them and the residual is ``target - decoded`` of
     that rounded `decoded` (never a fused multiply-add, on any backend), rounded
