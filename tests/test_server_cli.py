@@ -17,7 +17,7 @@ from conftest import free_port, wait_for
 from shard_helpers import delta_frames, small_flat
 
 from paramserver.client import Client, ClientConfig
-from paramserver.plumbing import daemon
+from paramserver.plumbing import daemon, probe
 
 CMD_TIMEOUT_S = 90
 
@@ -33,6 +33,12 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = CMD_TIMEOUT_S)
         timeout=timeout,
         env=full_env,
     )
+
+
+def stepped(connect: str, shard: int) -> bool:
+    """Whether `shard` of the cluster at `connect` has stepped fragment 0 (in-process probe)."""
+    status = probe.cluster_status(connect)["shards"][shard]
+    return status.get("versions", {}).get("0", 0) >= 1
 
 
 def assert_one_line_error(proc, code: int, *needles: str) -> None:
@@ -171,6 +177,9 @@ def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
         size = res.plan.fragments[0].size
         client.push(0, 0, 0, 100, 10, delta_frames(np.full(size, 0.01, np.float32)))
         wait_for(lambda: client.stats()["acked"] >= 1, "the ack", timeout_s=30)
+        owner = res.plan.fragments[0].shard
+        # an ack does not mean the step ran (the shard steps in its own thread)
+        wait_for(lambda: stepped(connect, owner), "the acked push's step", timeout_s=30)
 
         status = run_cli("status", "--connect", connect, "--json")
         assert status.returncode == 0, status.stderr
@@ -179,7 +188,6 @@ def test_detached_cluster_status_client_and_stop(tmp_path, stop_after):
         for s in shards:
             assert {"versions", "islands_live", "accepted", "rejected"} <= set(s)
             assert "cli-test" in s["islands_live"]
-        owner = res.plan.fragments[0].shard
         assert shards[owner]["accepted"] == 1
         assert shards[owner]["versions"]["0"] == 1
 
@@ -363,6 +371,7 @@ def test_client_resends_to_a_frozen_shard_and_the_shard_dedups(tmp_path, stop_af
         finally:
             os.kill(shard_pid, signal.SIGCONT)
         wait_for(lambda: client.stats()["acked"] >= 1, "the ack after SIGCONT", timeout_s=30)
+        wait_for(lambda: stepped(connect, 0), "the acked push's step", timeout_s=30)
         status = run_cli("status", "--connect", connect, "--json")
         (shard,) = json.loads(status.stdout)["shards"]
         assert shard["accepted"] == 1 and shard["duplicates"] >= 1
