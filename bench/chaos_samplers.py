@@ -98,7 +98,7 @@ class VersionSampler(threading.Thread):
 
 def dir_sizes(directory: Path) -> dict[str, float]:
     """Bytes and files of a shard's log segments and checkpoints (its layout:
-    `paramserver.server.storage.data_dir`; a file removed meanwhile is skipped).
+    `paramserver.server.storage.shard_storage`; a file removed meanwhile is skipped).
 
     Args:
         directory: the shard's data directory.

@@ -11,7 +11,7 @@ round and steps. Variants, all at the same tokens, data and seeds:
 - `int8`: int8 deltas, the sync outer default (Nesterov 0.7 / 0.9);
 - `topk-mean-nesterov`: top-k deltas handed to the shard decoded (float32),
   so they take the dense mean and Nesterov: what the shard did before
-  `paramserver.server.sparse_merge`;
+  `paramserver.server.step.sparse_merge`;
 - `topk-sgd-<lr>`: top-k deltas kept coded: the per-entry merge and SGD
   without momentum at that `sparse_outer_lr`.
 

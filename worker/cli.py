@@ -13,7 +13,7 @@
                         --data-shards ... --config FILE]
     diloco-worker export --connect tcp://HOST:PORT --out DIR  (an Orbax checkpoint; worker.export)
 
-`eval` is the final evaluation of a run (DESIGN.md, "What counts as useful work"):
+`eval` is the final evaluation of a run (docs/design.md, "Goodput, uptime and the final loss"):
 once every island has stopped, it waits until no shard holds a pending delta,
 reads the global parameters from the shards and evaluates them once on the
 common held-out set; run it with the islands' model and data settings. On a

@@ -1,6 +1,6 @@
 """The final evaluation of a run: the global model read from the shards, evaluated once.
 
-DESIGN.md defines the final eval loss of any run as the global model after every
+docs/design.md defines the final eval loss of any run as the global model after every
 island flushed and every acked delta is merged, read from the shards (a snapshot of
 each fragment from its owning shard), evaluated once on the common held-out set.
 `evaluate_global` does exactly that: wait until no shard holds a pending delta, read

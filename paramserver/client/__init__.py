@@ -5,7 +5,8 @@ ClientConfig`. Its modules: `api` (the `Client` API and the one thread that
 owns the sockets, `IOThread` with its `Links`, and moves bytes), `types`
 (config, errors, results), `core` (`ClientCore`, the sans-I/O protocol state:
 join, ledger, replica, acks, re-sends), `joining` (a join in progress) and
-`handshake` (its states up to an initialised cluster), `welcome` (checks of a
+`handshake` (its states up to an initialised cluster; a shard's init in
+pieces: `init_upload`), `welcome` (checks of a
 shard's welcome), `shards` (the connections to the shards: their state,
 links, flows and requests in flight, and the effects the core asks the I/O
 loop to perform), `ledger` (the one ledger of pending deltas and its adaptive

@@ -22,7 +22,7 @@ KIND_FILE = "diloco-kind"
 SERVER = "server"
 ISLAND = "island"
 KINDS = (SERVER, ISLAND)
-# what an island writes in its data dir (worker.progress, worker.outbox, worker.session_token:
+# what an island writes in its data dir (worker.island_files, worker.outbox, worker.session_token:
 # named here because paramserver never imports worker)
 ISLAND_FILES = ("status.json", "metrics.jsonl", "outbox.bin", "session.token")
 _OWNER = {SERVER: "diloco-server", ISLAND: "diloco-worker"}

@@ -1,6 +1,8 @@
 """The shard: one process's logic, in rooms by concept.
 
-- `shard`: the I/O loop (ROUTER and PUB sockets, one fsync per batch, then send);
+- `shard`: the I/O loop (ROUTER and PUB sockets; its step, push-check and log writer threads);
+- `group_commit`: the log writer thread (one append and fsync per group of records) and the
+  replies that wait for their record (the rest is sent at once);
 - `core`: the sans-I/O protocol core (requests and ticks in, effects out, their types);
 - `admission/`: who may send, how fast, how much unread (`gate`), what came of a request
   (`outcomes`);

@@ -87,7 +87,11 @@ class Publish:
 
 @dataclass
 class Effects:
-    """What the I/O loop does for a batch: append `records`, fsync, then send the rest."""
+    """What the I/O loop does for a batch: log `records` (fsynced), send the replies and publishes.
+
+    What vouches for a record waits for its fsync (`paramserver.server.group_commit`);
+    the rest is sent in the turn that answered it.
+    """
 
     records: list[Event] = field(default_factory=list)
     replies: list[Reply | DurableReply] = field(default_factory=list)

@@ -2,8 +2,8 @@
 
 Pure functions, no state.
 
-This module owns the merge rule of one fragment's step (DESIGN.md, "The outer
-merge, exactly"). Pending deltas are first grouped per island: an island sends
+This module owns the merge rule of one fragment's step (docs/design.md, "The
+merge of one step: weighting and staleness"). Pending deltas are first grouped per island: an island sends
 ``anchor - local``, so its pushes are disjoint increments of work and are
 **summed**, with their tokens and inner steps, each increment k damped by its
 own staleness. Then, across the n islands i of a step that the shard expected
@@ -69,8 +69,8 @@ Pure data and rules, no I/O. `paramserver.server.state` keeps one per owned
 fragment (`FragmentState.clock`), advances it with every step it applies
 (live or replayed) and saves it in the checkpoint.
 
-A round is one delta from each island that pushes (DESIGN.md, "The outer
-merge, exactly"). A step that merges n distinct islands when N islands push
+A round is one delta from each island that pushes (docs/design.md, "The
+merge of one step: weighting and staleness"). A step that merges n distinct islands when N islands push
 is n/N of a round (`weighting.round_share`), so the clock reads, at each
 version v of the fragment, the rounds completed since version 0::
 

@@ -12,6 +12,8 @@ Layout:
     wal-<n>.log           the events after checkpoint n (wal-0: after the empty state)
     checkpoint.hold       made by an operator (or a test), never by the shard:
                           background checkpoint writes pause while it exists
+    log.hold              likewise: the log writer thread waits before each fsync
+                          while it exists (`paramserver.server.group_commit`)
 
 A checkpoint n is taken between two loop turns, after the log is synced:
 wal-<n>.log is started (appends go on there) and the state as it is then is
