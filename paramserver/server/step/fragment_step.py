@@ -34,6 +34,12 @@ chunk k's outputs are taken, so XLA computes while the host copies. Scratch is
 a few chunks, whatever the fragment's size; no full-size array is allocated
 per step.
 
+A momentum kept in bfloat16 (`ShardConfig.momentum_dtype`) is a bfloat16
+host buffer: the jitted chunk step reads it as its uint16 bits (DLPack) and
+bitcasts it, the rule computes in float32 and stores it rounded to nearest
+even (`outer.round_nesterov`), and `FusedNesterov`'s loops do the same on
+the bits, so the two paths stay equal bit for bit.
+
 Elementwise transformations only (nesterov, sgd, delayed-nesterov): every
 state leaf is either a vector of the fragment's size (chunked) or a value that
 is the same for every chunk (delayed Nesterov's counter), which every chunk
