@@ -229,7 +229,7 @@ class ShardConfig:
     # bytes: 2 B/param less; the step computes in float32 and rounds the new momentum to
     # nearest even when it stores it). A data dir written with the other dtype is refused
     # at start (MomentumDtypeError): restart with the dtype it was written with
-    momentum_dtype: Literal["float32", "bfloat16"] = "bfloat16"
+    momentum_dtype: Literal["float32", "bfloat16"] = "float32"
     # outer lr of steps whose deltas are all topk-coded: SGD without momentum, each entry
     # merged over the islands that sent it (paramserver.server.step.sparse_merge)
     sparse_outer_lr: float = SPARSE_OUTER_LR
