@@ -32,8 +32,11 @@ parameters after the last merge; lower is better.
 
 Parts: ``grid`` (every mode x H x K x lr x momentum; `best` per mode, H, K,
 flagged when it sits on the grid's edge), ``async_price`` (each K's best
-async against its best sync, and quorum against sync), and ``push_skip``
-(quorum at its best settings with the skip on and off).
+async against its best sync, and quorum against sync), ``push_skip``
+(quorum at its best settings with the skip on and off), and
+``momentum_dtype`` (with ``--momentum-dtypes float32,bfloat16``: every cell
+with the shard's momentum kept in each dtype, the held-out loss of each
+against the first, per seed too).
 """
 
 from __future__ import annotations
@@ -132,6 +135,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=int, default=8, help="sequences per inner step")
     parser.add_argument("--seq-len", type=int, default=32, help="bytes per sequence")
     parser.add_argument("--eval-batches", type=int, default=16, help="held-out batches")
+    parser.add_argument(
+        "--momentum-dtypes",
+        default="float32",
+        help="dtypes the shard keeps its outer momentum in (ShardConfig.momentum_dtype), "
+        "comma-separated; with more than one, every cell runs with each and the "
+        "momentum_dtype table compares each to the first (best and push_skip: the first)",
+    )
+    parser.add_argument(
+        "--downlink",
+        default="float32",
+        choices=("float32", "int8"),
+        help="the shard's published updates (int8: with its bfloat16 residual)",
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +161,7 @@ class Cell:
     momentum: float | None
     push_skip: bool
     seed: int
+    momentum_dtype: str = "float32"  # ShardConfig.momentum_dtype
 
 
 class Published:
@@ -205,7 +222,8 @@ class Sim:
             inner_steps=cell.inner_steps,  # the row of the defaults
             fsync=False,
             dedup_window=1 << 20,
-            downlink="float32",
+            downlink=args.downlink,
+            momentum_dtype=cell.momentum_dtype,
             merge=args.merge,
             **kw,
         )
@@ -416,8 +434,47 @@ def grid_cells(args) -> list[Cell]:
                 for lr, m in pairs_of(args, mode):
                     for skip in skip_modes if mode == "quorum" else (False,):
                         for seed in range(args.first_seed, args.first_seed + args.seeds):
-                            cells.append(Cell(mode, k, h, lr, m, skip, seed))
+                            for kept in dtypes_of(args):
+                                cells.append(Cell(mode, k, h, lr, m, skip, seed, kept))
     return cells
+
+
+def dtypes_of(args) -> list[str]:
+    """The momentum dtypes of --momentum-dtypes, in order (the first is the reference)."""
+    return [x.strip() for x in args.momentum_dtypes.split(",") if x.strip()]
+
+
+def momentum_dtype_table(rows: list[dict], args) -> dict:
+    """Each other momentum dtype against the first, per mode, H, K, lr/momentum and push skip.
+
+    Returns:
+        {mode: {H: {K: [{"lr", "momentum", "push_skip", dtype: mean loss, ...,
+        "<dtype>_vs_<first>": ratio of the means minus 1, "<dtype>_paired": the
+        per-seed ratios minus 1 (same data order)}]}}}; empty with one dtype.
+    """
+    dtypes = dtypes_of(args)
+    if len(dtypes) < 2:
+        return {}
+    groups: dict[tuple, dict[str, dict[int, float]]] = {}
+    for r in rows:
+        key = (r["mode"], r["inner_steps"], r["islands"], r["lr"], r["momentum"], r["push_skip"])
+        groups.setdefault(key, {}).setdefault(r["momentum_dtype"], {})[r["seed"]] = r[
+            "heldout_loss"
+        ]
+    out: dict = {}
+    first = dtypes[0]
+    for (mode, h, k, lr, m, skip), by in groups.items():
+        entry: dict = {"lr": lr, "momentum": m, "push_skip": skip}
+        for kept in dtypes:
+            if kept in by:
+                entry[kept] = float(np.mean(list(by[kept].values())))
+        for kept in dtypes[1:]:
+            if kept in by and first in by:
+                entry[f"{kept}_vs_{first}"] = entry[kept] / entry[first] - 1
+                seeds = sorted(set(by[kept]) & set(by[first]))
+                entry[f"{kept}_paired"] = [by[kept][s] / by[first][s] - 1 for s in seeds]
+        out.setdefault(mode, {}).setdefault(str(h), {}).setdefault(str(k), []).append(entry)
+    return out
 
 
 def best_of(rows: list[dict], args) -> dict:
@@ -504,7 +561,8 @@ def run(args: argparse.Namespace) -> int:
             figures = Sim(args, cell, corpus, inner, init).run()
             rows.append({**dataclasses.asdict(cell), **figures})
             p.advance(task)
-    best = best_of(rows, args)
+    reference = [r for r in rows if r["momentum_dtype"] == dtypes_of(args)[0]]
+    best = best_of(reference, args)
     result = {
         "command": " ".join(sys.argv),
         "settings": vars(replace_args(args)),
@@ -519,7 +577,8 @@ def run(args: argparse.Namespace) -> int:
         "best": best,
         "async_vs_sync": compare(best, "async", "sync"),
         "quorum_vs_sync": compare(best, "quorum", "sync"),
-        "push_skip": push_skip_table(rows),
+        "push_skip": push_skip_table(reference),
+        "momentum_dtype": momentum_dtype_table(rows, args),
         "seconds": time.perf_counter() - start,
     }
     emit_json(result)

@@ -1,10 +1,12 @@
 """The outer step alone, in process: the fused (numba) step and the jitted one, against memcpy.
 
     python -m bench.step_alone [--params N ...] [--deltas D] [--repeats R]
+        [--momentum-dtype float32|bfloat16]
 
 Per size: fragments of at most 2**23 parameters (as `diloco-bench scale`
-cuts them), each with its params, round-Nesterov momentum and bfloat16
-downlink residual as a shard keeps them, and D int8 pending deltas kept
+cuts them), each with its params, round-Nesterov momentum (in the dtype
+given: `ShardConfig.momentum_dtype`) and bfloat16 downlink residual as a
+shard keeps them, and D int8 pending deltas kept
 coded (`codec.format.read_coded`, as a shard keeps an accepted push). A step of
 the model is, per fragment, the mean merge of its D deltas, the outer step
 and the int8 downlink's frames (`merge._MeanMerge`, `fragment_step.FusedNesterov`
@@ -53,20 +55,21 @@ def _fragments(params: int, deltas: int) -> list[dict]:
     return out
 
 
-def measure(params: int, deltas: int, repeats: int) -> dict:
+def measure(params: int, deltas: int, repeats: int, kept: str = "float32") -> dict:
     """Time both steps over one model of `params` parameters.
 
     Args:
         params: the model's parameter count.
         deltas: int8 pending deltas per fragment.
         repeats: timed steps per path.
+        kept: the momentum's dtype, "float32" or "bfloat16".
 
     Returns:
         The figures of this size.
     """
     frags = _fragments(params, deltas)
     link = Downlink("int8")
-    jitted = ChunkedStep(round_nesterov(LR, BETA), finish=link.finish)
+    jitted = ChunkedStep(round_nesterov(LR, BETA, kept), finish=link.finish)
     fused = FusedNesterov.for_config("nesterov", LR, BETA, 1)
     for f in frags:
         f["state"] = jitted.init(f["params"])
@@ -84,7 +87,12 @@ def measure(params: int, deltas: int, repeats: int) -> dict:
             pub.frames()
         return time.perf_counter() - t0, time.process_time() - c0
 
-    result: dict = {"params": params, "fragments": len(frags), "deltas": deltas}
+    result: dict = {
+        "params": params,
+        "fragments": len(frags),
+        "deltas": deltas,
+        "momentum_dtype": kept,
+    }
     for kind in ("fused", "jitted"):
         if kind == "fused" and fused is None:
             continue
@@ -134,10 +142,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--params", nargs="+", type=parse_count, default=[64_000_000, 256_000_000])
     ap.add_argument("--deltas", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--momentum-dtype", default="float32", choices=("float32", "bfloat16"))
     args = ap.parse_args(argv)
     results = []
     for n in args.params:
-        results.append(measure(n, args.deltas, args.repeats))
+        results.append(measure(n, args.deltas, args.repeats, args.momentum_dtype))
         print(json.dumps(results[-1]), file=sys.stderr)
     print(json.dumps(results, indent=1))
     return 0

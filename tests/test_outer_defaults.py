@@ -33,6 +33,7 @@ def test_default_outer_settings_by_h(h, row):
         report = cfg.outer_report()
         assert report.pop("why").startswith(f"{mode}: the default of H={h} at 2 pushing")
         assert report == {"optimizer": "nesterov", "lr": want[0], "momentum": want[1],
+                          "momentum_dtype": "float32",
                           "inner_steps": h, "islands": None,
                           "from_inner_steps": True}  # fmt: skip
 
@@ -116,6 +117,7 @@ def test_a_live_shard_reports_its_outer_settings_and_warns_once_per_island(tmp_p
     why = status["outer"].pop("why")
     assert why.startswith("sync: the default of H=100 at 2 pushing islands")
     assert status["outer"] == {"optimizer": "nesterov", "lr": LONG[0], "momentum": LONG[1],
+                               "momentum_dtype": "float32",
                                "inner_steps": 100, "islands": 2,
                                "from_inner_steps": True}  # fmt: skip
 
@@ -234,9 +236,10 @@ def test_a_quorum_step_takes_the_lr_and_momentum_of_its_island_count(islands, lr
 
     from paramserver.server.state import ShardState
 
-    cfg = ShardConfig(
-        mode="quorum", quorum=islands, inner_steps=10, fsync=False, downlink="float32", fragments=1
-    )
+    # float32 momentum: the expected move is computed by hand in exact arithmetic, to rtol 1e-5
+    # (explicit: a bfloat16 momentum keeps 8 bits; tests/test_bf16_momentum.py checks it)
+    cfg = ShardConfig(mode="quorum", quorum=islands, inner_steps=10, fsync=False,
+                      downlink="float32", fragments=1, momentum_dtype="float32")  # fmt: skip
     flat = small_flat()
     plan = plan_for(flat, 1, 1)
     state = ShardState(cfg, 0)

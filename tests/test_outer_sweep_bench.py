@@ -54,3 +54,19 @@ def test_the_sweep_runs_the_shipped_defaults_from_a_first_seed():
     assert (cell["seed"], cell["lr"], cell["momentum"]) == (5, None, None)
     # quorum at H <= 17 with 3-5 pushing islands: 1.0 / 0.3 (OUTER_DEFAULTS_TABLE)
     assert cell["outer_in_effect"] == {"lr": 1.0, "momentum": 0.3}
+
+
+def test_the_sweep_compares_momentum_dtypes_cell_by_cell():
+    # --momentum-dtypes float32,bfloat16: each cell runs with both, paired per seed
+    argv = [sys.executable, "-m", "bench.outer_sweep", "--modes", "sync", "--islands", "2",
+            "--inner-steps", "3", "--pairs", "0.7/0.8", "--budget", "12", "--min-rounds", "1",
+            "--momentum-dtypes", "float32,bfloat16", "--downlink", "int8", "--batch", "2",
+            "--seq-len", "8", "--eval-batches", "1"]  # fmt: skip
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    result = json.loads(proc.stdout)
+    assert [c["momentum_dtype"] for c in result["cells"]] == ["float32", "bfloat16"]
+    (entry,) = result["momentum_dtype"]["sync"]["3"]["2"]
+    assert set(entry) >= {"float32", "bfloat16", "bfloat16_vs_float32", "bfloat16_paired"}
+    assert entry["bfloat16_vs_float32"] == entry["bfloat16"] / entry["float32"] - 1
+    assert result["best"]["sync"]["3"]["2"]["heldout_loss"] == entry["float32"]

@@ -31,6 +31,10 @@ MIB = 1024 * 1024
 # every single delta diverged in `diloco-bench async_outer`, 2026-11-30).
 OUTER_OPTIMIZERS = ("nesterov", "sgd", "delayed-nesterov")  # paramserver.server.step.outer
 DOWNLINKS = ("float32", "int8")  # paramserver.server.step.downlink
+# The dtype a fragment keeps its outer momentum in (paramserver.server.step.outer): float32, or
+# bfloat16 (2 B/param instead of 4: each step computes in float32 and rounds the new momentum
+# to nearest even when it stores it)
+MOMENTUM_DTYPES = ("float32", "bfloat16")
 # Per mode: rows (largest H, ((fewest pushing islands, lr, momentum), ...)). A row serves
 # every H up to its largest (the boundaries 17 and 55 are geometric means of the measured
 # H = 10, 30, 100); in it the last column whose island count is <= the islands that push
@@ -221,6 +225,11 @@ class ShardConfig:
     # 0.3 at 3-5 and 0 from 6 for H <= 17, 0 from 3 for H 18-55, 0.6 above 55; async 0)
     outer_momentum: float | None = None
     nesterov_delay: int = 1  # contributions between momentum updates (delayed Nesterov)
+    # the dtype each fragment keeps its outer momentum in: float32, or bfloat16 (half the
+    # bytes: 2 B/param less; the step computes in float32 and rounds the new momentum to
+    # nearest even when it stores it). A data dir written with the other dtype is refused
+    # at start (MomentumDtypeError): restart with the dtype it was written with
+    momentum_dtype: Literal["float32", "bfloat16"] = "float32"
     # outer lr of steps whose deltas are all topk-coded: SGD without momentum, each entry
     # merged over the islands that sent it (paramserver.server.step.sparse_merge)
     sparse_outer_lr: float = SPARSE_OUTER_LR
@@ -337,6 +346,7 @@ class ShardConfig:
         if self.outer_momentum is not None:
             check.number("outer_momentum", self.outer_momentum, low=0.0, below=1.0)
         check.integer("nesterov_delay", self.nesterov_delay, 1)
+        check.choice("momentum_dtype", self.momentum_dtype, MOMENTUM_DTYPES)
         check.number("sparse_outer_lr", self.sparse_outer_lr, above=0.0)
         check.require(
             not (self.outer_optimizer == "sgd" and self.nesterov_delay != 1),
@@ -532,15 +542,16 @@ class ShardConfig:
                 them (None: none stepped yet).
 
         Returns:
-            optimizer, lr (in effect with `islands`), momentum, inner_steps,
-            islands (None before a step), whether lr/momentum were defaulted
-            from inner_steps, and why (one line).
+            optimizer, lr (in effect with `islands`), momentum, the dtype the
+            momentum is kept in, inner_steps, islands (None before a step),
+            whether lr/momentum were defaulted from inner_steps, and why (one line).
         """
         lr, momentum, why = self.outer_settings(islands)
         return {
             "optimizer": self.outer_optimizer,
             "lr": lr,
             "momentum": momentum,
+            "momentum_dtype": self.momentum_dtype,
             "inner_steps": self.inner_steps,
             "islands": islands,
             "from_inner_steps": self.outer_from_inner_steps,

@@ -147,6 +147,30 @@ class StateError(RuntimeError):
     """An event that cannot be applied (a corrupted or foreign log), or misuse of the state."""
 
 
+class MomentumDtypeError(StateError):
+    """A checkpoint or logged step kept the outer momentum in another dtype than this shard's.
+
+    A shard never mixes the two (`ShardConfig.momentum_dtype`): its data dir is
+    refused at start, naming both dtypes; restart with the one it was written
+    with (`saved`), or from an empty data dir.
+    """
+
+    def __init__(self, saved: str, configured: str, where: str) -> None:
+        """Name the mismatch.
+
+        Args:
+            saved: the dtype the data dir kept the momentum in.
+            configured: this shard's `momentum_dtype`.
+            where: what holds `saved` (a checkpoint, a log record).
+        """
+        self.saved, self.configured, self.where = saved, configured, where
+        super().__init__(
+            f"{where} keeps the outer momentum in {saved}, this shard is set to "
+            f"momentum_dtype={configured}: restart with --momentum-dtype {saved} (the dtype "
+            "is never converted silently), or start from an empty data dir"
+        )
+
+
 SPARSE_SCHEMES = ("topk",)  # codec schemes whose deltas list a subset of the entries
 
 
@@ -257,7 +281,8 @@ class StepEvent:
     push and the merged ones, `paramserver.server.step.weighting`;
     `weighting.round_share`); 0 (a log written before it was recorded) counts
     the merged islands, a whole round. Replay advances the fragment's round
-    clock by that share.
+    clock by that share. `momentum_dtype` is the dtype the step kept the
+    momentum in (`ShardConfig.momentum_dtype`): replay refuses another one.
     """
 
     fragment: int
@@ -265,6 +290,7 @@ class StepEvent:
     at: float
     outside: tuple[PieceGram, ...] = ()
     expected: int = 0
+    momentum_dtype: str = "float32"
 
 
 Event = InitEvent | InitBeginEvent | InitPieceEvent | AcceptEvent | StepEvent

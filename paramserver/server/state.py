@@ -73,6 +73,7 @@ from paramserver.server.fragment import (
     InitBeginEvent,
     InitEvent,
     InitPieceEvent,
+    MomentumDtypeError,
     StateError,
     StepEvent,
     StepUpdate,
@@ -555,6 +556,7 @@ class ShardState(ShardInit):
         event = self.stepper.groups.step_event(
             self.plan, self.index, self.fragments, fragment, float(now), expected
         )  # rda: Grams
+        event = replace(event, momentum_dtype=self.cfg.momentum_dtype)
         return self._work(event, quorum_s)
 
     def _work(self, event: StepEvent, quorum_s: float | None = None) -> StepWork:
@@ -742,6 +744,12 @@ class ShardState(ShardInit):
         return scaled_in
 
     def _apply_step(self, event: StepEvent) -> StepUpdate:
+        if event.momentum_dtype != self.cfg.momentum_dtype:  # never mixed (same bits as live)
+            raise MomentumDtypeError(
+                event.momentum_dtype,
+                self.cfg.momentum_dtype,
+                f"the logged step of fragment {event.fragment}",
+            )
         work = self._work(event)
         work.run()
         return self.finish_step(work)

@@ -34,6 +34,12 @@ chunk k's outputs are taken, so XLA computes while the host copies. Scratch is
 a few chunks, whatever the fragment's size; no full-size array is allocated
 per step.
 
+A momentum kept in bfloat16 (`ShardConfig.momentum_dtype`) is a bfloat16
+host buffer: the jitted chunk step reads it as its uint16 bits (DLPack) and
+bitcasts it, the rule computes in float32 and stores it rounded to nearest
+even (`outer.round_nesterov`), and `FusedNesterov`'s loops do the same on
+the bits, so the two paths stay equal bit for bit.
+
 Elementwise transformations only (nesterov, sgd, delayed-nesterov): every
 state leaf is either a vector of the fragment's size (chunked) or a value that
 is the same for every chunk (delayed Nesterov's counter), which every chunk
@@ -52,6 +58,7 @@ from typing import Any
 import jax
 import jax.dlpack
 import jax.numpy as jnp
+import ml_dtypes
 import numpy as np
 import optax
 
@@ -95,6 +102,8 @@ from paramserver.wire.plan import Fragment
 
 logger = logging.getLogger(__name__)
 
+BFLOAT16 = np.dtype(ml_dtypes.bfloat16)  # a momentum kept in bfloat16 (ShardConfig.momentum_dtype)
+
 
 class FragmentStepper:
     """One shard's outer step: weighting, merge, outer optimizer and downlink, per fragment."""
@@ -114,7 +123,7 @@ class FragmentStepper:
             cfg.weighting, cfg.staleness_exponent, cfg.step_rule, cfg.max_weight_ratio
         )
         # the rule with lr and momentum as arguments of each step: one compile for any settings
-        rule = outer_rule(cfg.outer_optimizer, cfg.nesterov_delay)
+        rule = outer_rule(cfg.outer_optimizer, cfg.nesterov_delay, cfg.momentum_dtype)
         self.optimizer = FragmentOptimizer(rule)  # state <-> arrays (checkpoints)
         self.downlink = Downlink(cfg.downlink)
         finish = self.downlink.finish if self.downlink.compressed else None
@@ -286,14 +295,18 @@ def _chunk_step(
 
     Returns (new params, new state) when `apply`, else (finish(update + carry),
     new state), `carry` being a bfloat16 vector of the fragment's size as uint16
-    bits (none: 0) and `finish` the identity when None.
+    bits (none: 0) and `finish` the identity when None. A uint16 vector leaf of
+    `state` is a bfloat16 momentum's bits (`ChunkedStep.step`): the rule gets it
+    as bfloat16, and its new state has it as bfloat16.
     """
     tx = rule(lr, momentum)
     n, size = params.shape[0], merged.shape[0]
 
     def cut(leaf: jax.Array) -> jax.Array:
         if leaf.shape == (n,):
-            return jax.lax.dynamic_slice_in_dim(leaf, offset, size)
+            leaf = jax.lax.dynamic_slice_in_dim(leaf, offset, size)
+            if leaf.dtype == jnp.uint16:
+                return jax.lax.bitcast_convert_type(leaf, jnp.bfloat16)
         return leaf
 
     p = cut(params)
@@ -389,9 +402,11 @@ class ChunkedStep:
         for leaf, is_vector in zip(leaves, vector, strict=True):
             if not is_vector and leaf.size > 1:
                 raise OuterError(f"state leaf of shape {leaf.shape} is not elementwise over {n}")
-        # scalar leaves: every chunk reads their value from before the step
+        # scalar leaves: every chunk reads their value from before the step; a bfloat16
+        # vector (the momentum) goes in as its uint16 bits (DLPack has no bfloat16 here)
         inputs = [
-            self.views.of(x) if v else jnp.asarray(x) for x, v in zip(leaves, vector, strict=True)
+            self.views.of(_dlpack_form(x)) if v else jnp.asarray(x)
+            for x, v in zip(leaves, vector, strict=True)
         ]
         j_state = jax.tree.unflatten(treedef, inputs)
         j_params = self.views.of(params)
@@ -439,6 +454,11 @@ class ChunkedStep:
         else:
             sink(lo, hi, out)
         return new_leaves
+
+
+def _dlpack_form(arr: np.ndarray) -> np.ndarray:
+    """A host buffer as DLPack takes it: bfloat16 as its uint16 bits, others as they are."""
+    return arr.view(np.uint16) if arr.dtype == BFLOAT16 else arr
 
 
 def host_state(state: Any) -> Any:
@@ -542,9 +562,13 @@ class FusedNesterov:
             block: the int8 block size (0: the float32 downlink).
 
         Returns:
-            True for a RoundNesterovState and a block that divides the chunk.
+            True for a RoundNesterovState (momentum float32 or bfloat16) and a
+            block that divides the chunk.
         """
-        return isinstance(state, RoundNesterovState) and (block == 0 or self.chunk % block == 0)
+        if not isinstance(state, RoundNesterovState):
+            return False
+        kept = np.asarray(state.momentum).dtype
+        return kept in (np.float32, BFLOAT16) and (block == 0 or self.chunk % block == 0)
 
     def step(
         self,
@@ -558,7 +582,9 @@ class FusedNesterov:
 
         Args:
             params: the fragment's aligned float32 values (updated in place).
-            state: its RoundNesterovState with numpy leaves (updated in place).
+            state: its RoundNesterovState with numpy leaves (updated in place;
+                a bfloat16 momentum is computed in float32 and stored rounded
+                to nearest even, as the jitted rule does).
             fill: `fill(lo, hi, out)` writes the merged delta's [lo, hi) into `out`.
             publication: the int8 downlink's message (codes and scales written
                 into it, params and its residual updated); None: params += update.
@@ -574,7 +600,7 @@ class FusedNesterov:
         fresh = bool(phase <= 0)
         phase = np.float32(phase + share)
         due = bool(phase >= np.float32(1 - ROUND_TOL))
-        mom = state.momentum
+        mom = _dlpack_form(state.momentum)  # the kernels take a bfloat16 one as uint16 bits
         k = self.kernels
         neg_lr, beta = self.neg_lr, self.beta
         if settings is not None:

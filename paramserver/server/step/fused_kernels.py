@@ -15,7 +15,11 @@ order XLA's CPU build computes the jitted chunk step (`fragment_step.ChunkedStep
     p  <- p + float32(int8(q)) * (s * (1/127))   (the decoded update, as a replica adds it)
     r  <- bfloat16(v - q * (s * (1/127)))        (round to nearest even)
 
-and without the int8 downlink p <- fma(-lr, y, p). XLA contracts a multiply
+and without the int8 downlink p <- fma(-lr, y, p). A momentum kept in
+bfloat16 (`ShardConfig.momentum_dtype`; the kernels take its bits as uint16)
+is read as float32 (exact), the lines above run in float32 with that m, and
+the new m is stored as bfloat16(m) (round to nearest even, as the residual);
+the update uses the float32 m, before its rounding. XLA contracts a multiply
 feeding an add into one fused multiply-add (FMA) where the host has one; the
 `fma` above are exactly where it does so in the jitted chunk step, and the
 kernels write them as the fused instruction (`llvm.fma`, rounded once on any
@@ -31,7 +35,7 @@ import numpy as np
 from llvmlite import ir
 from numba import types
 from numba.core import cgutils
-from numba.extending import intrinsic
+from numba.extending import intrinsic, overload
 
 ABS_MASK = np.uint32(0x7FFFFFFF)
 
@@ -90,6 +94,38 @@ def _bf16_bits(value):
     return np.uint16(quiet if nan else rounded)
 
 
+def _load_momentum(mom, i):
+    """Element i of a kept momentum as float32 (float32 as is; uint16: bfloat16 bits)."""
+    raise NotImplementedError("compiled only: numba chooses the form by mom's dtype")
+
+
+@overload(_load_momentum, jit_options={"nogil": True})
+def _load_momentum_of(mom, i):
+    if mom.dtype == types.uint16:
+        return lambda mom, i: _float_of_bits(np.uint32(mom[i]) << np.uint32(16))
+    return lambda mom, i: mom[i]
+
+
+def _store_momentum(mom, i, value):
+    """Keep the float32 `value` as element i of a momentum (uint16: bfloat16, nearest even)."""
+    raise NotImplementedError("compiled only: numba chooses the form by mom's dtype")
+
+
+@overload(_store_momentum, jit_options={"nogil": True})
+def _store_momentum_of(mom, i, value):
+    if mom.dtype == types.uint16:
+
+        def store_bfloat16(mom, i, value):
+            mom[i] = _bf16_bits(value)
+
+        return store_bfloat16
+
+    def store_float32(mom, i, value):
+        mom[i] = value
+
+    return store_float32
+
+
 @jit
 def nesterov_int8(
     merged, lo, params, mom, res_bits, codes, scales, buf,
@@ -101,7 +137,8 @@ def nesterov_int8(
         merged: float32 merged delta of the chunk [lo, lo + len(merged)).
         lo: the chunk's first element (a multiple of `block`).
         params: the fragment's float32 values (updated in place).
-        mom: its float32 momentum (updated in place).
+        mom: its momentum (updated in place): float32, or bfloat16 as its
+            uint16 bits (computed in float32, stored rounded to nearest even).
         res_bits: its bfloat16 residual as uint16 (updated in place).
         codes: int8 output, len(merged) codes of the chunk.
         scales: float32 output, the chunk's block scales.
@@ -130,8 +167,8 @@ def nesterov_int8(
         p_b, m_b, r_b = params[lo + a : lo + e], mom[lo + a : lo + e], res_bits[lo + a : lo + e]
         top = np.uint32(0)
         for i in range(size):
-            m, y = _nesterov(g_b[i], m_b[i], beta, fresh, due)
-            m_b[i] = m
+            m, y = _nesterov(g_b[i], _load_momentum(m_b, i), beta, fresh, due)
+            _store_momentum(m_b, i, m)
             v = _fma(neg_lr, y, _float_of_bits(np.uint32(r_b[i]) << np.uint32(16)))
             v_b[i] = v
             top = max(top, _bits_of_float(v) & ABS_MASK)  # NaN above Inf, as the codec's absmax
@@ -163,7 +200,7 @@ def nesterov_apply(merged, lo, params, mom, neg_lr, beta, fresh, due):
         merged: float32 merged delta of the chunk [lo, lo + len(merged)).
         lo: the chunk's first element.
         params: the fragment's float32 values (updated in place).
-        mom: its float32 momentum (updated in place).
+        mom: its momentum (updated in place): float32, or bfloat16 as uint16 bits.
         neg_lr: float32 -lr.
         beta: float32 momentum.
         fresh: the round's first step.
@@ -172,6 +209,6 @@ def nesterov_apply(merged, lo, params, mom, neg_lr, beta, fresh, due):
     n = merged.shape[0]
     p_c, m_c = params[lo : lo + n], mom[lo : lo + n]
     for i in range(n):
-        m, y = _nesterov(merged[i], m_c[i], beta, fresh, due)
-        m_c[i] = m
+        m, y = _nesterov(merged[i], _load_momentum(m_c, i), beta, fresh, due)
+        _store_momentum(m_c, i, m)
         p_c[i] = _fma(neg_lr, y, p_c[i])

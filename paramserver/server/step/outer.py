@@ -25,11 +25,38 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from paramserver.server.config import OUTER_OPTIMIZERS
+from paramserver.server.config import MOMENTUM_DTYPES, OUTER_OPTIMIZERS
 
 
 class OuterError(ValueError):
     """Bad outer-optimizer settings, or arrays that do not fit the optimizer state."""
+
+
+def momentum_dtype(name: str) -> Any:
+    """The JAX dtype a momentum buffer is kept in, by its setting (`ShardConfig.momentum_dtype`).
+
+    Args:
+        name: "float32" or "bfloat16".
+
+    Returns:
+        jnp.float32 or jnp.bfloat16.
+
+    Raises:
+        OuterError: another name.
+    """
+    if name not in MOMENTUM_DTYPES:
+        raise OuterError(f"momentum dtype {name!r} is unknown; choose one of {MOMENTUM_DTYPES}")
+    return jnp.bfloat16 if name == "bfloat16" else jnp.float32
+
+
+def _widen(m: jax.Array) -> jax.Array:
+    """A kept momentum as float32 (exact: a bfloat16 is a float32 with its low 16 bits zero)."""
+    return m.astype(jnp.float32) if m.dtype != jnp.float32 else m
+
+
+def _keep(m: jax.Array, dtype: Any) -> jax.Array:
+    """A float32 momentum as it is kept: rounded to nearest even into `dtype` (float32: as is)."""
+    return m.astype(dtype) if dtype != jnp.float32 else m
 
 
 class DelayedNesterovState(NamedTuple):
@@ -40,7 +67,9 @@ class DelayedNesterovState(NamedTuple):
     accumulator: Any  # tree like params: sum of pseudo-gradients since the last momentum update
 
 
-def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTransformation:
+def delayed_nesterov(
+    lr: float, momentum: float, delay: int, kept: str = "float32"
+) -> optax.GradientTransformation:
     """Delayed Nesterov momentum for fully asynchronous merging (arXiv 2401.09135).
 
     With pseudo-gradient g, momentum buffer m, accumulator a, counter c, lr and
@@ -62,15 +91,19 @@ def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTr
         lr: outer learning rate.
         momentum: momentum decay in [0, 1).
         delay: contributions between momentum updates, >= 1.
+        kept: the dtype of the momentum buffer, "float32" or "bfloat16" (the
+            update computes in float32; the new m is rounded to nearest even
+            when kept in bfloat16; the accumulator stays float32).
 
     Returns:
         The optax transformation (state: DelayedNesterovState).
     """
+    dtype = momentum_dtype(kept)
 
     def init_fn(params: Any) -> DelayedNesterovState:
         return DelayedNesterovState(
             count=jnp.zeros([], jnp.int32),
-            momentum=optax.tree.zeros_like(params),
+            momentum=optax.tree.zeros_like(params, dtype=dtype),
             accumulator=optax.tree.zeros_like(params),
         )
 
@@ -82,7 +115,9 @@ def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTr
         due = count >= delay
         acc = jax.tree.map(lambda a, g: a + g, state.accumulator, updates)
         mom = jax.tree.map(
-            lambda m, a: jnp.where(due, momentum * m + a / delay, m), state.momentum, acc
+            lambda m, a: jnp.where(due, momentum * _widen(m) + a / delay, _widen(m)),
+            state.momentum,
+            acc,
         )
         out = jax.tree.map(
             lambda g, m: jnp.where(due, -lr * (momentum * m + g / delay), -lr * (g / delay)),
@@ -91,6 +126,7 @@ def delayed_nesterov(lr: float, momentum: float, delay: int) -> optax.GradientTr
         )
         acc = jax.tree.map(lambda a: jnp.where(due, jnp.zeros_like(a), a), acc)
         count = jnp.where(due, jnp.zeros_like(count), count)
+        mom = jax.tree.map(lambda m: _keep(m, dtype), mom)
         return out, DelayedNesterovState(count=count, momentum=mom, accumulator=acc)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -104,10 +140,12 @@ class RoundNesterovState(NamedTuple):
 
     share: jax.Array  # float32 scalar in (0, 1]: set by the caller before each step
     phase: jax.Array  # float32 scalar: shares summed since the momentum last moved
-    momentum: Any  # tree like params
+    momentum: Any  # tree like params, float32 or bfloat16 (`ShardConfig.momentum_dtype`)
 
 
-def round_nesterov(lr: float, momentum: float) -> optax.GradientTransformation:
+def round_nesterov(
+    lr: float, momentum: float, kept: str = "float32"
+) -> optax.GradientTransformation:
     """Nesterov momentum that moves once per round, however many steps the round takes.
 
     A step carries `share`, its share of a round (`weighting.round_share`,
@@ -126,17 +164,24 @@ def round_nesterov(lr: float, momentum: float) -> optax.GradientTransformation:
     nesterov=True)` bit for bit; it is Async Local-SGD's delayed Nesterov with
     the delay counted in rounds of the live islands rather than in deltas.
 
+    The momentum may be kept in bfloat16 (`kept`; 2 B/param instead of 4):
+    the step reads it as float32 (exact), computes as above in float32 (the
+    update uses that float32 m'), and stores m' rounded to nearest even into
+    bfloat16. With float32 it is the rule above, bit for bit.
+
     Args:
         lr: outer learning rate.
         momentum: momentum decay beta in [0, 1).
+        kept: the momentum buffer's dtype, "float32" or "bfloat16".
 
     Returns:
         The optax transformation (state: RoundNesterovState, share 1 at init).
     """
+    dtype = momentum_dtype(kept)
 
     def init_fn(params: Any) -> RoundNesterovState:
         one, zero = jnp.ones([], jnp.float32), jnp.zeros([], jnp.float32)
-        return RoundNesterovState(one, zero, optax.tree.zeros_like(params))
+        return RoundNesterovState(one, zero, optax.tree.zeros_like(params, dtype=dtype))
 
     def update_fn(
         updates: Any, state: RoundNesterovState, params: Any = None
@@ -146,12 +191,15 @@ def round_nesterov(lr: float, momentum: float) -> optax.GradientTransformation:
         phase = state.phase + state.share
         due = phase >= 1 - ROUND_TOL
         mom = jax.tree.map(
-            lambda m, g: jnp.where(fresh, g + momentum * m, m + g), state.momentum, updates
+            lambda m, g: jnp.where(fresh, g + momentum * _widen(m), _widen(m) + g),
+            state.momentum,
+            updates,
         )
         out = jax.tree.map(
             lambda g, m: jnp.where(due, -lr * (g + momentum * m), -lr * g), updates, mom
         )
         phase = jnp.where(due, jnp.zeros_like(phase), phase)
+        mom = jax.tree.map(lambda m: _keep(m, dtype), mom)
         return out, RoundNesterovState(state.share, phase, mom)
 
     return optax.GradientTransformation(init_fn, update_fn)
@@ -189,7 +237,7 @@ def check_outer_settings(lr: float, momentum: float) -> None:
         raise OuterError(f"outer momentum={momentum!r} must be in [0, 1)")
 
 
-def outer_rule(name: str = "nesterov", delay: int = 1) -> OuterRule:
+def outer_rule(name: str = "nesterov", delay: int = 1, kept: str = "float32") -> OuterRule:
     """The outer update rule of a name, with lr and momentum left open.
 
     The shard's steps call it inside their jit with the lr and momentum of
@@ -201,14 +249,17 @@ def outer_rule(name: str = "nesterov", delay: int = 1) -> OuterRule:
         name: "nesterov" (`round_nesterov`; delayed Nesterov when delay > 1),
             "sgd" (plain, momentum ignored; delay must be 1) or "delayed-nesterov".
         delay: contributions between momentum updates, >= 1.
+        kept: the dtype the momentum buffer is kept in, "float32" or
+            "bfloat16" (`round_nesterov`; sgd keeps none).
 
     Returns:
         rule(lr, momentum) -> optax.GradientTransformation; its `init` does not
         depend on lr or momentum.
 
     Raises:
-        OuterError: an unknown name, a bad delay, or sgd with a delay.
+        OuterError: an unknown name or momentum dtype, a bad delay, or sgd with a delay.
     """
+    momentum_dtype(kept)  # refuses an unknown one
     if name not in OUTER_OPTIMIZERS:
         raise OuterError(f"unknown outer optimizer {name!r}; choose one of {OUTER_OPTIMIZERS}")
     if isinstance(delay, bool) or not isinstance(delay, int) or delay < 1:
@@ -218,8 +269,8 @@ def outer_rule(name: str = "nesterov", delay: int = 1) -> OuterRule:
             raise OuterError(f"delay={delay} needs momentum: use 'delayed-nesterov', not 'sgd'")
         return lambda lr, momentum: optax.sgd(lr)
     if name == "nesterov" and delay == 1:
-        return round_nesterov
-    return lambda lr, momentum: delayed_nesterov(lr, momentum, delay)
+        return lambda lr, momentum: round_nesterov(lr, momentum, kept)
+    return lambda lr, momentum: delayed_nesterov(lr, momentum, delay, kept)
 
 
 def as_rule(tx: optax.GradientTransformation | OuterRule) -> OuterRule:
@@ -266,7 +317,11 @@ def settings_args(
 
 
 def make_outer_optimizer(
-    name: str = "nesterov", lr: float = 0.7, momentum: float = 0.9, delay: int = 1
+    name: str = "nesterov",
+    lr: float = 0.7,
+    momentum: float = 0.9,
+    delay: int = 1,
+    kept: str = "float32",
 ) -> optax.GradientTransformation:
     """Build the outer optax transformation with its lr and momentum as constants.
 
@@ -277,15 +332,16 @@ def make_outer_optimizer(
         lr: outer learning rate, > 0.
         momentum: in [0, 1); ignored by "sgd".
         delay: contributions between momentum updates, >= 1.
+        kept: the momentum buffer's dtype, "float32" or "bfloat16".
 
     Returns:
         An optax.GradientTransformation applied to the pseudo-gradient
-        (`outer_rule(name, delay)(lr, momentum)`).
+        (`outer_rule(name, delay, kept)(lr, momentum)`).
     """
     if name not in OUTER_OPTIMIZERS:
         raise OuterError(f"unknown outer optimizer {name!r}; choose one of {OUTER_OPTIMIZERS}")
     check_outer_settings(lr, momentum)
-    return outer_rule(name, delay)(lr, momentum)
+    return outer_rule(name, delay, kept)(lr, momentum)
 
 
 def _check_vector(name: str, arr: np.ndarray, size: int | None = None) -> None:
@@ -451,11 +507,15 @@ class FragmentOptimizer:
         """Rebuild a state from `state_to_arrays` output.
 
         Args:
-            arrays: the saved leaves.
+            arrays: the saved leaves (a bfloat16 momentum as bfloat16).
             params: the fragment's values (gives the state's structure and shapes).
 
         Returns:
             The optimizer state.
+
+        Raises:
+            OuterError: another number of leaves, another shape, or a bfloat16
+                leaf where this optimizer keeps float32 (or the reverse).
         """
         template = self.init(params)
         leaves, treedef = jax.tree.flatten(template)
@@ -469,5 +529,10 @@ class FragmentOptimizer:
             arr = np.asarray(arr)
             if arr.shape != leaf.shape:
                 raise OuterError(f"state array {i} has shape {arr.shape}, expected {leaf.shape}")
+            if (arr.dtype == jnp.bfloat16) != (leaf.dtype == jnp.bfloat16):
+                raise OuterError(
+                    f"state array {i} is {arr.dtype}, this optimizer keeps it in {leaf.dtype}: "
+                    "a momentum dtype is never converted silently"
+                )
             restored.append(jnp.asarray(arr, dtype=leaf.dtype))
         return jax.tree.unflatten(treedef, restored)

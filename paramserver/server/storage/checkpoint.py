@@ -5,6 +5,10 @@ meta, named arrays). The island
 registry is not included (islands say hello again after a restart). Pending
 deltas are stored as they are kept, coded (`codec.format.CodedTensor`: codes
 and scales, topk entries or raw values, with their clip factor), not decoded.
+The meta names the dtype the outer momentum is kept in (`momentum_dtype`; a
+bfloat16 momentum is stored as its uint16 bits, as the downlink residual), and
+a shard set to the other dtype refuses the checkpoint (`MomentumDtypeError`)
+rather than convert it.
 
 `export_state` copies nothing big: its meta map is built fresh, but its
 arrays are the live ones (numpy views of params, optimizer state and the
@@ -53,10 +57,16 @@ from codec.format import CodedTensor, from_array
 from paramserver.plumbing.private import open_private
 from paramserver.server.admission.outcomes import ShardCounters
 from paramserver.server.config import ShardConfig
-from paramserver.server.fragment import Contribution, DedupEntry, FragmentState, StateError
+from paramserver.server.fragment import (
+    Contribution,
+    DedupEntry,
+    FragmentState,
+    MomentumDtypeError,
+    StateError,
+)
 from paramserver.server.state import ShardState
 from paramserver.server.step.downlink import restore_residual
-from paramserver.server.step.fragment_step import host_state, host_vector
+from paramserver.server.step.fragment_step import BFLOAT16, host_state, host_vector
 from paramserver.server.step.policy import ArrivalStats
 from paramserver.server.step.weighting import RoundClock
 from paramserver.server.storage.wal import fsync_dir
@@ -81,8 +91,9 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
         arrays[f"params/{index}"] = np.asarray(frag.params)
         if frag.residual is not None:  # bfloat16, stored as its bits
             arrays[f"residual/{index}"] = frag.residual.view(np.uint16)
-        # the leaves in the order of FragmentOptimizer.state_to_arrays, without its copies
-        opt = [np.asarray(leaf) for leaf in jax.tree.leaves(frag.opt_state)]
+        # the leaves in the order of FragmentOptimizer.state_to_arrays, without its copies;
+        # a bfloat16 momentum as its bits (uint16), as the residual
+        opt = [_stored_leaf(np.asarray(leaf)) for leaf in jax.tree.leaves(frag.opt_state)]
         for k, arr in enumerate(opt):
             arrays[f"opt/{index}/{k}"] = arr
         pending = []
@@ -109,6 +120,7 @@ def export_state(state: ShardState) -> tuple[dict[str, Any], dict[str, np.ndarra
         "shards": state.cfg.shards,
         "num_fragments": state.cfg.num_fragments,
         "outer_optimizer": state.cfg.outer_optimizer,
+        "momentum_dtype": state.cfg.momentum_dtype,
         "plan": state.plan.to_wire() if state.plan else None,
         "fragments": frags,
         "dedup": [
@@ -187,6 +199,8 @@ def restore_state(
     Raises:
         StateError: the checkpoint belongs to another shard or cluster shape,
             or is inconsistent.
+        MomentumDtypeError: it keeps the outer momentum in another dtype than
+            `cfg.momentum_dtype` (absent in older checkpoints: float32).
     """
     state = ShardState(cfg, index, timer)
     got = (meta.get("shard"), meta.get("shards"), meta.get("num_fragments"))
@@ -196,13 +210,16 @@ def restore_state(
             f"checkpoint is for shard/shards/fragments {got}, this process runs {want}: "
             "point data_dir at this cluster's directory or start with an empty one"
         )
+    kept = str(meta.get("momentum_dtype", "float32"))
+    if kept != cfg.momentum_dtype:
+        raise MomentumDtypeError(kept, cfg.momentum_dtype, "the checkpoint")
     try:
         if meta["plan"] is not None:
             state.plan = Plan.from_wire(meta["plan"])
         for f in meta["fragments"]:
             i = f["index"]
             params = np.asarray(arrays[f"params/{i}"], dtype=np.float32)
-            opt_arrays = [arrays[f"opt/{i}/{k}"] for k in range(f["opt_arrays"])]
+            opt_arrays = [_read_leaf(arrays[f"opt/{i}/{k}"]) for k in range(f["opt_arrays"])]
             opt_state = host_state(state.optimizer.state_from_arrays(opt_arrays, params))
             frag = FragmentState(host_vector(params), opt_state)
             if f"residual/{i}" in arrays:
@@ -238,6 +255,16 @@ def restore_state(
     except (KeyError, TypeError, ValueError) as exc:
         raise StateError(f"inconsistent checkpoint: {exc!r}") from exc
     return state
+
+
+def _stored_leaf(leaf: np.ndarray) -> np.ndarray:
+    """An optimizer state leaf as a checkpoint stores it: bfloat16 as its uint16 bits."""
+    return leaf.view(np.uint16) if leaf.dtype == BFLOAT16 else leaf
+
+
+def _read_leaf(saved: np.ndarray) -> np.ndarray:
+    """A stored optimizer state leaf as the state keeps it (uint16: a bfloat16 momentum)."""
+    return saved.view(BFLOAT16) if saved.dtype == np.uint16 else saved
 
 
 def _export_coded(delta: CodedTensor, name: str, arrays: dict[str, np.ndarray]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ The writer copies each piece (`CHUNK_BYTES`) of a live array into its own
 buffer under the job's lock, so a step never runs while a piece is read.
 Transient memory: one piece (8 MiB) plus one fragment's unwritten params,
 optimizer state and residual (12 B per parameter of one fragment for
-Nesterov with the int8 downlink: a shard of F equal fragments, 12/F B/param
+Nesterov with the int8 downlink, 10 with the momentum in bfloat16: a shard of F equal fragments, 12/F B/param
 of the shard), plus one such copy for each urgent step meanwhile (at worst,
 every fragment stepping urgently before the writer reaches it, the unwritten
 part of the shard: 12 B/param); nothing when no fragment steps during the

@@ -18,10 +18,11 @@ Log records (msgpack header + raw payload):
             same coded pending delta: `codec.format.read_coded` is deterministic), or
             the float32 delta when codec is nil (an event built without frames)
     step    {"t": "step", fragment, keys: [[island, round], ...], at, expected,
-            outside?: [[path, fragment, [[island, round], ...], [float64 row-major]], ...]}
+            momentum?, outside?: [[path, fragment, [[island, round], ...], [float64 row-major]], ...]}
             (expected: the islands the step's round expected; absent in older
             logs, read as 0: a whole round; outside: an RDA step's PieceGrams;
-            absent when none)
+            absent when none; momentum?: "bfloat16" when the step kept the
+            outer momentum in it, absent for float32)
 
 Files (`WriteAheadLog`, `LogReader`): one append-only log segment of framed,
 checksummed records, and replay that stops at a torn tail.
@@ -213,6 +214,8 @@ def event_to_record(event: Event) -> tuple[dict[str, Any], list[np.ndarray]]:
             "at": event.at,
             "expected": event.expected,
         }
+        if event.momentum_dtype != "float32":  # absent: float32 (and logs from before it)
+            header["momentum"] = event.momentum_dtype
         if event.outside:
             header["outside"] = [
                 [g.path, g.fragment, [list(k) for k in g.keys], g.gram.ravel().tolist()]
@@ -279,7 +282,8 @@ def record_to_event(record: Record) -> Event:
             keys = tuple((str(island), int(rnd)) for island, rnd in h["keys"])
             outside = tuple(_piece_gram(g) for g in h.get("outside", ()))
             expected = int(h.get("expected", 0))
-            return StepEvent(int(h["fragment"]), keys, float(h["at"]), outside, expected)
+            kept = str(h.get("momentum", "float32"))
+            return StepEvent(int(h["fragment"]), keys, float(h["at"]), outside, expected, kept)
         if kind == "init":
             flat = np.frombuffer(record.payload, dtype=np.float32)
             values, offset = {}, 0
