@@ -351,3 +351,47 @@ def test_after_warm_up_no_round_compiles_a_function_and_warming_changes_nothing(
         for name, leaf in zip(layout.names, folded, strict=True):
             assert np.array_equal(np.asarray(leaf), local[name]), name
         assert (len(dev._pushes), len(dev._folds), len(dev._refunds)) == compiled, r
+
+
+def _primitives(jaxpr) -> list:
+    """Every equation of a jaxpr, nested calls (jit) included."""
+    out = []
+    for eqn in jaxpr.eqns:
+        out.append(eqn)
+        for value in eqn.params.values():
+            inner = getattr(value, "jaxpr", None)
+            if inner is not None:
+                out += _primitives(inner)
+    return out
+
+
+def test_a_fragments_fold_moves_its_own_state_in_place_not_the_whole_vector():
+    # one fragment's version folds in: its anchor and base regions are written into the
+    # donated state (work in the fragment's size), not both full vectors concatenated anew
+    # (work in the model's size per fragment, in `step`, P times a round with P fragments)
+    rng = np.random.default_rng(3)
+    start, plan, layout, dev, ref = _both(rng, 2, "int8", 64)
+    downlink = codec.int8(block_size=64)
+    leaves = layout.leaves({k: jnp.asarray(v) for k, v in start.items()})
+    frames, _ = downlink.encode({"values": np.full(plan.fragments[1].size, 0.1, np.float32)})
+    update = Update(1, 1, None, read_codes(frames, "values"))
+    out = dev.fold(leaves, [update])
+    local = ref.fold(
+        {k: np.asarray(v) for k, v in start.items()},
+        1,
+        ref.base[1] + codec.decode(frames)["values"],
+    )
+    for name, leaf in zip(layout.names, out, strict=True):
+        assert np.array_equal(np.asarray(leaf), local[name]), name
+    ((key, fn),) = [(k, f) for k, f in dev._folds.items() if k == ((1, "int8", 64),)]
+    used = dev.flat.leaves_of([1])
+    inc = (jnp.asarray(update.increment.codes), jnp.asarray(update.increment.scales))
+    jaxpr = jax.make_jaxpr(fn)([leaves[i] for i in used], dev.anchor, dev.base, [inc])
+    whole = [
+        e
+        for e in _primitives(jaxpr.jaxpr)
+        if e.primitive.name == "concatenate" and e.outvars[0].aval.shape == (dev.flat.total,)
+    ]
+    assert whole == []
+    names = {e.primitive.name for e in _primitives(jaxpr.jaxpr)}
+    assert "dynamic_update_slice" in names

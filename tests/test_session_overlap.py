@@ -174,3 +174,41 @@ def test_per_round_state_stays_bounded_over_many_rounds(tmp_path):
             assert sum(len(v) for v in readout._awaiting.values()) <= 16  # acked, merge unseen
     finally:
         cluster.stop()
+
+
+class CountingClient(RecordingClient):
+    """A real client that counts `stats` calls (each one takes the client's lock)."""
+
+    stats_calls = 0
+
+    def stats(self):
+        self.stats_calls += 1
+        return super().stats()
+
+
+def test_a_step_that_pushes_nothing_asks_the_client_for_no_counters(tmp_path):
+    # goodput: a step call's time is lost time; the quorum skip needs the client's counters
+    # (shards down) only when a fragment is due, not at each of a round's other calls
+    cluster = Cluster(tmp_path, shards=2, mode="quorum", quorum=1)
+    clients: list[CountingClient] = []
+
+    def factory(cfg):
+        clients.append(CountingClient(cfg))
+        return clients[-1]
+
+    try:
+        cfg = session_config(cluster.connect, "a", 5, None, dict(FAST))
+        with Session(cfg, mlp.init_mlp(0), client_factory=factory) as session:
+            assert session.mode == "quorum"
+            p = session.params
+            for round_ in range(3):
+                before = clients[0].stats_calls
+                for _ in range(4):  # the round's calls before its end: nothing due
+                    p = session.step(jax.tree_util.tree_map(lambda x: x - 1e-3, p), tokens=1)
+                assert clients[0].stats_calls == before, round_
+                p = session.step(jax.tree_util.tree_map(lambda x: x - 1e-3, p), tokens=1)
+                assert clients[0].stats_calls > before  # its end: the skip asks, the row reads
+            session.wait_pushed(30.0)
+            assert session.stats["pushes"] >= len(session.sizes)  # (later ones may be skipped)
+    finally:
+        cluster.stop()

@@ -629,11 +629,11 @@ class DeviceExchange:
                 new_local[f] = folded(here, flat.region(anchor, f), g, rule)
                 new_global[f] = g
                 pos += flat.padded[f]
-            return (
-                self._leaves_out(new_local, used, lf),
-                flat.assemble(new_global, anchor),
-                flat.assemble(new_global, base),
-            )
+            for f, g in new_global.items():  # in place (donated): only the fragments move
+                start = flat.offset[f]
+                anchor = jax.lax.dynamic_update_slice(anchor, g, (start,))
+                base = jax.lax.dynamic_update_slice(base, g, (start,))
+            return self._leaves_out(new_local, used, lf), anchor, base
 
         shardings = [self.layout.shardings[i] for i in used]
         return jax.jit(

@@ -381,8 +381,9 @@ class Session(SessionRows, SessionEnd):
         return out
 
     def _unblocked(self, due: list[int]) -> list[int]:  # `push_thread.unblocked`
-        down = self.client is not None and self.client.stats().get("shards_down")  # queue
-        if self.client is None or self.mode != "quorum" or self.leader_sync.multi or down:
+        if not due or self.client is None or self.mode != "quorum" or self.leader_sync.multi:
+            return due  # nothing due: no question to the client (most calls of a round)
+        if self.client.stats().get("shards_down"):  # queue
             return due
         if not self.cfg.skip_stale_pushes:  # `IslandConfig.skip_stale_pushes`
             return due
