@@ -167,3 +167,19 @@ def test_a_replaced_connection_takes_what_it_queued_along(tmp_path, peer):
         relay.close()
         if shard is not None:
             shard.stop()
+
+
+def test_an_islands_bulk_link_attaching_leaves_its_control_link_open(relayed):
+    # The client keeps a control DEALER and a bulk DEALER per shard (ClientConfig's
+    # control_link, bulk_links). A bulk link's attach is a hello of the same session: the
+    # relay must not take it for a reconnect and close the control link's backend (its
+    # heartbeats were then dropped, and an island with no push in flight read its shards
+    # as silent, reconnected, attached and closed its new control link again).
+    shard, relay, front = relayed([])
+    client = _push_one(front)
+    try:
+        assert client.stats()["acked"] == 1
+        assert relay.closed == set()
+        assert len({ident for (_, ident), island in relay.island_of.items() if island == "a"}) == 2
+    finally:
+        client.close(0)

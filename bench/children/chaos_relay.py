@@ -192,7 +192,7 @@ class Relay:
         self.forwarded += 1
 
     def _new_connection(self, shard: int, ident: bytes, island: str) -> None:
-        """An island speaks on a new connection to a shard: its older ones are gone.
+        """An island says hello on a new connection to a shard: its older ones are gone.
 
         A client reconnects with a fresh DEALER, and a restarted island is a new
         peer; their old TCP connections closed, and what they still queued died
@@ -217,7 +217,11 @@ class Relay:
             return  # a late message of a connection the island has replaced
         h = _header(frames)
         if direction == "up" and isinstance(h.get("island"), str):
-            if self.island_of.get((shard, ident)) != h["island"]:
+            if (
+                self.island_of.get((shard, ident)) != h["island"]
+                and h.get("kind") == "hello"
+                and not h.get("attach")
+            ):  # a new control connection; a bulk link's attach joins the island's others
                 self._new_connection(shard, ident, h["island"])
             self.island_of[(shard, ident)] = h["island"]
             if h.get("kind") == "push":
