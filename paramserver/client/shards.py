@@ -37,41 +37,18 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import numpy as np
 
+from paramserver.client.types import FLOW_WINDOW_BYTES, MAX_BULK_LINKS, bulk_flows  # noqa: F401
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan
 from paramserver.wire.snapshot import SnapshotPieces, snapshot_request
 
-# an annotation only: the replica's module imports the client's types, which import this one
+# an annotation only (the replica's module is not needed to move bytes)
 if TYPE_CHECKING:
     from paramserver.client.replica import ShardFeed
 
 
 # What travels on a bulk link once one is attached; everything else on the control link.
 BULK_KINDS = frozenset({"push", "snapshot", "init", "init_begin", "init_piece"})
-FLOW_WINDOW_BYTES = 4 * 1024 * 1024  # what one TCP flow's autotuned window reaches (tcp_wmem)
-MAX_BULK_LINKS = 8  # bulk links per shard at most (the shard attaches up to 16)
-
-
-def bulk_flows(control_link: bool, bulk_links: int, bdp_bytes: int) -> int:
-    """How many bulk links per shard a client opens.
-
-    Args:
-        control_link: whether control traffic gets a connection of its own.
-        bulk_links: the configured count; 0 = from `bdp_bytes`.
-        bdp_bytes: the links' bandwidth-delay product (0: unknown).
-
-    Returns:
-        0 without a control link (one connection carries everything), else
-        `bulk_links`, or ceil(bdp_bytes / FLOW_WINDOW_BYTES) clamped to
-        [1, MAX_BULK_LINKS] when it is 0.
-    """
-    if not control_link:
-        return 0
-    if bulk_links > 0:
-        return bulk_links
-    return max(1, min(MAX_BULK_LINKS, -(-bdp_bytes // FLOW_WINDOW_BYTES)))
-
-
 PIECE_WINDOW = 2  # init and snapshot pieces in flight per shard over one bulk flow
 
 

@@ -14,7 +14,6 @@ from typing import Any
 import numpy as np
 
 from codec.format import Coded
-from paramserver.client.shards import MAX_BULK_LINKS, bulk_flows
 from paramserver.plumbing.exposure import refusal
 from paramserver.plumbing.validate import Checks
 from paramserver.wire.plan import Plan
@@ -69,6 +68,30 @@ class PlanMismatch(ClientError):
         super().__init__(message)
         self.island_hash, self.cluster_hash = island_hash, cluster_hash
         self.cluster_leaves, self.detail = cluster_leaves, detail
+
+
+FLOW_WINDOW_BYTES = 4 * 1024 * 1024  # what one TCP flow's autotuned window reaches (tcp_wmem)
+MAX_BULK_LINKS = 8  # bulk links per shard at most (the shard attaches up to 16)
+
+
+def bulk_flows(control_link: bool, bulk_links: int, bdp_bytes: int) -> int:
+    """How many bulk links per shard a client opens.
+
+    Args:
+        control_link: whether control traffic gets a connection of its own.
+        bulk_links: the configured count; 0 = from `bdp_bytes`.
+        bdp_bytes: the links' bandwidth-delay product (0: unknown).
+
+    Returns:
+        0 without a control link (one connection carries everything), else
+        `bulk_links`, or ceil(bdp_bytes / FLOW_WINDOW_BYTES) clamped to
+        [1, MAX_BULK_LINKS] when it is 0.
+    """
+    if not control_link:
+        return 0
+    if bulk_links > 0:
+        return bulk_links
+    return max(1, min(MAX_BULK_LINKS, -(-bdp_bytes // FLOW_WINDOW_BYTES)))
 
 
 @dataclass(frozen=True)
@@ -193,7 +216,7 @@ class ClientConfig:
 
     @property
     def bulk_flows(self) -> int:
-        """Bulk DEALERs per shard (`paramserver.client.shards.bulk_flows`); 0 without control_link."""
+        """Bulk DEALERs per shard (`bulk_flows`); 0 without control_link."""
         return bulk_flows(self.control_link, self.bulk_links, self.link_bdp_bytes)
 
     def plain_tcp_refusal(self, endpoint: str) -> str | None:
