@@ -346,24 +346,17 @@ def run(args: argparse.Namespace) -> int:
                 report["compare"] = regions_compare.compare(
                     topo, methods, plan, report["scale"], shard_regions, args.target_loss
                 )
-                topo.stop_relays()
-                report["relay_bytes"] = {
-                    REGIONS[r].name: stats for r, stats in topo.relay_stats().items()
-                }
             elif args.faults:
                 report["run"] = regions_fault_run.run_faulted(
                     topo, links, report["scale"], shard_regions, args.params, args.compute_s,
                     args.fault_scale, args.run_timeout,
                 )  # fmt: skip
-                topo.stop_relays()
-                report["relay_bytes"] = {
-                    REGIONS[r].name: stats for r, stats in topo.relay_stats().items()
-                }
             elif not args.probe_only:
                 report["run"] = regions_run.run_islands(
                     topo, links, report["scale"], shard_regions, args.params, args.rounds,
                     args.compute_s, args.run_timeout,
                 )  # fmt: skip
+            if not args.probe_only:  # what the relays carried
                 topo.stop_relays()
                 report["relay_bytes"] = {
                     REGIONS[r].name: stats for r, stats in topo.relay_stats().items()
