@@ -200,14 +200,17 @@ def test_lr_and_momentum_follow_the_pushing_islands_and_given_values_win():
     assert why.startswith("outer_lr given; otherwise sync:")
 
 
-@pytest.mark.parametrize(("islands", "lr"), [(2, 0.7), (6, 0.7)])
-def test_a_sync_step_moves_by_the_lr_of_its_island_count(islands, lr):
+def _joined_state(cfg: ShardConfig, islands: int):
+    """A one-fragment shard state of small_flat with `islands` islands said hello.
+
+    Returns:
+        (state, plan, island names, a delta of 0.01 everywhere).
+    """
     import numpy as np
     from shard_helpers import init_payload, plan_for, small_flat
 
     from paramserver.server.state import ShardState
 
-    cfg = ShardConfig(mode="sync", inner_steps=10, fsync=False, downlink="float32", fragments=1)
     flat = small_flat()
     plan = plan_for(flat, 1, 1)
     state = ShardState(cfg, 0)
@@ -215,7 +218,15 @@ def test_a_sync_step_moves_by_the_lr_of_its_island_count(islands, lr):
     names = [f"i{k}" for k in range(islands)]
     for name in names:
         state.hello(name, 1000.0)
-    d = np.full(plan.fragments[0].size, 0.01, np.float32)
+    return state, plan, names, np.full(plan.fragments[0].size, 0.01, np.float32)
+
+
+@pytest.mark.parametrize(("islands", "lr"), [(2, 0.7), (6, 0.7)])
+def test_a_sync_step_moves_by_the_lr_of_its_island_count(islands, lr):
+    import numpy as np
+
+    cfg = ShardConfig(mode="sync", inner_steps=10, fsync=False, downlink="float32", fragments=1)
+    state, plan, names, d = _joined_state(cfg, islands)
     before = state.snapshot(0)[1].astype(np.float64)
     for name in names:  # the same d from each: the mean is d
         header = push_header(plan, name, 1, 0, 0, 1000, 10)
@@ -232,22 +243,12 @@ def test_a_sync_step_moves_by_the_lr_of_its_island_count(islands, lr):
 )
 def test_a_quorum_step_takes_the_lr_and_momentum_of_its_island_count(islands, lr, momentum):
     import numpy as np
-    from shard_helpers import init_payload, plan_for, small_flat
-
-    from paramserver.server.state import ShardState
 
     # float32 momentum: the expected move is computed by hand in exact arithmetic, to rtol 1e-5
     # (explicit: a bfloat16 momentum keeps 8 bits; tests/test_bf16_momentum.py checks it)
     cfg = ShardConfig(mode="quorum", quorum=islands, inner_steps=10, fsync=False,
                       downlink="float32", fragments=1, momentum_dtype="float32")  # fmt: skip
-    flat = small_flat()
-    plan = plan_for(flat, 1, 1)
-    state = ShardState(cfg, 0)
-    assert state.initialize(plan.to_wire(), init_payload(plan, flat)).status == "accepted"
-    names = [f"i{k}" for k in range(islands)]
-    for name in names:
-        state.hello(name, 1000.0)
-    d = np.full(plan.fragments[0].size, 0.01, np.float32)
+    state, plan, names, d = _joined_state(cfg, islands)
     start = state.snapshot(0)[1].astype(np.float64)
     for rnd in (1, 2):
         for name in names:  # every island pushes the same d against the latest version
