@@ -13,17 +13,21 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import os
 import random
+import signal
 import socket
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from bench import child
 from bench.child import LaunchError
+from paramserver.ops import supervisor
 from paramserver.plumbing import daemon, probe
 from paramserver.plumbing.clusterfile import ShardAddress, render_cluster_file
 from paramserver.plumbing.exposure import is_loopback
@@ -70,6 +74,17 @@ class IslandSpec:
     speed: float = 1.0
     extra: tuple[str, ...] = ()  # further diloco-worker flags, e.g. ("--codec", "int4")
     prefix: tuple[str, ...] = ()  # argv prefix, e.g. ("ip", "netns", "exec", NS) (bench.wan)
+
+
+def _kill_leftovers(pids: Sequence[int], grace_s: float) -> None:
+    """Kill (-9) those of `pids` still running `grace_s` after they were told to stop."""
+    deadline = time.monotonic() + grace_s
+    alive = [p for p in pids if not daemon.wait_exit(p, max(0.0, deadline - time.monotonic()))]
+    if alive:
+        print(f"bench: daemons {alive} outlived their stop; killing them (-9)", file=sys.stderr)
+    for pid in alive:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def _run(argv: Sequence[str], what: str, timeout_s: float) -> str:
@@ -317,14 +332,27 @@ class LocalCluster:
             result["server"] = {"error": str(exc)}
         return result
 
+    def _server_pids(self) -> list[int]:
+        """The supervisor's and its shards' pids, from its ready file ([] before it served)."""
+        try:
+            info = json.loads((self.server_dir / supervisor.READY_FILE).read_text())
+            return [int(info["pid"]), *map(int, info.get("shard_pids", []))]
+        except (OSError, ValueError, KeyError, TypeError):
+            return []
+
     def stop(self) -> None:
-        """Stop every island, then the server; never raises for what already stopped."""
+        """Stop every island, then the server; never raises for what already stopped.
+
+        Whatever of the server it started outlives `diloco-server stop` (a stop that
+        failed, one line on stderr says why) is killed: the bench leaves no daemon.
+        """
         for name in list(self.islands):
             self.stop_island(name)
         for index in range(self.shards if self.cluster_file else 0):  # started one by one
             with contextlib.suppress(daemon.DaemonError):
                 daemon.stop(self.shard_dir(index), timeout_s=60.0)
-        with contextlib.suppress(LaunchError, subprocess.TimeoutExpired):
+        started = self._server_pids()
+        try:
             _run(
                 [
                     sys.executable,
@@ -337,6 +365,10 @@ class LocalCluster:
                 "diloco-server stop",
                 120.0,
             )
+        except (LaunchError, subprocess.TimeoutExpired) as exc:
+            if started:
+                print(f"bench: {exc}", file=sys.stderr)
+        _kill_leftovers(started, grace_s=10.0)
 
     def __enter__(self) -> LocalCluster:
         return self

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.launcher import LocalCluster
 from paramserver.plumbing import daemon, probe
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -85,3 +86,25 @@ def test_sigterm_as_timeout_sends_it_stops_every_daemon_the_bench_started(tmp_pa
         if bench.poll() is None:
             bench.wait(10)
         log.close()
+
+
+def test_a_server_whose_stop_fails_is_killed_by_the_cluster_that_started_it(tmp_path, capsys):
+    """`diloco-server stop` can fail (a pid file lost or taken for stale); the bench's
+    cluster still stops what it started, and says so."""
+    cluster = LocalCluster(tmp_path / "c", shards=1)
+    pids: list[int] = []
+    try:
+        cluster.start_server()
+        info = json.loads((cluster.server_dir / "ready.json").read_text())
+        pids = [info["pid"], *info["shard_pids"]]
+        assert len(pids) == 2 and all(daemon.pid_alive(p) for p in pids)
+        for d in (cluster.server_dir, cluster.shard_dir(0)):  # the stop finds no server
+            daemon.pid_path(d).unlink()
+        cluster.stop()
+        assert not [p for p in pids if daemon.pid_alive(p)]
+        err = capsys.readouterr().err
+        assert "no diloco-server is running" in err and "outlived their stop" in err, err
+    finally:
+        for pid in pids:
+            if daemon.pid_alive(pid):
+                os.kill(pid, signal.SIGKILL)

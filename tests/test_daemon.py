@@ -38,6 +38,16 @@ TOY = textwrap.dedent(
     daemon.release_pid_file(path)
     """
 )
+# claims a pid file, says so, and holds it until killed
+HOLD = textwrap.dedent(
+    """
+    import sys, time
+    from paramserver.plumbing import daemon
+    daemon.acquire_pid_file(sys.argv[1])
+    print("held", flush=True)
+    time.sleep(600)
+    """
+)
 
 
 def toy_argv(data_dir, mode="ok"):
@@ -74,13 +84,48 @@ def test_the_pid_file_holds_the_pid_alone_and_its_age_tells_a_reused_pid(tmp_pat
     daemon.acquire_pid_file(path)
     assert path.read_text() == f"{os.getpid()}\n"  # `kill $(cat daemon.pid)` works
     assert daemon.running_pid(path) == os.getpid()
-    # written an hour before this process started: another process of the same pid wrote it
+    daemon.release_pid_file(path)
+    # nobody locks it and it was written an hour before this process started: another
+    # process of the same pid wrote it (a reused pid)
+    path.write_text(f"{os.getpid()}\n")
     before = psutil.Process().create_time() - 3600
     os.utime(path, (before, before))
     assert daemon.running_pid(path) is None
     daemon.acquire_pid_file(path)  # stale: replaced
     assert daemon.running_pid(path) == os.getpid()
     daemon.release_pid_file(path)
+
+
+def test_a_wall_clock_step_after_the_start_leaves_a_live_daemon_running(tmp_path):
+    """psutil's start times move with the wall clock (boot time + ticks): after a step
+    forward the daemon seems to have started after its pid file was written. Its lock
+    says it lives; on the mtime check alone, `stop` took it for stale, removed its pid
+    file and left it running (a bench's server outlived the bench that way in CI)."""
+    path = tmp_path / "d" / "daemon.pid"
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        assert daemon.running_pid(path) == holder.pid
+        # the clock stepped an hour forward since the file was written: the same as
+        # the file having been written an hour before the holder started
+        before = psutil.Process(holder.pid).create_time() - 3600
+        os.utime(path, (before, before))
+        assert daemon.running_pid(path) == holder.pid
+        with pytest.raises(DaemonError, match="in use by a running daemon"):
+            daemon.acquire_pid_file(path)
+        holder.kill()  # -9: the kernel drops the lock, the file stays
+        holder.wait(30)
+        assert path.exists() and daemon.running_pid(path) is None
+        daemon.acquire_pid_file(path)  # stale: replaced
+        assert daemon.running_pid(path) == os.getpid()
+        daemon.release_pid_file(path)
+        assert not path.exists()
+    finally:
+        if holder.poll() is None:
+            holder.kill()
+            holder.wait(30)
 
 
 def test_kill_of_the_pid_file_stops_a_detached_daemon(tmp_path):

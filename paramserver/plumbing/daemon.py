@@ -4,8 +4,11 @@ This module owns the process life cycle of a daemon and nothing about what
 it serves:
 
 - a pid file (``<data dir>/daemon.pid``, the pid alone) that marks the data dir
-  as in use; a file whose process is gone, or whose pid now belongs to a process
-  started after the file was written (its mtime: a reused pid), is stale;
+  as in use. The daemon holds an exclusive `flock` on it for its life, so a
+  live holder is told without clocks: a file nobody locks is stale when its
+  process is gone, or when its pid now belongs to a process started after the
+  file was written (its mtime: a reused pid; the only check for files of
+  versions that did not lock, and one a wall-clock step could fool);
 - logging set-up (stderr and/or a log file, one line per record);
 - `detach`: start a command as a child in a new session, stdout/stderr into the
   log file, and wait until it calls `notify_ready` (it writes a ready file named
@@ -24,6 +27,7 @@ it serves:
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import logging
 import os
@@ -127,6 +131,33 @@ def _create_time(pid: int) -> float | None:
         return None
 
 
+# pid file -> the open descriptor through which this process holds its lock
+_HELD: dict[Path, int] = {}
+
+
+def _locked(path: Path) -> bool | None:
+    """Whether some process holds the `flock` of a pid file (None: cannot tell).
+
+    A live daemon of this version holds it exclusively (`acquire_pid_file`), and
+    the kernel drops it when the process exits, however it exits.
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except FileNotFoundError:
+        return False
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return None
+    finally:
+        os.close(fd)  # also drops the shared lock just taken
+    return False
+
+
 def _read(path: Path) -> tuple[int, float] | None:
     """(pid, the latest time its process may have started) from a pid file, or None.
 
@@ -185,8 +216,10 @@ def running_pid(path: str | Path) -> int | None:
         path: the pid file.
 
     Returns:
-        The pid, or None when the file is missing or stale (process gone, or the
-        pid now belongs to a process started after the file was written).
+        The pid, or None when the file is missing or stale (process gone, or
+        nobody locks the file and the pid belongs to a process started after the
+        file was written). A locked file's pid is live whatever the wall clock
+        did since it was written (psutil's start times move with clock steps).
     """
     entry = _read(Path(path))
     if entry is None:
@@ -194,6 +227,8 @@ def running_pid(path: str | Path) -> int | None:
     pid, started_by = entry
     if not pid_alive(pid):
         return None
+    if _locked(Path(path)):
+        return pid
     created = _create_time(pid)
     if created is not None and created > started_by + _CLOCK_SLACK_S:
         return None  # the pid was reused by a process started after the file was written
@@ -202,6 +237,9 @@ def running_pid(path: str | Path) -> int | None:
 
 def acquire_pid_file(path: str | Path, pid: int | None = None) -> None:
     """Claim a pid file for a process; a stale file is replaced.
+
+    When the owner is this process, it also holds the file's `flock` until
+    `release_pid_file` or its exit (how `running_pid` knows it lives).
 
     Args:
         path: the pid file (its directory is created).
@@ -212,6 +250,7 @@ def acquire_pid_file(path: str | Path, pid: int | None = None) -> None:
     """
     path = Path(path)
     pid = os.getpid() if pid is None else pid
+    _drop_lock(path)  # a claim of our own again: the old file goes below
     private_dir(path.parent)
     for _ in range(3):
         try:
@@ -226,10 +265,24 @@ def acquire_pid_file(path: str | Path, pid: int | None = None) -> None:
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()
             continue
-        with os.fdopen(fd, "w") as fh:
-            fh.write(f"{pid}\n")  # the pid alone: `kill $(cat daemon.pid)` works
+        try:
+            os.write(fd, f"{pid}\n".encode())  # the pid alone: `kill $(cat daemon.pid)` works
+            if pid == os.getpid():
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
+                _HELD[Path(os.path.abspath(path))] = fd
+                return
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
         return
     raise DaemonError(f"cannot claim pid file {path}: another process keeps re-creating it")
+
+
+def _drop_lock(path: Path) -> None:
+    fd = _HELD.pop(Path(os.path.abspath(path)), None)
+    if fd is not None:
+        os.close(fd)
 
 
 def release_pid_file(path: str | Path, pid: int | None = None) -> None:
@@ -244,6 +297,8 @@ def release_pid_file(path: str | Path, pid: int | None = None) -> None:
     if read_pid(path) == pid:
         with contextlib.suppress(FileNotFoundError):
             path.unlink()
+    if pid == os.getpid():
+        _drop_lock(path)
 
 
 def setup_logging(level: str | int = "INFO", log_file: str | Path | None = None) -> None:
