@@ -5,8 +5,8 @@ train against it. A seeded RNG picks `PER_KIND` moments of each kind:
 
 - joining: once the server is up (the islands compile and join);
 - training: while the islands train against live shards;
-- backpressure: the shards are SIGSTOPped until an island's round row shows
-  `max_unacked` deltas pending: its next `push` waits for a slot;
+- backpressure: the shards are SIGSTOPped until an island's round row leaves
+  less than a round's deltas of room under `max_unacked`: its push waits for a slot;
 - flush: a run of 4 short rounds whose shards are SIGSTOPped after the first,
   until both islands logged their last round: they wait at close for acks that
   do not come (4 rounds of 4 fragments fit in `max_unacked`: no back-pressure);
@@ -196,9 +196,19 @@ def _training(case: Case) -> bool:
 
 
 def _blocked(case: Case, island: str) -> bool:
-    """Whether the island's last round row shows `max_unacked` deltas pending: its push waits."""
+    """Whether the island's push waits for a slot: its last round row shows fewer than a
+    round's deltas of room under `max_unacked`.
+
+    A row is written once its round is handed to the push thread (the pushes it counts
+    are the earlier rounds'), so pending 14 of 16 with 4 deltas a round means that round
+    waits after 2; the next round's end then waits for the push thread and writes no row.
+    (Pending reaches exactly 16 in a row only when the acks stopped on a round's edge.)
+    """
     rows = _rows(case, island)
-    return bool(rows) and rows[-1].get("pending", 0) >= ClientConfig.max_unacked
+    if not rows:
+        return False
+    per_round = rows[-1].get("pushes", 0) - rows[-2].get("pushes", 0) if len(rows) > 1 else 0
+    return rows[-1].get("pending", 0) + max(per_round, 0) > ClientConfig.max_unacked
 
 
 def _closing(case: Case, island: str) -> bool:
