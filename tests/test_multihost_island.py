@@ -20,7 +20,7 @@ import zmq
 from conftest import Peer, free_port, wait_for
 from shard_process import ShardProcess
 
-from worker import island_files
+from worker import compile_cache, island_files
 
 ROUNDS = 3
 TRAIN = (
@@ -108,8 +108,12 @@ def run_island(
             for i in range(processes)
         ]
         results = finish(procs, 400)
-        for code, text in results:
+        for i, (code, text) in enumerate(results):
             assert code == 0, text[-3000:]
+            # `--compile-cache-dir off` (TRAIN): the island trained and made no cache dir
+            # (tests/test_compile_cache.py leaves this check to here)
+            data_dir = tmp / f"{name}-p{i}"
+            assert not (data_dir / compile_cache.DEFAULT_SUBDIR).exists(), data_dir
         shard_report = shard_status(shard)
         versions = shard_report["versions"]
     finally:
@@ -192,7 +196,8 @@ def test_dry_run_prints_the_mesh_and_the_per_device_batch_of_every_process(tmp_p
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_kill_9_of_process_1_stops_process_0_with_one_line_and_the_shard_sees_it_leave(tmp_path):
-    shard = ShardProcess(tmp_path / "shard", "--mode", "async")
+    # one fragment: each process warms up (compiles) half the pushes and folds of two
+    shard = ShardProcess(tmp_path / "shard", "--mode", "async", "--fragments", "1")
     try:
         with zmq.Context() as ctx:
             shard.wait_ready(ctx)
