@@ -213,7 +213,10 @@ def encode_numpy(x, res, new_res, codes, scales, levels, ws: Workspace, rng=None
         np.maximum.reduce(w, axis=1, out=sc)
         if sc.min() < TINY:
             sc[sc < TINY] = 0
-        np.divide(F32(levels), sc, out=inv)
+            with np.errstate(divide="ignore"):  # an all-zero block: inf, clipped just below
+                np.divide(F32(levels), sc, out=inv)
+        else:
+            np.divide(F32(levels), sc, out=inv)
         np.minimum(inv, inv_max, out=inv)
         np.multiply(v, inv[:, None], out=w)
         if rng is None:

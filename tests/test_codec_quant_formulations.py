@@ -182,3 +182,17 @@ def test_jax_decoded_values_are_codec_decode_of_the_frames_its_codes_make(
         assert np.asarray(dequantized).tobytes() == values.tobytes(), name
         expected = _flush_subnormals(np.subtract(x, values, dtype=F32))
         assert _flush_subnormals(residual).tobytes() == expected.tobytes(), name
+
+
+@pytest.mark.parametrize(("levels", "block"), CONFIGS)
+def test_an_all_zero_block_quantizes_without_a_numpy_warning(levels, block):
+    """Frozen parameters give all-zero delta blocks: scale 0, codes 0, and no
+    "divide by zero" RuntimeWarning in the island's own process."""
+    x = np.zeros(3 * block, F32)
+    x[block : 2 * block] = 0.5  # one block of values between two zero blocks
+    with np.errstate(all="raise"):  # a warning numpy would print becomes an error here
+        codes, scales, _ = _numpy(x, None, levels, block)
+    assert scales[0] == 0 and scales[2] == 0 and scales[1] == F32(0.5)
+    per_byte, zero = (1, 0) if levels == 127 else (2, 0x88)  # int4: two codes a byte, +8 each
+    edge = block // per_byte  # both CONFIGS blocks are even: no byte spans two blocks
+    assert np.all(codes[:edge] == zero) and np.all(codes[2 * edge :] == zero)
