@@ -6,7 +6,9 @@ docs/protocol.md section 7.3 lets a writer cut a payload into any pieces of
 than `max_frames_per_message` frames is refused `oversize` before anything is
 stored. A record whose append fails (here: the file-size limit, RLIMIT_FSIZE
 via prlimit) costs only its own request: the other islands' pushes of the
-same batch are acked. The shard runs as a real subprocess.
+same batch are acked (pushes queued behind that batch before the writer
+reported the failure are refused `storage_error` and stored when re-sent).
+The shard runs as a real subprocess.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from shard_process import ShardProcess
 
 import codec
 from paramserver.server.config import ShardConfig
+from paramserver.server.group_commit import HOLD_LOG_NAME
 from paramserver.server.storage.shard_storage import ShardStorage
 
 pytestmark = pytest.mark.timeout(120)
@@ -135,16 +138,28 @@ def test_a_failed_append_refuses_only_its_own_push(tmp_path, zmq_ctx):
         resource.prlimit(
             shard.proc.pid, resource.RLIMIT_FSIZE, (wal.stat().st_size + 64 * 1024, hard)
         )
+        b_pushes = {}  # request id -> (round, fragment)
         for rnd in (1, 2):  # a's push between b's, sent at once: they share batches
-            b.send(push_header(plan, "b", rnd, 0), small)
+            b_pushes[b.send(push_header(plan, "b", rnd, 0), small)] = (rnd, 0)
             a.send(push_header(plan, "a", rnd, 1), big)
-            b.send(push_header(plan, "b", rnd, 1), small)
+            b_pushes[b.send(push_header(plan, "b", rnd, 1), small)] = (rnd, 1)
         a_acks = [a.recv()[0] for _ in range(2)]
-        b_acks = [b.recv()[0] for _ in range(4)]
+        b_acks = {ack["id"]: ack for ack in (b.recv()[0] for _ in range(4))}
         assert [x["reason"] for x in a_acks] == ["storage_error"] * 2, a_acks
-        assert [x["outcome"] for x in b_acks] == ["accepted"] * 4, b_acks
+        first = next(iter(b_pushes))  # sent before a's first push: in its group or before
+        assert b_acks[first]["outcome"] == "accepted", b_acks
+        # b's pushes of the failed group are acked. One the shard took in after that group,
+        # before its writer reported the failure, is refused storage_error too (a loaded
+        # machine splits the six into several groups): re-sent while a's pushes still
+        # fail, as a client re-sends, each is stored
+        refused = [i for i, ack in b_acks.items() if ack["outcome"] != "accepted"]
+        assert all(b_acks[i]["reason"] == "storage_error" for i in refused), b_acks
+        for i in refused:
+            rnd, fragment = b_pushes[i]
+            ack, _ = b.request(push_header(plan, "b", rnd, fragment), small)
+            assert ack["outcome"] == "accepted", ack
         status = b.status()
-        assert status["rejected"] == {"storage_error": 2}, status
+        assert status["rejected"] == {"storage_error": 2 + len(refused)}, status
         assert status["accepted"] == 4, status
         resource.prlimit(shard.proc.pid, resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, hard))
         ack, _ = a.request(push_header(plan, "a", 1, 1), big)  # sent again, it is stored
@@ -160,3 +175,44 @@ def test_a_failed_append_refuses_only_its_own_push(tmp_path, zmq_ctx):
     assert state.counters.accepted == 5
     assert state.dedup[("a", 1)].rounds == {1}
     assert state.dedup[("b", 0)].rounds == {1, 2} == state.dedup[("b", 1)].rounds
+
+
+def test_a_push_queued_behind_a_failed_group_is_refused_and_stored_when_re_sent(tmp_path, zmq_ctx):
+    """The writer holds (`log.hold`) between a failed group's write and its fsync, and b
+    pushes again meanwhile: that push, admitted into a state about to be rebuilt from
+    disk, is refused `storage_error` (none is lost: the re-send is stored)."""
+    shard = ShardProcess(tmp_path / "server", *FLAGS)
+    shard_dir = tmp_path / "server" / "shard-0"
+    wal, hold = shard_dir / "wal-0.log", shard_dir / HOLD_LOG_NAME
+    peers: list[Peer] = []
+    try:
+        peers, plan = joined(shard, zmq_ctx, ["a", "b"], flat_of(1 << 18))
+        a, b = peers
+        size = plan.fragments[0].size
+        big = delta_frames(np.linspace(0, 1, size, dtype=np.float32))
+        small = codec.int8(zstd_level=3).encode({"delta": np.zeros(size, np.float32)})[0]
+        _, hard = resource.prlimit(shard.proc.pid, resource.RLIMIT_FSIZE)
+        before = wal.stat().st_size
+        resource.prlimit(shard.proc.pid, resource.RLIMIT_FSIZE, (before + 64 * 1024, hard))
+        hold.touch()
+        first = b.send(push_header(plan, "b", 1, 0), small)
+        a.send(push_header(plan, "a", 1, 1), big)
+        # the writer appended b's record, lost a's, and now holds before the fsync
+        wait_for(lambda: wal.stat().st_size > before, "the first group written")
+        behind = b.send(push_header(plan, "b", 2, 0), small)
+        b.status()  # answered after the loop took b's second push in (one connection, FIFO)
+        hold.unlink()
+        acks = {ack["id"]: ack for ack in (b.recv()[0] for _ in range(2))}
+        assert a.recv()[0]["reason"] == "storage_error"
+        assert acks[first]["outcome"] == "accepted", acks
+        assert acks[behind]["reason"] == "storage_error", acks
+        ack, _ = b.request(push_header(plan, "b", 2, 0), small)
+        assert ack["outcome"] == "accepted", ack
+        status = b.status()
+        assert status["rejected"] == {"storage_error": 2} and status["accepted"] == 2, status
+    finally:
+        hold.unlink(missing_ok=True)
+        for p in peers:
+            p.close()
+        code = shard.stop()
+    assert code == 0, shard.output
