@@ -27,6 +27,7 @@ it serves:
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import json
 import logging
@@ -133,6 +134,8 @@ def _create_time(pid: int) -> float | None:
 
 # pid file -> the open descriptor through which this process holds its lock
 _HELD: dict[Path, int] = {}
+# what `flock` raises on a file system that has no locks (some network and FUSE mounts)
+_NO_LOCKS = {errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL}
 
 
 def _locked(path: Path) -> bool | None:
@@ -271,8 +274,10 @@ def acquire_pid_file(path: str | Path, pid: int | None = None) -> None:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
                 _HELD[Path(os.path.abspath(path))] = fd
                 return
-        except BaseException:
+        except OSError as exc:
             os.close(fd)
+            if not isinstance(exc, BlockingIOError) and exc.errno in _NO_LOCKS:
+                return  # a file system without locks: liveness rests on the mtime check
             raise
         os.close(fd)
         return
