@@ -57,6 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inner-steps", type=int, default=30, help="inner steps per round (H)")
     parser.add_argument("--rounds", type=int, default=20, help="synchronous outer rounds per run")
     parser.add_argument("--seeds", type=int, default=1, help="repeats with other data orders")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="data-order seed of the first repeat (then +1, +2, ...)")  # fmt: skip
     parser.add_argument("--density", type=float, default=TOPK_DEFAULTS["density"],
                         help="topk share of entries (when --densities is not given)")  # fmt: skip
     parser.add_argument("--densities", default="",
@@ -219,7 +221,7 @@ def run(args: argparse.Namespace) -> int:
         for variant in variants:
             losses, started = [], time.perf_counter()
             per_round = {r: [] for r in evals}
-            for seed in range(args.seeds):
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 one = simulate(args, variant, seed, corpus, inner)
                 losses.append(one["heldout_loss"])
                 for r in evals:
