@@ -226,6 +226,9 @@ def run(args: argparse.Namespace) -> int:
                 losses.append(one["heldout_loss"])
                 for r in evals:
                     per_round[r].append(one["by_round"][r])
+                p.console.print(
+                    f"{variant.name} seed {seed}: held-out loss by round {one['by_round']}"
+                )
                 p.advance(task)
             result["runs"].append(
                 {
