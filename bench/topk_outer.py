@@ -1,4 +1,4 @@
-"""Outer lr sweep for sparse top-k deltas (picks `ShardConfig.sparse_outer_lr`).
+"""Top-k against int8 at equal tokens: outer lr, density, EF decay and round count.
 
 JSON on stdout, progress on stderr. An in-process simulation of synchronous
 DiLoCo, no sockets: a real `ShardState` in mode "sync" and `--islands`
@@ -15,15 +15,22 @@ round and steps. Variants, all at the same tokens, data and seeds:
 - `topk-sgd-<lr>`: top-k deltas kept coded: the per-entry merge and SGD
   without momentum at that `sparse_outer_lr`.
 
-The result is the held-out loss of the global parameters at the end (lower is
-better) and its ratio to int8's.
+Top-k variants run for every density of `--densities` and every error-feedback
+decay of `--ef-decays` (`codec.topk(density, ef_decay)`); their names carry
+``-d<density>-ef<decay>`` when either list sweeps more than the codec's
+defaults. The result is the held-out loss of the global parameters after the
+last round (lower is better) and its ratio to int8's; `--eval-rounds` adds the
+same figures after earlier rounds of the same runs (`by_round`: the inner lr
+is constant after warm-up, so round r of a run is a run of r rounds).
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -50,22 +57,105 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--inner-steps", type=int, default=30, help="inner steps per round (H)")
     parser.add_argument("--rounds", type=int, default=20, help="synchronous outer rounds per run")
     parser.add_argument("--seeds", type=int, default=1, help="repeats with other data orders")
-    parser.add_argument("--density", type=float, default=0.02, help="topk share of entries")
+    parser.add_argument("--first-seed", type=int, default=0,
+                        help="data-order seed of the first repeat (then +1, +2, ...)")  # fmt: skip
+    parser.add_argument("--density", type=float, default=TOPK_DEFAULTS["density"],
+                        help="topk share of entries (when --densities is not given)")  # fmt: skip
+    parser.add_argument("--densities", default="",
+                        help="comma list of topk densities to sweep (default: --density)")  # fmt: skip
+    parser.add_argument("--ef-decays", default=str(TOPK_DEFAULTS["ef_decay"]),
+                        help="comma list of topk error-feedback decays in (0, 1] to sweep")  # fmt: skip
+    parser.add_argument("--bits", type=int, default=TOPK_DEFAULTS["bits"], choices=(2, 4),
+                        help="topk bits per kept value")  # fmt: skip
     parser.add_argument("--lrs", default="0.5,0.7,1.0,1.4", help="sparse outer lrs to try")
+    parser.add_argument("--mean-nesterov", action=argparse.BooleanOptionalAction, default=True,
+                        help="also run topk decoded to float32 (dense mean + Nesterov)")  # fmt: skip
+    parser.add_argument("--eval-rounds", default="",
+                        help="comma list of earlier rounds to evaluate too (by_round)")  # fmt: skip
 
 
-def _variants(lrs: str) -> list[tuple[str, str, bool, float]]:
-    """(name, codec, kept coded, sparse outer lr) of every variant."""
-    out = [("int8", "int8", True, 1.0), ("topk-mean-nesterov", "topk", False, 1.0)]
-    return out + [(f"topk-sgd-{lr}", "topk", True, float(lr)) for lr in lrs.split(",")]
+# the codec's own defaults of the swept settings (`codec.topk`'s signature)
+TOPK_DEFAULTS = {
+    k: v.default
+    for k, v in inspect.signature(codec.topk).parameters.items()
+    if k in ("density", "ef_decay", "bits")
+}
 
 
-def simulate(args, variant, seed: int, corpus: bytes, inner: InnerSteps) -> dict:
-    """One synchronous run; returns the final held-out loss and the delta bytes sent."""
-    _, scheme, coded, lr = variant
+class Variant(NamedTuple):
+    """One simulated configuration.
+
+    Attributes:
+        name: the variant's name in the JSON.
+        scheme: "int8" or "topk".
+        coded: deltas reach the shard coded (False: decoded to float32 first).
+        lr: the sparse outer lr (topk kept coded).
+        density: topk share of entries (None for int8).
+        ef_decay: topk error-feedback decay (None for int8).
+    """
+
+    name: str
+    scheme: str
+    coded: bool
+    lr: float
+    density: float | None = None
+    ef_decay: float | None = None
+
+
+def _floats(text: str, flag: str) -> list[float]:
+    try:
+        return [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise SystemExit(f"{flag} takes a comma list of numbers, got {text!r}") from None
+
+
+def _variants(args) -> list[Variant]:
+    """Every variant: int8 first, then top-k per density, decay and lr."""
+    densities = _floats(args.densities, "--densities") or [args.density]
+    decays = _floats(args.ef_decays, "--ef-decays") or [TOPK_DEFAULTS["ef_decay"]]
+    lrs = _floats(args.lrs, "--lrs")
+    swept = (densities, decays) != ([TOPK_DEFAULTS["density"]], [TOPK_DEFAULTS["ef_decay"]])
+    out = [Variant("int8", "int8", True, 1.0)]
+    for density in densities:
+        for decay in decays:
+            codec.topk(density=density, ef_decay=decay, bits=args.bits)  # fails early on a bad one
+            tail = f"-d{density:g}-ef{decay:g}" if swept else ""
+            if args.mean_nesterov:
+                out.append(Variant(f"topk-mean-nesterov{tail}", "topk", False, 1.0, density, decay))
+            out += [
+                Variant(f"topk-sgd-{lr:g}{tail}", "topk", True, lr, density, decay) for lr in lrs
+            ]
+    return out
+
+
+def _eval_rounds(args) -> list[int]:
+    """Rounds after which the global parameters are evaluated (always the last)."""
+    try:
+        listed = {int(v) for v in args.eval_rounds.split(",") if v.strip()}
+    except ValueError:
+        raise SystemExit(
+            f"--eval-rounds takes a comma list of ints, got {args.eval_rounds!r}"
+        ) from None
+    return sorted({r for r in listed if 1 <= r < args.rounds} | {args.rounds})
+
+
+def simulate(args, variant: Variant, seed: int, corpus: bytes, inner: InnerSteps) -> dict:
+    """One synchronous run.
+
+    Returns:
+        {"heldout_loss": after the last round, "delta_bytes": sent over the run,
+        "by_round": {round: held-out loss} at every `_eval_rounds` round}.
+    """
+    scheme, coded, lr = variant.scheme, variant.coded, variant.lr
     icfg = InnerConfig()
     cfg = ShardConfig(mode="sync", sparse_outer_lr=lr, fsync=False, dedup_window=1 << 20)
-    make = codec.topk(density=args.density) if scheme == "topk" else codec.int8()
+    if scheme == "topk":
+        make = codec.topk(density=variant.density, ef_decay=variant.ef_decay, bits=args.bits)
+    else:
+        make = codec.int8()
+    evals = set(_eval_rounds(args))
+    batches = None
+    by_round = {}
     raw32 = codec.raw("float32")
     state, plan, init, params, opt_states, samplers, heldout = sim_cluster(
         cfg, args, seed, corpus, inner
@@ -104,10 +194,12 @@ def simulate(args, variant, seed: int, corpus: bytes, inner: InnerSteps) -> dict
         start = global_params(state, plan, init)
         for i in range(args.islands):  # everyone adopts the new version; AdamW state kept
             params[i] = jax.tree.map(jnp.asarray, codec.unflatten(start))
-    final = jax.tree.map(jnp.asarray, codec.unflatten(start))
-    batches = data.eval_batches(heldout, icfg.batch_size, icfg.seq_len, 8)
-    loss = float(np.mean([float(inner.loss(final, b)) for b in batches]))
-    return {"heldout_loss": loss, "delta_bytes": sent}
+        if r + 1 in evals:
+            if batches is None:
+                batches = data.eval_batches(heldout, icfg.batch_size, icfg.seq_len, 8)
+            now_params = jax.tree.map(jnp.asarray, codec.unflatten(start))
+            by_round[r + 1] = float(np.mean([float(inner.loss(now_params, b)) for b in batches]))
+    return {"heldout_loss": by_round[args.rounds], "delta_bytes": sent, "by_round": by_round}
 
 
 def run(args: argparse.Namespace) -> int:
@@ -119,7 +211,8 @@ def run(args: argparse.Namespace) -> int:
     Returns:
         exit status 0.
     """
-    variants = _variants(args.lrs)
+    variants = _variants(args)
+    evals = _eval_rounds(args)
     corpus = data.default_corpus()
     inner = InnerSteps(model.MODEL_CONFIGS[args.model], InnerConfig())
     result: dict = {"command": " ".join(sys.argv), "settings": vars(replace_args(args)), "runs": []}
@@ -127,26 +220,55 @@ def run(args: argparse.Namespace) -> int:
         task = p.add_task("topk outer sweep", total=len(variants) * args.seeds)
         for variant in variants:
             losses, started = [], time.perf_counter()
-            for seed in range(args.seeds):
+            per_round = {r: [] for r in evals}
+            for seed in range(args.first_seed, args.first_seed + args.seeds):
                 one = simulate(args, variant, seed, corpus, inner)
                 losses.append(one["heldout_loss"])
+                for r in evals:
+                    per_round[r].append(one["by_round"][r])
+                p.console.print(
+                    f"{variant.name} seed {seed}: held-out loss by round {one['by_round']}"
+                )
                 p.advance(task)
             result["runs"].append(
                 {
-                    "variant": variant[0],
-                    "sparse_outer_lr": variant[3] if variant[2] and variant[1] == "topk" else None,
+                    "variant": variant.name,
+                    "sparse_outer_lr": variant.lr
+                    if variant.coded and variant.scheme == "topk"
+                    else None,
+                    "density": variant.density,
+                    "ef_decay": variant.ef_decay,
                     "heldout_loss_per_seed": losses,
                     "heldout_loss_mean": float(np.mean(losses)),
                     "delta_bytes": one["delta_bytes"],
                     "seconds": time.perf_counter() - started,
+                    "by_round": {
+                        str(r): {"heldout_loss_per_seed": v, "heldout_loss_mean": float(np.mean(v))}
+                        for r, v in per_round.items()
+                    },
                 }
             )
-    int8 = result["runs"][0]["heldout_loss_mean"]
+    int8 = result["runs"][0]
     for entry in result["runs"]:
-        entry["loss_over_int8"] = entry["heldout_loss_mean"] / int8
+        entry["loss_over_int8"] = entry["heldout_loss_mean"] / int8["heldout_loss_mean"]
+        for r, cell in entry["by_round"].items():
+            cell["loss_over_int8"] = (
+                cell["heldout_loss_mean"] / int8["by_round"][r]["heldout_loss_mean"]
+            )
+            # seed by seed (same data order and init): the spread of the ratio
+            cell["loss_over_int8_per_seed"] = [
+                a / b
+                for a, b in zip(
+                    cell["heldout_loss_per_seed"],
+                    int8["by_round"][r]["heldout_loss_per_seed"],
+                    strict=True,
+                )
+            ]
     sparse = [r for r in result["runs"] if r["sparse_outer_lr"] is not None]
     best = min(sparse, key=lambda r: r["heldout_loss_mean"])
-    result["best"] = {k: best[k] for k in ("variant", "sparse_outer_lr", "loss_over_int8")}
+    result["best"] = {
+        k: best[k] for k in ("variant", "sparse_outer_lr", "density", "ef_decay", "loss_over_int8")
+    }
     emit_json(result)
     return 0
 

@@ -5,7 +5,8 @@ pipeline (walk the tree, check inputs and state, quantize or cast every
 tensor into the payload in independent pieces, on the codec's thread pool
 when `zstd_threads` > 1, then compress the finished payload's frames on the
 same pool, write the header) and error feedback (residual = input + old
-residual - decoded).
+residual - decoded; topk may decay the old residual first: input + ef_decay x
+old residual - decoded).
 """
 
 import math
@@ -60,10 +61,21 @@ class Codec:
         store: stored dtype of the raw scheme.
         keep: topk entries kept per full chunk.
         bits: topk bits per kept value (2 or 4).
+        ef_decay: topk factor on the old residual before each encode, in (0, 1].
     """
 
     def __init__(
-        self, scheme, block_size, zstd_level, stochastic, zstd_threads, seed, store, keep=0, bits=0
+        self,
+        scheme,
+        block_size,
+        zstd_level,
+        stochastic,
+        zstd_threads,
+        seed,
+        store,
+        keep=0,
+        bits=0,
+        ef_decay=1.0,
     ):
         if scheme != "raw":
             if not isinstance(block_size, int) or not 2 <= block_size <= 1 << 20:
@@ -82,6 +94,7 @@ class Codec:
         self.zstd_threads = zstd_threads
         self.store = store
         self.keep, self.bits = keep, bits
+        self.ef_decay = ef_decay
         self.density = keep / block_size if scheme == "topk" else None
         self._rng = np.random.default_rng(seed) if stochastic else None
         self._local = threading.local()
@@ -92,8 +105,8 @@ class Codec:
         if self.scheme == "topk":
             return (
                 f"codec.topk(density={self.density!r}, bits={self.bits}, "
-                f"chunk={self.block_size}, zstd_level={self.zstd_level}, "
-                f"zstd_threads={self.zstd_threads})"
+                f"chunk={self.block_size}, ef_decay={self.ef_decay!r}, "
+                f"zstd_level={self.zstd_level}, zstd_threads={self.zstd_threads})"
             )
         return (
             f"codec.{self.scheme}(block_size={self.block_size}, zstd_level={self.zstd_level}, "
@@ -200,7 +213,7 @@ class Codec:
             cd = codes[k0 * self.bits // 8 : -(-k1 * self.bits // 8)]
             sc = scales[a // bs : -(-b // bs)]
             return encode_topk(
-                x[a:b], r, nr, lo[k0:k1], hi[k0:k1], cd, sc, bs, self.keep, self.bits
+                x[a:b], r, nr, lo[k0:k1], hi[k0:k1], cd, sc, bs, self.keep, self.bits, self.ef_decay
             )
         levels = fmt.LEVELS[self.scheme]
         step = 2 if levels == 7 else 1
@@ -269,7 +282,7 @@ def raw(dtype="float32", zstd_level=None, zstd_threads=0) -> Codec:
     return Codec("raw", 0, zstd_level, False, zstd_threads, None, dtype)
 
 
-def topk(density=0.02, bits=2, chunk=4096, zstd_level=1, zstd_threads=0) -> Codec:
+def topk(density=0.02, bits=2, chunk=4096, zstd_level=1, zstd_threads=0, ef_decay=1.0) -> Codec:
     """Sparse top-k codec with error feedback (SparseLoCo-style).
 
     Per chunk of `chunk` elements, keeps the ceil(density * chunk) entries of
@@ -281,6 +294,9 @@ def topk(density=0.02, bits=2, chunk=4096, zstd_level=1, zstd_threads=0) -> Code
     without it the dropped mass is lost. At density 0.02 and 2 bits a round
     is about 1/100 of fp32 bytes. Decodes to dense tensors of the encoded
     dtype (float32 deltas decode to float32), zeros where nothing was sent.
+    With `ef_decay` < 1 each encode selects from input + ef_decay x residual
+    (SparseLoCo's decay, 0.95 there): old unsent mass fades instead of
+    piling up, so the sum over rounds no longer tracks the inputs exactly.
 
     Args:
         density: share of entries kept per chunk, in (0, 1].
@@ -289,6 +305,8 @@ def topk(density=0.02, bits=2, chunk=4096, zstd_level=1, zstd_threads=0) -> Code
         zstd_level: zstd level, or None to skip zstd (for links faster than
             the compressor; see `diloco-bench codec` for the break-even).
         zstd_threads: worker threads (0: the calling thread).
+        ef_decay: factor on the error-feedback residual before each encode, in
+            (0, 1]; 1 (the default) keeps every unsent value whole.
 
     Returns:
         Codec.
@@ -304,7 +322,16 @@ def topk(density=0.02, bits=2, chunk=4096, zstd_level=1, zstd_threads=0) -> Code
         raise CodecError(f"topk bits must be 2 or 4, got {bits!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 2 <= chunk <= fmt.MAX_CHUNK:
         raise CodecError(f"topk chunk must be an int in [2, {fmt.MAX_CHUNK}], got {chunk!r}")
+    if (
+        isinstance(ef_decay, bool)
+        or not isinstance(ef_decay, int | float)
+        or not math.isfinite(ef_decay)
+        or not 0 < ef_decay <= 1
+    ):
+        raise CodecError(f"topk ef_decay must be a number in (0, 1], got {ef_decay!r}")
     keep = min(chunk, max(1, math.ceil(density * chunk)))
-    c = Codec("topk", chunk, zstd_level, False, zstd_threads, None, None, keep, bits)
+    c = Codec(
+        "topk", chunk, zstd_level, False, zstd_threads, None, None, keep, bits, float(ef_decay)
+    )
     c.density = density
     return c

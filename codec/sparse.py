@@ -99,17 +99,19 @@ def _values(j: np.ndarray, neg: np.ndarray, step: np.ndarray) -> np.ndarray:
     return val
 
 
-def encode_topk(x, res, new_res, lo, hi, codes, scales, chunk, keep, bits) -> bool:
+def encode_topk(x, res, new_res, lo, hi, codes, scales, chunk, keep, bits, ef_decay=1.0) -> bool:
     """Select, quantize and write one piece (whole chunks from a chunk boundary).
 
     Args:
         x: 1-D float32/float16/bfloat16 input of the piece.
-        res: float32 residual of the piece, or None.
+        res: float32 residual of the piece, or None; the piece encodes
+            ``x + ef_decay * res`` (float32; with ef_decay 1 no multiply).
         new_res: float32 output residual of the piece, or None.
         lo, hi: uint8 outputs, the offset-gap byte planes of the piece's entries.
         codes: uint8 output, the piece's packed value codes.
         scales: float32 output, one absmax per chunk of the piece.
         chunk, keep, bits: scheme settings.
+        ef_decay: factor on the old residual before it joins the input, in (0, 1].
 
     Returns:
         True when every chunk absmax is finite (nothing is usable otherwise).
@@ -120,7 +122,11 @@ def encode_topk(x, res, new_res, lo, hi, codes, scales, chunk, keep, bits) -> bo
     else:
         src = scratch("topk_src", n, F32)
         np.copyto(src, x, casting="unsafe")
-        if res is not None:
+        if res is not None and ef_decay != 1.0:
+            kept = scratch("topk_mag", n, F32)  # free until the magnitudes below
+            np.multiply(res, F32(ef_decay), out=kept)
+            np.add(src, kept, out=src)
+        elif res is not None:
             np.add(src, res, out=src)
     mag = scratch("topk_mag", n, F32)
     np.abs(src, out=mag)

@@ -120,6 +120,38 @@ def test_residual_is_input_plus_old_residual_minus_decoded_exactly():
     assert np.array_equal(state.residual_tree()["x"], expected)
 
 
+def test_ef_decay_scales_the_old_residual_by_hand():
+    # chunk 4, density 0.25 -> 1 kept; 2 bits: decoded (2j+1)/4 * absmax
+    c = codec.topk(density=0.25, bits=2, chunk=4, ef_decay=0.5)
+    x1 = np.array([1.0, 0.5, -0.25, 0.0], F32)
+    frames, state = c.encode({"x": x1}, c.init({"x": x1}))
+    # keeps 1.0 (m 1, j = min(floor(1 * 2/1), 1) = 1 -> 3/4); nothing old to decay yet
+    assert codec.decode(frames)["x"].tolist() == [0.75, 0, 0, 0]
+    assert state.residual_tree()["x"].tolist() == [0.25, 0.5, -0.25, 0.0]
+    x2 = np.array([0.0, 0.0, 0.0, 0.5], F32)
+    frames, state = c.encode({"x": x2}, state)
+    # selects from x2 + 0.5 * [0.25, 0.5, -0.25, 0] = [0.125, 0.25, -0.125, 0.5]:
+    # keeps 0.5 (m 0.5, j = 1 -> 3/4 * 0.5 = 0.375), the rest stays decayed
+    assert codec.decode(frames)["x"].tolist() == [0, 0, 0, 0.375]
+    assert state.residual_tree()["x"].tolist() == [0.125, 0.25, -0.125, 0.125]
+
+
+def test_ef_decay_one_is_the_plain_error_feedback_bit_for_bit():
+    rng = np.random.default_rng(8)
+    rounds = [(rng.standard_t(3, 3000) * 1e-3).astype(F32) for _ in range(3)]
+    plain, one = (
+        codec.topk(density=0.05, chunk=256),
+        codec.topk(density=0.05, chunk=256, ef_decay=1),
+    )
+    s_plain, s_one = plain.init({"d": rounds[0]}), one.init({"d": rounds[0]})
+    for d in rounds:
+        f_plain, s_plain = plain.encode({"d": d}, s_plain)
+        f_one, s_one = one.encode({"d": d}, s_one)
+        assert [bytes(f) for f in f_plain] == [bytes(f) for f in f_one]
+        assert np.array_equal(s_plain.residuals[0], s_one.residuals[0])
+    assert one.ef_decay == 1.0 and "ef_decay=1.0" in repr(one)
+
+
 def test_error_feedback_beats_no_feedback_and_ratio():
     rng = np.random.default_rng(5)
     rounds = [(rng.standard_t(3, 1 << 16) * 1e-3).astype(F32) for _ in range(30)]
@@ -164,6 +196,12 @@ def test_large_tensor_over_several_frames_and_threads(monkeypatch):
         ({"chunk": 1 << 17}, "chunk.*131072"),
         ({"chunk": 0}, "chunk.*0"),
         ({"zstd_threads": -1}, "zstd_threads.*-1"),
+        ({"ef_decay": 0}, "ef_decay.*0"),
+        ({"ef_decay": -0.5}, "ef_decay.*-0.5"),
+        ({"ef_decay": 1.01}, "ef_decay.*1.01"),
+        ({"ef_decay": float("nan")}, "ef_decay.*nan"),
+        ({"ef_decay": "0.95"}, "ef_decay.*'0.95'"),
+        ({"ef_decay": True}, "ef_decay.*True"),
     ],
 )
 def test_bad_settings_name_the_value(kwargs, text):

@@ -1,4 +1,7 @@
-"""Islands select the topk codec with --codec topk, --topk-density and --topk-bits."""
+"""Islands select the topk codec with --codec topk, --topk-density, --topk-bits and
+--topk-ef-decay."""
+
+import inspect
 
 import pytest
 
@@ -21,6 +24,20 @@ def test_flags_select_topk():
     assert IslandConfig().topk_density == 0.02 and IslandConfig().topk_bits == 2
 
 
+def test_island_defaults_are_the_codecs():
+    defaults = inspect.signature(codec.topk).parameters
+    cfg = IslandConfig()
+    assert cfg.topk_density == defaults["density"].default
+    assert cfg.topk_bits == defaults["bits"].default
+    assert cfg.topk_ef_decay == defaults["ef_decay"].default
+    assert make_codec(IslandConfig(codec="topk")).ef_decay == cfg.topk_ef_decay
+
+
+def test_ef_decay_flag_reaches_the_codec():
+    c = make_codec(load(["--codec", "topk", "--topk-ef-decay", "0.9"]))
+    assert c.ef_decay == 0.9 and "ef_decay=0.9" in repr(c)
+
+
 @pytest.mark.parametrize(
     "argv, text",
     [
@@ -28,6 +45,8 @@ def test_flags_select_topk():
         (["--topk-density", "1.5"], "topk_density.*1.5"),
         (["--topk-density", "nan"], "topk_density.*nan"),
         (["--topk-bits", "3"], "topk_bits=3: must be one of 2, 4"),
+        (["--topk-ef-decay", "0"], "topk_ef_decay=0.0: must be a finite number > 0 and <= 1"),
+        (["--topk-ef-decay", "1.2"], "topk_ef_decay.*1.2"),
     ],
 )
 def test_bad_topk_flags_name_the_value(argv, text):

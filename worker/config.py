@@ -63,6 +63,9 @@ class IslandConfig:
     block_size: int = 0  # quantization block (topk: chunk); 0 = the codec's default
     topk_density: float = 0.02  # codec topk: share of entries sent per chunk, in (0, 1]
     topk_bits: int = 2  # codec topk: bits per sent value, 2 or 4
+    # codec topk: the error-feedback residual is multiplied by this before each round's
+    # selection, in (0, 1]; 1 = plain error feedback (codec.topk's ef_decay)
+    topk_ef_decay: float = 1.0
     merge_rule: str = "keep-progress"  # folding a new global version: keep-progress | overwrite
     # device: delta, int8/int4 quantize and fold on the parameters' devices, only codes cross
     # to the host (other codecs use the host) | host: numpy on a host copy of the parameters
@@ -118,6 +121,7 @@ class IslandConfig:
         check.integer("vocab_size", self.vocab_size, 2, 2**31 - 1)  # ids travel as int32
         check.number("topk_density", self.topk_density, above=0.0, high=1.0)
         check.choice("topk_bits", self.topk_bits, (2, 4))
+        check.number("topk_ef_decay", self.topk_ef_decay, above=0.0, high=1.0)
         check.choice("merge_rule", self.merge_rule, MERGE_RULES)
         check.choice("exchange", self.exchange, EXCHANGES)
         check.choice("param_sharding", self.param_sharding, PARAM_SHARDINGS)

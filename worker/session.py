@@ -116,7 +116,7 @@ def join(
         stop: an event that, once set, ends every wait of the session.
         **settings: island options of the exchange (`worker.session_config.SESSION_SETTINGS`:
             exchange ("device" | "host"), codec, block_size, topk_density, topk_bits,
-            streaming, merge_rule,
+            topk_ef_decay, streaming, merge_rule,
             max_unacked, flush_timeout_s, join_timeout_s, heartbeat_interval_s, the
             CURVE key files, insecure, compile_cache_dir), validated as `IslandConfig` does.
 

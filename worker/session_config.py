@@ -24,6 +24,7 @@ SESSION_SETTINGS = (
     "block_size",
     "topk_density",
     "topk_bits",
+    "topk_ef_decay",
     "streaming",
     "overlap_rounds",
     "skip_stale_pushes",
@@ -90,7 +91,8 @@ def make_codec(cfg: IslandConfig) -> codec.Codec:
     """The delta codec an island config asks for.
 
     Args:
-        cfg: island settings (`codec`, `block_size`, `topk_density`, `topk_bits`).
+        cfg: island settings (`codec`, `block_size`, `topk_density`, `topk_bits`,
+            `topk_ef_decay`).
 
     Returns:
         A codec object with init/encode.
@@ -105,5 +107,7 @@ def make_codec(cfg: IslandConfig) -> codec.Codec:
         return codec.int4(**kwargs)
     if cfg.codec == "topk":
         chunk = {"chunk": cfg.block_size} if cfg.block_size else {}
-        return codec.topk(density=cfg.topk_density, bits=cfg.topk_bits, **chunk)
+        return codec.topk(
+            density=cfg.topk_density, bits=cfg.topk_bits, ef_decay=cfg.topk_ef_decay, **chunk
+        )
     return codec.raw(cfg.codec)
