@@ -22,7 +22,7 @@ from bench.outdir import OutDirError
 # fmt: off
 COMMANDS: dict[str, tuple[str, str]] = {
     "async_outer": ("bench.async_outer", "Outer lr / momentum sweep for fully asynchronous merging (picks the mode=async defaults)."),
-    "topk_outer": ("bench.topk_outer", "Outer lr sweep for sparse top-k deltas (picks `ShardConfig.sparse_outer_lr`)."),
+    "topk_outer": ("bench.topk_outer", "Top-k against int8 at equal tokens: outer lr, density, EF decay and round count."),
     "outer_sweep": ("bench.outer_sweep", "Outer lr x momentum by mode, H and island count, with the daemon's fold rule (picks `outer_defaults`)."),
     "step_rule": ("bench.step_rule", "The step rule as islands multiply: round movement for K = 1..16, async vs sync loss (push-only folds), the harsh mix."),
     "chaos": ("bench.chaos", "Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed."),
