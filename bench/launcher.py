@@ -77,7 +77,8 @@ class IslandSpec:
 
 
 def _kill_leftovers(pids: Sequence[int], grace_s: float) -> None:
-    """Kill (-9) those of `pids` still running `grace_s` after they were told to stop."""
+    """Kill (-9) those of `pids` still running `grace_s` after they were told to stop, and
+    wait (up to `grace_s` each) until they are gone."""
     deadline = time.monotonic() + grace_s
     alive = [p for p in pids if not daemon.wait_exit(p, max(0.0, deadline - time.monotonic()))]
     if alive:
@@ -85,6 +86,8 @@ def _kill_leftovers(pids: Sequence[int], grace_s: float) -> None:
     for pid in alive:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
+    for pid in alive:  # a SIGKILL lands asynchronously: return once they are gone
+        daemon.wait_exit(pid, grace_s)
 
 
 def _run(argv: Sequence[str], what: str, timeout_s: float) -> str:
