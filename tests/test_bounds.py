@@ -146,8 +146,20 @@ def test_weight_cap_keeps_a_token_inflated_island_from_silencing_others():
 
 
 def _checkpoint_bytes(data_dir) -> int:
-    files = sorted(data_dir.rglob("checkpoint-*.ckpt"), key=lambda p: p.stat().st_mtime)
-    return files[-1].stat().st_size if files else 0
+    """The newest checkpoint's size (0 before the first); the shard removes older ones as
+    it writes new ones, so a file listed may be gone by its stat: read the list again."""
+    deadline = time.monotonic() + 30.0
+    while True:
+        sizes = {}
+        try:
+            for path in data_dir.rglob("checkpoint-*.ckpt"):
+                st = path.stat()
+                sizes[st.st_mtime_ns, path.name] = st.st_size
+        except FileNotFoundError:
+            if time.monotonic() > deadline:
+                raise
+            continue
+        return sizes[max(sizes)] if sizes else 0
 
 
 @pytest.mark.timeout(300)
