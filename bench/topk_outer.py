@@ -202,6 +202,31 @@ def simulate(args, variant: Variant, seed: int, corpus: bytes, inner: InnerSteps
     return {"heldout_loss": by_round[args.rounds], "delta_bytes": sent, "by_round": by_round}
 
 
+def add_ratios_to_int8(runs: list[dict]) -> None:
+    """Add each run's held-out loss over int8's (the first run), overall and round by round.
+
+    A ratio below 1 means the variant's loss is lower than int8's (better). Per round
+    it is given for the seeds' means (`loss_over_int8`) and seed by seed
+    (`loss_over_int8_per_seed`: same data order and init, so its spread is the ratio's).
+
+    Args:
+        runs: the sweep's runs, int8 first; each has `heldout_loss_mean` and `by_round`
+            (round -> `heldout_loss_mean`, `heldout_loss_per_seed`). Changed in place.
+    """
+    int8 = runs[0]
+    for entry in runs:
+        entry["loss_over_int8"] = entry["heldout_loss_mean"] / int8["heldout_loss_mean"]
+        for r, cell in entry["by_round"].items():
+            base = int8["by_round"][r]
+            cell["loss_over_int8"] = cell["heldout_loss_mean"] / base["heldout_loss_mean"]
+            cell["loss_over_int8_per_seed"] = [
+                a / b
+                for a, b in zip(
+                    cell["heldout_loss_per_seed"], base["heldout_loss_per_seed"], strict=True
+                )
+            ]
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the sweep and print JSON.
 
@@ -248,22 +273,7 @@ def run(args: argparse.Namespace) -> int:
                     },
                 }
             )
-    int8 = result["runs"][0]
-    for entry in result["runs"]:
-        entry["loss_over_int8"] = entry["heldout_loss_mean"] / int8["heldout_loss_mean"]
-        for r, cell in entry["by_round"].items():
-            cell["loss_over_int8"] = (
-                cell["heldout_loss_mean"] / int8["by_round"][r]["heldout_loss_mean"]
-            )
-            # seed by seed (same data order and init): the spread of the ratio
-            cell["loss_over_int8_per_seed"] = [
-                a / b
-                for a, b in zip(
-                    cell["heldout_loss_per_seed"],
-                    int8["by_round"][r]["heldout_loss_per_seed"],
-                    strict=True,
-                )
-            ]
+    add_ratios_to_int8(result["runs"])
     sparse = [r for r in result["runs"] if r["sparse_outer_lr"] is not None]
     best = min(sparse, key=lambda r: r["heldout_loss_mean"])
     result["best"] = {

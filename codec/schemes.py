@@ -282,6 +282,17 @@ def raw(dtype="float32", zstd_level=None, zstd_threads=0) -> Codec:
     return Codec("raw", 0, zstd_level, False, zstd_threads, None, dtype)
 
 
+def _check_unit_share(name: str, value: object) -> None:
+    """Refuse a topk setting that is not a real number in (0, 1] (a bool is not one)."""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not math.isfinite(value)
+        or not 0 < value <= 1
+    ):
+        raise CodecError(f"topk {name} must be a number in (0, 1], got {value!r}")
+
+
 def topk(density=0.02, bits=2, chunk=4096, zstd_level=1, zstd_threads=0, ef_decay=1.0) -> Codec:
     """Sparse top-k codec with error feedback (SparseLoCo-style).
 
@@ -311,24 +322,12 @@ def topk(density=0.02, bits=2, chunk=4096, zstd_level=1, zstd_threads=0, ef_deca
     Returns:
         Codec.
     """
-    if (
-        isinstance(density, bool)
-        or not isinstance(density, int | float)
-        or not math.isfinite(density)
-        or not 0 < density <= 1
-    ):
-        raise CodecError(f"topk density must be a number in (0, 1], got {density!r}")
+    _check_unit_share("density", density)
     if isinstance(bits, bool) or not isinstance(bits, int) or bits not in fmt.TOPK_BITS:
         raise CodecError(f"topk bits must be 2 or 4, got {bits!r}")
     if isinstance(chunk, bool) or not isinstance(chunk, int) or not 2 <= chunk <= fmt.MAX_CHUNK:
         raise CodecError(f"topk chunk must be an int in [2, {fmt.MAX_CHUNK}], got {chunk!r}")
-    if (
-        isinstance(ef_decay, bool)
-        or not isinstance(ef_decay, int | float)
-        or not math.isfinite(ef_decay)
-        or not 0 < ef_decay <= 1
-    ):
-        raise CodecError(f"topk ef_decay must be a number in (0, 1], got {ef_decay!r}")
+    _check_unit_share("ef_decay", ef_decay)
     keep = min(chunk, max(1, math.ceil(density * chunk)))
     c = Codec(
         "topk", chunk, zstd_level, False, zstd_threads, None, None, keep, bits, float(ef_decay)

@@ -47,3 +47,26 @@ def test_the_last_round_is_always_evaluated_and_out_of_range_rounds_are_dropped(
         30,
     ]
     assert topk_outer._eval_rounds(flags("--rounds", "5")) == [5]
+
+
+def _run(mean: float, by_round: dict[str, list[float]]) -> dict:
+    cells = {r: {"heldout_loss_per_seed": v, "heldout_loss_mean": sum(v) / len(v)}
+             for r, v in by_round.items()}  # fmt: skip
+    return {"heldout_loss_mean": mean, "by_round": cells}
+
+
+def test_the_ratio_to_int8_falls_when_top_k_catches_up_and_rises_when_it_falls_behind():
+    int8 = _run(2.0, {"10": [4.0, 2.0], "30": [2.0, 2.0]})
+    behind_then_caught_up = _run(2.2, {"10": [5.0, 4.0], "30": [2.0, 2.2]})
+    ahead = _run(1.8, {"10": [3.0, 2.0], "30": [1.8, 1.8]})
+    runs = [int8, behind_then_caught_up, ahead]
+    topk_outer.add_ratios_to_int8(runs)
+    assert int8["loss_over_int8"] == 1.0
+    assert behind_then_caught_up["loss_over_int8"] == pytest.approx(1.1)  # 2.2 / 2.0
+    assert ahead["loss_over_int8"] == pytest.approx(0.9)  # 1.8 / 2.0
+    early, late = behind_then_caught_up["by_round"]["10"], behind_then_caught_up["by_round"]["30"]
+    assert early["loss_over_int8"] == pytest.approx(1.5)  # (5 + 4) / 2 over (4 + 2) / 2
+    assert early["loss_over_int8_per_seed"] == pytest.approx([1.25, 2.0])  # 5 / 4, 4 / 2
+    assert late["loss_over_int8"] == pytest.approx(1.05)  # 2.1 / 2.0: fell from 1.5
+    assert late["loss_over_int8_per_seed"] == pytest.approx([1.0, 1.1])
+    assert ahead["by_round"]["10"]["loss_over_int8"] == pytest.approx(2.5 / 3.0)
