@@ -23,7 +23,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from local_server import cluster, example_parser, interrupts, print_summary, raise_if_interrupted
+from local_server import (
+    cluster,
+    example_parser,
+    interrupts,
+    join,
+    print_summary,
+    raise_if_interrupted,
+)
 
 import worker
 
@@ -106,13 +113,11 @@ def main() -> None:
         for thread in threads:
             thread.start()
         try:
-            for thread in threads:
-                thread.join()
+            join(threads)  # (a join that wakes: a Ctrl-C is handled at once, see its docstring)
             raise_if_interrupted()  # a Ctrl-C the islands saw, the main thread did not
         finally:  # on Ctrl-C: the islands close (flush, bye) before the server stops
             stop.set()
-            for thread in threads:
-                thread.join()
+            join(threads)
         for name, result in sorted(results.items()):
             if isinstance(result, BaseException):
                 raise SystemExit(f"island {name} failed: {result}")

@@ -1,6 +1,7 @@
 """Every script of examples/ runs on a small setting against a live local server it starts."""
 
 import contextlib
+import ctypes
 import importlib.util
 import json
 import os
@@ -102,7 +103,8 @@ def example_proc(tmp_path) -> Iterator[Callable[..., subprocess.Popen]]:
     with contextlib.ExitStack() as stack:
 
         def start(name: str, *flags: str) -> subprocess.Popen:
-            argv = [sys.executable, "-u", str(EXAMPLES / name), "--out", str(tmp_path), *flags]
+            argv = [sys.executable, "-X", "faulthandler", "-u", str(EXAMPLES / name),
+                    "--out", str(tmp_path), *flags]  # fmt: skip
             return stack.enter_context(
                 daemon_process.started(
                     argv, [tmp_path], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
@@ -112,6 +114,24 @@ def example_proc(tmp_path) -> Iterator[Callable[..., subprocess.Popen]]:
         yield start
 
 
+def _signal_another_thread(pid: int, sig: int) -> None:
+    """Deliver `sig` to a thread of process `pid` other than its main one (one that takes it).
+
+    The kernel may hand a process's Ctrl-C to any of its threads that does not block
+    it (JAX's and the islands' threads do not; ZeroMQ's do). tests/test_ctrl_c.py sends
+    it to the process; this sends it to one of those other threads, deterministically.
+    """
+    for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name)):
+        tid = int(task.name)
+        status = (task / "status").read_text().splitlines()
+        blocked = int(next(line for line in status if line.startswith("SigBlk")).split()[1], 16)
+        if tid != pid and not blocked & (1 << (sig - 1)):
+            libc = ctypes.CDLL(None, use_errno=True)
+            assert libc.tgkill(pid, tid, sig) == 0, os.strerror(ctypes.get_errno())
+            return
+    pytest.fail(f"process {pid} has no other thread that takes signal {sig}")
+
+
 def test_ctrl_c_stops_the_islands_and_the_server_it_started(tmp_path, example_proc):
     proc = example_proc("own_mlp.py", "--steps", "100000")
     deadline = time.monotonic() + RUN_TIMEOUT_S
@@ -119,7 +139,11 @@ def test_ctrl_c_stops_the_islands_and_the_server_it_started(tmp_path, example_pr
         assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
         time.sleep(0.2)
     assert not _server_stopped(tmp_path)
-    proc.send_signal(signal.SIGINT)
-    out, _ = proc.communicate(timeout=RUN_TIMEOUT_S)
+    _signal_another_thread(proc.pid, signal.SIGINT)  # the main thread blocks in a join
+    try:
+        out, _ = proc.communicate(timeout=120)  # seconds unloaded (tests/test_ctrl_c.py: 10 s)
+    except subprocess.TimeoutExpired:  # -X faulthandler: SIGABRT prints every thread's stack
+        proc.send_signal(signal.SIGABRT)
+        pytest.fail(f"still running 120 s after the SIGINT:\n{proc.communicate(timeout=30)[0]}")
     assert proc.returncode != 0 and "KeyboardInterrupt" in out
     assert _server_stopped(tmp_path)
