@@ -221,7 +221,8 @@ class LocalCluster:
         for t in threads:
             t.start()
         for t in threads:
-            t.join()
+            while t.is_alive():  # a join that wakes: a Ctrl-C that lands on another thread
+                t.join(0.2)  # is handled in the main thread only when it runs again
         if errors:
             raise LaunchError(str(errors[0]))
 
