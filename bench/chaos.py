@@ -1,6 +1,6 @@
 """Chaos run: training under a seeded fault schedule next to a fault-free run with the same seed.
 
-    diloco-bench chaos --faults N --seed S [--quick] [--duration 90] --out DIR
+    diloco-bench chaos --faults N --seed S [--quick] [--duration 90] [--faulted-only] --out DIR
 
 Each run is real daemons: shards started one by one from a cluster file
 (`diloco-server start --cluster F --shard I --detach`, so one can be killed
@@ -10,6 +10,8 @@ executed by this harness (kill -9 / restart an island or a shard, SIGSTOP /
 SIGCONT an island) and by the relay (cut or slow an island's link; drop,
 duplicate, delay or corrupt its pushes and acks). Both runs train for the
 same wall time; the fault-free run uses the same seed and an empty schedule.
+`--faulted-only` runs the faulted run alone (a soak, in half the time): the
+figures that compare the two runs are then null.
 
 Reported per run (JSON on stdout and in DIR/chaos.json; `bench.chaos_score`
 computes it): `goodput` (the share of the islands' time spent on inner steps
@@ -101,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--shards", type=int, default=2, help="shard processes of the server (default 2)"
     )
     parser.add_argument("--kinds", default=",".join(fl.KINDS), help="comma-separated fault kinds")
+    parser.add_argument(
+        "--faulted-only", action="store_true",
+        help="run only the faulted run, without the fault-free one (a soak: its memory "
+        "slopes and directory sizes, in half the time; no loss ratio or fault-free goodput)",
+    )  # fmt: skip
     parser.add_argument("--out", default="runs/chaos", help="output dir (new, empty or from chaos)")
 
 
@@ -436,15 +443,18 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = outdir.claim(Path(args.out), "chaos")
     try:
-        raw_free = ChaosRun("fault_free", setup, [], args.seed, out).run()
+        raw_free = None
+        if not args.faulted_only:
+            raw_free = ChaosRun("fault_free", setup, [], args.seed, out).run()
         raw_chaos = ChaosRun("faulted", setup, schedule, args.seed, out).run()
     except (LaunchError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"diloco-bench chaos: {exc}", file=sys.stderr)
         return 1
     for name, raw in (("fault_free", raw_free), ("faulted", raw_chaos)):
-        (out / name / "raw.json").write_text(json.dumps(raw, default=str))
+        if raw is not None:
+            (out / name / "raw.json").write_text(json.dumps(raw, default=str))
     report = chaos_score.report(raw_free, raw_chaos, schedule, setup)
-    report.update(seed=args.seed, quick=bool(args.quick))
+    report.update(seed=args.seed, quick=bool(args.quick), faulted_only=bool(args.faulted_only))
     (out / "chaos.json").write_text(json.dumps(report, indent=2))
     _log("soak figures (RSS per daemon, shard directories):\n" + soak.soak_table(report["runs"]))
     emit_json(report)

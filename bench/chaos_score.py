@@ -143,42 +143,50 @@ def summarize(
 
 
 def report(
-    raw_free: dict[str, Any], raw_chaos: dict[str, Any], schedule: list[fl.Fault], setup: Any
+    raw_free: dict[str, Any] | None,
+    raw_chaos: dict[str, Any],
+    schedule: list[fl.Fault],
+    setup: Any,
 ) -> dict[str, Any]:
     """The chaos report of both runs, with the issue's targets (pure).
 
     Args:
-        raw_free: the fault-free run's raw material.
+        raw_free: the fault-free run's raw material; None when only the faulted run
+            ran (`--faulted-only`, a soak): the uptime window is then the faulted
+            run's own two median rounds, and the figures that compare the runs (the
+            loss ratio, the fault-free goodput) are None.
         raw_chaos: the faulted run's.
         schedule: the faulted run's faults.
         setup: the runs' shape.
 
     Returns:
         JSON-ready dict: setup, uptime_window_s, schedule, runs (fault_free, faulted:
-        `summarize`), final_loss_ratio, targets.
+        `summarize`; faulted only without `raw_free`), final_loss_ratio, targets.
     """
-    window = round_window(raw_free["rows"])
-    free = summarize(raw_free, [], setup, window)
+    window = round_window((raw_free or raw_chaos)["rows"])
+    free = summarize(raw_free, [], setup, window) if raw_free is not None else None
     chaos = summarize(raw_chaos, schedule, setup, window)
     ratio = (
         chaos["final_eval_loss"] / free["final_eval_loss"]
-        if chaos["final_eval_loss"] and free["final_eval_loss"]
+        if free and chaos["final_eval_loss"] and free["final_eval_loss"]
         else None
     )
-    runs = (free, chaos)
+    runs = (free, chaos) if free is not None else (chaos,)
     return {
         "setup": dict(setup.__dict__),
         "uptime_window_s": window,
         "schedule": [f.to_json() for f in schedule],
-        "runs": {"fault_free": free, "faulted": chaos},
+        "runs": {"fault_free": free, "faulted": chaos} if free else {"faulted": chaos},
         "final_loss_ratio": ratio,
         "targets": {
             "uptime_1_with_island_faults": chaos["uptime_outside_shard_outages"],
             "acked_equals_applied": all(r["acked_equals_applied"] for r in runs),
             "goodput_at_least_0.9": (chaos["goodput"] or 0) >= 0.9,
             "goodput_at_least_0.95": (chaos["goodput"] or 0) >= 0.95,
-            "fault_free_goodput_at_least_0.98": (free["goodput"] or 0) >= 0.98,
-            "final_loss_within_1pct": ratio is not None and ratio <= 1.01,
+            "fault_free_goodput_at_least_0.98": None
+            if free is None
+            else (free["goodput"] or 0) >= 0.98,
+            "final_loss_within_1pct": None if free is None else ratio is not None and ratio <= 1.01,
             # None: the run was too short to fit (see bench.soak)
             "rss_slope_under_1mb_per_10min": _all([r["soak"]["rss_met"] for r in runs]),
             "wal_and_checkpoints_bounded": _all([r["soak"]["dirs_bounded"] for r in runs]),
@@ -417,6 +425,9 @@ def lost_time(
 
 
 def round_window(rows: dict[str, list[dict[str, Any]]]) -> float:
-    """The fixed window of `uptime_windowed`: two median rounds of the fault-free run (2 s without)."""
+    """The fixed window of `uptime_windowed`: two median rounds of `rows` (2 s without rounds).
+
+    The fault-free run's rows; the faulted run's own when it ran alone (`--faulted-only`).
+    """
     times = [r["round_s"] for rs in rows.values() for r in rs if "round_s" in r]
     return 2.0 * statistics.median(times) if times else 2.0

@@ -107,3 +107,29 @@ def test_time_inside_step_is_lost_not_pace():
     assert got["capacity_tokens"] == pytest.approx(1250.0)
     assert got["useful_tokens"] / got["capacity_tokens"] == pytest.approx(0.72)
     assert got["total"] == pytest.approx(10.0 - 900.0 / 125.0)
+
+
+def _raw(round_s: float, final_loss: float) -> dict:
+    """A run's raw material: one island's ten rounds of `round_s`, nothing acked."""
+    points = [(round_s * k, round_s, 100 * k) for k in range(1, 11)]
+    return {"relay": {}, "t0": 0.0, "status": [{"accepted": 0}], "rows": {"a": rows(points)},
+            "final_eval_loss": final_loss, "events": [], "resources": {}}  # fmt: skip
+
+
+@pytest.mark.timeout(10)
+def test_a_faulted_only_report_has_no_comparison_and_times_its_window_on_its_own_rounds():
+    setup = type("Setup", (), {"shards": 1, "duration_s": 15.0})()
+    both = chaos_score.report(_raw(1.0, 2.0), _raw(1.5, 2.5), [], setup)
+    assert sorted(both["runs"]) == ["fault_free", "faulted"]
+    assert both["uptime_window_s"] == 2.0  # two of the fault-free run's 1-s rounds
+    assert both["final_loss_ratio"] == pytest.approx(1.25)  # 2.5 / 2.0
+    assert both["targets"]["final_loss_within_1pct"] is False
+    assert both["targets"]["fault_free_goodput_at_least_0.98"] is not None
+    alone = chaos_score.report(None, _raw(1.5, 2.5), [], setup)
+    assert sorted(alone["runs"]) == ["faulted"]
+    assert alone["uptime_window_s"] == 3.0  # two of its own 1.5-s rounds
+    assert alone["final_loss_ratio"] is None
+    assert alone["targets"]["final_loss_within_1pct"] is None
+    assert alone["targets"]["fault_free_goodput_at_least_0.98"] is None
+    assert alone["targets"]["acked_equals_applied"] is True  # 0 acked, 0 applied
+    assert alone["runs"]["faulted"] == both["runs"]["faulted"]  # the same run, scored alike
