@@ -174,7 +174,7 @@ def _stop(server_dir: Path) -> None:
     running the stop command (which a Ctrl-C user waits for); the command is the
     fallback, e.g. when the pid file is unreadable or the server outlives the wait.
     """
-    try:  # daemon.pid holds "PID STARTTIME"
+    try:  # daemon.pid holds the pid (its first word)
         pid = int((server_dir / "daemon.pid").read_text().split()[0])
         os.kill(pid, signal.SIGTERM)
         if _pid_exits(pid, DIRECT_STOP_S):
