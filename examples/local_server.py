@@ -111,10 +111,11 @@ def join(threads: list[threading.Thread], poll_s: float = 0.2) -> None:
     """Wait for `threads` to end, waking every `poll_s` so that a Ctrl-C is handled at once.
 
     Python runs signal handlers in the main thread only, between bytecodes. The kernel
-    may deliver a SIGINT to any of the process's threads (a JAX or ZeroMQ one); a main
-    thread then blocked in a plain `Thread.join()` never wakes to run the handler, and
-    the run goes on as if no Ctrl-C came (seen: 1 run in 9 on a loaded 2-core machine).
-    A join with a timeout wakes, runs the handler and raises the KeyboardInterrupt.
+    may deliver a SIGINT to any thread that does not block it (JAX's and the islands'
+    threads do not; ZeroMQ's do); a main thread then blocked in a plain `Thread.join()`
+    never wakes to run the handler, and the run goes on as if no Ctrl-C came (seen:
+    1 run in 9 on a loaded 2-core machine). A join with a timeout wakes, runs the
+    handler and raises the KeyboardInterrupt.
 
     Args:
         threads: started threads.
