@@ -121,14 +121,16 @@ def _signal_another_thread(pid: int, sig: int) -> None:
     it (JAX's and the islands' threads do not; ZeroMQ's do). tests/test_ctrl_c.py sends
     it to the process; this sends it to one of those other threads, deterministically.
     """
+    libc = ctypes.CDLL(None, use_errno=True)
     for task in sorted(Path(f"/proc/{pid}/task").iterdir(), key=lambda t: int(t.name)):
         tid = int(task.name)
-        status = (task / "status").read_text().splitlines()
+        try:
+            status = (task / "status").read_text().splitlines()
+        except OSError:  # the thread ended meanwhile
+            continue
         blocked = int(next(line for line in status if line.startswith("SigBlk")).split()[1], 16)
-        if tid != pid and not blocked & (1 << (sig - 1)):
-            libc = ctypes.CDLL(None, use_errno=True)
-            assert libc.tgkill(pid, tid, sig) == 0, os.strerror(ctypes.get_errno())
-            return
+        if tid != pid and not blocked & (1 << (sig - 1)) and libc.tgkill(pid, tid, sig) == 0:
+            return  # (a thread that ended meanwhile fails with ESRCH: try the next)
     pytest.fail(f"process {pid} has no other thread that takes signal {sig}")
 
 
