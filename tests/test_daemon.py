@@ -1,5 +1,6 @@
 """Daemon plumbing with real subprocesses: pid files, detach + ready, SIGTERM drain, stop."""
 
+import errno
 import os
 import signal
 import subprocess
@@ -68,6 +69,28 @@ def test_pid_file_claim_release_and_stale(tmp_path):
     assert daemon.running_pid(path) is None
     daemon.acquire_pid_file(path)  # stale: replaced
     assert daemon.read_pid(path) == os.getpid()
+
+
+def test_a_file_system_without_locks_still_gets_a_pid_file_and_a_held_lock_is_refused(
+    tmp_path, monkeypatch
+):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOLCK, "no locks here")  # what NFS without lockd answers
+
+    path = tmp_path / "nolocks" / "daemon.pid"
+    monkeypatch.setattr(daemon.fcntl, "flock", no_locks)
+    daemon.acquire_pid_file(path)  # claimed: liveness falls back to the file's age
+    assert daemon.read_pid(path) == os.getpid()
+    daemon.release_pid_file(path)
+    assert not path.exists()
+
+    def held(fd, op):
+        raise BlockingIOError(errno.EWOULDBLOCK, "held")
+
+    monkeypatch.setattr(daemon.fcntl, "flock", held)
+    with pytest.raises(BlockingIOError):  # not taken for a file system without locks
+        daemon.acquire_pid_file(path)
+    assert not path.exists()  # the failed claim leaves no file naming this process
 
 
 def test_pid_reuse_counts_as_stale(tmp_path):

@@ -271,13 +271,19 @@ def acquire_pid_file(path: str | Path, pid: int | None = None) -> None:
         try:
             os.write(fd, f"{pid}\n".encode())  # the pid alone: `kill $(cat daemon.pid)` works
             if pid == os.getpid():
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # a new file: nobody else has it
-                _HELD[Path(os.path.abspath(path))] = fd
-                return
-        except OSError as exc:
+                try:  # a new file: nobody else has it
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError as exc:
+                    if isinstance(exc, BlockingIOError) or exc.errno not in _NO_LOCKS:
+                        raise
+                    # a file system without locks: liveness rests on the mtime check
+                else:
+                    _HELD[Path(os.path.abspath(path))] = fd
+                    return
+        except BaseException:  # also Ctrl-C: no descriptor or half-claimed file left
             os.close(fd)
-            if not isinstance(exc, BlockingIOError) and exc.errno in _NO_LOCKS:
-                return  # a file system without locks: liveness rests on the mtime check
+            with contextlib.suppress(OSError):
+                path.unlink()
             raise
         os.close(fd)
         return
