@@ -16,7 +16,7 @@ compacts it once resolved records dominate).
 
 With `--params N` (issue 37) it measures one large delta instead, without a
 cluster: N int8 codes (random bytes, block scales) framed by the codec's frame
-writer as the island frames device codes (`codec.format.frame_codes`, int8
+writer as the island frames device codes (`codec.coded.frame_codes`, int8
 without zstd), persisted through a real `worker.outbox.Outbox` in a fresh
 data dir under `--out` (`Outbox.record`: the record built, written, fdatasynced,
 as the push thread calls it), and pushed as one multipart message over
@@ -280,7 +280,7 @@ def measure_delta(params: int, repeats: int, link_gbit: float, where: Path) -> d
         The figures (seconds, ratios, per-byte costs, the 12B round computed from them).
     """
     import codec
-    from codec.format import frame_codes
+    from codec.coded import frame_codes
 
     island_codec = codec.int8(zstd_level=None)  # the island's (worker.session_config)
     block = island_codec.block_size

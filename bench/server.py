@@ -55,7 +55,7 @@ import zmq
 import codec
 from bench import cli
 from bench.common import emit_json, gbps, progress, timed
-from codec.format import read_coded
+from codec.coded import read_coded
 from paramserver.server.config import ShardConfig
 from paramserver.server.fragment import AcceptEvent, Contribution
 from paramserver.server.shard import ShardServer

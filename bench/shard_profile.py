@@ -51,7 +51,7 @@ SECTIONS: dict[str, tuple[str, str]] = {
     "handle": ("paramserver/server/core.py", "handle"),
     "unpack_header": ("paramserver/wire/protocol.py", "unpack"),
     "push_submit": ("paramserver/server/state.py", "submit_delta"),
-    "push_decode": ("codec/format.py", "decode"),
+    "push_decode": ("codec/readers.py", "decode"),
     "wal_append": ("paramserver/server/storage/shard_storage.py", "append"),
     "due_fragments": ("paramserver/server/state.py", "due_fragments"),
     "step": ("paramserver/server/state.py", "step"),

@@ -7,7 +7,7 @@ Per size: fragments of at most 2**23 parameters (as `diloco-bench scale`
 cuts them), each with its params, round-Nesterov momentum (in the dtype
 given: `ShardConfig.momentum_dtype`) and bfloat16 downlink residual as a
 shard keeps them, and D int8 pending deltas kept
-coded (`codec.format.read_coded`, as a shard keeps an accepted push). A step of
+coded (`codec.coded.read_coded`, as a shard keeps an accepted push). A step of
 the model is, per fragment, the mean merge of its D deltas, the outer step
 and the int8 downlink's frames (`merge._MeanMerge`, `fragment_step.FusedNesterov`
 or `fragment_step.ChunkedStep` with `downlink.Int8Publication`): what
@@ -31,7 +31,7 @@ import numpy as np
 
 import codec
 from bench.scale import parse_count
-from codec.format import read_coded as read
+from codec.coded import read_coded as read
 from paramserver.server.step.downlink import Downlink, new_residual
 from paramserver.server.step.fragment_step import ChunkedStep, FusedNesterov, host_vector
 from paramserver.server.step.merge import _MeanMerge

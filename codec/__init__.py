@@ -28,8 +28,8 @@ ways that give the same bits, all three there: numpy, the compiled numba loops
 (`codec.quant.compiled_loops`), and JAX (`codec.quant.jax_rule`, for quantizing
 inside `jax.jit` on the values' own devices: the island's device exchange and
 the shard's downlink). Every message, whoever
-quantized it, is written by one frame writer (`codec.format`, beside the
-format's specification and its readers; `codec.format.frame_codes` for codes
+quantized it, is written by one frame writer (`codec.payload.FrameWriter`,
+to the format `codec.format` specifies; `codec.coded.frame_codes` for codes
 and scales computed elsewhere).
 Dependencies: numpy, zstandard, msgpack and ml_dtypes. numba and JAX are
 optional and imported only where used: numba by the first large block encode
@@ -51,10 +51,12 @@ compress well) and its timings there were too small to separate from noise:
 keep zstd for topk on WAN links.
 """
 
-from .format import DEFAULT_MAX_ELEMENTS, FORMAT_VERSION, CodecError, decode, flatten, unflatten
+from .format import DEFAULT_MAX_ELEMENTS, FORMAT_VERSION, CodecError
 from .framing import join, split
+from .readers import decode
 from .schemes import Codec, int4, int8, raw, topk
 from .state import ErrorFeedbackState, refund
+from .tree import flatten, unflatten
 
 __all__ = [
     "DEFAULT_MAX_ELEMENTS",

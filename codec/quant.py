@@ -91,7 +91,7 @@ TINY = F32(2.0**-118)
 NIBBLE_BIAS = 8  # an int4 nibble holds q + 8 (0..14); a padding nibble 8 codes 0
 # pieces below this run the numpy kernels: loading the compiled ones costs a process about
 # 0.5 s (numba's import and cache), which only pieces of this size or more repay (it is
-# also decode's piece, codec.format.PIECE_ELEMENTS)
+# also decode's piece, codec.readers.PIECE_ELEMENTS)
 COMPILED_MIN_ELEMENTS = 1 << 18
 
 

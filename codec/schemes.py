@@ -15,19 +15,13 @@ import threading
 import numpy as np
 
 from . import format as fmt
-from .format import (
-    CodecError,
-    FrameWriter,
-    block_codes,
-    block_scales,
-    check_threads,
-    leaf_items,
-    pool,
-    run_all,
-)
+from .format import CodecError
+from .parallel import check_threads, pool, run_all
+from .payload import FrameWriter, block_codes, block_scales
 from .quant import encode_blocks, encode_raw, workspace
 from .sparse import encode_topk, piece_elements
 from .state import ErrorFeedbackState, advance, check_state, init_state
+from .tree import leaf_items
 
 PIECE_ELEMENTS = 1 << 18  # elements per parallel encode job (int8, int4, raw)
 

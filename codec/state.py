@@ -13,7 +13,8 @@ from typing import NamedTuple
 
 import numpy as np
 
-from .format import CodecError, build_tree, leaf_items
+from .format import CodecError
+from .tree import build_tree, leaf_items
 
 
 class _Ticket:

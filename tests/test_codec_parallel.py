@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import codec
-from codec import format as parallel
+from codec import parallel
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -30,7 +30,7 @@ def many_jobs(monkeypatch):
     monkeypatch.setattr(codec.format, "FRAME_BYTES", 4096)
     monkeypatch.setattr(codec.schemes, "PIECE_ELEMENTS", 2048)
     monkeypatch.setattr(codec.sparse, "ENCODE_PIECE", 2048)
-    monkeypatch.setattr(codec.format, "PIECE_ELEMENTS", 2048)
+    monkeypatch.setattr(codec.readers, "PIECE_ELEMENTS", 2048)
 
 
 def tree(seed=0):

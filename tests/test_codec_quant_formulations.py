@@ -21,7 +21,7 @@ import pytest
 
 import codec
 from codec import quant
-from codec.format import frame_codes
+from codec.coded import frame_codes
 from codec.quant import jax_rule, workspace
 
 pytestmark = pytest.mark.timeout(300)

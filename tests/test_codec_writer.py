@@ -1,11 +1,11 @@
-"""codec.format.FrameWriter: the one frame writer, whole or frame by frame, same bytes."""
+"""codec.payload.FrameWriter: the one frame writer, whole or frame by frame, same bytes."""
 
 import numpy as np
 import pytest
 
 import codec
 from codec import format as fmt
-from codec.format import FrameWriter, block_codes, block_scales
+from codec.payload import FrameWriter, block_codes, block_scales
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -18,7 +18,7 @@ from conftest import wait_for
 from shard_helpers import delta_frames, init_payload, plan_for, push_header, small_flat
 
 import codec
-from codec.format import read_coded as read
+from codec.coded import read_coded as read
 from paramserver.client import Client, ClientConfig
 from paramserver.server.config import ShardConfig
 from paramserver.server.state import ShardState

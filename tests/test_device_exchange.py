@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import codec
-from codec.format import frame_codes, read_codes
+from codec.coded import frame_codes, read_codes
 from paramserver.client import Update
 from paramserver.wire.plan import leaf_specs, make_plan
 from worker import device_quant

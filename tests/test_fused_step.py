@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 import codec
-from codec.format import read_coded as read
+from codec.coded import read_coded as read
 from paramserver.server.step.downlink import Downlink, DownlinkError, new_residual
 from paramserver.server.step.fragment_step import ChunkedStep, FusedNesterov, _kernels, host_vector
 from paramserver.server.step.merge import _MeanMerge, scaled

@@ -85,12 +85,32 @@ def test_importing_codec_and_its_modules_loads_neither_jax_nor_numba():
 
 
 # the codec's floors: the block rule (`quant`, with its numba loops and JAX formulation) builds
-# on nothing of the codec; the sparse scheme on the rule; the frame format (`format`: layout,
-# writer, readers) on both; the schemes and the error feedback above them
+# on nothing of the codec; the sparse scheme on the rule; the frame format (`format`: spec,
+# layout, header) on nothing; the tree paths and thread pools on it; the payload frames
+# (`payload`: the writer) on those; the readers (`readers`, `coded`) on all of them; the
+# schemes and the error feedback above them
 CODEC_FLOORS = {
     "codec.quant": set(),
     "codec.sparse": {"codec.quant"},
-    "codec.format": {"codec.quant", "codec.sparse"},
+    "codec.format": set(),
+    "codec.tree": {"codec.format"},
+    "codec.parallel": {"codec.format"},
+    "codec.payload": {"codec.format", "codec.parallel"},
+    "codec.readers": {
+        "codec.format",
+        "codec.tree",
+        "codec.parallel",
+        "codec.payload",
+        "codec.quant",
+        "codec.sparse",
+    },
+    "codec.coded": {
+        "codec.format",
+        "codec.payload",
+        "codec.readers",
+        "codec.quant",
+        "codec.sparse",
+    },
 }
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec
 
-from codec.format import Coded
+from codec.coded import Coded
 from paramserver.client import Update
 from worker import device_layout, process_group
 from worker.config import IslandConfig, IslandConfigError

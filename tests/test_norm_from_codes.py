@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import codec
-from codec.format import read_coded
+from codec.coded import read_coded
 from codec.quant import (
     COMPILED_MIN_ELEMENTS,
     step_factor,

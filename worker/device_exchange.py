@@ -58,7 +58,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from codec.format import LEVELS, Coded, code_dtype, frame_codes
+from codec.coded import Coded, code_dtype, frame_codes
+from codec.format import LEVELS
 from paramserver.client import Update
 from worker.device_quant import dequantize, quantize
 from worker.exchange import UnfoldableUpdate, delta_since, folded

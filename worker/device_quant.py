@@ -4,7 +4,7 @@
 published increments inside its jitted push and fold with these functions.
 They are `codec.quant.jax_rule`'s (the rule is defined once, in `codec.quant`,
 and its numpy, numba and JAX formulations give the same bits), so the frames an
-island writes from device codes (`codec.format.frame_codes`) are those
+island writes from device codes (`codec.coded.frame_codes`) are those
 `Codec.encode` writes for the same delta and residual.
 """
 

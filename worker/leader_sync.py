@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from codec.format import Coded, code_dtype
+from codec.coded import Coded, code_dtype
 from paramserver.client import JoinResult, Update
 
 SCHEMES = {127: "int8", 7: "int4"}  # quantization levels -> codec scheme

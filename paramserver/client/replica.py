@@ -50,7 +50,7 @@ from typing import Any
 
 import numpy as np
 
-from codec.format import Coded, read_codes
+from codec.coded import Coded, read_codes
 from paramserver.client.types import Update
 from paramserver.wire.plan import Plan
 from paramserver.wire.protocol import UPDATE_FULL, UPDATE_INCREMENT, ProtocolError

@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from codec.format import Coded
+from codec.coded import Coded
 from paramserver.plumbing.exposure import refusal
 from paramserver.plumbing.validate import Checks
 from paramserver.wire.plan import Plan
@@ -262,7 +262,7 @@ class Update:
     itself (a new array per version, never changed in place), not a copy.
 
     `increment`, when not None, holds the int8/int4 codes and scales of the published
-    change from `version - 1` (`codec.format.Coded`): a reader that holds
+    change from `version - 1` (`codec.coded.Coded`): a reader that holds
     version - 1 can add their dequantized values (in float32, as the replica does)
     instead of taking `values`, e.g. on its accelerator. None when `version` came
     from a snapshot or a full-values update.

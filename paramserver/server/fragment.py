@@ -67,7 +67,7 @@ from typing import Any
 
 import numpy as np
 
-from codec.format import CodedTensor, from_array
+from codec.coded import CodedTensor, from_array
 from paramserver.server.step.merge import MEAN_LEAF_MARK, PIECE, TensorPartial, pieces, scaled
 from paramserver.server.step.policy import ArrivalStats, PendingDelta
 from paramserver.server.step.weighting import RoundClock

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 
 import codec
-from codec.format import CodedTensor, read_coded
+from codec.coded import CodedTensor, read_coded
 from paramserver.server.fragment import DedupEntry, Event, FragmentState
 from paramserver.wire import protocol
 from paramserver.wire.plan import Plan, PlanError
@@ -235,7 +235,7 @@ def read_delta(payload: Sequence[Any], size: int) -> CodedTensor | Outcome:
     """The delta of a push's payload, kept coded, or why it is refused.
 
     Checks what decoding it would (frames, checksums, header sizes, finite
-    non-negative scales, topk offsets: `codec.format.read_coded`), the tree, dtype
+    non-negative scales, topk offsets: `codec.coded.read_coded`), the tree, dtype
     and shape, and that every decoded value is finite, without decoding it.
 
     Args:

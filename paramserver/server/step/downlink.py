@@ -17,7 +17,7 @@ The update is quantized once, by the codec's int8 rule in its JAX form
 (`codec.quant.jax_rule`); the shard applies exactly the decoded values and never
 decodes its own frames. The frames are those
 `codec.int8(zstd_level=PUBLISH_ZSTD_LEVEL).encode` writes for {"values":
-target}, byte for byte (the codec's frame writer, `codec.format`), but built
+target}, byte for byte (the codec's frame writer, `codec.payload`), but built
 as the chunks come: each 1 MiB payload frame of codes is written into its own
 buffer and closed (crc32, or zstd with a level) as soon as it is full.
 Without zstd the frames are those buffers
@@ -42,7 +42,7 @@ import numpy as np
 
 import codec
 from codec import format as fmt
-from codec.format import FrameWriter
+from codec.payload import FrameWriter
 from codec.quant import jax_rule as jax_quant
 from paramserver.server.config import DOWNLINKS
 from paramserver.server.step.outer import aligned_float32

@@ -51,7 +51,7 @@ nothing.
 
 Chunks: a step's merge is a `ChunkMerge` (`chunk_merge`), whose `fill(lo, hi,
 out)` writes elements [lo, hi) of the merged delta, decoding its sources
-(`DeltaSource`: a pending delta kept coded, `codec.format.CodedTensor`, or an
+(`DeltaSource`: a pending delta kept coded, `codec.coded.CodedTensor`, or an
 array) a piece of at most PIECE elements at a time, so a step needs no decoded
 copy of any delta. The Grams come from one pass over the deltas when the
 merge is built. Every element's value depends only on its own inputs and the
@@ -71,7 +71,7 @@ from typing import Protocol
 
 import numpy as np
 
-from codec.format import CodedTensor
+from codec.coded import CodedTensor
 from codec.quant import step_factor, sum_squares_float32
 from paramserver.wire.plan import Fragment
 
@@ -81,7 +81,7 @@ PIECE = 1 << 16  # elements decoded at a time by a fill (scratch: a few of these
 
 
 class DeltaSource(Protocol):
-    """A delta the merge reads a range at a time (`codec.format.CodedTensor` is one)."""
+    """A delta the merge reads a range at a time (`codec.coded.CodedTensor` is one)."""
 
     @property
     def size(self) -> int:
@@ -172,7 +172,7 @@ def sum_squares(delta: DeltaSource, lo: int = 0, hi: int | None = None) -> float
         delta: the delta.
         lo, hi: the range (hi None: to the end).
 
-    A delta kept coded sums itself (`codec.format.CodedTensor.sum_squares`:
+    A delta kept coded sums itself (`codec.coded.CodedTensor.sum_squares`:
     an int8 one from its codes and block scales in one compiled pass, equal
     to the sum over its decoded values within 2**-23 relative).
 

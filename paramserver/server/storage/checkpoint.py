@@ -3,7 +3,7 @@
 Content (`export_state` / `restore_state`): a shard state <-> (msgpack-ready
 meta, named arrays). The island
 registry is not included (islands say hello again after a restart). Pending
-deltas are stored as they are kept, coded (`codec.format.CodedTensor`: codes
+deltas are stored as they are kept, coded (`codec.coded.CodedTensor`: codes
 and scales, topk entries or raw values, with their clip factor), not decoded.
 The meta names the dtype the outer momentum is kept in (`momentum_dtype`; a
 bfloat16 momentum is stored as its uint16 bits, as the downlink residual), and
@@ -53,7 +53,7 @@ import jax
 import msgpack
 import numpy as np
 
-from codec.format import CodedTensor, from_array
+from codec.coded import CodedTensor, from_array
 from paramserver.plumbing.private import open_private
 from paramserver.server.admission.outcomes import ShardCounters
 from paramserver.server.config import ShardConfig

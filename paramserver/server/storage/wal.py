@@ -15,7 +15,7 @@ Log records (msgpack header + raw payload):
             steps, arrived, codec: [frame lengths] or nil, floor?: the push's
             `floor`, absent when it had none}; payload: the codec
             frames as received, back to back (read again on replay into the
-            same coded pending delta: `codec.format.read_coded` is deterministic), or
+            same coded pending delta: `codec.coded.read_coded` is deterministic), or
             the float32 delta when codec is nil (an event built without frames)
     step    {"t": "step", fragment, keys: [[island, round], ...], at, expected,
             momentum?, outside?: [[path, fragment, [[island, round], ...], [float64 row-major]], ...]}
@@ -77,7 +77,7 @@ from typing import Any
 import msgpack
 import numpy as np
 
-from codec.format import CodedTensor, from_array, read_coded
+from codec.coded import CodedTensor, from_array, read_coded
 from paramserver.plumbing.private import open_private
 from paramserver.server.fragment import (
     AcceptEvent,
