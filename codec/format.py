@@ -134,7 +134,8 @@ import msgpack
 import numpy as np
 import zstandard
 
-from .quant import decode_blocks, scratch, step_factor, sum_squares_int8, workspace
+from .quant import decode_blocks, scratch, sum_squares_int8, workspace
+from .quant_rule import step_factor
 from .sparse import decode_topk, topk_entries
 
 MAGIC = "ddcodec"
