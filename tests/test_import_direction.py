@@ -105,10 +105,10 @@ def test_the_codecs_rule_and_frame_format_import_only_below_them(module):
 
 
 def test_only_the_clients_threaded_shell_touches_sockets():
-    # `paramserver.client.api` (Client and its I/O thread) is the one client module with zmq
+    # `paramserver.client.links` (the I/O thread's sockets) is the one client module with zmq
     files = sorted((ROOT / "paramserver" / "client").glob("*.py"))
     with_zmq = sorted(p.name for p in files if "zmq" in imported_top_levels(p))
-    assert with_zmq == ["api.py"], with_zmq
+    assert with_zmq == ["links.py"], with_zmq
 
 
 def imported_modules(path: Path) -> set[str]:
