@@ -23,9 +23,10 @@ and zstd runs at about 0.2x memcpy and decode at about 0.3x, most of it zstd
 (`diloco-bench codec`, `single_core`). Without numba the same numpy kernels
 as before compute the same bits, at about half the encode speed.
 
-The int8/int4 block rule is defined once (`codec.quant`) and computed three
-ways that give the same bits, all three there: numpy, the compiled numba loops
-(`codec.quant.compiled_loops`), and JAX (`codec.quant.jax_rule`, for quantizing
+The int8/int4 block rule is defined once (`codec.quant_rule`) and computed three
+ways that give the same bits: numpy (`codec.quant`, which picks the formulation),
+the compiled numba loops (`codec.quant.compiled_loops`, from `codec.quant_numba`),
+and JAX (`codec.quant.jax_rule`, from `codec.quant_jax`, for quantizing
 inside `jax.jit` on the values' own devices: the island's device exchange and
 the shard's downlink). Every message, whoever
 quantized it, is written by one frame writer (`codec.payload.FrameWriter`,

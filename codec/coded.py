@@ -25,7 +25,8 @@ from .format import (
     parse_header,
 )
 from .payload import FrameWriter, block_codes, block_scales, gather
-from .quant import decode_blocks, scratch, step_factor, sum_squares_int8, workspace
+from .quant import decode_blocks, scratch, sum_squares_int8, workspace
+from .quant_rule import step_factor
 from .readers import block_jobs, frame_views, run_job
 from .sparse import topk_entries
 

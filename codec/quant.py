@@ -1,37 +1,14 @@
-"""The int8/int4 block-absmax rule (its one definition) and its three formulations: numpy, numba, JAX.
+"""The block quantizer's entry points and its numpy formulation.
 
-Owns the arithmetic of the quantized schemes: per block of `block` elements,
-``m = max(|x|)``, ``q = round(x * min(L / m, L / TINY))`` (half to even) with
-L = 127 (int8) or 7 (int4; two codes a byte, element 2i in the low nibble,
-each nibble ``q + NIBBLE_BIAS``, an odd count's last high nibble coding 0),
-decoded ``q * (m * float32(1/L))``. Encode and decode use the very same float32
-operations, never a fused multiply-add, so an encoder's error-feedback residual
-``x - decoded`` is exact with respect to what any decoder reconstructs. Blocks
-with ``m`` below TINY are flushed to 0 (their step would be subnormal).
+The int8/int4 block-absmax rule is `codec.quant_rule`'s; it is computed three
+ways, bit for bit alike (a test compares them on awkward inputs):
 
-One concept, the block quantizer, in one module: the constants of the rule
-(`TINY`, `step_factor`, `max_factor`, `NIBBLE_BIAS`) and three formulations
-that compute it, bit for bit alike (a test compares them on awkward inputs).
-It is longer than 700 lines because the three change together whenever the
-rule does, and side by side a reader checks them operation by operation.
-
-- numpy (`encode_numpy`, `decode_numpy`): 64K-element chunks with `out=` on
-  every operation, no allocation in the loop.
-- numba (`compiled_loops`, built on first use: it imports numba and compiles
-  the `_nb_*` loops below, cached on disk): one pass over each cache-resident
-  block for absmax, scale, rounding and error feedback, and one for
-  dequantizing, operation for operation in float32 (``inv = min(L / m, L /
-  TINY)``, ``q = rint(v * inv)``, residual ``v - q * (m * 1/L)``; no fused
-  multiply-add: numba leaves LLVM's contraction off unless fastmath asks for
-  it). The block absmax is the maximum of the float bits with the sign masked
-  off, an integer reduction that vectorizes and that orders non-negative
-  floats as the floats do (NaN above Inf, so a NaN still yields a non-finite
-  scale). Also the norm of a delta from its codes (`sum_squares_int8`) and
-  the shard's weighted dequantize (`dequantize_weighted`).
-- JAX (`jax_rule`, built on first use: it imports JAX), traceable functions
-  for callers that quantize inside `jax.jit` on the values' own devices: the
-  island's device exchange (`worker.device_quant`) and the shard's downlink
-  (`paramserver.server.step.downlink`); see "The JAX formulation" below.
+- numpy (`encode_numpy`, `decode_numpy`, here): 64K-element chunks with `out=`
+  on every operation, no allocation in the loop.
+- numba (`compiled_loops`, built on first use from `codec.quant_numba`: it
+  imports numba and compiles its loops, cached on disk).
+- JAX (`jax_rule`, built on first use from `codec.quant_jax`: it imports JAX),
+  traceable functions for callers that quantize inside `jax.jit`.
 
 Nothing imports numba or JAX when this module is imported: `import codec`
 stays cheap and never loads JAX. Round-to-nearest encode and every decode run
@@ -47,34 +24,6 @@ Beside the rule, what its kernels run on: the scratch buffers (`Workspace`,
 one set per thread and block size, so no kernel allocates in its inner loop)
 and the raw schemes' kernel (`encode_raw`: the cast to float32 or bfloat16,
 its residual and finiteness check).
-
-The JAX formulation. Same float32 operations in the same order, so the codes,
-scales, decoded values and residual are the numpy codec's bit for bit:
-
-    src      = x + residual                   (the caller adds it)
-    m        = max |src| per block            (0 when below TINY = 2**-118)
-    q        = round_half_even(src * min(L / m, L / TINY))
-    decoded  = q * (m * float32(1 / L))
-    residual = src - decoded
-
-Where q rounds to -0.0, the residual subtracts -0.0 as the numpy and numba
-encoders do, while `decoded` is +0.0, as every decoder computes it from the
-integer code. Written as one elementwise chain around one row reduction over a
-(blocks, block) view, so XLA fuses it into a reduce fusion and one elementwise
-fusion instead of materialising every intermediate.
-
-Fused multiply-add: XLA's CPU and GPU backends contract a multiply feeding an
-add into one FMA, which rounds once where the codec rounds twice. `decoded`
-therefore passes through an integer op on its bits (`_rounded`), which keeps
-the multiply's own rounding without materialising anything, so the residual is
-the codec's on every backend. An `optimization_barrier` does not do it (XLA
-removes it before fusion), nor does a select (LLVM moves the add into it and
-contracts again).
-
-Subnormals: XLA may flush them to zero where numpy keeps them. Codes and scales
-cannot differ (a block whose absmax is subnormal is below TINY and flushed; a
-subnormal value in a block of absmax >= TINY quantizes to 0); a residual may hold
-0 where numpy holds a subnormal.
 """
 
 from __future__ import annotations
@@ -86,44 +35,21 @@ from types import SimpleNamespace
 import ml_dtypes
 import numpy as np
 
-F32 = np.float32
-TINY = F32(2.0**-118)
-NIBBLE_BIAS = 8  # an int4 nibble holds q + 8 (0..14); a padding nibble 8 codes 0
+from .quant_jax import build_jax_rule
+from .quant_numba import compile_loops
+from .quant_rule import F32, NIBBLE_BIAS, TINY, max_factor, step_factor
+
 # pieces below this run the numpy kernels: loading the compiled ones costs a process about
 # 0.5 s (numba's import and cache), which only pieces of this size or more repay (it is
 # also decode's piece, codec.readers.PIECE_ELEMENTS)
 COMPILED_MIN_ELEMENTS = 1 << 18
 
 
-def step_factor(levels: int) -> np.float32:
-    """The float32 factor turning a block absmax into a quantization step.
-
-    Args:
-        levels: 127 (int8) or 7 (int4).
-
-    Returns:
-        float32(1 / levels).
-    """
-    return F32(1.0 / levels)
-
-
-def max_factor(levels: int) -> np.float32:
-    """The largest factor a block's values are multiplied by: the one of a flushed block.
-
-    Args:
-        levels: 127 (int8) or 7 (int4).
-
-    Returns:
-        float32(levels / TINY), which ``levels / m`` is clipped to (m = 0 gives inf).
-    """
-    return F32(levels / float(TINY))
-
-
 @functools.cache
 def _loops() -> SimpleNamespace | None:
     """`compiled_loops`, or None where numba cannot be imported (numpy then does it all)."""
     try:
-        return _compile_loops()  # imports numba: only once a block codec runs
+        return compile_loops()  # imports numba: only once a block codec runs
     except ImportError:
         return None
 
@@ -510,418 +436,6 @@ def encode_raw(x, res, new_res, out, ws: Workspace) -> bool:
     return finite
 
 
-# -- the compiled formulation (numba) ---------------------------------------------------
-# The `_nb_*` loops are plain Python until `compiled_loops` compiles them: it imports numba,
-# so that importing the codec does not. They call each other through this module's globals,
-# which the compile replaces with numba's dispatchers (numba freezes the constants below).
-
-_LOOPS: list[str] = []  # the names of the `_nb_*` loops, in definition order
-_compile_lock = threading.Lock()
-_compiled: SimpleNamespace | None = None
-
-
-def _loop(fn):
-    """Mark `fn` as one of the compiled loops (`_compile_loops` compiles it)."""
-    _LOOPS.append(fn.__name__)
-    return fn
-
-
-ABS_MASK = np.int32(0x7FFFFFFF)
-BIAS = np.int8(NIBBLE_BIAS)
-BIAS_F = np.float32(NIBBLE_BIAS)
-PAD_HIGH = np.uint8(NIBBLE_BIAS << 4)  # the high nibble of an odd count's last byte: q = 0
-
-
-@_loop
-def _nb_absmax(bits, one_i, one_f):
-    # bits: the int32 view of one block; one_f: the float32 view of one_i
-    mx = np.int32(0)
-    for i in range(bits.shape[0]):
-        mx = max(mx, bits[i] & ABS_MASK)
-    one_i[0] = mx
-    return one_f[0]
-
-
-@_loop
-def _nb_quantize(src, res, new_res, codes, scales, buf, block, levels, tiny, inv_max, step):
-    """Round-to-nearest block quantize of `src` (+ `res`), one block at a time.
-
-    Args:
-        src: float32 [n] input (contiguous).
-        res: float32 [n] error-feedback residual added to `src`, or [0] for none.
-        new_res: float32 [n] output ``v - q * step * m``, or [0] for none.
-        codes: int8 [n] (levels 127), or uint8 [ceil(n/2)] (levels 7: low
-            nibble first, q + 8; a missing odd last element counts as q = 0).
-        scales: float32 [ceil(n/block)] output block absmax (0 below `tiny`).
-        buf: float32 scratch of at least `block` elements.
-        block: elements per block.
-        levels: 127 or 7.
-        tiny: float32 absmax below which a block is flushed to 0.
-        inv_max: float32 ``levels / tiny``, the largest inverse step.
-        step: float32 ``1 / levels``.
-    """
-    n = src.shape[0]
-    add_res = res.shape[0] > 0
-    write_res = new_res.shape[0] > 0
-    packed = levels == 7
-    one_i = np.zeros(1, np.int32)
-    one_f = one_i.view(np.float32)
-    lv = np.float32(levels)
-    for j in range((n + block - 1) // block):
-        a = j * block
-        e = min(a + block, n)
-        size = e - a
-        s = src[a:e]
-        if add_res:
-            v = buf[:size]
-            r = res[a:e]
-            for i in range(size):
-                v[i] = s[i] + r[i]
-        else:
-            v = s
-        m = _nb_absmax(v.view(np.int32), one_i, one_f)
-        if m < tiny:
-            m = np.float32(0.0)
-        scales[j] = m
-        inv = lv / m
-        if inv > inv_max:  # a NaN stays NaN, as with np.minimum
-            inv = inv_max
-        st = m * step
-        if packed:
-            _nb_pack4(v, codes[a // 2 : (e + 1) // 2], inv)
-            if write_res:
-                _nb_residual(v, new_res[a:e], inv, st)
-        elif write_res:
-            c = codes[a:e]
-            nr = new_res[a:e]
-            for i in range(size):
-                q = np.rint(v[i] * inv)
-                c[i] = np.int8(q)
-                nr[i] = v[i] - q * st
-        else:
-            c = codes[a:e]
-            for i in range(size):
-                c[i] = np.int8(np.rint(v[i] * inv))
-
-
-@_loop
-def _nb_pack4(v, c, inv):
-    size = v.shape[0]
-    half = size // 2
-    for i in range(half):
-        lo = np.int8(np.rint(v[2 * i] * inv)) + BIAS
-        hi = np.int8(np.rint(v[2 * i + 1] * inv)) + BIAS
-        c[i] = np.uint8(lo) | np.uint8(np.uint8(hi) << np.uint8(4))
-    if size % 2:  # the missing odd element is coded as 0 (nibble 8)
-        lo = np.int8(np.rint(v[size - 1] * inv)) + BIAS
-        c[half] = np.uint8(lo) | PAD_HIGH
-
-
-@_loop
-def _nb_residual(v, nr, inv, st):
-    for i in range(v.shape[0]):
-        nr[i] = v[i] - np.rint(v[i] * inv) * st
-
-
-@_loop
-def _nb_dequantize(codes, scales, out, block, levels, step):
-    """Values ``q * (m * step)`` of the codes written by `quantize`.
-
-    Args:
-        codes: int8 [n] (levels 127) or packed uint8 [ceil(n/2)] (levels 7).
-        scales: float32 [ceil(n/block)] block absmax values.
-        out: float32 [n] output (contiguous).
-        block: elements per block.
-        levels: 127 or 7.
-        step: float32 ``1 / levels``.
-    """
-    n = out.shape[0]
-    for j in range((n + block - 1) // block):
-        a = j * block
-        e = min(a + block, n)
-        st = scales[j] * step
-        o = out[a:e]
-        if levels == 7:
-            _nb_unpack4(codes[a // 2 : (e + 1) // 2], o, st)
-        else:
-            c = codes[a:e]
-            for i in range(e - a):
-                o[i] = np.float32(c[i]) * st
-
-
-@_loop
-def _nb_unpack4(c, o, st):
-    size = o.shape[0]
-    half = size // 2
-    eight = BIAS_F
-    for i in range(half):
-        b = c[i]
-        o[2 * i] = (np.float32(b & np.uint8(15)) - eight) * st
-        o[2 * i + 1] = (np.float32(b >> np.uint8(4)) - eight) * st
-    if size % 2:
-        o[size - 1] = (np.float32(c[half] & np.uint8(15)) - eight) * st
-
-
-@_loop
-def _nb_dequantize_weighted(codes, scales, out, first, block, step, factor, weight, add):
-    """``out (+)= ((q * (m * step)) * factor) * weight`` over int8 codes, in float32.
-
-    The weighted sum of a merge (`paramserver.server.step.merge`) without a
-    decoded copy: each element is the decoder's value (`dequantize`), times a
-    clip factor, times the delta's weight, each product rounded on its own,
-    then stored (``add`` false) or added to `out` (no fused multiply-add).
-
-    Args:
-        codes: int8 codes of the whole tensor (levels 127).
-        scales: its float32 block absmax values.
-        out: float32 output, the elements [first, first + len(out)).
-        first: the tensor index of out[0].
-        block: elements per block.
-        step: float32 ``1 / 127``.
-        factor: float32 clip factor (1: none, skipped).
-        weight: float32 weight.
-        add: True to add to `out`, False to overwrite it.
-    """
-    n = out.shape[0]
-    scaled = factor != np.float32(1.0)
-    pos = 0
-    while pos < n:
-        j = (first + pos) // block
-        end = min((j + 1) * block - first, n)
-        st = scales[j] * step
-        c = codes[first + pos : first + end]
-        o = out[pos:end]
-        for i in range(end - pos):
-            t = np.float32(c[i]) * st
-            if scaled:
-                t = t * factor
-            t = t * weight
-            if add:
-                o[i] = o[i] + t
-            else:
-                o[i] = t
-        pos = end
-
-
-# elements whose squared int8 codes an int32 sums exactly: 65536 * 128**2 = 2**30 < 2**31
-SQUARES_RUN = 1 << 16
-
-
-@_loop
-def _nb_sum_squares_int8(codes, scales, lo, hi, block, step):
-    """Sum of the squares of elements [lo, hi) of an int8 tensor, from its codes and block scales.
-
-    Per block b, ``st_b**2 * sum_i q_i**2`` with st_b = float32(m_b * step)
-    (the decoder's step) widened to float64, and the integer sum of the
-    squared codes exact (int32 runs of SQUARES_RUN elements, which
-    vectorize); the blocks' terms are added in block order, in float64
-    (`codec.quant.sum_squares_int8_numpy` gives the same bits).
-
-    Args:
-        codes: int8 codes of the whole tensor.
-        scales: its float32 block absmax values.
-        lo, hi: the range, 0 <= lo <= hi <= len(codes).
-        block: elements per block.
-        step: float32 ``1 / 127``.
-
-    Returns:
-        The float64 sum.
-    """
-    total = 0.0
-    if hi <= lo:
-        return total
-    for j in range(lo // block, (hi - 1) // block + 1):
-        a = max(lo, j * block)
-        e = min(hi, (j + 1) * block)
-        whole = np.int64(0)
-        for r in range(a, e, SQUARES_RUN):
-            c = codes[r : min(r + SQUARES_RUN, e)]
-            run = np.int32(0)
-            for i in range(c.shape[0]):
-                q = np.int32(c[i])
-                run += q * q
-            whole += np.int64(run)
-        st = np.float64(scales[j] * step)
-        total += np.float64(whole) * (st * st)
-    return total
-
-
-@_loop
-def _nb_sum_squares_f32(values):
-    """Sum of the squares of float32 values, in float64 (eight running sums, added at the end).
-
-    Args:
-        values: float32 [n] (contiguous).
-
-    Returns:
-        The float64 sum (the same bits on any host: a fixed order of additions).
-    """
-    n = values.shape[0]
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    m = n - n % 8
-    for i in range(0, m, 8):
-        x0, x1 = np.float64(values[i]), np.float64(values[i + 1])
-        x2, x3 = np.float64(values[i + 2]), np.float64(values[i + 3])
-        x4, x5 = np.float64(values[i + 4]), np.float64(values[i + 5])
-        x6, x7 = np.float64(values[i + 6]), np.float64(values[i + 7])
-        s0 += x0 * x0
-        s1 += x1 * x1
-        s2 += x2 * x2
-        s3 += x3 * x3
-        s4 += x4 * x4
-        s5 += x5 * x5
-        s6 += x6 * x6
-        s7 += x7 * x7
-    for i in range(m, n):
-        x = np.float64(values[i])
-        s0 += x * x
-    return ((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))
-
-
-def _compile_loops() -> SimpleNamespace:
-    """The compiled loops, compiled on first use (each on its first call) and cached on disk.
-
-    Returns:
-        A namespace of `quantize`, `dequantize`, `dequantize_weighted`,
-        `sum_squares_int8` and `sum_squares_f32` (numba dispatchers).
-
-    Raises:
-        ImportError: numba cannot be imported.
-    """
-    global _compiled
-    with _compile_lock:
-        if _compiled is None:
-            import numba
-
-            jit = numba.njit(nogil=True, cache=True, boundscheck=False, error_model="numpy")
-            module = globals()
-            for name in _LOOPS:  # the loops find each other compiled under their own names
-                module[name] = jit(module[name])
-            _compiled = SimpleNamespace(
-                quantize=module["_nb_quantize"],
-                dequantize=module["_nb_dequantize"],
-                dequantize_weighted=module["_nb_dequantize_weighted"],
-                sum_squares_int8=module["_nb_sum_squares_int8"],
-                sum_squares_f32=module["_nb_sum_squares_f32"],
-            )
-    return _compiled
-
-
-# -- the traceable formulation (JAX) ----------------------------------------------------
-
-
-@functools.cache
-def _jax_rule() -> SimpleNamespace:
-    """The rule as traceable JAX functions (see "The JAX formulation" above); imports JAX.
-
-    Returns:
-        A namespace of `encode`, `quantize` and `dequantize`.
-
-    Raises:
-        ImportError: JAX cannot be imported.
-    """
-    import jax
-    import jax.numpy as jnp
-
-    def _rounded(product: jax.Array, scale: jax.Array) -> jax.Array:
-        """A (blocks, block) product rounded on its own: never contracted into a later add.
-
-        The product's bits pass through an integer xor with the block scale's sign bit
-        (0 for the scales the codec writes and reads, which are >= 0): an integer op the
-        compiler cannot fold away, so no multiply-add can span it. Costs two integer ops.
-
-        Args:
-            product: q * step per block.
-            scale: the blocks' scales (their sign bit is 0).
-        """
-        sign = jax.lax.bitcast_convert_type(scale, jnp.uint32) & jnp.uint32(0x80000000)
-        bits = jax.lax.bitcast_convert_type(product, jnp.uint32) ^ sign[:, None]
-        return jax.lax.bitcast_convert_type(bits, jnp.float32)
-
-    def _blocks(x: jax.Array, block: int) -> jax.Array:
-        n = x.shape[0]
-        nb = -(-n // block)
-        return jnp.pad(x, (0, nb * block - n)).reshape(nb, block)
-
-    def encode(src: jax.Array, levels: int, block: int) -> tuple[jax.Array, ...]:
-        """Quantize a 1-D float32 vector block by block; also what decoding gives and misses.
-
-        Args:
-            src: 1-D float32, n elements (the values with any old residual added).
-            levels: 127 (int8) or 7 (int4).
-            block: elements per block (even for int4).
-
-        Returns:
-            (codes, scales, decoded, residual): int8 [n] or packed uint8 [ceil(n / 2)],
-            float32 [ceil(n / block)] block absmax values, float32 [n] what
-            `codec.decode` gives for them, float32 [n] ``src - decoded``. Under jit,
-            the outputs a caller drops are never computed.
-        """
-        n = src.shape[0]
-        v = _blocks(src, block)
-        m = jnp.max(jnp.abs(v), axis=1)
-        m = jnp.where(m < TINY, jnp.float32(0), m)
-        inv = jnp.minimum(jnp.float32(levels) / m, max_factor(levels))
-        q = jnp.round(v * inv[:, None])  # round half to even, as np.rint
-        step = (m * step_factor(levels))[:, None]
-        # the residual subtracts q * step as the encoders do (q may be -0.0 there) ...
-        residual = (v - _rounded(q * step, m)).reshape(-1)[:n]
-        # ... and the decoded values are a decoder's, from the integer codes (+0.0 for a 0)
-        codes = q.astype(jnp.int8)
-        decoded = _rounded(codes.astype(jnp.float32) * step, m).reshape(-1)[:n]
-        return _pack(codes.reshape(-1), n, levels), m, decoded, residual
-
-    def quantize(src: jax.Array, levels: int, block: int) -> tuple[jax.Array, jax.Array, jax.Array]:
-        """Quantize with error feedback: `encode` without the decoded values.
-
-        Args:
-            src: 1-D float32, n elements (the delta with the old residual added).
-            levels: 127 (int8) or 7 (int4).
-            block: elements per block (even for int4).
-
-        Returns:
-            (codes, scales, new residual): int8 [n] or packed uint8 [ceil(n / 2)],
-            float32 [ceil(n / block)], float32 [n].
-        """
-        codes, scales, _, residual = encode(src, levels, block)
-        return codes, scales, residual
-
-    def _pack(codes: jax.Array, n: int, levels: int) -> jax.Array:
-        if levels == 127:
-            return codes[:n]
-        # padded blocks have an even length, and their padding codes 0 (a high nibble of 8)
-        nibbles = (codes + jnp.int8(NIBBLE_BIAS)).astype(jnp.uint8)
-        packed = nibbles[0::2] | (nibbles[1::2] << jnp.uint8(4))
-        return packed[: (n + 1) // 2]
-
-    def dequantize(
-        codes: jax.Array, scales: jax.Array, n: int, levels: int, block: int
-    ) -> jax.Array:
-        """The values of int8 or int4 codes, as `codec.decode` computes them.
-
-        Args:
-            codes: int8 [n] or packed uint8 [ceil(n / 2)].
-            scales: float32 [ceil(n / block)].
-            n: element count.
-            levels: 127 or 7.
-            block: elements per block.
-
-        Returns:
-            1-D float32 [n]: ``q * (m * float32(1 / L))``, rounded before any add that
-            consumes it (a replica adds it to its values as numpy does).
-        """
-        if levels == 127:
-            q = codes.astype(jnp.float32)
-        else:
-            low = (codes & jnp.uint8(15)).astype(jnp.float32)
-            high = (codes >> jnp.uint8(4)).astype(jnp.float32)
-            q = jnp.stack([low, high], axis=1).reshape(-1)[:n] - jnp.float32(NIBBLE_BIAS)
-        step = scales * step_factor(levels)
-        return _rounded(_blocks(q, block) * step[:, None], scales).reshape(-1)[:n]
-
-    return SimpleNamespace(encode=encode, quantize=quantize, dequantize=dequantize)
-
-
 def __getattr__(name: str) -> SimpleNamespace:
     """The formulations built on first use: `compiled_loops` (numba) and `jax_rule` (JAX).
 
@@ -933,7 +447,7 @@ def __getattr__(name: str) -> SimpleNamespace:
         AttributeError: any other name.
     """
     if name == "compiled_loops":
-        return _compile_loops()
+        return compile_loops()
     if name == "jax_rule":
-        return _jax_rule()
+        return build_jax_rule()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

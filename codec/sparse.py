@@ -17,7 +17,8 @@ mask picks the entries at or above it, and only chunks with ties at that value
 
 import numpy as np
 
-from .quant import TINY, scratch
+from .quant import scratch
+from .quant_rule import TINY
 
 F32 = np.float32
 ENCODE_PIECE = 1 << 18  # elements per parallel piece (whole chunks)

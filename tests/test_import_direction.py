@@ -3,7 +3,7 @@
 Walks every module's source with `ast` (no import side effects) and fails on an
 import of a package that sits later in the chain, and on codec importing
 anything but numpy, zstandard, msgpack (ml_dtypes for bf16, numba for the
-compiled block kernels) and the stdlib; JAX only in `codec/quant.py`, inside the
+compiled block kernels) and the stdlib; JAX only in `codec/quant_jax.py`, inside the
 function that builds its JAX formulation (`codec.quant.jax_rule`), so importing
 any codec module loads no JAX.
 """
@@ -19,7 +19,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 ORDER = ["codec", "paramserver", "worker", "bench"]
 CODEC_THIRD_PARTY = {"numpy", "zstandard", "msgpack", "ml_dtypes", "numba"}
-CODEC_JAX_MODULE = "quant.py"  # the one codec module that imports JAX (in a function, on use)
+CODEC_JAX_MODULE = "quant_jax.py"  # the one codec module that imports JAX (in a function, on use)
 
 
 def imported_top_levels(path: Path) -> set[str]:
@@ -84,14 +84,17 @@ def test_importing_codec_and_its_modules_loads_neither_jax_nor_numba():
     assert done.returncode == 0, done.stderr
 
 
-# the codec's floors: the block rule (`quant`, with its numba loops and JAX formulation) builds
-# on nothing of the codec; the sparse scheme on the rule; the frame format (`format`: spec,
-# layout, header) on nothing; the tree paths and thread pools on it; the payload frames
-# (`payload`: the writer) on those; the readers (`readers`, `coded`) on all of them; the
-# schemes and the error feedback above them
+# the codec's floors: the block rule (`quant_rule`) builds on nothing of the codec; its numba
+# loops and JAX formulation on the rule; its entry points (`quant`) on those; the sparse scheme
+# on the rule; the frame format (`format`: spec, layout, header) on nothing; the tree paths and
+# thread pools on it; the payload frames (`payload`: the writer) on those; the readers
+# (`readers`, `coded`) on all of them; the schemes and the error feedback above them
 CODEC_FLOORS = {
-    "codec.quant": set(),
-    "codec.sparse": {"codec.quant"},
+    "codec.quant_rule": set(),
+    "codec.quant_numba": {"codec.quant_rule"},
+    "codec.quant_jax": {"codec.quant_rule"},
+    "codec.quant": {"codec.quant_rule", "codec.quant_numba", "codec.quant_jax"},
+    "codec.sparse": {"codec.quant", "codec.quant_rule"},
     "codec.format": set(),
     "codec.tree": {"codec.format"},
     "codec.parallel": {"codec.format"},
@@ -109,6 +112,7 @@ CODEC_FLOORS = {
         "codec.payload",
         "codec.readers",
         "codec.quant",
+        "codec.quant_rule",
         "codec.sparse",
     },
 }
@@ -121,10 +125,10 @@ def test_the_codecs_rule_and_frame_format_import_only_below_them(module):
 
 
 def test_only_the_clients_threaded_shell_touches_sockets():
-    # `paramserver.client.api` (Client and its I/O thread) is the one client module with zmq
+    # `paramserver.client.links` (the I/O thread's sockets) is the one client module with zmq
     files = sorted((ROOT / "paramserver" / "client").glob("*.py"))
     with_zmq = sorted(p.name for p in files if "zmq" in imported_top_levels(p))
-    assert with_zmq == ["api.py"], with_zmq
+    assert with_zmq == ["links.py"], with_zmq
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -9,11 +9,11 @@ import codec
 from codec.coded import read_coded
 from codec.quant import (
     COMPILED_MIN_ELEMENTS,
-    step_factor,
     sum_squares_float32,
     sum_squares_int8,
     sum_squares_int8_numpy,
 )
+from codec.quant_rule import step_factor
 from paramserver.server.step.merge import ArrayDelta, sum_squares
 from paramserver.server.step.weighting import l2_norm
 

@@ -1,8 +1,8 @@
 """The client side: what an island uses to join, push deltas and receive updates.
 
 The public import path is this package: `from paramserver.client import Client,
-ClientConfig`. Its modules: `api` (the `Client` API and the one thread that
-owns the sockets, `IOThread` with its `Links`, and moves bytes), `types`
+ClientConfig`. Its modules: `api` (the `Client` API), `io_thread` (the one
+thread that moves bytes, `IOThread`), `links` (the sockets it owns), `types`
 (config, errors, results), `core` (`ClientCore`, the sans-I/O protocol state:
 join, ledger, replica, acks, re-sends), `joining` (a join in progress) and
 `handshake` (its states up to an initialised cluster; a shard's init in

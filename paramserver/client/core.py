@@ -4,7 +4,7 @@ This module owns the island side of the wire protocol (docs/protocol.md) as
 one object that takes the time and the messages as arguments and returns
 what to do (`paramserver.client.shards`: open, close, send on numbered
 links), in the h11 pattern. It imports neither zmq, threading nor the
-clock: the I/O thread (`paramserver.client.api.IOThread`) only moves bytes and
+clock: the I/O thread (`paramserver.client.io_thread.IOThread`) only moves bytes and
 calls `on_message`, `on_tick`, `push` and `on_sent`, under one lock that also
 guards the API's reads. `ClientCore` holds:
 

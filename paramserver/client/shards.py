@@ -10,7 +10,7 @@ heartbeat. One TCP flow's window is what the kernel lets its socket buffers
 grow to (autotuning up to net.ipv4.tcp_wmem/tcp_rmem's maximum, 4 MiB by
 default), so a link whose bandwidth-delay product is larger needs several
 flows or larger buffers: `bulk_flows` picks the count, `flow_buffer_bytes`
-the buffer of each (`paramserver.client.api.Links` applies it as ZeroMQ
+the buffer of each (`paramserver.client.links.Links` applies it as ZeroMQ
 SNDBUF/RCVBUF). `Flows` puts each bulk message, whole, on the flow with the
 fewest bytes in flight and knows what a flow that died was carrying;
 `pieces_in_flight` sizes the init and snapshot pieces so that every flow
@@ -522,7 +522,7 @@ class Shards:
 # -- the effects ---------------------------------------------------------------------------
 # What the core asks its I/O loop to do: open, close and send on numbered links. A *link*
 # is one socket, named by a number the core picks: a DEALER to a shard's ROUTER or a SUB
-# to its PUB. The I/O loop (`paramserver.client.api.IOThread`) keeps a socket per open link,
+# to its PUB. The I/O loop (`paramserver.client.io_thread.IOThread`) keeps a socket per open link,
 # performs the effects in order, reports each `Send` back (`ClientCore.on_sent`), and
 # hands the core every message with the link it came in on.
 

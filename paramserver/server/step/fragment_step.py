@@ -62,7 +62,7 @@ import ml_dtypes
 import numpy as np
 import optax
 
-from codec.quant import TINY, max_factor, step_factor
+from codec.quant_rule import TINY, max_factor, step_factor
 from paramserver.server.config import ShardConfig
 from paramserver.server.fragment import (
     Contribution,

@@ -72,7 +72,8 @@ from typing import Protocol
 import numpy as np
 
 from codec.coded import CodedTensor
-from codec.quant import step_factor, sum_squares_float32
+from codec.quant import sum_squares_float32
+from codec.quant_rule import step_factor
 from paramserver.wire.plan import Fragment
 
 MERGES = ("mean", "rda", "median")
