@@ -24,10 +24,10 @@ from .format import (
     layout,
     parse_header,
 )
-from .payload import FrameWriter, block_codes, block_scales, gather
+from .payload import FrameWriter, block_codes, block_scales, frame_views, gather
 from .quant import decode_blocks, scratch, sum_squares_int8, workspace
 from .quant_rule import step_factor
-from .readers import block_jobs, frame_views, run_job
+from .readers import block_jobs, run_job
 from .sparse import topk_entries
 
 SQUARES_PIECE = 1 << 16  # elements decoded at a time by CodedTensor.sum_squares (not int8)

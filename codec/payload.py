@@ -5,7 +5,7 @@ close the payload into frames in order, add the header); `compress_frames`
 closes frames (zstd, one compressor per thread, or crc32 when uncompressed)
 and `gather` reassembles and verifies a payload from its frames;
 `block_codes` / `block_scales` view a block-scheme tensor's sections in a
-payload. The format itself is specified in codec/format.py's docstring.
+payload; `frame_views` checks a received message's frames and views them as bytes. The format itself is specified in codec/format.py's docstring.
 """
 
 import threading
@@ -239,3 +239,19 @@ def _unzstd_into(frame, entry, out, index: int) -> None:
         raise CodecError(f"frame {index} decompressed to {got} bytes, expected {raw_len}")
     if extra:
         raise CodecError(f"frame {index} does not decompress: data after its zstd frame")
+
+
+def frame_views(frames) -> list:
+    """The frames as 1-D byte memoryviews; CodecError unless a non-empty list of bytes-like."""
+    if isinstance(frames, bytes | bytearray | memoryview | str) or not hasattr(frames, "__len__"):
+        raise CodecError("frames must be a list of bytes-like objects")
+    if len(frames) == 0:
+        raise CodecError("no frames: a codec message has at least its header frame")
+    views = []
+    for i, f in enumerate(frames):
+        try:
+            v = memoryview(f)
+            views.append(v if v.format == "B" and v.ndim == 1 else v.cast("B"))
+        except TypeError:
+            raise CodecError(f"frame {i} is not bytes-like ({type(f).__name__})") from None
+    return views

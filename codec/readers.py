@@ -11,28 +11,12 @@ import numpy as np
 
 from .format import DEFAULT_MAX_ELEMENTS, DTYPES, LEVELS, CodecError, parse_header
 from .parallel import check_threads, pool, run_all
-from .payload import gather
+from .payload import frame_views, gather
 from .quant import decode_blocks, workspace
 from .sparse import decode_topk
 from .tree import build_tree, leaf_items
 
 PIECE_ELEMENTS = 1 << 18  # elements per parallel dequantize job
-
-
-def frame_views(frames) -> list:
-    """The frames as 1-D byte memoryviews; CodecError unless a non-empty list of bytes-like."""
-    if isinstance(frames, bytes | bytearray | memoryview | str) or not hasattr(frames, "__len__"):
-        raise CodecError("frames must be a list of bytes-like objects")
-    if len(frames) == 0:
-        raise CodecError("no frames: a codec message has at least its header frame")
-    views = []
-    for i, f in enumerate(frames):
-        try:
-            v = memoryview(f)
-            views.append(v if v.format == "B" and v.ndim == 1 else v.cast("B"))
-        except TypeError:
-            raise CodecError(f"frame {i} is not bytes-like ({type(f).__name__})") from None
-    return views
 
 
 def decode(frames, max_elements: int = DEFAULT_MAX_ELEMENTS, threads: int = 0, out=None) -> dict:
