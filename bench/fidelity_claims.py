@@ -116,6 +116,17 @@ def evaluate(entries: Mapping[str, dict]) -> list[dict]:
             f"{n} {syncs[n]:.4f} ({r:+.2%})" for n, r in sorted(rels.items())),
         None if best is None else rels[best] <= 0.02,
     ))  # fmt: skip
+    claims.append(render.claim(
+        "synchronous DiLoCo at most DDP's eval loss at 2 islands (group A)",
+        "best H: loss <= DDP",
+        None if best is None else f"best {best} {rels[best]:+.2%}",
+        None if best is None else rels[best] <= 0.0,
+    ))  # fmt: skip
+    claims.append(
+        _pair(
+            entries, "sync", "ddp", 0.0, "synchronous DiLoCo at most DDP's eval loss at 4 islands"
+        )
+    )
     claims.append(_pair(entries, "k1_grace", "k_all", 0.01, "K=1 + grace within 1% of K=all"))
     k1g, kall = entries.get("k1_grace"), entries.get("k_all")
     if k1g and kall and k1g.get("goodput") is not None and kall.get("goodput") is not None:
