@@ -65,7 +65,10 @@ def test_probe_reads_the_configured_rate_and_rtt_and_nothing_is_left() -> None:
         seen_pids = _pids_in(prefix)
         assert len(_ours(prefix)) == 3  # two regions and the WAN
     assert abs(probe["mbit_s"] - 4.0) <= 0.1 * 4.0, probe
-    assert abs(probe["rtt_ms_median"] - 40.0) <= 0.1 * 40.0, probe
+    # the fastest ping is the link's round trip; the median also holds the relay's scheduling
+    # delay on a loaded machine (44.8 ms beside a benchmark), so it gets a one-sided bound
+    assert abs(probe["rtt_ms_min"] - 40.0) <= 0.1 * 40.0, probe
+    assert 0.9 * 40.0 <= probe["rtt_ms_median"] <= 1.5 * 40.0, probe
     assert seen_pids  # the relay and the probe servers ran inside the namespaces
     assert _ours(prefix) == []
     assert not netns.state_file(prefix).exists()
