@@ -65,9 +65,11 @@ def test_codec_bench_quick_synthetic_prints_json(capsys):
     assert schemes["int4"]["speed_wire_bytes"] < 65536 / 2 * 1.1
     assert schemes["raw-fp32"]["ratio"] == pytest.approx(262144 / fp32)
     for name, scheme in schemes.items():
-        # a codec does at least what memcpy does to the same bytes: it never beats it
+        # an encode does at least what memcpy does to the same bytes: it never beats it; a
+        # decode reads fewer bytes than it writes (a quarter for int8 without zstd) and came
+        # to 1.02x memcpy on a loaded machine, so its bound only catches an inverted figure
         assert 0 < scheme["encode_over_memcpy"] < 1, name
-        assert 0 < scheme["decode_over_memcpy"] < 1, name
+        assert 0 < scheme["decode_over_memcpy"] < 2, name
         assert scheme["encode_gbps"]["best"] >= scheme["encode_gbps"]["median"], name
     topk = schemes["topk"]
     assert topk["ratio"] > 50 and topk["ratio"] > schemes["topk-nozstd"]["ratio"]
@@ -76,7 +78,8 @@ def test_codec_bench_quick_synthetic_prints_json(capsys):
     assert (one["elements"], one["threads"]) == (65536, 0) and "zstd_level=1" in one["codec"]
     assert 262144 / 6 < one["wire_bytes"] < 65536 * 1.1  # int8 codes + scales, zstd
     for key in ("encode_over_memcpy", "decode_over_memcpy"):
-        assert 0 < one[key] < 1 and one["targets"][key]["value"] == one[key], key
+        assert 0 < one[key] < (1 if key == "encode_over_memcpy" else 2), key
+        assert one["targets"][key]["value"] == one[key], key
         assert one["targets"][key]["met"] == (one[key] >= float(one["targets"][key]["target"][3:]))
     assert 0 < one["stages"]["encode_without_zstd_over_memcpy"] < 1
     even = synth["zstd_break_even"]["int8"]
