@@ -110,9 +110,6 @@ def _no_daemon_outlives_its_test(request: pytest.FixtureRequest) -> Iterator[Non
         request.node.warn(pytest.PytestWarning(f"the test left daemons running: pids {left}"))
 
 
-LONG_TIMEOUT_S = 600  # a slow test with a timeout this long is one of the long end-to-end runs
-
-
 def _timeout_s(item: pytest.Item) -> float:
     marker = item.get_closest_marker("timeout")
     return float(marker.args[0]) if marker is not None and marker.args else 0.0
@@ -120,18 +117,19 @@ def _timeout_s(item: pytest.Item) -> float:
 
 @pytest.hookimpl(trylast=True)  # after `-m` deselected what this pass does not run
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """Under pytest-xdist, start each worker's share of the tests with some of the long runs.
+    """Under pytest-xdist, start each worker's share of the tests with the slow runs.
 
     `--dist worksteal` deals each of N workers a contiguous share of the collection (the
     first `len // N`, then the same of what is left) and lets an idle worker steal the
     tail of a busy one's queue, never its head. A long end-to-end run that sits near the
-    end keeps its worker busy while the other idles. So the long runs (slow, with a
-    timeout of `LONG_TIMEOUT_S` or more), longest first, are dealt in turn to the heads
-    of the shares, and the other tests fill the shares in their collection order. This
-    only orders: every test still runs. Without xdist the order is left as collected.
+    end keeps its worker busy while the others idle. So the slow runs, the longest
+    timeouts first, are dealt in turn to the heads of the shares, and the other tests
+    fill the shares in their collection order: in `./dev test`'s one pass the quick
+    tests fill the gaps the long runs leave. This only orders: every test still runs.
+    Without xdist the order is left as collected.
     """
     workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
-    long = [i for i in items if i.get_closest_marker("slow") and _timeout_s(i) >= LONG_TIMEOUT_S]
+    long = [i for i in items if i.get_closest_marker("slow")]
     if workers < 2 or not long:
         return
     long.sort(key=_timeout_s, reverse=True)  # stable: equal timeouts keep collection order
