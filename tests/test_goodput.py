@@ -20,6 +20,8 @@ from paramserver.client.replica import Readout, ReplicaFragment
 from paramserver.plumbing import probe
 from worker.deltas import ACKED, MERGED, PENDING, REJECTED, DeltaLedger
 from worker.goodput import RoundClock, session_goodput
+from worker.session import Session
+from worker.session_config import session_config
 
 pytestmark = pytest.mark.timeout(60)
 FAST = {"heartbeat_interval_s": 0.2, "join_timeout_s": 20.0, "flush_timeout_s": 5.0}
@@ -78,6 +80,33 @@ def test_mark_start_makes_the_first_interval_an_ordinary_step():
     cold = RoundClock(10.0)
     cold.step_started(12.0)
     assert cold.work_s == 0.0 and cold.step_times == []
+
+
+def test_the_callers_own_time_is_out_of_the_time_base_inside_a_step_and_between_steps():
+    told = RoundClock(0.0, last_end=0.0)  # warmed up
+    told.step_started(2.0)  # a 2 s inner step
+    told.caller_time(1.5, between_steps=False)  # the row hook's evaluation, inside `step`
+    told.step_ended(4.0)  # 2 s in `step`: 1.5 s the caller's, 0.5 s the exchange's
+    told.caller_time(3.0, between_steps=True)  # a checkpoint from 4 s to 7 s
+    told.step_started(9.0)  # a 2 s inner step (7 s to 9 s), not 5 s
+    assert told.work_s == 4.0 and told.step_times == [2.0, 2.0]
+    # the same times untold: the hook's time is lost, the checkpoint's is inner-step time
+    untold = RoundClock(0.0, last_end=0.0)
+    untold.step_started(2.0)
+    untold.step_ended(4.0)
+    untold.step_started(9.0)
+    assert untold.work_s == 7.0
+    rows = []
+    for clock in (told, untold):
+        clock.ledger.taken(1, 0, 0, tokens=2, steps=2, work_s=clock.pushed(0, 1.0))
+        clock.ledger.on_outcome(1, 0, MERGED)
+        rows.append(clock.fields({}, tokens=2, steps=2, now=9.0, shares=[1.0]))
+    # told: wall 9 - 4.5 s = 4.5 s, 4 s useful, 0.5 s lost (the exchange's time in `step`)
+    assert (rows[0]["caller_s"], rows[0]["useful_s"], rows[0]["lost_s"]) == (4.5, 4.0, 0.5)
+    assert rows[0]["goodput"] == pytest.approx(4.0 / 4.5)
+    # untold: wall 9 s, 7 s useful, 2 s lost
+    assert (rows[1]["caller_s"], rows[1]["useful_s"], rows[1]["lost_s"]) == (0.0, 7.0, 2.0)
+    assert rows[1]["goodput"] == pytest.approx(7.0 / 9.0)
 
 
 def test_a_delta_is_merged_only_once_the_replica_holds_the_version_that_includes_it():
@@ -184,3 +213,70 @@ def test_an_island_that_waits_for_a_slower_partner_in_sync_mode_reads_below_1(tm
     assert fast["goodput"] < 0.6, fast
     assert fast["goodput"] < slow["goodput"], (fast, slow)
     assert fast["lost_s"] >= fast["wait_s"] * 0.9
+
+
+def _evaluating_island(connect, name, how, rounds, data_dir, out, errors):
+    """An async island of 20 ms steps, 2 a round, that evaluates for 0.1 s each round:
+    in the metrics row's hook (`how` "hook", as the island daemon does), between `step`
+    calls in `Session.caller_time` ("marked") or between them unmarked ("unmarked")."""
+    pause = threading.Event()  # never set: waits stand for compute
+
+    def evaluate(_round: int) -> dict:
+        pause.wait(0.1)
+        return {"eval": 1.0}
+
+    try:
+        cfg = session_config(connect, name, 2, data_dir, {"exchange": "host", **FAST})
+        hook = evaluate if how == "hook" else None
+        with Session(cfg, mlp.init_mlp(0), row_fields=hook) as session:
+            params = session.params
+            session.mark_start()
+            for step in range(2 * rounds):
+                pause.wait(0.02)
+                params = session.step(params, tokens=mlp.BATCH)
+                if step % 2 == 1 and how == "marked":
+                    with session.caller_time():
+                        evaluate(step)
+                elif step % 2 == 1 and how == "unmarked":
+                    evaluate(step)
+            out[name] = session.last_row
+    except BaseException as exc:  # surfaced by the test
+        errors.append(exc)
+
+
+@pytest.mark.slow
+@pytest.mark.serial  # goodput is a ratio of measured times: a busy machine adds waits
+def test_an_evaluation_the_session_is_told_of_is_neither_useful_nor_lost(tmp_path):
+    # 10 rounds of 2 x 20 ms steps and a 0.1 s evaluation each: 1 s of evaluation
+    # against 0.4 s of inner steps. Told of (the row hook, `caller_time`), the
+    # evaluation leaves the time base; unmarked between steps, it is inner-step time.
+    cluster = Cluster(tmp_path, shards=1, mode="async")
+    rounds = 10
+    try:
+        out: dict = {}
+        errors: list[BaseException] = []
+        threads = [
+            threading.Thread(
+                target=_evaluating_island,
+                args=(cluster.connect, how, how, rounds, tmp_path / how, out, errors),
+            )
+            for how in ("hook", "marked", "unmarked")
+        ]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(50)
+    finally:
+        cluster.stop()
+    assert not errors, errors
+    # the rows are the last round's, written inside its last `step`: the hook ran all 10
+    # evaluations by then, the loops 9 (the last one follows that `step`)
+    for how in ("hook", "marked"):
+        row = out[how]
+        assert row["caller_s"] >= (rounds - 1) * 0.1, row
+        # without the rule the hook's second would be lost: goodput about 0.4 / 1.4
+        assert row["goodput"] >= 0.8, row
+        assert row["work_s"] < 2 * rounds * 0.02 + (rounds - 1) * 0.05, row  # no evaluation
+    unmarked = out["unmarked"]
+    assert unmarked["caller_s"] == 0.0
+    assert unmarked["work_s"] >= (2 * rounds - 1) * 0.02 + (rounds - 1) * 0.1, unmarked

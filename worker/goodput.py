@@ -11,7 +11,13 @@ merged it arrived in the island's replica), lost when the delta was rejected or
 never pushed or acked. Everything else in the wall time is lost too: waiting for
 a sync merge, back-pressure (a push blocked on a full outbox), the exchange's own
 time in `step`, the first step of a session that did not warm up (it holds the
-caller's compile). Restarts fall between sessions: the cluster-level figures
+caller's compile). The caller's own work that is not training (an evaluation, a
+checkpoint) is neither: it is left out of the time base when the session is
+told of it, which is one rule wherever the caller runs it. Inside `step` (the
+metrics row's hook, `Session(row_fields=...)`, where the island daemon runs its
+global evaluation) the session times it itself; between `step` calls the
+caller marks it with `Session.caller_time()`, else it counts as inner-step
+time, like any other work of the caller's training step. Restarts fall between sessions: the cluster-level figures
 (`bench.chaos_score`, `bench.analysis.final_goodput`) count them, from the
 tokens the shards merged over what the islands could have trained at their own
 rate. Staleness costs nothing here: `g(s)` is a step-size rule, not a
@@ -121,6 +127,7 @@ class RoundClock:
     timed_steps: int = 0  # the inner steps work_s holds
     # fragment -> work_s when it was last pushed: its unpushed work is work_s minus this
     work_at: dict[int, float] = dataclasses.field(default_factory=dict)
+    caller_s: float = 0.0  # the caller's own time (evaluation...): out of the time base
     ledger: DeltaLedger = dataclasses.field(default_factory=DeltaLedger)  # the session's
 
     def __post_init__(self) -> None:
@@ -138,6 +145,21 @@ class RoundClock:
     def step_ended(self, now: float) -> None:
         """A `step` call returns now."""
         self.last_end = now
+
+    def caller_time(self, seconds: float, between_steps: bool) -> None:
+        """Leave `seconds` of the caller's own work (not training) out of the time base.
+
+        Args:
+            seconds: how long it took.
+            between_steps: it ran between two `step` calls (`Session.caller_time`),
+                so it is no part of the inner step that the next `step_started`
+                measures either; False for time inside a `step` call (the row hook),
+                which is never inner-step time.
+        """
+        seconds = max(0.0, seconds)
+        self.caller_s += seconds
+        if between_steps and self.last_end is not None:
+            self.last_end += seconds
 
     def waited(self, seconds: float) -> None:
         """Add time spent waiting for a merge."""
@@ -194,7 +216,8 @@ class RoundClock:
             steps, tokens, version_lag, bytes, pushes, acked, rejected, pending,
             credited_tokens (the shards' word: merged tokens, no staleness factor),
             capacity_tokens (wall time x the island's mean step rate over all its
-            timed steps), wait_s,
+            timed steps), wait_s, caller_s (the caller's own time left out of the
+            wall time),
             work_s (inner-step seconds so far: the caller's time between `step` calls),
             useful_s (inner-step seconds whose deltas entered the model), lost_s
             (wall time lost: waits, overheads, rejected or never-merged work),
@@ -203,7 +226,7 @@ class RoundClock:
         """
         per_step = round(tokens / steps) if steps else 0
         rate = per_step * self.timed_steps / self.work_s if per_step and self.work_s > 0 else None
-        wall = now - self.started
+        wall = now - self.started - self.caller_s
         capacity = wall * rate if rate else 0.0
         credited = float(stats.get("credited_tokens", 0.0))
         unsettled = (self.ledger.in_flight_s, self.unpushed_s(shares))
@@ -222,6 +245,7 @@ class RoundClock:
             "credited_tokens": round(credited, 1),
             "capacity_tokens": round(capacity, 1),
             "wait_s": round(self.wait_s, 3),
+            "caller_s": round(self.caller_s, 3),
             "work_s": round(self.work_s, 3),
             "useful_s": round(useful, 3),
             "lost_s": round(max(0.0, wall - sum(unsettled) - useful), 3),

@@ -53,12 +53,13 @@ at each round's end) and `worker.session_end` (`close`, `abandon`,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import numbers
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -601,6 +602,26 @@ class Session(SessionRows, SessionEnd):
         self.warm_up()
         now = time.monotonic()
         self.goodput_clock = RoundClock(now, last_end=now, ledger=self.ledger)
+
+    @contextlib.contextmanager
+    def caller_time(self) -> Iterator[None]:
+        """Time the caller's own work between `step` calls that is not training.
+
+        Use it around an evaluation or a checkpoint of the caller's loop: its time
+        is left out of goodput's time base (neither useful nor lost) and out of the
+        inner step the next `step` call measures. Unmarked, the time between two
+        `step` calls is inner-step time. The island daemon's global evaluation runs
+        in the metrics row's hook, inside `step`, which the session times itself.
+
+        Yields:
+            None; the time inside the `with` block is the caller's.
+        """
+        t0 = time.monotonic()
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.goodput_clock.caller_time(time.monotonic() - t0, between_steps=True)
 
     def warm_up(self) -> None:
         """Compile the exchange's pushes and folds now (once; nothing changes).

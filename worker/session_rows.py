@@ -50,8 +50,9 @@ class SessionRows:
         """Share of the session's wall time spent on inner steps whose work entered the model.
 
         `worker.goodput` defines it: waits, back-pressure, the exchange's time in
-        `step` and rejected work are lost, staleness is not; deltas in flight are
-        left out. It is the figure of the newest metrics row (each round's end, and
+        `step` and rejected work are lost, staleness is not; deltas in flight and
+        the caller's own time the session is told of (the row hook, `caller_time`)
+        are left out. It is the figure of the newest metrics row (each round's end, and
         the final row at close), the one `diloco-worker status` shows and the
         shards and their page get: one goodput everywhere.
 
@@ -103,7 +104,11 @@ class SessionRows:
         return self.goodput_clock.fields(self.stats, self.tokens, self.steps, now, shares)
 
     def _round_row(self) -> None:
-        extra = self.row_fields(self.round) if self.row_fields is not None else {}
+        extra = {}
+        if self.row_fields is not None:  # the caller's own time (its evaluation): not lost
+            t0 = time.monotonic()
+            extra = self.row_fields(self.round)
+            self.goodput_clock.caller_time(time.monotonic() - t0, between_steps=False)
         # the client keeps ack latencies until taken: take the round's (bounded memory)
         latencies = self.client.ack_latencies() if self.client is not None else []
         if latencies:
