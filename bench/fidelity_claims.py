@@ -129,18 +129,27 @@ def evaluate(entries: Mapping[str, dict]) -> list[dict]:
     )
     claims.append(_pair(entries, "k1_grace", "k_all", 0.01, "K=1 + grace within 1% of K=all"))
     k1g, kall = entries.get("k1_grace"), entries.get("k_all")
-    if k1g and kall and k1g.get("goodput") is not None and kall.get("goodput") is not None:
-        measured = (
-            f"goodput k1_grace {k1g['goodput']:.1%} vs k_all {kall['goodput']:.1%}; utilization "
-            f"{k1g['utilization']:.1%} vs {kall['utilization']:.1%}"
-        )
-        met = k1g["goodput"] >= 0.99 and kall["goodput"] < k1g["goodput"]
-    else:
-        measured, met = None, None
-    claims.append(render.claim("K=1 + grace at goodput >= 99% while K=all's shows the waiting",
-                         "k1_grace goodput >= 99% > k_all goodput", measured, met,
+    measured, met = None, None
+    if k1g and k1g.get("goodput") is not None:
+        measured = f"k1_grace goodput {k1g['goodput']:.1%} (lowest island {k1g['goodput_min']:.1%})"
+        met = k1g["goodput"] >= 0.99
+    claims.append(render.claim("K=1 + grace at goodput >= 99% (islands that never wait)",
+                         "k1_grace goodput >= 99%", measured, met,
                          "goodput = share of wall time on inner steps whose work was "
                          "merged (staleness not counted)"))  # fmt: skip
+    # K=all waits for every island: as lost island time where islands block for it, as
+    # lost model time (uptime: the share of the run in which the model advanced) where
+    # they train on (this system's quorum mode)
+    measured, met = None, None
+    if k1g and kall and k1g.get("goodput") is not None and kall.get("goodput") is not None:
+        measured = f"goodput k_all {kall['goodput']:.1%} vs k1_grace {k1g['goodput']:.1%}"
+        met = kall["goodput"] < k1g["goodput"]
+        if kall.get("uptime") is not None and k1g.get("uptime") is not None:
+            measured += f"; uptime {kall['uptime']:.1%} vs {k1g['uptime']:.1%}"
+            met = met or kall["uptime"] < k1g["uptime"]
+    claims.append(render.claim("K=all's wait for every island shows (goodput or uptime)",
+                         "k_all goodput or uptime < k1_grace's", measured, met,
+                         "uptime = share of the run in which some version advanced"))  # fmt: skip
     k1 = entries.get("k1")
     if k1 and k1g and len(k1["seeds"]) < 2:
         measured, met = "needs >= 2 seeds for a spread", None
