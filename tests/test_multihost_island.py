@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax_cache
 import pytest
 import zmq
 from conftest import Peer, free_port, wait_for
@@ -26,21 +27,30 @@ ROUNDS = 3
 TRAIN = (
     "--model", "tiny", "--batch-size", "8", "--seq-len", "32", "--inner-steps", "4",
     "--eval-every", "1", "--eval-batches", "2", "--warmup-steps", "2",
-    "--heartbeat-interval-s", "0.4", "--compile-cache-dir", "off",
+    "--heartbeat-interval-s", "0.4",
 )  # fmt: skip
 LIVENESS_S = 0.4 * 5  # heartbeat_interval_s x ClientConfig.liveness
 
 
 def start_process(
-    data_dir: Path, connect: str, devices: int, *args: str, group: tuple[str, int, int] | None
+    data_dir: Path,
+    connect: str,
+    devices: int,
+    *args: str,
+    group: tuple[str, int, int] | None,
+    cache: str = jax_cache.DIR,
 ) -> subprocess.Popen:
-    """One `diloco-worker start` process with `devices` virtual CPU devices."""
+    """One `diloco-worker start` process with `devices` virtual CPU devices.
+
+    `cache` is its `--compile-cache-dir`: the test session's (the other tests' islands
+    of 2 x 2 devices compile the same steps), or "off".
+    """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DILOCO_", "JAX_"))}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["JAX_PLATFORMS"] = "cpu"
     argv = [
         sys.executable, "-m", "worker.cli", "start", "--connect", connect, "--island", "isl",
-        "--data-dir", str(data_dir), *TRAIN, *args,
+        "--data-dir", str(data_dir), "--compile-cache-dir", cache, *TRAIN, *args,
     ]  # fmt: skip
     if group is not None:
         coordinator, count, index = group
@@ -84,6 +94,7 @@ def run_island(
     *args: str,
     shard_flags: tuple[str, ...] = ("--mode", "sync"),
     rounds: int = ROUNDS,
+    cache: str = jax_cache.DIR,
 ) -> dict:
     """One fresh shard (`shard_flags`) and one island of `processes` x `devices` for `rounds`.
 
@@ -104,14 +115,15 @@ def run_island(
                 str(rounds),
                 *args,
                 group=(coordinator, processes, i) if processes > 1 else None,
+                cache=cache,
             )  # fmt: skip
             for i in range(processes)
         ]
         results = finish(procs, 400)
         for i, (code, text) in enumerate(results):
             assert code == 0, text[-3000:]
-            # `--compile-cache-dir off` (TRAIN): the island trained and made no cache dir
-            # (tests/test_compile_cache.py leaves this check to here)
+            # `--compile-cache-dir` off or elsewhere: the island made no cache dir in its
+            # data dir (tests/test_compile_cache.py leaves this check to here)
             data_dir = tmp / f"{name}-p{i}"
             assert not (data_dir / compile_cache.DEFAULT_SUBDIR).exists(), data_dir
         shard_report = shard_status(shard)
@@ -135,7 +147,7 @@ def test_two_process_island_equals_one_process_of_four_devices_and_fsdp_equals_r
     tmp_path,
 ):
     two = run_island(tmp_path, "two", 2, 2)
-    one = run_island(tmp_path, "one", 1, 4)
+    one = run_island(tmp_path, "one", 1, 4, cache="off")
     fsdp = run_island(tmp_path, "fsdp", 2, 2, "--param-sharding", "fsdp")
 
     assert len(two["rows"]) == ROUNDS
