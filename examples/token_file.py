@@ -56,7 +56,8 @@ def main() -> None:
         with worker.join(connect, island=cfg.island, params=init, inner_steps=args.inner_steps,
                          data_dir=cfg.data_dir) as session:  # fmt: skip
             trainer = InnerTrainer(model_cfg, inner, session.params)
-            initial = trainer.evaluate(own.eval_set)
+            with session.caller_time():  # evaluation, not training: out of goodput
+                initial = trainer.evaluate(own.eval_set)
             for _ in range(args.steps):
                 loss = trainer.step(own.sampler.next())
                 new = session.step(trainer.params, tokens=BATCH * SEQ_LEN)

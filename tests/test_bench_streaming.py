@@ -84,12 +84,16 @@ def test_quick_bench_streaming_flattens_the_burst():
         # n = ceil(D) windows over D seconds: the fullest holds >= total / n, so
         # peak / average >= D / ceil(D) (1 for a whole number of windows)
         for island in run["islands"].values():
+            assert island["whole_run"]["bytes"] >= pushed, island  # its pushes left in the run
             for span in (island["steady"], island["whole_run"]):
+                if span["bytes"] == 0:  # no figure: on a busy machine the first push can
+                    # leave after the middle of the last round, where the steady span ends
+                    assert span is island["steady"] and span["peak_to_avg"] is None, span
+                    continue
                 floor = span["seconds"] / math.ceil(span["seconds"])
                 assert span["peak_to_avg"] >= floor - 1e-3, span
-        assert run["peak_to_avg"] == max(
-            i["steady"]["peak_to_avg"] for i in run["islands"].values()
-        )
+        steady = [i["steady"]["peak_to_avg"] for i in run["islands"].values()]
+        assert run["peak_to_avg"] == max((r for r in steady if r is not None), default=None)
         assert result["peak_to_avg"][label] == run["peak_to_avg"]
     base, stream = result["final_eval_loss"]["baseline"], result["final_eval_loss"]["streaming"]
     assert result["loss_relative_difference"] == pytest.approx((stream - base) / base, abs=1e-5)
