@@ -17,7 +17,8 @@ told of it, which is one rule wherever the caller runs it. Inside `step` (the
 metrics row's hook, `Session(row_fields=...)`, where the island daemon runs its
 global evaluation) the session times it itself; between `step` calls the
 caller marks it with `Session.caller_time()`, else it counts as inner-step
-time, like any other work of the caller's training step. Restarts fall between sessions: the cluster-level figures
+time, like any other work of the caller's training step. Restarts fall
+between sessions: the cluster-level figures
 (`bench.chaos_score`, `bench.analysis.final_goodput`) count them, from the
 tokens the shards merged over what the islands could have trained at their own
 rate. Staleness costs nothing here: `g(s)` is a step-size rule, not a
