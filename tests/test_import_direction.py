@@ -197,7 +197,8 @@ SERVER_ROOMS_ALLOWED = {
     "storage": {"config", "fragment", "state", "admission", "step"},
     "state": {"config", "fragment", "state_init", "admission", "step"},
     "effects": {"fragment", "state", "admission"},
-    "core": {"config", "effects", "fragment", "state", "admission"},
+    "checkpoint_schedule": set(),
+    "core": {"config", "effects", "fragment", "state", "admission", "checkpoint_schedule", "step"},
 }
 
 

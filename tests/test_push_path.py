@@ -19,8 +19,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 # issue 35's target is 25 files; this is the count the repository has reached (lower it as the
 # path gets straighter, never raise it without saying why in the commit; 39 became 47 when
-# codec/format.py, codec/quant.py and client/api.py were split by concept: the same functions run)
-MOST_FILES = 47
+# codec/format.py, codec/quant.py and client/api.py were split by concept: the same functions run;
+# 48 when the checkpoint schedule left server/core.py, which passed 800 lines: the loop asks it
+# each turn whether a checkpoint is due)
+MOST_FILES = 48
 
 
 def test_one_default_push_runs_through_at_most_the_reached_number_of_project_files():

@@ -11,7 +11,8 @@ PUB; the shard's loop instead begins one with `start_step` (the fragment is in
 step: pushes to it join the next step, snapshots of it are answered after it,
 pushes over their pending limits wait for it, no checkpoint begins), has the
 step thread run it, and books it with `finish_step` (`heartbeat` for the PUB); `next_wake(now)` says when to tick again; `checkpoint_due(now)` when to
-begin a checkpoint, and `checkpoint_started` / `checkpoint_done` record one.
+begin a checkpoint, and `checkpoint_started` / `checkpoint_done` record one
+(`paramserver.server.checkpoint_schedule`).
 Nothing here reads a clock, a socket or a file: `now` (wall-clock seconds) is
 an argument, so a simulation drives the core with a fake clock.
 
@@ -46,7 +47,7 @@ tells the core when records did not become durable.
 Why over 700 lines: one class whose request handlers, step hand-over
 (start_step / finish_step, the requests held meanwhile) and durability
 (settle) share the same state and ordering rules; the rules themselves live
-in admission/, step/ and state.
+in admission/, step/, state and checkpoint_schedule.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ from paramserver.plumbing.identity import IslandGuard
 from paramserver.server.admission import gate, outcomes
 from paramserver.server.admission.gate import ReplyBacklog
 from paramserver.server.admission.outcomes import IslandReports, Outcome
+from paramserver.server.checkpoint_schedule import CheckpointSchedule
 from paramserver.server.config import ShardConfig
 from paramserver.server.effects import (
     DueStep,
@@ -74,7 +76,8 @@ from paramserver.server.effects import (
     StorageFailure,
 )
 from paramserver.server.fragment import StepEvent
-from paramserver.server.state import ShardState, StepWork
+from paramserver.server.state import ShardState
+from paramserver.server.step.fragment_step import StepWork
 from paramserver.wire import protocol
 from paramserver.wire.protocol import ACCEPTED, REJECTED
 
@@ -83,7 +86,6 @@ logger = logging.getLogger(__name__)
 
 # ----- the core ---------------------------------------------------------------------
 
-CHECKPOINT_RETRY_S = 10.0  # a failed checkpoint is tried again after this long
 FORGET_EVERY_S = 1.0  # how often idle islands are looked for (`ShardCore._forget_idle`)
 # Requests that act as an island, refused from a connection the island is not bound to.
 _BOUND_KINDS = ("push", "heartbeat", "bye")
@@ -129,15 +131,10 @@ class ShardCore:
         self._raw32 = codec.raw("float32")  # one per core: encoders keep work buffers
         self._raw32_step = codec.raw("float32")  # the float32 update's, used by the step's thread
         self._last_pub = now
-        self._records_since = replayed  # durable events since the last checkpoint
-        self._steps_since = 0
-        self._last_checkpoint = now
-        self._checkpoint_retry_at = now
-        self._checkpoint_writing = False
-        self._covered = (0, 0)  # (records, steps) the checkpoint being written covers
-        self.last_checkpoint = last_checkpoint
-        self.checkpoint_failures = 0  # failed attempts since the last written checkpoint
-        self.checkpoint_error: str | None = None  # the last failure
+        self.checkpoints = CheckpointSchedule(
+            cfg.checkpoint_every_steps, cfg.checkpoint_every_s, last_at=now,
+            records_since=replayed, retry_at=now, last=last_checkpoint,
+        )  # fmt: skip
         self._h_warned: set[str] = set()  # islands told their H takes other outer defaults
         self.islands = IslandReports()  # what `status` shows of each island (not durable)
         self._forget_at = now  # when to look for islands idle past island_ttl_s next
@@ -612,7 +609,7 @@ class ShardCore:
         """
         self.stepping = None
         out = Effects()
-        if work.state is self.state:
+        if work.owner is self.state:
             update = self.state.finish_step(work)
             if update.frames is None:
                 mode, frames = protocol.UPDATE_FULL, list(work.extra)
@@ -704,8 +701,8 @@ class ShardCore:
             stored = [] if failure.lost is None else [
                 e for e in stored if not failure.lost_event(e)
             ]  # fmt: skip
-        self._records_since += len(stored)
-        self._steps_since += sum(isinstance(e, StepEvent) for e in stored)
+        self.checkpoints.records_since += len(stored)
+        self.checkpoints.steps_since += sum(isinstance(e, StepEvent) for e in stored)
         messages: list[tuple[bytes | None, list[Any]]] = []
         for reply in effects.replies:
             header, payload = self._rendered(reply, failure)
@@ -747,79 +744,25 @@ class ShardCore:
     @property
     def unsaved(self) -> bool:
         """Whether durable events happened since the last checkpoint."""
-        return self._records_since > 0
+        return self.checkpoints.unsaved
 
     def checkpoint_due(self, now: float) -> bool:
-        """Whether to begin a checkpoint now: every checkpoint_every_steps steps or checkpoint_every_s.
-
-        Args:
-            now: wall-clock seconds.
-
-        Returns:
-            True when due (and none is being written, and not waiting to retry a failed one).
-        """
-        every_steps, every_s = self.cfg.checkpoint_every_steps, self.cfg.checkpoint_every_s
-        if self._checkpoint_writing or now < self._checkpoint_retry_at:
-            return False
-        if self.stepping is not None:  # a checkpoint copies the state at a step boundary
-            return False
-        if not self.state.initialized:
-            return False
-        by_steps = every_steps and self._steps_since >= every_steps
-        by_time = every_s and self.unsaved and now - self._last_checkpoint >= every_s
-        return bool(by_steps or by_time)
+        """Whether to begin a checkpoint now (`CheckpointSchedule.due`)."""
+        return self.checkpoints.due(now, self.stepping is not None, self.state.initialized)
 
     def checkpoint_started(self, now: float) -> None:
-        """Record that a checkpoint of the state as it is now is being written.
-
-        Args:
-            now: wall-clock seconds.
-        """
-        self._checkpoint_writing = True
-        self._covered = (self._records_since, self._steps_since)
+        """Record that a checkpoint of the state as it is now is being written."""
+        self.checkpoints.started()
 
     def checkpoint_done(
         self, now: float, written: bool, summary: dict[str, Any] | None = None, error: str = ""
     ) -> None:
-        """Record the end of a checkpoint attempt (begun with checkpoint_started or not).
-
-        Args:
-            now: wall-clock seconds.
-            written: whether it is durable (False: try again after CHECKPOINT_RETRY_S).
-            summary: a written one's status entry: generation, step, versions,
-                time (of the state), bytes, seconds (to write).
-            error: why a failed one failed (one line).
-        """
-        if not self._checkpoint_writing:  # written in one go: it covers everything so far
-            self._covered = (self._records_since, self._steps_since)
-        self._checkpoint_writing = False
-        if written:
-            records, steps = self._covered
-            self._records_since -= records
-            self._steps_since -= steps
-            self._last_checkpoint = now
-            self.last_checkpoint = summary
-            self.checkpoint_failures, self.checkpoint_error = 0, None
-        else:
-            self._checkpoint_retry_at = now + CHECKPOINT_RETRY_S
-            self.checkpoint_failures += 1
-            self.checkpoint_error = error or "not written"
+        """Record the end of a checkpoint attempt (`CheckpointSchedule.done`)."""
+        self.checkpoints.done(now, written, summary, error)
 
     def checkpoint_report(self) -> dict[str, Any]:
-        """The checkpoint fields of status (JSON-ready).
-
-        Returns:
-            last_checkpoint (None or generation, step, versions, time, bytes,
-            seconds; seconds None for the one loaded at start),
-            checkpoint_writing, checkpoint_failures (since the last written
-            one) and checkpoint_error (the last failure, or None).
-        """
-        return {
-            "last_checkpoint": self.last_checkpoint,
-            "checkpoint_writing": self._checkpoint_writing,
-            "checkpoint_failures": self.checkpoint_failures,
-            "checkpoint_error": self.checkpoint_error,
-        }
+        """The checkpoint fields of status (`CheckpointSchedule.report`)."""
+        return self.checkpoints.report()
 
 
 def pending_near_limit(state: ShardState, fragment: int, per_island: int) -> bool:

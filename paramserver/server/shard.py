@@ -70,7 +70,8 @@ from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoin
 from paramserver.server.core import Effects, Request, ShardCore, StorageFailure
 from paramserver.server.effects import PushCheck
 from paramserver.server.group_commit import HOLD_LOG_NAME, GroupCommit, LogWriter
-from paramserver.server.state import ShardState, StepWork
+from paramserver.server.state import ShardState
+from paramserver.server.step.fragment_step import StepWork
 from paramserver.server.storage.checkpoint_job import CheckpointResult
 from paramserver.server.storage.shard_storage import ShardStorage, StorageError
 from paramserver.wire import protocol
@@ -485,7 +486,7 @@ class StepWorker(LoopThread):
 
     A step's cost grows with its fragment (seconds at a billion parameters); the
     answers to heartbeats, acks and status must not. The loop hands a step's
-    work (`paramserver.server.state.StepWork`, begun by `ShardCore.start_step`)
+    work (`paramserver.server.step.fragment_step.StepWork`, begun by `ShardCore.start_step`)
     to this thread, keeps serving, and books the result (`ShardCore.finish_step`:
     the step's record is logged and fsynced, then its update published) on the
     first turn after the thread says it is done. The thread touches only the

@@ -79,7 +79,7 @@ from paramserver.server.fragment import (
     StepUpdate,
 )
 from paramserver.server.state_init import PartialInit, ShardInit
-from paramserver.server.step.fragment_step import FragmentStepper
+from paramserver.server.step.fragment_step import FragmentStepper, StepWork
 from paramserver.server.step.policy import (
     IslandPace,
     decide,
@@ -574,7 +574,7 @@ class ShardState(ShardInit):
         merged_in = self._guard(frag, event.fragment, merged_in)
         frag.in_step = frozenset((c.island, c.round) for c in merged_in)
         where = self.plan.fragments[event.fragment]
-        return StepWork(self, event, frag, merged_in, where, quorum_s)
+        return StepWork(self, self.stepper, self.timer, event, frag, merged_in, where, quorum_s)
 
     def finish_step(self, work: StepWork) -> StepUpdate:
         """Book a step whose arithmetic ran (`StepWork.run`): pending set, version, counters.
@@ -589,7 +589,7 @@ class ShardState(ShardInit):
             StateError: the work belongs to another state.
             BaseException: what the step's arithmetic raised (re-raised here).
         """
-        if work.state is not self:
+        if work.owner is not self:
             raise StateError("a step of another state (the shard's state was rebuilt meanwhile)")
         frag, event, merged_in = work.frag, work.event, work.merged_in
         frag.in_step = None
@@ -753,55 +753,3 @@ class ShardState(ShardInit):
         work = self._work(event)
         work.run()
         return self.finish_step(work)
-
-
-class StepWork:
-    """One outer step between `ShardState.begin_step` and `finish_step`: inputs, then result.
-
-    `run` does the arithmetic (merge, outer step, downlink frames) on the
-    fragment's arrays and nothing else of the state, so it may run in a
-    worker thread while the state's owner goes on serving (numpy, numba and
-    XLA release the GIL); the owner then books it with `finish_step`.
-    """
-
-    def __init__(
-        self,
-        state: ShardState,
-        event: StepEvent,
-        frag: FragmentState,
-        merged_in: list[Contribution],
-        where: Any,
-        quorum_s: float | None,
-    ) -> None:
-        """Hold a step's inputs (see `ShardState.begin_step`)."""
-        self.state = state
-        self.event = event
-        self.frag = frag
-        self.merged_in = merged_in
-        self.where = where
-        self.quorum_s = quorum_s  # None: replayed (no pace statistics, no log line)
-        self.then: Callable[[StepWork], None] | None = None  # run after the arithmetic
-        self.shares: list[Any] | None = None
-        self.frames: tuple[Any, ...] | None = None
-        self.took = 0.0
-        self.error: BaseException | None = None
-        self.extra: Any = None  # what `then` made (e.g. the float32 update's frames)
-
-    @property
-    def fragment(self) -> int:
-        """The fragment this step changes."""
-        return self.event.fragment
-
-    def run(self) -> None:
-        """The step's arithmetic; an exception is kept in `error` for `finish_step` to raise."""
-        state, event = self.state, self.event
-        started = state.timer() if state.timer else 0.0
-        try:
-            self.shares, self.frames = state.stepper.step(
-                self.frag, self.merged_in, self.where, event.expected or None, event.outside
-            )
-            if self.then is not None:
-                self.then(self)
-        except BaseException as exc:  # re-raised by finish_step, in the owner's thread
-            self.error = exc
-        self.took = state.timer() - started if state.timer else 0.0

@@ -18,6 +18,10 @@ otherwise and for every other optimizer. Which deltas a step merges, and
 the bookkeeping around it (pending set, version, counters), are
 `paramserver.server.state`'s.
 
+`StepWork` (below) is one step's inputs and result between
+`ShardState.begin_step` and `finish_step`: its `run` calls the stepper, in
+the shard's step thread while the state goes on serving.
+
 The outer step in place (`ChunkedStep`): an optax transformation applied chunk
 by chunk to host buffers. A shard keeps a fragment's params and optimizer state as aligned numpy buffers
 (`host_vector`), which JAX reads zero-copy through DLPack (`JaxViews`: each
@@ -68,6 +72,7 @@ from paramserver.server.fragment import (
     Contribution,
     FragmentState,
     PieceGram,
+    StepEvent,
     TensorGroups,
     is_sparse,
     partials,
@@ -627,3 +632,60 @@ class FusedNesterov:
                 raise DownlinkError(f"outer update of elements [{lo}, {hi}) is not finite")
             publication.written(lo, hi)
         np.copyto(state.phase, np.float32(0) if due else phase)
+
+
+class StepWork:
+    """One outer step between `ShardState.begin_step` and `finish_step`: inputs, then result.
+
+    `run` does the arithmetic (merge, outer step, downlink frames) with the
+    fragment stepper on the fragment's arrays and nothing else of the state, so
+    it may run in a worker thread while the state's owner goes on serving
+    (numpy, numba and XLA release the GIL); the owner then books it with
+    `finish_step`, which checks that the work is its own (`owner`).
+    """
+
+    def __init__(
+        self,
+        owner: object,
+        stepper: FragmentStepper,
+        timer: Callable[[], float] | None,
+        event: StepEvent,
+        frag: FragmentState,
+        merged_in: list[Contribution],
+        where: Fragment,
+        quorum_s: float | None,
+    ) -> None:
+        """Hold a step's inputs (see `ShardState.begin_step`); `owner` is the state that began it."""
+        self.owner = owner
+        self.stepper = stepper
+        self.timer = timer
+        self.event = event
+        self.frag = frag
+        self.merged_in = merged_in
+        self.where = where
+        self.quorum_s = quorum_s  # None: replayed (no pace statistics, no log line)
+        self.then: Callable[[StepWork], None] | None = None  # run after the arithmetic
+        self.shares: list[Any] | None = None
+        self.frames: tuple[Any, ...] | None = None
+        self.took = 0.0
+        self.error: BaseException | None = None
+        self.extra: Any = None  # what `then` made (e.g. the float32 update's frames)
+
+    @property
+    def fragment(self) -> int:
+        """The fragment this step changes."""
+        return self.event.fragment
+
+    def run(self) -> None:
+        """The step's arithmetic; an exception is kept in `error` for `finish_step` to raise."""
+        event, timer = self.event, self.timer
+        started = timer() if timer else 0.0
+        try:
+            self.shares, self.frames = self.stepper.step(
+                self.frag, self.merged_in, self.where, event.expected or None, event.outside
+            )
+            if self.then is not None:
+                self.then(self)
+        except BaseException as exc:  # re-raised by finish_step, in the owner's thread
+            self.error = exc
+        self.took = timer() - started if timer else 0.0
