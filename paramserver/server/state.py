@@ -38,7 +38,7 @@ arrival times are persisted with pending deltas and must mean the same after a
 restart. The state reads no clock: the duration of a step (for the eq3 grace
 window) comes from the `timer` it is given (none: 0).
 
-Why over 400 lines: one class whose live rules (`submit_delta`, `step`) and
+Why over 700 lines: one class whose live rules (`submit_delta`, `step`) and
 replay (`apply`) must stay side by side, so that a change to one is seen next
 to the other; the init rules (`state_init`, mixed in), the refusal rules
 (`outcomes`), the step's arithmetic (`fragment_step`) and the on-disk forms
