@@ -20,7 +20,7 @@ it serves:
   drains and exits 0. A second signal exits at once;
 - `stop`: SIGTERM to the pid in the pid file, then wait for the process to exit.
 
-(Over 400 lines: the steps of one life cycle, each short, which `detach` and
+(Over 700 lines: the steps of one life cycle, each short, which `detach` and
 `stop` chain; split, every daemon would import three modules for one job.)
 """
 

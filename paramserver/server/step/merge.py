@@ -49,6 +49,11 @@ piece, a sibling stepped before a restart), is left out of the norms: the
 tensor is then normalised over the pieces that have them. Shards exchange
 nothing.
 
+Why over 700 lines: the three rules are one interface (`ChunkMerge`, filled a
+chunk at a time by the step) over the same delta sources, and RDA's
+whole-tensor partial sums are that rule's own data; apart, each rule would
+import the others' sources and chunking.
+
 Chunks: a step's merge is a `ChunkMerge` (`chunk_merge`), whose `fill(lo, hi,
 out)` writes elements [lo, hi) of the merged delta, decoding its sources
 (`DeltaSource`: a pending delta kept coded, `codec.coded.CodedTensor`, or an
