@@ -105,6 +105,9 @@ def full() -> list[Group]:
                  merge_rule="overwrite", island_speeds=MIX),
         Scenario("k1_grace_fp32", "quorum", "B", quorum=1, grace_rule="eq3", codec="float32",
                  island_speeds=MIX),
+        # the exchange inside `step` (no push thread): the overlap's price in quality, if any
+        Scenario("k1_grace_no_overlap", "quorum", "B", quorum=1, grace_rule="eq3",
+                 overlap_rounds=0, island_speeds=MIX),
     ]  # fmt: skip
     harsh = [
         *[s for s in _table("harsh_", HARSH, 4, rda=False, group="B2") if s.name != "harsh_k1"],

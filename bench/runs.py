@@ -157,6 +157,11 @@ def run_diloco(
                             else ()
                         ),
                         *("--merge-rule", scenario.merge_rule),
+                        *(
+                            ("--overlap-rounds", str(scenario.overlap_rounds))
+                            if scenario.overlap_rounds is not None
+                            else ()
+                        ),
                         *("--flush-timeout-s", "5", "--start-file", str(start_file)),
                         *("--max-rounds", str(max_rounds)),
                     ),

@@ -58,6 +58,7 @@ class Scenario:
     island_speeds: tuple[tuple[float, float], ...] = ()  # (speed, jitter) each; () = slow_*
     inner_steps: int = 0  # H of this run (0: the budget's)
     steps_per_island: int = 0  # inner steps each island trains in this run (0: the budget's)
+    overlap_rounds: int | None = None  # islands' --overlap-rounds (None: the worker's default)
 
     def budget_of(self, budget: Budget) -> Budget:
         """The budget of this run: the shared one with this run's H and steps, if it sets them."""

@@ -160,3 +160,33 @@ def test_smoke_run_writes_the_pinned_json_markdown_and_plots(tmp_path):
     assert md.index("## Claims") < md.index("## Group B")
     assert (out / "loss_vs_tokens_B.png").stat().st_size > 1000
     assert (out / "quorum_table_B.png").stat().st_size > 1000
+
+
+def test_overlap_claim_compares_the_loss_gap_with_the_larger_seed_spread():
+    claim = "the exchange beside training costs no quality (within the seed spread)"
+    # gap 2.115 - 2.105 = 0.01 <= the larger spread 0.03 (the overlap's seeds 2.10-2.13)
+    within = claims_by_name([
+        entry("k1_grace", [2.10, 2.13]),
+        entry("k1_grace_no_overlap", [2.10, 2.11], overlap_rounds=0),
+    ])[claim]  # fmt: skip
+    assert within["met"] is True
+    assert within["measured"] == "k1_grace_no_overlap - k1_grace = -0.0100, seed spread 0.0300"
+    # gap 2.205 - 2.105 = 0.1 > the larger spread 0.01
+    worse = claims_by_name([
+        entry("k1_grace", [2.20, 2.21]),
+        entry("k1_grace_no_overlap", [2.10, 2.11], overlap_rounds=0),
+    ])[claim]  # fmt: skip
+    assert worse["met"] is False
+    # better with the overlap is met whatever the spread
+    better = claims_by_name([
+        entry("k1_grace", [2.00, 2.001]),
+        entry("k1_grace_no_overlap", [2.10, 2.101], overlap_rounds=0),
+    ])[claim]  # fmt: skip
+    assert better["met"] is True
+    one_seed = claims_by_name(
+        [entry("k1_grace", [2.1]), entry("k1_grace_no_overlap", [2.1], overlap_rounds=0)]
+    )[claim]
+    assert one_seed["met"] is None and "2 seeds" in one_seed["measured"]
+    assert claims_by_name([entry("k1_grace", [2.1, 2.2])])[claim]["measured"] is None
+    summary = entry("k1_grace_no_overlap", [2.1], overlap_rounds=0)
+    assert summary["overlap_rounds"] == 0
