@@ -3,14 +3,14 @@
     diloco-bench fidelity [--quick | --smoke] [--seeds N] [--only NAME,...] [--resume] --out DIR
 
 One harness, same model, data, seeds and token budget for every scenario of a
-group (`bench.fidelity_plan`): group A compares DDP, synchronous DiLoCo at
-H = 10, 30, 100 and this system on homogeneous islands; group B is the quorum
-table (K = all, K = 1, K = 1 + eq3 grace; mean and RDA merges; K = 1 + grace
-with fp32 deltas, the overwrite fold, or the exchange inside `step` instead of
+group (`bench.fidelity_plan`): group A compares DDP, synchronous DiLoCo at H =
+10, 30, 100 and this system on homogeneous islands; group B is the quorum table
+(K = all, K = 1, K = 1 + eq3 grace; mean and RDA merges; K = 1 + grace with
+fp32 deltas, the overwrite fold, or the exchange inside `step` instead of
 beside training) on the v6e/v5p speed mix and on a mix with one island 2x
-slower. Every scenario runs once per
-seed with real `diloco-server` shards and `diloco-worker` islands on loopback
-(`bench.runs`); the numbers come from `bench.fidelity_claims`.
+slower. Every scenario runs once per seed with real `diloco-server` shards and
+`diloco-worker` islands on loopback (`bench.runs`); the numbers come from
+`bench.fidelity_claims`.
 
 Writes DIR/runs/seed<k>/<name>.json per run, DIR/fidelity.json (pinned keys:
 `scenarios`, `claims`; also `price_of_staleness`: `bench.fidelity_staleness`),
