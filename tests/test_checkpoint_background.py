@@ -132,24 +132,22 @@ def test_the_core_begins_one_checkpoint_at_a_time_and_counts_what_it_covered(tmp
     cfg = cfg_for(tmp_path, checkpoint_every_steps=2, checkpoint_every_s=0)
     durable, state, _ = new_initialized(cfg)
     core = ShardCore(cfg, 0, state, [("tcp://x:1", "tcp://x:2")], T0)
-    core.checkpoints.steps_since, core.checkpoints.records_since = 2, 5
+    counts = core.checkpoints  # the core's schedule: what settle counted
+    counts.steps_since, counts.records_since = 2, 5
     assert core.checkpoint_due(T0)
     core.checkpoint_started(T0)
     assert not core.checkpoint_due(T0) and core.checkpoint_report()["checkpoint_writing"]
-    core.checkpoints.steps_since, core.checkpoints.records_since = 3, 9  # served meanwhile
+    counts.steps_since, counts.records_since = 3, 9  # served meanwhile
     core.checkpoint_done(T0 + 1, False, error="cannot write: File too large")
     report = core.checkpoint_report()
     assert report["checkpoint_failures"] == 1 and "File too large" in report["checkpoint_error"]
     assert not core.checkpoint_due(T0 + 2)  # retried after CHECKPOINT_RETRY_S
     assert core.checkpoint_due(T0 + 12)
     core.checkpoint_started(T0 + 12)
-    core.checkpoints.steps_since, core.checkpoints.records_since = 4, 12
+    counts.steps_since, counts.records_since = 4, 12
     summary = {"generation": 2, "step": 3, "versions": {"0": 2}, "time": T0, "bytes": 9}
     core.checkpoint_done(T0 + 13, True, {**summary, "seconds": 0.5})
-    assert (core.checkpoints.steps_since, core.checkpoints.records_since) == (
-        1,
-        3,
-    )  # what came after the capture
+    assert (counts.steps_since, counts.records_since) == (1, 3)  # what came after the capture
     report = core.checkpoint_report()
     assert report["last_checkpoint"]["generation"] == 2 and report["checkpoint_failures"] == 0
     durable.close()

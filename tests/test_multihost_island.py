@@ -42,8 +42,9 @@ def start_process(
 ) -> subprocess.Popen:
     """One `diloco-worker start` process with `devices` virtual CPU devices.
 
-    `cache` is its `--compile-cache-dir`: the test session's (the other tests' islands
-    of 2 x 2 devices compile the same steps), or "off".
+    `cache` is its `--compile-cache-dir`: the test session's, or "off". Process 0 reads
+    what the other tests' islands of 2 x 2 devices compiled; the others compile again
+    (JAX writes the cache from process 0 only: docs/operations.md).
     """
     env = {k: v for k, v in os.environ.items() if not k.startswith(("DILOCO_", "JAX_"))}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"

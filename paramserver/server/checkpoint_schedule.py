@@ -2,7 +2,7 @@
 
 `CheckpointSchedule` counts the durable events (log records, and the outer
 steps among them) since the last written checkpoint; `ShardCore.settle` adds
-each batch's. A checkpoint is due every `checkpoint_every_steps` steps or,
+each batch's (`stored`). A checkpoint is due every `checkpoint_every_steps` steps or,
 with events unsaved, every `checkpoint_every_s` seconds; never while one is
 being written, while a step is under way (a checkpoint copies the state at a
 step boundary), before the model is initialised, or within
@@ -40,6 +40,16 @@ class CheckpointSchedule:
     def unsaved(self) -> bool:
         """Whether durable events happened since the last checkpoint."""
         return self.records_since > 0
+
+    def stored(self, records: int, steps: int) -> None:
+        """Count a batch of durable events.
+
+        Args:
+            records: log records that became durable.
+            steps: outer steps among them.
+        """
+        self.records_since += records
+        self.steps_since += steps
 
     def due(self, now: float, stepping: bool, initialized: bool) -> bool:
         """Whether to begin a checkpoint now.

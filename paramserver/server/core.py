@@ -701,8 +701,7 @@ class ShardCore:
             stored = [] if failure.lost is None else [
                 e for e in stored if not failure.lost_event(e)
             ]  # fmt: skip
-        self.checkpoints.records_since += len(stored)
-        self.checkpoints.steps_since += sum(isinstance(e, StepEvent) for e in stored)
+        self.checkpoints.stored(len(stored), sum(isinstance(e, StepEvent) for e in stored))
         messages: list[tuple[bytes | None, list[Any]]] = []
         for reply in effects.replies:
             header, payload = self._rendered(reply, failure)
