@@ -4,6 +4,7 @@ import logging
 import os
 import signal
 import subprocess
+import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -103,6 +104,41 @@ def test_recovery_from_the_log_alone(tmp_path):
     assert_same(state, again.recover())
     assert again.replayed > len(PUSHES)
     assert not stale.exists()
+    again.close()
+
+
+KILLED_IN_CREATION = """
+import os, signal, sys
+from paramserver.server.storage import wal
+
+real_write = os.write
+
+def write(fd, data):  # kill -9 the moment a segment's header is written
+    if bytes(data) == wal._file_header():
+        os.kill(os.getpid(), signal.SIGKILL)
+    return real_write(fd, data)
+
+os.write = write
+wal.WriteAheadLog(sys.argv[1], fsync=True)
+"""
+
+
+def test_a_kill_9_while_a_log_segment_is_created_leaves_nothing_recovery_refuses(tmp_path):
+    cfg = cfg_for(tmp_path, checkpoint_every_steps=0, checkpoint_every_s=0)
+    durable, state, plan = new_initialized(cfg)
+    drive(durable, state, plan, PUSHES)
+    durable.close()
+    # the next segment, as a checkpoint starts it, killed in the middle of its creation
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    segment = durable.dir / "wal-1.log"
+    killed = subprocess.run(
+        [sys.executable, "-c", KILLED_IN_CREATION, str(segment)], env=env, timeout=60
+    )
+    assert killed.returncode == -signal.SIGKILL
+    assert not segment.exists()  # never a segment without its whole header
+    again = ShardStorage(cfg, 0)
+    assert_same(state, again.recover())
+    assert not list(durable.dir.glob(".wal-*"))  # the unfinished one is removed
     again.close()
 
 
@@ -224,10 +260,16 @@ def spawn_shard(port, data_dir):
     return subprocess.Popen(cmd, cwd=ROOT, env=env, stderr=subprocess.PIPE, text=True)
 
 
-def connect(ctx, port):
+def connect(ctx, port, proc):
+    """A peer welcomed by the shard process `proc` on `port`; fails with its stderr if it exits."""
     p = Peer(ctx, f"tcp://127.0.0.1:{port}", "a")
     p.send({"kind": "hello", "island": "a"})  # queued until the process serves
-    reply, _ = p.recv(timeout_s=60)  # a loaded machine: importing JAX alone can take 10 s
+    # a loaded machine: importing JAX alone can take 10 s
+    wait_for(lambda: p.sock.poll(0) or proc.poll() is not None, "the shard's welcome", timeout_s=60)
+    if proc.poll() is not None:
+        p.close()
+        pytest.fail(f"the shard exited {proc.returncode} before serving: {proc.stderr.read()}")
+    reply, _ = p.recv()
     assert reply["kind"] == "welcome", reply
     return p
 
@@ -235,7 +277,7 @@ def connect(ctx, port):
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_kill_9_mid_run_loses_no_acked_delta_and_applies_none_twice(tmp_path, zmq_ctx):
-    port = free_port()
+    port = free_port(2)
     data_dir = tmp_path / "data"
     flat = small_flat()
     plan = plan_for(flat)
@@ -246,7 +288,7 @@ def test_kill_9_mid_run_loses_no_acked_delta_and_applies_none_twice(tmp_path, zm
     }
     kills_after = {5, 9, 14, 20, 26}  # kill -9 right after sending these rounds, before their ack
     proc = spawn_shard(port, data_dir)
-    peer_ = connect(zmq_ctx, port)
+    peer_ = connect(zmq_ctx, port, proc)
     reply, _ = peer_.request(
         {"kind": "init", "island": "a", "plan": plan.to_wire()}, init_payload(plan, flat)
     )
@@ -264,8 +306,11 @@ def test_kill_9_mid_run_loses_no_acked_delta_and_applies_none_twice(tmp_path, zm
                 proc.wait(30)
                 kills += 1
                 peer_.close()
+                # a fresh port: while the shard was down, another process of the suite may
+                # have taken the old one as its own (a connection's local port, say)
+                port = free_port(2)
                 proc = spawn_shard(port, data_dir)
-                peer_ = connect(zmq_ctx, port)
+                peer_ = connect(zmq_ctx, port, proc)
                 continue  # resend the same round to the restarted shard
             ack, _ = peer_.recv(timeout_s=60)  # a restarted shard compiles its first step
             assert ack["id"] == rid and ack["kind"] == "ack", ack

@@ -118,6 +118,9 @@ def _recover(
     for stale in directory.glob(".checkpoint-*.tmp-*"):  # a checkpoint write cut short
         logger.warning("shard %d: removing unfinished checkpoint %s", index, stale.name)
         stale.unlink(missing_ok=True)
+    for stale in directory.glob(".wal-*.log.tmp-*"):  # a segment's creation cut short: no record
+        logger.warning("shard %d: removing unfinished log segment %s", index, stale.name)
+        stale.unlink(missing_ok=True)
     checkpoints = numbered(directory, CHECKPOINT_NAME)
     skipped = False
     state, gen, loaded = None, 0, None

@@ -25,7 +25,9 @@ Log records (msgpack header + raw payload):
             outer momentum in it, absent for float32)
 
 Files (`WriteAheadLog`, `LogReader`): one append-only log segment of framed,
-checksummed records, and replay that stops at a torn tail.
+checksummed records, and replay that stops at a torn tail. A segment is
+created whole (its header written to a temporary file renamed into place), so
+one that exists always has its header.
 
 File format (all integers little endian):
 
@@ -340,6 +342,34 @@ def _file_header() -> bytes:
     return head + struct.pack("<I", zlib.crc32(head))
 
 
+def _create_segment(path: Path, fsync: bool) -> None:
+    """Create the segment `path` holding just its header, atomically.
+
+    The header goes to ``.<name>.tmp-<pid>`` first, which is renamed into place
+    (then the directory is synced): a crash at any point leaves either no segment
+    or a whole header, never a segment shorter than its header, which a replay
+    must refuse (it cannot tell one from a log cut down by damage). Recovery
+    removes a leftover temporary file.
+    """
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
+    try:
+        os.write(fd, _file_header())
+        if fsync:
+            os.fsync(fd)
+    except BaseException:
+        os.close(fd)
+        tmp.unlink(missing_ok=True)
+        raise
+    os.close(fd)
+    try:
+        os.rename(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent, fsync)
+
+
 class WriteAheadLog:
     """An open log segment for appending."""
 
@@ -357,18 +387,14 @@ class WriteAheadLog:
         """
         self.path = Path(path)
         self.fsync = fsync
-        created = not self.path.exists()
-        self._fd = open_private(self.path, os.O_RDWR | os.O_CREAT)  # 0600: deltas are private
+        if not self.path.exists():
+            _create_segment(self.path, fsync)
+        self._fd = open_private(self.path, os.O_RDWR)  # 0600: deltas are private
         try:
-            if created or os.fstat(self._fd).st_size == 0:
-                os.write(self._fd, _file_header())
+            _check_file_header(os.pread(self._fd, _FILE_HEADER.size, 0), self.path)
+            if truncate_to:
+                os.ftruncate(self._fd, truncate_to)
                 self._sync_file()
-                fsync_dir(self.path.parent, fsync)
-            else:
-                _check_file_header(os.pread(self._fd, _FILE_HEADER.size, 0), self.path)
-                if truncate_to:
-                    os.ftruncate(self._fd, truncate_to)
-                    self._sync_file()
             self.size = os.lseek(self._fd, 0, os.SEEK_END)
         except BaseException:
             os.close(self._fd)
@@ -530,7 +556,11 @@ def write_all(fd: int, buffers: Sequence[Any]) -> int:
 
 def _check_file_header(raw: bytes, path: Path) -> None:
     if len(raw) < _FILE_HEADER.size:
-        raise WalError(f"{path}: shorter than the {_FILE_HEADER.size}-byte log header")
+        raise WalError(
+            f"{path}: shorter than the {_FILE_HEADER.size}-byte log header. A build before "
+            "segments were created whole left one so when killed while starting it: if this "
+            "is the newest segment and shorter than 16 bytes, it holds no record; move it away"
+        )
     magic, version, crc = _FILE_HEADER.unpack(raw)
     if magic != WAL_MAGIC or crc != zlib.crc32(raw[:12]):
         raise WalError(f"{path}: not a write-ahead log (bad magic or header checksum)")
