@@ -69,6 +69,9 @@ def _run(tmp_path, exchange: str, codec: str):
                 x, y = mlp.batch(rng)
                 params, opt_state, _ = mlp.train_step(params, opt_state, x, y)
                 params = session.step(params, tokens=mlp.BATCH)
+            # what the client keeps, not what a fold still running holds: its inputs (the
+            # client's codes, handed to the call as they are) until it ends
+            session.exchange.wait()
             held = _client_held_bytes()
             tracemalloc.stop()
             moved = session.stats["host_device_bytes"] - joined

@@ -280,8 +280,10 @@ class DeviceExchange:
         places it (one copy per device, as a `device_put` would), because a
         separate `device_put` costs more than the copy: 0.37 ms of CPU per
         single-fragment fold of `tiny` on this CPU, a third of the fold, paid on
-        the step's thread. Elsewhere every process builds the global array from its
-        own copy.
+        the step's thread. The call holds the array until it has run, so nothing
+        may write it meanwhile (the client's codes and values are never rewritten;
+        the rest is built per call). Elsewhere every process builds the global array
+        from its own copy.
         """
         host = np.ascontiguousarray(host)
         if not self.replicated.is_fully_addressable:
