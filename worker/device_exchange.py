@@ -276,11 +276,10 @@ class DeviceExchange:
     def _incoming(self, host: np.ndarray) -> Any:
         """A host array for a call that reads it whole on every device (codes, values).
 
-        Where this process holds every device it stays a numpy array, and the call
-        places it (one copy per device, as a `device_put` would), because a
-        separate `device_put` costs more than the copy: 0.37 ms of CPU per
-        single-fragment fold of `tiny` on this CPU, a third of the fold, paid on
-        the step's thread. The call holds the array until it has run, so nothing
+        Where this process holds every device it stays a numpy array and the call
+        places it, because a separate `device_put` costs more: 0.37-0.42 ms of CPU
+        per single-fragment fold of `tiny` on a 2-core CPU VM, a third of the fold,
+        paid on the step's thread. The call holds the array until it has run, so nothing
         may write it meanwhile (the client's codes and values are never rewritten;
         the rest is built per call). Elsewhere every process builds the global array
         from its own copy.

@@ -31,8 +31,9 @@ File format (integers little endian):
     trailer  uint32 crc32 of everything before it, 4 bytes b"DONE"
 
 Writing: a temporary file in the same directory (``.<name>.tmp-<pid>``),
-fsync, rename over the final name, fsync the directory, so a reader sees the
-old file or the new one, never half of one. The arrays go out in pieces of
+fsync, rename over the final name, fsync the directory (`wal.write_whole`,
+which creates the log's segments too), so a reader sees the old file or the
+new one, never half of one. The arrays go out in pieces of
 at most `CHUNK_BYTES`, each fetched through an optional `read` callback, so a
 background writer can copy each piece under its own lock and pause or give
 up between pieces (`paramserver.server.storage.checkpoint_job`). Reading
@@ -54,7 +55,6 @@ import msgpack
 import numpy as np
 
 from codec.coded import CodedTensor, from_array
-from paramserver.plumbing.private import open_private
 from paramserver.server.admission.outcomes import ShardCounters
 from paramserver.server.config import ShardConfig
 from paramserver.server.fragment import (
@@ -69,7 +69,7 @@ from paramserver.server.step.downlink import restore_residual
 from paramserver.server.step.fragment_step import BFLOAT16, host_state, host_vector
 from paramserver.server.step.policy import ArrivalStats
 from paramserver.server.step.weighting import RoundClock
-from paramserver.server.storage.wal import fsync_dir
+from paramserver.server.storage.wal import write_whole
 from paramserver.wire.plan import Plan
 
 
@@ -353,12 +353,10 @@ def write_checkpoint(
             return contiguous[name].reshape(-1).view(np.uint8)[lo:hi]
 
     head_map = msgpack.packb({"meta": dict(meta), "arrays": table}, use_bin_type=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     crc = 0
     unsynced = 0
-    fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)  # 0600: parameters are private
-    try:
 
+    def fill(fd: int) -> None:
         def put(buf: Any) -> None:
             nonlocal crc, unsynced
             view = memoryview(buf).cast("B")
@@ -383,15 +381,8 @@ def write_checkpoint(
                 put(read(name, lo, min(lo + CHUNK_BYTES, nbytes)))
             written = start + nbytes
         os.write(fd, _TRAILER.pack(crc, _END))
-        if fsync:
-            os.fsync(fd)
-    except BaseException:
-        os.close(fd)
-        tmp.unlink(missing_ok=True)
-        raise
-    os.close(fd)
-    os.replace(tmp, path)
-    fsync_dir(path.parent, fsync)
+
+    write_whole(path, fill, fsync)  # 0600: parameters are private
     return path.stat().st_size
 
 

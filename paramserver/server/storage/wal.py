@@ -26,8 +26,8 @@ Log records (msgpack header + raw payload):
 
 Files (`WriteAheadLog`, `LogReader`): one append-only log segment of framed,
 checksummed records, and replay that stops at a torn tail. A segment is
-created whole (its header written to a temporary file renamed into place), so
-one that exists always has its header.
+created whole (`write_whole`: its header written to a temporary file renamed
+into place), so one that exists always has its header.
 
 File format (all integers little endian):
 
@@ -71,7 +71,7 @@ import logging
 import os
 import struct
 import zlib
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -342,19 +342,24 @@ def _file_header() -> bytes:
     return head + struct.pack("<I", zlib.crc32(head))
 
 
-def _create_segment(path: Path, fsync: bool) -> None:
-    """Create the segment `path` holding just its header, atomically.
+def write_whole(path: Path, fill: Callable[[int], None], fsync: bool) -> None:
+    """Write the file `path` so that a crash leaves it whole or absent (or as it was).
 
-    The header goes to ``.<name>.tmp-<pid>`` first, which is renamed into place
-    (then the directory is synced): a crash at any point leaves either no segment
-    or a whole header, never a segment shorter than its header, which a replay
-    must refuse (it cannot tell one from a log cut down by damage). Recovery
-    removes a leftover temporary file.
+    `fill` writes a temporary file beside it (``.<name>.tmp-<pid>``, mode 0600);
+    that file is fsynced, renamed over `path`, and the directory synced. On any
+    failure the temporary file is removed; one a crash leaves behind is for the
+    reader's recovery to remove.
+
+    Args:
+        path: the file to (re)place.
+        fill: writes the content to the open file descriptor it is given.
+        fsync: whether to fsync the file and the directory (False only for
+            throwaway runs).
     """
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     fd = open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC)
     try:
-        os.write(fd, _file_header())
+        fill(fd)
         if fsync:
             os.fsync(fd)
     except BaseException:
@@ -362,11 +367,7 @@ def _create_segment(path: Path, fsync: bool) -> None:
         tmp.unlink(missing_ok=True)
         raise
     os.close(fd)
-    try:
-        os.rename(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    os.replace(tmp, path)
     fsync_dir(path.parent, fsync)
 
 
@@ -387,8 +388,8 @@ class WriteAheadLog:
         """
         self.path = Path(path)
         self.fsync = fsync
-        if not self.path.exists():
-            _create_segment(self.path, fsync)
+        if not self.path.exists():  # created whole: a crash never leaves a part of a header
+            write_whole(self.path, lambda fd: os.write(fd, _file_header()), fsync)
         self._fd = open_private(self.path, os.O_RDWR)  # 0600: deltas are private
         try:
             _check_file_header(os.pread(self._fd, _FILE_HEADER.size, 0), self.path)
@@ -557,9 +558,9 @@ def write_all(fd: int, buffers: Sequence[Any]) -> int:
 def _check_file_header(raw: bytes, path: Path) -> None:
     if len(raw) < _FILE_HEADER.size:
         raise WalError(
-            f"{path}: shorter than the {_FILE_HEADER.size}-byte log header. A build before "
-            "segments were created whole left one so when killed while starting it: if this "
-            "is the newest segment and shorter than 16 bytes, it holds no record; move it away"
+            f"{path}: shorter than the {_FILE_HEADER.size}-byte log header (an older build "
+            "killed while creating a segment left it so: if it is the newest segment, it "
+            "holds no record and can be moved away)"
         )
     magic, version, crc = _FILE_HEADER.unpack(raw)
     if magic != WAL_MAGIC or crc != zlib.crc32(raw[:12]):
