@@ -263,14 +263,19 @@ def spawn_shard(port, data_dir):
 def connect(ctx, port, proc):
     """A peer welcomed by the shard process `proc` on `port`; fails with its stderr if it exits."""
     p = Peer(ctx, f"tcp://127.0.0.1:{port}", "a")
-    p.send({"kind": "hello", "island": "a"})  # queued until the process serves
-    # a loaded machine: importing JAX alone can take 10 s
-    wait_for(lambda: p.sock.poll(0) or proc.poll() is not None, "the shard's welcome", timeout_s=60)
-    if proc.poll() is not None:
+    try:
+        p.send({"kind": "hello", "island": "a"})  # queued until the process serves
+        # a loaded machine: importing JAX alone can take 10 s
+        wait_for(
+            lambda: p.sock.poll(0) or proc.poll() is not None, "the shard's welcome", timeout_s=60
+        )
+        if proc.poll() is not None:
+            pytest.fail(f"the shard exited {proc.returncode} before serving: {proc.stderr.read()}")
+        reply, _ = p.recv()
+        assert reply["kind"] == "welcome", reply
+    except BaseException:
         p.close()
-        pytest.fail(f"the shard exited {proc.returncode} before serving: {proc.stderr.read()}")
-    reply, _ = p.recv()
-    assert reply["kind"] == "welcome", reply
+        raise
     return p
 
 
@@ -287,15 +292,15 @@ def test_kill_9_mid_run_loses_no_acked_delta_and_applies_none_twice(tmp_path, zm
         for r in range(1, 31)
     }
     kills_after = {5, 9, 14, 20, 26}  # kill -9 right after sending these rounds, before their ack
-    proc = spawn_shard(port, data_dir)
-    peer_ = connect(zmq_ctx, port, proc)
-    reply, _ = peer_.request(
-        {"kind": "init", "island": "a", "plan": plan.to_wire()}, init_payload(plan, flat)
-    )
-    assert reply["kind"] == "init_ok"
     acked: list[int] = []
     kills = 0
-    try:
+    proc, peer_ = spawn_shard(port, data_dir), None
+    try:  # from here on the shard process is stopped whatever happens
+        peer_ = connect(zmq_ctx, port, proc)
+        reply, _ = peer_.request(
+            {"kind": "init", "island": "a", "plan": plan.to_wire()}, init_payload(plan, flat)
+        )
+        assert reply["kind"] == "init_ok"
         rnd = 1
         while rnd <= 30:
             header = push_header(plan, "a", rnd, 0, base_version=0)
@@ -324,9 +329,14 @@ def test_kill_9_mid_run_loses_no_acked_delta_and_applies_none_twice(tmp_path, zm
         status = peer_.status()
         reply, body = peer_.request({"kind": "snapshot", "island": "a", "fragment": 0})
     finally:
-        peer_.close()
+        if peer_ is not None:
+            peer_.close()
         proc.send_signal(signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
     assert proc.returncode == 0, err
     assert acked == list(range(1, 31))
     # none lost, none twice: each acked delta was merged exactly once, alone, in order
