@@ -1,9 +1,10 @@
 """Shared test plumbing: polling, free ports, ZeroMQ contexts, raw test peers, shards in threads.
 
-Everything binds to 127.0.0.1 (random ports) and sets linger 0. The one home of:
+Everything binds to 127.0.0.1 (ports the OS picks, or `free_port`'s) and sets linger 0. The one home of:
 
 - `wait_for(predicate, what)`: poll until the predicate is truthy; fail after a timeout.
-- `free_port(count=1)`: the first of `count` consecutive TCP ports free a moment ago.
+- `free_port(count=1)`: the first of `count` consecutive TCP ports free a moment ago,
+  below the ephemeral range and in a slice of its own per xdist worker.
 - `zmq_ctx`: a fresh context; the test fails if it leaves a socket open.
 - `peer(endpoint)`: a raw DEALER speaking `paramserver.wire.protocol` (no client
   library), for sending good and bad messages to a shard.
@@ -25,6 +26,8 @@ import jax_cache  # first: its environment must be set before anything imports J
 
 # isort: split
 import itertools
+import os
+import random
 import socket
 import threading
 import time
@@ -75,7 +78,11 @@ def wait_for(
 def free_port(count: int = 1) -> int:
     """The first of `count` consecutive TCP ports on 127.0.0.1 that were free a moment ago.
 
-    May race with other processes: prefer binding to port * where the code allows it.
+    The ports lie below the kernel's ephemeral range, so no outgoing connection of
+    another test (a ZeroMQ connect takes an ephemeral local port) can take one between
+    this check and the bind. Each pytest-xdist worker draws from its own slice, and one
+    process never hands out a port twice, so two tests running at once cannot pick the
+    same port. Still prefer binding to port * where the code allows it.
 
     Args:
         count: how many consecutive ports are needed (a shard binds ROUTER P, PUB P + 1).
@@ -83,13 +90,35 @@ def free_port(count: int = 1) -> int:
     Returns:
         The first port P (P .. P + count - 1 were free).
     """
-    for _ in range(100):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + count <= 65536 and all(_bindable(p) for p in range(base, base + count)):
-            return base
-    raise AssertionError(f"no {count} consecutive free ports")
+    first, size = _PORT_SLICE
+    with _PORT_LOCK:
+        for _ in range(size):
+            base = first + _PORT_NEXT[0] % (size - count)
+            _PORT_NEXT[0] += 1
+            if all(_bindable(p) for p in range(base, base + count)):
+                _PORT_NEXT[0] += count - 1  # never hand out one of these ports again
+                return base
+    raise AssertionError(f"no {count} consecutive free ports in {first}..{first + size - 1}")
+
+
+def _port_slice() -> tuple[int, int]:
+    """This process's ports: (first, how many), a slice of [10000, ephemeral low end)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            ephemeral_low = int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        ephemeral_low = 32768  # Linux's default
+    low = 10000 if ephemeral_low > 12000 else 1024
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw3"; "" outside xdist
+    slot = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
+    slots = 9  # the controller (or a run without xdist) and up to 8 workers
+    size = (ephemeral_low - low) // slots
+    return low + (slot % slots) * size, size
+
+
+_PORT_SLICE = _port_slice()
+_PORT_NEXT = [random.randrange(_PORT_SLICE[1])]  # where the next search starts; fresh per run
+_PORT_LOCK = threading.Lock()
 
 
 def _bindable(port: int) -> bool:

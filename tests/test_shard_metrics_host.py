@@ -41,7 +41,7 @@ def _cli(*args: str) -> subprocess.CompletedProcess:
 @pytest.mark.skipif(not os.path.exists("/proc/net/tcp"), reason="needs Linux /proc/net/tcp")
 def test_metrics_listen_on_the_shards_host_only(tmp_path):
     data_dir = tmp_path / "server"
-    port, metrics_port = free_port(), free_port()
+    port, metrics_port = free_port(2), free_port()  # a shard binds ROUTER port and PUB port + 1
     started = _cli(
         "start", "--detach", "--host", "127.0.0.1", "--port", str(port),
         "--metrics-port", str(metrics_port), "--data-dir", str(data_dir), "--fsync", "false",
@@ -54,8 +54,9 @@ def test_metrics_listen_on_the_shards_host_only(tmp_path):
         with urllib.request.urlopen(url, timeout=30) as response:
             assert 'diloco_shard_up{shard="0"} 1.0' in response.read().decode()
     finally:
-        stopped = _cli("stop", "--data-dir", str(data_dir))
-        assert stopped.returncode == 0, stopped.stderr
+        if started.returncode == 0:
+            stopped = _cli("stop", "--data-dir", str(data_dir))
+            assert stopped.returncode == 0, stopped.stderr
 
 
 def test_metrics_host_defaults_to_host():
