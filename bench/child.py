@@ -37,6 +37,11 @@ class LaunchError(RuntimeError):
     """A process of a harness could not be started; the message says which and why."""
 
 
+class PortTaken(LaunchError):
+    """A server refused to start because a port it was given is taken (exit 3): nothing
+    was started, and the same start on other ports may succeed."""
+
+
 def say_ready() -> None:
     """Tell the harness that started this helper that it serves (one line on stdout)."""
     print(READY, flush=True)

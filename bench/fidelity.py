@@ -47,7 +47,7 @@ from bench import (
     runs,
 )
 from bench.common import emit_json, progress
-from bench.launcher import LaunchError
+from bench.launcher import LaunchError, PortTaken
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -174,8 +174,8 @@ def _run_once(scenario: Any, budget: Any, runs_dir: Path, update: Any) -> dict[s
             shutil.rmtree(partial)
         try:
             return runs.run_scenario(scenario, budget, None, runs_dir, update)
-        except LaunchError as exc:
-            if attempt == 2 or "already in use" not in str(exc):
+        except PortTaken:
+            if attempt == 2:
                 raise
     raise AssertionError("unreachable")
 

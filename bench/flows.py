@@ -32,7 +32,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import sys
 import tempfile
 import threading
@@ -46,6 +45,7 @@ from bench import child
 from bench.window_relay import WindowRelay
 from paramserver.client import Client, ClientConfig
 from paramserver.client.shards import MAX_BULK_LINKS
+from paramserver.plumbing import ports
 from paramserver.server.config import ShardConfig
 from paramserver.server.shard import ShardServer
 
@@ -78,13 +78,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def _free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago (the shard's PUB)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _say(line: str) -> None:
     """One progress line on stderr."""
     print(f"flows: {line}", file=sys.stderr, flush=True)
@@ -94,7 +87,7 @@ class _Shard:
     """A ShardServer serving in a thread; `stop` ends it and re-raises what ended it early."""
 
     def __init__(self, cfg: ShardConfig, advertised: str, bulk_links: int) -> None:
-        pub = f"tcp://127.0.0.1:{_free_port()}"
+        pub = f"tcp://127.0.0.1:{ports.free_base_port(1)}"
         self.server = ShardServer(cfg, 0, [(advertised, pub)], "tcp://127.0.0.1:*", pub)
         self.stop_event = threading.Event()
         self.error: BaseException | None = None

@@ -14,9 +14,7 @@ import contextlib
 import dataclasses
 import json
 import os
-import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -26,44 +24,35 @@ from pathlib import Path
 from typing import Any
 
 from bench import child
-from bench.child import LaunchError
+from bench.child import LaunchError, PortTaken
 from paramserver.ops import supervisor
-from paramserver.plumbing import daemon, probe
+from paramserver.ops.cli import EXIT_PORT_IN_USE
+from paramserver.plumbing import daemon, ports, probe
 from paramserver.plumbing.clusterfile import ShardAddress, render_cluster_file
 from paramserver.plumbing.exposure import is_loopback
 from worker import island_files
 
 
-def free_base_port(
-    count: int, host: str = "127.0.0.1", start: int = 20000, end: int = 60000
-) -> int:
+def free_base_port(count: int, host: str = "127.0.0.1") -> int:
     """A base port P such that P .. P+count-1 are all free on `host` right now.
+
+    Picked below the kernel's ephemeral range (`paramserver.plumbing.ports`), so no
+    outgoing connection takes one before the process started next binds it.
 
     Args:
         count: number of consecutive ports needed.
         host: address to probe.
-        start: lowest base port to try.
-        end: highest base port to try.
 
     Returns:
         The base port.
+
+    Raises:
+        LaunchError: no such ports were found.
     """
-    rng = random.Random()
-    for _ in range(200):
-        base = rng.randrange(start, end - count)
-        socks = []
-        try:
-            for port in range(base, base + count):
-                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-                socks.append(s)
-                s.bind((host, port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise LaunchError(f"no {count} consecutive free ports found on {host}")
+    try:
+        return ports.free_base_port(count, host)
+    except ports.NoFreePorts as exc:
+        raise LaunchError(str(exc)) from None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +83,8 @@ def _run(argv: Sequence[str], what: str, timeout_s: float) -> str:
     proc = subprocess.run(list(argv), capture_output=True, text=True, timeout=timeout_s)
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()
-        raise LaunchError(f"{what} failed (exit {proc.returncode}): {tail[-1] if tail else ''}")
+        error = PortTaken if proc.returncode == EXIT_PORT_IN_USE else LaunchError
+        raise error(f"{what} failed (exit {proc.returncode}): {tail[-1] if tail else ''}")
     return proc.stdout
 
 
@@ -139,16 +129,29 @@ class LocalCluster:
         return self.out_dir / "islands" / name
 
     def start_server(self, timeout_s: float = 120.0) -> None:
-        """Start every shard (detached) and return once they serve."""
-        _run(
-            [
-                sys.executable, "-m", "paramserver.server.cli", "start",
-                "--shards", str(self.shards), "--host", self.host, "--port", str(self.port),
-                "--data-dir", str(self.server_dir), "--detach", *self.server_args,
-            ],
-            "diloco-server start",
-            timeout_s,
-        )  # fmt: skip
+        """Start every shard (detached) and return once they serve.
+
+        The ports were picked free in `__init__`; one taken since (the server refuses
+        it before starting anything) is picked again, twice at most, before any island
+        has been told the old ones.
+        """
+        for attempt in range(3):
+            try:
+                _run(
+                    [
+                        sys.executable, "-m", "paramserver.server.cli", "start",
+                        "--shards", str(self.shards), "--host", self.host,
+                        "--port", str(self.port), "--data-dir", str(self.server_dir),
+                        "--detach", *self.server_args,
+                    ],
+                    "diloco-server start",
+                    timeout_s,
+                )  # fmt: skip
+                return
+            except PortTaken:
+                if attempt == 2 or self.islands:
+                    raise
+                self.port = free_base_port(2 * self.shards, self.host)
 
     def shard_dir(self, index: int) -> Path:
         """The data dir of shard `index`."""
@@ -223,8 +226,9 @@ class LocalCluster:
         for t in threads:
             while t.is_alive():  # a join that wakes: a Ctrl-C that lands on another thread
                 t.join(0.2)  # is handled in the main thread only when it runs again
-        if errors:
-            raise LaunchError(str(errors[0]))
+        if errors:  # the first, its type kept (a PortTaken may be retried on other ports)
+            first = errors[0]
+            raise first if isinstance(first, LaunchError) else LaunchError(str(first))
 
     def start_islands(self, specs: Sequence[IslandSpec], timeout_s: float = 300.0) -> None:
         """Start islands (detached) in parallel and return once each has joined.

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import threading
@@ -114,20 +113,9 @@ def _tiny_params():
     }
 
 
-def _free_ports(count: int) -> list[int]:
-    """`count` TCP ports on 127.0.0.1 that were free a moment ago."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for s in sockets:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in sockets]
-    finally:
-        for s in sockets:
-            s.close()
-
-
 def _serve_shard(data_dir: Path, inner_steps: int):
     """Start the shard's serving thread (on the shard's side); returns (server, stop, thread)."""
+    from paramserver.plumbing import ports
     from paramserver.server.config import ShardConfig
     from paramserver.server.shard import ShardServer
 
@@ -135,7 +123,8 @@ def _serve_shard(data_dir: Path, inner_steps: int):
     cfg = ShardConfig(data_dir=str(data_dir), inner_steps=inner_steps)
     # the endpoints the welcome advertises are the ones bound (the island's SUB must reach
     # the PUB, or every update comes by snapshot)
-    router, pub = (f"tcp://127.0.0.1:{port}" for port in _free_ports(2))
+    base = ports.free_base_port(2)
+    router, pub = f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"
     server = ShardServer(cfg, 0, [(router, pub)], router_bind=router, pub_bind=pub)
     stop = threading.Event()
     errors: list[BaseException] = []

@@ -34,6 +34,7 @@ from typing import Any
 import worker
 
 SERVER_CLI = [sys.executable, "-m", "paramserver.server.cli"]  # = diloco-server
+PORT_TAKEN_EXIT = 3  # diloco-server start: a port to bind is taken; nothing was started
 DIRECT_STOP_S = 60.0  # how long a SIGTERMed server may drain before the stop command is run
 
 
@@ -144,11 +145,25 @@ def _free_base_port(count: int) -> int:
     raise SystemExit(f"no {count} consecutive free ports on 127.0.0.1")
 
 
-def _run(argv: list[str], what: str) -> None:
+def _run(argv: list[str], what: str, port_taken_ok: bool = False) -> int:
+    """Run a command to its end; exit with its last line if it failed.
+
+    Args:
+        argv: the command.
+        what: its name, for the error.
+        port_taken_ok: return `PORT_TAKEN_EXIT` (the server refused a taken port and
+            started nothing) instead of exiting on it.
+
+    Returns:
+        0, or `PORT_TAKEN_EXIT` where allowed.
+    """
     proc = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    if proc.returncode == PORT_TAKEN_EXIT and port_taken_ok:
+        return proc.returncode
     if proc.returncode != 0:
         tail = (proc.stderr or proc.stdout).strip().splitlines()
         raise SystemExit(f"{what} failed: {tail[-1] if tail else proc.returncode}")
+    return 0
 
 
 def _pid_exits(pid: int, timeout_s: float) -> bool:
@@ -210,19 +225,23 @@ def cluster(args: argparse.Namespace) -> Iterator[tuple[str, Path]]:
             yield args.connect, out
             return
         raise_if_interrupted()
-        port = args.port or _free_base_port(2 * args.shards)
         server_dir = out / "server"
-        argv = [
-            *SERVER_CLI, "start", "--shards", str(args.shards), "--port", str(port),
-            "--mode", args.mode, "--data-dir", str(server_dir),
-        ]  # fmt: skip
-        if getattr(args, "inner_steps", None):  # the islands' H: picks the default outer lr
-            argv += ["--inner-steps", str(args.inner_steps)]
-        try:
-            _run([*argv, "--detach"], "diloco-server start")  # a failed start leaves nothing
-        except KeyboardInterrupt:  # Ctrl-C while it starts: it may be up already
-            _stop(server_dir)
-            raise
+        for attempt in range(3):  # a port we picked and another process took meanwhile: again
+            port = args.port or _free_base_port(2 * args.shards)
+            argv = [
+                *SERVER_CLI, "start", "--shards", str(args.shards), "--port", str(port),
+                "--mode", args.mode, "--data-dir", str(server_dir),
+            ]  # fmt: skip
+            if getattr(args, "inner_steps", None):  # the islands' H: picks the default outer lr
+                argv += ["--inner-steps", str(args.inner_steps)]
+            may_retry = not args.port and attempt < 2
+            try:  # a failed start leaves nothing
+                code = _run([*argv, "--detach"], "diloco-server start", may_retry)
+            except KeyboardInterrupt:  # Ctrl-C while it starts: it may be up already
+                _stop(server_dir)
+                raise
+            if code == 0:
+                break
         stack.callback(_stop, server_dir)  # only what this example started
         raise_if_interrupted()
         print(f"server: {args.shards} shards at tcp://127.0.0.1:{port} ({args.mode})", flush=True)

@@ -39,6 +39,7 @@ import daemon_process
 import pytest
 import zmq
 
+from paramserver.plumbing import ports
 from paramserver.server.config import ShardConfig
 from paramserver.server.shard import ShardServer
 from paramserver.wire import protocol
@@ -102,17 +103,12 @@ def free_port(count: int = 1) -> int:
 
 
 def _port_slice() -> tuple[int, int]:
-    """This process's ports: (first, how many), a slice of [10000, ephemeral low end)."""
-    try:
-        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-            ephemeral_low = int(f.read().split()[0])
-    except (OSError, ValueError, IndexError):
-        ephemeral_low = 32768  # Linux's default
-    low = 10000 if ephemeral_low > 12000 else 1024
+    """This process's ports: (first, how many), a ninth of `ports.unreserved_range()`."""
+    low, high = ports.unreserved_range()
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw3"; "" outside xdist
     slot = int(worker[2:]) + 1 if worker.startswith("gw") and worker[2:].isdigit() else 0
     slots = 9  # the controller (or a run without xdist) and up to 8 workers
-    size = (ephemeral_low - low) // slots
+    size = (high - low) // slots
     return low + (slot % slots) * size, size
 
 

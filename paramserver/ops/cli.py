@@ -3,7 +3,8 @@
 This module owns the command line only: parsing, loading settings (defaults
 <- TOML --config <- DILOCO_SERVER_* environment <- flags), and turning every
 error into one line on stderr with a non-zero exit (2: bad usage or
-configuration; 1: the server could not be started, reached or stopped).
+configuration; 3: a port to bind is taken, nothing was started; 1: the server
+could not be started, reached or stopped otherwise).
 The work is done by `supervisor` (local cluster), `serve` (one shard),
 `probe` (status) and `daemon` (pid files, detach, stop).
 
@@ -28,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from paramserver.plumbing import clusterfile, daemon, dir_kind
-from paramserver.plumbing.daemon import DaemonError
+from paramserver.plumbing.daemon import DaemonError, PortInUse
 from paramserver.plumbing.settings import (
     OneLineErrorParser,
     SettingsError,
@@ -45,6 +46,7 @@ PROG = "diloco-server"
 ENV_PREFIX = "DILOCO_SERVER_"
 EXIT_FAILURE = 1
 EXIT_USAGE = 2
+EXIT_PORT_IN_USE = 3  # a launcher that picked the port may pick another and start again
 READY_TIMEOUT_S = 120.0
 
 
@@ -480,6 +482,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return args.func(args)
     except SettingsError as exc:
         return _fail(str(exc), EXIT_USAGE)
+    except PortInUse as exc:
+        return _fail(str(exc), EXIT_PORT_IN_USE)
     except DaemonError as exc:
         return _fail(str(exc), EXIT_FAILURE)
     except OSError as exc:  # e.g. a data dir that cannot be created

@@ -31,7 +31,7 @@ from pathlib import Path
 from urllib.parse import urlsplit
 
 from paramserver.plumbing import daemon, dir_kind
-from paramserver.plumbing.daemon import DaemonError
+from paramserver.plumbing.daemon import DaemonError, PortInUse
 from paramserver.plumbing.heap import ARENA_ENV
 from paramserver.server.config import ShardConfig, bind_endpoints, local_endpoints
 
@@ -123,14 +123,14 @@ def check_binds(binds: list[tuple[str, str]]) -> None:
         binds: (what, endpoint) pairs, e.g. ("shard 0 ROUTER", "tcp://127.0.0.1:5555").
 
     Raises:
-        DaemonError: naming the endpoint and what to change.
+        PortInUse: naming the endpoint and what to change.
     """
     for what, endpoint in binds:
         parts = urlsplit(endpoint)
         if parts.scheme != "tcp" or parts.port is None:
             continue
         if port_in_use(parts.hostname or "*", parts.port):
-            raise DaemonError(
+            raise PortInUse(
                 f"port {parts.port} ({what}, {endpoint}) is already in use; "
                 "choose another --port or stop what holds it"
             )

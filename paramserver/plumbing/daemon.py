@@ -72,6 +72,10 @@ class DaemonError(RuntimeError):
     """A daemon cannot be started, found or stopped; the message is one line saying what to do."""
 
 
+class PortInUse(DaemonError):
+    """A port a daemon would bind is already taken; nothing was started."""
+
+
 class DaemonStartError(DaemonError):
     """A daemon exited (or was stopped) before it was ready.
 
