@@ -34,7 +34,7 @@ def test_the_tests_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_
 @pytest.mark.timeout(30)
 def test_a_launchers_ports_lie_below_the_ephemeral_range_and_skip_a_held_one(tmp_path):
     bases = [ports.free_base_port(4) for _ in range(50)]
-    assert 1024 <= min(bases) and max(bases) + 3 < _ephemeral_low()
+    assert min(bases) >= 1024 and max(bases) + 3 < _ephemeral_low()
     with socket.socket() as held:  # the only free pair of a 3-port range is its last two
         held.bind(("127.0.0.1", free_port(3)))
         first = held.getsockname()[1]
