@@ -82,8 +82,8 @@ def free_port(count: int = 1) -> int:
     The ports lie below the kernel's ephemeral range, so no outgoing connection of
     another test (a ZeroMQ connect takes an ephemeral local port) can take one between
     this check and the bind. Each pytest-xdist worker draws from its own slice, and one
-    process never hands out a port twice, so two tests running at once cannot pick the
-    same port. Still prefer binding to port * where the code allows it.
+    process never hands out a port twice, nor one of the `PORT_GAP` ports after a hand-out,
+    so two tests running at once cannot pick the same port. Still prefer binding to port * where the code allows it.
 
     Args:
         count: how many consecutive ports are needed (a shard binds ROUTER P, PUB P + 1).
@@ -97,7 +97,9 @@ def free_port(count: int = 1) -> int:
             base = first + _PORT_NEXT[0] % (size - count)
             _PORT_NEXT[0] += 1
             if all(_bindable(p) for p in range(base, base + count)):
-                _PORT_NEXT[0] += count - 1  # never hand out one of these ports again
+                # never hand out one of these ports again, nor the next PORT_GAP: a process
+                # that binds past what its test asked for must not take the next test's port
+                _PORT_NEXT[0] += count - 1 + PORT_GAP
                 return base
     raise AssertionError(f"no {count} consecutive free ports in {first}..{first + size - 1}")
 
@@ -112,6 +114,7 @@ def _port_slice() -> tuple[int, int]:
     return low + (slot % slots) * size, size
 
 
+PORT_GAP = 16  # ports left free after each hand-out (seen: the port after a shard's taken)
 _PORT_SLICE = _port_slice()
 _PORT_NEXT = [random.randrange(_PORT_SLICE[1])]  # where the next search starts; fresh per run
 _PORT_LOCK = threading.Lock()

@@ -8,11 +8,12 @@ port picked there can be taken by any process in the second before the server bi
 
 from __future__ import annotations
 
+import itertools
 import random
 import socket
 
 import pytest
-from conftest import free_port
+from conftest import PORT_GAP, free_port
 
 from bench.launcher import LocalCluster
 from paramserver.plumbing import ports, probe
@@ -28,6 +29,8 @@ def test_the_tests_ports_lie_below_the_ephemeral_range_and_are_never_handed_out_
     handed = [free_port(2) for _ in range(50)] + [free_port() for _ in range(50)]
     taken = [p for base in handed[:50] for p in (base, base + 1)] + handed[50:]
     assert len(set(taken)) == len(taken)  # no port twice, not even a pair's second
+    singles = sorted(handed[50:])
+    assert all(b - a > PORT_GAP for a, b in itertools.pairwise(singles))  # nor near each other
     assert max(taken) < _ephemeral_low()  # no connect() of another test can take one meanwhile
 
 
