@@ -111,16 +111,18 @@ def recover(
         raise DurabilityError(f"shard {index} cannot recover {directory}: {exc}{hint}") from exc
 
 
+# a checkpoint write cut short; a segment's creation cut short (it held no record)
+_UNFINISHED = ((".checkpoint-*.tmp-*", "checkpoint"), (".wal-*.log.tmp-*", "log segment"))
+
+
 def _recover(
     cfg: ShardConfig, index: int, directory: Path, timer: Callable[[], float] | None, level: int
 ) -> Recovered:
     private_dir(directory, tighten=True)  # 0700: the shard's own directory
-    for stale in directory.glob(".checkpoint-*.tmp-*"):  # a checkpoint write cut short
-        logger.warning("shard %d: removing unfinished checkpoint %s", index, stale.name)
-        stale.unlink(missing_ok=True)
-    for stale in directory.glob(".wal-*.log.tmp-*"):  # a segment's creation cut short: no record
-        logger.warning("shard %d: removing unfinished log segment %s", index, stale.name)
-        stale.unlink(missing_ok=True)
+    for pattern, what in _UNFINISHED:  # `wal.write_whole`'s temporaries a crash left
+        for stale in directory.glob(pattern):
+            logger.warning("shard %d: removing unfinished %s %s", index, what, stale.name)
+            stale.unlink(missing_ok=True)
     checkpoints = numbered(directory, CHECKPOINT_NAME)
     skipped = False
     state, gen, loaded = None, 0, None
