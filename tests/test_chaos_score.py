@@ -133,3 +133,25 @@ def test_a_faulted_only_report_has_no_comparison_and_times_its_window_on_its_own
     assert alone["targets"]["fault_free_goodput_at_least_0.98"] is None
     assert alone["targets"]["acked_equals_applied"] is True  # 0 acked, 0 applied
     assert alone["runs"]["faulted"] == both["runs"]["faulted"]  # the same run, scored alike
+
+
+@pytest.mark.timeout(10)
+def test_acked_equals_applied_falls_on_a_double_application_and_on_a_lost_delta():
+    # three deltas acked, one of them twice (a re-sent push acked again: one key); each
+    # entry is (island, fragment, round, time) as the relay records it
+    acks = [["a", 0, 1, 1.0], ["a", 1, 1, 1.5], ["a", 0, 2, 2.0], ["a", 0, 2, 2.5]]
+    setup = type("Setup", (), {"shards": 1, "duration_s": 15.0})()
+
+    def summary(accepted_by_shard):
+        raw = _raw(1.0, 2.0)
+        raw["relay"] = {"acked_by_shard": acks}
+        raw["status"] = [{"accepted": n} for n in accepted_by_shard]
+        return chaos_score.summarize(raw, [], setup, window_s=2.0)
+
+    held = summary([2, 1])  # the shards' accepted counts sum over shards: 3 = 3
+    assert (held["deltas_acked"], held["deltas_applied"]) == (3, 3)
+    assert held["acked_equals_applied"] is True
+    twice = summary([3, 1])  # one delta applied twice
+    assert (twice["deltas_applied"], twice["acked_equals_applied"]) == (4, False)
+    lost = summary([1, 1])  # an acked delta never applied
+    assert (lost["deltas_applied"], lost["acked_equals_applied"]) == (2, False)
