@@ -24,7 +24,7 @@ import ctypes
 import ctypes.util
 import functools
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 ARENA_ENV = {"MALLOC_ARENA_MAX": "2"}  # a shard child's environment additions (glibc)
 
@@ -43,16 +43,28 @@ STEADY = (
 
 
 @functools.cache
-def _glibc(name: str, *argtypes: type) -> Callable[..., int] | None:
-    """A glibc malloc function returning int, or None where the C library has none
-    (musl, macOS, Windows)."""
-    lib = ctypes.util.find_library("c")
+def _malloc_trim():
+    """glibc's malloc_trim, or None where the C library has none (musl, macOS, Windows)."""
+    name = ctypes.util.find_library("c")
     try:
-        fn = getattr(ctypes.CDLL(lib), name) if lib else None
+        fn = ctypes.CDLL(name).malloc_trim if name else None
     except (OSError, AttributeError):
         return None
     if fn is not None:
-        fn.argtypes, fn.restype = list(argtypes), ctypes.c_int
+        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
+    return fn
+
+
+@functools.cache
+def _mallopt():
+    """glibc's mallopt, or None where the C library has none."""
+    name = ctypes.util.find_library("c")
+    try:
+        fn = ctypes.CDLL(name).mallopt if name else None
+    except (OSError, AttributeError):
+        return None
+    if fn is not None:
+        fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return fn
 
 
@@ -69,7 +81,7 @@ def steady(environ: Mapping[str, str] = os.environ) -> dict[str, int]:
     Returns:
         {name: value} of the settings applied ({} off glibc).
     """
-    fn = _glibc("mallopt", ctypes.c_int, ctypes.c_int)
+    fn = _mallopt()
     if fn is None:
         return {}
     return {
@@ -83,5 +95,5 @@ def trim() -> bool:
     Returns:
         True when memory was released, False when none was or off glibc.
     """
-    fn = _glibc("malloc_trim", ctypes.c_size_t)
+    fn = _malloc_trim()
     return bool(fn(0)) if fn is not None else False
