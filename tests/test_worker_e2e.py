@@ -111,8 +111,6 @@ def test_killed_island_rejoins_and_the_other_keeps_advancing(cluster):
     )
     log = (cluster.island_dir("b") / "daemon.log").read_text()
     assert log.count("joined") >= 2
-    # each start kept its C heap in one arena at fixed thresholds (paramserver.plumbing.heap)
-    assert log.count("C heap: arena_max 1, trim_threshold") >= 2
 
 
 @pytest.mark.timeout(60)

@@ -37,7 +37,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -46,7 +45,7 @@ import time
 from pathlib import Path
 
 from paramserver.client import ClientError
-from paramserver.plumbing import daemon, dir_kind, heap, settings
+from paramserver.plumbing import daemon, dir_kind, settings
 from worker import export as export_cli
 from worker import island_files
 from worker.config import IslandConfig
@@ -255,7 +254,6 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | No
     """
     from worker import process_group  # no JAX yet: the process group must start first
 
-    held = heap.steady()  # before any thread: one malloc arena, the step's scratch kept mapped
     spec = process_group.resolve_group(
         cfg.coordinator, cfg.num_processes, cfg.process_id, os.environ
     )
@@ -280,9 +278,6 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | No
     except BaseException:
         daemon.remove_created(created)
         raise
-    logging.getLogger("worker.island").info(
-        "C heap: %s", ", ".join(f"{k} {v}" for k, v in held.items()) or "as the environment sets it"
-    )
     ready = False
 
     def notify() -> None:
