@@ -82,8 +82,9 @@ def free_port(count: int = 1) -> int:
     The ports lie below the kernel's ephemeral range, so no outgoing connection of
     another test (a ZeroMQ connect takes an ephemeral local port) can take one between
     this check and the bind. Each pytest-xdist worker draws from its own slice, and one
-    process never hands out a port twice, nor one of the `PORT_GAP` ports after a hand-out,
-    so two tests running at once cannot pick the same port. Still prefer binding to port * where the code allows it.
+    process never hands out a port twice, nor one of the `PORT_GAP` ports after a
+    hand-out, so two tests running at once cannot pick the same port. Still prefer
+    binding to port * where the code allows it.
 
     Args:
         count: how many consecutive ports are needed (a shard binds ROUTER P, PUB P + 1).

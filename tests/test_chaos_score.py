@@ -109,6 +109,9 @@ def test_time_inside_step_is_lost_not_pace():
     assert got["total"] == pytest.approx(10.0 - 900.0 / 125.0)
 
 
+SETUP = type("Setup", (), {"shards": 1, "duration_s": 15.0})()  # a run's shape: 1 shard, 15 s
+
+
 def _raw(round_s: float, final_loss: float) -> dict:
     """A run's raw material: one island's ten rounds of `round_s`, nothing acked."""
     points = [(round_s * k, round_s, 100 * k) for k in range(1, 11)]
@@ -118,14 +121,13 @@ def _raw(round_s: float, final_loss: float) -> dict:
 
 @pytest.mark.timeout(10)
 def test_a_faulted_only_report_has_no_comparison_and_times_its_window_on_its_own_rounds():
-    setup = type("Setup", (), {"shards": 1, "duration_s": 15.0})()
-    both = chaos_score.report(_raw(1.0, 2.0), _raw(1.5, 2.5), [], setup)
+    both = chaos_score.report(_raw(1.0, 2.0), _raw(1.5, 2.5), [], SETUP)
     assert sorted(both["runs"]) == ["fault_free", "faulted"]
     assert both["uptime_window_s"] == 2.0  # two of the fault-free run's 1-s rounds
     assert both["final_loss_ratio"] == pytest.approx(1.25)  # 2.5 / 2.0
     assert both["targets"]["final_loss_within_1pct"] is False
     assert both["targets"]["fault_free_goodput_at_least_0.98"] is not None
-    alone = chaos_score.report(None, _raw(1.5, 2.5), [], setup)
+    alone = chaos_score.report(None, _raw(1.5, 2.5), [], SETUP)
     assert sorted(alone["runs"]) == ["faulted"]
     assert alone["uptime_window_s"] == 3.0  # two of its own 1.5-s rounds
     assert alone["final_loss_ratio"] is None
@@ -140,13 +142,12 @@ def test_acked_equals_applied_falls_on_a_double_application_and_on_a_lost_delta(
     # three deltas acked, one of them twice (a re-sent push acked again: one key); each
     # entry is (island, fragment, round, time) as the relay records it
     acks = [["a", 0, 1, 1.0], ["a", 1, 1, 1.5], ["a", 0, 2, 2.0], ["a", 0, 2, 2.5]]
-    setup = type("Setup", (), {"shards": 1, "duration_s": 15.0})()
 
     def summary(accepted_by_shard):
         raw = _raw(1.0, 2.0)
         raw["relay"] = {"acked_by_shard": acks}
         raw["status"] = [{"accepted": n} for n in accepted_by_shard]
-        return chaos_score.summarize(raw, [], setup, window_s=2.0)
+        return chaos_score.summarize(raw, [], SETUP, window_s=2.0)
 
     held = summary([2, 1])  # the shards' accepted counts sum over shards: 3 = 3
     assert (held["deltas_acked"], held["deltas_applied"]) == (3, 3)
