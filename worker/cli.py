@@ -252,7 +252,7 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | No
     A start that fails before the island trains leaves nothing it created
     (`created`: `daemon.first_missing` of its data dir, taken before anything was written).
     """
-    from worker import process_group  # no JAX yet: the process group must start first
+    from worker import cpu_dispatch, process_group  # no JAX yet: the group must start first
 
     spec = process_group.resolve_group(
         cfg.coordinator, cfg.num_processes, cfg.process_id, os.environ
@@ -262,6 +262,7 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | No
             f"devices must be 0 (every device of every process) in an island of "
             f"{spec.num_processes} processes, got {cfg.devices}"
         )
+    cpu_dispatch.configure()  # before JAX's CPU client exists: a step's scratch stays in one arena
     if spec.multi:
         process_group.initialize(spec, process_group.liveness_timeout_s(cfg.heartbeat_interval_s))
     goodbye_s = max(10.0, process_group.liveness_timeout_s(cfg.heartbeat_interval_s))
