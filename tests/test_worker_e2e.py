@@ -111,6 +111,8 @@ def test_killed_island_rejoins_and_the_other_keeps_advancing(cluster):
     )
     log = (cluster.island_dir("b") / "daemon.log").read_text()
     assert log.count("joined") >= 2
+    # each start ran its CPU computations inline (worker.cpu_dispatch: RSS keeps its level)
+    assert log.count("JAX dispatches CPU computations: inline") >= 2
 
 
 @pytest.mark.timeout(60)

@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -262,7 +263,8 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | No
             f"devices must be 0 (every device of every process) in an island of "
             f"{spec.num_processes} processes, got {cfg.devices}"
         )
-    cpu_dispatch.configure()  # before JAX's CPU client exists: a step's scratch stays in one arena
+    # before JAX's CPU client exists: a step's scratch stays in the calling thread's arena
+    dispatch = cpu_dispatch.configure()
     if spec.multi:
         process_group.initialize(spec, process_group.liveness_timeout_s(cfg.heartbeat_interval_s))
     goodbye_s = max(10.0, process_group.liveness_timeout_s(cfg.heartbeat_interval_s))
@@ -279,6 +281,7 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | No
     except BaseException:
         daemon.remove_created(created)
         raise
+    logging.getLogger("worker.island").info("JAX dispatches CPU computations: %s", dispatch)
     ready = False
 
     def notify() -> None:

@@ -27,12 +27,16 @@ module imports JAX only inside `configure`, so control commands stay free of it.
 from __future__ import annotations
 
 
-def configure() -> None:
+def configure() -> str:
     """Make this process's CPU computations run inline, on the thread that calls them.
 
     Call before the process's first JAX computation; later, JAX's CPU client
     exists and keeps the mode it was created with.
+
+    Returns:
+        The mode JAX's setting now holds, read back: "inline" or "asynchronous".
     """
     import jax
 
     jax.config.update("jax_cpu_enable_async_dispatch", False)
+    return "asynchronous" if jax.config.values["jax_cpu_enable_async_dispatch"] else "inline"
