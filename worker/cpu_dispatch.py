@@ -12,10 +12,11 @@ growth in an hour's soak.
 Run inline, a computation's scratch is taken and freed on the thread that
 called it, in that thread's arena, and reused there step after step. Measured
 on this project's VM (the `tiny` step, 3,000 steps, a fresh process each):
-RSS held within 1 MB after the first 250 steps inline, against 64-79 MB of
-swing by default, and the step was no slower (14.5-16.8 against 16.6-16.9
-ms). The setting touches only the CPU backend (GPU and TPU dispatch as they
-do) and only computations on one device.
+RSS held one level from step 250 on inline, against levels 16 MB apart
+spanning 78-95 MiB by default, and the step took as long (the means of three
+alternating pairs within 2.4%; docs/results.md, "The island's CPU computations
+run inline"). The setting touches only the CPU backend (GPU and TPU dispatch
+as they do) and only computations on one device.
 
 `configure` must run before the process's first JAX computation: JAX reads the
 setting when it creates its CPU client. The island daemon calls it first
