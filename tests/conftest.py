@@ -27,12 +27,14 @@ import jax_cache  # first: its environment must be set before anything imports J
 # isort: split
 import itertools
 import os
+import platform
 import random
 import socket
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import daemon_process
@@ -47,6 +49,12 @@ from paramserver.wire.snapshot import snapshot_request, snapshot_values
 
 REPLY_TIMEOUT_S = 10.0
 WAIT_S = 20.0  # default bound of wait_for
+
+# a test of glibc's malloc (its arenas, malloc_trim) that reads RSS from /proc
+glibc_linux = pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc" or not Path("/proc/self/statm").exists(),
+    reason="the test is of glibc's malloc and reads RSS from /proc",
+)
 
 
 def wait_for(

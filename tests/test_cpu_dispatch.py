@@ -10,19 +10,14 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from conftest import glibc_linux
 
 REPO = Path(__file__).resolve().parents[1]
-
-linux_glibc = pytest.mark.skipif(
-    platform.libc_ver()[0] != "glibc" or not Path("/proc/self/statm").exists(),
-    reason="the arenas are glibc's; RSS is read from /proc",
-)
 
 # argv[1]: "inline" (the island daemon's setting) or "default". Prints the RSS in MiB
 # every 25 steps from step 150 (the first steps still grow the heap) to step 450.
@@ -50,7 +45,7 @@ print(json.dumps(held))
 """
 
 
-@linux_glibc
+@glibc_linux
 @pytest.mark.slow
 @pytest.mark.timeout(240)
 def test_inline_dispatch_keeps_the_train_steps_rss_level_where_the_default_moves_it():

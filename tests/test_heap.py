@@ -3,17 +3,11 @@
 from __future__ import annotations
 
 import os
-import platform
 from pathlib import Path
 
-import pytest
+from conftest import glibc_linux
 
 from paramserver.plumbing import heap
-
-glibc_linux = pytest.mark.skipif(
-    platform.libc_ver()[0] != "glibc" or not Path("/proc/self/statm").exists(),
-    reason="malloc_trim is glibc's; RSS is read from /proc",
-)
 
 
 def rss_bytes() -> int:
