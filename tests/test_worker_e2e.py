@@ -113,8 +113,6 @@ def test_killed_island_rejoins_and_the_other_keeps_advancing(cluster):
     assert log.count("joined") >= 2
     # each start ran its CPU computations inline (worker.cpu_dispatch: RSS keeps its level)
     assert log.count("JAX dispatches CPU computations: inline") >= 2
-    # each start fixed its malloc thresholds (paramserver.plumbing.heap)
-    assert log.count("C heap: trim_threshold 536870912, mmap_threshold 33554432") >= 2
 
 
 @pytest.mark.timeout(60)

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 
 from paramserver.client import ClientError
-from paramserver.plumbing import daemon, dir_kind, heap, settings
+from paramserver.plumbing import daemon, dir_kind, settings
 from worker import export as export_cli
 from worker import island_files
 from worker.config import IslandConfig
@@ -255,7 +255,6 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | No
     """
     from worker import cpu_dispatch, process_group  # no JAX yet: the group must start first
 
-    held = heap.steady()  # before JAX: fixed malloc thresholds, a freed scratch kept mapped
     spec = process_group.resolve_group(
         cfg.coordinator, cfg.num_processes, cfg.process_id, os.environ
     )
@@ -283,9 +282,6 @@ def _run_foreground(cfg: IslandConfig, dry_run: bool = False, created: Path | No
         daemon.remove_created(created)
         raise
     logging.getLogger("worker.island").info("JAX dispatches CPU computations: %s", dispatch)
-    logging.getLogger("worker.island").info(
-        "C heap: %s", ", ".join(f"{k} {v}" for k, v in held.items()) or "as the environment sets it"
-    )
     ready = False
 
     def notify() -> None:
