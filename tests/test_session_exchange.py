@@ -10,6 +10,8 @@ between host and device.
 
 from __future__ import annotations
 
+import gc
+import threading
 import tracemalloc
 
 import jax
@@ -20,6 +22,7 @@ import pytest
 from client_helpers import RecordingClient
 from conftest import Cluster
 
+import codec
 from paramserver.plumbing import probe
 from worker.config import IslandConfigError
 from worker.device_exchange import DeviceExchange
@@ -132,3 +135,76 @@ def _client_held_bytes() -> int:
         [tracemalloc.Filter(True, "*/paramserver/client/*", all_frames=True)]
     )
     return sum(trace.size for trace in held.traces)
+
+
+class RefusingClient(RecordingClient):
+    """A real client that also reports `refuse` (then empties it) as finally refused."""
+
+    def __init__(self, cfg) -> None:
+        super().__init__(cfg)
+        self.refuse: list[tuple[int, int, list]] = []
+
+    def take_refused(self):
+        refused, self.refuse = super().take_refused() + self.refuse, []
+        return refused
+
+
+def _codec_bytes() -> int:
+    """Bytes traced since `tracemalloc.start` still live, allocated in the codec's code."""
+    gc.collect()
+    snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.Filter(True, "*/codec/*")])
+    return sum(stat.size for stat in snap.statistics("filename"))
+
+
+def test_after_warm_up_an_islands_first_refused_push_takes_no_memory_for_good(tmp_path):
+    # issue 37: the codec's per-thread scratch was taken by the first refused push's
+    # decode, mid-run, and an island's RSS rose by it; `warm_up` takes it first
+    cluster = Cluster(tmp_path, shards=2, mode="sync", downlink="int8")
+    clients: list[RefusingClient] = []
+
+    def factory(cfg):
+        clients.append(RefusingClient(cfg))
+        return clients[-1]
+
+    try:
+        cfg = session_config(
+            cluster.connect, "a", INNER, None, {"exchange": "device", "codec": "int8", **FAST}
+        )
+        with Session(cfg, mlp.init_mlp(0), client_factory=factory) as session:
+            session.mark_start()  # warms up, on the thread that steps (as the daemon does)
+            params, opt_state = session.params, mlp.OPTIMIZER.init(session.params)
+            rng = np.random.default_rng(5)
+
+            def rounds(count: int) -> None:
+                nonlocal params, opt_state
+                for _ in range(count * INNER):
+                    x, y = mlp.batch(rng)
+                    params, opt_state, _ = mlp.train_step(params, opt_state, x, y)
+                    params = session.step(params, tokens=mlp.BATCH)
+
+            rounds(2)
+            largest = max(range(len(session.sizes)), key=session.sizes.__getitem__)
+            pushed = [p for p in clients[0].pushes if p.fragment == largest][-1]
+            tracemalloc.start()
+            clients[0].refuse = [(largest, pushed.round, pushed.frames)]
+            rounds(1)
+            assert clients[0].refuse == []  # the session took it: decoded and refunded
+            session.exchange.wait()
+            after_refusal = _codec_bytes()
+
+            # the control, where the figure falls: the same decode on a thread that never
+            # decoded keeps that thread's scratch
+            def decode_once(out: list) -> None:
+                codec.decode(pushed.frames)
+                out.append(_codec_bytes())
+
+            seen: list[int] = []
+            thread = threading.Thread(target=decode_once, args=(seen,))
+            thread.start()
+            thread.join(timeout=60)
+            assert seen, "the control thread did not finish"
+            assert after_refusal < 64 << 10, after_refusal
+            assert seen[0] - after_refusal >= 1 << 20, (seen[0], after_refusal)
+    finally:
+        tracemalloc.stop()
+        cluster.stop()

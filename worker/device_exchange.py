@@ -472,6 +472,20 @@ class DeviceExchange:
             push, donate_argnums=(1, 2), out_shardings=(self.spread, self.spread, rep, rep)
         )
 
+    def zero_frames(self, fragment: int) -> list:
+        """The frames of an all-zero delta of one fragment, as a push of it is framed.
+
+        Args:
+            fragment: the fragment whose size the delta has.
+
+        Returns:
+            Codec frames (header first) that decode to zeros of the fragment's size.
+        """
+        size = self.flat.size[fragment]
+        codes = np.zeros(-(-size // 2) if self.scheme == "int4" else size, code_dtype(self.scheme))
+        scales = np.zeros(-(-size // self.block), np.float32)
+        return frame_codes(self.scheme, self.block, self.zstd_level, codes, scales, size)
+
     def refund(self, fragment: int, values: np.ndarray) -> None:
         """Put a refused push's values back into the fragment's residual (every process).
 

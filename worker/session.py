@@ -633,6 +633,12 @@ class Session(SessionRows, SessionEnd):
         run once on copies of the state, so that none compiles mid-run: each compiled
         function stays in memory (~2 MB each for `tiny` on CPU), and islands whose
         first fault compiled them grew in steps. Every process calls it.
+
+        Process 0 also decodes an all-zero push of the largest fragment, on this
+        thread (the one that calls `step`, where a refused push is decoded for its
+        refund): the codec keeps per-thread scratch (1.9 MiB, `codec.quant.workspace`)
+        from its first decode on, so an island's first refused push took it mid-run
+        and its RSS rose by that step, which an hour's soak read as growth.
         """
         if self._warm or not isinstance(self.exchange, DeviceExchange):
             return
@@ -644,6 +650,9 @@ class Session(SessionRows, SessionEnd):
         downlink = codec.int8().block_size  # the shards publish int8 increments
         fresh = self.layout.leaves(self.exchange.initial_params())  # the caller's may be donated
         self.exchange.warm(fresh, sets, [("int8", downlink)], rare=True)
+        if self.client is not None:  # process 0 decodes refused pushes (`_refused`)
+            largest = max(every, key=self.sizes.__getitem__)
+            codec.decode(self.exchange.zero_frames(largest))
 
     def _check_open(self) -> None:
         if self.closed or self._abandoned.is_set():
