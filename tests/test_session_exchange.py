@@ -49,14 +49,20 @@ def _wide_mlp(hidden: int = 1024) -> dict:
     }
 
 
-def _run(tmp_path, exchange: str, codec: str):
-    cluster = Cluster(tmp_path / exchange, shards=2, mode="sync", downlink="int8")
-    clients: list[RecordingClient] = []
+def _recording(kind: type[RecordingClient] = RecordingClient):
+    """A client factory for `Session` and the list of the clients it made."""
+    clients: list = []
 
     def factory(cfg):
-        clients.append(RecordingClient(cfg))
+        clients.append(kind(cfg))
         return clients[-1]
 
+    return clients, factory
+
+
+def _run(tmp_path, exchange: str, codec: str):
+    cluster = Cluster(tmp_path / exchange, shards=2, mode="sync", downlink="int8")
+    clients, factory = _recording()
     try:
         cfg = session_config(
             cluster.connect, "a", INNER, None, {"exchange": exchange, "codec": codec, **FAST}
@@ -158,14 +164,9 @@ def _codec_bytes() -> int:
 
 def test_after_warm_up_an_islands_first_refused_push_takes_no_memory_for_good(tmp_path):
     # issue 37: the codec's per-thread scratch was taken by the first refused push's
-    # decode, mid-run, and an island's RSS rose by it; `warm_up` takes it first
+    # decode, mid-run, a step in the island's memory; `warm_up` takes it first
     cluster = Cluster(tmp_path, shards=2, mode="sync", downlink="int8")
-    clients: list[RefusingClient] = []
-
-    def factory(cfg):
-        clients.append(RefusingClient(cfg))
-        return clients[-1]
-
+    clients, factory = _recording(RefusingClient)
     try:
         cfg = session_config(
             cluster.connect, "a", INNER, None, {"exchange": "device", "codec": "int8", **FAST}

@@ -637,8 +637,8 @@ class Session(SessionRows, SessionEnd):
         Process 0 also decodes an all-zero push of the largest fragment, on this
         thread (the one that calls `step`, where a refused push is decoded for its
         refund): the codec keeps per-thread scratch (1.9 MiB, `codec.quant.workspace`)
-        from its first decode on, so an island's first refused push took it mid-run
-        and its RSS rose by that step, which an hour's soak read as growth.
+        from its first decode on, so an island's first refused push took it mid-run:
+        a step in the island's memory that an hour's soak read as growth.
         """
         if self._warm or not isinstance(self.exchange, DeviceExchange):
             return
