@@ -59,7 +59,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from codec.coded import Coded, code_dtype, frame_codes
-from codec.format import LEVELS
+from codec.format import LEVELS, layout
 from paramserver.client import Update
 from worker.device_quant import dequantize, quantize
 from worker.exchange import UnfoldableUpdate, delta_since, folded
@@ -482,8 +482,9 @@ class DeviceExchange:
             Codec frames (header first) that decode to zeros of the fragment's size.
         """
         size = self.flat.size[fragment]
-        codes = np.zeros(-(-size // 2) if self.scheme == "int4" else size, code_dtype(self.scheme))
-        scales = np.zeros(-(-size // self.block), np.float32)
+        (t,), _ = layout(self.scheme, self.block, None, [(("delta",), (size,), "float32")])
+        codes = np.zeros(t.codes_bytes, code_dtype(self.scheme))  # the codec's layout rule
+        scales = np.zeros(t.blocks, np.float32)
         return frame_codes(self.scheme, self.block, self.zstd_level, codes, scales, size)
 
     def refund(self, fragment: int, values: np.ndarray) -> None:
