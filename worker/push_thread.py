@@ -19,7 +19,9 @@ the order the jobs came:
    included) and tells the ledger (`handed`);
 5. once the job is done, at most every `TRIM_EVERY_S`, hands the C heap's
    freed memory back to the OS (`paramserver.plumbing.heap.trim`), as a shard
-   does after its steps: the island's RSS otherwise creeps up in glibc's arenas.
+   does after its steps, and its own arena's free top (`heap.trim_thread_top`:
+   the frames it wrote, freed once acked): the island's RSS otherwise creeps up
+   in glibc's arenas.
 
 So persist-before-send holds as before: nothing of a delta leaves before it is
 in the outbox file, fsynced. At most `max_in_flight` jobs are queued or running:
@@ -259,6 +261,7 @@ class PushThread:
         if now - self._trimmed_at < TRIM_EVERY_S:
             return
         heap.trim()
+        heap.trim_thread_top()  # the frames this thread wrote: its own arena's top
         self._trimmed_at = time.monotonic()
         self.trim_s += self._trimmed_at - now
 

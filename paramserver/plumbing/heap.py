@@ -5,8 +5,18 @@ ZeroMQ message buffers, a step's temporaries) in its arenas, one arena per
 thread that ever allocated (ZeroMQ's I/O thread, XLA's and the codec's
 workers), up to 8 per core; RSS then stays at its high-water mark. A shard
 calls `trim` on its first quiet turn after a step, and the supervisor starts its shards
-with `ARENA_ENV` (MALLOC_ARENA_MAX=2, read by glibc at startup). Both are
-no-ops off glibc.
+with `ARENA_ENV` (MALLOC_ARENA_MAX=2, read by glibc at startup).
+
+`trim` does not reach one place: the free top of a thread's own arena (what a
+burst of that thread's allocations left once all of it was freed). glibc's
+`malloc_trim` skips it, and `free` gives it back only once it exceeds the trim
+threshold, which glibc raises as the process frees large buffers (to twice the
+mmap threshold, up to 64 MiB). An island's client I/O thread copies each push
+frame under 64 KiB into a ZeroMQ message (pyzmq's copy threshold; every push of
+`tiny`), and re-sends every unacked delta while a link is cut: up to
+`max_unacked` of them, about 4 MB, each longer cut leaving a higher free top that
+the RSS kept. `trim_thread_top` gives a thread's top back; the client's I/O
+thread and the island's push thread call it every 5 s. Both are no-ops off glibc.
 """
 
 from __future__ import annotations
@@ -16,19 +26,30 @@ import ctypes.util
 import functools
 
 ARENA_ENV = {"MALLOC_ARENA_MAX": "2"}  # a shard child's environment additions (glibc)
+M_TRIM_THRESHOLD = -1  # mallopt's parameter number for the trim threshold (malloc.h)
+# the trim threshold `trim_thread_top` leaves set: glibc's own adjustment stops there
+# (twice its 32 MiB ceiling for the mmap threshold)
+KEPT_TRIM_THRESHOLD = 64 << 20
+# what `trim_thread_top` allocates and frees: at least the 64 KiB whose free makes glibc
+# try to shrink the arena's top, under the 128 KiB below which malloc never maps alone
+_TRIM_PROBE = 96 << 10
 
 
 @functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, or None where the C library has none (musl, macOS, Windows)."""
+def _libc() -> ctypes.CDLL | None:
+    """glibc with malloc_trim, mallopt, malloc and free typed, or None off glibc."""
     name = ctypes.util.find_library("c")
     try:
-        fn = ctypes.CDLL(name).malloc_trim if name else None
-    except (OSError, AttributeError):
+        lib = ctypes.CDLL(name) if name else None
+        if lib is None or not hasattr(lib, "malloc_trim") or not hasattr(lib, "mallopt"):
+            return None  # musl, macOS, Windows
+    except OSError:
         return None
-    if fn is not None:
-        fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
-    return fn
+    lib.malloc_trim.argtypes, lib.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+    lib.mallopt.argtypes, lib.mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    lib.malloc.argtypes, lib.malloc.restype = [ctypes.c_size_t], ctypes.c_void_p
+    lib.free.argtypes, lib.free.restype = [ctypes.c_void_p], None
+    return lib
 
 
 def trim() -> bool:
@@ -37,5 +58,29 @@ def trim() -> bool:
     Returns:
         True when memory was released, False when none was or off glibc.
     """
-    fn = _malloc_trim()
-    return bool(fn(0)) if fn is not None else False
+    lib = _libc()
+    return bool(lib.malloc_trim(0)) if lib is not None else False
+
+
+def trim_thread_top() -> bool:
+    """Return the free top of the calling thread's malloc arena to the OS (glibc).
+
+    Sets the trim threshold to 0, frees a block of this thread's arena (the free
+    that makes glibc shrink the arena's top down to its pad), then sets the
+    threshold to `KEPT_TRIM_THRESHOLD`. Setting it ends glibc's own adjustment of
+    both thresholds for the process: the mmap threshold keeps the value it has
+    reached. Another thread's large free in between may trim its arena too.
+
+    Returns:
+        True when it ran, False off glibc.
+    """
+    lib = _libc()
+    if lib is None:
+        return False
+    lib.mallopt(M_TRIM_THRESHOLD, 0)
+    try:
+        block = lib.malloc(_TRIM_PROBE)
+        lib.free(block)
+    finally:
+        lib.mallopt(M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD)
+    return True
