@@ -17,7 +17,7 @@ the order the jobs came:
    since the last batch, then the new ones, one append and one fsync);
 4. hands each delta to the client (`Client.push_request`, back-pressure
    included) and tells the ledger (`handed`);
-5. once the job is done, at most every `TRIM_EVERY_S`, hands the C heap's
+5. once the job is done, at most every `heap.TRIM_EVERY_S`, hands the C heap's
    freed memory back to the OS (`paramserver.plumbing.heap.trim`), as a shard
    does after its steps, and its own arena's free top (`heap.trim_thread_top`:
    the frames it wrote, freed once acked): the island's RSS otherwise creeps up
@@ -83,8 +83,6 @@ from worker.outbox import Outbox
 logger = logging.getLogger(__name__)
 
 _POLL_S = 0.05  # waits sleep in slices this long (Ctrl-C reaches a waiting main thread)
-# the push thread trims the C heap after a job at most this often (`PushThread._trim_heap`)
-TRIM_EVERY_S = 5.0
 
 
 class PushFailed(RuntimeError):
@@ -251,14 +249,14 @@ class PushThread:
             self._trim_heap()
 
     def _trim_heap(self) -> None:
-        """Hand the C heap's free memory back to the OS, at most every `TRIM_EVERY_S`.
+        """Hand the C heap's free memory back to the OS, at most every `heap.TRIM_EVERY_S`.
 
         A round's frames, codes and the client's message buffers are freed but stay
         in glibc's arenas (RSS at its high-water mark, growing as they fragment);
         trimmed here, beside training and after the job is done, so no `step` waits.
         """
         now = time.monotonic()
-        if now - self._trimmed_at < TRIM_EVERY_S:
+        if now - self._trimmed_at < heap.TRIM_EVERY_S:
             return
         heap.trim()
         heap.trim_thread_top()  # the frames this thread wrote: its own arena's top

@@ -8,7 +8,7 @@ close, send), ticks the core's timers, and runs the commands the API
 Every call into the core, here and in the API, holds `lock`, a Condition that
 is notified after each one, so the API's waits (back-pressure) wake up when the
 ledger shrinks. `failure` (set under the lock) says why the thread died, if it
-did. At most every `TRIM_EVERY_S` it gives its own malloc arena's free top back
+did. At most every `heap.TRIM_EVERY_S` it gives its own malloc arena's free top back
 to the OS (`paramserver.plumbing.heap.trim_thread_top`): pyzmq copies a frame
 under 64 KiB into a message this thread allocates, so the re-sends of a cut
 link's unacked deltas (all of them, for `tiny`) left that top higher at each cut.
@@ -41,9 +41,6 @@ logger = logging.getLogger(__name__)
 # this long, so that it sees a `stop` event (which notifies nobody) and so that Ctrl-C
 # reaches a main thread that waits; a flush at close looks at its `stop` as often.
 STOP_POLL_S = 0.05
-
-# the thread gives its malloc arena's free top back at most this often (`_trim_heap`)
-TRIM_EVERY_S = 5.0
 
 _MAX_BATCH = 256  # messages read from one socket per poll round, so no socket starves the rest
 
@@ -161,8 +158,8 @@ class IOThread(threading.Thread):
         self._trim_heap(time.monotonic())
 
     def _trim_heap(self, now: float) -> None:
-        """Give this thread's arena's free top back to the OS, at most every `TRIM_EVERY_S`."""
-        if now - self._trimmed_at >= TRIM_EVERY_S:
+        """Give this thread's arena's free top back to the OS, at most every `heap.TRIM_EVERY_S`."""
+        if now - self._trimmed_at >= heap.TRIM_EVERY_S:
             heap.trim_thread_top()
             self._trimmed_at = now
 

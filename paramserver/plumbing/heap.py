@@ -16,7 +16,7 @@ frame under 64 KiB into a ZeroMQ message (pyzmq's copy threshold; every push of
 `tiny`), and re-sends every unacked delta while a link is cut: up to
 `max_unacked` of them, about 4 MB, each longer cut leaving a higher free top that
 the RSS kept. `trim_thread_top` gives a thread's top back; the client's I/O
-thread and the island's push thread call it every 5 s. Both are no-ops off glibc.
+thread and the island's push thread call it every `TRIM_EVERY_S`. Both are no-ops off glibc.
 """
 
 from __future__ import annotations
@@ -26,6 +26,9 @@ import ctypes.util
 import functools
 
 ARENA_ENV = {"MALLOC_ARENA_MAX": "2"}  # a shard child's environment additions (glibc)
+# a long-lived thread that trims (the island's push thread, the client's I/O thread) does
+# so at most this often
+TRIM_EVERY_S = 5.0
 M_TRIM_THRESHOLD = -1  # mallopt's parameter number for the trim threshold (malloc.h)
 # the trim threshold `trim_thread_top` leaves set: glibc's own adjustment stops there
 # (twice its 32 MiB ceiling for the mmap threshold)
