@@ -25,12 +25,13 @@ from paramserver.wire.plan import leaf_specs, make_plan
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
-# 2 x 2^24 float32: a step of one fragment decodes, merges, steps and quantizes 16M values
-ELEMENTS = 1 << 25
+# 2 x 2^25 float32: a step of one fragment decodes, merges, steps and quantizes 32M values
+# (2 x 2^24 was stepped too fast to catch in 20 tries in two of three full runs on 2026-12-05)
+ELEMENTS = 1 << 26
 FLAGS = (
     *("--mode", "async", "--heartbeat-interval-s", "5", "--liveness", "100"),
     *("--checkpoint-every-s", "0", "--checkpoint-every-steps", "0"),
-    *("--max-message-bytes", str(256 << 20)),  # the init in one message
+    *("--max-message-bytes", str(512 << 20)),  # the init in one message
     # no fsync: a batch's replies wait for its append's fsync (0.2-0.6 s on this disk), longer
     # than a step of the fused kernel; what is shown here is the loop serving beside the step
     *("--fsync", "false"),
