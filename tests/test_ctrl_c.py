@@ -7,9 +7,10 @@ train against it. A seeded RNG picks `PER_KIND` moments of each kind:
 - training: while the islands train against live shards;
 - backpressure: the shards are SIGSTOPped until an island's round row leaves
   less than a round's deltas of room under `max_unacked`: its push waits for a slot;
-- flush: a run of 4 short rounds whose shards are SIGSTOPped after the first,
-  until both islands logged their last round: they wait at close for acks that
-  do not come (4 rounds of 4 fragments fit in `max_unacked`: no back-pressure);
+- flush: a run of 4 rounds whose shards are SIGSTOPped once both islands logged a
+  round, until an island logged its last round after the stop: it waits at close
+  for acks that do not come (4 rounds of 4 fragments fit in `max_unacked`: no
+  back-pressure);
 - stopped: the shards are SIGSTOPped a round before the SIGINT (pushes in flight).
 
 Each case is its own example process, in its own session. The fixture records
@@ -55,6 +56,10 @@ ISLANDS = ("a", "b")
 _POLL_S = 0.02
 _KEPT = r"island (\w+) stopped with (\d+) unacked deltas: kept in"
 FLUSH_ROUNDS = 4  # rounds of the flush case's run
+# its inner steps a round: ~0.25 s of the example's MLP, so that the stop comes before an
+# island's last round (at 20, ~10 ms a round, one island had ended and the other's pushes
+# were all acked before the stop in 1 of several full runs)
+FLUSH_INNER_STEPS = 500
 PER_KIND = 1  # moments of each kind (each case is a whole run of the example)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
@@ -71,7 +76,8 @@ class Moment:
     def flags(self) -> list[str]:
         """The example's size: a short run of 4 rounds for `flush`, else one that trains on."""
         if self.kind == "flush":  # 4 rounds x 4 fragments: at most max_unacked deltas held
-            return ["--steps", str(20 * FLUSH_ROUNDS), "--inner-steps", "20"]
+            steps = FLUSH_INNER_STEPS * FLUSH_ROUNDS
+            return ["--steps", str(steps), "--inner-steps", str(FLUSH_INNER_STEPS)]
         return ["--steps", "100000", "--inner-steps", "5"]
 
 
@@ -229,8 +235,13 @@ def _drive(case: Case, moment: Moment) -> float:
         _signal(case.shard_pids(), signal.SIGSTOP)
     if moment.kind == "backpressure":  # an island's pushes wait for a slot
         _wait(case, lambda: any(_blocked(case, i) for i in ISLANDS), "back-pressure")
-    elif moment.kind == "flush":  # an island logged its last round and flushes at close
-        _wait(case, lambda: any(_closing(case, i) for i in ISLANDS), "an island's flush")
+    elif moment.kind == "flush":  # an island logged its last round after the stop (that
+        # round's pushes cannot be acked) and flushes at close
+
+        def flushing() -> bool:
+            return any(_closing(case, i) and len(_rows(case, i)) > rounds[i] for i in ISLANDS)
+
+        _wait(case, flushing, "an island's flush of pushes made after the stop")
     elif moment.kind == "stopped":  # an island pushed a round after the stop (rows: one each),
         # or judged the shards silent (an island near its unacked cap blocks instead of pushing)
 
