@@ -79,3 +79,75 @@ def test_trim_thread_top_returns_what_a_threads_freed_burst_left_and_trim_keeps(
     assert out["held"] - out["trimmed"] < burst // 4
     # ... trim_thread_top gives it back
     assert out["trimmed"] - out["top_trimmed"] >= burst * 3 // 4
+
+
+# A paused island's backlog: 24 updates of 260 KiB, then 96 messages of 12 KiB, that
+# libzmq's I/O thread read at once into a SUB's queue (its arena), received with
+# copy=False as the client's I/O thread does, under the thresholds an island runs with
+# (`trim_thread_top` fixed the trim threshold after glibc had raised the mmap threshold).
+# argv[1]: "held" (the last frame of `heap.RELEASE_MIN_BYTES` or more is kept and handed
+# to `trim_thread_top`, as `IOThread` does) or "dropped" (every frame goes before the
+# trims). Prints the RSS (KiB) above the start with the backlog read and after the trims,
+# and the backlog's size.
+_BACKLOG = """
+import ctypes, json, os, sys, time
+from pathlib import Path
+import zmq
+from paramserver.plumbing import heap
+
+def rss():
+    return int(Path("/proc/self/statm").read_text().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+libc = ctypes.CDLL(None)
+libc.mallopt(-3, 32 << 20)  # M_MMAP_THRESHOLD: as high as glibc raises it
+libc.mallopt(-1, heap.KEPT_TRIM_THRESHOLD)  # M_TRIM_THRESHOLD
+ctx = zmq.Context()
+pub = ctx.socket(zmq.PUB)
+port = pub.bind_to_random_port("tcp://127.0.0.1")
+sub = ctx.socket(zmq.SUB)
+sub.setsockopt(zmq.SUBSCRIBE, b"")
+sub.connect(f"tcp://127.0.0.1:{port}")
+sizes = [260 << 10] * 24 + [12 << 10] * 96
+deadline = time.monotonic() + 30
+while not sub.poll(10):  # the subscription has arrived once a probe gets through
+    pub.send(b"probe")
+    assert time.monotonic() < deadline
+while sub.poll(100):
+    sub.recv()
+start = rss()
+for size in sizes:
+    pub.send(b"x" * size)
+while sub.getsockopt(zmq.EVENTS) & zmq.POLLIN == 0 or rss() - start < sum(sizes) * 3 // 4:
+    time.sleep(0.01)  # libzmq's I/O thread reads it all into the SUB's queue
+    assert time.monotonic() < deadline
+time.sleep(0.2)
+held = rss()
+release = []
+for _ in sizes:
+    frame = sub.recv(copy=False)
+    if sys.argv[1] == "held" and len(frame) >= heap.RELEASE_MIN_BYTES:
+        release[:] = [frame]
+del frame
+heap.trim()
+heap.trim_thread_top(release)
+print(json.dumps({"held": (held - start) >> 10, "trimmed": (rss() - start) >> 10,
+                  "backlog": sum(sizes) >> 10}))
+"""
+
+
+@glibc_linux
+def test_a_received_frame_freed_in_the_trim_returns_the_backlog_libzmqs_thread_read():
+    out = {}
+    for mode in ("held", "dropped"):
+        done = subprocess.run(
+            [sys.executable, "-c", _BACKLOG, mode], capture_output=True, text=True, timeout=60
+        )
+        assert done.returncode == 0, done.stderr
+        out[mode] = json.loads(done.stdout)
+    backlog = out["held"]["backlog"]
+    assert out["held"]["held"] >= backlog * 3 // 4, out  # libzmq's thread read it all
+    # the frame freed in the trim: libzmq's arena's top shrank, the small messages read
+    # after that frame (~1.1 MiB) included
+    assert out["held"]["trimmed"] < backlog // 16, out
+    # the control: all freed outside the trim, the backlog stays as that arena's free top
+    assert out["dropped"]["trimmed"] >= backlog // 4, out

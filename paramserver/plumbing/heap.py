@@ -16,7 +16,14 @@ frame under 64 KiB into a ZeroMQ message (pyzmq's copy threshold; every push of
 `tiny`), and re-sends every unacked delta while a link is cut: up to
 `max_unacked` of them, about 4 MB, each longer cut leaving a higher free top that
 the RSS kept. `trim_thread_top` gives a thread's top back; the client's I/O
-thread and the island's push thread call it every `TRIM_EVERY_S`. Both are no-ops off glibc.
+thread and the island's push thread call it every `TRIM_EVERY_S`.
+
+libzmq's own I/O thread runs none of our code; it allocates what it receives, and
+a paused island's backlog (the updates its SUB missed, read at once on resume)
+left a few MB as that arena's top. A block of another arena freed while the
+threshold is 0 shrinks that arena's top: the client's I/O thread keeps one
+received frame of 16 KiB to 1 MiB (`RELEASE_MIN_BYTES`, `RELEASE_MAX_BYTES`) and
+hands it to `trim_thread_top` to free. Both are no-ops off glibc.
 """
 
 from __future__ import annotations
@@ -24,12 +31,19 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from typing import Any
 
 ARENA_ENV = {"MALLOC_ARENA_MAX": "2"}  # a shard child's environment additions (glibc)
 # a long-lived thread that trims (the island's push thread, the client's I/O thread) does
 # so at most this often
 TRIM_EVERY_S = 5.0
 M_TRIM_THRESHOLD = -1  # mallopt's parameter number for the trim threshold (malloc.h)
+# a received frame the client's I/O thread keeps for `trim_thread_top` to free: over the
+# 8 KiB of libzmq's receive batch (a larger message is a block of its own), under 1 MiB
+# (what it holds meanwhile). Freed, it joins the free blocks around it; once they make
+# 64 KiB, glibc tries to shrink the arena's top.
+RELEASE_MIN_BYTES = 16 << 10
+RELEASE_MAX_BYTES = 1 << 20
 # the trim threshold `trim_thread_top` leaves set: glibc's own adjustment stops there
 # (twice its 32 MiB ceiling for the mmap threshold)
 KEPT_TRIM_THRESHOLD = 64 << 20
@@ -65,25 +79,36 @@ def trim() -> bool:
     return bool(lib.malloc_trim(0)) if lib is not None else False
 
 
-def trim_thread_top() -> bool:
+def trim_thread_top(release: list[Any] | None = None) -> bool:
     """Return the free top of the calling thread's malloc arena to the OS (glibc).
 
     Sets the trim threshold to 0, frees a block of this thread's arena (the free
-    that makes glibc shrink the arena's top down to its pad), then sets the
-    threshold to `KEPT_TRIM_THRESHOLD`. Setting it ends glibc's own adjustment of
-    both thresholds for the process: the mmap threshold keeps the value it has
-    reached. Another thread's large free in between may trim its arena too.
+    that makes glibc shrink the arena's top down to its pad), empties `release`,
+    then sets the threshold to `KEPT_TRIM_THRESHOLD`. Setting it ends glibc's own
+    adjustment of both thresholds for the process: the mmap threshold keeps the
+    value it has reached. Another thread's large free in between may trim its
+    arena too.
+
+    Args:
+        release: objects whose last references go while the threshold is 0. A block
+            that another thread allocated (a ZeroMQ frame received with ``copy=False``:
+            libzmq's I/O thread allocates it), freed then next to free blocks of 64 KiB
+            or more, shrinks the top of that thread's arena, which no code of ours runs on.
 
     Returns:
         True when it ran, False off glibc.
     """
     lib = _libc()
     if lib is None:
+        if release:
+            release.clear()
         return False
     lib.mallopt(M_TRIM_THRESHOLD, 0)
     try:
         block = lib.malloc(_TRIM_PROBE)
         lib.free(block)
+        if release:
+            release.clear()
     finally:
         lib.mallopt(M_TRIM_THRESHOLD, KEPT_TRIM_THRESHOLD)
     return True
