@@ -12,9 +12,9 @@ did. At most every `heap.TRIM_EVERY_S` it gives its own malloc arena's free top 
 to the OS (`paramserver.plumbing.heap.trim_thread_top`): pyzmq copies a frame
 under 64 KiB into a message this thread allocates, so the re-sends of a cut
 link's unacked deltas (all of them, for `tiny`) left that top higher at each cut.
-It keeps the last frame it received of `heap.RELEASE_MIN_BYTES` to
-`heap.RELEASE_MAX_BYTES` and frees it in that call: the top of libzmq's own I/O
-thread's arena (what it received, a paused island's backlog) shrinks with it.
+It keeps its newest received frames of 16 KiB to 1 MiB (`heap.keep_for_release`)
+and frees them in that call: the top of libzmq's own I/O thread's arena (what it received, a paused
+island's backlog) shrinks with them.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ class IOThread(threading.Thread):
         self._links = Links(cfg, wake_endpoint)
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._trimmed_at = time.monotonic()
-        self._trim_release: list[Any] = []  # a received frame `_trim_heap` frees (one at most)
+        self._trim_release: list[Any] = []  # received frames `_trim_heap` frees
         self._join: Future | None = None  # the join in progress
         self._closing: Future | None = None  # the close in progress
         self._finished = False
@@ -149,7 +149,7 @@ class IOThread(threading.Thread):
                 if frames is None:
                     break
                 self._call(self.core.on_message, time.monotonic(), link, frames)
-                self._keep_for_trim(frames)
+                heap.keep_for_release(self._trim_release, frames)
                 if not self._links.is_open(link):  # replaced while handling the message
                     break
         for link in down:
@@ -162,16 +162,9 @@ class IOThread(threading.Thread):
         self._settle()
         self._trim_heap(time.monotonic())
 
-    def _keep_for_trim(self, frames: Sequence[Any]) -> None:
-        """Keep the last frame of `heap.RELEASE_MIN_BYTES` to `heap.RELEASE_MAX_BYTES`
-        received (one at most): `_trim_heap` frees it, and its arena's top shrinks."""
-        for frame in frames:
-            if heap.RELEASE_MIN_BYTES <= len(frame) < heap.RELEASE_MAX_BYTES:
-                self._trim_release[:] = [frame]
-
     def _trim_heap(self, now: float) -> None:
         """Give this thread's arena's free top back to the OS, and that of the arena holding
-        the frame kept by `_keep_for_trim`, at most every `heap.TRIM_EVERY_S`."""
+        the frames kept (`heap.keep_for_release`), at most every `heap.TRIM_EVERY_S`."""
         if now - self._trimmed_at >= heap.TRIM_EVERY_S:
             heap.trim_thread_top(self._trim_release)
             self._trimmed_at = now

@@ -21,9 +21,10 @@ thread and the island's push thread call it every `TRIM_EVERY_S`.
 libzmq's own I/O thread runs none of our code; it allocates what it receives, and
 a paused island's backlog (the updates its SUB missed, read at once on resume)
 left a few MB as that arena's top. A block of another arena freed while the
-threshold is 0 shrinks that arena's top: the client's I/O thread keeps one
-received frame of 16 KiB to 1 MiB (`RELEASE_MIN_BYTES`, `RELEASE_MAX_BYTES`) and
-hands it to `trim_thread_top` to free. Both are no-ops off glibc.
+threshold is 0 shrinks that arena's top: the client's I/O thread keeps its newest
+received frames of 16 KiB to 1 MiB, 256 KiB of them (`RELEASE_MIN_BYTES`,
+`RELEASE_MAX_BYTES`, `RELEASE_TOTAL_BYTES`), and hands them to `trim_thread_top` to
+free. Both are no-ops off glibc.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 ARENA_ENV = {"MALLOC_ARENA_MAX": "2"}  # a shard child's environment additions (glibc)
@@ -38,12 +40,14 @@ ARENA_ENV = {"MALLOC_ARENA_MAX": "2"}  # a shard child's environment additions (
 # so at most this often
 TRIM_EVERY_S = 5.0
 M_TRIM_THRESHOLD = -1  # mallopt's parameter number for the trim threshold (malloc.h)
-# a received frame the client's I/O thread keeps for `trim_thread_top` to free: over the
-# 8 KiB of libzmq's receive batch (a larger message is a block of its own), under 1 MiB
-# (what it holds meanwhile). Freed, it joins the free blocks around it; once they make
-# 64 KiB, glibc tries to shrink the arena's top.
+# the received frames the client's I/O thread keeps for `trim_thread_top` to free: each
+# over the 8 KiB of libzmq's receive batch (a larger message is a block of its own) and
+# under 1 MiB, the newest that make `RELEASE_TOTAL_BYTES` (what it holds meanwhile). A
+# freed block joins the free blocks around it; once they make 64 KiB, glibc tries to
+# shrink the arena's top: several freed together (often allocated side by side) make it.
 RELEASE_MIN_BYTES = 16 << 10
 RELEASE_MAX_BYTES = 1 << 20
+RELEASE_TOTAL_BYTES = 256 << 10
 # the trim threshold `trim_thread_top` leaves set: glibc's own adjustment stops there
 # (twice its 32 MiB ceiling for the mmap threshold)
 KEPT_TRIM_THRESHOLD = 64 << 20
@@ -77,6 +81,20 @@ def trim() -> bool:
     """
     lib = _libc()
     return bool(lib.malloc_trim(0)) if lib is not None else False
+
+
+def keep_for_release(kept: list[Any], frames: Sequence[Any]) -> None:
+    """Add the frames of `RELEASE_MIN_BYTES` to `RELEASE_MAX_BYTES` to `kept`, then drop its
+    oldest while the rest still make `RELEASE_TOTAL_BYTES`: for `trim_thread_top` to free.
+
+    Args:
+        kept: the frames kept so far (changed in place).
+        frames: one received message's frames (anything with a length in bytes).
+    """
+    kept.extend(f for f in frames if RELEASE_MIN_BYTES <= len(f) < RELEASE_MAX_BYTES)
+    total = sum(len(f) for f in kept)
+    while kept and total - len(kept[0]) >= RELEASE_TOTAL_BYTES:
+        total -= len(kept.pop(0))
 
 
 def trim_thread_top(release: list[Any] | None = None) -> bool:
