@@ -13,8 +13,8 @@ to the OS (`paramserver.plumbing.heap.trim_thread_top`): pyzmq copies a frame
 under 64 KiB into a message this thread allocates, so the re-sends of a cut
 link's unacked deltas (all of them, for `tiny`) left that top higher at each cut.
 It keeps its newest received frames of 16 KiB to 1 MiB (`heap.keep_for_release`)
-and frees them in that call: the top of libzmq's own I/O thread's arena (what it received, a paused
-island's backlog) shrinks with them.
+and frees them in that call: the top of libzmq's own I/O thread's arena (what it
+received, a paused island's backlog) shrinks with them.
 """
 
 from __future__ import annotations
