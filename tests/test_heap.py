@@ -118,7 +118,7 @@ while sub.poll(100):
 start = rss()
 for size in sizes:
     pub.send(b"x" * size)
-while sub.getsockopt(zmq.EVENTS) & zmq.POLLIN == 0 or rss() - start < sum(sizes) * 3 // 4:
+while rss() - start < sum(sizes) * 3 // 4:
     time.sleep(0.01)  # libzmq's I/O thread reads it all into the SUB's queue
     assert time.monotonic() < deadline
 time.sleep(0.2)
@@ -147,8 +147,8 @@ def test_received_frames_freed_in_the_trim_return_the_backlog_libzmqs_thread_rea
         out[mode] = json.loads(done.stdout)
     backlog = out["held"]["backlog"]
     assert out["held"]["held"] >= backlog * 3 // 4, out  # libzmq's thread read it all
-    # the frame freed in the trim: libzmq's arena's top shrank, the small messages read
-    # after that frame (~1.1 MiB) included
+    # the frames freed in the trim: libzmq's arena's top shrank, the small messages read
+    # after them (~1.1 MiB) included
     assert out["held"]["trimmed"] < backlog // 16, out
     # the control: all freed outside the trim, the backlog stays as that arena's free top
     assert out["dropped"]["trimmed"] >= backlog // 4, out
