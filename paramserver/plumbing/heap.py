@@ -91,7 +91,10 @@ def keep_for_release(kept: list[Any], frames: Sequence[Any]) -> None:
         kept: the frames kept so far (changed in place).
         frames: one received message's frames (anything with a length in bytes).
     """
-    kept.extend(f for f in frames if RELEASE_MIN_BYTES <= len(f) < RELEASE_MAX_BYTES)
+    added = [f for f in frames if RELEASE_MIN_BYTES <= len(f) < RELEASE_MAX_BYTES]
+    if not added:  # most messages (acks, heartbeats): nothing to count again
+        return
+    kept.extend(added)
     total = sum(len(f) for f in kept)
     while kept and total - len(kept[0]) >= RELEASE_TOTAL_BYTES:
         total -= len(kept.pop(0))
