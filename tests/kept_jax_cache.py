@@ -13,12 +13,13 @@ import sys
 import zlib
 from pathlib import Path
 
+try:
+    import zstandard
+except ImportError:  # JAX compresses with zlib when zstandard is missing
+    zstandard = None
+
 
 def _readable(blob: bytes) -> bool:
-    try:
-        import zstandard
-    except ImportError:  # JAX compresses with zlib when zstandard is missing
-        zstandard = None
     try:
         if zstandard is not None:
             zstandard.ZstdDecompressor().decompress(blob)
