@@ -148,8 +148,9 @@ class ShardCore:
         self._held: list[Request] = []  # pushes waiting for the step under way (release_held)
         self._held_snapshots: list[Request] = []  # of the fragment in step: after it (finish_step)
         self._due: set[int] = set()  # the fragments due at the last due_steps
-        # pushes of at least this many payload bytes are checked off the core (0: never;
-        # the shard's loop, which has a checker thread, sets it): see shard.PushChecker
+        # pushes that send, or decode to, at least this many payload bytes (int8 codes: one
+        # per element) are checked off the core (0: never; the shard's loop, which has a
+        # checker thread, sets it): see shard.PushChecker
         self.check_off_loop_bytes = 0
         self.checking = 0  # pushes handed off (Effects.checks) and not yet finish_push'ed
 
@@ -387,9 +388,13 @@ class ShardCore:
         if not known:
             outcome = outcomes.count(self.state.counters, outcomes.unknown_island(header["island"]))
             return self._answer(request, header, outcome)
+        # the check reads what was sent and decodes the whole fragment (a zstd frame of a
+        # flat int8 delta is tiny to send and decompresses to one byte per element)
         sent = sum(memoryview(f).nbytes for f in payload)
+        frag = self.state.fragments.get(header["fragment"])
+        decoded = 0 if frag is None else frag.params.shape[0]
         off_loop = self.check_off_loop_bytes
-        if off_loop and (self.checking or sent >= off_loop):
+        if off_loop and (self.checking or max(sent, decoded) >= off_loop):
             early = self.state.precheck_push(header, payload, now)
             if early is None:  # the payload is checked off the core; finish_push books it
                 self.checking += 1

@@ -13,8 +13,8 @@ the files are `paramserver.server.storage`'s. One loop turn:
     2. `run_batch`: book a step the step thread finished (`core.finish_step`:
        its record joins this batch's, its update is published after them);
        admit the pushes whose payload the checker thread has checked
-       (`core.finish_push`; a push of at least CHECK_OFF_LOOP_BYTES is
-       checked there, off the loop: `PushChecker`);
+       (`core.finish_push`; a push that sends or decodes to at least
+       CHECK_OFF_LOOP_BYTES is checked there, off the loop: `PushChecker`);
        hand every request read to `core.handle`; ask the core which steps
        are due (`core.due_steps`), let the data directory defer one a
        checkpoint still reads (`storage.before_step`), and hand the first of
@@ -84,8 +84,9 @@ BATCH = 64
 STOP_CHECK_S = 0.1
 # Replies (and frames) of at least this many bytes are tracked until ZeroMQ wrote them out.
 TRACK_MIN_BYTES = 64 * 1024
-# Pushes of at least this many payload bytes are checked in the checker thread, off the loop
-# (`PushChecker`); smaller ones cost the loop well under a millisecond.
+# Pushes that send, or decode to, at least this many payload bytes (a fragment of this many
+# elements) are checked in the checker thread, off the loop (`PushChecker`); smaller ones
+# cost the loop well under a millisecond.
 CHECK_OFF_LOOP_BYTES = 1 << 20
 # Updates the PUB keeps for one subscriber (ZeroMQ SNDHWM; the default is 1000).
 PUB_HWM = 64
@@ -553,7 +554,7 @@ class PushChecker(LoopThread):
     checksums or zstd, the header's sizes, finiteness, the delta's L2 norm)
     reads every byte the island sent: tens of milliseconds or more for a
     large push, which heartbeats, acks and status on the loop would wait too.
-    The core hands a push of at least `ShardCore.check_off_loop_bytes` (the
+    The core hands a push that sends or decodes to `ShardCore.check_off_loop_bytes` (the
     loop sets CHECK_OFF_LOOP_BYTES) to the loop as a `PushCheck` once the
     checks that read no payload byte passed; the loop submits it here and
     keeps serving, and on a later turn hands the checked job back
