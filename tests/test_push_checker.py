@@ -101,24 +101,19 @@ def push_id(request) -> int:
     return protocol.unpack(request.frames)[0]["id"]
 
 
-def test_a_push_small_on_the_wire_but_of_a_large_fragment_is_checked_off_the_loop(tmp_path):
+def test_a_push_small_on_the_wire_but_of_a_large_fragment_is_checked_off_the_loop(checked):
     # zstd makes a flat int8 delta tiny to send; its check still decodes the whole fragment
-    sim = ShardSim(tmp_path / "shard", mode="sync")
-    sim.flat = {"w": np.linspace(-1, 1, 1 << 16, dtype=np.float32)}
+    sim, checker = checked
+    sim.flat = {"w": np.linspace(-1, 1, 1 << 16, dtype=np.float32)}  # what the init sends
     sim.plan = plan_for(sim.flat, 1, sim.cfg.num_fragments)
     size = sim.plan.fragments[0].size
     sim.core.check_off_loop_bytes = size  # pushes that send or decode `size` bytes or more
-    checker = PushChecker()
-    try:
-        a = Island("a")
-        assert sim.init(a)["kind"] == "init_ok"
-        frames, _ = codec.int8().encode({"delta": np.full(size, 0.01, np.float32)})
-        sent = sum(memoryview(f).nbytes for f in frames)
-        assert sent < size / 8, (sent, size)  # small on the wire
-        assert turn(sim, checker, a.request(push_header(sim.plan, "a", 1, 0, 0), frames)) == []
-        assert sim.core.checking == 1  # handed to the checker, not checked on the loop
-        (reply,) = turns_until(sim, checker, 1)
-        assert reply["kind"] == "ack" and reply["outcome"] == "accepted", reply
-    finally:
-        checker.close()
-        sim.storage.close()
+    a = Island("a")
+    assert sim.init(a)["kind"] == "init_ok"
+    frames, _ = codec.int8().encode({"delta": np.full(size, 0.01, np.float32)})
+    sent = sum(memoryview(f).nbytes for f in frames)
+    assert sent < size / 8, (sent, size)  # small on the wire
+    assert turn(sim, checker, a.request(push_header(sim.plan, "a", 1, 0, 0), frames)) == []
+    assert sim.core.checking == 1  # handed to the checker, not checked on the loop
+    (reply,) = turns_until(sim, checker, 1)
+    assert reply["kind"] == "ack" and reply["outcome"] == "accepted", reply
